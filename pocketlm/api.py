@@ -1,0 +1,230 @@
+"""The Python API: ``pocketlm.load()`` and the model object it returns.
+
+    m = pocketlm.load("smollm2-135m")       # registry name, .pocket, .gguf or HF folder
+    m.generate("The capital of France is", max_tokens=16)
+    for piece in m.stream("Once upon a time"): print(piece, end="")
+    m.chat([{"role": "user", "content": "Hi!"}])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from .chat import FAMILY_TEMPLATES, render
+from .config import GenerationDefaults, ModelConfig
+from .errors import ContextLengthError, PocketError, SamplingError
+from .formats import SourceModel, open_source, sniff
+from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
+from .generate import GenerationState, stream_text, stream_tokens
+from .runtime import Runtime
+from .sampling import Sampler, SamplingParams
+from .tokenizer import Tokenizer
+
+DEFAULT_CONTEXT = 4096  # KV cache capacity when the caller does not ask for one
+
+
+class PocketModel:
+    """A loaded model: tokenizer, runtime and generation, ready to use."""
+
+    def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *,
+                 chat_template: str | None = None, generation: GenerationDefaults | None = None,
+                 path: Path | None = None, metadata: dict[str, Any] | None = None,
+                 n_ctx: int | None = None):
+        self.config = config
+        self.tokenizer = tokenizer
+        self.runtime = Runtime(config, weights)
+        self.chat_template = chat_template or FAMILY_TEMPLATES.get(config.arch)
+        self.generation_defaults = generation or GenerationDefaults()
+        self.path = path
+        self.metadata = metadata or {}
+        self.n_ctx = min(n_ctx or DEFAULT_CONTEXT, config.max_context)
+        self.last_state: GenerationState | None = None
+
+    # -- tokens ------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
+        """Token ids of ``text``, with a BOS token if the model adds one."""
+        if not isinstance(text, str):
+            raise PocketError(f"tokenize() takes a str, got {type(text).__name__}")
+        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    # -- logits ------------------------------------------------------------------------------
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """Next-token logits at every position: float32 ``[len(ids), vocab_size]``."""
+        ids = self._check_ids(ids)
+        if len(ids) > self.config.max_context:
+            raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of "
+                                     f"{self.config.max_context}")
+        cache = self.runtime.new_cache(len(ids))
+        return self.runtime.forward(ids, cache, all_logits=True)
+
+    def _check_ids(self, ids) -> list[int]:
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise PocketError("need at least one token")
+        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
+        if bad:
+            raise PocketError(f"token id {bad[0]} is out of range 0..{self.config.vocab_size - 1}")
+        return ids
+
+    # -- generation --------------------------------------------------------------------------
+    def _params(self, temperature, top_k, top_p, min_p, repetition_penalty, seed):
+        d = self.generation_defaults
+        return SamplingParams(
+            temperature=d.temperature if temperature is None else temperature,
+            top_k=d.top_k if top_k is None else top_k,
+            top_p=d.top_p if top_p is None else top_p,
+            min_p=d.min_p if min_p is None else min_p,
+            repetition_penalty=(d.repetition_penalty if repetition_penalty is None
+                                else repetition_penalty),
+            seed=seed,
+        ).validate()
+
+    def stream_ids(self, prompt_ids: list[int], *, max_tokens: int = 128,
+                   temperature: float | None = 0.0, top_k: int | None = None,
+                   top_p: float | None = 1.0, min_p: float | None = None,
+                   repetition_penalty: float | None = None, seed: int | None = None,
+                   state: GenerationState | None = None) -> Iterator[int]:
+        """Generated token ids after ``prompt_ids`` (EOS not included)."""
+        prompt_ids = self._check_ids(prompt_ids)
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            raise SamplingError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+        sampler = Sampler(self._params(temperature, top_k, top_p, min_p, repetition_penalty,
+                                       seed))
+        if len(prompt_ids) >= self.n_ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx}; "
+                "shorten the prompt" + (" or load with a larger n_ctx"
+                                        if self.n_ctx < self.config.max_context else ""))
+        capacity = min(self.n_ctx, len(prompt_ids) + max(max_tokens, 1))
+        cache = self.runtime.new_cache(capacity)
+        state = state if state is not None else GenerationState()
+        self.last_state = state
+        if max_tokens == 0:
+            state.prompt_tokens, state.finish_reason = len(prompt_ids), "length"
+            return iter(())
+        return stream_tokens(self.runtime, cache, prompt_ids, max_tokens=max_tokens,
+                             sampler=sampler, stop_ids=self.tokenizer.eos_ids, state=state)
+
+    def stream(self, prompt: str, max_tokens: int = 128, temperature: float | None = 0.0,
+               top_p: float | None = 1.0, seed: int | None = None,
+               stop: list[str] | str | None = None, *, top_k: int | None = None,
+               min_p: float | None = None, repetition_penalty: float | None = None,
+               add_bos: bool | None = None) -> Iterator[str]:
+        """Text pieces of the continuation of ``prompt`` as they are generated."""
+        if not isinstance(prompt, str):
+            raise PocketError(f"prompt must be a str, got {type(prompt).__name__}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        ids = self.tokenize(prompt, add_bos=add_bos)
+        state = GenerationState()
+        tokens = self.stream_ids(ids, max_tokens=max_tokens, temperature=temperature,
+                                 top_k=top_k, top_p=top_p, min_p=min_p,
+                                 repetition_penalty=repetition_penalty, seed=seed, state=state)
+        return stream_text(self.tokenizer, tokens, stops, state)
+
+    def generate(self, prompt: str, max_tokens: int = 128, temperature: float | None = 0.0,
+                 top_p: float | None = 1.0, seed: int | None = None,
+                 stop: list[str] | str | None = None, **kwargs: Any) -> str:
+        """The continuation of ``prompt`` as one string."""
+        return "".join(self.stream(prompt, max_tokens, temperature, top_p, seed, stop, **kwargs))
+
+    # -- chat --------------------------------------------------------------------------------
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+                    ) -> str:
+        tok = self.tokenizer
+        bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
+        eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+        return render(self.chat_template, messages, bos_token=bos or "", eos_token=eos or "",
+                      add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = self.render_chat(messages)
+        tok = self.tokenizer
+        bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
+        add_bos = tok.add_bos and not (bos and text.startswith(bos))
+        return tok.encode(text, add_bos=add_bos, special=True)
+
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256,
+             temperature: float | None = 0.0, top_p: float | None = 1.0,
+             seed: int | None = None, stop: list[str] | str | None = None,
+             stream: bool = False, **kwargs: Any):
+        """The assistant's reply to ``messages`` (an iterator of pieces when ``stream``)."""
+        ids = self.chat_ids(messages)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        state = GenerationState()
+        tokens = self.stream_ids(ids, max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p, seed=seed, state=state, **kwargs)
+        pieces = stream_text(self.tokenizer, tokens, stops, state)
+        return pieces if stream else "".join(pieces)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"PocketModel({c.arch}, {c.n_params() / 1e6:.0f}M params, "
+                f"vocab {c.vocab_size}, path={str(self.path)!r})")
+
+
+# -- loading ---------------------------------------------------------------------------------
+def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = None
+                ) -> PocketModel:
+    pf = PocketFile(path, verify=verify)
+    config = ModelConfig.from_dict(pf.json("config"))
+    tokenizer = Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8"))
+    return PocketModel(
+        config, pf.weights(), tokenizer,
+        chat_template=pf.metadata.get("chat_template") or None,
+        generation=GenerationDefaults.from_dict(pf.json("generation", {})),
+        path=Path(path), metadata=pf.metadata, n_ctx=n_ctx,
+    )
+
+
+def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel:
+    """A float32 model straight from a source's dequantized weights (the reference path)."""
+    weights = {name: t.to_float() for name, t in source.tensors.items()}
+    return PocketModel(source.config, weights, source.tokenizer,
+                       chat_template=source.chat_template, generation=source.generation,
+                       n_ctx=n_ctx)
+
+
+def packed_cache_path(src: Path, group_size: int, embed_bits: int) -> Path:
+    from .registry import pocket_home
+
+    st = src.stat()
+    key = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|g{group_size}|e{embed_bits}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return pocket_home() / "packed" / f"{src.stem}-g{group_size}-e{embed_bits}-{digest}.pocket"
+
+
+def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
+         group_size: int = 32, embed_bits: int = 8, n_ctx: int | None = None,
+         verify: bool = True, quiet: bool = True) -> PocketModel:
+    """Load a model by registry name, ``.pocket`` file, ``.gguf`` file or Hugging Face folder.
+
+    GGUF files and folders are packed to INT4 on first use and the deploy file is cached under
+    ``$POCKET_HOME/packed``. ``precision="float"`` instead runs the source's dequantized float32
+    weights (the reference path, for checking an import).
+    """
+    from .pack import pack
+    from .registry import DEFAULT_MODEL, resolve
+
+    if precision not in ("int4", "float"):
+        raise PocketError(f"precision must be 'int4' or 'float', got {precision!r}")
+    path = resolve(str(model) if model is not None else DEFAULT_MODEL, quiet=quiet)
+    kind = sniff(path)
+    if kind == "pocket":
+        if precision == "float":
+            raise PocketError(f"{path}: a deploy file is already quantized; "
+                              "precision='float' needs the GGUF or Hugging Face source")
+        return load_pocket(path, verify=verify, n_ctx=n_ctx)
+    if precision == "float":
+        return from_source(open_source(path), n_ctx=n_ctx)
+    cached = packed_cache_path(Path(path), group_size, embed_bits)
+    if not cached.is_file():
+        pack(path, cached, group_size=group_size, embed_bits=embed_bits, progress=not quiet)
+    return load_pocket(cached, verify=verify, n_ctx=n_ctx)

@@ -1,0 +1,300 @@
+"""The ``pocket`` command line.
+
+Each verb maps to a Python function of the same name with the same keyword arguments.
+Errors print one line (``pocket: error: ...``) and exit with code 1; ``--debug`` shows the
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import __version__
+from .errors import PocketError
+
+EPILOG = """examples:
+  pocket run "Write a haiku about the sea"        # default model, pulled on first use
+  pocket chat -m qwen2.5-0.5b                      # interactive chat
+  pocket pull gemma3-270m                          # fetch a registry model
+  pocket pack model.gguf -o model.pocket           # INT4 deploy file
+  pocket inspect model.pocket                      # what is inside
+
+environment:
+  POCKET_HOME     cache for pulled and packed models (default ~/.cache/pocketlm)
+  POCKET_MODEL    default model for run/chat (default smollm2-135m)
+  POCKET_KERNELS  kernel backend (default numpy)
+"""
+
+
+def default_model() -> str:
+    from .registry import DEFAULT_MODEL
+
+    return os.environ.get("POCKET_MODEL") or DEFAULT_MODEL
+
+
+# -- verbs -----------------------------------------------------------------------------------
+def cmd_pull(args) -> int:
+    from .registry import pull
+
+    path = pull(args.name, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .registry import list_models
+
+    rows = list_models()
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return 0
+    print(f"{'name':<15} {'size':>9}  {'pulled':<6}  description")
+    for r in rows:
+        print(f"{r['name']:<15} {r['size'] / 1e6:7.0f}MB  {'yes' if r['pulled'] else 'no':<6}  "
+              f"{r['description']}")
+    return 0
+
+
+def cmd_pack(args) -> int:
+    from .pack import pack
+    from .registry import resolve
+
+    src = resolve(args.src)
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise PocketError(f"{out} exists; pass --force to overwrite it")
+    report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
+                  progress=True)
+    print(report.summary())
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .formats import sniff
+    from .formats.pocketfile import PocketFile
+
+    path = Path(args.file)
+    if sniff(path) != "pocket":
+        raise PocketError(f"{path}: not a .pocket deploy file (inspect reads deploy files; "
+                          "pack a GGUF or Hugging Face model with `pocket pack` first)")
+    pf = PocketFile(path, verify=args.verify)
+    meta = pf.metadata
+    if args.json:
+        out = {k: (json.loads(v) if k in ("config", "generation", "quant", "provenance") else v)
+               for k, v in meta.items() if k != "checksums"}
+        out["quant"]["tensors"] = len(out["quant"].get("tensors", {}))
+        out["file_bytes"] = pf.nbytes
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    cfg = json.loads(meta["config"])
+    quant = json.loads(meta["quant"])
+    prov = json.loads(meta["provenance"])
+    print(f"file:        {path} ({pf.nbytes / 1e6:.1f} MB, format {meta['format']} "
+          f"v{meta['format_version']})")
+    print(f"model:       {cfg['arch']}, {cfg['n_layers']} layers, d_model {cfg['d_model']}, "
+          f"{cfg['n_heads']} heads / {cfg['n_kv_heads']} KV heads of {cfg['head_dim']}, "
+          f"d_ff {cfg['d_ff']}, vocab {cfg['vocab_size']}, context {cfg['max_context']}")
+    print(f"quant:       {quant['scheme']}, embeddings INT{quant['embed_bits']}, "
+          f"{len(quant['tensors'])} quantized tensors")
+    print(f"source:      {prov.get('source_file')} ({prov.get('source_format')}, sha256 "
+          f"{str(prov.get('source_sha256'))[:16]}...)")
+    print(f"packed:      {prov.get('packed_at')} by pocketlm {prov.get('pocketlm_version')}")
+    print(f"template:    {'yes' if meta.get('chat_template') else 'none'}")
+    print(f"generation:  {meta.get('generation')}")
+    print(f"checksums:   {'verified' if args.verify else 'not verified (--no-verify)'}")
+    if args.tensors:
+        for name, info in pf.infos.items():
+            if not name.startswith("_pad."):
+                print(f"  {name:<40} {info.dtype:<4} {list(info.shape)}")
+    return 0
+
+
+def _load(args):
+    import pocketlm
+
+    model = args.model or default_model()
+    t0 = time.time()
+    m = pocketlm.load(model, n_ctx=args.ctx, quiet=False)
+    if args.verbose:
+        print(f"[loaded {model} in {time.time() - t0:.2f} s]", file=sys.stderr)
+    return m
+
+
+def _sampling(args) -> dict:
+    return dict(temperature=args.temp, top_p=args.top_p, seed=args.seed, top_k=args.top_k,
+                min_p=args.min_p, repetition_penalty=args.repeat_penalty)
+
+
+def cmd_run(args) -> int:
+    prompt = args.prompt
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise PocketError("no prompt given: pocket run \"your prompt\" (or pipe text on stdin)")
+    m = _load(args)
+    t0 = time.time()
+    n = 0
+    if args.chat:
+        pieces = m.chat([{"role": "user", "content": prompt}], max_tokens=args.n,
+                        stream=True, stop=args.stop, **_sampling(args))
+    else:
+        sys.stdout.write(prompt if args.echo else "")
+        pieces = m.stream(prompt, args.n, stop=args.stop, **_sampling(args))
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    state = m.last_state
+    if args.verbose and state is not None:
+        n = len(state.generated)
+        dt = time.time() - t0
+        print(f"[{state.prompt_tokens} prompt tokens, {n} generated in {dt:.2f} s, "
+              f"{n / dt if dt else 0:.1f} tok/s, finish: {state.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    m = _load(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    base = list(history)
+    print(f"pocket chat: {args.model or default_model()}  (/reset clears the conversation, "
+          "/quit or Ctrl-D leaves)", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/quit", "/exit", "/bye"):
+            return 0
+        if text == "/reset":
+            history = list(base)
+            print("[conversation cleared]", file=sys.stderr)
+            continue
+        if text.startswith("/"):
+            print("[commands: /reset, /quit]", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        reply = []
+        try:
+            for piece in m.chat(history, max_tokens=args.n, stream=True, **_sampling(args)):
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            pass
+        except PocketError as exc:
+            history.pop()
+            print(f"\npocket: error: {exc}", file=sys.stderr)
+            continue
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+# -- parser ----------------------------------------------------------------------------------
+def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
+    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf or HF folder "
+                   "(default: $POCKET_MODEL or smollm2-135m)")
+    p.add_argument("-n", "--max-tokens", dest="n", type=int, default=n_default,
+                   help=f"tokens to generate at most (default {n_default})")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top "
+                   "probability (default 0)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty "
+                   "(1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--ctx", type=int, default=None, help="context size (default 4096, or the "
+                   "model's if smaller)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print load time and speed")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pocket", description="Run, pack and inspect app-native small language models.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"pocketlm {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="generate text from a prompt (streams to stdout)")
+    p.add_argument("prompt", nargs="?", help="the prompt ('-' or piped stdin reads it)")
+    _add_model_args(p, n_default=128)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--echo", action="store_true", help="print the prompt before the output")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    _add_model_args(p, n_default=512)
+    p.add_argument("--system", help="system message")
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("pull", help="fetch a registry model into $POCKET_HOME")
+    p.add_argument("name", help="registry name (see `pocket list`)")
+    p.add_argument("--force", action="store_true", help="fetch again even if present")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("list", help="list registry models")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("pack", help="quantize a GGUF/HF model into one INT4 .pocket file")
+    p.add_argument("src", help="GGUF file, Hugging Face folder or registry name")
+    p.add_argument("-o", "--output", required=True, help="the .pocket file to write")
+    p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
+                   help="INT4 group size (default 32)")
+    p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8),
+                   help="bits of the token embedding and output head (default 8)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(func=cmd_pack)
+
+    p = sub.add_parser("inspect", help="print a .pocket file's header")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true", help="the header as one JSON object")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the checksum verification")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 1
+    try:
+        return args.func(args)
+    except PocketError as exc:
+        if args.debug:
+            raise
+        print(f"pocket: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\npocket: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except OSError as exc:  # unreadable files, full disks: user-fixable, one line
+        if args.debug:
+            raise
+        print(f"pocket: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The error hierarchy.
+
+Every error that a user can cause derives from :class:`PocketError`. Messages name the file,
+tensor or field involved, what was found, what was expected, and how to fix it. The CLI prints
+``str(error)`` as one line and exits with code 1.
+"""
+
+from __future__ import annotations
+
+
+class PocketError(Exception):
+    """Base class of every error pocketlm raises on purpose."""
+
+
+class FormatError(PocketError):
+    """A model file is truncated, corrupt, or not the kind of file it claims to be."""
+
+
+class ChecksumError(FormatError):
+    """A tensor's bytes do not match the checksum recorded when the file was written."""
+
+
+class UnsupportedError(PocketError):
+    """The input is well formed but uses something pocketlm does not support (yet)."""
+
+
+class ModelNotFoundError(PocketError):
+    """A model name or path that resolves to nothing."""
+
+
+class ContextLengthError(PocketError):
+    """A prompt (plus the tokens to generate) does not fit in the model's context."""
+
+
+class SamplingError(PocketError, ValueError):
+    """An invalid generation or sampling parameter (NaN, negative, out of range)."""
+
+
+class FetchError(PocketError):
+    """Fetching or assembling a registry model failed (network, size or checksum mismatch)."""
+
+
+class KernelError(PocketError, ValueError):
+    """A kernel was handed arrays of the wrong dtype, shape, layout or alignment."""

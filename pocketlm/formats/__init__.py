@@ -1,0 +1,101 @@
+"""Model sources: GGUF files, Hugging Face folders and pocketlm deploy files.
+
+Every importer produces a :class:`SourceModel`: the config, the tokenizer, the chat template and
+the tensors under pocketlm's names (see :mod:`pocketlm.config`). Name and key translations are
+tables at this boundary; an importer that ends with a tensor it did not map raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import GenerationDefaults, ModelConfig
+from ..errors import FormatError, ModelNotFoundError, UnsupportedError
+from ..quant import QuantTensor
+
+
+@dataclass
+class SourceTensor:
+    """One tensor of a source model, loaded lazily.
+
+    ``to_float`` gives float32 values; ``to_quant(bits, group_size)`` gives the tensor in a
+    pocketlm layout without requantizing when the source's grid allows it (else None).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # source type name (F32, F16, BF16, Q4_1, Q4_K, ...)
+    to_float: Callable[[], np.ndarray]
+    to_quant: Callable[[int, int], QuantTensor | None] = lambda bits, gs: None
+
+
+@dataclass
+class SourceModel:
+    config: ModelConfig
+    tokenizer: Any  # pocketlm.tokenizer.Tokenizer
+    chat_template: str | None
+    tensors: dict[str, SourceTensor]
+    provenance: dict[str, Any] = field(default_factory=dict)
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+
+    def check_tensors(self, origin: str) -> None:
+        """The tensors must be exactly the ones the config calls for, with the right shapes."""
+        expected = self.config.tensor_shapes()
+        missing = sorted(set(expected) - set(self.tensors))
+        extra = sorted(set(self.tensors) - set(expected))
+        if missing:
+            raise FormatError(f"{origin}: missing tensors {missing[:5]}"
+                              f"{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            raise UnsupportedError(f"{origin}: tensors that pocketlm does not know how to use: "
+                                   f"{extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        for name, shape in expected.items():
+            if tuple(self.tensors[name].shape) != tuple(shape):
+                raise FormatError(f"{origin}: tensor {name} has shape "
+                                  f"{tuple(self.tensors[name].shape)}, expected {tuple(shape)}")
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def sniff(path: str | Path) -> str:
+    """'gguf', 'hf', 'pocket' or raise: which importer handles this path."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return "hf"
+        raise FormatError(f"{p}: a folder without config.json is not a Hugging Face model folder")
+    if not p.is_file():
+        raise ModelNotFoundError(f"{p}: no such file or folder")
+    with open(p, "rb") as f:
+        head = f.read(16)
+    if head[:4] == b"GGUF":
+        return "gguf"
+    if len(head) >= 9 and head[8:9] == b"{":
+        return "pocket"
+    raise FormatError(f"{p}: not a model file pocketlm reads (expected a .pocket deploy file, a "
+                      f"GGUF file or a Hugging Face folder; found bytes {head[:8]!r})")
+
+
+def open_source(path: str | Path) -> SourceModel:
+    """Read a GGUF file or a Hugging Face folder (not a deploy file: those load directly)."""
+    kind = sniff(path)
+    if kind == "gguf":
+        from .gguf import read_gguf
+
+        return read_gguf(path)
+    if kind == "hf":
+        from .hf import read_hf
+
+        return read_hf(path)
+    raise FormatError(f"{path}: is already a pocketlm deploy file; nothing to import")

@@ -1,0 +1,241 @@
+"""GGUF import: config, tensors and tokenizer from a GGUF file (read with the ``gguf`` library).
+
+Tensor data stays memory-mapped until asked for. Float values come from ``gguf.quants``
+(the numpy implementation of every ggml type, tested upstream against the C library); 4-bit
+and 8-bit blocks whose grid pocketlm's layouts can hold are imported without requantizing.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import FormatError, UnsupportedError
+from ..quant import int4_from_gguf_blocks, int8_from_gguf_blocks
+from . import SourceModel, SourceTensor, sha256_file
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+
+# GGUF tensor name (after "blk.{i}.") -> pocketlm name (after "layers.{i}.")
+LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn_q.weight": "attn.w_q.weight",
+    "attn_k.weight": "attn.w_k.weight",
+    "attn_v.weight": "attn.w_v.weight",
+    "attn_q.bias": "attn.w_q.bias",
+    "attn_k.bias": "attn.w_k.bias",
+    "attn_v.bias": "attn.w_v.bias",
+    "attn_output.weight": "attn.w_o.weight",
+    "attn_q_norm.weight": "attn.q_norm.weight",
+    "attn_k_norm.weight": "attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attn_norm.weight",
+    "ffn_norm.weight": "mlp_norm.weight",
+    "ffn_gate.weight": "mlp.w_gate.weight",
+    "ffn_up.weight": "mlp.w_up.weight",
+    "ffn_down.weight": "mlp.w_down.weight",
+    "post_ffw_norm.weight": "post_mlp_norm.weight",
+}
+GLOBAL_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# Gemma 3 (as llama.cpp reads it): every 6th layer is global, the others use a sliding window
+# with RoPE base 10000.
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_ROPE_LOCAL = 10000.0
+
+
+def map_name(gguf_name: str) -> str | None:
+    if gguf_name in GLOBAL_NAMES:
+        return GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in LAYER_NAMES:
+        return f"layers.{m.group(1)}.{LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def read_fields(reader) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for key, f in reader.fields.items():
+        try:
+            fields[key] = f.contents()
+        except Exception as exc:  # a field the library cannot decode is a corrupt file
+            raise FormatError(f"GGUF field {key!r} cannot be read: {exc}") from None
+    return fields
+
+
+def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: str) -> ModelConfig:
+    arch = fields.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedError(
+            f"{origin}: architecture {arch!r} is not supported; supported GGUF architectures: "
+            f"{', '.join(SUPPORTED_ARCHS)}"
+        )
+
+    def get(key: str, default: Any = None, required: bool = True) -> Any:
+        full = f"{arch}.{key}"
+        if full in fields:
+            return fields[full]
+        if required and default is None:
+            raise FormatError(f"{origin}: GGUF metadata lacks {full!r}")
+        return default
+
+    d_model = int(get("embedding_length"))
+    n_heads = int(get("attention.head_count"))
+    n_kv = get("attention.head_count_kv", n_heads)
+    if isinstance(n_kv, list):  # per-layer head counts
+        if len(set(n_kv)) != 1:
+            raise UnsupportedError(f"{origin}: per-layer KV head counts are not supported")
+        n_kv = n_kv[0]
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    if int(get("attention.value_length", head_dim)) != head_dim:
+        raise UnsupportedError(f"{origin}: key and value head sizes differ")
+    rope_dim = int(get("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise UnsupportedError(f"{origin}: partial rotary embeddings ({rope_dim} of {head_dim} "
+                               "dimensions) are not supported")
+    scaling = get("rope.scaling.type", "none", required=False)
+    if scaling not in ("none", None):
+        raise UnsupportedError(f"{origin}: RoPE scaling {scaling!r} is not supported yet")
+    tokens = fields.get("tokenizer.ggml.tokens")
+    vocab = int(get("vocab_size", len(tokens) if tokens else 0, required=False) or 0)
+    if not vocab:
+        raise FormatError(f"{origin}: cannot tell the vocabulary size (no tokenizer.ggml.tokens)")
+    n_layers = int(get("block_count"))
+    cfg: dict[str, Any] = dict(
+        arch=arch,
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        head_dim=head_dim,
+        d_ff=int(get("feed_forward_length")),
+        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
+        rope_theta=float(get("rope.freq_base", 10000.0, required=False)),
+        max_context=int(get("context_length", 2048, required=False)),
+        tie_embeddings="output.weight" not in tensor_names,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+    )
+    if arch == "gemma3":
+        window = int(get("attention.sliding_window", 512, required=False))
+        cfg.update(
+            sandwich_norms=True,
+            activation="gelu_tanh",
+            embed_scale=math.sqrt(d_model),
+            attn_scale=1.0 / math.sqrt(head_dim),
+            sliding_window=window,
+            rope_theta_local=GEMMA3_ROPE_LOCAL,
+            layer_types=[
+                "global" if (i % GEMMA3_SWA_PATTERN) == GEMMA3_SWA_PATTERN - 1 else "sliding"
+                for i in range(n_layers)
+            ],
+        )
+    return ModelConfig(**cfg)
+
+
+def _unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the q/k row permutation of llama GGUF conversion.
+
+    The converter regroups each head's rows from halves ``[x0..x(d/2-1) | y0..y(d/2-1)]`` to
+    interleaved pairs ``[x0 y0 x1 y1 ...]`` so that ggml can rotate adjacent pairs; pocketlm
+    rotates halves, so the rows go back. Rows are whole (quantized blocks run along a row),
+    so this is lossless for any tensor type.
+    """
+    rows = a.shape[0]
+    head = rows // n_heads
+    return a.reshape(n_heads, head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def read_gguf(path: str | Path) -> SourceModel:
+    import gguf
+    from gguf.quants import dequantize
+
+    from ..tokenizer import tokenizer_from_gguf_fields
+
+    path = Path(path)
+    origin = str(path)
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except Exception as exc:
+        raise FormatError(f"{origin}: not a readable GGUF file (truncated or corrupt?): "
+                          f"{type(exc).__name__}: {exc}") from None
+    fields = read_fields(reader)
+    by_name = {t.name: t for t in reader.tensors}
+    # A truncated file can still parse its header; every tensor must lie inside the file.
+    file_size = path.stat().st_size
+    for t in reader.tensors:
+        if int(t.data_offset) + int(t.n_bytes) > file_size:
+            raise FormatError(f"{origin}: truncated: tensor {t.name} runs past the end of the file")
+    config = config_from_fields(fields, set(by_name), origin)
+
+    tensors: dict[str, SourceTensor] = {}
+    unmapped = []
+    for t in reader.tensors:
+        name = map_name(t.name)
+        if name is None:
+            unmapped.append(t.name)
+            continue
+        type_name = t.tensor_type.name
+        shape = tuple(int(s) for s in reversed(list(t.shape)))  # ggml lists dims innermost first
+        permute_heads = None
+        if config.arch == "llama" and name.endswith(("attn.w_q.weight", "attn.w_q.bias")):
+            permute_heads = config.n_heads
+        elif config.arch == "llama" and name.endswith(("attn.w_k.weight", "attn.w_k.bias")):
+            permute_heads = config.n_kv_heads
+        tensors[name] = _source_tensor(name, t, type_name, shape, permute_heads, dequantize)
+    if unmapped:
+        raise UnsupportedError(f"{origin}: tensors pocketlm does not map: {unmapped[:5]}"
+                               f"{' ...' if len(unmapped) > 5 else ''}")
+    if "lm_head.weight" in tensors and config.tie_embeddings:
+        raise FormatError(f"{origin}: inconsistent output head")
+    source_model = SourceModel(
+        config=config,
+        tokenizer=tokenizer_from_gguf_fields(fields),
+        chat_template=fields.get("tokenizer.chat_template"),
+        tensors=tensors,
+        provenance={
+            "source_format": "gguf",
+            "source_file": path.name,
+            "source_sha256": sha256_file(path),
+            "source_size": file_size,
+            "source_name": fields.get("general.name"),
+            "source_license": fields.get("general.license"),
+            "source_file_type": fields.get("general.file_type"),
+        },
+    )
+    source_model.check_tensors(origin)
+    return source_model
+
+
+def _source_tensor(name, t, type_name, shape, permute_heads, dequantize) -> SourceTensor:
+    def raw() -> np.ndarray:
+        data = t.data
+        if permute_heads is not None:
+            data = _unpermute_rows(np.asarray(data), permute_heads)
+        return data
+
+    def to_float() -> np.ndarray:
+        values = dequantize(np.asarray(raw()), t.tensor_type)
+        return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
+
+    def to_quant(bits: int, group_size: int):
+        if len(shape) != 2 or group_size != 32:
+            return None
+        if bits == 4:
+            return int4_from_gguf_blocks(raw(), type_name, shape)
+        if bits == 8:
+            return int8_from_gguf_blocks(raw(), type_name, shape)
+        return None
+
+    return SourceTensor(name=name, shape=shape, dtype=type_name, to_float=to_float,
+                        to_quant=to_quant)

@@ -1,0 +1,274 @@
+"""The ``.pocket`` deploy file: one memory-mappable file with everything needed to run a model.
+
+The container is safetensors (readable by ``safetensors.safe_open`` and any tool that reads
+that format)::
+
+    u64 little-endian N | N bytes of JSON header (space-padded) | tensor data
+
+* ``__metadata__`` (string values, as safetensors requires) holds ``format: "pocket"``,
+  ``format_version``, ``config`` (JSON of :class:`pocketlm.config.ModelConfig`), ``generation``
+  (defaults), ``chat_template``, ``quant`` (scheme and the layout of every quantized tensor),
+  ``provenance`` (source file, its sha256, pocketlm version, time) and ``checksums`` (CRC-32 of
+  every tensor's bytes).
+* The tokenizer (its JSON) is the uint8 tensor ``pocket.tokenizer``.
+* Quantized weights use the layouts of :mod:`pocketlm.quant`: the packed values under the
+  weight's own name (uint8 for INT4, int8 for INT8), the float16 scales under
+  ``<name>.scales`` and the INT4 minimums under ``<name>.mins``.
+* Every tensor starts at a multiple of 64 bytes from the start of the file, so native kernels
+  can read it in place; the gaps are filled with small ``_pad.<n>`` tensors because safetensors
+  allows no holes.
+
+Files are written to a temporary name in the destination folder and renamed into place, so an
+interrupted write never leaves a partial ``.pocket`` file.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import tempfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from ..errors import ChecksumError, FormatError
+from ..quant import QuantTensor
+
+FORMAT_NAME = "pocket"
+FORMAT_VERSION = 1
+ALIGN = 64
+TOKENIZER_TENSOR = "pocket.tokenizer"
+MAX_HEADER = 100_000_000  # the safetensors limit
+
+DTYPES = {
+    "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64,
+    "I8": np.int8, "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64,
+    "U16": np.uint16, "U32": np.uint32, "BOOL": np.bool_,
+}
+_NP_TO_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+                np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
+
+
+# -- safetensors container (shared with the Hugging Face importer) ---------------------------
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute file offset
+    end: int
+
+
+def read_header(path: str | Path, buf) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+    """Parse and validate a safetensors header from a mapped buffer; absolute offsets."""
+    size = len(buf)
+    if size < 8:
+        raise FormatError(f"{path}: truncated ({size} bytes): not a safetensors/.pocket file")
+    (n,) = struct.unpack("<Q", buf[:8])
+    if n < 2 or n > MAX_HEADER or 8 + n > size:
+        raise FormatError(f"{path}: header length {n} does not fit a {size}-byte file "
+                          "(truncated, or not a safetensors/.pocket file)")
+    try:
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{path}: header is not valid JSON ({exc}): file corrupt") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise FormatError(f"{path}: __metadata__ is not an object")
+    base = 8 + n
+    infos: dict[str, TensorInfo] = {}
+    for name, entry in header.items():
+        try:
+            dtype, shape, (b, e) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if dtype not in DTYPES:
+            raise FormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not all(isinstance(s, int) and s >= 0 for s in shape):
+            raise FormatError(f"{path}: tensor {name!r} has a malformed shape {shape!r}")
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if not (isinstance(b, int) and isinstance(e, int)) or e - b != count * np.dtype(
+            DTYPES[dtype]
+        ).itemsize or b < 0:
+            raise FormatError(f"{path}: tensor {name!r}: byte range [{b}, {e}) does not match "
+                              f"{dtype} {shape}")
+        if base + e > size:
+            raise FormatError(f"{path}: truncated: tensor {name!r} ends at byte {base + e} "
+                              f"but the file has {size} bytes")
+        infos[name] = TensorInfo(name, dtype, tuple(shape), base + b, base + e)
+    return {str(k): v for k, v in metadata.items()}, infos
+
+
+def tensor_view(buf, info: TensorInfo) -> np.ndarray:
+    """A zero-copy numpy view of one tensor in a mapped buffer."""
+    dt = np.dtype(DTYPES[info.dtype])
+    count = (info.end - info.start) // dt.itemsize
+    return np.frombuffer(buf, dtype=dt, count=count, offset=info.start).reshape(info.shape)
+
+
+def map_file(path: str | Path):
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise FormatError(f"{path}: empty file")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+# -- writing ---------------------------------------------------------------------------------
+def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
+                 metadata: dict[str, Any]) -> int:
+    """Write named arrays and metadata as a .pocket file, atomically. Returns the file size."""
+    path = Path(path)
+    items = [(name, np.ascontiguousarray(a)) for name, a in tensors]
+    meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
+    for k, v in metadata.items():
+        meta[k] = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
+    meta["checksums"] = json.dumps({name: zlib.crc32(memoryview(a).cast("B"))
+                                    for name, a in items}, sort_keys=True)
+
+    # Plan offsets (relative to the data start), inserting padding so that every tensor is
+    # 64-byte aligned in the file once the data start itself is aligned.
+    entries: dict[str, Any] = {"__metadata__": meta}
+    layout: list[tuple[str, np.ndarray]] = []
+    offset = 0
+    n_pad = 0
+    for name, a in items:
+        if a.dtype not in _NP_TO_DTYPE:
+            raise FormatError(f"cannot store tensor {name!r} of dtype {a.dtype}")
+        if offset % ALIGN:
+            pad = ALIGN - offset % ALIGN
+            pad_name = f"_pad.{n_pad}"
+            n_pad += 1
+            entries[pad_name] = {"dtype": "U8", "shape": [pad], "data_offsets": [offset,
+                                                                                   offset + pad]}
+            layout.append((pad_name, np.zeros(pad, np.uint8)))
+            offset += pad
+        entries[name] = {"dtype": _NP_TO_DTYPE[a.dtype], "shape": list(a.shape),
+                         "data_offsets": [offset, offset + a.nbytes]}
+        layout.append((name, a))
+        offset += a.nbytes
+    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    total = 8 + len(header)
+    header += b" " * ((ALIGN - total % ALIGN) % ALIGN)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(header)))
+            f.write(header)
+            for _, a in layout:
+                f.write(memoryview(a).cast("B"))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress():
+            os.unlink(tmp)
+        raise
+    return path.stat().st_size
+
+
+class _suppress:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return True
+
+
+# -- reading ---------------------------------------------------------------------------------
+class PocketFile:
+    """A mapped ``.pocket`` file: metadata plus zero-copy tensor views."""
+
+    def __init__(self, path: str | Path, *, verify: bool = True):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FormatError(f"{self.path}: no such file")
+        self._buf = map_file(self.path)
+        self.metadata, self.infos = read_header(self.path, self._buf)
+        if self.metadata.get("format") != FORMAT_NAME:
+            raise FormatError(f"{self.path}: a safetensors file, but not a pocketlm deploy file "
+                              "(no 'format: pocket' metadata); convert it with `pocket pack`")
+        try:
+            version = int(self.metadata.get("format_version", "0"))
+        except ValueError:
+            version = -1
+        if version != FORMAT_VERSION:
+            raise FormatError(f"{self.path}: deploy file format version {version} is not "
+                              f"supported (this pocketlm reads version {FORMAT_VERSION}); "
+                              "repack the model with this version's `pocket pack`")
+        self.checksums = self._json("checksums")
+        missing = sorted(set(self.infos) - set(self.checksums))
+        if missing:
+            raise FormatError(f"{self.path}: no checksum recorded for tensors {missing[:3]}")
+        if verify:
+            self.verify()
+
+    def _json(self, key: str, default: Any = None) -> Any:
+        raw = self.metadata.get(key)
+        if raw is None:
+            if default is not None:
+                return default
+            raise FormatError(f"{self.path}: metadata field {key!r} is missing")
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            raise FormatError(f"{self.path}: metadata field {key!r} is not valid JSON") from None
+
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        for name in names if names is not None else self.infos:
+            info = self.infos[name]
+            crc = zlib.crc32(memoryview(self._buf)[info.start:info.end])
+            if crc != self.checksums.get(name):
+                raise ChecksumError(f"{self.path}: tensor {name!r} is corrupt (CRC-32 {crc:08x}, "
+                                    f"recorded {self.checksums.get(name, 0):08x}); "
+                                    "re-download or repack the model")
+
+    def tensor(self, name: str) -> np.ndarray:
+        try:
+            return tensor_view(self._buf, self.infos[name])
+        except KeyError:
+            raise FormatError(f"{self.path}: missing tensor {name!r}") from None
+
+    def json(self, key: str, default: Any = None) -> Any:
+        return self._json(key, default)
+
+    def weights(self) -> dict[str, np.ndarray | QuantTensor]:
+        """Every model tensor, quantized ones as :class:`QuantTensor` (views, no copies)."""
+        quant = self._json("quant", {}).get("tensors", {})
+        out: dict[str, np.ndarray | QuantTensor] = {}
+        companions = set()
+        for name, q in quant.items():
+            kind, shape, gs = q["kind"], tuple(q["shape"]), int(q["group_size"])
+            qweight = self.tensor(name)
+            scales = self.tensor(name + ".scales")
+            mins = self.tensor(name + ".mins") if kind == "int4" else None
+            rows, cols = shape
+            expect = (rows, cols // 2) if kind == "int4" else (rows, cols)
+            if qweight.shape != expect or scales.shape != (rows, cols // gs) or (
+                mins is not None and mins.shape != scales.shape
+            ):
+                raise FormatError(f"{self.path}: tensor {name!r} does not match its quant layout")
+            out[name] = QuantTensor(kind, shape, gs, qweight, scales, mins)
+            companions.update({name + ".scales", name + ".mins"})
+        for name in self.infos:
+            if name in out or name in companions or name.startswith("_pad.") or name.startswith(
+                "pocket."
+            ):
+                continue
+            out[name] = self.tensor(name)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._buf)
+
+    def close(self) -> None:
+        self._buf = None  # views keep the mapping alive until they are gone

@@ -1,0 +1,96 @@
+"""Generation: the token loop, stop conditions and streaming text.
+
+``stream_tokens`` yields token ids until EOS, ``max_tokens`` or a full context;
+``stream_text`` turns them into text pieces that never split a UTF-8 character and never show
+any part of a stop string.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+from .runtime import KVCache, Runtime
+from .sampling import Sampler
+from .tokenizer import StreamingDetokenizer, Tokenizer
+
+
+@dataclass
+class GenerationState:
+    """What happened, filled in as generation runs (for callers that want stats)."""
+
+    prompt_tokens: int = 0
+    generated: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+
+
+def stream_tokens(runtime: Runtime, cache: KVCache, prompt_ids: list[int], *, max_tokens: int,
+                  sampler: Sampler, stop_ids: Iterable[int],
+                  state: GenerationState | None = None) -> Iterator[int]:
+    state = state if state is not None else GenerationState()
+    state.prompt_tokens = len(prompt_ids)
+    stop = set(stop_ids)
+    logits = runtime.forward(prompt_ids, cache)
+    history = list(prompt_ids)
+    for _ in range(max_tokens):
+        token = sampler(logits, history)
+        if token in stop:
+            state.finish_reason = "stop"
+            return
+        state.generated.append(token)
+        history.append(token)
+        yield token
+        if cache.length >= cache.capacity:
+            break
+        logits = runtime.forward([token], cache)
+    state.finish_reason = "length"
+
+
+def stream_text(tokenizer: Tokenizer, tokens: Iterable[int], stop: list[str] | None = None,
+                state: GenerationState | None = None) -> Iterator[str]:
+    """Detokenize ``tokens`` incrementally, cutting the text before the first stop string."""
+    detok = StreamingDetokenizer(tokenizer)
+    stops = [s for s in (stop or []) if s]
+    hold = max((len(s) for s in stops), default=1) - 1
+    pending = ""
+    for token in tokens:
+        pending += detok.add(token)
+        if stops:
+            cut = _find_stop(pending, stops)
+            if cut is not None:
+                if pending[:cut]:
+                    yield pending[:cut]
+                if state is not None:
+                    state.finish_reason = "stop"
+                return
+            # keep back a tail that could still become a stop string
+            safe = _partial_stop_start(pending, stops, hold)
+            if safe > 0:
+                yield pending[:safe]
+                pending = pending[safe:]
+        elif pending:
+            yield pending
+            pending = ""
+    pending += detok.flush()
+    if stops:
+        cut = _find_stop(pending, stops)
+        if cut is not None:
+            pending = pending[:cut]
+            if state is not None:
+                state.finish_reason = "stop"
+    if pending:
+        yield pending
+
+
+def _find_stop(text: str, stops: list[str]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def _partial_stop_start(text: str, stops: list[str], hold: int) -> int:
+    """Where a tail of ``text`` that is the beginning of a stop string starts (else len)."""
+    for start in range(max(0, len(text) - hold), len(text)):
+        tail = text[start:]
+        if any(s.startswith(tail) for s in stops):
+            return start
+    return len(text)

@@ -1,0 +1,166 @@
+"""Turn a source model (GGUF, Hugging Face folder, or a :class:`SourceModel`) into a deploy file.
+
+The scheme: every linear weight in group-wise INT4; the token embedding and an untied output
+head in INT8 or INT4 (``embed_bits``); norms and biases in float32. A source block whose grid
+the target layout can hold (GGUF Q4_0/Q4_1/Q4_K for INT4 and Q8_0 for INT8, at group size 32)
+is imported without requantizing; everything else is requantized from its float values.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import __version__
+from .errors import UnsupportedError
+from .formats import SourceModel, open_source
+from .formats.pocketfile import TOKENIZER_TENSOR, write_pocket
+from .quant import GROUP_SIZES, QuantTensor, quantize, relative_error
+
+QUANT_SUFFIXES = ("attn.w_q.weight", "attn.w_k.weight", "attn.w_v.weight", "attn.w_o.weight",
+                  "mlp.w_gate.weight", "mlp.w_up.weight", "mlp.w_down.weight")
+EMBED_NAMES = ("embed.weight", "lm_head.weight")
+
+
+@dataclass
+class TensorReport:
+    name: str
+    source_dtype: str
+    stored: str  # "int4" | "int8" | "f32"
+    how: str  # "lossless" | "requantized" | "float"
+    rel_error: float
+    n_params: int
+
+
+@dataclass
+class PackReport:
+    path: Path
+    file_bytes: int
+    n_params: int
+    quant_bits_per_weight: float  # over the quantized matrices, scales and minimums included
+    file_bits_per_weight: float  # the whole file over all parameters
+    seconds: float
+    tensors: list[TensorReport] = field(default_factory=list)
+
+    def worst(self, n: int = 5) -> list[TensorReport]:
+        return sorted(self.tensors, key=lambda t: t.rel_error, reverse=True)[:n]
+
+    def summary(self) -> str:
+        lossless = sum(t.how == "lossless" for t in self.tensors)
+        requant = sum(t.how == "requantized" for t in self.tensors)
+        lines = [
+            f"wrote {self.path} ({self.file_bytes / 1e6:.1f} MB, {self.n_params / 1e6:.1f} M "
+            f"parameters) in {self.seconds:.1f} s",
+            f"bits per weight: {self.quant_bits_per_weight:.2f} in quantized matrices, "
+            f"{self.file_bits_per_weight:.2f} for the whole file",
+            f"tensors: {lossless} imported losslessly, {requant} requantized, "
+            f"{len(self.tensors) - lossless - requant} kept in float",
+            "largest relative errors (||W_q - W|| / ||W||):",
+        ]
+        for t in self.worst():
+            lines.append(f"  {t.rel_error:8.5f}  {t.name}  ({t.source_dtype} -> {t.stored}, "
+                         f"{t.how})")
+        return "\n".join(lines)
+
+
+def choose_bits(name: str, embed_bits: int) -> int | None:
+    if name in EMBED_NAMES:
+        return embed_bits
+    if name.endswith(QUANT_SUFFIXES):
+        return 4
+    return None
+
+
+def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int = 32,
+         embed_bits: int = 8, measure_error: bool = True, progress: bool = True) -> PackReport:
+    """Quantize ``source`` and write the deploy file ``out``; returns a report."""
+    if group_size not in GROUP_SIZES:
+        raise UnsupportedError(f"group size {group_size} is not supported; choose one of "
+                               f"{', '.join(map(str, GROUP_SIZES))}")
+    if embed_bits not in (4, 8):
+        raise UnsupportedError(f"--embed-bits must be 4 or 8, got {embed_bits}")
+    t0 = time.time()
+    model = source if isinstance(source, SourceModel) else open_source(source)
+    arrays: list[tuple[str, np.ndarray]] = []
+    layouts: dict[str, Any] = {}
+    reports: list[TensorReport] = []
+    n_params = 0
+    q_bytes = q_params = 0
+
+    names = list(model.tensors)
+    bar = _progress(names, progress)
+    for name in bar:
+        st = model.tensors[name]
+        count = int(np.prod(st.shape))
+        n_params += count
+        bits = choose_bits(name, embed_bits)
+        if bits is None:
+            values = st.to_float()
+            arrays.append((name, np.ascontiguousarray(values, dtype=np.float32)))
+            reports.append(TensorReport(name, st.dtype, "f32", "float", 0.0, count))
+            continue
+        qt = st.to_quant(bits, group_size)
+        how = "lossless"
+        ref = None
+        if qt is None:
+            ref = st.to_float()
+            qt = quantize(ref, bits, group_size)
+            how = "requantized"
+        err = 0.0
+        if measure_error:
+            ref = st.to_float() if ref is None else ref
+            err = _chunked_rel_error(ref, qt)
+        del ref
+        arrays.append((name, qt.qweight))
+        arrays.append((name + ".scales", qt.scales))
+        if qt.mins is not None:
+            arrays.append((name + ".mins", qt.mins))
+        layouts[name] = {"kind": qt.kind, "shape": list(qt.shape), "group_size": qt.group_size}
+        q_bytes += qt.nbytes
+        q_params += count
+        reports.append(TensorReport(name, st.dtype, qt.kind, how, err, count))
+
+    tok_json = model.tokenizer.to_json().encode("utf-8")
+    arrays.append((TOKENIZER_TENSOR, np.frombuffer(tok_json, dtype=np.uint8)))
+    metadata = {
+        "config": model.config.to_dict(),
+        "generation": model.generation.to_dict(),
+        "chat_template": model.chat_template or "",
+        "quant": {"scheme": f"int4-g{group_size}", "group_size": group_size,
+                  "embed_bits": embed_bits, "tensors": layouts},
+        "provenance": {**model.provenance, "pocketlm_version": __version__,
+                       "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    }
+    size = write_pocket(out, arrays, metadata)
+    return PackReport(
+        path=Path(out), file_bytes=size, n_params=n_params,
+        quant_bits_per_weight=8.0 * q_bytes / max(q_params, 1),
+        file_bits_per_weight=8.0 * size / max(n_params, 1),
+        seconds=time.time() - t0, tensors=reports,
+    )
+
+
+def _chunked_rel_error(ref: np.ndarray, qt: QuantTensor, rows: int = 8192) -> float:
+    num = den = 0.0
+    for r0 in range(0, qt.shape[0], rows):
+        sel = slice(r0, r0 + rows)
+        a = ref[sel].astype(np.float64)
+        num += float(((qt.dequantize(sel) - a) ** 2).sum())
+        den += float((a * a).sum())
+    return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
+
+
+def _progress(items, enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc="packing", unit="tensor", file=sys.stderr, leave=False)
+
+
+__all__ = ["pack", "PackReport", "TensorReport", "choose_bits", "relative_error"]

@@ -1,0 +1,283 @@
+"""Group-wise weight quantization: the INT4 and INT8 layouts, specified once.
+
+INT4 (asymmetric, ``kind="int4"``), for a weight ``W`` of shape ``[rows, cols]``:
+
+* ``qweight``: uint8 ``[rows, cols // 2]``. Columns are taken in blocks of 32; block ``b`` of a
+  row occupies bytes ``16*b .. 16*b + 15`` and byte ``k`` holds column ``32*b + k`` in its low
+  nibble and column ``32*b + 16 + k`` in its high nibble. (The nibble order is the one GGUF's
+  Q4_0/Q4_1 blocks use, so those blocks import as a byte copy, and SIMD kernels unpack a block
+  with one mask and one shift.) The layout does not depend on the group size.
+* ``scales``, ``mins``: float16 ``[rows, cols // group_size]``.
+* ``W[r, c] = q[r, c] * scales[r, c // g] + mins[r, c // g]`` with ``q`` in ``0..15``.
+
+INT8 (symmetric, ``kind="int8"``): ``qweight`` int8 ``[rows, cols]``, ``scales`` float16
+``[rows, cols // group_size]``, ``W[r, c] = q[r, c] * scales[r, c // g]`` (GGUF Q8_0 with
+``g = 32`` imports exactly).
+
+Group sizes are 32 (default), 64 or 128; ``cols`` must be a multiple of 32 and of the group size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import UnsupportedError
+
+GROUP_SIZES = (32, 64, 128)
+BLOCK = 32  # nibble-packing block, independent of the group size
+
+
+@dataclass
+class QuantTensor:
+    """A quantized 2-D weight in one of the layouts above (arrays may be views of a mmap)."""
+
+    kind: str  # "int4" | "int8"
+    shape: tuple[int, int]
+    group_size: int
+    qweight: np.ndarray
+    scales: np.ndarray
+    mins: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.qweight.nbytes + self.scales.nbytes
+        return n + (self.mins.nbytes if self.mins is not None else 0)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.nbytes / (self.shape[0] * self.shape[1])
+
+    def dequantize(self, rows: slice | np.ndarray | None = None) -> np.ndarray:
+        """Float32 values of all rows (or of the selected rows)."""
+        sel = slice(None) if rows is None else rows
+        if self.kind == "int4":
+            return dequantize_int4(self.qweight[sel], self.scales[sel], self.mins[sel],
+                                   self.group_size)
+        return dequantize_int8(self.qweight[sel], self.scales[sel], self.group_size)
+
+
+def check_quantizable(shape: tuple[int, ...], group_size: int, name: str = "tensor") -> None:
+    if group_size not in GROUP_SIZES:
+        raise UnsupportedError(f"group size {group_size} is not supported; choose one of "
+                               f"{', '.join(map(str, GROUP_SIZES))}")
+    if len(shape) != 2 or shape[1] % BLOCK or shape[1] % group_size:
+        raise UnsupportedError(
+            f"{name}: shape {tuple(shape)} cannot be quantized with group size {group_size} "
+            f"(the input dimension must be a multiple of {max(BLOCK, group_size)})"
+        )
+
+
+# -- nibble packing --------------------------------------------------------------------------
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..15 ``[rows, cols]`` -> packed ``[rows, cols // 2]`` (layout above)."""
+    rows, cols = q.shape
+    blocks = q.reshape(rows, cols // BLOCK, 2, 16).astype(np.uint8)
+    packed = blocks[:, :, 0, :] | (blocks[:, :, 1, :] << 4)  # [rows, nblocks, 16]
+    return np.ascontiguousarray(packed.reshape(rows, cols // 2))
+
+
+def unpack_int4(packed: np.ndarray) -> np.ndarray:
+    """Packed ``[rows, cols // 2]`` -> uint8 values 0..15 ``[rows, cols]``."""
+    rows, half = packed.shape
+    blocks = packed.reshape(rows, half // 16, 1, 16)
+    q = np.concatenate([blocks & 0x0F, blocks >> 4], axis=2)  # [rows, nblocks, 2, 16]
+    return q.reshape(rows, half * 2)
+
+
+def dequantize_int4(qweight, scales, mins, group_size: int) -> np.ndarray:
+    q = unpack_int4(qweight).astype(np.float32)
+    rows, cols = q.shape
+    q = q.reshape(rows, cols // group_size, group_size)
+    w = q * scales.astype(np.float32)[:, :, None] + mins.astype(np.float32)[:, :, None]
+    return w.reshape(rows, cols)
+
+
+def dequantize_int8(qweight, scales, group_size: int) -> np.ndarray:
+    rows, cols = qweight.shape
+    q = qweight.astype(np.float32).reshape(rows, cols // group_size, group_size)
+    return (q * scales.astype(np.float32)[:, :, None]).reshape(rows, cols)
+
+
+# -- quantizers ------------------------------------------------------------------------------
+_ROW_CHUNK = 1 << 20  # elements per chunk: bounds the temporary memory of large tensors
+
+
+def quantize_int4(w: np.ndarray, group_size: int = 32, *, search: bool = True) -> QuantTensor:
+    """Asymmetric INT4 with float16 scale and minimum per group.
+
+    With ``search`` the range of each group is chosen among a few candidates (shrinking the
+    min-max range, then refitting scale and minimum by least squares), keeping the one with the
+    smallest squared error; without it, plain min-max rounding.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    check_quantizable(w.shape, group_size)
+    rows, cols = w.shape
+    ng = cols // group_size
+    q_all = np.empty((rows, cols), dtype=np.uint8)
+    s_all = np.empty((rows, ng), dtype=np.float16)
+    m_all = np.empty((rows, ng), dtype=np.float16)
+    step = max(1, _ROW_CHUNK // cols)
+    for r0 in range(0, rows, step):
+        g = w[r0:r0 + step].reshape(-1, group_size)
+        q, s, m = _quantize_groups_int4(g, search)
+        n = g.shape[0] // ng
+        q_all[r0:r0 + n] = q.reshape(n, cols)
+        s_all[r0:r0 + n] = s.reshape(n, ng)
+        m_all[r0:r0 + n] = m.reshape(n, ng)
+    return QuantTensor("int4", (rows, cols), group_size, pack_int4(q_all), s_all, m_all)
+
+
+def _round_to_grid(g, s16, m16):
+    """q = clip(round((g - m) / s), 0, 15) with float16-rounded s and m (s == 0: q = 0)."""
+    s = s16.astype(np.float32)
+    m = m16.astype(np.float32)
+    inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+    q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, 15)
+    err = ((q * s[:, None] + m[:, None] - g) ** 2).sum(axis=1)
+    return q.astype(np.uint8), err
+
+
+def _quantize_groups_int4(g: np.ndarray, search: bool):
+    lo = g.min(axis=1)
+    hi = g.max(axis=1)
+    s16 = ((hi - lo) / 15.0).astype(np.float16)
+    m16 = lo.astype(np.float16)
+    best_q, best_err = _round_to_grid(g, s16, m16)
+    best_s, best_m = s16, m16
+    if not search:
+        return best_q, best_s, best_m
+    n = g.shape[1]
+    for shrink in (0.02, 0.05, 0.08, 0.12, 0.16, 0.2):
+        # candidate grid on a narrowed range, then a least-squares refit of (s, m) given q
+        span = (hi - lo) * (1.0 - shrink)
+        s = span / 15.0
+        m = lo + (hi - lo) * shrink / 2
+        inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+        q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, 15)
+        sq, sq2 = q.sum(axis=1), (q * q).sum(axis=1)
+        sw, sqw = g.sum(axis=1), (q * g).sum(axis=1)
+        det = n * sq2 - sq * sq
+        ok = det > 0
+        s_fit = np.where(ok, (n * sqw - sq * sw) / np.where(ok, det, 1), s)
+        m_fit = np.where(ok, (sq2 * sw - sq * sqw) / np.where(ok, det, 1), m)
+        s_fit = np.maximum(s_fit, 0)
+        cand_s, cand_m = s_fit.astype(np.float16), m_fit.astype(np.float16)
+        cq, cerr = _round_to_grid(g, cand_s, cand_m)
+        better = cerr < best_err
+        best_q[better] = cq[better]
+        best_err = np.where(better, cerr, best_err)
+        best_s = np.where(better, cand_s, best_s)
+        best_m = np.where(better, cand_m, best_m)
+    return best_q, best_s, best_m
+
+
+def quantize_int8(w: np.ndarray, group_size: int = 32) -> QuantTensor:
+    """Symmetric INT8 with a float16 scale per group (absmax / 127)."""
+    w = np.asarray(w, dtype=np.float32)
+    check_quantizable(w.shape, group_size)
+    rows, cols = w.shape
+    ng = cols // group_size
+    q_all = np.empty((rows, cols), dtype=np.int8)
+    s_all = np.empty((rows, ng), dtype=np.float16)
+    step = max(1, _ROW_CHUNK // cols)
+    for r0 in range(0, rows, step):
+        g = w[r0:r0 + step].reshape(-1, group_size)
+        s16 = (np.abs(g).max(axis=1) / 127.0).astype(np.float16)
+        s = s16.astype(np.float32)
+        inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+        q = np.clip(np.rint(g * inv[:, None]), -127, 127).astype(np.int8)
+        n = g.shape[0] // ng
+        q_all[r0:r0 + n] = q.reshape(n, cols)
+        s_all[r0:r0 + n] = s16.reshape(n, ng)
+    return QuantTensor("int8", (rows, cols), group_size, q_all, s_all, None)
+
+
+def quantize(w: np.ndarray, bits: int, group_size: int = 32) -> QuantTensor:
+    if bits == 4:
+        return quantize_int4(w, group_size)
+    if bits == 8:
+        return quantize_int8(w, group_size)
+    raise UnsupportedError(f"{bits}-bit weights are not supported; choose 4 or 8")
+
+
+# -- lossless import of GGUF blocks ----------------------------------------------------------
+# Block layouts (ggml): Q4_0 = {f16 d; u8 qs[16]} -> (q - 8) * d
+#                       Q4_1 = {f16 d; f16 m; u8 qs[16]} -> q * d + m
+#                       Q4_K = {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} per 256 values,
+#                              8 sub-blocks of 32 with 6-bit scale sc and min mn:
+#                              d * sc * q - dmin * mn
+#                       Q8_0 = {f16 d; i8 qs[32]} -> q * d
+# Each 32-value (sub-)block is an asymmetric group-32 INT4 (or symmetric INT8) group, so these
+# import without requantizing. Q4_0 and Q4_1 are exact. Q4_K's effective scale d * sc and
+# minimum -dmin * mn are products of a float16 and a 6-bit integer, rounded here to float16:
+# a relative error of at most 2^-11 on each (the only loss).
+
+def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
+    """Raw GGUF rows (uint8 ``[rows, bytes_per_row]``) -> group-32 INT4, or None if the type
+    has no compatible grid."""
+    rows, cols = shape
+    raw = np.ascontiguousarray(raw).reshape(rows, -1)
+    if type_name == "Q4_0":
+        b = raw.reshape(rows, cols // 32, 18)
+        d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+        qs = b[:, :, 2:18].reshape(rows, cols // 2)
+        d32 = d.astype(np.float32)
+        mins = (-8.0 * d32).astype(np.float16)
+        if not np.array_equal(mins.astype(np.float32), -8.0 * d32):  # overflow: not exact
+            return None
+        return QuantTensor("int4", (rows, cols), 32, np.ascontiguousarray(qs), d.copy(), mins)
+    if type_name == "Q4_1":
+        b = raw.reshape(rows, cols // 32, 20)
+        d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+        m = b[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+        qs = b[:, :, 4:20].reshape(rows, cols // 2)
+        return QuantTensor("int4", (rows, cols), 32, np.ascontiguousarray(qs), d.copy(), m.copy())
+    if type_name == "Q4_K":
+        nsb = cols // 256
+        b = raw.reshape(rows, nsb, 144)
+        d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        dmin = b[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
+        sc, mn = _q4k_scale_min(b[:, :, 4:16])  # [rows, nsb, 8]
+        qs = b[:, :, 16:144].reshape(rows, nsb, 4, 32)  # 4 chunks of 64 values
+        lo = qs & 0x0F  # sub-block 2j
+        hi = qs >> 4  # sub-block 2j + 1
+        q = np.stack([lo, hi], axis=3).reshape(rows, cols)  # [rows, nsb, 4, 2, 32]
+        scales = (d[:, :, None] * sc).astype(np.float16).reshape(rows, cols // 32)
+        mins = (-(dmin[:, :, None] * mn)).astype(np.float16).reshape(rows, cols // 32)
+        return QuantTensor("int4", (rows, cols), 32, pack_int4(q), scales, mins)
+    return None
+
+
+def _q4k_scale_min(s: np.ndarray):
+    """Unpack the 12 bytes of 6-bit scales and mins of Q4_K/Q5_K super-blocks -> two
+    float32 arrays ``[..., 8]``."""
+    s = s.astype(np.uint8)
+    sc = np.empty(s.shape[:-1] + (8,), dtype=np.float32)
+    mn = np.empty_like(sc)
+    sc[..., 0:4] = s[..., 0:4] & 63
+    mn[..., 0:4] = s[..., 4:8] & 63
+    sc[..., 4:8] = (s[..., 8:12] & 0x0F) | ((s[..., 0:4] >> 6) << 4)
+    mn[..., 4:8] = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return sc, mn
+
+
+def int8_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
+    """GGUF Q8_0 rows -> group-32 INT8 (exact), or None for other types."""
+    if type_name != "Q8_0":
+        return None
+    rows, cols = shape
+    b = np.ascontiguousarray(raw).reshape(rows, cols // 32, 34)
+    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    qs = b[:, :, 2:34].copy().view(np.int8).reshape(rows, cols)
+    return QuantTensor("int8", (rows, cols), 32, qs, d.copy(), None)
+
+
+# -- quality ---------------------------------------------------------------------------------
+def relative_error(reference: np.ndarray, approx: np.ndarray) -> float:
+    """||approx - reference|| / ||reference|| (0 for an all-zero reference matched exactly)."""
+    ref = np.asarray(reference, dtype=np.float64)
+    diff = np.linalg.norm(np.asarray(approx, dtype=np.float64) - ref)
+    norm = np.linalg.norm(ref)
+    return float(diff / norm) if norm > 0 else float(diff)

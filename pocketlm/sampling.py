@@ -1,0 +1,93 @@
+"""Sampling: turn next-token logits into a token, reproducibly.
+
+Order of operations (the one llama.cpp and Hugging Face use): repetition penalty, then greedy
+if ``temperature == 0``, else temperature, top-k, top-p (nucleus), min-p, and a draw from the
+remaining distribution with a seeded generator.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import SamplingError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    seed: int | None = None
+
+    def validate(self) -> SamplingParams:
+        def finite(name: str, value) -> float:
+            try:
+                v = float(value)
+            except (TypeError, ValueError):
+                raise SamplingError(f"{name} must be a number, got {value!r}") from None
+            if not math.isfinite(v):
+                raise SamplingError(f"{name} must be a finite number, got {value!r}")
+            return v
+
+        t = finite("temperature", self.temperature)
+        if t < 0:
+            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {t}")
+        p = finite("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {p}")
+        mp = finite("min_p", self.min_p)
+        if not 0 <= mp <= 1:
+            raise SamplingError(f"min_p must be in [0, 1], got {mp}")
+        rp = finite("repetition_penalty", self.repetition_penalty)
+        if rp <= 0:
+            raise SamplingError(f"repetition_penalty must be > 0 (1 = off), got {rp}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or (
+            self.top_k < 0
+        ):
+            raise SamplingError(f"top_k must be a non-negative integer (0 = off), got "
+                                f"{self.top_k!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
+            or self.seed < 0
+        ):
+            raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}")
+        return self
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params.validate()
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+        p = self.params
+        x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay intact
+        if p.repetition_penalty != 1.0 and history:
+            seen = np.unique(np.asarray(history, dtype=np.int64))
+            vals = x[seen]
+            x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if p.temperature == 0:
+            return int(np.argmax(x))
+        x /= p.temperature
+        if p.top_k and p.top_k < x.size:
+            kth = np.partition(x, -p.top_k)[-p.top_k]
+            x[x < kth] = -np.inf
+        x -= x.max()
+        probs = np.exp(x)
+        probs /= probs.sum()
+        if p.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            keep = cum - probs[order] < p.top_p  # the smallest prefix reaching top_p
+            mask = np.zeros_like(probs, dtype=bool)
+            mask[order[keep]] = True
+            probs = np.where(mask, probs, 0.0)
+        if p.min_p > 0:
+            probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
+        return int(self.rng.choice(probs.size, p=probs))

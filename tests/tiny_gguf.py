@@ -1,0 +1,233 @@
+"""Tiny GGUF files written the way llama.cpp's converter writes them, for import tests.
+
+:func:`write_tiny_gguf` takes a tiny random model (``torch_ref.tiny_config`` sizes), writes it
+with ``gguf.GGUFWriter`` under GGUF names, in ggml dimension order, with llama's q/k rows
+permuted as ``convert_hf_to_gguf.py`` does, 2-D weights quantized with ``gguf.quants``, the
+architecture metadata and a small byte-level BPE tokenizer; it returns the config the file
+describes and the float32 weights under pocketlm names *as the file holds them* (dequantized),
+so an independent reference sees exactly what the importer should read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+import torch_ref
+from pocketlm.config import ModelConfig
+
+# GGUF importer conventions for Gemma 3 (as llama.cpp reads such a file): every 6th layer global.
+GEMMA3_SWA_PATTERN = 6
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# pocketlm name (after "layers.{i}.") -> GGUF name (after "blk.{i}.")
+_LAYER_TO_GGUF = {
+    "attn_norm.weight": "attn_norm.weight",
+    "attn.w_q.weight": "attn_q.weight",
+    "attn.w_k.weight": "attn_k.weight",
+    "attn.w_v.weight": "attn_v.weight",
+    "attn.w_q.bias": "attn_q.bias",
+    "attn.w_k.bias": "attn_k.bias",
+    "attn.w_v.bias": "attn_v.bias",
+    "attn.w_o.weight": "attn_output.weight",
+    "attn.q_norm.weight": "attn_q_norm.weight",
+    "attn.k_norm.weight": "attn_k_norm.weight",
+    "post_attn_norm.weight": "post_attention_norm.weight",
+    "mlp_norm.weight": "ffn_norm.weight",
+    "mlp.w_gate.weight": "ffn_gate.weight",
+    "mlp.w_up.weight": "ffn_up.weight",
+    "mlp.w_down.weight": "ffn_down.weight",
+    "post_mlp_norm.weight": "post_ffw_norm.weight",
+}
+_GLOBAL_TO_GGUF = {
+    "embed.weight": "token_embd.weight",
+    "norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+# words whose left-to-right merges make up the tiny BPE merge list (byte-level, 'Ġ' = space)
+_MERGE_WORDS = (
+    "Ġthe", "Ġand", "Ġhello", "Ġworld", "ing", "er", "Ġof", "Ġto", "Ġin", "Ġis", "Ġit", "on",
+    "Ġa", "Ġwas", "Ġfor", "Ġthat", "Ġhe", "Ġyou", "Ġwith", "Ġas", "Ġon", "ed", "Ġbe", "Ġat",
+    "Ġhis", "Ġshe", "Ġby", "Ġare", "Ġthis", "Ġhave", "Ġfrom", "Ġor", "Ġone", "Ġhad", "Ġnot",
+    "Ġbut", "Ġwhat", "Ġall", "Ġwere", "Ġwhen", "Ġwe", "Ġthere", "Ġcan", "Ġan", "Ġyour",
+    "Ġwhich", "Ġtheir", "Ġsaid", "Ġif", "Ġdo", "Ġwill", "Ġeach", "Ġabout", "Ġhow", "Ġup",
+    "Ġout", "Ġthem", "Ġthen", "Ġmany", "Ġsome", "Ġso", "Ġthese", "Ġwould", "Ġother",
+)
+
+
+def gguf_name(name: str) -> str:
+    if name in _GLOBAL_TO_GGUF:
+        return _GLOBAL_TO_GGUF[name]
+    _, i, rest = name.split(".", 2)
+    return f"blk.{i}.{_LAYER_TO_GGUF[rest]}"
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The q/k row permutation of llama.cpp's converter (halves -> interleaved pairs)."""
+    rows = w.shape[0]
+    rest = w.shape[1:]
+    return (w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's 256 byte-to-unicode symbols, in byte order."""
+    keep = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def tiny_vocab(vocab_size: int) -> tuple[list[str], list[int], list[str]]:
+    """Tokens, token types and merges of a byte-level BPE vocabulary of ``vocab_size``."""
+    tokens = byte_symbols()
+    seen = set(tokens)
+    merges: list[str] = []
+    n_merges = vocab_size - len(tokens) - len(SPECIAL_TOKENS)
+    assert n_merges >= 0, "vocab_size too small for the byte symbols and the special tokens"
+    for word in _MERGE_WORDS:
+        for end in range(2, len(word) + 1):
+            if len(merges) == n_merges:
+                break
+            left, right = word[: end - 1], word[end - 1]
+            if word[:end] in seen:
+                continue
+            merges.append(f"{left} {right}")
+            tokens.append(word[:end])
+            seen.add(word[:end])
+    assert len(merges) == n_merges, "not enough merge words for this vocab_size"
+    types = [1] * len(tokens)
+    tokens += list(SPECIAL_TOKENS)
+    types += [3] * len(SPECIAL_TOKENS)
+    return tokens, types, merges
+
+
+def reference_config(arch: str, **overrides) -> ModelConfig:
+    """The config a tiny GGUF of family ``arch`` describes (as the importer derives it)."""
+    if arch == "gemma3":
+        n_layers = overrides.pop("n_layers", GEMMA3_SWA_PATTERN)
+        layer_types = [
+            "global" if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else "sliding"
+            for i in range(n_layers)
+        ]
+        return torch_ref.tiny_config(arch, n_layers=n_layers, layer_types=layer_types,
+                                     **overrides)
+    return torch_ref.tiny_config(arch, **overrides)
+
+
+def _store(qtype_name: str, w: np.ndarray):
+    """(array to write, raw_dtype, the float32 values the file holds) for one tensor."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    if qtype_name == "F32" or w.ndim != 2:
+        return w, None, w.copy()
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    q = quantize(w, qtype)
+    return q, qtype, np.asarray(dequantize(q, qtype), dtype=np.float32).reshape(w.shape)
+
+
+def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str = "Q4_0",
+                    embed_type: str | None = None, *, gguf_arch: str | None = None,
+                    extra_tensors: dict[str, np.ndarray] | None = None,
+                    drop_tensors: tuple[str, ...] = (), tokenizer_model: str = "gpt2",
+                    tokenizer_pre: str | None = None, chat_template: str | None = CHATML_TEMPLATE,
+                    **config_overrides) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Write a tiny ``arch`` model as a GGUF file at ``path``.
+
+    ``weight_type`` is the type of the linear weights; ``embed_type`` that of the token
+    embedding and untied output head (default Q8_0 for 4-bit files, so that a pack imports the
+    whole file without requantizing, else ``weight_type``). Norms and biases are F32.
+    ``gguf_arch`` overrides ``general.architecture`` (the metadata keys keep ``arch``);
+    ``extra_tensors`` (GGUF name -> array) and ``drop_tensors`` (GGUF names) make broken files.
+
+    Returns ``(config, state_dict)``: the config the file describes and the float32 weights
+    under pocketlm names as the file holds them (after quantization, before any permutation).
+    """
+    import gguf
+
+    path = Path(path)
+    if embed_type is None:
+        embed_type = "Q8_0" if weight_type in ("Q4_0", "Q4_1") else weight_type
+    config = reference_config(arch, **config_overrides)
+    weights = torch_ref.random_state_dict(config, seed=seed)
+
+    writer = gguf.GGUFWriter(str(path), gguf_arch or arch)  # writes general.architecture
+    writer.add_name(f"tiny-{arch}")
+    writer.add_file_type({"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[weight_type])
+    k = f"{arch}."
+    writer.add_uint32(k + "block_count", config.n_layers)
+    writer.add_uint32(k + "context_length", config.max_context)
+    writer.add_uint32(k + "embedding_length", config.d_model)
+    writer.add_uint32(k + "feed_forward_length", config.d_ff)
+    writer.add_uint32(k + "attention.head_count", config.n_heads)
+    writer.add_uint32(k + "attention.head_count_kv", config.n_kv_heads)
+    writer.add_float32(k + "rope.freq_base", config.rope_theta)
+    writer.add_float32(k + "attention.layer_norm_rms_epsilon", config.norm_eps)
+    if arch == "gemma3":
+        writer.add_uint32(k + "attention.key_length", config.head_dim)
+        writer.add_uint32(k + "attention.value_length", config.head_dim)
+        writer.add_uint32(k + "attention.sliding_window", config.sliding_window)
+    else:
+        assert config.head_dim * config.n_heads == config.d_model
+
+    tokens, types, merges = tiny_vocab(config.vocab_size)
+    writer.add_string("tokenizer.ggml.model", tokenizer_model)
+    writer.add_string("tokenizer.ggml.pre",
+                      tokenizer_pre or ("qwen2" if arch == "qwen2" else "smollm"))
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", tokens.index("<|endoftext|>"))
+    writer.add_uint32("tokenizer.ggml.eos_token_id", tokens.index("<|im_end|>"))
+    writer.add_bool("tokenizer.ggml.add_bos_token", False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    state: dict[str, np.ndarray] = {}
+    for name, w in weights.items():
+        if name in ("embed.weight", "lm_head.weight"):
+            qtype = embed_type
+        else:
+            qtype = weight_type
+        stored, raw_dtype, values = _store(qtype, w)
+        state[name] = values
+        permute = None
+        if arch == "llama" and name.endswith(("attn.w_q.weight", "attn.w_q.bias")):
+            permute = config.n_heads
+        elif arch == "llama" and name.endswith(("attn.w_k.weight", "attn.w_k.bias")):
+            permute = config.n_kv_heads
+        if permute is not None:
+            # the converter permutes the float rows, then quantizes: rows are whole, so
+            # quantizing first and permuting the quantized rows is the same thing
+            stored = np.ascontiguousarray(permute_rows(stored, permute))
+        gname = gguf_name(name)
+        if gname in drop_tensors:
+            continue
+        writer.add_tensor(gname, stored, raw_dtype=raw_dtype)
+    for gname, arr in (extra_tensors or {}).items():
+        writer.add_tensor(gname, np.ascontiguousarray(arr, dtype=np.float32))
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    # float metadata is stored as float32: the file describes the rounded values
+    config = dataclasses.replace(config, norm_eps=float(np.float32(config.norm_eps)),
+                                 rope_theta=float(np.float32(config.rope_theta)))
+    return config, state
