@@ -42,7 +42,7 @@ class PocketModel:
         self.generation_defaults = generation or GenerationDefaults()
         self.path = path
         self.metadata = metadata or {}
-        self.n_ctx = min(n_ctx or DEFAULT_CONTEXT, config.max_context)
+        self.n_ctx = min(_check_n_ctx(n_ctx) or DEFAULT_CONTEXT, config.max_context)
         self.last_state: GenerationState | None = None
 
     # -- tokens ------------------------------------------------------------------------------
@@ -171,6 +171,13 @@ class PocketModel:
 
 
 # -- loading ---------------------------------------------------------------------------------
+def _check_n_ctx(n_ctx):
+    if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int)
+                              or n_ctx < 1):
+        raise ContextLengthError(f"n_ctx must be a positive number of tokens, got {n_ctx!r}")
+    return n_ctx
+
+
 def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = None
                 ) -> PocketModel:
     pf = PocketFile(path, verify=verify)
@@ -192,27 +199,33 @@ def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel
                        n_ctx=n_ctx)
 
 
-def packed_cache_path(src: Path, group_size: int, embed_bits: int) -> Path:
+def packed_cache_path(src: Path, group_size: int, embed_bits: int,
+                      keep_precision: bool = False) -> Path:
     from .registry import pocket_home
 
     st = src.stat()
     key = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|g{group_size}|e{embed_bits}"
+    tag = f"g{group_size}-e{embed_bits}" + ("-keep" if keep_precision else "")
+    if keep_precision:
+        key += "|keep"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return pocket_home() / "packed" / f"{src.stem}-g{group_size}-e{embed_bits}-{digest}.pocket"
+    return pocket_home() / "packed" / f"{src.stem}-{tag}-{digest}.pocket"
 
 
 def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
-         group_size: int = 32, embed_bits: int = 8, n_ctx: int | None = None,
-         verify: bool = True, quiet: bool = True) -> PocketModel:
+         group_size: int = 32, embed_bits: int = 8, keep_precision: bool = False,
+         n_ctx: int | None = None, verify: bool = True, quiet: bool = True) -> PocketModel:
     """Load a model by registry name, ``.pocket`` file, ``.gguf`` file or Hugging Face folder.
 
     GGUF files and folders are packed to INT4 on first use and the deploy file is cached under
     ``$POCKET_HOME/packed``. ``precision="float"`` instead runs the source's dequantized float32
-    weights (the reference path, for checking an import).
+    weights (the reference path, for checking an import). ``group_size``, ``embed_bits`` and
+    ``keep_precision`` are the packing options of :func:`pocketlm.pack.pack`.
     """
     from .pack import pack
     from .registry import DEFAULT_MODEL, resolve
 
+    _check_n_ctx(n_ctx)
     if precision not in ("int4", "float"):
         raise PocketError(f"precision must be 'int4' or 'float', got {precision!r}")
     path = resolve(str(model) if model is not None else DEFAULT_MODEL, quiet=quiet)
@@ -224,7 +237,8 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
         return load_pocket(path, verify=verify, n_ctx=n_ctx)
     if precision == "float":
         return from_source(open_source(path), n_ctx=n_ctx)
-    cached = packed_cache_path(Path(path), group_size, embed_bits)
+    cached = packed_cache_path(Path(path), group_size, embed_bits, keep_precision)
     if not cached.is_file():
-        pack(path, cached, group_size=group_size, embed_bits=embed_bits, progress=not quiet)
+        pack(path, cached, group_size=group_size, embed_bits=embed_bits,
+             keep_precision=keep_precision, progress=not quiet)
     return load_pocket(cached, verify=verify, n_ctx=n_ctx)

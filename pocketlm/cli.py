@@ -70,7 +70,7 @@ def cmd_pack(args) -> int:
     if out.exists() and not args.force:
         raise PocketError(f"{out} exists; pass --force to overwrite it")
     report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                  progress=True)
+                  keep_precision=args.keep_precision, progress=True)
     print(report.summary())
     return 0
 
@@ -258,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INT4 group size (default 32)")
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8),
                    help="bits of the token embedding and output head (default 8)")
+    p.add_argument("--keep-precision", action="store_true",
+                   help="store weights that the source holds above 4 bits (Q5_0, Q6_K, Q8_0, "
+                   "float) in INT8 instead of requantizing them to INT4: larger file, source "
+                   "quality")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_pack)
 

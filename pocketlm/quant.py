@@ -212,7 +212,8 @@ def quantize(w: np.ndarray, bits: int, group_size: int = 32) -> QuantTensor:
 # Each 32-value (sub-)block is an asymmetric group-32 INT4 (or symmetric INT8) group, so these
 # import without requantizing. Q4_0 and Q4_1 are exact. Q4_K's effective scale d * sc and
 # minimum -dmin * mn are products of a float16 and a 6-bit integer, rounded here to float16:
-# a relative error of at most 2^-11 on each (the only loss).
+# a relative error of at most 2^-11 on each (the only loss; at most 2^-25 absolute in float16's
+# subnormal range). A block whose scale or minimum exceeds the float16 range is not imported.
 
 def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
     """Raw GGUF rows (uint8 ``[rows, bytes_per_row]``) -> group-32 INT4, or None if the type
@@ -224,7 +225,8 @@ def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
         d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0]
         qs = b[:, :, 2:18].reshape(rows, cols // 2)
         d32 = d.astype(np.float32)
-        mins = (-8.0 * d32).astype(np.float16)
+        with np.errstate(over="ignore"):
+            mins = (-8.0 * d32).astype(np.float16)
         if not np.array_equal(mins.astype(np.float32), -8.0 * d32):  # overflow: not exact
             return None
         return QuantTensor("int4", (rows, cols), 32, np.ascontiguousarray(qs), d.copy(), mins)
@@ -244,8 +246,11 @@ def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
         lo = qs & 0x0F  # sub-block 2j
         hi = qs >> 4  # sub-block 2j + 1
         q = np.stack([lo, hi], axis=3).reshape(rows, cols)  # [rows, nsb, 4, 2, 32]
-        scales = (d[:, :, None] * sc).astype(np.float16).reshape(rows, cols // 32)
-        mins = (-(dmin[:, :, None] * mn)).astype(np.float16).reshape(rows, cols // 32)
+        with np.errstate(over="ignore"):
+            scales = (d[:, :, None] * sc).astype(np.float16).reshape(rows, cols // 32)
+            mins = (-(dmin[:, :, None] * mn)).astype(np.float16).reshape(rows, cols // 32)
+        if not (np.isfinite(scales).all() and np.isfinite(mins).all()):  # beyond float16
+            return None
         return QuantTensor("int4", (rows, cols), 32, pack_int4(q), scales, mins)
     return None
 

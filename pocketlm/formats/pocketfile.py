@@ -25,6 +25,7 @@ interrupted write never leaves a partial ``.pocket`` file.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -37,7 +38,7 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..errors import ChecksumError, FormatError
-from ..quant import QuantTensor
+from ..quant import GROUP_SIZES, QuantTensor
 
 FORMAT_NAME = "pocket"
 FORMAT_VERSION = 1
@@ -75,7 +76,7 @@ def read_header(path: str | Path, buf) -> tuple[dict[str, str], dict[str, Tensor
                           "(truncated, or not a safetensors/.pocket file)")
     try:
         header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge numbers, deep nesting
         raise FormatError(f"{path}: header is not valid JSON ({exc}): file corrupt") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header is not a JSON object")
@@ -89,11 +90,11 @@ def read_header(path: str | Path, buf) -> tuple[dict[str, str], dict[str, Tensor
             dtype, shape, (b, e) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise FormatError(f"{path}: tensor {name!r} has a malformed header entry") from None
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise FormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
             raise FormatError(f"{path}: tensor {name!r} has a malformed shape {shape!r}")
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         if not (isinstance(b, int) and isinstance(e, int)) or e - b != count * np.dtype(
             DTYPES[dtype]
         ).itemsize or b < 0:
@@ -126,11 +127,16 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     """Write named arrays and metadata as a .pocket file, atomically. Returns the file size."""
     path = Path(path)
     items = [(name, np.ascontiguousarray(a)) for name, a in tensors]
+    seen: set[str] = set()
+    for name, a in items:
+        if name in seen or name == "__metadata__" or name.startswith("_pad."):
+            raise FormatError(f"cannot store tensor {name!r}: duplicate or reserved name")
+        if a.dtype not in _NP_TO_DTYPE:
+            raise FormatError(f"cannot store tensor {name!r} of dtype {a.dtype}")
+        seen.add(name)
     meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
     for k, v in metadata.items():
         meta[k] = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
-    meta["checksums"] = json.dumps({name: zlib.crc32(memoryview(a).cast("B"))
-                                    for name, a in items}, sort_keys=True)
 
     # Plan offsets (relative to the data start), inserting padding so that every tensor is
     # 64-byte aligned in the file once the data start itself is aligned.
@@ -139,8 +145,6 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     offset = 0
     n_pad = 0
     for name, a in items:
-        if a.dtype not in _NP_TO_DTYPE:
-            raise FormatError(f"cannot store tensor {name!r} of dtype {a.dtype}")
         if offset % ALIGN:
             pad = ALIGN - offset % ALIGN
             pad_name = f"_pad.{n_pad}"
@@ -153,6 +157,9 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
                          "data_offsets": [offset, offset + a.nbytes]}
         layout.append((name, a))
         offset += a.nbytes
+    # every tensor in the file, padding included, has its checksum (the reader requires them)
+    meta["checksums"] = json.dumps({name: zlib.crc32(_raw_bytes(a)) for name, a in layout},
+                                   sort_keys=True)
     header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     total = 8 + len(header)
     header += b" " * ((ALIGN - total % ALIGN) % ALIGN)
@@ -160,11 +167,13 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):  # mkstemp creates 0600; give the mode a new file would get
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for _, a in layout:
-                f.write(memoryview(a).cast("B"))
+                f.write(_raw_bytes(a))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -173,6 +182,17 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
             os.unlink(tmp)
         raise
     return path.stat().st_size
+
+
+def _raw_bytes(a: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (zero-size arrays included)."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class _suppress:
@@ -198,14 +218,17 @@ class PocketFile:
                               "(no 'format: pocket' metadata); convert it with `pocket pack`")
         try:
             version = int(self.metadata.get("format_version", "0"))
-        except ValueError:
+        except (TypeError, ValueError):
             version = -1
         if version != FORMAT_VERSION:
             raise FormatError(f"{self.path}: deploy file format version {version} is not "
                               f"supported (this pocketlm reads version {FORMAT_VERSION}); "
                               "repack the model with this version's `pocket pack`")
         self.checksums = self._json("checksums")
-        missing = sorted(set(self.infos) - set(self.checksums))
+        if not isinstance(self.checksums, dict):
+            raise FormatError(f"{self.path}: metadata field 'checksums' is not an object")
+        missing = sorted(n for n in set(self.infos) - set(self.checksums)
+                         if not n.startswith("_pad."))  # older writers skipped the padding
         if missing:
             raise FormatError(f"{self.path}: no checksum recorded for tensors {missing[:3]}")
         if verify:
@@ -219,17 +242,20 @@ class PocketFile:
             raise FormatError(f"{self.path}: metadata field {key!r} is missing")
         try:
             return json.loads(raw)
-        except json.JSONDecodeError:
+        except (TypeError, ValueError, RecursionError):
             raise FormatError(f"{self.path}: metadata field {key!r} is not valid JSON") from None
 
     def verify(self, names: Iterable[str] | None = None) -> None:
         for name in names if names is not None else self.infos:
             info = self.infos[name]
+            if name.startswith("_pad.") and name not in self.checksums:
+                continue
             crc = zlib.crc32(memoryview(self._buf)[info.start:info.end])
-            if crc != self.checksums.get(name):
+            recorded = self.checksums.get(name)
+            if crc != recorded:
+                shown = f"{recorded:08x}" if isinstance(recorded, int) else repr(recorded)
                 raise ChecksumError(f"{self.path}: tensor {name!r} is corrupt (CRC-32 {crc:08x}, "
-                                    f"recorded {self.checksums.get(name, 0):08x}); "
-                                    "re-download or repack the model")
+                                    f"recorded {shown}); re-download or repack the model")
 
     def tensor(self, name: str) -> np.ndarray:
         try:
@@ -242,18 +268,32 @@ class PocketFile:
 
     def weights(self) -> dict[str, np.ndarray | QuantTensor]:
         """Every model tensor, quantized ones as :class:`QuantTensor` (views, no copies)."""
-        quant = self._json("quant", {}).get("tensors", {})
+        quant = self._json("quant", {})
+        quant = quant.get("tensors", {}) if isinstance(quant, dict) else None
+        if not isinstance(quant, dict):
+            raise FormatError(f"{self.path}: metadata field 'quant' is malformed")
         out: dict[str, np.ndarray | QuantTensor] = {}
         companions = set()
         for name, q in quant.items():
-            kind, shape, gs = q["kind"], tuple(q["shape"]), int(q["group_size"])
+            try:
+                kind, shape, gs = q["kind"], tuple(q["shape"]), int(q["group_size"])
+                rows, cols = (int(n) for n in shape)
+                ok = kind in ("int4", "int8") and gs in GROUP_SIZES and rows >= 0 and cols % gs == 0
+            except (KeyError, TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise FormatError(f"{self.path}: tensor {name!r} has a malformed quant layout "
+                                  f"{q!r}")
+            shape = (rows, cols)
             qweight = self.tensor(name)
             scales = self.tensor(name + ".scales")
             mins = self.tensor(name + ".mins") if kind == "int4" else None
-            rows, cols = shape
             expect = (rows, cols // 2) if kind == "int4" else (rows, cols)
+            qdtype = np.uint8 if kind == "int4" else np.int8
             if qweight.shape != expect or scales.shape != (rows, cols // gs) or (
                 mins is not None and mins.shape != scales.shape
+            ) or qweight.dtype != qdtype or scales.dtype != np.float16 or (
+                mins is not None and mins.dtype != np.float16
             ):
                 raise FormatError(f"{self.path}: tensor {name!r} does not match its quant layout")
             out[name] = QuantTensor(kind, shape, gs, qweight, scales, mins)

@@ -1,0 +1,74 @@
+/* Internal helpers shared by the kernel sources (not part of the public API). */
+#ifndef POCKET_INTERNAL_H
+#define POCKET_INTERNAL_H
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pocket_kernels.h"
+
+/* The SIMD kernels need GCC/Clang target attributes and x86-64 intrinsics. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+    !defined(POCKET_NO_SIMD)
+#define POCKET_X86_SIMD 1
+#else
+#define POCKET_X86_SIMD 0
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define POCKET_INLINE static inline __attribute__((always_inline))
+#define POCKET_LIKELY(x) __builtin_expect(!!(x), 1)
+#else
+#define POCKET_INLINE static inline
+#define POCKET_LIKELY(x) (x)
+#endif
+
+/* Bytes ahead of the weight stream that the decode (n == 1) kernels prefetch. */
+#ifndef POCKET_PREFETCH_DIST
+#define POCKET_PREFETCH_DIST 12288
+#endif
+
+/* Columns of a float32 weight tile (dequantized rows) in the batched float kernels. */
+#define POCKET_KC 512
+
+/* Activation blocks whose absolute maximum is below this quantize to zero (avoids 1/tiny). */
+#define POCKET_ACT_TINY 1e-30f
+
+/* float16 bits -> float32 (exact, subnormals, infinities and NaNs included). */
+static inline float pocket_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {
+        f = (float)man * (1.0f / 16777216.0f); /* man * 2^-24, exact */
+        return sign ? -f : f;
+    }
+    if (exp == 31)
+        bits = sign | 0x7f800000u | (man << 13);
+    else
+        bits = sign | ((exp + 112u) << 23) | (man << 13);
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Argument checks shared by all kernels. */
+static inline int pocket_check_shape(int n, int cols, int rows, int group_size, int row_begin,
+                                     int row_end) {
+    if (n < 0 || cols <= 0 || rows <= 0) return POCKET_EINVAL;
+    if (group_size != 32 && group_size != 64 && group_size != 128) return POCKET_EINVAL;
+    if (cols % POCKET_QBLOCK != 0 || cols % group_size != 0) return POCKET_EINVAL;
+    if (row_begin < 0 || row_end < row_begin || row_end > rows) return POCKET_EINVAL;
+    return POCKET_OK;
+}
+
+static inline size_t pocket_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+#if POCKET_X86_SIMD
+extern const pocket_kernel_table pocket_table_avx2;
+extern const pocket_kernel_table pocket_table_avx512;
+#endif
+
+#endif /* POCKET_INTERNAL_H */

@@ -1,0 +1,492 @@
+/* pocketlm._native: the CPython wrapper of the native kernels.
+ *
+ * Every argument is checked here before any kernel runs (dtype, dimensions, C order, shapes
+ * consistent with each other, group size, output writable and not overlapping an input), so a
+ * bad call raises TypeError / ValueError instead of reading out of bounds. The GIL is released
+ * while the kernels run. Arrays are taken through the buffer protocol (numpy is not needed to
+ * build this module); no alignment is required.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <limits.h>
+#include <string.h>
+
+#include "pocket_kernels.h"
+
+#define KERNEL_API 1
+
+/* ---- ThreadPool ------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD pocket_pool *pool;
+    int size;
+} PoolObject;
+
+static void pool_dealloc(PoolObject *self) {
+    if (self->pool) {
+        pocket_pool *p = self->pool;
+        self->pool = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        pocket_pool_destroy(p);
+        Py_END_ALLOW_THREADS
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *pool_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"threads", NULL};
+    int n;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "i:ThreadPool", kwlist, &n)) return NULL;
+    if (n < 1 || n > 1024) {
+        PyErr_Format(PyExc_ValueError, "ThreadPool: threads must be in 1..1024, got %d", n);
+        return NULL;
+    }
+    PoolObject *self = (PoolObject *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->pool = pocket_pool_create(n);
+    if (!self->pool) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "ThreadPool: cannot create the worker threads");
+        return NULL;
+    }
+    self->size = pocket_pool_size(self->pool);
+    return (PyObject *)self;
+}
+
+static PyObject *pool_get_size(PoolObject *self, void *closure) {
+    (void)closure;
+    return PyLong_FromLong(self->size);
+}
+
+static PyGetSetDef pool_getset[] = {
+    {"size", (getter)pool_get_size, NULL, "threads of the pool, the caller included", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject PoolType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pocketlm._native.ThreadPool",
+    .tp_basicsize = sizeof(PoolObject),
+    .tp_dealloc = (destructor)pool_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "ThreadPool(threads): worker threads for the matrix products (fixed row split).",
+    .tp_new = pool_new,
+    .tp_getset = pool_getset,
+};
+
+/* ---- argument checks -------------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer v;
+    int held;
+} Arr;
+
+static void arr_release(Arr *a) {
+    if (a->held) PyBuffer_Release(&a->v);
+    a->held = 0;
+}
+
+static const char *dtype_name(char code) {
+    switch (code) {
+    case 'f': return "float32";
+    case 'e': return "float16";
+    case 'B': return "uint8";
+    case 'b': return "int8";
+    default: return "?";
+    }
+}
+
+static int host_little_endian(void) {
+    const uint16_t one = 1;
+    return *(const unsigned char *)&one == 1;
+}
+
+/* The element type code of a buffer format ('f', 'e', 'B', ...), or 0 if it is not one
+ * native scalar. */
+static char format_code(const char *fmt) {
+    if (!fmt) return 'B';
+    if (*fmt == '@' || *fmt == '=' || (*fmt == '<' && host_little_endian()) ||
+        ((*fmt == '>' || *fmt == '!') && !host_little_endian()))
+        fmt++;
+    if (fmt[0] == '\0' || fmt[1] != '\0') return 0;
+    return fmt[0];
+}
+
+/* Take `obj` as a C-contiguous 2-D array of element type `code`. */
+static int get_array(PyObject *obj, const char *name, char code, int writable, Arr *a) {
+    a->held = 0;
+    if (obj == NULL || obj == Py_None || !PyObject_CheckBuffer(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s must be a %s numpy array, got %s", name,
+                     dtype_name(code), obj ? Py_TYPE(obj)->tp_name : "nothing");
+        return -1;
+    }
+    int flags = PyBUF_RECORDS_RO | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, &a->v, flags) < 0) {
+        if (writable && PyObject_GetBuffer(obj, &a->v, PyBUF_RECORDS_RO) == 0) {
+            PyBuffer_Release(&a->v);
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s must be a writable array", name);
+        } else {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s must be a %s numpy array (no usable buffer)", name,
+                         dtype_name(code));
+        }
+        return -1;
+    }
+    a->held = 1;
+    char got = format_code(a->v.format);
+    if (got != code || a->v.itemsize != (code == 'f' ? 4 : code == 'e' ? 2 : 1)) {
+        PyErr_Format(PyExc_TypeError, "%s must have dtype %s, got buffer format '%s'", name,
+                     dtype_name(code), a->v.format ? a->v.format : "B");
+        arr_release(a);
+        return -1;
+    }
+    if (a->v.ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "%s must be 2-D, got %d dimension(s)", name, a->v.ndim);
+        arr_release(a);
+        return -1;
+    }
+    if (!PyBuffer_IsContiguous(&a->v, 'C')) {
+        PyErr_Format(PyExc_ValueError, "%s must be C-contiguous", name);
+        arr_release(a);
+        return -1;
+    }
+    for (int d = 0; d < 2; d++)
+        if (a->v.shape[d] > INT_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s is too large (dimension %zd)", name,
+                         a->v.shape[d]);
+            arr_release(a);
+            return -1;
+        }
+    return 0;
+}
+
+static int check_shape(const Arr *a, const char *name, Py_ssize_t d0, Py_ssize_t d1) {
+    if (a->v.shape[0] != d0 || a->v.shape[1] != d1) {
+        PyErr_Format(PyExc_ValueError, "%s has shape (%zd, %zd), expected (%zd, %zd)", name,
+                     a->v.shape[0], a->v.shape[1], d0, d1);
+        return -1;
+    }
+    return 0;
+}
+
+static int overlaps(const Arr *a, const Arr *b) {
+    if (!a->held || !b->held || a->v.len == 0 || b->v.len == 0) return 0;
+    const char *a0 = (const char *)a->v.buf, *b0 = (const char *)b->v.buf;
+    return a0 < b0 + b->v.len && b0 < a0 + a->v.len;
+}
+
+static int check_level(int level) {
+    if (level == POCKET_LEVEL_AUTO) return 0;
+    if (level < 0 || level >= POCKET_LEVEL_COUNT) {
+        PyErr_Format(PyExc_ValueError, "unknown kernel level %d", level);
+        return -1;
+    }
+    if (!pocket_level_supported(level)) {
+        PyErr_Format(PyExc_ValueError, "kernel level '%s' is not %s", pocket_level_name(level),
+                     pocket_level_compiled(level) ? "supported by this CPU"
+                                                  : "compiled into this build");
+        return -1;
+    }
+    return 0;
+}
+
+static int check_pool(PyObject *pool, int threads) {
+    if (pool != Py_None && !PyObject_TypeCheck(pool, &PoolType)) {
+        PyErr_Format(PyExc_TypeError, "pool must be a ThreadPool or None, got %s",
+                     Py_TYPE(pool)->tp_name);
+        return -1;
+    }
+    if (threads < 1 || threads > 1024) {
+        PyErr_Format(PyExc_ValueError, "threads must be in 1..1024, got %d", threads);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *raise_status(int rc) {
+    if (rc == POCKET_ENOMEM)
+        PyErr_NoMemory();
+    else if (rc == POCKET_EUNSUPPORTED)
+        PyErr_SetString(PyExc_ValueError, "the kernel level is not supported by this CPU");
+    else
+        PyErr_Format(PyExc_ValueError, "native kernel rejected its arguments (status %d)", rc);
+    return NULL;
+}
+
+/* ---- matmul_q4 / matmul_q8 -------------------------------------------------------------- */
+
+#define MATMUL_DOC \
+    "matmul_q4(x, qweight, scales, mins, group_size, out, act_q8=False, level=-1, threads=1,\n" \
+    "          pool=None)\n" \
+    "matmul_q8(x, qweight, scales, group_size, out, act_q8=False, level=-1, threads=1,\n" \
+    "          pool=None)\n\n" \
+    "out[:] = x @ W.T for an INT4 (uint8 qweight [rows, cols/2], float16 scales and mins\n" \
+    "[rows, cols/group_size]) or INT8 (int8 qweight [rows, cols], float16 scales) weight;\n" \
+    "x float32 [n, cols], out float32 [n, rows]. act_q8 quantizes x per block of 32 to int8\n" \
+    "first. level: -1 (best) or a LEVEL_* value. Returns None."
+
+static PyObject *do_matmul(int bits, PyObject *args, PyObject *kwds) {
+    static char *kw4[] = {"x",      "qweight", "scales", "mins", "group_size", "out",
+                          "act_q8", "level",   "threads", "pool", NULL};
+    static char *kw8[] = {"x",     "qweight", "scales", "group_size", "out", "act_q8",
+                          "level", "threads", "pool",   NULL};
+    PyObject *ox, *oq, *os, *om = NULL, *oy, *opool = Py_None;
+    int gs, act_q8 = 0, level = POCKET_LEVEL_AUTO, threads = 1;
+    int ok = bits == 4
+                 ? PyArg_ParseTupleAndKeywords(args, kwds, "OOOOiO|piiO:matmul_q4", kw4, &ox, &oq,
+                                               &os, &om, &gs, &oy, &act_q8, &level, &threads,
+                                               &opool)
+                 : PyArg_ParseTupleAndKeywords(args, kwds, "OOOiO|piiO:matmul_q8", kw8, &ox, &oq,
+                                               &os, &gs, &oy, &act_q8, &level, &threads, &opool);
+    if (!ok) return NULL;
+    if (gs != 32 && gs != 64 && gs != 128) {
+        PyErr_Format(PyExc_ValueError, "group_size must be 32, 64 or 128, got %d", gs);
+        return NULL;
+    }
+    if (check_level(level) < 0 || check_pool(opool, threads) < 0) return NULL;
+
+    Arr x = {0}, q = {0}, s = {0}, m = {0}, y = {0};
+    PyObject *result = NULL;
+    if (get_array(ox, "x", 'f', 0, &x) < 0) goto done;
+    if (get_array(oq, "qweight", bits == 4 ? 'B' : 'b', 0, &q) < 0) goto done;
+    if (get_array(os, "scales", 'e', 0, &s) < 0) goto done;
+    if (bits == 4 && get_array(om, "mins", 'e', 0, &m) < 0) goto done;
+    if (get_array(oy, "out", 'f', 1, &y) < 0) goto done;
+
+    Py_ssize_t n = x.v.shape[0], cols = x.v.shape[1], rows = q.v.shape[0];
+    Py_ssize_t wcols = bits == 4 ? 2 * q.v.shape[1] : q.v.shape[1];
+    if (rows == 0 || wcols == 0) {
+        PyErr_Format(PyExc_ValueError, "qweight is empty (shape (%zd, %zd))", q.v.shape[0],
+                     q.v.shape[1]);
+        goto done;
+    }
+    if (wcols % 32) {
+        PyErr_Format(PyExc_ValueError,
+                     "the weight has %zd input columns, which is not a multiple of 32", wcols);
+        goto done;
+    }
+    if (wcols % gs) {
+        PyErr_Format(PyExc_ValueError,
+                     "the weight has %zd input columns, not a multiple of group_size %d", wcols,
+                     gs);
+        goto done;
+    }
+    if (cols != wcols) {
+        PyErr_Format(PyExc_ValueError, "x has %zd features, the weight expects %zd", cols,
+                     wcols);
+        goto done;
+    }
+    if (wcols > INT_MAX || rows > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "the weight is too large");
+        goto done;
+    }
+    if (check_shape(&s, "scales", rows, wcols / gs) < 0) goto done;
+    if (bits == 4 && check_shape(&m, "mins", rows, wcols / gs) < 0) goto done;
+    if (check_shape(&y, "out", n, rows) < 0) goto done;
+    if (overlaps(&y, &x) || overlaps(&y, &q) || overlaps(&y, &s) || overlaps(&y, &m)) {
+        PyErr_SetString(PyExc_ValueError, "out must not share memory with an input");
+        goto done;
+    }
+
+    {
+        pocket_pool *pool = opool == Py_None ? NULL : ((PoolObject *)opool)->pool;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        if (bits == 4)
+            rc = pocket_linear_q4(pool, threads, level, act_q8, (const float *)x.v.buf, (int)n,
+                                  (int)cols, (const uint8_t *)q.v.buf,
+                                  (const uint16_t *)s.v.buf, (const uint16_t *)m.v.buf,
+                                  (int)rows, gs, (float *)y.v.buf);
+        else
+            rc = pocket_linear_q8(pool, threads, level, act_q8, (const float *)x.v.buf, (int)n,
+                                  (int)cols, (const int8_t *)q.v.buf,
+                                  (const uint16_t *)s.v.buf, (int)rows, gs, (float *)y.v.buf);
+        Py_END_ALLOW_THREADS
+        if (rc != POCKET_OK) {
+            raise_status(rc);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    arr_release(&x);
+    arr_release(&q);
+    arr_release(&s);
+    arr_release(&m);
+    arr_release(&y);
+    return result;
+}
+
+static PyObject *py_matmul_q4(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    return do_matmul(4, args, kwds);
+}
+
+static PyObject *py_matmul_q8(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    return do_matmul(8, args, kwds);
+}
+
+/* ---- quantize_act_q8 -------------------------------------------------------------------- */
+
+static PyObject *py_quantize_act_q8(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kw[] = {"x", "qx", "dx", "sx", "level", NULL};
+    PyObject *ox, *oq, *od, *os;
+    int level = POCKET_LEVEL_AUTO;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|i:quantize_act_q8", kw, &ox, &oq, &od,
+                                     &os, &level))
+        return NULL;
+    if (check_level(level) < 0) return NULL;
+    Arr x = {0}, q = {0}, d = {0}, s = {0};
+    PyObject *result = NULL;
+    if (get_array(ox, "x", 'f', 0, &x) < 0) goto done;
+    if (get_array(oq, "qx", 'b', 1, &q) < 0) goto done;
+    if (get_array(od, "dx", 'f', 1, &d) < 0) goto done;
+    if (get_array(os, "sx", 'f', 1, &s) < 0) goto done;
+    Py_ssize_t n = x.v.shape[0], cols = x.v.shape[1];
+    if (cols == 0 || cols % 32) {
+        PyErr_Format(PyExc_ValueError, "x has %zd features, not a positive multiple of 32",
+                     cols);
+        goto done;
+    }
+    if (n > INT_MAX / 2) {
+        PyErr_SetString(PyExc_ValueError, "x is too large");
+        goto done;
+    }
+    if (check_shape(&q, "qx", n, cols) < 0 || check_shape(&d, "dx", n, cols / 32) < 0 ||
+        check_shape(&s, "sx", n, cols / 32) < 0)
+        goto done;
+    if (overlaps(&q, &x) || overlaps(&d, &x) || overlaps(&s, &x) || overlaps(&q, &d) ||
+        overlaps(&q, &s) || overlaps(&d, &s)) {
+        PyErr_SetString(PyExc_ValueError, "qx, dx and sx must not share memory with each other "
+                                          "or with x");
+        goto done;
+    }
+    {
+        const pocket_kernel_table *t = pocket_kernels(level);
+        int rc;
+        if (!t) {
+            raise_status(POCKET_EUNSUPPORTED);
+            goto done;
+        }
+        Py_BEGIN_ALLOW_THREADS
+        rc = t->quantize_act_q8((const float *)x.v.buf, (int)n, (int)cols, (int8_t *)q.v.buf,
+                                (float *)d.v.buf, (float *)s.v.buf);
+        Py_END_ALLOW_THREADS
+        if (rc != POCKET_OK) {
+            raise_status(rc);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    arr_release(&x);
+    arr_release(&q);
+    arr_release(&d);
+    arr_release(&s);
+    return result;
+}
+
+/* ---- cpu_info --------------------------------------------------------------------------- */
+
+static PyObject *py_cpu_info(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    static const struct {
+        unsigned bit;
+        const char *name;
+    } names[] = {
+        {POCKET_CPU_X86_64, "x86_64"},         {POCKET_CPU_AARCH64, "aarch64"},
+        {POCKET_CPU_AVX2, "avx2"},             {POCKET_CPU_FMA, "fma"},
+        {POCKET_CPU_F16C, "f16c"},             {POCKET_CPU_AVX512F, "avx512f"},
+        {POCKET_CPU_AVX512BW, "avx512bw"},     {POCKET_CPU_AVX512DQ, "avx512dq"},
+        {POCKET_CPU_AVX512VL, "avx512vl"},     {POCKET_CPU_AVX512VNNI, "avx512vnni"},
+        {POCKET_CPU_AVXVNNI, "avxvnni"},       {POCKET_CPU_AMX_INT8, "amx_int8"},
+        {POCKET_CPU_AMX_BF16, "amx_bf16"},     {POCKET_CPU_NEON, "neon"},
+        {POCKET_CPU_ASIMD_DOT, "asimd_dot"},
+    };
+    unsigned f = pocket_cpu_features();
+    PyObject *d = PyDict_New(), *feat = PyDict_New(), *sup = PyList_New(0),
+             *comp = PyList_New(0);
+    if (!d || !feat || !sup || !comp) goto fail;
+    for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+        if (PyDict_SetItemString(feat, names[k].name, (f & names[k].bit) ? Py_True : Py_False))
+            goto fail;
+    for (int l = 0; l < POCKET_LEVEL_COUNT; l++) {
+        PyObject *s = PyUnicode_FromString(pocket_level_name(l));
+        if (!s) goto fail;
+        int bad = (pocket_level_compiled(l) && PyList_Append(comp, s)) ||
+                  (pocket_level_supported(l) && PyList_Append(sup, s));
+        Py_DECREF(s);
+        if (bad) goto fail;
+    }
+    {
+        PyObject *best = PyUnicode_FromString(pocket_level_name(pocket_best_level()));
+        if (!best || PyDict_SetItemString(d, "best", best)) {
+            Py_XDECREF(best);
+            goto fail;
+        }
+        Py_DECREF(best);
+    }
+    if (PyDict_SetItemString(d, "features", feat) || PyDict_SetItemString(d, "levels", sup) ||
+        PyDict_SetItemString(d, "compiled", comp))
+        goto fail;
+    Py_DECREF(feat);
+    Py_DECREF(sup);
+    Py_DECREF(comp);
+    return d;
+fail:
+    Py_XDECREF(d);
+    Py_XDECREF(feat);
+    Py_XDECREF(sup);
+    Py_XDECREF(comp);
+    return NULL;
+}
+
+/* ---- module ----------------------------------------------------------------------------- */
+
+static PyMethodDef methods[] = {
+    {"matmul_q4", (PyCFunction)(void (*)(void))py_matmul_q4, METH_VARARGS | METH_KEYWORDS,
+     MATMUL_DOC},
+    {"matmul_q8", (PyCFunction)(void (*)(void))py_matmul_q8, METH_VARARGS | METH_KEYWORDS,
+     MATMUL_DOC},
+    {"quantize_act_q8", (PyCFunction)(void (*)(void))py_quantize_act_q8,
+     METH_VARARGS | METH_KEYWORDS,
+     "quantize_act_q8(x, qx, dx, sx, level=-1): x float32 [n, cols] -> qx int8 [n, cols],\n"
+     "dx float32 [n, cols/32] (block scales), sx float32 [n, cols/32] (dx * sum of qx)."},
+    {"cpu_info", py_cpu_info, METH_NOARGS,
+     "cpu_info() -> dict: detected CPU features, supported and compiled kernel levels, best."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {
+    PyModuleDef_HEAD_INIT, "pocketlm._native",
+    "Native quantized matrix kernels of pocketlm (see pocketlm.runtime.kernels.native).", -1,
+    methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&PoolType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&moduledef);
+    if (!m) return NULL;
+    Py_INCREF(&PoolType);
+    if (PyModule_AddObject(m, "ThreadPool", (PyObject *)&PoolType) < 0) {
+        Py_DECREF(&PoolType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "LEVEL_AUTO", POCKET_LEVEL_AUTO) ||
+        PyModule_AddIntConstant(m, "LEVEL_SCALAR", POCKET_LEVEL_SCALAR) ||
+        PyModule_AddIntConstant(m, "LEVEL_AVX2", POCKET_LEVEL_AVX2) ||
+        PyModule_AddIntConstant(m, "LEVEL_AVX512", POCKET_LEVEL_AVX512) ||
+        PyModule_AddIntConstant(m, "KERNEL_API", KERNEL_API) ||
+        PyModule_AddIntConstant(m, "QBLOCK", POCKET_QBLOCK)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,291 @@
+"""The Python API (``pocketlm.load`` and :class:`PocketModel`) on a tiny packed GGUF model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import pocketlm
+from pocketlm.errors import ContextLengthError, ModelNotFoundError, SamplingError
+
+tiny_gguf = pytest.importorskip("tiny_gguf", reason="needs torch and gguf (the test extra)")
+
+PROMPT = "hello world, the"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny llama GGUF and a POCKET_HOME of its own (for the packed cache)."""
+    root = tmp_path_factory.mktemp("api")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(root / "home"))
+        gguf_path = root / "tiny.gguf"
+        config, _ = tiny_gguf.write_tiny_gguf(gguf_path, "llama", seed=2, weight_type="Q4_0")
+        model = pocketlm.load(gguf_path)
+        yield {"root": root, "gguf": gguf_path, "config": config, "model": model, "mp": mp}
+
+
+@pytest.fixture
+def m(env):
+    return env["model"]
+
+
+def greedy_chain(m, ids: list[int], n: int, penalty: float = 1.0) -> list[int]:
+    """Greedy continuation computed by hand: a full prefill of the sequence at every step
+    (``penalty``: repetition penalty on every token seen so far, prompt included)."""
+    ids = list(ids)
+    out: list[int] = []
+    for _ in range(n):
+        x = m.logits(ids)[-1].astype(np.float64)
+        seen = sorted(set(ids))
+        x[seen] = np.where(x[seen] > 0, x[seen] / penalty, x[seen] * penalty)
+        t = int(np.argmax(x))
+        if t in m.tokenizer.eos_ids:
+            break
+        out.append(t)
+        ids.append(t)
+    return out
+
+
+# -- loading ---------------------------------------------------------------------------------
+def test_load_packs_into_pocket_home(env, m):
+    packed = list((env["root"] / "home" / "packed").glob("*.pocket"))
+    assert len(packed) == 1
+    assert m.path == packed[0]
+    assert m.config == env["config"]
+    assert "llama" in repr(m)
+
+
+def test_second_load_reuses_the_packed_file(env, monkeypatch):
+    packed = next((env["root"] / "home" / "packed").glob("*.pocket"))
+    mtime = packed.stat().st_mtime_ns
+
+    def no_pack(*args, **kwargs):
+        raise AssertionError("packed again")
+
+    monkeypatch.setattr("pocketlm.pack.pack", no_pack)
+    again = pocketlm.load(env["gguf"])
+    assert again.path == packed
+    assert packed.stat().st_mtime_ns == mtime
+    ids = again.tokenize(PROMPT)
+    np.testing.assert_array_equal(again.logits(ids), env["model"].logits(ids))
+
+
+def test_float_precision_loads_the_source(env, m):
+    f = pocketlm.load(env["gguf"], precision="float")
+    ids = m.tokenize(PROMPT)
+    a, b = f.logits(ids), m.logits(ids)
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-4 * np.abs(a).max())  # Q4_0: lossless
+
+
+def test_unknown_model_name(env):
+    with pytest.raises(ModelNotFoundError) as exc:
+        pocketlm.load("no-such-model")
+    assert "smollm2-135m" in str(exc.value)  # lists the known names
+
+
+def test_bad_precision(env):
+    with pytest.raises(pocketlm.PocketError, match="precision"):
+        pocketlm.load(env["gguf"], precision="int3")
+
+
+# -- tokens and logits -----------------------------------------------------------------------
+def test_tokenize_detokenize_round_trip(m):
+    for text in ["hello world", "  spaces\tand\nnewlines ", "caf\u00e9 \u4e2d\u6587 \U0001f600",
+                 "<|im_start|>user\nhi<|im_end|>"]:
+        ids = m.tokenize(text)
+        assert all(isinstance(i, int) for i in ids)
+        assert m.detokenize(ids) == text
+    ids = m.tokenize("<|im_start|>hi")
+    assert ids[0] == m.tokenizer.token_to_id("<|im_start|>")
+    plain = m.tokenize("<|im_start|>hi", special=False)
+    assert m.tokenizer.token_to_id("<|im_start|>") not in plain
+    assert m.detokenize(plain) == "<|im_start|>hi"
+    with pytest.raises(pocketlm.PocketError):
+        m.tokenize(b"bytes")
+
+
+def test_logits_shape_and_dtype(m):
+    ids = m.tokenize(PROMPT)
+    logits = m.logits(ids)
+    assert logits.shape == (len(ids), m.config.vocab_size)
+    assert logits.dtype == np.float32
+    assert np.isfinite(logits).all()
+    # the last row does not depend on running the prefix separately
+    np.testing.assert_allclose(m.logits(ids[:3])[-1], logits[2], rtol=0,
+                               atol=1e-4 * np.abs(logits).max())
+
+
+def test_logits_bad_ids(m):
+    with pytest.raises(pocketlm.PocketError, match="out of range"):
+        m.logits([1, m.config.vocab_size])
+    with pytest.raises(pocketlm.PocketError):
+        m.logits([])
+    with pytest.raises(ContextLengthError):
+        m.logits([1] * (m.config.max_context + 1))
+
+
+# -- generation ------------------------------------------------------------------------------
+def test_greedy_is_the_argmax_chain(m):
+    n = 12
+    text = m.generate(PROMPT, max_tokens=n)
+    generated = list(m.last_state.generated)
+    assert generated == greedy_chain(m, m.tokenize(PROMPT), n)
+    assert text == m.tokenizer.decode(generated, skip_special=True)
+    assert m.generate(PROMPT, max_tokens=n) == text  # deterministic
+    assert m.last_state.prompt_tokens == len(m.tokenize(PROMPT))
+    assert m.last_state.finish_reason in ("stop", "length")
+
+
+def test_greedy_with_repetition_penalty(m):
+    """A penalty keeps the tiny model from repeating itself: a long, varied chain."""
+    n = 24
+    m.generate(PROMPT, max_tokens=n, repetition_penalty=2.0)
+    generated = list(m.last_state.generated)
+    assert len(set(generated)) > 16
+    assert generated == greedy_chain(m, m.tokenize(PROMPT), n, penalty=2.0)
+
+
+def test_seeded_sampling_is_reproducible(m):
+    kw = dict(max_tokens=24, temperature=1.5)
+    ids = m.tokenize(PROMPT)
+    runs = {}
+    for seed in range(4):
+        a = list(m.stream_ids(ids, seed=seed, **kw))
+        b = list(m.stream_ids(ids, seed=seed, **kw))
+        assert a == b
+        runs[seed] = tuple(a)
+    assert len(set(runs.values())) > 1  # different seeds differ
+    assert m.generate(PROMPT, seed=3, **kw) == m.generate(PROMPT, seed=3, **kw)
+
+
+def test_top_k_one_is_greedy(m):
+    greedy = m.generate(PROMPT, max_tokens=10)
+    assert m.generate(PROMPT, max_tokens=10, temperature=2.0, top_k=1, seed=5) == greedy
+    assert m.generate(PROMPT, max_tokens=10, temperature=0.7, top_p=1e-6, seed=5) == greedy
+
+
+def test_stream_joins_to_generate(m):
+    for kw in (dict(), dict(temperature=1.0, seed=11, top_p=0.9, min_p=0.01)):
+        pieces = list(m.stream(PROMPT, 16, **kw))
+        assert all(isinstance(p, str) and p for p in pieces)
+        assert "".join(pieces) == m.generate(PROMPT, 16, **kw)
+
+
+def test_max_tokens_zero(m):
+    assert m.generate(PROMPT, max_tokens=0) == ""
+    assert list(m.stream(PROMPT, max_tokens=0)) == []
+    assert m.last_state.finish_reason == "length"
+
+
+def test_stop_strings_cut_the_output(m):
+    # sample until the output is long enough to hold a stop string that spans tokens
+    for seed in range(20):
+        full = m.generate(PROMPT, 40, temperature=1.0, seed=seed)
+        if len(full) >= 12:
+            break
+    else:
+        pytest.skip("the tiny model keeps stopping early")
+    kw = dict(temperature=1.0, seed=seed)
+    for start, length in [(4, 3), (len(full) - 5, 4), (0, 1), (6, 6)]:
+        stop = full[start:start + length]
+        expected = full[: full.find(stop)]
+        out = m.generate(PROMPT, 40, stop=stop, **kw)
+        assert out == expected, (stop, full)
+        pieces = list(m.stream(PROMPT, 40, stop=[stop, "\x00never"], **kw))
+        assert "".join(pieces) == expected
+        # nothing ever emitted is part of the stop string: every prefix of the stream is a
+        # prefix of the text before the stop
+        emitted = ""
+        for p in pieces:
+            emitted += p
+            assert expected.startswith(emitted)
+        assert m.last_state.finish_reason == "stop"
+    # a stop string that never occurs changes nothing
+    assert m.generate(PROMPT, 40, stop="\x00never", **kw) == full
+
+
+def test_chat_renders_chatml(m):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    text = m.render_chat(messages)
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    ids = m.chat_ids(messages)
+    assert ids[0] == m.tokenizer.token_to_id("<|im_start|>")
+    assert ids.count(m.tokenizer.token_to_id("<|im_end|>")) == 2
+
+    reply = m.chat(messages, max_tokens=12)
+    assert isinstance(reply, str)
+    assert m.last_state.generated == greedy_chain(m, ids, 12)
+    pieces = m.chat(messages, max_tokens=12, stream=True)
+    assert not isinstance(pieces, str)
+    assert "".join(pieces) == reply
+    sampled = m.chat(messages, max_tokens=12, temperature=1.0, seed=2, top_k=20)
+    assert sampled == m.chat(messages, max_tokens=12, temperature=1.0, seed=2, top_k=20)
+
+
+def test_chat_bad_messages(m):
+    with pytest.raises(pocketlm.PocketError):
+        m.chat([{"role": "user"}])
+    with pytest.raises(pocketlm.PocketError):
+        m.chat("hi")
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=math.nan), dict(temperature=-1.0), dict(temperature=math.inf),
+    dict(top_p=0.0), dict(top_p=1.5), dict(top_p=math.nan), dict(top_k=-1), dict(top_k=1.5),
+    dict(min_p=-0.1), dict(min_p=2.0), dict(repetition_penalty=0.0), dict(seed=-1),
+    dict(seed=1.5), dict(max_tokens=-1), dict(max_tokens=2.0), dict(temperature="hot"),
+])
+def test_bad_sampling_params(m, kw):
+    with pytest.raises(SamplingError):
+        m.generate(PROMPT, **kw)
+    with pytest.raises(SamplingError):
+        m.stream(PROMPT, **kw)  # raised on the call, before any iteration
+    with pytest.raises(ValueError):  # SamplingError is also a ValueError
+        m.chat([{"role": "user", "content": "hi"}], **kw)
+
+
+def test_prompt_longer_than_the_context(env):
+    small = pocketlm.load(env["gguf"], n_ctx=16)
+    assert small.n_ctx == 16
+    long_prompt = " ".join(["hello world"] * 20)
+    assert len(small.tokenize(long_prompt)) > 16
+    with pytest.raises(ContextLengthError, match="16"):
+        small.generate(long_prompt, max_tokens=4)
+    with pytest.raises(ContextLengthError):
+        small.chat([{"role": "user", "content": long_prompt}])
+    # a prompt that fits generates until the context is full
+    ids = small.tokenize("hello world")
+    out = list(small.stream_ids(ids, max_tokens=100, temperature=1.0, seed=0))
+    assert 0 < len(out) and len(ids) + len(out) <= 16 + 1
+
+
+@pytest.mark.parametrize("text,stops,expected", [
+    ("the cat then the cow", ["the cow"], "the cat then "),
+    ("the cat then the cow", ["then the", "cat"], "the "),
+    ("abcabcabd", ["abd"], "abcabc"),
+    ("hello world", ["worlds"], "hello world"),  # a partial match at the end is released
+    ("hello world", [""], "hello world"),  # empty stop strings are ignored
+])
+def test_stream_text_holds_back_partial_stops(m, text, stops, expected):
+    from pocketlm.generate import GenerationState, stream_text
+
+    ids = m.tokenize(text)
+    assert len(ids) > 3
+    state = GenerationState()
+    pieces = list(stream_text(m.tokenizer, iter(ids), stops, state))
+    assert "".join(pieces) == expected
+    emitted = ""
+    for p in pieces:
+        emitted += p
+        assert expected.startswith(emitted)
+    assert (state.finish_reason == "stop") == (expected != text)
+
+
+@pytest.mark.parametrize("n_ctx", [0, -5, 2.5, True])
+def test_bad_n_ctx(env, n_ctx):
+    with pytest.raises(ContextLengthError, match="n_ctx"):
+        pocketlm.load(env["gguf"], n_ctx=n_ctx)

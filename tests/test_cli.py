@@ -1,0 +1,343 @@
+"""The ``pocket`` command line: verbs, output and one-line errors (offline, on a tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pocketlm import cli
+from pocketlm.errors import ModelNotFoundError
+from pocketlm.registry import REGISTRY
+
+tiny_gguf = pytest.importorskip("tiny_gguf", reason="needs torch and gguf (the test extra)")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny GGUF and its deploy file, packed once through the CLI."""
+    root = tmp_path_factory.mktemp("cli")
+    src = root / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=4, weight_type="Q4_1")
+    out = root / "tiny.pocket"
+    assert cli.main(["pack", str(src), "-o", str(out)]) == 0
+    return {"root": root, "gguf": src, "pocket": out}
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("POCKET_MODEL", raising=False)
+    return tmp_path / "home"
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(code: int, err: str, *words: str) -> str:
+    assert code == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("pocket: error: "), err
+    for w in words:
+        assert w in lines[0], (w, err)
+    return lines[0]
+
+
+# -- pack ------------------------------------------------------------------------------------
+def test_pack_prints_a_report(files, tmp_path, capsys):
+    out = tmp_path / "again.pocket"
+    code, stdout, _ = run_cli(capsys, "pack", files["gguf"], "-o", out)
+    assert code == 0 and out.is_file()
+    assert f"wrote {out}" in stdout
+    assert "bits per weight:" in stdout
+    assert "largest relative errors" in stdout
+    assert "imported losslessly" in stdout
+    assert stdout.count("lossless)") >= 1
+
+
+def test_pack_refuses_to_overwrite(files, tmp_path, capsys):
+    out = tmp_path / "exists.pocket"
+    out.write_bytes(b"precious")
+    code, stdout, err = run_cli(capsys, "pack", files["gguf"], "-o", out)
+    assert_one_line_error(code, err, "--force", str(out))
+    assert out.read_bytes() == b"precious"
+    code, stdout, err = run_cli(capsys, "pack", files["gguf"], "-o", out, "--force",
+                                "--embed-bits", 4)
+    assert code == 0 and out.read_bytes()[:8] != b"precious"
+    code, stdout, _ = run_cli(capsys, "inspect", out, "--json")
+    assert json.loads(stdout)["quant"]["embed_bits"] == 4
+
+
+def test_pack_group_size_that_does_not_divide_a_tensor(files, tmp_path, capsys):
+    out = tmp_path / "g64.pocket"
+    code, _, err = run_cli(capsys, "pack", files["gguf"], "-o", out, "--group-size", 64)
+    # d_ff = 96: the down projection's input dimension is not a multiple of 64
+    assert_one_line_error(code, err, "mlp.w_down.weight", "group size 64")
+    assert not out.exists()
+
+
+def test_pack_bad_group_size_is_an_argparse_error(files, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["pack", str(files["gguf"]), "-o", str(tmp_path / "x.pocket"),
+                  "--group-size", "48"])
+    assert exc.value.code == 2
+    assert not (tmp_path / "x.pocket").exists()
+
+
+# -- inspect ---------------------------------------------------------------------------------
+def test_inspect(files, capsys):
+    code, stdout, _ = run_cli(capsys, "inspect", files["pocket"])
+    assert code == 0
+    assert "model:       llama, 3 layers, d_model 64" in stdout
+    assert "vocab 320" in stdout
+    assert "int4-g32" in stdout
+    assert "tiny.gguf" in stdout
+    assert "checksums:   verified" in stdout
+    code, stdout, _ = run_cli(capsys, "inspect", files["pocket"], "--tensors", "--no-verify")
+    assert code == 0 and "layers.0.attn.w_q.weight" in stdout and "not verified" in stdout
+
+
+def test_inspect_json(files, capsys):
+    code, stdout, _ = run_cli(capsys, "inspect", files["pocket"], "--json")
+    assert code == 0
+    data = json.loads(stdout)
+    assert data["format"] == "pocket"
+    assert data["config"]["arch"] == "llama" and data["config"]["vocab_size"] == 320
+    assert data["quant"]["tensors"] == 22  # 7 linear weights in each of 3 layers, embedding
+    assert data["provenance"]["source_format"] == "gguf"
+    assert data["file_bytes"] == files["pocket"].stat().st_size
+    assert "checksums" not in data
+
+
+def test_inspect_a_gguf_is_refused(files, capsys):
+    code, _, err = run_cli(capsys, "inspect", files["gguf"])
+    assert_one_line_error(code, err, "pocket pack")
+
+
+# -- run -------------------------------------------------------------------------------------
+def test_run_streams_text(files, capsys):
+    code, stdout, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5)
+    assert code == 0
+    assert stdout.endswith("\n") and len(stdout) > 1
+    import pocketlm
+
+    m = pocketlm.load(files["pocket"])
+    assert stdout == m.generate("hello", max_tokens=5) + "\n"
+    code, echoed, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5, "--echo")
+    assert echoed == "hello" + stdout
+
+
+def test_run_sampling_and_chat_flags(files, capsys):
+    args = ["run", "-m", files["pocket"], "hello", "-n", 8, "--temp", 0.9, "--seed", 3,
+            "--top-k", 40, "--top-p", 0.95, "--min-p", 0.01, "--repeat-penalty", 1.1]
+    code1, out1, _ = run_cli(capsys, *args)
+    code2, out2, _ = run_cli(capsys, *args)
+    assert code1 == code2 == 0 and out1 == out2
+    code, out, err = run_cli(capsys, "run", "-m", files["pocket"], "hi", "-n", 4, "--chat",
+                             "-v")
+    assert code == 0
+    assert "prompt tokens" in err and "generated" in err
+
+
+def test_run_a_gguf_packs_into_pocket_home(files, home, capsys):
+    code, stdout, _ = run_cli(capsys, "run", "-m", files["gguf"], "hello", "-n", 3)
+    assert code == 0
+    assert len(list((home / "packed").glob("*.pocket"))) == 1
+
+
+def test_run_reads_the_prompt_from_stdin(files, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello"))
+    code, stdout, _ = run_cli(capsys, "run", "-m", files["pocket"], "-", "-n", 3)
+    assert code == 0
+    code2, stdout2, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 3)
+    assert stdout == stdout2
+
+
+def test_module_entry_point(files, tmp_path):
+    env = {**os.environ, "POCKET_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pocketlm.cli", "run", "-m",
+                           str(files["pocket"]), "hello", "-n", "4"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.endswith("\n") and len(proc.stdout) > 1
+    proc = subprocess.run([sys.executable, "-m", "pocketlm.cli", "run", "-m",
+                           str(tmp_path / "missing.pocket"), "hello"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1
+    assert_one_line_error(proc.returncode, proc.stderr, "missing.pocket")
+
+
+# -- help and list ---------------------------------------------------------------------------
+@pytest.mark.parametrize("verb", [None, "run", "chat", "pull", "list", "pack", "inspect"])
+def test_help(verb, capsys):
+    argv = ["--help"] if verb is None else [verb, "--help"]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: pocket")
+    if verb:
+        assert f"pocket {verb}" in out
+
+
+def test_no_verb_prints_help(capsys):
+    assert cli.main([]) == 1
+    assert "usage: pocket" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    import pocketlm
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert pocketlm.__version__ in capsys.readouterr().out
+
+
+def test_list_is_offline(capsys, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise AssertionError("list must not fetch anything")
+
+    monkeypatch.setattr(subprocess, "run", no_network)
+    monkeypatch.setattr(subprocess, "Popen", no_network)
+    code, stdout, _ = run_cli(capsys, "list")
+    assert code == 0
+    for name in REGISTRY:
+        assert name in stdout
+    code, stdout, _ = run_cli(capsys, "list", "--json")
+    rows = [json.loads(line) for line in stdout.splitlines()]
+    assert {r["name"] for r in rows} == set(REGISTRY)
+    assert not any(r["pulled"] for r in rows)
+
+
+# -- errors ----------------------------------------------------------------------------------
+def test_missing_model_file(tmp_path, capsys):
+    missing = tmp_path / "nope.pocket"
+    code, stdout, err = run_cli(capsys, "run", "-m", missing, "hello")
+    assert_one_line_error(code, err, str(missing))
+    code, stdout, err = run_cli(capsys, "inspect", missing)
+    assert_one_line_error(code, err, str(missing))
+    code, stdout, err = run_cli(capsys, "pack", tmp_path / "nope.gguf", "-o",
+                                tmp_path / "x.pocket")
+    assert_one_line_error(code, err, "nope.gguf")
+
+
+def test_unknown_registry_name(capsys):
+    code, _, err = run_cli(capsys, "run", "-m", "smollm2-13m", "hello")
+    line = assert_one_line_error(code, err, "smollm2-13m", "known models")
+    assert "did you mean 'smollm2-135m'" in line
+    code, _, err = run_cli(capsys, "pull", "no-such-model")
+    assert_one_line_error(code, err, "no-such-model")
+
+
+def test_corrupt_pocket_file(files, tmp_path, capsys):
+    bad = tmp_path / "corrupt.pocket"
+    data = bytearray(files["pocket"].read_bytes())
+    data[-20] ^= 0xFF  # inside the last tensor
+    bad.write_bytes(bytes(data))
+    code, _, err = run_cli(capsys, "run", "-m", bad, "hello", "-n", 2)
+    assert_one_line_error(code, err, "corrupt", "CRC-32")
+    code, _, err = run_cli(capsys, "inspect", bad)
+    assert_one_line_error(code, err, "corrupt")
+    code, _, _ = run_cli(capsys, "inspect", bad, "--no-verify")
+    assert code == 0
+
+
+def test_truncated_pocket_file(files, tmp_path, capsys):
+    bad = tmp_path / "short.pocket"
+    bad.write_bytes(files["pocket"].read_bytes()[:5000])
+    code, _, err = run_cli(capsys, "run", "-m", bad, "hello")
+    assert_one_line_error(code, err, "truncated")
+
+
+def test_foreign_file(tmp_path, capsys):
+    foreign = tmp_path / "random.pocket"
+    raw = np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes()
+    foreign.write_bytes(b"\x00" + raw[1:8] + b"x" + raw[9:])  # no '{' where a header starts
+    code, _, err = run_cli(capsys, "run", "-m", foreign, "hello")
+    assert_one_line_error(code, err, "not a model file")
+    code, _, err = run_cli(capsys, "inspect", foreign)
+    assert_one_line_error(code, err, str(foreign))
+    code, _, err = run_cli(capsys, "pack", foreign, "-o", tmp_path / "out.pocket")
+    assert_one_line_error(code, err, str(foreign))
+    empty = tmp_path / "empty.pocket"
+    empty.write_bytes(b"")
+    code, _, err = run_cli(capsys, "run", "-m", empty, "hello")
+    assert_one_line_error(code, err)
+
+
+@pytest.mark.parametrize("flags,word", [
+    (["--temp", "nan"], "temperature"),
+    (["--temp", "-1"], "temperature"),
+    (["--temp", "inf"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--top-p", "1.5"], "top_p"),
+    (["--top-p", "nan"], "top_p"),
+    (["--top-k", "-3"], "top_k"),
+    (["--min-p", "2"], "min_p"),
+    (["--repeat-penalty", "0"], "repetition_penalty"),
+    (["--seed", "-1"], "seed"),
+    (["-n", "-1"], "max_tokens"),
+])
+def test_bad_sampling_flags(files, capsys, flags, word):
+    code, stdout, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", *flags)
+    assert_one_line_error(code, err, word)
+    assert stdout == ""
+
+
+def test_prompt_too_long_for_the_context(files, capsys):
+    prompt = " ".join(["hello world"] * 10)
+    code, _, err = run_cli(capsys, "run", "-m", files["pocket"], prompt, "--ctx", 8)
+    assert_one_line_error(code, err, "context")
+    code, _, err = run_cli(capsys, "run", "-m", files["pocket"], prompt, "--ctx", 8, "--chat")
+    assert_one_line_error(code, err, "context")
+
+
+def test_debug_reraises(tmp_path, capsys):
+    with pytest.raises(ModelNotFoundError):
+        cli.main(["--debug", "run", "-m", str(tmp_path / "nope.pocket"), "hello"])
+
+
+def test_bad_ctx_flag(files, capsys):
+    code, _, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "--ctx", -5)
+    assert_one_line_error(code, err, "n_ctx")
+
+
+def test_chat_session(files, capsys, monkeypatch):
+    lines = iter(["hi", "", "/help", "/reset", "hello there", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 4,
+                                "--system", "Be brief.")
+    assert code == 0
+    assert "pocket chat:" in err and "[conversation cleared]" in err and "/reset" in err
+    assert stdout.count("\n") == 2  # two replies
+
+    def eof(prompt=""):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", eof)
+    code, _, _ = run_cli(capsys, "chat", "-m", files["pocket"])
+    assert code == 0
+
+
+def test_chat_session_reports_errors_and_goes_on(files, capsys, monkeypatch):
+    lines = iter(["hello world " * 10, "hi", "/bye"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 3, "--ctx", 24)
+    assert code == 0
+    assert "pocket: error:" in err and "context" in err
+    assert stdout.count("\n") == 1

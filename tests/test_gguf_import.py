@@ -1,0 +1,234 @@
+"""GGUF import against tiny GGUF files written the way llama.cpp's converter writes them.
+
+Every check compares with values computed independently of the importer: the weights the
+file holds (dequantized with ``gguf.quants``, in pocketlm's row order) and the PyTorch
+reference decoder run on them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pocketlm.api import from_source, load_pocket
+from pocketlm.errors import FormatError, PocketError, UnsupportedError
+from pocketlm.formats import open_source
+from pocketlm.pack import QUANT_SUFFIXES, pack
+
+torch_ref = pytest.importorskip("torch_ref", reason="needs torch (the test extra)")
+tiny_gguf = pytest.importorskip("tiny_gguf", reason="needs the gguf package")
+
+IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]  # longer than gemma3's window (5)
+
+# (arch, weight type, config overrides)
+CASES = [
+    ("llama", "Q4_0", {}),
+    ("llama", "Q4_1", {}),
+    ("llama", "F32", {}),
+    ("llama", "Q4_0", {"qkv_bias": True}),  # q/k biases are permuted by the converter too
+    ("qwen2", "Q4_1", {}),
+    ("gemma3", "Q4_0", {}),
+]
+
+
+def _case_id(case) -> str:
+    arch, wt, over = case
+    return f"{arch}-{wt}" + "".join(f"-{k}" for k in over)
+
+
+def _tol(ref: np.ndarray) -> float:
+    return 2e-4 * float(np.abs(ref).max())
+
+
+@pytest.fixture(scope="module", params=CASES, ids=_case_id)
+def tiny(request, tmp_path_factory):
+    arch, weight_type, overrides = request.param
+    path = tmp_path_factory.mktemp("gguf") / f"{_case_id(request.param)}.gguf"
+    config, state = tiny_gguf.write_tiny_gguf(path, arch, seed=1, weight_type=weight_type,
+                                              **overrides)
+    return path, config, state, weight_type
+
+
+def test_config_is_read_from_the_metadata(tiny):
+    path, config, _, _ = tiny
+    source = open_source(path)
+    assert source.config == config
+    if config.arch == "gemma3":
+        # every 6th layer global, as llama.cpp reads Gemma 3 files
+        assert source.config.layer_types == ["sliding"] * 5 + ["global"]
+        assert source.config.sliding_window == 5
+    assert source.chat_template == tiny_gguf.CHATML_TEMPLATE
+    assert source.provenance["source_format"] == "gguf"
+
+
+def test_float_weights_equal_what_the_file_holds(tiny):
+    path, config, state, weight_type = tiny
+    source = open_source(path)
+    assert set(source.tensors) == set(state)
+    for name, tensor in source.tensors.items():
+        values = tensor.to_float()
+        assert values.dtype == np.float32 and values.shape == state[name].shape, name
+        np.testing.assert_array_equal(values, state[name], err_msg=name)
+        if values.ndim == 2 and name not in ("embed.weight", "lm_head.weight"):
+            assert tensor.dtype == weight_type
+
+
+def test_llama_rows_are_unpermuted():
+    """The file's q/k rows really are permuted: reading them as stored would be wrong."""
+    config = torch_ref.tiny_config("llama")
+    w = np.arange(config.kv_dim * 3, dtype=np.float32).reshape(config.kv_dim, 3)
+    permuted = tiny_gguf.permute_rows(w, config.n_kv_heads)
+    assert not np.array_equal(permuted, w)
+    from pocketlm.formats.gguf import _unpermute_rows
+
+    np.testing.assert_array_equal(_unpermute_rows(permuted, config.n_kv_heads), w)
+    bias = np.arange(config.q_dim, dtype=np.float32)
+    np.testing.assert_array_equal(
+        _unpermute_rows(tiny_gguf.permute_rows(bias, config.n_heads), config.n_heads), bias)
+
+
+def test_float_logits_match_torch_reference(tiny):
+    path, config, state, _ = tiny
+    model = from_source(open_source(path))
+    ours = model.logits(IDS)
+    ref = torch_ref.TorchRefModel(config, state).forward(IDS)
+    assert ours.shape == (len(IDS), config.vocab_size) and ours.dtype == np.float32
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=_tol(ref))
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+def test_tokenizer_comes_from_the_file(tiny):
+    path, config, _, _ = tiny
+    tok = open_source(path).tokenizer
+    assert tok.vocab_size == config.vocab_size
+    assert tok.eos_ids[0] == tok.token_to_id("<|im_end|>")
+    text = "hello world, the cat sat on them"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode())  # merges fire
+    special = tok.encode("<|im_start|>user")
+    assert special[0] == tok.token_to_id("<|im_start|>")
+
+
+# -- packing ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch,weight_type", [("llama", "Q4_0"), ("llama", "Q4_1"),
+                                              ("qwen2", "Q4_0"), ("gemma3", "Q4_1")])
+def test_pack_of_4bit_gguf_is_lossless(tmp_path, arch, weight_type):
+    src = tmp_path / "m.gguf"
+    config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=2, weight_type=weight_type)
+    report = pack(src, tmp_path / "m.pocket", progress=False)
+    linear = [t for t in report.tensors if t.name.endswith(QUANT_SUFFIXES)]
+    assert len(linear) == 7 * config.n_layers
+    for t in linear:
+        assert (t.how, t.stored, t.source_dtype) == ("lossless", "int4", weight_type), t
+        assert t.rel_error == 0.0, t
+    for t in report.tensors:
+        if t.name in ("embed.weight", "lm_head.weight"):  # Q8_0 in the file
+            assert (t.how, t.stored) == ("lossless", "int8")
+        assert t.how != "requantized", t
+
+    packed = load_pocket(tmp_path / "m.pocket").logits(IDS)
+    floats = from_source(open_source(src)).logits(IDS)
+    np.testing.assert_allclose(packed, floats, rtol=0, atol=_tol(floats))
+    ref = torch_ref.TorchRefModel(config, state).forward(IDS)
+    np.testing.assert_allclose(packed, ref, rtol=0, atol=_tol(ref))
+
+
+@pytest.mark.parametrize("arch,weight_type", [("llama", "Q8_0"), ("qwen2", "F32"),
+                                              ("gemma3", "Q8_0")])
+def test_pack_of_8bit_or_float_gguf_requantizes(tmp_path, arch, weight_type):
+    from pocketlm.quant import QuantTensor
+
+    src = tmp_path / "m.gguf"
+    config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=3, weight_type=weight_type)
+    report = pack(src, tmp_path / "m.pocket", progress=False)
+    for t in report.tensors:
+        if t.name.endswith(QUANT_SUFFIXES):
+            assert (t.how, t.stored) == ("requantized", "int4"), t
+            assert 0 < t.rel_error < 0.12, t  # INT4 on Gaussian weights: about 0.07
+        elif t.name in ("embed.weight", "lm_head.weight"):
+            assert t.stored == "int8"
+            assert t.how == ("lossless" if weight_type == "Q8_0" else "requantized")
+            assert t.rel_error < 0.01, t
+
+    model = load_pocket(tmp_path / "m.pocket")
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, config.vocab_size, 48)]
+    packed = model.logits(ids)
+    # exactly the float model at the packed weights ...
+    deq = {n: w.dequantize() if isinstance(w, QuantTensor) else np.asarray(w)
+           for n, w in model.runtime.w.items()}
+    ref_q = torch_ref.TorchRefModel(config, deq).forward(ids)
+    np.testing.assert_allclose(packed, ref_q, rtol=0, atol=_tol(ref_q))
+    # ... and close to the source model (random tiny models have flat logits, so INT4 noise
+    # flips some near-ties; a real model agrees far more often)
+    ref = torch_ref.TorchRefModel(config, state).forward(ids)
+    top1 = float((packed.argmax(-1) == ref.argmax(-1)).mean())
+    assert top1 >= 0.5, top1
+    c_ours = packed - packed.mean(-1, keepdims=True)
+    c_ref = ref - ref.mean(-1, keepdims=True)
+    assert np.linalg.norm(c_ours - c_ref) / np.linalg.norm(c_ref) < 0.5
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "mamba.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", gguf_arch="mamba")
+    with pytest.raises(UnsupportedError) as exc:
+        open_source(path)
+    msg = str(exc.value)
+    assert "'mamba'" in msg
+    for arch in ("llama", "qwen2", "gemma3"):
+        assert arch in msg
+
+
+def test_extra_unmapped_tensor(tmp_path):
+    path = tmp_path / "extra.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama",
+                              extra_tensors={"blk.0.ffn_gate_exps.weight": np.zeros((4, 32))})
+    with pytest.raises(UnsupportedError, match="blk.0.ffn_gate_exps.weight"):
+        open_source(path)
+
+
+def test_missing_tensor(tmp_path):
+    path = tmp_path / "missing.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", drop_tensors=("blk.1.ffn_up.weight",))
+    with pytest.raises(FormatError, match=r"layers\.1\.mlp\.w_up\.weight"):
+        open_source(path)
+
+
+def test_missing_metadata(tmp_path, monkeypatch):
+    import gguf
+
+    real = gguf.GGUFWriter.add_uint32
+
+    def skip_ffn_length(self, key, value):
+        if not key.endswith(".feed_forward_length"):
+            real(self, key, value)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_uint32", skip_ffn_length)
+    path = tmp_path / "nometa.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama")
+    monkeypatch.undo()
+    with pytest.raises(FormatError, match="feed_forward_length"):
+        open_source(path)
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.5, 0.05, 0.004, 10])
+def test_truncated_file(tmp_path, keep):
+    path = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama")
+    data = path.read_bytes()
+    cut = keep if isinstance(keep, int) else int(len(data) * keep)
+    path.write_bytes(data[:cut])
+    with pytest.raises(FormatError):
+        open_source(path)
+
+
+@pytest.mark.parametrize("model,pre,word", [("bert", None, "'bert'"),
+                                            ("gpt2", "no-such-pre", "'no-such-pre'")])
+def test_unsupported_tokenizer(tmp_path, model, pre, word):
+    path = tmp_path / "tok.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", tokenizer_model=model, tokenizer_pre=pre)
+    with pytest.raises(PocketError) as exc:
+        open_source(path)
+    assert word in str(exc.value)

@@ -1,0 +1,140 @@
+"""Real registry models against llama.cpp, the independent oracle.
+
+For each model, on a 256-token English text and a 256-token Chinese text (both in tests/data,
+tokenized by llama.cpp so that every engine sees the same ids):
+
+* the dequantized float path agrees with llama.cpp running the same dequantized weights (an F32
+  copy of the GGUF) on the top-1 next token at >= 99 % of positions, with close distributions;
+* against llama.cpp on the original quantized GGUF (where llama.cpp also rounds activations to
+  8 bits) agreement is reported and held to a looser bound;
+* the deploy file keeps top-1 agreement >= 95 % with the float path and perplexity within 3 % of
+  it. smollm2-135m (Q4_1) imports losslessly into INT4. gemma3-270m and qwen2.5-0.5b store most
+  weights as Q5_0/Q6_K/Q8_0, which plain INT4 rounding cannot hold: they meet the bounds packed
+  with ``keep_precision`` (those tensors in INT8), and their strict-INT4 figures are checked
+  against looser regression bounds (see docs/accuracy.md for how far and why);
+* greedy decoding from the INT4 deploy file follows llama.cpp's greedy tokens.
+
+smollm2-135m runs in CI; gemma3-270m and qwen2.5-0.5b are marked slow (`make test-all`).
+Figures per model are in docs/accuracy.md (benchmarks/accuracy.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import llama_cpp  # noqa: F401  (the oracle: part of the test extra, never skipped)
+import numpy as np
+import pytest
+
+import oracle
+import pocketlm
+from pocketlm.api import from_source
+from pocketlm.formats import open_source
+from pocketlm.registry import pull
+
+MODELS = [
+    pytest.param("smollm2-135m", marks=pytest.mark.real),
+    pytest.param("gemma3-270m", marks=[pytest.mark.real, pytest.mark.slow]),
+    pytest.param("qwen2.5-0.5b", marks=[pytest.mark.real, pytest.mark.slow]),
+]
+TEXTS = ["english", "chinese"]
+_TMP = tempfile.TemporaryDirectory(prefix="pocketlm-oracle-")
+
+
+# name -> keep_precision for the quality bounds
+KEEP = {"smollm2-135m": False, "gemma3-270m": True, "qwen2.5-0.5b": True}
+
+
+@functools.lru_cache(maxsize=1)
+def _models(name: str):
+    path = pull(name, quiet=True)
+    f32 = Path(_TMP.name) / f"{name}-f32.gguf"
+    for old in Path(_TMP.name).glob("*.gguf"):
+        old.unlink()  # one model's F32 copy at a time (they are large)
+    oracle.write_f32_gguf(path, f32)
+    strict = pocketlm.load(path)
+    kept = pocketlm.load(path, keep_precision=True) if KEEP[name] else strict
+    return path, f32, from_source(open_source(path)), strict, kept
+
+
+@functools.lru_cache(maxsize=2)
+def _logits(name: str, text: str):
+    path, f32, float_model, strict, kept = _models(name)
+    ids = oracle.text_ids(path, text, add_bos=float_model.tokenizer.add_bos)
+    return {
+        "ids": ids,
+        "llama_f32": oracle.oracle_logits(f32, ids),
+        "llama_quant": oracle.oracle_logits(path, ids),
+        "float": float_model.logits(ids),
+        "int4": strict.logits(ids),
+        "kept": kept.logits(ids) if kept is not strict else None,
+    }
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("text", TEXTS)
+def test_float_path_agrees_with_llama_cpp(name, text):
+    r = _logits(name, text)
+    stats = oracle.compare(r["llama_f32"], r["float"])
+    assert stats["top1"] >= 0.99, stats
+    assert stats["kl"] < 1e-3, stats
+    ppl_ref = oracle.perplexity(r["llama_f32"], r["ids"])
+    ppl_ours = oracle.perplexity(r["float"], r["ids"])
+    assert abs(ppl_ours / ppl_ref - 1) < 0.005, (ppl_ref, ppl_ours)
+    # llama.cpp on the quantized file rounds activations to 8 bits: agreement is looser
+    loose = oracle.compare(r["llama_quant"], r["float"])
+    assert loose["top1"] >= 0.85 and loose["kl"] < 0.05, loose
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("text", TEXTS)
+def test_deploy_file_keeps_quality(name, text):
+    r = _logits(name, text)
+    packed = r["kept"] if r["kept"] is not None else r["int4"]
+    stats = oracle.compare(r["float"], packed)
+    assert stats["top1"] >= 0.95, stats
+    ppl_float = oracle.perplexity(r["float"], r["ids"])
+    ppl_packed = oracle.perplexity(packed, r["ids"])
+    assert abs(ppl_packed / ppl_float - 1) <= 0.03, (ppl_float, ppl_packed)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("text", TEXTS)
+def test_strict_int4_stays_within_its_measured_loss(name, text):
+    """Regression bounds for strict INT4 (measured: docs/accuracy.md)."""
+    r = _logits(name, text)
+    stats = oracle.compare(r["float"], r["int4"])
+    ppl_ratio = oracle.perplexity(r["int4"], r["ids"]) / oracle.perplexity(r["float"], r["ids"])
+    if not KEEP[name]:  # lossless import: the same numbers up to float rounding
+        assert stats["top1"] >= 0.99 and abs(ppl_ratio - 1) < 1e-3, (stats, ppl_ratio)
+    else:
+        assert stats["top1"] >= 0.6 and ppl_ratio < 1.35, (stats, ppl_ratio)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_continuation_matches_llama_cpp(name):
+    """Greedy tokens from the INT4 deploy file follow llama.cpp's on the same GGUF."""
+    path, _, _, int4_model, _ = _models(name)
+    ids = int4_model.tokenize("The three primary colours are")
+    ours = list(int4_model.stream_ids(ids, max_tokens=12))
+    llm = oracle.llama_cpp().Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False)
+    theirs = []
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        if tok in int4_model.tokenizer.eos_ids or len(theirs) == len(ours):
+            break
+        theirs.append(int(tok))
+    llm.close()
+    # equal until the first near-tie (llama.cpp rounds activations); require a solid prefix
+    common = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                  min(len(ours), len(theirs)))
+    assert common >= 6, (int4_model.detokenize(ours), int4_model.detokenize(theirs))
+
+
+@pytest.mark.real
+def test_registry_model_runs_from_the_api():
+    m = pocketlm.load("smollm2-135m")
+    out = m.generate("The capital of France is", max_tokens=8)
+    assert "Paris" in out
+    assert np.isfinite(m.logits(m.tokenize("Hello"))).all()
