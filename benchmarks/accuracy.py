@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import oracle  # noqa: E402
+
 import pocketlm  # noqa: E402
 from pocketlm.api import from_source, packed_cache_path  # noqa: E402
 from pocketlm.formats import open_source  # noqa: E402

@@ -7,8 +7,8 @@ any part of a stop string.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 from .runtime import KVCache, Runtime
 from .sampling import Sampler

@@ -31,9 +31,9 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from .errors import FetchError, ModelNotFoundError
 

@@ -6,11 +6,10 @@ import math
 
 import numpy as np
 import pytest
+import tiny_gguf
 
 import pocketlm
 from pocketlm.errors import ContextLengthError, ModelNotFoundError, SamplingError
-
-tiny_gguf = pytest.importorskip("tiny_gguf", reason="needs torch and gguf (the test extra)")
 
 PROMPT = "hello world, the"
 
@@ -187,7 +186,7 @@ def test_stop_strings_cut_the_output(m):
         if len(full) >= 12:
             break
     else:
-        pytest.skip("the tiny model keeps stopping early")
+        raise AssertionError("no seed gave a long enough sample")
     kw = dict(temperature=1.0, seed=seed)
     for start, length in [(4, 3), (len(full) - 5, 4), (0, 1), (6, 6)]:
         stop = full[start:start + length]

@@ -10,12 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tiny_gguf
 
 from pocketlm import cli
 from pocketlm.errors import ModelNotFoundError
 from pocketlm.registry import REGISTRY
-
-tiny_gguf = pytest.importorskip("tiny_gguf", reason="needs torch and gguf (the test extra)")
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import tiny_gguf
+import torch_ref
 
 from pocketlm.api import from_source, load_pocket
 from pocketlm.errors import FormatError, PocketError, UnsupportedError
 from pocketlm.formats import open_source
 from pocketlm.pack import QUANT_SUFFIXES, pack
-
-torch_ref = pytest.importorskip("torch_ref", reason="needs torch (the test extra)")
-tiny_gguf = pytest.importorskip("tiny_gguf", reason="needs the gguf package")
 
 IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]  # longer than gemma3's window (5)
 

@@ -6,16 +6,13 @@ import json
 
 import numpy as np
 import pytest
-
-pytest.importorskip("torch")
-pytest.importorskip("safetensors")
+import torch_ref  # noqa: E402
+from tiny_hf import write_tiny_hf  # noqa: E402
 
 import pocketlm  # noqa: E402
-import torch_ref  # noqa: E402
 from pocketlm.api import from_source  # noqa: E402
 from pocketlm.errors import FormatError, UnsupportedError  # noqa: E402
 from pocketlm.formats import open_source  # noqa: E402
-from tiny_hf import write_tiny_hf  # noqa: E402
 
 IDS = [3, 70, 101, 33, 250, 12, 9, 64]
 
@@ -36,7 +33,7 @@ def test_hf_folder_matches_reference(tmp_path, arch):
 
 
 def test_bf16_weights_are_widened(tmp_path):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
+    import ml_dtypes
     cfg, sd = write_tiny_hf(tmp_path / "m", "llama", dtype=ml_dtypes.bfloat16)
     src = open_source(tmp_path / "m")
     for name, w in sd.items():

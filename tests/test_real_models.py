@@ -26,9 +26,9 @@ from pathlib import Path
 
 import llama_cpp  # noqa: F401  (the oracle: part of the test extra, never skipped)
 import numpy as np
+import oracle
 import pytest
 
-import oracle
 import pocketlm
 from pocketlm.api import from_source
 from pocketlm.formats import open_source

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch_ref
 
 from pocketlm.quant import quantize_int4, quantize_int8
 from pocketlm.runtime import Runtime
-
-torch_ref = pytest.importorskip("torch_ref", reason="needs torch (the test extra)")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "pocket"]
 IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]

@@ -8,7 +8,6 @@ ids with llama.cpp (through ``llama_cpp``, a test dependency).
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from pathlib import Path
@@ -460,7 +459,7 @@ CJK_EMOJI_TEXT = "你好，世界！今天天气很好。🙂👍🏽🇯🇵 �
 
 
 def read_gguf_fields(path: Path) -> dict:
-    gguf = pytest.importorskip("gguf")
+    import gguf
     return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
 
 
@@ -501,7 +500,7 @@ def oracle():
     opened: dict[str, object] = {}
 
     def get(path: Path):
-        llama_cpp = pytest.importorskip("llama_cpp")
+        import llama_cpp
         key = str(path)
         if key not in opened:
             opened[key] = llama_cpp.Llama(model_path=key, vocab_only=True, verbose=False)

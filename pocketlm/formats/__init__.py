@@ -8,9 +8,10 @@ tables at this boundary; an importer that ends with a tensor it did not map rais
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 

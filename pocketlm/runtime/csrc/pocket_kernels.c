@@ -624,13 +624,12 @@ static void pk_job_task(void *ctx, int task, int ntasks) {
     set_status(j, rc);
 }
 
-static int run_linear(pocket_pool *pool, int nthreads, int level, int act_q8, int bits,
-                      const float *x, int n, int cols, const void *qw, const uint16_t *sc,
-                      const uint16_t *mn, int rows, int gs, float *y) {
+static int run_linear(const pocket_kernel_table *t, pocket_pool *pool, int nthreads,
+                      int act_q8, int bits, const float *x, int n, int cols, const void *qw,
+                      const uint16_t *sc, const uint16_t *mn, int rows, int gs, float *y) {
     int rc = pocket_check_shape(n, cols, rows, gs, 0, rows);
     if (rc) return rc;
     if (nthreads < 1 || (act_q8 != 0 && act_q8 != 1)) return POCKET_EINVAL;
-    const pocket_kernel_table *t = pocket_kernels(level);
     if (!t) return POCKET_EUNSUPPORTED;
     if (n == 0) return POCKET_OK;
     if (!x || !qw || !sc || !y || (bits == 4 && !mn)) return POCKET_EINVAL;
@@ -680,16 +679,31 @@ static int run_linear(pocket_pool *pool, int nthreads, int level, int act_q8, in
     return j.status;
 }
 
+int pocket_linear_q4_k(const pocket_kernel_table *kernels, pocket_pool *pool, int nthreads,
+                       int act_q8, const float *x, int n, int cols, const uint8_t *qw,
+                       const uint16_t *scales_f16, const uint16_t *mins_f16, int rows,
+                       int group_size, float *y) {
+    return run_linear(kernels, pool, nthreads, act_q8, 4, x, n, cols, qw, scales_f16, mins_f16,
+                      rows, group_size, y);
+}
+
+int pocket_linear_q8_k(const pocket_kernel_table *kernels, pocket_pool *pool, int nthreads,
+                       int act_q8, const float *x, int n, int cols, const int8_t *qw,
+                       const uint16_t *scales_f16, int rows, int group_size, float *y) {
+    return run_linear(kernels, pool, nthreads, act_q8, 8, x, n, cols, qw, scales_f16, NULL,
+                      rows, group_size, y);
+}
+
 int pocket_linear_q4(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
                      int n, int cols, const uint8_t *qw, const uint16_t *scales_f16,
                      const uint16_t *mins_f16, int rows, int group_size, float *y) {
-    return run_linear(pool, nthreads, level, act_q8, 4, x, n, cols, qw, scales_f16, mins_f16,
-                      rows, group_size, y);
+    return pocket_linear_q4_k(pocket_kernels(level), pool, nthreads, act_q8, x, n, cols, qw,
+                              scales_f16, mins_f16, rows, group_size, y);
 }
 
 int pocket_linear_q8(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
                      int n, int cols, const int8_t *qw, const uint16_t *scales_f16, int rows,
                      int group_size, float *y) {
-    return run_linear(pool, nthreads, level, act_q8, 8, x, n, cols, qw, scales_f16, NULL, rows,
-                      group_size, y);
+    return pocket_linear_q8_k(pocket_kernels(level), pool, nthreads, act_q8, x, n, cols, qw,
+                              scales_f16, rows, group_size, y);
 }

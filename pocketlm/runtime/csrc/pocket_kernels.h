@@ -148,6 +148,15 @@ int pocket_linear_q4(pocket_pool *pool, int nthreads, int level, int act_q8, con
 int pocket_linear_q8(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
                      int n, int cols, const int8_t *qw, const uint16_t *scales_f16, int rows,
                      int group_size, float *y);
+/* The same with the kernel table given (from pocket_kernels(), looked up once): no CPU check
+ * per call. */
+int pocket_linear_q4_k(const pocket_kernel_table *kernels, pocket_pool *pool, int nthreads,
+                       int act_q8, const float *x, int n, int cols, const uint8_t *qw,
+                       const uint16_t *scales_f16, const uint16_t *mins_f16, int rows,
+                       int group_size, float *y);
+int pocket_linear_q8_k(const pocket_kernel_table *kernels, pocket_pool *pool, int nthreads,
+                       int act_q8, const float *x, int n, int cols, const int8_t *qw,
+                       const uint16_t *scales_f16, int rows, int group_size, float *y);
 
 #ifdef __cplusplus
 }

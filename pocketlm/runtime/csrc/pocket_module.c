@@ -16,6 +16,11 @@
 
 #define KERNEL_API 1
 
+/* The kernel table of each level this CPU supports (NULL otherwise), looked up once at import:
+ * the CPU check is not repeated per call. Read-only after module initialization. */
+static const pocket_kernel_table *level_tables[POCKET_LEVEL_COUNT];
+static int best_level = POCKET_LEVEL_SCALAR;
+
 /* ---- ThreadPool ------------------------------------------------------------------------- */
 
 typedef struct {
@@ -176,19 +181,20 @@ static int overlaps(const Arr *a, const Arr *b) {
     return a0 < b0 + b->v.len && b0 < a0 + a->v.len;
 }
 
-static int check_level(int level) {
-    if (level == POCKET_LEVEL_AUTO) return 0;
+/* The kernel table for `level` (POCKET_LEVEL_AUTO: the best), or NULL with an exception. */
+static const pocket_kernel_table *check_level(int level) {
+    if (level == POCKET_LEVEL_AUTO) level = best_level;
     if (level < 0 || level >= POCKET_LEVEL_COUNT) {
         PyErr_Format(PyExc_ValueError, "unknown kernel level %d", level);
-        return -1;
+        return NULL;
     }
-    if (!pocket_level_supported(level)) {
+    if (!level_tables[level]) {
         PyErr_Format(PyExc_ValueError, "kernel level '%s' is not %s", pocket_level_name(level),
                      pocket_level_compiled(level) ? "supported by this CPU"
                                                   : "compiled into this build");
-        return -1;
+        return NULL;
     }
-    return 0;
+    return level_tables[level];
 }
 
 static int check_pool(PyObject *pool, int threads) {
@@ -244,7 +250,8 @@ static PyObject *do_matmul(int bits, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "group_size must be 32, 64 or 128, got %d", gs);
         return NULL;
     }
-    if (check_level(level) < 0 || check_pool(opool, threads) < 0) return NULL;
+    const pocket_kernel_table *kt = check_level(level);
+    if (!kt || check_pool(opool, threads) < 0) return NULL;
 
     Arr x = {0}, q = {0}, s = {0}, m = {0}, y = {0};
     PyObject *result = NULL;
@@ -294,14 +301,14 @@ static PyObject *do_matmul(int bits, PyObject *args, PyObject *kwds) {
         int rc;
         Py_BEGIN_ALLOW_THREADS
         if (bits == 4)
-            rc = pocket_linear_q4(pool, threads, level, act_q8, (const float *)x.v.buf, (int)n,
-                                  (int)cols, (const uint8_t *)q.v.buf,
-                                  (const uint16_t *)s.v.buf, (const uint16_t *)m.v.buf,
-                                  (int)rows, gs, (float *)y.v.buf);
+            rc = pocket_linear_q4_k(kt, pool, threads, act_q8, (const float *)x.v.buf, (int)n,
+                                    (int)cols, (const uint8_t *)q.v.buf,
+                                    (const uint16_t *)s.v.buf, (const uint16_t *)m.v.buf,
+                                    (int)rows, gs, (float *)y.v.buf);
         else
-            rc = pocket_linear_q8(pool, threads, level, act_q8, (const float *)x.v.buf, (int)n,
-                                  (int)cols, (const int8_t *)q.v.buf,
-                                  (const uint16_t *)s.v.buf, (int)rows, gs, (float *)y.v.buf);
+            rc = pocket_linear_q8_k(kt, pool, threads, act_q8, (const float *)x.v.buf, (int)n,
+                                    (int)cols, (const int8_t *)q.v.buf,
+                                    (const uint16_t *)s.v.buf, (int)rows, gs, (float *)y.v.buf);
         Py_END_ALLOW_THREADS
         if (rc != POCKET_OK) {
             raise_status(rc);
@@ -339,7 +346,8 @@ static PyObject *py_quantize_act_q8(PyObject *self, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|i:quantize_act_q8", kw, &ox, &oq, &od,
                                      &os, &level))
         return NULL;
-    if (check_level(level) < 0) return NULL;
+    const pocket_kernel_table *t = check_level(level);
+    if (!t) return NULL;
     Arr x = {0}, q = {0}, d = {0}, s = {0};
     PyObject *result = NULL;
     if (get_array(ox, "x", 'f', 0, &x) < 0) goto done;
@@ -366,12 +374,7 @@ static PyObject *py_quantize_act_q8(PyObject *self, PyObject *args, PyObject *kw
         goto done;
     }
     {
-        const pocket_kernel_table *t = pocket_kernels(level);
         int rc;
-        if (!t) {
-            raise_status(POCKET_EUNSUPPORTED);
-            goto done;
-        }
         Py_BEGIN_ALLOW_THREADS
         rc = t->quantize_act_q8((const float *)x.v.buf, (int)n, (int)cols, (int8_t *)q.v.buf,
                                 (float *)d.v.buf, (float *)s.v.buf);
@@ -420,12 +423,12 @@ static PyObject *py_cpu_info(PyObject *self, PyObject *unused) {
         PyObject *s = PyUnicode_FromString(pocket_level_name(l));
         if (!s) goto fail;
         int bad = (pocket_level_compiled(l) && PyList_Append(comp, s)) ||
-                  (pocket_level_supported(l) && PyList_Append(sup, s));
+                  (level_tables[l] && PyList_Append(sup, s));
         Py_DECREF(s);
         if (bad) goto fail;
     }
     {
-        PyObject *best = PyUnicode_FromString(pocket_level_name(pocket_best_level()));
+        PyObject *best = PyUnicode_FromString(pocket_level_name(best_level));
         if (!best || PyDict_SetItemString(d, "best", best)) {
             Py_XDECREF(best);
             goto fail;
@@ -470,6 +473,10 @@ static struct PyModuleDef moduledef = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
+    for (int l = 0; l < POCKET_LEVEL_COUNT; l++) {
+        level_tables[l] = pocket_kernels(l);
+        if (level_tables[l]) best_level = l;
+    }
     if (PyType_Ready(&PoolType) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
