@@ -140,7 +140,12 @@ def cmd_run(args) -> int:
     m = _load(args)
     t0 = time.time()
     n = 0
-    if args.chat:
+    use_chat = not args.raw and bool(m.chat_template)
+    if args.chat and not m.chat_template:
+        raise PocketError("--chat: this model has no chat template")
+    if use_chat:
+        if args.echo:
+            sys.stdout.write(prompt + "\n")
         pieces = m.chat([{"role": "user", "content": prompt}], max_tokens=args.n,
                         stream=True, stop=args.stop, **_sampling(args))
     else:
@@ -221,18 +226,32 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print load time and speed")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are user errors too: one line, exit code 1."""
+
+    def error(self, message: str):
+        self.exit(1, f"pocket: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pocket", description="Run, pack and inspect app-native small language models.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pocketlm {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = sub.add_parser("run", help="generate text from a prompt (streams to stdout)")
+    p = sub.add_parser("run", help="generate text from a prompt (streams to stdout)",
+                       description="Generate text from a prompt, streaming to stdout. A model "
+                       "with a chat template gets the prompt as a user message (what instruct "
+                       "models expect); --raw continues the text as given.")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' or piped stdin reads it)")
     _add_model_args(p, n_default=128)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--chat", action="store_true",
+                      help="require the chat template (the default when the model has one)")
+    mode.add_argument("--raw", action="store_true",
+                      help="continue the prompt as plain text, without the chat template")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the output")
     p.set_defaults(func=cmd_run)

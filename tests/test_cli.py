@@ -86,11 +86,13 @@ def test_pack_group_size_that_does_not_divide_a_tensor(files, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_pack_bad_group_size_is_an_argparse_error(files, tmp_path, capsys):
+def test_pack_bad_group_size_is_a_one_line_usage_error(files, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["pack", str(files["gguf"]), "-o", str(tmp_path / "x.pocket"),
                   "--group-size", "48"])
-    assert exc.value.code == 2
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pocket: error:") and "48" in err and err.count("\n") == 1
     assert not (tmp_path / "x.pocket").exists()
 
 
@@ -126,15 +128,31 @@ def test_inspect_a_gguf_is_refused(files, capsys):
 
 # -- run -------------------------------------------------------------------------------------
 def test_run_streams_text(files, capsys):
-    code, stdout, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5)
+    code, stdout, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5, "--raw")
     assert code == 0
     assert stdout.endswith("\n") and len(stdout) > 1
     import pocketlm
 
     m = pocketlm.load(files["pocket"])
     assert stdout == m.generate("hello", max_tokens=5) + "\n"
-    code, echoed, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5, "--echo")
+    code, echoed, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5, "--echo",
+                              "--raw")
     assert echoed == "hello" + stdout
+
+
+def test_run_uses_the_chat_template_by_default(files, capsys):
+    code, stdout, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5)
+    assert code == 0
+    import pocketlm
+
+    m = pocketlm.load(files["pocket"])
+    reply = m.chat([{"role": "user", "content": "hello"}], max_tokens=5)
+    assert stdout == reply + "\n"
+    with pytest.raises(SystemExit) as exc:  # mutually exclusive flags: a usage error
+        cli.main(["run", "-m", str(files["pocket"]), "hi", "--chat", "--raw"])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("pocket: error:") and err.count("\n") == 1
 
 
 def test_run_sampling_and_chat_flags(files, capsys):

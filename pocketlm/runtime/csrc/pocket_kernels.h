@@ -127,9 +127,11 @@ int pocket_matmul_q8_q8(const int8_t *qx, const float *dx, int n, int cols, cons
 /* ---- thread pool ------------------------------------------------------------------------ */
 
 /* A fixed set of worker threads. pocket_pool_run(pool, ntasks, fn, ctx) calls fn(ctx, t, ntasks)
- * for t in [0, ntasks): task 0 on the calling thread, task t on worker t (a fixed assignment).
- * Concurrent pocket_pool_run calls on one pool are serialized. In a forked child, or where
- * threads are unavailable, tasks run one after another on the caller. */
+ * once for each t in [0, ntasks) and returns when all have finished. The caller takes part;
+ * tasks are claimed by whichever thread is free, so a worker that the OS is slow to schedule
+ * delays nothing (callers give each task fixed contents, so results do not depend on which
+ * thread runs it). Concurrent pocket_pool_run calls on one pool are serialized. In a forked
+ * child, or where threads are unavailable, tasks run one after another on the caller. */
 typedef struct pocket_pool pocket_pool;
 typedef void (*pocket_task_fn)(void *ctx, int task, int ntasks);
 

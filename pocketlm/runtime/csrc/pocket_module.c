@@ -74,7 +74,7 @@ static PyTypeObject PoolType = {
     .tp_basicsize = sizeof(PoolObject),
     .tp_dealloc = (destructor)pool_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "ThreadPool(threads): worker threads for the matrix products (fixed row split).",
+    .tp_doc = "ThreadPool(threads): worker threads for the matrix products (rows are split into fixed ranges).",
     .tp_new = pool_new,
     .tp_getset = pool_getset,
 };

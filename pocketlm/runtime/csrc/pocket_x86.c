@@ -42,7 +42,7 @@
     } while (0)
 #define DOT_U8S8(w, x) _mm256_madd_epi16(_mm256_maddubs_epi16((w), (x)), _mm256_set1_epi16(1))
 #define MR_N1 1
-#define MR_F 2
+#define MR_F 3
 #define NT_F 4
 #define MR_Q 2
 #define NT_Q 4

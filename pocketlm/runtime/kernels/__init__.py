@@ -1,9 +1,12 @@
 """The kernel interface the runtime calls, and the choice of implementation behind it.
 
-``POCKET_KERNELS`` selects the backend: ``numpy`` (the reference, :mod:`.numpy_ref`) is the only
-one in this version; a native backend plugs in behind the same functions and is tested against
-the reference. The wrapper functions here check what they are handed (dtype, shape, layout)
-before calling a backend, so a backend may trust its inputs.
+``POCKET_KERNELS`` selects the backend for quantized matrix products: ``native`` (the C
+extension ``pocketlm._native``, the default when it is built) or ``numpy`` (the reference,
+:mod:`.numpy_ref`, which every native kernel is tested against). ``POCKET_ACT`` chooses the
+native activation format: ``f32`` (default; the same numbers as the reference up to float
+rounding) or ``q8`` (activations rounded to INT8 per group of 32 for integer dot products:
+faster, slightly different). The wrapper functions here check what they are handed (dtype,
+shape, layout) before calling a backend, so a backend may trust its inputs.
 """
 
 from __future__ import annotations
@@ -14,17 +17,30 @@ import numpy as np
 
 from ...errors import KernelError, UnsupportedError
 from ...quant import QuantTensor
-from . import numpy_ref
+from . import native, numpy_ref
 
-BACKENDS = ("numpy",)
+BACKENDS = ("native", "numpy")
+ACTIVATIONS = ("f32", "q8")
 
 
 def backend_name() -> str:
-    name = os.environ.get("POCKET_KERNELS", "numpy").strip().lower() or "numpy"
+    """The backend in force: POCKET_KERNELS, else native when built, else numpy."""
+    name = os.environ.get("POCKET_KERNELS", "").strip().lower()
+    if not name:
+        return "native" if native.available() else "numpy"
     if name not in BACKENDS:
-        raise UnsupportedError(f"POCKET_KERNELS={name!r} is not available; choose one of "
+        raise UnsupportedError(f"POCKET_KERNELS={name!r} is not a kernel backend; choose one of "
                                f"{', '.join(BACKENDS)}")
+    if name == "native" and not native.available():
+        raise UnsupportedError(f"POCKET_KERNELS=native, but {native.unavailable_reason()}")
     return name
+
+
+def activation_format() -> str:
+    act = os.environ.get("POCKET_ACT", "f32").strip().lower() or "f32"
+    if act not in ACTIVATIONS:
+        raise UnsupportedError(f"POCKET_ACT={act!r}; choose one of {', '.join(ACTIVATIONS)}")
+    return act
 
 
 def _check_activations(x: np.ndarray, features: int, what: str) -> None:
@@ -50,6 +66,8 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     _check_activations(x, in_f, "linear")
     if bias is not None and (bias.dtype != np.float32 or bias.shape != (out_f,)):
         raise KernelError(f"linear: bias must be float32 of shape ({out_f},)")
+    if isinstance(w, QuantTensor) and backend_name() == "native":
+        return native.linear(x, w, bias, act=activation_format())
     return numpy_ref.linear_ref(x, w, bias)
 
 

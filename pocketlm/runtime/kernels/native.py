@@ -123,13 +123,14 @@ def _level_id(level: str | None) -> int:
 
 
 def _get_pool(threads: int):
-    """A process-wide pool of `threads` threads (recreated after fork or on a size change)."""
+    """The process-wide thread pool, with at least `threads` threads (a call uses at most the
+    threads it asks for). Recreated after fork, or grown when more threads are asked for."""
     global _pool
     if threads <= 1:
         return None
     pid = os.getpid()
     with _pool_lock:
-        if _pool is None or _pool[0] != pid or _pool[1] != threads:
+        if _pool is None or _pool[0] != pid or _pool[1] < threads:
             _pool = (pid, threads, _native.ThreadPool(threads))
         return _pool[2]
 
