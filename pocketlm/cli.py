@@ -23,6 +23,7 @@ EPILOG = """examples:
   pocket pull gemma3-270m                          # fetch a registry model
   pocket pack model.gguf -o model.pocket           # INT4 deploy file
   pocket inspect model.pocket                      # what is inside
+  pocket bench --vs llama.cpp                      # speed, memory, energy vs llama.cpp
 
 environment:
   POCKET_HOME     cache for pulled and packed models (default ~/.cache/pocketlm)
@@ -207,6 +208,25 @@ def cmd_chat(args) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_bench(args) -> int:
+    from .bench import bench, format_table
+
+    def progress(engine, run, sample):
+        if args.verbose:
+            print(f"[{engine} run {run + 1}: prefill {args.n_prompt / sample['prefill_s']:.1f} "
+                  f"tok/s, decode {args.n_gen / sample['decode_s']:.1f} tok/s]", file=sys.stderr)
+
+    results = bench(args.model or default_model(), threads=args.threads, n_prompt=args.n_prompt,
+                    n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf,
+                    watts_per_core=args.watts_per_core, progress=progress)
+    if args.json:
+        for r in results:
+            print(r.to_json())
+    else:
+        print(format_table(results))
+    return 0
+
+
 # -- parser ----------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
     p.add_argument("-m", "--model", help="registry name, .pocket, .gguf or HF folder "
@@ -260,6 +280,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p, n_default=512)
     p.add_argument("--system", help="system message")
     p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("bench", help="prefill/decode speed, peak memory, size and energy, "
+                       "optionally side by side with llama.cpp",
+                       description="Benchmark a model with the MNN-Pocket methodology: a fixed "
+                       "prompt of --n-prompt tokens, --n-gen greedy tokens with EOS ignored, 1 "
+                       "warm-up and --runs measured runs (median, min, max), each engine in its "
+                       "own process for its peak-memory delta, engines alternating run by run.")
+    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf or HF folder")
+    p.add_argument("--threads", type=int, default=int(os.environ.get("POCKET_THREADS", 2)),
+                   help="CPU threads (default 2, or $POCKET_THREADS)")
+    p.add_argument("--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
+    p.add_argument("--n-gen", type=int, default=128, help="generated tokens (default 128)")
+    p.add_argument("--runs", type=int, default=5, help="measured runs (default 5)")
+    p.add_argument("--vs", action="append", choices=("llama.cpp",),
+                   help="also run this engine on the same GGUF, alternating")
+    p.add_argument("--gguf", help="the GGUF for --vs when -m is a .pocket file")
+    p.add_argument("--watts-per-core", type=float, default=3.0,
+                   help="power of one busy core for the energy estimate without RAPL (default 3)")
+    p.add_argument("--json", action="store_true", help="one JSON line per engine")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every run")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("pull", help="fetch a registry model into $POCKET_HOME")
     p.add_argument("name", help="registry name (see `pocket list`)")

@@ -1,0 +1,247 @@
+"""``pocket bench``: the MNN-Pocket report's methodology, side by side with other engines.
+
+* The prompt is a fixed text tokenized by the model's tokenizer and truncated to ``n_prompt``
+  tokens (hash reported); every engine gets the same ids.
+* Decode: ``n_gen`` greedy tokens after the prompt, end-of-sequence ignored.
+* Each engine runs in a fresh process (so its peak memory is its own): load, 1 warm-up, then
+  ``runs`` measured runs. Engines alternate run by run, so that a noisy machine hits them alike.
+  Reported: median, min and max of prefill and decode tokens/s.
+* Peak memory: peak resident set (VmHWM) minus the resident set just before the model is loaded.
+* Energy for the report's typical call (``n_prompt`` in, ``n_gen`` out): RAPL where the machine
+  exposes it, otherwise CPU-seconds x a stated watts-per-core figure, labelled as an estimate;
+  compared with 1/10000 of a reference phone battery (13.9 Wh -> 5.0 J).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import PocketError, UnsupportedError
+from .prompt import benchmark_ids, ids_hash
+
+BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0, "energy_j": 5.0}
+PHONE_BATTERY_WH = 13.9
+WATTS_PER_CORE = 3.0  # assumed power of one busy core when RAPL is not available
+RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+
+
+@dataclass
+class EngineResult:
+    model: str
+    engine: str
+    threads: int
+    n_prompt: int
+    n_gen: int
+    runs: int
+    prefill_tps: float
+    prefill_tps_min: float
+    prefill_tps_max: float
+    decode_tps: float
+    decode_tps_min: float
+    decode_tps_max: float
+    peak_rss_delta_mb: float
+    file_mb: float
+    load_s: float
+    energy_j_est: float
+    energy_method: str
+    prompt_hash: str
+    machine: dict[str, Any] = field(default_factory=dict)
+    command: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version(), "os": platform.system()}
+
+
+class _Worker:
+    def __init__(self, engine: str, path: Path, threads: int, n_ctx: int):
+        env = dict(os.environ, POCKET_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+        self.engine = engine
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pocketlm.bench.worker", engine, str(path), str(threads),
+             str(n_ctx)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.hello = self._read()
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise PocketError(f"the {self.engine} benchmark process ended unexpectedly "
+                              f"(exit code {self.proc.wait()})")
+        msg = json.loads(line)
+        if "error" in msg:
+            raise PocketError(f"{self.engine}: {msg['error']}")
+        return msg
+
+    def ask(self, **msg) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+
+
+def _read_rapl() -> int | None:
+    try:
+        return int(RAPL.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_gen: int = 128,
+          runs: int = 5, vs: list[str] | None = None, gguf: str | None = None,
+          watts_per_core: float = WATTS_PER_CORE, progress=None) -> list[EngineResult]:
+    """Benchmark pocketlm (and ``vs`` engines) on one model; one result per engine."""
+    from ..api import load
+    from ..formats import sniff
+    from ..registry import DEFAULT_MODEL, resolve
+
+    for name, value in (("threads", threads), ("n_prompt", n_prompt), ("n_gen", n_gen),
+                        ("runs", runs)):
+        if not isinstance(value, int) or value < 1:
+            raise PocketError(f"--{name.replace('_', '-')} must be a positive integer, got "
+                              f"{value!r}")
+    vs = list(vs or [])
+    unknown = [e for e in vs if e != "llama.cpp"]
+    if unknown:
+        raise UnsupportedError(f"--vs {unknown[0]!r}: supported engines to compare with: "
+                               "llama.cpp")
+    name = model or DEFAULT_MODEL
+    src = resolve(name)
+    m = load(src, quiet=False)  # packs a GGUF / HF source once; the cached file is benchmarked
+    deploy = Path(m.path)
+    ids = benchmark_ids(m.tokenizer, n_prompt)
+    if len(ids) + n_gen > m.config.max_context:
+        raise PocketError(f"n_prompt + n_gen = {len(ids) + n_gen} exceeds the model's context "
+                          f"of {m.config.max_context}")
+    del m
+    files = {"pocketlm": deploy}
+    if vs:
+        gguf_path = Path(gguf) if gguf else Path(src)
+        if sniff(gguf_path) != "gguf":
+            raise PocketError("--vs llama.cpp needs the model as GGUF: give a registry name or a "
+                              ".gguf file with -m, or the GGUF with --gguf")
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            raise PocketError("--vs llama.cpp needs llama-cpp-python: pip install "
+                              "llama-cpp-python") from None
+        files["llama.cpp"] = gguf_path
+    n_ctx = n_prompt + n_gen + 8
+    order = ["pocketlm", *vs]
+    workers: dict[str, _Worker] = {}
+    samples: dict[str, list[dict]] = {e: [] for e in order}
+    rapl: dict[str, list[float]] = {e: [] for e in order}
+    try:
+        for engine in order:
+            workers[engine] = _Worker(engine, files[engine], threads, n_ctx)
+            workers[engine].ask(cmd="run", ids=ids, n_gen=n_gen)  # warm-up
+        for r in range(runs):
+            for engine in (order if r % 2 == 0 else order[::-1]):  # alternate
+                e0 = _read_rapl()
+                sample = workers[engine].ask(cmd="run", ids=ids, n_gen=n_gen)
+                e1 = _read_rapl()
+                if e0 is not None and e1 is not None and e1 >= e0:
+                    rapl[engine].append((e1 - e0) / 1e6)
+                samples[engine].append(sample)
+                if progress:
+                    progress(engine, r, sample)
+        stats = {e: workers[e].ask(cmd="stats") for e in order}
+    finally:
+        for w in workers.values():
+            w.close()
+
+    command = " ".join(["pocket", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else \
+        " ".join(sys.argv)
+    results = []
+    for engine in order:
+        s = samples[engine]
+        prefill = [n_prompt / x["prefill_s"] for x in s]
+        decode = [n_gen / x["decode_s"] for x in s]
+        if rapl[engine]:
+            energy, method = statistics.median(rapl[engine]), "rapl (package, measured)"
+        else:
+            energy = statistics.median(x["cpu_s"] for x in s) * watts_per_core
+            method = f"estimate: CPU-seconds x {watts_per_core:g} W per busy core"
+        st = stats[engine]
+        results.append(EngineResult(
+            model=name, engine=engine, threads=threads, n_prompt=n_prompt, n_gen=n_gen,
+            runs=runs, prefill_tps=statistics.median(prefill), prefill_tps_min=min(prefill),
+            prefill_tps_max=max(prefill), decode_tps=statistics.median(decode),
+            decode_tps_min=min(decode), decode_tps_max=max(decode),
+            peak_rss_delta_mb=st["peak_rss_mb"] - st["baseline_rss_mb"],
+            file_mb=files[engine].stat().st_size / 1e6, load_s=st["load_s"],
+            energy_j_est=energy, energy_method=method, prompt_hash=ids_hash(ids),
+            machine=machine_info(), command=command,
+        ))
+    return results
+
+
+def budget_line(r: EngineResult) -> str:
+    battery_j = PHONE_BATTERY_WH * 3600 / 10000
+    checks = [
+        ("decode", r.decode_tps > BUDGETS["decode_tps"], f"{r.decode_tps:.0f} tok/s > 200"),
+        ("memory", r.peak_rss_delta_mb < BUDGETS["peak_rss_delta_mb"],
+         f"{r.peak_rss_delta_mb:.0f} MB < 300"),
+        ("energy", r.energy_j_est <= battery_j, f"{r.energy_j_est:.2f} J <= {battery_j:.1f}"),
+    ]
+    return "  ".join(f"{name}: {'PASS' if ok else 'MISS'} ({text})" for name, ok, text in checks)
+
+
+def format_table(results: list[EngineResult]) -> str:
+    r0 = results[0]
+    lines = [
+        f"model {r0.model}  threads {r0.threads}  prompt {r0.n_prompt} tokens "
+        f"(hash {r0.prompt_hash})  decode {r0.n_gen} tokens  runs {r0.runs} (+1 warm-up)",
+        f"machine: {r0.machine.get('cpu')} ({r0.machine.get('cores')} CPUs)",
+        "",
+        f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak MB':>8} "
+        f"{'file MB':>8} {'load s':>7} {'energy J':>9}",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.engine:<10} {r.prefill_tps:>8.1f} [{r.prefill_tps_min:.0f}-{r.prefill_tps_max:.0f}]"
+            f"{'':>3} {r.decode_tps:>8.1f} [{r.decode_tps_min:.0f}-{r.decode_tps_max:.0f}]"
+            f"{'':>3} {r.peak_rss_delta_mb:>8.0f} {r.file_mb:>8.1f} {r.load_s:>7.2f} "
+            f"{r.energy_j_est:>9.2f}")
+    if len(results) > 1:
+        base = results[0]
+        for other in results[1:]:
+            lines.append(
+                f"pocketlm / {other.engine}: prefill x{base.prefill_tps / other.prefill_tps:.2f}, "
+                f"decode x{base.decode_tps / other.decode_tps:.2f}, peak memory "
+                f"x{base.peak_rss_delta_mb / max(other.peak_rss_delta_mb, 1e-9):.2f}")
+    lines.append("")
+    lines.append(f"budgets (pocketlm): {budget_line(results[0])}")
+    lines.append(f"energy: {results[0].energy_method}; budget = 1/10000 of a "
+                 f"{PHONE_BATTERY_WH} Wh phone battery")
+    return "\n".join(lines)
+
+
+__all__ = ["bench", "EngineResult", "format_table", "budget_line", "BUDGETS"]

@@ -1,0 +1,128 @@
+"""One engine in its own process, driven over stdin/stdout with JSON lines.
+
+A fresh process per engine makes the peak-memory figure that engine's own: the resident set is
+read after the engine's library is imported and just before the model is loaded (the baseline),
+and the peak (VmHWM) at the end. Commands:
+
+    {"cmd": "run", "ids": [...], "n_gen": 128}  -> {"prefill_s", "decode_s", "cpu_s", "n_gen"}
+    {"cmd": "stats"}                             -> {"peak_rss_mb", "baseline_rss_mb", ...}
+    {"cmd": "quit"}
+
+    python -m pocketlm.bench.worker ENGINE MODEL_PATH THREADS N_CTX
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _cpu_seconds() -> float:
+    return time.process_time()  # every thread of this process, nanosecond clock
+
+
+class PocketEngine:
+    name = "pocketlm"
+
+    def __init__(self, path: str, threads: int, n_ctx: int):
+        os.environ["POCKET_THREADS"] = str(threads)
+        import numpy as np
+
+        import pocketlm
+
+        self.np = np
+        self.pocketlm = pocketlm
+        self.path, self.n_ctx = path, n_ctx
+
+    def load(self) -> None:
+        self.model = self.pocketlm.load(self.path, n_ctx=self.n_ctx)
+        self.runtime = self.model.runtime
+
+    def run(self, ids: list[int], n_gen: int) -> tuple[float, float]:
+        np = self.np
+        cache = self.runtime.new_cache(len(ids) + n_gen)
+        t0 = time.perf_counter()
+        logits = self.runtime.forward(ids, cache)
+        t1 = time.perf_counter()
+        for _ in range(n_gen):  # greedy, end-of-sequence ignored
+            logits = self.runtime.forward([int(np.argmax(logits))], cache)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+
+class LlamaCppEngine:
+    name = "llama.cpp"
+
+    def __init__(self, path: str, threads: int, n_ctx: int):
+        import llama_cpp
+        import numpy as np
+
+        self.llama_cpp, self.np = llama_cpp, np
+        self.path, self.threads, self.n_ctx = path, threads, n_ctx
+
+    def load(self) -> None:
+        self.llm = self.llama_cpp.Llama(model_path=self.path, n_ctx=self.n_ctx, n_batch=512,
+                                        n_ubatch=512, n_threads=self.threads,
+                                        n_threads_batch=self.threads, verbose=False)
+
+    def run(self, ids: list[int], n_gen: int) -> tuple[float, float]:
+        llm, np = self.llm, self.np
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        t1 = time.perf_counter()
+        for _ in range(n_gen):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+
+ENGINES = {"pocketlm": PocketEngine, "llama.cpp": LlamaCppEngine}
+
+
+def main(argv: list[str]) -> int:
+    engine_name, path, threads, n_ctx = argv[0], argv[1], int(argv[2]), int(argv[3])
+    out = sys.stdout
+    try:
+        engine = ENGINES[engine_name](path, threads, n_ctx)
+        baseline = _status_kb("VmRSS")
+        t0 = time.perf_counter()
+        engine.load()
+        load_s = time.perf_counter() - t0
+    except Exception as exc:  # reported to the parent as one line
+        out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        return 1
+    out.write(json.dumps({"ready": True, "load_s": load_s,
+                          "baseline_rss_mb": baseline / 1024}) + "\n")
+    out.flush()
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["cmd"] == "run":
+            c0 = _cpu_seconds()
+            prefill_s, decode_s = engine.run(msg["ids"], msg["n_gen"])
+            reply = {"prefill_s": prefill_s, "decode_s": decode_s,
+                     "cpu_s": _cpu_seconds() - c0, "n_gen": msg["n_gen"]}
+        elif msg["cmd"] == "stats":
+            reply = {"peak_rss_mb": _status_kb("VmHWM") / 1024,
+                     "rss_mb": _status_kb("VmRSS") / 1024,
+                     "baseline_rss_mb": baseline / 1024, "load_s": load_s}
+        else:
+            return 0
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,82 @@
+"""`pocket bench`: methodology plumbing on a tiny model (speed itself is measured in
+benchmarks/, never asserted in tests)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tiny_gguf
+from pocketlm import cli
+from pocketlm.bench import bench, format_table
+from pocketlm.bench.prompt import benchmark_ids, ids_hash
+from pocketlm.errors import PocketError
+
+REQUIRED = {"model", "engine", "threads", "n_prompt", "n_gen", "prefill_tps", "decode_tps",
+            "peak_rss_delta_mb", "file_mb", "load_s", "energy_j_est"}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", seed=2, weight_type="Q4_0", max_context=256)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+
+
+def test_prompt_is_deterministic_and_exact_length(gguf):
+    import pocketlm
+
+    tok = pocketlm.load(gguf).tokenizer
+    a, b = benchmark_ids(tok, 100), benchmark_ids(tok, 100)
+    assert a == b and len(a) == 100 and ids_hash(a) == ids_hash(b)
+    assert benchmark_ids(tok, 2000)[:100] == a  # the text repeats; the start never changes
+
+
+def test_bench_against_llama_cpp_alternating(gguf):
+    seen = []
+    results = bench(str(gguf), threads=1, n_prompt=32, n_gen=4, runs=2, vs=["llama.cpp"],
+                    progress=lambda engine, run, sample: seen.append((engine, run)))
+    assert [r.engine for r in results] == ["pocketlm", "llama.cpp"]
+    assert seen == [("pocketlm", 0), ("llama.cpp", 0), ("llama.cpp", 1), ("pocketlm", 1)]
+    for r in results:
+        row = json.loads(r.to_json())
+        assert REQUIRED <= set(row)
+        assert row["n_prompt"] == 32 and row["n_gen"] == 4 and row["threads"] == 1
+        assert 0 < r.prefill_tps_min <= r.prefill_tps <= r.prefill_tps_max
+        assert 0 < r.decode_tps_min <= r.decode_tps <= r.decode_tps_max
+        assert r.peak_rss_delta_mb > 0 and r.file_mb > 0 and r.energy_j_est > 0
+        assert r.prompt_hash == results[0].prompt_hash
+    table = format_table(results)
+    assert "pocketlm / llama.cpp" in table and "budgets" in table
+
+
+def test_bench_cli_json(gguf, capsys):
+    assert cli.main(["bench", "-m", str(gguf), "--threads", "1", "--n-prompt", "16",
+                     "--n-gen", "2", "--runs", "1", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 1 and REQUIRED <= set(rows[0]) and rows[0]["engine"] == "pocketlm"
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(runs=0), "runs"),
+    (dict(n_prompt=-1), "n-prompt"),
+    (dict(n_prompt=300), "context"),
+    (dict(vs=["mnn"]), "llama.cpp"),
+])
+def test_bench_bad_arguments(gguf, kwargs, match):
+    with pytest.raises(PocketError, match=match):
+        bench(str(gguf), **{"n_gen": 2, "runs": 1, **kwargs})
+
+
+def test_vs_llama_cpp_needs_a_gguf(gguf, tmp_path, capsys):
+    out = tmp_path / "m.pocket"
+    assert cli.main(["pack", str(gguf), "-o", str(out)]) == 0
+    code = cli.main(["bench", "-m", str(out), "--vs", "llama.cpp", "--runs", "1",
+                     "--n-prompt", "8", "--n-gen", "1"])
+    assert code == 1 and "GGUF" in capsys.readouterr().err
