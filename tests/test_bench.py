@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 import tiny_gguf
+
 from pocketlm import cli
 from pocketlm.bench import bench, format_table
 from pocketlm.bench.prompt import benchmark_ids, ids_hash
