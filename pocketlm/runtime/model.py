@@ -3,6 +3,20 @@
 The runtime holds weights as loaded (float32 arrays or :class:`~pocketlm.quant.QuantTensor`
 views of the deploy file) and computes through :mod:`pocketlm.runtime.kernels`. It never
 imports torch.
+
+Two engines run the same math:
+
+* the native engine (``pocketlm._native.NativeModel``): the whole forward pass, every layer
+  and the output head, in one C call per :meth:`Runtime.forward`. Used when the kernel backend
+  is native (``POCKET_KERNELS``, default when built) and every weight is in a layout it
+  supports (INT4 / INT8 QuantTensors, float32 arrays, C-contiguous). ``POCKET_ACT`` picks float
+  (``f32``, default) or int8 (``q8``) activations for the quantized products, ``POCKET_KV`` the
+  KV cache format (``f32`` | ``f16``; default ``f32`` with f32 activations, ``f16`` with q8),
+  ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs). Its caches are
+  :class:`NativeKVCache` objects.
+* the numpy reference below (``POCKET_KERNELS=numpy``; also the fallback), which computes
+  layer by layer through :mod:`pocketlm.runtime.kernels` and is the specification the native
+  engine is tested against.
 """
 
 from __future__ import annotations
@@ -10,9 +24,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ContextLengthError, FormatError
+from ..errors import ContextLengthError, FormatError, KernelError
 from ..quant import QuantTensor
 from . import kernels as K
+from .kernels import native as _native_kernels
 
 Weight = np.ndarray | QuantTensor
 
@@ -41,8 +56,31 @@ class KVCache:
         return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
 
 
+class NativeKVCache(KVCache):
+    """A KV cache of the native engine (keys and values live in C memory, float32 or float16).
+
+    Same interface as :class:`KVCache` (``capacity``, ``length``, ``reset``, ``truncate``,
+    ``nbytes``); usable only with the runtime that created it."""
+
+    def __init__(self, engine, capacity: int):  # not KVCache.__init__: no numpy arrays
+        if capacity <= 0:
+            raise ContextLengthError(f"KV cache capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.length = 0
+        self.engine = engine
+        self.kv = engine.new_kv(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
 class Runtime:
-    def __init__(self, config: ModelConfig, weights: dict[str, Weight]):
+    def __init__(self, config: ModelConfig, weights: dict[str, Weight], *,
+                 engine: str | None = None):
+        """``engine``: ``"native"`` (required: raises if it cannot be used), ``"numpy"`` (the
+        reference) or None (native when the native backend is in force and supports every
+        weight, else numpy)."""
         self.config = config
         expected = config.tensor_shapes()
         for name, shape in expected.items():
@@ -54,12 +92,30 @@ class Runtime:
         self.w = weights
         self._head = weights.get("lm_head.weight", weights["embed.weight"])
         self._rope_cache: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self.native = None  # the native engine, when in use
+        self.engine_note = ""  # why the native engine is not in use
+        if engine not in (None, "native", "numpy"):
+            raise ValueError(f"engine must be 'native', 'numpy' or None, got {engine!r}")
+        if engine == "native" or (engine is None and K.backend_name() == "native"):
+            try:
+                self.native = _native_kernels.NativeEngine(config, weights)
+            except KernelError as e:
+                if engine == "native":
+                    raise
+                self.engine_note = str(e)
+
+    @property
+    def engine(self) -> str:
+        """``"native"`` (the whole forward pass in C) or ``"numpy"`` (layer by layer)."""
+        return "native" if self.native is not None else "numpy"
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         cap = self.config.max_context if capacity is None else capacity
         if cap > self.config.max_context:
             raise ContextLengthError(f"requested context {cap} exceeds the model's maximum "
                                      f"{self.config.max_context}")
+        if self.native is not None and cap > 0:
+            return NativeKVCache(self.native, cap)
         return KVCache(self.config, cap)
 
     def _rope(self, theta: float, positions: np.ndarray):
@@ -85,6 +141,12 @@ class Runtime:
                                      f"{cache.capacity}")
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        if isinstance(cache, NativeKVCache):
+            if self.native is None or cache.engine is not self.native:
+                raise ValueError("this KV cache belongs to another runtime")
+            logits = self.native.forward(cache.kv, ids.astype(np.int32), start, all_logits)
+            cache.length = start + n
+            return logits
         positions = np.arange(start, start + n)
         w = self.w
         x = K.embedding(w["embed.weight"], ids)  # [n, d_model]

@@ -10,9 +10,11 @@
 #include <Python.h>
 
 #include <limits.h>
+#include <math.h>
 #include <string.h>
 
 #include "pocket_kernels.h"
+#include "pocket_model.h"
 
 #define KERNEL_API 1
 
@@ -450,6 +452,8 @@ fail:
     return NULL;
 }
 
+#include "pocket_module_model.inc"
+
 /* ---- module ----------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -477,7 +481,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         level_tables[l] = pocket_kernels(l);
         if (level_tables[l]) best_level = l;
     }
-    if (PyType_Ready(&PoolType) < 0) return NULL;
+    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&ModelType) < 0 || PyType_Ready(&KVType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
     Py_INCREF(&PoolType);
@@ -486,11 +491,29 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
+    Py_INCREF(&ModelType);
+    if (PyModule_AddObject(m, "NativeModel", (PyObject *)&ModelType) < 0) {
+        Py_DECREF(&ModelType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&KVType);
+    if (PyModule_AddObject(m, "NativeKV", (PyObject *)&KVType) < 0) {
+        Py_DECREF(&KVType);
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "LEVEL_AUTO", POCKET_LEVEL_AUTO) ||
         PyModule_AddIntConstant(m, "LEVEL_SCALAR", POCKET_LEVEL_SCALAR) ||
         PyModule_AddIntConstant(m, "LEVEL_AVX2", POCKET_LEVEL_AVX2) ||
         PyModule_AddIntConstant(m, "LEVEL_AVX512", POCKET_LEVEL_AVX512) ||
         PyModule_AddIntConstant(m, "KERNEL_API", KERNEL_API) ||
+        PyModule_AddIntConstant(m, "MODEL_API", MODEL_API) ||
+        PyModule_AddIntConstant(m, "Q8_QKV", POCKET_Q8_QKV) ||
+        PyModule_AddIntConstant(m, "Q8_WO", POCKET_Q8_WO) ||
+        PyModule_AddIntConstant(m, "Q8_GATE_UP", POCKET_Q8_GATE_UP) ||
+        PyModule_AddIntConstant(m, "Q8_DOWN", POCKET_Q8_DOWN) ||
+        PyModule_AddIntConstant(m, "Q8_HEAD", POCKET_Q8_HEAD) ||
         PyModule_AddIntConstant(m, "QBLOCK", POCKET_QBLOCK)) {
         Py_DECREF(m);
         return NULL;

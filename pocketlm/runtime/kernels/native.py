@@ -194,3 +194,116 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None, *, act: str = "f32"
             raise KernelError(f"linear: bias must be float32 of shape ({out_f},)")
         y += bias
     return y.astype(np.float32, copy=False)
+
+
+# -- the whole-model engine ------------------------------------------------------------------
+# pocketlm._native.NativeModel runs the complete forward pass (all layers, attention, the
+# output head) in one native call; see pocketlm/runtime/csrc/pocket_model.h. The runtime uses
+# it when the native backend is in force and every weight is in a layout it supports.
+
+_MODEL_API = 1
+KV_FORMATS = ("f32", "f16")
+MAX_DEFAULT_ENGINE_THREADS = 2
+
+
+def engine_available() -> bool:
+    """True when the extension is built with the whole-model engine of this wrapper's API."""
+    return available() and getattr(_native, "MODEL_API", None) == _MODEL_API
+
+
+def engine_threads() -> int:
+    """Threads of the engine: POCKET_THREADS, else 2 or the usable CPUs if fewer (the
+    products of a small model are memory bound; more threads mostly add synchronisation)."""
+    if os.environ.get("POCKET_THREADS", "").strip():
+        return default_threads()
+    return max(1, min(_usable_cpus(), MAX_DEFAULT_ENGINE_THREADS))
+
+
+def kv_format(act: str) -> str:
+    """POCKET_KV (``f32`` | ``f16``), else ``f32`` with float activations and ``f16`` with
+    int8 activations (the fast setting)."""
+    kv = os.environ.get("POCKET_KV", "").strip().lower()
+    if not kv:
+        return "f16" if act == "q8" else "f32"
+    if kv not in KV_FORMATS:
+        raise KernelError(f"POCKET_KV={kv!r}; choose one of {', '.join(KV_FORMATS)}")
+    return kv
+
+
+def _engine_tensor(w):
+    """The engine's form of a weight, or None if its layout is not supported."""
+    if isinstance(w, QuantTensor):
+        arrays = [w.qweight, w.scales] + ([w.mins] if w.kind == "int4" else [])
+        if w.kind not in ("int4", "int8") or w.group_size not in (32, 64, 128):
+            return None
+        if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
+            return None
+        if w.kind == "int4":
+            if w.qweight.dtype != np.uint8 or w.scales.dtype != np.float16 or \
+                    w.mins.dtype != np.float16:
+                return None
+            return ("int4", w.qweight, w.scales, w.mins, int(w.group_size))
+        if w.qweight.dtype != np.int8 or w.scales.dtype != np.float16:
+            return None
+        return ("int8", w.qweight, w.scales, int(w.group_size))
+    if isinstance(w, np.ndarray) and w.dtype == np.float32 and w.flags.c_contiguous:
+        return w
+    return None
+
+
+def engine_weights(config, weights: dict) -> tuple[dict | None, str]:
+    """The weights in the engine's form, or (None, the reason they cannot be used)."""
+    names = list(config.tensor_shapes())
+    if "lm_head.weight" in weights and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    out = {}
+    for name in names:
+        t = _engine_tensor(weights[name])
+        if t is None:
+            w = weights[name]
+            return None, (f"tensor {name!r} ({type(w).__name__} "
+                          f"{getattr(w, 'kind', getattr(w, 'dtype', ''))}) is not in a layout "
+                          "the native engine supports")
+        out[name] = t
+    return out, ""
+
+
+class NativeEngine:
+    """The whole forward pass in C over the runtime's weights (kept alive by the model)."""
+
+    def __init__(self, config, weights: dict, *, act: str | None = None, kv: str | None = None,
+                 threads: int | None = None, level: str | None = None,
+                 capacity: int | None = None):
+        if not engine_available():
+            raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
+                              "with `pip install -e .`")
+        from . import activation_format  # the package's POCKET_ACT parser
+        self.act = activation_format() if act is None else act
+        if self.act not in ("f32", "q8"):
+            raise KernelError(f"act must be 'f32' or 'q8', got {self.act!r}")
+        self.kv_format = kv_format(self.act) if kv is None else kv
+        if self.kv_format not in KV_FORMATS:
+            raise KernelError(f"kv must be one of {', '.join(KV_FORMATS)}, got {kv!r}")
+        self.threads = engine_threads() if threads is None else int(threads)
+        if not 1 <= self.threads <= 1024:
+            raise KernelError(f"threads must be in 1..1024, got {self.threads}")
+        tensors, reason = engine_weights(config, weights)
+        if tensors is None:
+            raise KernelError(reason)
+        self.capacity = int(config.max_context if capacity is None else capacity)
+        self.vocab_size = config.vocab_size
+        self.model = _call(_native.NativeModel, config.to_dict(), tensors, self.capacity,
+                           act_q8=self.act == "q8", level=_level_id(level))
+        self.level = self.model.level
+
+    def new_kv(self, capacity: int):
+        return _call(_native.NativeKV, self.model, int(capacity), f16=self.kv_format == "f16")
+
+    def forward(self, kv, ids: np.ndarray, start_pos: int, all_logits: bool) -> np.ndarray:
+        """Logits float32 ``[n, vocab]`` (all_logits) or ``[vocab]``; ids int32 ``[n]``."""
+        n = ids.shape[0]
+        logits = np.empty((n, self.vocab_size) if all_logits else (self.vocab_size,),
+                          dtype=np.float32)
+        _call(self.model.forward, kv, ids, int(start_pos), logits, all_logits=all_logits,
+              threads=self.threads, pool=_get_pool(self.threads))
+        return logits

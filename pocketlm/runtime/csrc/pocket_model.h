@@ -1,0 +1,122 @@
+/* pocketlm native inference engine: the whole decoder forward pass in C.
+ *
+ * One call of pocket_model_forward() runs a block of tokens through every layer and writes
+ * the logits; it implements exactly pocketlm/runtime/model.py (the numpy reference):
+ *
+ *   x = embed[ids] * embed_scale
+ *   per layer:  h = rmsnorm(x, attn_norm)
+ *               q, k, v = h W_q^T (+b), h W_k^T (+b), h W_v^T (+b)
+ *               [qk_norm] per-head rmsnorm of q and k
+ *               rotate-half RoPE of q and k (the layer's theta), k and v into the KV cache
+ *               causal GQA attention (sliding window on 'sliding' layers), softmax in float32
+ *               o = att W_o^T; [sandwich] o = rmsnorm(o, post_attn_norm); x += o
+ *               h = rmsnorm(x, mlp_norm); a = act(h W_gate^T) * (h W_up^T)
+ *               d = a W_down^T; [sandwich] d = rmsnorm(d, post_mlp_norm); x += d
+ *   logits = rmsnorm(x, norm) (lm_head or embed)^T  (only the last row unless all_logits)
+ *
+ * Plain C (no Python), no mutable global state, never exits. The model does not own the weight
+ * memory (the caller keeps it alive, e.g. a mmap'd deploy file); it owns its scratch buffers
+ * and RoPE tables. KV caches are separate objects (several may exist per model, e.g. one per
+ * conversation), each tied to the model that created it.
+ *
+ * Threading: the caller passes a pocket_pool (or NULL) and a thread count; each parallel
+ * region splits its work into nthreads fixed parts (rows of the concatenated q/k/v or gate/up
+ * weights, attention units) that are independent of which thread runs them, so results do not
+ * depend on the number of threads. A model is not reentrant: one forward at a time per model
+ * (the CPython wrapper holds a lock).
+ */
+#ifndef POCKET_MODEL_H
+#define POCKET_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pocket_kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Weight storage types. */
+enum {
+    POCKET_WT_NONE = 0, /* absent (optional tensors) */
+    POCKET_WT_F32 = 1,  /* float32 [rows, cols] (or [cols] for vectors) */
+    POCKET_WT_Q4 = 4,   /* INT4 layout of pocket_kernels.h */
+    POCKET_WT_Q8 = 8    /* INT8 layout of pocket_kernels.h */
+};
+
+/* A 2-D weight [rows, cols] (a linear layer or the embedding table). */
+typedef struct pocket_weight {
+    int type; /* POCKET_WT_* */
+    int rows, cols, group_size;
+    const void *data;       /* float32 | uint8 packed INT4 | int8 */
+    const uint16_t *scales; /* float16 [rows, cols / group_size] (Q4, Q8) */
+    const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4) */
+} pocket_weight;
+
+typedef struct pocket_layer_weights {
+    const float *attn_norm, *mlp_norm;                 /* [d_model] */
+    const float *q_bias, *k_bias, *v_bias;             /* qkv_bias: [q_dim], [kv_dim], [kv_dim] */
+    const float *q_norm, *k_norm;                      /* qk_norm: [head_dim] */
+    const float *post_attn_norm, *post_mlp_norm;       /* sandwich_norms: [d_model] */
+    pocket_weight wq, wk, wv, wo, wgate, wup, wdown;
+    int sliding; /* 1: sliding-window layer (window and local RoPE base) */
+} pocket_layer_weights;
+
+typedef struct pocket_model_config {
+    int vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff;
+    int qkv_bias, qk_norm, sandwich_norms;
+    int act_gelu;       /* 0: silu, 1: tanh-approximated GELU */
+    int sliding_window; /* tokens (the current one included); 0: none */
+    float norm_eps, embed_scale, attn_scale;
+    double rope_theta, rope_theta_local; /* local: base of sliding layers (0: rope_theta) */
+    int max_positions;                   /* the largest KV cache capacity allowed */
+} pocket_model_config;
+
+typedef struct pocket_model pocket_model;
+typedef struct pocket_kv pocket_kv;
+
+/* Product classes whose activations may be quantized to int8 (bits of act_q8). */
+enum {
+    POCKET_Q8_QKV = 1 << 0,
+    POCKET_Q8_WO = 1 << 1,
+    POCKET_Q8_GATE_UP = 1 << 2,
+    POCKET_Q8_DOWN = 1 << 3,
+    POCKET_Q8_HEAD = 1 << 4,
+    POCKET_Q8_ALL = 31
+};
+
+/* Build a model over caller-owned weights (layers: n_layers entries, copied; head may equal
+ * embed for tied embeddings). kernels: a table from pocket_kernels(); act_q8: a set of
+ * POCKET_Q8_* bits, the products whose activations are quantized to int8 (0: float
+ * activations everywhere). Checks every scalar argument and
+ * every pointer for presence; the sizes behind the pointers are the caller's responsibility.
+ * Returns POCKET_OK and *out, or a negative status. */
+int pocket_model_create(const pocket_model_config *config, const pocket_layer_weights *layers,
+                        const pocket_weight *embed, const pocket_weight *head,
+                        const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
+                        pocket_model **out);
+void pocket_model_destroy(pocket_model *model);
+
+/* A KV cache of `capacity` positions for `model`: float32 (kv_f16 = 0) or float16 (kv_f16 = 1)
+ * keys and values, laid out [layer][kv_head][position][head_dim]. float16 halves the memory
+ * and the attention's memory traffic; keys and values are then rounded to float16 (relative
+ * error <= 2^-11) before use, which moves the logits by ~1e-3 relative to the float32 reference. */
+int pocket_kv_create(const pocket_model *model, int capacity, int kv_f16, pocket_kv **out);
+void pocket_kv_destroy(pocket_kv *kv);
+int pocket_kv_capacity(const pocket_kv *kv);
+size_t pocket_kv_nbytes(const pocket_kv *kv);
+
+/* Run tokens ids[0..n) at positions start_pos.. of `kv` (positions before start_pos must have
+ * been filled by earlier calls). logits: float32 [n, vocab] if all_logits, else [vocab] (the
+ * last token). Checks ids (0 <= id < vocab), start_pos + n <= capacity, nthreads in 1..1024;
+ * returns POCKET_OK or a negative status (nothing is written to kv on an argument error). */
+int pocket_model_forward(pocket_model *model, pocket_kv *kv, const int32_t *ids, int n,
+                         int start_pos, float *logits, int all_logits, pocket_pool *pool,
+                         int nthreads);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* POCKET_MODEL_H */
