@@ -224,6 +224,11 @@ def cmd_bench(args) -> int:
             print(r.to_json())
     else:
         print(format_table(results))
+    if args.plot:
+        from .bench.plot import to_svg
+
+        Path(args.plot).write_text(to_svg(results), encoding="utf-8")
+        print(f"[picture written to {args.plot}]", file=sys.stderr)
     return 0
 
 
@@ -299,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--watts-per-core", type=float, default=3.0,
                    help="power of one busy core for the energy estimate without RAPL (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON line per engine")
+    p.add_argument("--plot", metavar="FILE.svg", help="also draw the results as an SVG picture")
     p.add_argument("-v", "--verbose", action="store_true", help="print every run")
     p.set_defaults(func=cmd_bench)
 

@@ -56,11 +56,14 @@ def test_bench_against_llama_cpp_alternating(gguf):
     assert "pocketlm / llama.cpp" in table and "budgets" in table
 
 
-def test_bench_cli_json(gguf, capsys):
+def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
+    svg = tmp_path / "bench.svg"
     assert cli.main(["bench", "-m", str(gguf), "--threads", "1", "--n-prompt", "16",
-                     "--n-gen", "2", "--runs", "1", "--json"]) == 0
+                     "--n-gen", "2", "--runs", "1", "--json", "--plot", str(svg)]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 1 and REQUIRED <= set(rows[0]) and rows[0]["engine"] == "pocketlm"
+    text = svg.read_text()
+    assert text.startswith("<svg") and "decode tok/s" in text and "pocketlm" in text
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -115,8 +115,9 @@ def test_strict_int4_stays_within_its_measured_loss(name, text):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_continuation_matches_llama_cpp(name):
-    """Greedy tokens from the INT4 deploy file follow llama.cpp's on the same GGUF."""
-    path, _, _, int4_model, _ = _models(name)
+    """Greedy tokens from the deploy file follow llama.cpp's on the same GGUF (strict INT4 for
+    smollm2-135m, keep-precision for the 5-8 bit sources)."""
+    path, _, _, _, int4_model = _models(name)
     ids = int4_model.tokenize("The three primary colours are")
     ours = list(int4_model.stream_ids(ids, max_tokens=12))
     llm = oracle.llama_cpp().Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False)

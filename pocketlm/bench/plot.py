@@ -1,0 +1,49 @@
+"""A dependency-free SVG picture of benchmark results: one panel per metric, one bar per engine,
+the app-native budget drawn as a dashed line where there is one."""
+
+from __future__ import annotations
+
+from html import escape
+
+PANELS = [  # (field, title, budget, higher is better)
+    ("prefill_tps", "prefill tok/s", None, True),
+    ("decode_tps", "decode tok/s", 200.0, True),
+    ("peak_rss_delta_mb", "peak memory MB", 300.0, False),
+    ("energy_j_est", "energy J / call", 5.0, False),
+]
+COLORS = ["#2f6fdf", "#e07b39", "#5aa469", "#a05195"]
+
+
+def to_svg(results: list) -> str:
+    width, height, pad, panel_w = 860, 300, 40, 200
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           'font-family="sans-serif" font-size="12">',
+           '<rect width="100%" height="100%" fill="white"/>']
+    r0 = results[0]
+    out.append(f'<text x="{pad}" y="20" font-size="14">{escape(str(r0.model))}: '
+               f'{r0.n_prompt}-token prompt, {r0.n_gen} generated, {r0.threads} threads, '
+               f'median of {r0.runs}</text>')
+    for p, (field, title, budget, _) in enumerate(PANELS):
+        x0 = pad + p * panel_w
+        top, bottom = 50, height - 50
+        values = [float(getattr(r, field)) for r in results]
+        vmax = max(values + ([budget] if budget else [])) * 1.15 or 1.0
+        out.append(f'<text x="{x0}" y="{top - 8}">{escape(title)}</text>')
+        bar_w = (panel_w - 50) / max(len(results), 1)
+        for i, (r, v) in enumerate(zip(results, values)):
+            h = (bottom - top) * v / vmax
+            bx = x0 + i * bar_w
+            out.append(f'<rect x="{bx:.1f}" y="{bottom - h:.1f}" width="{bar_w - 6:.1f}" '
+                       f'height="{h:.1f}" fill="{COLORS[i % len(COLORS)]}"/>')
+            out.append(f'<text x="{bx:.1f}" y="{bottom - h - 4:.1f}">{v:.0f}</text>')
+            out.append(f'<text x="{bx:.1f}" y="{bottom + 14}">{escape(r.engine)}</text>')
+        if budget:
+            by = bottom - (bottom - top) * budget / vmax
+            out.append(f'<line x1="{x0}" y1="{by:.1f}" x2="{x0 + panel_w - 50}" y2="{by:.1f}" '
+                       'stroke="#c00" stroke-dasharray="4,3"/>')
+            out.append(f'<text x="{x0}" y="{by - 3:.1f}" fill="#c00" font-size="10">budget '
+                       f'{budget:g}</text>')
+        out.append(f'<line x1="{x0}" y1="{bottom}" x2="{x0 + panel_w - 50}" y2="{bottom}" '
+                   'stroke="#333"/>')
+    out.append("</svg>")
+    return "\n".join(out)
