@@ -8,15 +8,24 @@
 #include <stdint.h>
 
 /* Keys per attention chunk: the online softmax rescales once per chunk, and decode splits the
- * keys of each KV head into units of this many positions (a fixed size, so that results do not
- * depend on the number of threads). */
+ * keys of every KV head into units of this many positions. Chunks and units are aligned to
+ * multiples of PM_SPAN absolute positions (a fixed rule, so results do not depend on the number
+ * of threads). A multiple of 16. */
 #define PM_SPAN 128
 
+/* KV cache layout of one KV head (float32 or float16 values):
+ *   K: blocks of 16 positions, each [head_dim][16] (transposed: key e of positions 16k..16k+15
+ *      is 16 consecutive values), i.e. element (pos, e) at (pos / 16) * 16 * hd + e * 16 + pos % 16
+ *   V: [position][head_dim] */
+static inline size_t pm_k_index(int pos, int e, int hd) {
+    return (size_t)(pos / 16) * 16 * (size_t)hd + (size_t)e * 16 + (size_t)(pos % 16);
+}
+
 /* Online-softmax attention of G query heads (q: G rows of hd floats, consecutive) over the
- * keys [a, b) of one KV head (K, V: that head's rows, row stride hd elements, float32 or
- * float16 bits). m, l, acc (G, G, G * hd) hold the running maximum, sum of exponentials and
- * weighted sum of values; the caller initializes them to -inf, 0, 0 and divides acc by l at
- * the end. s: scratch of G * PM_SPAN floats. Scores are (q . k) * scale, as in the reference. */
+ * keys [a, b) of one KV head (K, V: that head's cache, layout above). m, l, acc (G, G, G * hd)
+ * hold the running maximum, sum of exponentials and weighted sum of values; the caller
+ * initializes them to -inf, 0, 0 and divides acc by l at the end. s: scratch of
+ * G * PM_SPAN floats. Scores are (q . k) * scale, as in the reference. */
 typedef struct pm_attn_args {
     const float *q;
     int G, hd;
@@ -27,6 +36,42 @@ typedef struct pm_attn_args {
     float *s;
     float *m, *l, *acc;
 } pm_attn_args;
+
+/* Quantized weights repacked for the int8-activation products: tiles of 16 rows. Tile t holds
+ * rows 16t .. 16t+15 (zero rows pad the last one) as one record:
+ *
+ *   [nb blocks of weights][ng x 16 float16 scales][ng x 16 float16 mins (INT4)]  (64-aligned)
+ *
+ * A block (32 columns) is 8 column chunks of 4; chunk k of row i is the 4 bytes at lane i of a
+ * 64-byte vector (lane = 4 bytes), so that one u8 x s8 dot-product instruction with a broadcast
+ * activation word computes 16 rows:
+ *   INT4: 4 vectors per block; vector m, lane i, byte j: low nibble = column 8m + j,
+ *         high nibble = column 8m + 4 + j (values 0..15);
+ *   INT8: 8 vectors per block; vector k, lane i, byte j = column 4k + j, stored as q + 128.
+ * Scales (and mins) of group g are 16 float16 values, one per row of the tile. */
+typedef struct pm_tiled {
+    int bits; /* 4 | 8 */
+    int rows, cols, group_size;
+    int ntiles, nb, ng, gpb;
+    size_t block_bytes; /* 256 | 512 */
+    size_t tile_bytes;  /* bytes of one tile record */
+    size_t scale_off;   /* offset of the scales in a record (mins follow: + ng * 32) */
+    uint8_t *data;
+} pm_tiled;
+
+/* Activations for the int8 products: per block of 32 columns, with d = absmax / 127,
+ *   digits = 1:  x~ = d * q1,                    dd = d,       S = sum q1
+ *   digits = 2:  x~ = (d / 128) * (128 q1 + q2), dd = d / 128, S = sum (128 q1 + q2)
+ * q1 = round(x / d) in [-127, 127], q2 = round(128 (x / d - q1)) in [-64, 64]: two int8
+ * "digits" carry ~15 bits of the block's range. bsum = dd * S (the block's sum of x~, for
+ * the INT4 minimums) and corr = 128 * S (the exact offset of INT8 weights stored as q + 128). */
+typedef struct pm_act {
+    int n, cols, digits; /* digits 0: float activations x (bsum: sums of x per block) */
+    const float *x;      /* [n, cols] */
+    const int8_t *q1, *q2; /* [n, cols] */
+    const float *dd, *bsum; /* [n, cols / 32] */
+    const int32_t *corr;    /* [n, cols / 32] */
+} pm_act;
 
 typedef struct pm_ops {
     const char *name;
@@ -40,7 +85,25 @@ typedef struct pm_ops {
                        int rb, int re);
     /* float32 -> float16 bits (round to nearest even), len values */
     void (*to_f16)(const float *x, uint16_t *out, size_t len);
+    /* activations x [n, cols] -> the int8 digits and block terms of pm_act (q2 only when
+     * digits == 2); identical results in every implementation */
+    void (*quant_act)(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
+                      float *dd, float *bsum, int32_t *corr);
+    /* y[i * ystride + r] = W[r] . x~[i] for the rows of tiles [tb, te), tokens i < a->n;
+     * digits == 0: float activations a->x (W[r] . x with the reference's per-group
+     * decomposition (x_g . q_g) * scale + sum(x_g) * min, in float32) */
+    void (*matmul_tiled)(const pm_tiled *w, const pm_act *a, float *y, size_t ystride, int tb,
+                         int te);
+    /* sums of x over each block of 32 columns: bsum [n, cols / 32] */
+    void (*block_sums)(const float *x, int n, int cols, float *bsum);
 } pm_ops;
+
+/* Portable twins used by both implementations. */
+void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
+                           float *dd, float *bsum, int32_t *corr);
+void pm_block_sums_portable(const float *x, int n, int cols, float *bsum);
+void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
+                              int tb, int te);
 
 extern const pm_ops pm_ops_portable;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(POCKET_NO_SIMD)

@@ -7,6 +7,10 @@ native activation format: ``f32`` (default; the same numbers as the reference up
 rounding) or ``q8`` (activations rounded to INT8 per group of 32 for integer dot products:
 faster, slightly different). The wrapper functions here check what they are handed (dtype,
 shape, layout) before calling a backend, so a backend may trust its inputs.
+
+With the native backend the runtime normally runs the whole forward pass in the native engine
+(:class:`.native.NativeEngine`), which reads the same settings; its ``q8`` carries each
+activation as two int8 digits (see :mod:`.native`).
 """
 
 from __future__ import annotations
