@@ -75,14 +75,18 @@ class LlamaCppEngine:
                                         n_ubatch=512, n_threads=self.threads,
                                         n_threads_batch=self.threads, verbose=False)
 
+    def _last_logits(self):
+        ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return self.np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+
     def run(self, ids: list[int], n_gen: int) -> tuple[float, float]:
         llm, np = self.llm, self.np
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
         t1 = time.perf_counter()
-        for _ in range(n_gen):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        for _ in range(n_gen):  # greedy, end-of-sequence ignored
+            llm.eval([int(np.argmax(self._last_logits()))])
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 

@@ -1,0 +1,81 @@
+"""pocketlm against llama.cpp on the three registry models (JSON lines, one per engine).
+
+    python benchmarks/vs_llamacpp.py [--models ...] [--threads 2] >> benchmarks/vs_llamacpp.jsonl
+    python benchmarks/vs_llamacpp.py --table benchmarks/vs_llamacpp.jsonl   # markdown table
+
+llama.cpp is llama-cpp-python, built for the machine's CPU features (see the README's
+benchmark section); both engines get the same prompt ids, alternate run by run, and run in
+their own processes (`pocket bench --vs llama.cpp`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
+
+
+def run(models: list[str], threads: int, runs: int) -> None:
+    import llama_cpp
+
+    from pocketlm.bench import bench
+    from pocketlm.runtime.kernels import native
+
+    for name in models:
+        for r in bench(name, threads=threads, runs=runs, vs=["llama.cpp"]):
+            row = json.loads(r.to_json())
+            row["date"] = time.strftime("%Y-%m-%d %H:%M")
+            row["engine_version"] = ("llama-cpp-python " + llama_cpp.__version__
+                                     if r.engine == "llama.cpp"
+                                     else "pocketlm native " + native.cpu_features()["selected"])
+            row["command"] = " ".join(sys.argv)
+            print(json.dumps(row), flush=True)
+
+
+def table(path: str) -> None:
+    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    print("| model | engine | prefill tok/s (min–max) | decode tok/s (min–max) | peak RSS Δ MB | "
+          "file MB | load s | energy J (est.) |")
+    print("|---|---|---|---|---|---|---|---|")
+    by_model: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_model.setdefault(r["model"], {})[r["engine"]] = r
+        print(f"| {r['model']} | {r['engine']} | {r['prefill_tps']:.0f} "
+              f"({r['prefill_tps_min']:.0f}–{r['prefill_tps_max']:.0f}) | {r['decode_tps']:.0f} "
+              f"({r['decode_tps_min']:.0f}–{r['decode_tps_max']:.0f}) | "
+              f"{r['peak_rss_delta_mb']:.0f} | {r['file_mb']:.0f} | {r['load_s']:.2f} | "
+              f"{r['energy_j_est']:.2f} |")
+    print()
+    print("| model | prefill ratio | decode ratio | peak memory ratio |")
+    print("|---|---|---|---|")
+    for model, engines in by_model.items():
+        if "pocketlm" in engines and "llama.cpp" in engines:
+            a, b = engines["pocketlm"], engines["llama.cpp"]
+            print(f"| {model} | ×{a['prefill_tps'] / b['prefill_tps']:.2f} | "
+                  f"×{a['decode_tps'] / b['decode_tps']:.2f} | "
+                  f"×{a['peak_rss_delta_mb'] / b['peak_rss_delta_mb']:.2f} |")
+    r0 = rows[0]
+    print(f"\nmachine: {r0['machine']['cpu']}, {r0['machine']['cores']} CPUs; threads "
+          f"{r0['threads']}; prompt {r0['n_prompt']} tokens, {r0['n_gen']} generated; median of "
+          f"{r0['runs']} runs after 1 warm-up; energy: {r0['energy_method']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=MODELS)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--table", metavar="JSONL", help="print the markdown table of a results file")
+    args = ap.parse_args()
+    if args.table:
+        table(args.table)
+    else:
+        run(args.models, args.threads, args.runs)
+
+
+if __name__ == "__main__":
+    main()
