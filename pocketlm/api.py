@@ -179,17 +179,26 @@ def _check_n_ctx(n_ctx):
     return n_ctx
 
 
-def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = None
-                ) -> PocketModel:
+def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = None,
+                on_stage=None) -> PocketModel:
+    """Load a deploy file. ``on_stage(name)`` is called after each step (the benchmark uses
+    it to say where memory goes)."""
+    stage = on_stage or (lambda name: None)
     pf = PocketFile(path, verify=verify)
+    stage("file mapped" + (" + checksums read" if verify else ""))
     config = ModelConfig.from_dict(pf.json("config"))
     tokenizer = Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8"))
-    return PocketModel(
+    stage("tokenizer")
+    model = PocketModel(
         config, pf.weights(), tokenizer,
         chat_template=pf.metadata.get("chat_template") or None,
         generation=GenerationDefaults.from_dict(pf.json("generation", {})),
         path=Path(path), metadata=pf.metadata, n_ctx=n_ctx,
     )
+    if model.runtime.native is not None:
+        pf.drop_resident()  # the engine holds its own copy; mapped pages come back on demand
+    stage("runtime (weights, native engine)")
+    return model
 
 
 def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel:

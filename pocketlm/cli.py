@@ -209,7 +209,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench, format_table
+    from .bench import bench, format_table, memory_breakdown
 
     def progress(engine, run, sample):
         if args.verbose:
@@ -224,6 +224,9 @@ def cmd_bench(args) -> int:
             print(r.to_json())
     else:
         print(format_table(results))
+        if args.verbose:
+            print()
+            print(memory_breakdown(results))
     if args.plot:
         from .bench.plot import to_svg
 
@@ -305,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="power of one busy core for the energy estimate without RAPL (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON line per engine")
     p.add_argument("--plot", metavar="FILE.svg", help="also draw the results as an SVG picture")
-    p.add_argument("-v", "--verbose", action="store_true", help="print every run")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="print every run and where memory goes")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("pull", help="fetch a registry model into $POCKET_HOME")

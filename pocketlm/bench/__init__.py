@@ -55,6 +55,7 @@ class EngineResult:
     prompt_hash: str
     machine: dict[str, Any] = field(default_factory=dict)
     command: str = ""
+    memory_stages: list = field(default_factory=list)  # [stage, rss MB, peak MB] from baseline
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -199,6 +200,8 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             file_mb=files[engine].stat().st_size / 1e6, load_s=st["load_s"],
             energy_j_est=energy, energy_method=method, prompt_hash=ids_hash(ids),
             machine=machine_info(), command=command,
+            memory_stages=[[name, rss - st["baseline_rss_mb"], hwm - st["baseline_rss_mb"]]
+                           for name, rss, hwm in st.get("stages", [])],
         ))
     return results
 
@@ -212,6 +215,18 @@ def budget_line(r: EngineResult) -> str:
         ("energy", r.energy_j_est <= battery_j, f"{r.energy_j_est:.2f} J <= {battery_j:.1f}"),
     ]
     return "  ".join(f"{name}: {'PASS' if ok else 'MISS'} ({text})" for name, ok, text in checks)
+
+
+def memory_breakdown(results: list[EngineResult]) -> str:
+    """Where memory goes: resident set (and peak) above the baseline after each load step."""
+    lines = ["memory above the pre-load baseline (MB): step, resident, peak"]
+    for r in results:
+        prev = 0.0
+        for name, rss, hwm in r.memory_stages:
+            lines.append(f"  {r.engine:<10} {name:<36} {rss:8.1f} ({rss - prev:+.1f}) "
+                         f"peak {hwm:8.1f}")
+            prev = rss
+    return "\n".join(lines)
 
 
 def format_table(results: list[EngineResult]) -> str:

@@ -44,8 +44,13 @@ class PocketEngine:
         self.pocketlm = pocketlm
         self.path, self.n_ctx = path, n_ctx
 
-    def load(self) -> None:
-        self.model = self.pocketlm.load(self.path, n_ctx=self.n_ctx)
+    def load(self, stages: list) -> None:
+        from pocketlm.api import load_pocket
+
+        def stage(name: str) -> None:
+            stages.append([name, _status_kb("VmRSS") / 1024, _status_kb("VmHWM") / 1024])
+
+        self.model = load_pocket(self.path, n_ctx=self.n_ctx, on_stage=stage)
         self.runtime = self.model.runtime
 
     def run(self, ids: list[int], n_gen: int) -> tuple[float, float]:
@@ -70,7 +75,7 @@ class LlamaCppEngine:
         self.llama_cpp, self.np = llama_cpp, np
         self.path, self.threads, self.n_ctx = path, threads, n_ctx
 
-    def load(self) -> None:
+    def load(self, stages: list) -> None:
         self.llm = self.llama_cpp.Llama(model_path=self.path, n_ctx=self.n_ctx, n_batch=512,
                                         n_ubatch=512, n_threads=self.threads,
                                         n_threads_batch=self.threads, verbose=False)
@@ -100,9 +105,11 @@ def main(argv: list[str]) -> int:
     try:
         engine = ENGINES[engine_name](path, threads, n_ctx)
         baseline = _status_kb("VmRSS")
+        stages: list = []
         t0 = time.perf_counter()
-        engine.load()
+        engine.load(stages)
         load_s = time.perf_counter() - t0
+        stages.append(["loaded", _status_kb("VmRSS") / 1024, _status_kb("VmHWM") / 1024])
     except Exception as exc:  # reported to the parent as one line
         out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
         out.flush()
@@ -113,14 +120,19 @@ def main(argv: list[str]) -> int:
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["cmd"] == "run":
+            first = not any(name == "first run" for name, *_ in stages)
             c0 = _cpu_seconds()
             prefill_s, decode_s = engine.run(msg["ids"], msg["n_gen"])
             reply = {"prefill_s": prefill_s, "decode_s": decode_s,
                      "cpu_s": _cpu_seconds() - c0, "n_gen": msg["n_gen"]}
+            if first:  # KV cache and scratch of a full-length call
+                stages.append(["first run", _status_kb("VmRSS") / 1024,
+                               _status_kb("VmHWM") / 1024])
         elif msg["cmd"] == "stats":
             reply = {"peak_rss_mb": _status_kb("VmHWM") / 1024,
                      "rss_mb": _status_kb("VmRSS") / 1024,
-                     "baseline_rss_mb": baseline / 1024, "load_s": load_s}
+                     "baseline_rss_mb": baseline / 1024, "load_s": load_s,
+                     "stages": stages}
         else:
             return 0
         out.write(json.dumps(reply) + "\n")

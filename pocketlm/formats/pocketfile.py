@@ -252,11 +252,33 @@ class PocketFile:
             if name.startswith("_pad.") and name not in self.checksums:
                 continue
             crc = zlib.crc32(memoryview(self._buf)[info.start:info.end])
+            self.drop_resident(info.start, info.end)  # reading is not using: give pages back
             recorded = self.checksums.get(name)
             if crc != recorded:
                 shown = f"{recorded:08x}" if isinstance(recorded, int) else repr(recorded)
                 raise ChecksumError(f"{self.path}: tensor {name!r} is corrupt (CRC-32 {crc:08x}, "
                                     f"recorded {shown}); re-download or repack the model")
+
+    def drop_resident(self, start: int = 0, end: int | None = None) -> None:
+        """Let the kernel reclaim the mapped pages of ``[start, end)`` now.
+
+        The mapping is read-only and file-backed, so nothing is lost: a page touched again is
+        read back from the page cache. Used after the checksum pass and after the native engine
+        has taken its own copy of the weights, so that neither holds resident memory.
+        """
+        advise = getattr(self._buf, "madvise", None)
+        dontneed = getattr(mmap, "MADV_DONTNEED", None)
+        if self._buf is None or advise is None or dontneed is None:
+            return
+        end = len(self._buf) if end is None else end
+        page = mmap.PAGESIZE
+        lo = (start // page) * page
+        length = min(end, len(self._buf)) - lo
+        if length > 0:
+            try:
+                advise(dontneed, lo, length)
+            except (OSError, ValueError):
+                pass  # advice only
 
     def tensor(self, name: str) -> np.ndarray:
         try:
