@@ -35,10 +35,10 @@ class PocketModel:
     def __init__(self, config: ModelConfig, weights: dict, tokenizer: Tokenizer, *,
                  chat_template: str | None = None, generation: GenerationDefaults | None = None,
                  path: Path | None = None, metadata: dict[str, Any] | None = None,
-                 n_ctx: int | None = None):
+                 n_ctx: int | None = None, file_backed: bool = False):
         self.config = config
         self.tokenizer = tokenizer
-        self.runtime = Runtime(config, weights)
+        self.runtime = Runtime(config, weights, file_backed=file_backed)
         self.chat_template = chat_template or FAMILY_TEMPLATES.get(config.arch)
         self.generation_defaults = generation or GenerationDefaults()
         self.path = path
@@ -193,7 +193,7 @@ def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = No
         config, pf.weights(), tokenizer,
         chat_template=pf.metadata.get("chat_template") or None,
         generation=GenerationDefaults.from_dict(pf.json("generation", {})),
-        path=Path(path), metadata=pf.metadata, n_ctx=n_ctx,
+        path=Path(path), metadata=pf.metadata, n_ctx=n_ctx, file_backed=True,
     )
     if model.runtime.native is not None:
         pf.drop_resident()  # the engine holds its own copy; mapped pages come back on demand

@@ -288,3 +288,20 @@ def test_stream_text_holds_back_partial_stops(m, text, stops, expected):
 def test_bad_n_ctx(env, n_ctx):
     with pytest.raises(ContextLengthError, match="n_ctx"):
         pocketlm.load(env["gguf"], n_ctx=n_ctx)
+
+
+def test_file_backed_native_engine_matches_the_reference(m):
+    """The deploy file's pages are handed back once the native engine has its copy; what it
+    computes afterwards (and the numpy reference reading the same mapping) is unchanged."""
+    from pocketlm.formats.pocketfile import PocketFile
+    from pocketlm.runtime import Runtime
+
+    assert m.runtime.engine == "native"
+    ids = m.tokenize("hello world, hello again")
+    ours = m.logits(ids)
+    for _ in range(2):  # the mapping's pages may have been dropped: reading re-faults them
+        ref_rt = Runtime(m.config, PocketFile(m.path).weights(), engine="numpy")
+        ref = ref_rt.forward(ids, ref_rt.new_cache(len(ids)), all_logits=True)
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+        assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+        ours = m.logits(ids)  # and again, after the reference touched every page

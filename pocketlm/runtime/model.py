@@ -77,10 +77,11 @@ class NativeKVCache(KVCache):
 
 class Runtime:
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], *,
-                 engine: str | None = None):
+                 engine: str | None = None, file_backed: bool = False):
         """``engine``: ``"native"`` (required: raises if it cannot be used), ``"numpy"`` (the
         reference) or None (native when the native backend is in force and supports every
-        weight, else numpy)."""
+        weight, else numpy). ``file_backed``: the quantized weights are views of a read-only
+        file mapping (a deploy file), so the native engine may drop their pages once copied."""
         self.config = config
         expected = config.tensor_shapes()
         for name, shape in expected.items():
@@ -98,7 +99,8 @@ class Runtime:
             raise ValueError(f"engine must be 'native', 'numpy' or None, got {engine!r}")
         if engine == "native" or (engine is None and K.backend_name() == "native"):
             try:
-                self.native = _native_kernels.NativeEngine(config, weights)
+                self.native = _native_kernels.NativeEngine(config, weights,
+                                                           release_source=file_backed)
             except KernelError as e:
                 if engine == "native":
                     raise

@@ -33,6 +33,10 @@
 #endif
 
 #include <math.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
 
 #include "pocket_internal.h"
 #include "pocket_model.h"
@@ -359,6 +363,30 @@ static void tiled_free(pm_tiled *t) {
     memset(t, 0, sizeof *t);
 }
 
+/* Hand the whole pages inside [p, p + n) back to the kernel. Only for read-only file mappings
+ * (config.release_source): a page touched again is read back from the file. */
+static void release_range(const void *p, size_t n) {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+    long page = sysconf(_SC_PAGESIZE);
+    if (!p || !n || page <= 0) return;
+    uintptr_t a = (uintptr_t)p, ps = (uintptr_t)page;
+    uintptr_t lo = (a + ps - 1) / ps * ps, hi = (a + n) / ps * ps;
+    if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
+static void release_weight(const pocket_weight *w) {
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
+    const size_t rows = (size_t)w->rows, cols = (size_t)w->cols;
+    const size_t ng = cols / (size_t)w->group_size;
+    release_range(w->data, rows * (w->type == POCKET_WT_Q4 ? cols / 2 : cols));
+    release_range(w->scales, rows * ng * sizeof(uint16_t));
+    if (w->type == POCKET_WT_Q4) release_range(w->mins, rows * ng * sizeof(uint16_t));
+}
+
 static int tiled_build(const pocket_weight *w, pm_tiled *t) {
     memset(t, 0, sizeof *t);
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
@@ -591,6 +619,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
                     pocket_model_destroy(m);
                     return rc;
                 }
+                if (c.release_source) release_weight(ws[k]);
             }
     }
     if ((m->tiled_f32 || (m->act_q8 & POCKET_Q8_HEAD)) && m->head.type != POCKET_WT_F32) {
@@ -599,6 +628,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             pocket_model_destroy(m);
             return rc;
         }
+        if (c.release_source) release_weight(&m->head);
     }
     *out = m;
     return POCKET_OK;

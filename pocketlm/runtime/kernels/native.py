@@ -300,7 +300,10 @@ class NativeEngine:
 
     def __init__(self, config, weights: dict, *, act: str | None = None, kv: str | None = None,
                  threads: int | None = None, level: str | None = None,
-                 capacity: int | None = None, digits: int | None = None):
+                 capacity: int | None = None, digits: int | None = None,
+                 release_source: bool = False):
+        """``release_source``: the quantized weights are views of a read-only file mapping,
+        whose pages the engine may hand back once it has repacked them."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
@@ -322,7 +325,9 @@ class NativeEngine:
             raise KernelError(reason)
         self.capacity = int(config.max_context if capacity is None else capacity)
         self.vocab_size = config.vocab_size
-        self.model = _call(_native.NativeModel, config.to_dict(), tensors, self.capacity,
+        cfg = config.to_dict()
+        cfg["release_source"] = bool(release_source)
+        self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
                            act_q8=self.q8_mask(), level=_level_id(level))
         self.level = self.model.level
 
