@@ -221,8 +221,12 @@ def test_runtime_picks_the_engine(monkeypatch):
     cfg = torch_ref.tiny_config("llama")
     w = _weights(cfg, 17, True)
     monkeypatch.setenv("POCKET_KERNELS", "native")
+    monkeypatch.delenv("POCKET_ACT", raising=False)
     rt = Runtime(cfg, w)
     assert rt.engine == "native"
+    assert rt.native.act == "q8" and rt.native.kv_format == "f16"  # the engine's default
+    monkeypatch.setenv("POCKET_ACT", "f32")
+    rt = Runtime(cfg, w)
     assert isinstance(rt.new_cache(8), NativeKVCache)
     # float32 keys and values of every layer (positions rounded up to a multiple of 16)
     assert rt.new_cache(8).nbytes == 2 * cfg.n_layers * 16 * cfg.kv_dim * 4
