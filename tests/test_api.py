@@ -293,10 +293,13 @@ def test_bad_n_ctx(env, n_ctx):
 def test_file_backed_native_engine_matches_the_reference(m):
     """The deploy file's pages are handed back once the native engine has its copy; what it
     computes afterwards (and the numpy reference reading the same mapping) is unchanged."""
+    import os
+
     from pocketlm.formats.pocketfile import PocketFile
     from pocketlm.runtime import Runtime
 
-    assert m.runtime.engine == "native"
+    assert m.runtime.engine == ("numpy" if os.environ.get("POCKET_KERNELS") == "numpy"
+                                else "native")
     ids = m.tokenize("hello world, hello again")
     ours = m.logits(ids)
     for _ in range(2):  # the mapping's pages may have been dropped: reading re-faults them
