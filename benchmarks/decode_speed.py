@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,18 +33,9 @@ from pocketlm.runtime.kernels import native  # noqa: E402
 
 
 def machine() -> dict:
-    model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = native.cpu_features() if native.available() else {}
-    return {"cpu": model, "arch": platform.machine(), "cpus": os.cpu_count(),
-            "best_level": info.get("best"), "python": platform.python_version()}
+    from pocketlm.bench import machine_info
+
+    return dict(machine_info())
 
 
 def prompt_ids(m, n: int) -> list[int]:

@@ -17,7 +17,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -39,19 +38,9 @@ SHAPES = [  # (name, rows, cols, kind)
 
 
 def machine() -> dict:
-    model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = native.cpu_features() if native.available() else {}
-    return {"cpu": model, "arch": platform.machine(), "cpus": os.cpu_count(),
-            "best_level": info.get("best"), "python": platform.python_version(),
-            "numpy": np.__version__}
+    from pocketlm.bench import machine_info
+
+    return dict(machine_info(), numpy=np.__version__)
 
 
 def random_weight(rows: int, cols: int, kind: str, group_size: int, rng) -> QuantTensor:

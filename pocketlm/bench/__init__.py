@@ -70,8 +70,12 @@ def machine_info() -> dict[str, Any]:
                 break
     except OSError:
         pass
+    from ..runtime.kernels import native
+
+    level = native.cpu_features().get("best") if native.available() else None
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
-            "python": platform.python_version(), "os": platform.system()}
+            "kernel_level": level, "python": platform.python_version(),
+            "os": platform.system()}
 
 
 class _Worker:
