@@ -180,6 +180,21 @@ def test_unknown_architecture(tmp_path):
         assert arch in msg
 
 
+def test_tensor_type_the_gguf_library_cannot_dequantize(tmp_path, monkeypatch):
+    import gguf.quants
+
+    path = tmp_path / "odd.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", weight_type="Q8_0")
+
+    def refuse(data, qtype):
+        raise NotImplementedError(f"dequantization of {qtype.name} is not implemented")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", refuse)
+    src = open_source(path)
+    with pytest.raises(UnsupportedError, match=r"tensor blk\.0\.attn_q\.weight: GGUF type Q8_0"):
+        src.tensors["layers.0.attn.w_q.weight"].to_float()
+
+
 def test_extra_unmapped_tensor(tmp_path):
     path = tmp_path / "extra.gguf"
     tiny_gguf.write_tiny_gguf(path, "llama",

@@ -225,7 +225,14 @@ def _source_tensor(name, t, type_name, shape, permute_heads, dequantize) -> Sour
         return data
 
     def to_float() -> np.ndarray:
-        values = dequantize(np.asarray(raw()), t.tensor_type)
+        try:
+            values = dequantize(np.asarray(raw()), t.tensor_type)
+        except NotImplementedError:
+            raise UnsupportedError(
+                f"tensor {t.name}: GGUF type {type_name} cannot be dequantized by the installed "
+                "gguf library; supported here: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                "Q2_K-Q6_K and the IQ types gguf implements (try `pip install -U gguf`)"
+            ) from None
         return np.ascontiguousarray(values, dtype=np.float32).reshape(shape)
 
     def to_quant(bits: int, group_size: int):
