@@ -209,12 +209,18 @@ def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel
                        n_ctx=n_ctx)
 
 
+# Bumped when packing writes something better for the same source (a leaner tokenizer, a new
+# layout), so that cached deploy files are rebuilt once instead of being used forever.
+PACK_REVISION = 2
+
+
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
                       keep_precision: bool = False) -> Path:
     from .registry import pocket_home
 
     st = src.stat()
-    key = f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|g{group_size}|e{embed_bits}"
+    key = (f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|g{group_size}|e{embed_bits}"
+           f"|r{PACK_REVISION}")
     tag = f"g{group_size}-e{embed_bits}" + ("-keep" if keep_precision else "")
     if keep_precision:
         key += "|keep"

@@ -277,6 +277,43 @@ def test_spm_matches_reference_algorithm(prefix):
         assert tok.encode(text, add_bos=False) == reference_spm(fields, text), text
 
 
+def test_spm_runs_on_sentencepiece_when_it_can():
+    from pocketlm.tokenizer import SpmTokenizer
+
+    fields = spm_fields(add_space_prefix=False)
+    assert isinstance(tokenizer_from_gguf_fields(fields), SpmTokenizer)
+    # Gemma marks <unk> as a control token and names it with unknown_token_id
+    types = list(fields["tokenizer.ggml.token_type"])
+    types[0] = CONTROL
+    gemma_like = {**fields, "tokenizer.ggml.token_type": types}
+    tok = tokenizer_from_gguf_fields(gemma_like)
+    assert isinstance(tok, SpmTokenizer) and tok.is_special(0)
+    assert tok.encode("<unk>hello", add_bos=False) == [0, tok.token_to_id("hello")]
+
+
+@pytest.mark.parametrize("change", ["no-unknown", "missing-byte"])
+def test_spm_without_sentencepiece_requirements_still_matches(change):
+    # vocabularies the sentencepiece library cannot hold are run as an equivalent BPE model
+    from pocketlm.tokenizer import SpmTokenizer
+
+    fields = spm_fields(add_space_prefix=True)
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    types = list(fields["tokenizer.ggml.token_type"])
+    if change == "no-unknown":
+        types[0] = CONTROL
+        fields = {k: v for k, v in fields.items() if k != "tokenizer.ggml.unknown_token_id"}
+    else:
+        tokens[5 + 0x41] = "<0x41-not-a-byte>"
+        types[5 + 0x41] = NORMAL
+    fields = {**fields, "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types}
+    tok = tokenizer_from_gguf_fields(fields)
+    assert not isinstance(tok, SpmTokenizer)
+    rng = random.Random(2)
+    for _ in range(100):
+        text = "".join(rng.choice("abcdehlorw é") for _ in range(rng.randint(1, 12)))
+        assert tok.encode(text, add_bos=False) == reference_spm(fields, text), text
+
+
 def test_spm_special_and_user_defined_tokens():
     tok = tokenizer_from_gguf_fields(spm_fields(add_space_prefix=False))
     t = tok.token_to_id
@@ -379,7 +416,8 @@ def test_json_roundtrip(make):
     assert again.decode(ids) == tok.decode(ids)
     assert again.vocab_size == tok.vocab_size
     data = json.loads(tok.to_json())
-    assert {"hf", "bos_id", "eos_ids", "add_bos"} <= set(data)
+    backend = "spm" if tok.kind == "spm" else "hf"  # SentencePiece vocabularies travel as its proto
+    assert {backend, "bos_id", "eos_ids", "add_bos"} <= set(data)
     with pytest.raises(FormatError):
         Tokenizer.from_json("{}")
 
