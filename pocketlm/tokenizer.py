@@ -441,8 +441,7 @@ class SpmTokenizer(Tokenizer):
             sp.LoadFromSerializedProto(bytes(proto))
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with its own text
             raise FormatError(f"cannot load the SentencePiece vocabulary: {e}") from e
-        self.sp = sp
-        self.proto = bytes(proto)
+        self.sp = sp  # holds the vocabulary; to_json() asks it for the serialised model
         self.bos_id = None if bos_id is None else int(bos_id)
         self.eos_ids = _dedupe(int(i) for i in eos_ids)
         self.add_bos = bool(add_bos)
@@ -541,7 +540,7 @@ class SpmTokenizer(Tokenizer):
             {
                 "format": "pocketlm-tokenizer",
                 "version": 2,
-                "spm": base64.b64encode(self.proto).decode("ascii"),
+                "spm": base64.b64encode(self.sp.serialized_model_proto()).decode("ascii"),
                 "bos_id": self.bos_id,
                 "eos_ids": self.eos_ids,
                 "add_bos": self.add_bos,

@@ -59,16 +59,32 @@ def setup_module():
     assert native.engine_available(), native.unavailable_reason() or "engine not built"
 
 
-def _weights(cfg, seed, quantized):
+def _weights(cfg, seed, quantized, embed_bits=8):
     sd = torch_ref.random_state_dict(cfg, seed=seed)
     if not quantized:
         return sd
     out = dict(sd)
     for name, w in sd.items():
         if w.ndim == 2:
-            out[name] = (quantize_int8(w) if name in ("embed.weight", "lm_head.weight")
+            out[name] = (quantize_int8(w) if embed_bits == 8 and name in ("embed.weight",
+                                                                         "lm_head.weight")
                          else quantize_int4(w, 32))
     return out
+
+
+@pytest.mark.parametrize("embed_bits", [4, 8])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # tied embeddings
+def test_tied_embedding_rows_read_from_the_head_tiles(arch, embed_bits):
+    # with q8 activations the head is tiled and a tied embedding is looked up in those tiles;
+    # with f32 activations (no tiles) it is read from the source: the rows must be identical
+    cfg = torch_ref.tiny_config(arch)
+    assert cfg.tie_embeddings
+    w = _weights(cfg, 12, True, embed_bits)
+    expected = _run(Runtime(cfg, w, engine="numpy"), IDS, len(IDS))
+    _, nat, bound = _runtimes(cfg, w, "q8")
+    assert nat.native.act == "q8"
+    _close(_run(nat, IDS, len(IDS)), expected, bound)
+    _close(_run(nat, IDS, 0), expected, bound)
 
 
 def _runtimes(cfg, weights, mode="f32", level=None, threads=2):

@@ -378,16 +378,66 @@ static void release_range(const void *p, size_t n) {
 #endif
 }
 
-static void release_weight(const pocket_weight *w) {
-    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
-    const size_t rows = (size_t)w->rows, cols = (size_t)w->cols;
-    const size_t ng = cols / (size_t)w->group_size;
-    release_range(w->data, rows * (w->type == POCKET_WT_Q4 ? cols / 2 : cols));
-    release_range(w->scales, rows * ng * sizeof(uint16_t));
-    if (w->type == POCKET_WT_Q4) release_range(w->mins, rows * ng * sizeof(uint16_t));
+/* Release the source pages of rows [r0, r1) of a quantized weight. */
+/* Hand back the pages that hold [p, p + n), whole pages around it included: only for a
+ * read-only file mapping, where a dropped page is read back from the page cache when next
+ * touched. */
+static void release_around(const void *p, size_t n) {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+    long page = sysconf(_SC_PAGESIZE);
+    if (!p || !n || page <= 0) return;
+    uintptr_t a = (uintptr_t)p, ps = (uintptr_t)page;
+    uintptr_t lo = a / ps * ps, hi = (a + n + ps - 1) / ps * ps;
+    (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+#else
+    (void)p;
+    (void)n;
+#endif
 }
 
-static int tiled_build(const pocket_weight *w, pm_tiled *t) {
+static void release_rows(const pocket_weight *w, size_t r0, size_t r1) {
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
+    const size_t cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
+    const size_t row_bytes = w->type == POCKET_WT_Q4 ? cols / 2 : cols;
+    const size_t n = r1 - r0;
+    release_range((const uint8_t *)w->data + r0 * row_bytes, n * row_bytes);
+    release_range(w->scales + r0 * ng, n * ng * sizeof(uint16_t));
+    if (w->type == POCKET_WT_Q4) release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
+}
+
+static void release_weight(const pocket_weight *w) { release_rows(w, 0, (size_t)w->rows); }
+
+/* The embedding rows are read from the file mapping a few at a time, in no order: tell the
+ * kernel not to read ahead around each one (its usual 128 KB readahead per fault made a
+ * 512-token prompt pull ~70 MB of Gemma's embedding into memory for 0.3 MB of rows). */
+static void advise_random_rows(const pocket_weight *w) {
+#if defined(__linux__) && defined(MADV_RANDOM)
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
+    const size_t rows = (size_t)w->rows, cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
+    const size_t row_bytes = w->type == POCKET_WT_Q4 ? cols / 2 : cols;
+    const void *ranges[3] = {w->data, w->scales, w->type == POCKET_WT_Q4 ? w->mins : NULL};
+    const size_t sizes[3] = {rows * row_bytes, rows * ng * sizeof(uint16_t),
+                             rows * ng * sizeof(uint16_t)};
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return;
+    for (int k = 0; k < 3; k++) {
+        if (!ranges[k]) continue;
+        uintptr_t a = (uintptr_t)ranges[k], ps = (uintptr_t)page;
+        uintptr_t lo = (a + ps - 1) / ps * ps, hi = (a + sizes[k]) / ps * ps;
+        if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_RANDOM);
+    }
+#else
+    (void)w;
+#endif
+}
+
+/* Tiles repacked between releases of their source rows: the source of a large matrix (a 262k
+ * x 640 embedding used as the head) never sits in memory whole beside its copy. */
+#define PM_RELEASE_TILES 256
+
+/* Repack `w` into 16-row tiles; with `release`, the source pages (a read-only file mapping)
+ * are handed back as the repacking goes. */
+static int tiled_build(const pocket_weight *w, pm_tiled *t, int release) {
     memset(t, 0, sizeof *t);
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
     const int q4 = w->type == POCKET_WT_Q4;
@@ -443,7 +493,10 @@ static int tiled_build(const pocket_weight *w, pm_tiled *t) {
                 }
             }
         }
+        if (release && (tl + 1) % PM_RELEASE_TILES == 0)
+            release_rows(w, (size_t)(tl + 1 - PM_RELEASE_TILES) * 16, (size_t)(tl + 1) * 16);
     }
+    if (release) release_weight(w); /* the pages that straddled chunk ends, and the tail */
     return POCKET_OK;
 }
 
@@ -614,22 +667,21 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
                             POCKET_Q8_GATE_UP, POCKET_Q8_GATE_UP, POCKET_Q8_DOWN};
         for (int k = 0; k < 7; k++)
             if ((m->tiled_f32 || (m->act_q8 & cls[k])) && ws[k]->type != POCKET_WT_F32) {
-                int rc = tiled_build(ws[k], &m->tiled[7 * l + k]);
+                int rc = tiled_build(ws[k], &m->tiled[7 * l + k], c.release_source);
                 if (rc) {
                     pocket_model_destroy(m);
                     return rc;
                 }
-                if (c.release_source) release_weight(ws[k]);
             }
     }
     if ((m->tiled_f32 || (m->act_q8 & POCKET_Q8_HEAD)) && m->head.type != POCKET_WT_F32) {
-        int rc = tiled_build(&m->head, &m->tiled[7 * c.n_layers]);
+        int rc = tiled_build(&m->head, &m->tiled[7 * c.n_layers], c.release_source);
         if (rc) {
             pocket_model_destroy(m);
             return rc;
         }
-        if (c.release_source) release_weight(&m->head);
     }
+    if (c.release_source) advise_random_rows(&m->embed);
     *out = m;
     return POCKET_OK;
 nomem:
@@ -1035,14 +1087,35 @@ static int run_rows(pocket_model *m, pocket_pool *pool, int nthreads, int n, con
  * Serial steps
  * ========================================================================================= */
 
+/* Row r of a tiled matrix as floats: the same values (and float operations) as dequantizing
+ * the source row. */
+static void tiled_row(const pm_tiled *w, size_t r, float *x) {
+    const uint8_t *rec = w->data + (r / 16) * w->tile_bytes;
+    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off), *mn = sc + (size_t)w->ng * 16;
+    const int i = (int)(r % 16), per_group = w->group_size;
+    for (int b = 0; b < w->nb; b++)
+        for (int k = 0; k < 32; k++) {
+            const int c = 32 * b + k, g = c / per_group;
+            const int q = tiled_value(w, rec, b, k, i);
+            x[c] = w->bits == 4 ? (float)q * pocket_f16_to_f32(sc[16 * g + i]) +
+                                      pocket_f16_to_f32(mn[16 * g + i])
+                                : (float)(q - 128) * pocket_f16_to_f32(sc[16 * g + i]);
+        }
+}
+
 static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *x) {
     const pocket_weight *w = &m->embed;
     const size_t d = (size_t)m->c.d_model, gs = (size_t)w->group_size;
     const size_t ng = w->type == POCKET_WT_F32 ? 0 : d / gs;
+    /* a tied embedding is read from the head's tiles: its source pages stay released */
+    const pm_tiled *head = &m->tiled[7 * m->c.n_layers];
+    const int from_head = head->data && w->data == m->head.data;
     for (int i = 0; i < n; i++) {
         const size_t r = (size_t)ids[i];
         float *xi = x + (size_t)i * d;
-        if (w->type == POCKET_WT_F32) {
+        if (from_head) {
+            tiled_row(head, r, xi);
+        } else if (w->type == POCKET_WT_F32) {
             memcpy(xi, (const float *)w->data + r * d, d * sizeof(float));
         } else if (w->type == POCKET_WT_Q8) {
             const int8_t *q = (const int8_t *)w->data + r * d;
@@ -1063,6 +1136,14 @@ static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *
         }
         if (m->c.embed_scale != 1.0f)
             for (size_t c = 0; c < d; c++) xi[c] *= m->c.embed_scale;
+        if (!from_head && m->c.release_source && w->type != POCKET_WT_F32) {
+            /* a separate embedding stays in the file: drop the pages a lookup mapped (the
+             * kernel maps whole large folios, ~1 MB a row), so lookups never add up */
+            release_around((const uint8_t *)w->data + r * (w->type == POCKET_WT_Q8 ? d : d / 2),
+                           w->type == POCKET_WT_Q8 ? d : d / 2);
+            release_around(w->scales + r * ng, ng * sizeof(uint16_t));
+            if (w->type == POCKET_WT_Q4) release_around(w->mins + r * ng, ng * sizeof(uint16_t));
+        }
     }
 }
 
