@@ -1,6 +1,7 @@
-/* Internal: the elementwise / attention operations of the engine (pocket_model.c), with a
- * portable implementation (pocket_model.c) and an AVX-512 one (pocket_model_x86.c), chosen
- * once per model from the kernel level. Not part of the public API. */
+/* Internal: the elementwise / attention operations of the engine (pocket_model_forward.c),
+ * with a portable implementation (pocket_model_ops.c) and an AVX-512 one (pocket_model_x86.c),
+ * chosen once per model from the kernel level; the layouts they share (KV cache, tiled
+ * weights, prepared activations). Not part of the public API. */
 #ifndef POCKET_MODEL_OPS_H
 #define POCKET_MODEL_OPS_H
 
@@ -58,6 +59,17 @@ typedef struct pm_tiled {
     size_t scale_off;   /* offset of the scales in a record (mins follow: + ng * 32) */
     uint8_t *data;
 } pm_tiled;
+
+/* Weight value (u8 operand) of row lane `i`, column k of block b, in a tile record. */
+static inline int pm_tiled_value(const pm_tiled *w, const uint8_t *rec, int b, int k, int i) {
+    const uint8_t *blk = rec + (size_t)b * w->block_bytes;
+    if (w->bits == 4) {
+        const int m = k / 8, j = k % 8;
+        const uint8_t byte = blk[64 * m + 4 * i + (j & 3)];
+        return j < 4 ? (byte & 15) : (byte >> 4);
+    }
+    return blk[64 * (k / 4) + 4 * i + (k & 3)];
+}
 
 /* Activations for the int8 products: per block of 32 columns, with d = absmax / 127,
  *   digits = 1:  x~ = d * q1,                    dd = d,       S = sum q1

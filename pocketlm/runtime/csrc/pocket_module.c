@@ -119,6 +119,11 @@ static char format_code(const char *fmt) {
     return fmt[0];
 }
 
+/* Whether a buffer holds native scalars of element type `code` ('f', 'e', 'B' or 'b'). */
+static int has_dtype(const Py_buffer *v, char code) {
+    return format_code(v->format) == code && v->itemsize == (code == 'f' ? 4 : code == 'e' ? 2 : 1);
+}
+
 /* Take `obj` as a C-contiguous 2-D array of element type `code`. */
 static int get_array(PyObject *obj, const char *name, char code, int writable, Arr *a) {
     a->held = 0;
@@ -141,8 +146,7 @@ static int get_array(PyObject *obj, const char *name, char code, int writable, A
         return -1;
     }
     a->held = 1;
-    char got = format_code(a->v.format);
-    if (got != code || a->v.itemsize != (code == 'f' ? 4 : code == 'e' ? 2 : 1)) {
+    if (!has_dtype(&a->v, code)) {
         PyErr_Format(PyExc_TypeError, "%s must have dtype %s, got buffer format '%s'", name,
                      dtype_name(code), a->v.format ? a->v.format : "B");
         arr_release(a);

@@ -24,7 +24,7 @@ complete forward pass in one native call; the runtime uses it by default (see
   digits, ``x ~ d/128 * (128 q1 + q2)`` (~15 bits of the block's range; ``POCKET_Q8_DIGITS=1``:
   one digit, plain int8 like the per-call kernels above, faster prefill, coarser).
 * ``POCKET_KV``: ``f32`` | ``f16`` KV cache (default f32 with f32 activations, f16 with q8).
-* ``POCKET_THREADS``: threads of the engine (default 2, or fewer usable CPUs).
+* ``POCKET_THREADS``: threads of the engine (default: the usable CPUs, at most 8).
 """
 
 from __future__ import annotations

@@ -1,0 +1,634 @@
+/* pocketlm native inference engine: the decoder forward pass (pocket_model_forward(), see
+ * pocket_model.h).
+ *
+ * Work of one block of tokens, per layer. Regions marked || run on the pool, split into
+ * `nthreads` fixed parts (rows of the weights; attention units); steps marked | are per-token
+ * and run split over the threads by tokens for blocks of PM_PAR_ROWS tokens or more, on the
+ * calling thread otherwise (decode: a few microseconds per layer).
+ *
+ *   |  h = rmsnorm(x), quantized (q8) or summed per block (f32) for the tiled kernels
+ *   || q|k|v products: one region over the concatenated rows of W_q, W_k, W_v
+ *   |  biases, q/k norms, RoPE, k and v into the cache
+ *   || attention: decode (one token) splits the keys of every KV head into aligned units of
+ *      PM_SPAN positions (partial softmax sums, merged in a fixed order afterwards); a longer
+ *      block splits (token, KV head) pairs
+ *   |  (merge of the decode partials) the attention output prepared for W_o
+ *   || W_o
+ *   |  post-attention norm, residual, MLP norm, prepared for gate|up
+ *   || gate|up products over the same rows, with act(gate) * up fused in
+ *   |  prepared for W_down
+ *   || W_down
+ *   |  post-MLP norm, residual
+ *
+ * i.e. four fork-join points per layer in decode (plus one for the output head), eight with
+ * the per-token steps of a long block. Longer inputs run in blocks of PM_BLOCK tokens (batched
+ * products: the weights are streamed once per block).
+ *
+ * The products run on the repacked weights (pm_tiled, pocket_model_tiles.c) where the model has
+ * them, on the kernels of pocket_kernels.h otherwise; the other operations through the model's
+ * pm_ops (pocket_model_ops.c, pocket_model_x86.c).
+ */
+#include <math.h>
+
+#include "pocket_internal.h"
+#include "pocket_model.h"
+#include "pocket_model_internal.h"
+
+#define PM_ROW_UNIT 16 /* row splits between threads are multiples of this */
+#define PM_MAX_THREADS 1024
+
+/* =========================================================================================
+ * Parallel regions
+ * ========================================================================================= */
+
+enum { PM_JOB_CONCAT, PM_JOB_GLU, PM_JOB_ATTN_DECODE, PM_JOB_ATTN_BLOCK, PM_JOB_ROWS };
+
+/* Blocks of at least this many tokens run their per-token steps (norms, activation
+ * quantization, RoPE, residuals) split over the threads; smaller ones on the caller. */
+#define PM_PAR_ROWS 16
+
+/* Per-token steps of a layer: fn(r, i0, i1) processes tokens [i0, i1) of the block. */
+struct pm_rows;
+typedef void (*pm_rows_fn)(const struct pm_rows *r, int i0, int i1);
+typedef struct pm_rows {
+    pocket_model *m;
+    pocket_kv *kv;
+    int layer, pos0;
+    const pm_act *act; /* activations to prepare (quantize / sum), or NULL */
+    pm_rows_fn fn;
+} pm_rows;
+
+typedef struct pm_job {
+    pocket_model *m;
+    int kind, n;
+    /* products */
+    int nmat, total;
+    const pocket_weight *w[3];
+    const pm_tiled *t[3]; /* repacked weights (int8 activations) or NULL */
+    float *y[3];
+    const float *x;
+    pm_act act; /* the int8 activations, when quantized */
+    int quantized;
+    /* attention */
+    const pocket_kv *kv;
+    int layer, pos0, lo, hi, nspans, units;
+    const void *K, *V; /* the layer's cache */
+    const pm_rows *rows; /* PM_JOB_ROWS */
+    const pm_act *post;  /* PM_JOB_GLU: the output prepared for W_down by each task, or NULL */
+    int status;
+} pm_job;
+
+static void split_range(long long total, int unit, int task, int ntasks, int *b, int *e) {
+    long long units = (total + unit - 1) / unit;
+    long long b0 = units * task / ntasks * unit, e0 = units * (task + 1) / ntasks * unit;
+    *b = (int)(b0 < total ? b0 : total);
+    *e = (int)(e0 < total ? e0 : total);
+}
+
+/* Prepare columns [c0, c1) (whole blocks of 32) of token i of a planned input. */
+static void prepare_cols(const pocket_model *m, const pm_act *a, int i, int c0, int c1) {
+    const size_t C = (size_t)a->cols, nb = C / 32, off = (size_t)i * C + (size_t)c0;
+    const size_t boff = (size_t)i * nb + (size_t)c0 / 32;
+    if (a->digits)
+        m->ops->quant_act(a->x + off, 1, c1 - c0, a->digits, (int8_t *)a->q1 + off,
+                          (int8_t *)a->q2 + off, (float *)a->dd + boff, (float *)a->bsum + boff,
+                          (int32_t *)a->corr + boff);
+    else
+        m->ops->block_sums(a->x + off, 1, c1 - c0, (float *)a->bsum + boff);
+}
+
+static void job_fail(pm_job *j, int rc) {
+    if (rc) __atomic_store_n(&j->status, rc, __ATOMIC_RELAXED);
+}
+
+/* y[:, rb:re] = x W[rb:re]^T for one weight. */
+static int product_rows(const pocket_model *m, const pocket_weight *w, const pm_tiled *t,
+                        const pm_job *j, float *y, int rb, int re) {
+    if (re <= rb) return POCKET_OK;
+    if (t && j->quantized) { /* rb is a multiple of 16; re too, or the last row */
+        m->ops->matmul_tiled(t, &j->act, y, (size_t)w->rows, rb / 16, (re + 15) / 16);
+        return POCKET_OK;
+    }
+    switch (w->type) {
+    case POCKET_WT_Q4:
+        return m->kt->matmul_q4_f32(j->x, j->n, w->cols, (const uint8_t *)w->data, w->scales,
+                                    w->mins, w->rows, w->group_size, y, rb, re);
+    case POCKET_WT_Q8:
+        return m->kt->matmul_q8_f32(j->x, j->n, w->cols, (const int8_t *)w->data, w->scales,
+                                    w->rows, w->group_size, y, rb, re);
+    case POCKET_WT_F32:
+        m->ops->matmul_f32(j->x, j->n, w->cols, (const float *)w->data, w->rows, y, rb, re);
+        return POCKET_OK;
+    default: return POCKET_EINVAL;
+    }
+}
+
+static void attn_unit_init(float *m, float *l, float *acc, int G, int hd) {
+    for (int g = 0; g < G; g++) {
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    memset(acc, 0, (size_t)G * hd * sizeof(float));
+}
+
+static void pm_task(void *ctx, int task, int ntasks) {
+    pm_job *j = (pm_job *)ctx;
+    pocket_model *m = j->m;
+    int b, e, rc = POCKET_OK;
+    switch (j->kind) {
+    case PM_JOB_CONCAT: {
+        split_range(j->total, PM_ROW_UNIT, task, ntasks, &b, &e);
+        int off = 0; /* matrices start at multiples of 16 of the split space */
+        for (int k = 0; k < j->nmat && rc == POCKET_OK; k++) {
+            const int rows = j->w[k]->rows;
+            const int rb = (b > off ? b : off) - off, re = (e < off + rows ? e : off + rows) - off;
+            if (re > rb) rc = product_rows(m, j->w[k], j->t[k], j, j->y[k], rb, re);
+            off += (rows + PM_ROW_UNIT - 1) / PM_ROW_UNIT * PM_ROW_UNIT;
+        }
+        break;
+    }
+    case PM_JOB_GLU: {
+        /* with j->post, whole blocks of 32 columns per task: each prepares its own */
+        split_range(j->total, j->post ? 32 : PM_ROW_UNIT, task, ntasks, &b, &e);
+        if (e <= b) break;
+        rc = product_rows(m, j->w[0], j->t[0], j, j->y[0], b, e);
+        if (rc == POCKET_OK) rc = product_rows(m, j->w[1], j->t[1], j, j->y[1], b, e);
+        if (rc == POCKET_OK)
+            for (int i = 0; i < j->n; i++)
+                m->ops->glu(j->y[0] + (size_t)i * j->total + b, j->y[1] + (size_t)i * j->total + b,
+                            (size_t)(e - b), m->c.act_gelu);
+        if (rc == POCKET_OK && j->post)
+            for (int i = 0; i < j->n; i++) prepare_cols(m, j->post, i, b, e);
+        break;
+    }
+    case PM_JOB_ATTN_DECODE: {
+        /* units u = kvh * nspans + s: keys [lo + s * SPAN, ...) of KV head kvh */
+        const int G = m->group, hd = m->c.head_dim;
+        split_range(j->units, 1, task, ntasks, &b, &e);
+        float *scr = m->tscr + (size_t)task * m->tscr_stride;
+        for (int u = b; u < e; u++) {
+            const int kvh = u / j->nspans, s = u % j->nspans;
+            float *p = m->part + (size_t)u * G * (hd + 2);
+            float *pm = p, *pl = p + G, *pacc = p + 2 * G;
+            attn_unit_init(pm, pl, pacc, G, hd);
+            pm_attn_args A;
+            A.q = m->q + (size_t)kvh * G * hd;
+            A.G = G;
+            A.hd = hd;
+            A.scale = m->c.attn_scale;
+            A.f16 = j->kv->f16;
+            const size_t off = (size_t)kvh * j->kv->head_stride * (A.f16 ? 2 : 4);
+            A.K = (const char *)j->K + off;
+            A.V = (const char *)j->V + off;
+            const int s0 = (j->lo / PM_SPAN + s) * PM_SPAN; /* aligned span */
+            A.a = s0 > j->lo ? s0 : j->lo;
+            A.b = s0 + PM_SPAN < j->hi ? s0 + PM_SPAN : j->hi;
+            A.s = scr;
+            A.m = pm;
+            A.l = pl;
+            A.acc = pacc;
+            m->ops->attn(&A);
+        }
+        break;
+    }
+    case PM_JOB_ATTN_BLOCK: {
+        /* units u = i * n_kv + kvh, dealt round-robin (later tokens have more keys) */
+        const int G = m->group, hd = m->c.head_dim, nkv = m->c.n_kv_heads;
+        float *scr = m->tscr + (size_t)task * m->tscr_stride;
+        float *pm = scr + (size_t)G * PM_SPAN, *pl = pm + G, *pacc = pl + G;
+        const int win = m->layers[j->layer].sliding ? m->c.sliding_window : 0;
+        for (int u = task; u < j->units; u += ntasks) {
+            const int i = u / nkv, kvh = u % nkv, pos = j->pos0 + i;
+            attn_unit_init(pm, pl, pacc, G, hd);
+            pm_attn_args A;
+            A.q = m->q + (size_t)i * m->q_dim + (size_t)kvh * G * hd;
+            A.G = G;
+            A.hd = hd;
+            A.scale = m->c.attn_scale;
+            A.f16 = j->kv->f16;
+            const size_t off = (size_t)kvh * j->kv->head_stride * (A.f16 ? 2 : 4);
+            A.K = (const char *)j->K + off;
+            A.V = (const char *)j->V + off;
+            A.a = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
+            A.b = pos + 1;
+            A.s = scr;
+            A.m = pm;
+            A.l = pl;
+            A.acc = pacc;
+            m->ops->attn(&A);
+            float *out = m->att + (size_t)i * m->q_dim + (size_t)kvh * G * hd;
+            for (int g = 0; g < G; g++) {
+                const float l = pl[g];
+                for (int c = 0; c < hd; c++) out[(size_t)g * hd + c] = pacc[(size_t)g * hd + c] / l;
+            }
+        }
+        break;
+    }
+    case PM_JOB_ROWS:
+        split_range(j->n, 1, task, ntasks, &b, &e);
+        if (e > b) j->rows->fn(j->rows, b, e);
+        break;
+    default: rc = POCKET_EINVAL;
+    }
+    job_fail(j, rc);
+}
+
+static int run_job(pm_job *j, pocket_pool *pool, int ntasks) {
+    j->status = POCKET_OK;
+    if (ntasks < 1) ntasks = 1;
+    pocket_pool_run(pool, ntasks, pm_task, j);
+    return j->status;
+}
+
+/* Tasks for a row split: nthreads, fewer if there are fewer row units. */
+static int row_tasks(int total, int nthreads) {
+    int units = (total + PM_ROW_UNIT - 1) / PM_ROW_UNIT;
+    return units < nthreads ? units : nthreads;
+}
+
+/* How the products of class `cls` over the weights tiled[0..nmat) take their input x [n, cols]:
+ * fills *act (digits 1-2: int8 digits; 0: float with block sums) and returns 1 when the tiled
+ * kernels run them, 0 when the original-layout kernels do (act unused). */
+static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int nmat,
+                    const float *x, int n, int cols, int slot, pm_act *act) {
+    memset(act, 0, sizeof *act);
+    if (!tiled) return 0;
+    int any = 0;
+    for (int k = 0; k < nmat; k++) any |= tiled[k].data != NULL;
+    const int q8 = (m->act_q8 & cls) != 0;
+    if (!any || (!q8 && !m->tiled_f32)) return 0;
+    act->n = n;
+    act->cols = cols;
+    act->x = x;
+    act->digits = q8 ? ((m->one_digit & cls) ? 1 : 2) : 0;
+    act->q1 = m->a1[slot];
+    act->q2 = m->a2[slot];
+    act->dd = m->add[slot];
+    act->bsum = m->absum[slot];
+    act->corr = m->acorr[slot];
+    return 1;
+}
+
+/* Quantize (or sum per block) tokens [i0, i1) of a planned input. */
+static void prepare_act(const pocket_model *m, const pm_act *a, int i0, int i1) {
+    if (!a || a->n == 0 || i1 <= i0) return;
+    const size_t C = (size_t)a->cols, nb = C / 32;
+    if (a->digits)
+        m->ops->quant_act(a->x + i0 * C, i1 - i0, a->cols, a->digits, (int8_t *)a->q1 + i0 * C,
+                          (int8_t *)a->q2 + i0 * C, (float *)a->dd + i0 * nb,
+                          (float *)a->bsum + i0 * nb, (int32_t *)a->corr + i0 * nb);
+    else
+        m->ops->block_sums(a->x + i0 * C, i1 - i0, a->cols, (float *)a->bsum + i0 * nb);
+}
+
+/* A product region over `nmat` weights sharing the input x [n, cols] (their rows
+ * concatenated; kind PM_JOB_GLU: gate and up over the same rows). tiled: the repacked forms of
+ * the nmat weights; act: the input as planned by plan_act and prepared (or NULL: the
+ * original-layout kernels on x). */
+static int run_products(pocket_model *m, pocket_pool *pool, int nthreads, int kind, int nmat,
+                        const pocket_weight *w0, const pocket_weight *w1,
+                        const pocket_weight *w2, const pm_tiled *tiled, const pm_act *act,
+                        float *y0, float *y1, float *y2, const float *x, int n,
+                        const pm_act *post) {
+    pm_job j;
+    memset(&j, 0, sizeof j);
+    j.post = post;
+    j.m = m;
+    j.kind = kind;
+    j.n = n;
+    j.nmat = nmat;
+    j.w[0] = w0;
+    j.w[1] = w1;
+    j.w[2] = w2;
+    j.y[0] = y0;
+    j.y[1] = y1;
+    j.y[2] = y2;
+    j.x = x;
+    if (act && act->n) {
+        for (int k = 0; k < nmat; k++) j.t[k] = tiled[k].data ? &tiled[k] : NULL;
+        j.quantized = 1;
+        j.act = *act;
+    }
+    if (kind == PM_JOB_GLU) {
+        j.total = w0->rows;
+    } else {
+        j.total = 0;
+        for (int k = 0; k < nmat; k++)
+            j.total += (j.w[k]->rows + PM_ROW_UNIT - 1) / PM_ROW_UNIT * PM_ROW_UNIT;
+    }
+    int tasks = row_tasks(j.total, nthreads);
+    if (post) {
+        const int units = (j.total + 31) / 32;
+        tasks = units < nthreads ? units : nthreads;
+    }
+    return run_job(&j, pool, tasks);
+}
+
+/* Run r->fn over the block's n tokens: split over the threads for long blocks. */
+static int run_rows(pocket_model *m, pocket_pool *pool, int nthreads, int n, const pm_rows *r) {
+    if (n < PM_PAR_ROWS || nthreads < 2) {
+        r->fn(r, 0, n);
+        return POCKET_OK;
+    }
+    pm_job j;
+    memset(&j, 0, sizeof j);
+    j.m = m;
+    j.kind = PM_JOB_ROWS;
+    j.n = n;
+    j.rows = r;
+    return run_job(&j, pool, nthreads);
+}
+
+/* =========================================================================================
+ * Serial steps
+ * ========================================================================================= */
+
+static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *x) {
+    const pocket_weight *w = &m->embed;
+    const size_t d = (size_t)m->c.d_model, gs = (size_t)w->group_size;
+    const size_t ng = w->type == POCKET_WT_F32 ? 0 : d / gs;
+    /* a tied embedding is read from the head's tiles: its source pages stay released */
+    const pm_tiled *head = &m->tiled[7 * m->c.n_layers];
+    const int from_head = head->data && w->data == m->head.data;
+    for (int i = 0; i < n; i++) {
+        const size_t r = (size_t)ids[i];
+        float *xi = x + (size_t)i * d;
+        if (from_head) {
+            pm_tiled_row(head, r, xi);
+        } else if (w->type == POCKET_WT_F32) {
+            memcpy(xi, (const float *)w->data + r * d, d * sizeof(float));
+        } else if (w->type == POCKET_WT_Q8) {
+            const int8_t *q = (const int8_t *)w->data + r * d;
+            const uint16_t *s = w->scales + r * ng;
+            for (size_t c = 0; c < d; c++) xi[c] = (float)q[c] * pocket_f16_to_f32(s[c / gs]);
+        } else {
+            const uint8_t *q = (const uint8_t *)w->data + r * (d / 2);
+            const uint16_t *s = w->scales + r * ng, *mn = w->mins + r * ng;
+            for (size_t b = 0; b < d / 32; b++)
+                for (size_t k = 0; k < 16; k++) {
+                    const size_t c0 = 32 * b + k, c1 = c0 + 16;
+                    const uint8_t byte = q[16 * b + k];
+                    xi[c0] = (float)(byte & 15) * pocket_f16_to_f32(s[c0 / gs]) +
+                             pocket_f16_to_f32(mn[c0 / gs]);
+                    xi[c1] = (float)(byte >> 4) * pocket_f16_to_f32(s[c1 / gs]) +
+                             pocket_f16_to_f32(mn[c1 / gs]);
+                }
+        }
+        if (m->c.embed_scale != 1.0f)
+            for (size_t c = 0; c < d; c++) xi[c] *= m->c.embed_scale;
+        if (!from_head && m->c.release_source && w->type != POCKET_WT_F32) {
+            /* a separate embedding stays in the file: drop the pages a lookup mapped (the
+             * kernel maps whole large folios, ~1 MB a row), so lookups never add up */
+            pm_release_around((const uint8_t *)w->data + r * (w->type == POCKET_WT_Q8 ? d : d / 2),
+                           w->type == POCKET_WT_Q8 ? d : d / 2);
+            pm_release_around(w->scales + r * ng, ng * sizeof(uint16_t));
+            if (w->type == POCKET_WT_Q4) pm_release_around(w->mins + r * ng, ng * sizeof(uint16_t));
+        }
+    }
+}
+
+static void rope_heads(float *x, int heads, int hd, const float *cs, const float *sn) {
+    const int half = hd / 2;
+    for (int h = 0; h < heads; h++) {
+        float *p = x + (size_t)h * hd;
+        for (int i = 0; i < half; i++) {
+            const float x1 = p[i], x2 = p[i + half];
+            p[i] = x1 * cs[i] - x2 * sn[i];
+            p[i + half] = x2 * cs[i] + x1 * sn[i];
+        }
+    }
+}
+
+/* Biases, q/k norms, RoPE for the block's q and k; k and v into the cache. */
+static void post_qkv(pocket_model *m, pocket_kv *kv, int layer, int i0, int i1, int pos0) {
+    const pocket_layer_weights *L = &m->layers[layer];
+    const int hd = m->c.head_dim, nh = m->c.n_heads, nkv = m->c.n_kv_heads;
+    const int qd = m->q_dim, kvd = m->kv_dim;
+    const int base = L->sliding && m->n_bases > 1 ? 1 : 0;
+    const size_t H = (size_t)m->half;
+    for (int i = i0; i < i1; i++) {
+        float *q = m->q + (size_t)i * qd, *k = m->k + (size_t)i * kvd, *v = m->v + (size_t)i * kvd;
+        if (m->c.qkv_bias) {
+            for (int c = 0; c < qd; c++) q[c] += L->q_bias[c];
+            for (int c = 0; c < kvd; c++) k[c] += L->k_bias[c];
+            for (int c = 0; c < kvd; c++) v[c] += L->v_bias[c];
+        }
+        if (m->c.qk_norm) {
+            m->ops->rmsnorm(q, L->q_norm, nh, hd, m->c.norm_eps, q);
+            m->ops->rmsnorm(k, L->k_norm, nkv, hd, m->c.norm_eps, k);
+        }
+        const size_t pos = (size_t)(pos0 + i);
+        const float *cs = m->rcos[base] + pos * H, *sn = m->rsin[base] + pos * H;
+        rope_heads(q, nh, hd, cs, sn);
+        rope_heads(k, nkv, hd, cs, sn);
+        for (int h = 0; h < nkv; h++) {
+            const size_t head = (size_t)layer * kv->layer_stride + (size_t)h * kv->head_stride;
+            const size_t vdst = head + pos * (size_t)hd;
+            const size_t kdst = head + pm_k_index((int)pos, 0, hd); /* then stride 16 */
+            const float *kh = k + (size_t)h * hd;
+            if (kv->f16) {
+                uint16_t tmp[4096];
+                m->ops->to_f16(kh, tmp, (size_t)hd);
+                for (int e = 0; e < hd; e++) ((uint16_t *)kv->k)[kdst + (size_t)e * 16] = tmp[e];
+                m->ops->to_f16(v + (size_t)h * hd, (uint16_t *)kv->v + vdst, (size_t)hd);
+            } else {
+                for (int e = 0; e < hd; e++) ((float *)kv->k)[kdst + (size_t)e * 16] = kh[e];
+                memcpy((float *)kv->v + vdst, v + (size_t)h * hd, (size_t)hd * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Merge the decode partials of every query head into m->att (one token). */
+static void merge_partials(pocket_model *m, int nspans) {
+    const int G = m->group, hd = m->c.head_dim;
+    for (int h = 0; h < m->c.n_heads; h++) {
+        const int kvh = h / G, g = h % G;
+        float M = -INFINITY;
+        for (int s = 0; s < nspans; s++) {
+            const float *p = m->part + (size_t)(kvh * nspans + s) * G * (hd + 2);
+            if (p[g] > M) M = p[g];
+        }
+        float *out = m->att + (size_t)h * hd;
+        if (nspans == 1) {
+            const float *p = m->part + (size_t)kvh * G * (hd + 2);
+            const float l = p[G + g];
+            for (int c = 0; c < hd; c++) out[c] = p[2 * G + (size_t)g * hd + c] / l;
+            continue;
+        }
+        float L = 0.0f;
+        for (int c = 0; c < hd; c++) out[c] = 0.0f;
+        for (int s = 0; s < nspans; s++) {
+            const float *p = m->part + (size_t)(kvh * nspans + s) * G * (hd + 2);
+            const float f = expf(p[g] - M);
+            L += f * p[G + g];
+            const float *acc = p + 2 * G + (size_t)g * hd;
+            for (int c = 0; c < hd; c++) out[c] += f * acc[c];
+        }
+        for (int c = 0; c < hd; c++) out[c] /= L;
+    }
+}
+
+static void add_rows(float *x, const float *o, size_t len) {
+    for (size_t k = 0; k < len; k++) x[k] += o[k];
+}
+
+/* =========================================================================================
+ * Forward
+ * ========================================================================================= */
+
+/* Per-token steps of a layer (pm_rows_fn). */
+static void step_pre_attn(const pm_rows *r, int i0, int i1) { /* h = norm(x); prepare h */
+    pocket_model *m = r->m;
+    const int d = m->c.d_model;
+    m->ops->rmsnorm(m->x + (size_t)i0 * d, m->layers[r->layer].attn_norm, i1 - i0, d,
+                    m->c.norm_eps, m->h + (size_t)i0 * d);
+    prepare_act(m, r->act, i0, i1);
+}
+
+static void step_post_qkv(const pm_rows *r, int i0, int i1) {
+    post_qkv(r->m, r->kv, r->layer, i0, i1, r->pos0);
+}
+
+static void step_post_attn(const pm_rows *r, int i0, int i1) { /* x += [norm](o); h = norm(x) */
+    pocket_model *m = r->m;
+    const pocket_layer_weights *L = &m->layers[r->layer];
+    const int d = m->c.d_model;
+    const size_t off = (size_t)i0 * d, len = (size_t)(i1 - i0) * d;
+    if (m->c.sandwich_norms)
+        m->ops->rmsnorm(m->o + off, L->post_attn_norm, i1 - i0, d, m->c.norm_eps, m->o + off);
+    add_rows(m->x + off, m->o + off, len);
+    m->ops->rmsnorm(m->x + off, L->mlp_norm, i1 - i0, d, m->c.norm_eps, m->h + off);
+    prepare_act(m, r->act, i0, i1);
+}
+
+static void step_prepare(const pm_rows *r, int i0, int i1) { prepare_act(r->m, r->act, i0, i1); }
+
+static void step_post_mlp(const pm_rows *r, int i0, int i1) { /* x += [norm](o) */
+    pocket_model *m = r->m;
+    const int d = m->c.d_model;
+    const size_t off = (size_t)i0 * d, len = (size_t)(i1 - i0) * d;
+    if (m->c.sandwich_norms)
+        m->ops->rmsnorm(m->o + off, m->layers[r->layer].post_mlp_norm, i1 - i0, d,
+                        m->c.norm_eps, m->o + off);
+    add_rows(m->x + off, m->o + off, len);
+}
+
+static int layer_forward(pocket_model *m, pocket_kv *kv, int l, int n, int pos0,
+                         pocket_pool *pool, int nthreads) {
+    const pocket_layer_weights *L = &m->layers[l];
+    const int d = m->c.d_model, qd = m->q_dim, ff = m->c.d_ff;
+    const pm_tiled *T = m->tiled + (size_t)7 * l;
+    pm_rows r = {m, kv, l, pos0, NULL, NULL};
+    pm_act act;
+    int rc;
+
+    /* attention */
+    const int tq = plan_act(m, POCKET_Q8_QKV, T, 3, m->h, n, d, 0, &act);
+    r.act = tq ? &act : NULL;
+    r.fn = step_pre_attn;
+    if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
+    rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 3, &L->wq, &L->wk, &L->wv, T, r.act,
+                      m->q, m->k, m->v, m->h, n, NULL);
+    if (rc) return rc;
+    r.act = NULL;
+    r.fn = step_post_qkv;
+    if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
+
+    pm_job j;
+    memset(&j, 0, sizeof j);
+    j.m = m;
+    j.kv = kv;
+    j.layer = l;
+    j.pos0 = pos0;
+    j.n = n;
+    const size_t es = kv->f16 ? 2 : 4;
+    j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
+    j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
+    const int nkv = m->c.n_kv_heads;
+    if (n == 1) {
+        const int win = L->sliding ? m->c.sliding_window : 0;
+        j.kind = PM_JOB_ATTN_DECODE;
+        j.hi = pos0 + 1;
+        j.lo = win && pos0 - win + 1 > 0 ? pos0 - win + 1 : 0;
+        j.nspans = (j.hi - 1) / PM_SPAN - j.lo / PM_SPAN + 1;
+        j.units = nkv * j.nspans;
+        int tasks = j.units < nthreads ? j.units : nthreads;
+        if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
+        if ((rc = run_job(&j, pool, tasks))) return rc;
+        merge_partials(m, j.nspans);
+    } else {
+        j.kind = PM_JOB_ATTN_BLOCK;
+        j.units = n * nkv;
+        int tasks = j.units < nthreads ? j.units : nthreads;
+        if ((rc = pm_ensure_attn_scratch(m, tasks, 0))) return rc;
+        if ((rc = run_job(&j, pool, tasks))) return rc;
+    }
+    const int to = plan_act(m, POCKET_Q8_WO, T + 3, 1, m->att, n, qd, 0, &act);
+    r.act = to ? &act : NULL;
+    r.fn = step_prepare;
+    if (r.act && (rc = run_rows(m, pool, nthreads, n, &r))) return rc;
+    rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &L->wo, NULL, NULL, T + 3, r.act,
+                      m->o, NULL, NULL, m->att, n, NULL);
+    if (rc) return rc;
+
+    /* MLP */
+    const int tg = plan_act(m, POCKET_Q8_GATE_UP, T + 4, 2, m->h, n, d, 0, &act);
+    r.act = tg ? &act : NULL;
+    r.fn = step_post_attn;
+    if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
+    pm_act act_dn; /* the GLU tasks prepare their own columns of W_down's input */
+    const int tdn = plan_act(m, POCKET_Q8_DOWN, T + 6, 1, m->gate, n, ff, 1, &act_dn);
+    rc = run_products(m, pool, nthreads, PM_JOB_GLU, 2, &L->wgate, &L->wup, NULL, T + 4, r.act,
+                      m->gate, m->up, NULL, m->h, n, tdn ? &act_dn : NULL);
+    if (rc) return rc;
+    rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &L->wdown, NULL, NULL, T + 6,
+                      tdn ? &act_dn : NULL, m->o, NULL, NULL, m->gate, n, NULL);
+    if (rc) return rc;
+    r.act = NULL;
+    r.fn = step_post_mlp;
+    return run_rows(m, pool, nthreads, n, &r);
+}
+
+int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int n,
+                         int start_pos, float *logits, int all_logits, pocket_pool *pool,
+                         int nthreads) {
+    if (!m || !kv || !ids || !logits || kv->model != m) return POCKET_EINVAL;
+    if (n <= 0 || start_pos < 0 || (long long)start_pos + n > kv->capacity) return POCKET_EINVAL;
+    if (nthreads < 1 || nthreads > PM_MAX_THREADS || (all_logits != 0 && all_logits != 1))
+        return POCKET_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->c.vocab_size) return POCKET_EINVAL;
+    if (pool && pocket_pool_size(pool) < nthreads) nthreads = pocket_pool_size(pool);
+    if (!pool) nthreads = 1;
+    int rc = pm_ensure_rope(m, start_pos + n);
+    if (rc) return rc;
+    const int d = m->c.d_model;
+    const size_t V = (size_t)m->c.vocab_size;
+    for (int b0 = 0; b0 < n; b0 += PM_BLOCK) {
+        const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
+        const int pos0 = start_pos + b0;
+        embed_rows(m, ids + b0, nb, m->x);
+        for (int l = 0; l < m->c.n_layers; l++) {
+            rc = layer_forward(m, kv, l, nb, pos0, pool, nthreads);
+            if (rc) return rc;
+        }
+        int rows0 = 0, nrows = nb; /* rows of the block whose logits are wanted */
+        float *y = logits + (size_t)b0 * V;
+        if (!all_logits) {
+            if (b0 + nb < n) continue;
+            rows0 = nb - 1;
+            nrows = 1;
+            y = logits;
+        }
+        m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
+        const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
+        pm_act act;
+        const int use = plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, &act);
+        if (use) prepare_act(m, &act, 0, nrows);
+        rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
+                          use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+        if (rc) return rc;
+    }
+    return POCKET_OK;
+}

@@ -1,0 +1,98 @@
+/* Internal: the state of the inference engine (pocket_model.h) shared by its sources. Not part
+ * of the public API.
+ *
+ *   pocket_model.c          creation and destruction, configuration checks, the lazily grown
+ *                           buffers (RoPE tables, attention scratch), the KV cache
+ *   pocket_model_tiles.c    quantized weights repacked into 16-row tiles (pm_tiled), release of
+ *                           the source pages of a read-only file mapping
+ *   pocket_model_ops.c      the portable operations (pm_ops_portable, pocket_model_ops.h)
+ *   pocket_model_x86.c      the AVX-512 operations (pm_ops_avx512)
+ *   pocket_model_forward.c  parallel regions, per-token steps and pocket_model_forward()
+ */
+#ifndef POCKET_MODEL_INTERNAL_H
+#define POCKET_MODEL_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "pocket_model.h"
+#include "pocket_model_ops.h"
+
+#define PM_BLOCK 128 /* tokens per prefill block: the scratch buffers hold this many */
+
+struct pocket_model {
+    pocket_model_config c;
+    pocket_layer_weights *layers;
+    pocket_weight embed, head;
+    const float *final_norm;
+    const pocket_kernel_table *kt;
+    const pm_ops *ops;
+    int act_q8;       /* POCKET_Q8_* classes with int8 activations */
+    int one_digit;    /* POCKET_Q8_* classes with one int8 digit per activation (else two) */
+    int tiled_f32;    /* float-activation products on the tiled weights too (AVX-512) */
+    /* repacked weights of the int8-activation products: [layer * 7 + k] (k: q, k, v, o,
+     * gate, up, down), then the head; data == NULL where not used */
+    pm_tiled *tiled;
+    int q_dim, kv_dim, group, half;
+    int max_in; /* the widest input of a product: max(d_model, q_dim, d_ff) */
+    /* RoPE: inv_freq per base (0: rope_theta, 1: rope_theta_local); cos/sin [pos][half] */
+    double *inv_freq[2];
+    float *rcos[2], *rsin[2];
+    int rope_cap;
+    int n_bases;
+    /* scratch, sized for PM_BLOCK tokens */
+    float *x, *h, *o, *q, *k, *v, *att, *gate, *up;
+    /* prepared activations of the products (pm_act), two sets: a product's input and the
+     * next product's, prepared while the first is still being read */
+    int8_t *a1[2], *a2[2];
+    float *add[2], *absum[2];
+    int32_t *acorr[2];
+    /* decode attention partials [unit][G][hd + 2]; per-task attention scratch */
+    float *part;
+    size_t part_units;
+    float *tscr;
+    int tscr_tasks;
+    size_t tscr_stride;
+};
+
+struct pocket_kv {
+    const pocket_model *model;
+    int capacity, f16;
+    size_t head_stride;  /* elements between KV heads: capacity (rounded up to 16) * head_dim */
+    size_t layer_stride; /* elements between layers: n_kv_heads * head_stride */
+    void *k, *v;
+};
+
+/* ---- pocket_model.c ---------------------------------------------------------------------- */
+
+/* count * size zeroed bytes, 64-byte aligned (count 0 allocates one element); NULL on failure.
+ * Freed with free(). */
+void *pm_zalloc(size_t count, size_t size);
+
+/* RoPE tables for positions < need (grown by doubling, capped at max_positions). */
+int pm_ensure_rope(pocket_model *m, int need);
+
+/* Per-task attention scratch for `tasks` tasks and decode partials for `units` units. */
+int pm_ensure_attn_scratch(pocket_model *m, int tasks, size_t units);
+
+/* ---- pocket_model_tiles.c ---------------------------------------------------------------- */
+
+/* Repack `w` (INT4 or INT8) into 16-row tiles; with `release`, the source pages (a read-only
+ * file mapping) are handed back as the repacking goes. */
+int pm_tiled_build(const pocket_weight *w, pm_tiled *t, int release);
+
+/* Free the tiles of `t` and zero it (a zeroed pm_tiled is fine). */
+void pm_tiled_free(pm_tiled *t);
+
+/* Row r of a tiled matrix as floats: the same values (and float operations) as dequantizing
+ * the source row. */
+void pm_tiled_row(const pm_tiled *w, size_t r, float *x);
+
+/* Hand back the pages that hold [p, p + n), whole pages around it included (read-only file
+ * mappings only). */
+void pm_release_around(const void *p, size_t n);
+
+/* Tell the kernel that the source rows of `w` (a file mapping) are read in no order. */
+void pm_advise_random_rows(const pocket_weight *w);
+
+#endif /* POCKET_MODEL_INTERNAL_H */

@@ -1,0 +1,257 @@
+/* Portable operations of the inference engine (pm_ops_portable, see pocket_model_ops.h):
+ * norms, attention, activations, float16 conversion, activation quantization and the products
+ * on tiled weights, in plain C. They run where AVX-512 is not available (the scalar and avx2
+ * kernel levels, other architectures); the AVX-512 attention (pocket_model_x86.c) falls back to
+ * attn_portable for more than 64 query heads per KV head.
+ */
+#include <math.h>
+
+#include "pocket_internal.h"
+#include "pocket_model_ops.h"
+
+static float dot_f32(const float *a, const float *b, int len) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int c = 0;
+    for (; c + 8 <= len; c += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[c + l] * b[c + l];
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; c < len; c++) s += a[c] * b[c];
+    return s;
+}
+
+static void rmsnorm_portable(const float *x, const float *w, int n, int d, float eps,
+                             float *out) {
+    for (int i = 0; i < n; i++) {
+        const float *xi = x + (size_t)i * d;
+        float *oi = out + (size_t)i * d;
+        float ms = dot_f32(xi, xi, d) / (float)d;
+        float r = sqrtf(ms + eps);
+        for (int c = 0; c < d; c++) oi[c] = xi[c] / r * w[c];
+    }
+}
+
+static inline float kv_load(const void *base, int f16, size_t idx) {
+    return f16 ? pocket_f16_to_f32(((const uint16_t *)base)[idx]) : ((const float *)base)[idx];
+}
+
+static void attn_portable(const pm_attn_args *A) {
+    const int G = A->G, hd = A->hd;
+    for (int c = A->a; c < A->b;) {
+        const int cend0 = (c / PM_SPAN + 1) * PM_SPAN, cend = cend0 < A->b ? cend0 : A->b;
+        const int len = cend - c;
+        for (int j = 0; j < len; j++)
+            for (int g = 0; g < G; g++) {
+                const float *qg = A->q + (size_t)g * hd;
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                int e = 0;
+                for (; e + 8 <= hd; e += 8)
+                    for (int l = 0; l < 8; l++)
+                        acc[l] += qg[e + l] * kv_load(A->K, A->f16, pm_k_index(c + j, e + l, hd));
+                float sc = ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
+                           ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+                for (; e < hd; e++) sc += qg[e] * kv_load(A->K, A->f16, pm_k_index(c + j, e, hd));
+                A->s[g * PM_SPAN + j] = sc * A->scale;
+            }
+        for (int g = 0; g < G; g++) {
+            float *sg = A->s + g * PM_SPAN;
+            float cm = sg[0];
+            for (int j = 1; j < len; j++) cm = sg[j] > cm ? sg[j] : cm;
+            const float old = A->m[g], nm = old > cm ? old : cm;
+            const float corr = old == -INFINITY ? 0.0f : expf(old - nm);
+            float sum = 0.0f;
+            for (int j = 0; j < len; j++) {
+                sg[j] = expf(sg[j] - nm);
+                sum += sg[j];
+            }
+            A->l[g] = A->l[g] * corr + sum;
+            A->m[g] = nm;
+            if (corr != 1.0f)
+                for (int e = 0; e < hd; e++) A->acc[(size_t)g * hd + e] *= corr;
+        }
+        for (int j = 0; j < len; j++) {
+            const size_t vb = (size_t)(c + j) * hd;
+            for (int g = 0; g < G; g++) {
+                const float p = A->s[g * PM_SPAN + j];
+                float *ag = A->acc + (size_t)g * hd;
+                for (int e = 0; e < hd; e++) ag[e] += p * kv_load(A->V, A->f16, vb + e);
+            }
+        }
+        c = cend;
+    }
+}
+
+static void glu_portable(float *gate, const float *up, size_t len, int gelu) {
+    if (gelu) {
+        const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
+        for (size_t k = 0; k < len; k++) {
+            const float x = gate[k];
+            gate[k] = 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x))) * up[k];
+        }
+    } else {
+        for (size_t k = 0; k < len; k++) {
+            const float x = gate[k];
+            gate[k] = x * (0.5f + 0.5f * tanhf(0.5f * x)) * up[k];
+        }
+    }
+}
+
+static void matmul_f32_portable(const float *x, int n, int cols, const float *w, int rows,
+                                float *y, int rb, int re) {
+    for (int r = rb; r < re; r++)
+        for (int i = 0; i < n; i++)
+            y[(size_t)i * rows + r] = dot_f32(x + (size_t)i * cols, w + (size_t)r * cols, cols);
+}
+
+/* float32 -> float16 bits, round to nearest even (NaN stays NaN, overflow -> inf). */
+static uint16_t f32_to_f16_bits(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+    if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520: rounds to inf */
+    if (ax < 0x38800000u) {                                     /* float16 subnormal or zero */
+        float af;
+        memcpy(&af, &ax, sizeof af);
+        const float t = af * 16777216.0f; /* units of 2^-24, exact, < 1024 */
+        const float r = (t + 12582912.0f) - 12582912.0f; /* round to nearest even */
+        return (uint16_t)(sign | (uint32_t)r);
+    }
+    const uint32_t r = ax + 0xfffu + ((ax >> 13) & 1u) - 0x38000000u;
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static void to_f16_portable(const float *x, uint16_t *out, size_t len) {
+    for (size_t k = 0; k < len; k++) out[k] = f32_to_f16_bits(x[k]);
+}
+
+/* Round to nearest, ties to even, for |v| <= 2^22: no libm call. */
+static inline float round_even_small(float v) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + magic) - magic;
+}
+
+void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
+                           float *dd, float *bsum, int32_t *corr) {
+    const size_t nblk = (size_t)n * (size_t)cols / 32;
+    for (size_t b = 0; b < nblk; b++) {
+        const float *p = x + 32 * b;
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) {
+            const float a = fabsf(p[k]);
+            if (a > amax) amax = a; /* NaN never wins */
+        }
+        float d = amax / 127.0f, id = 1.0f / d;
+        if (!(amax >= POCKET_ACT_TINY)) d = 0.0f, id = 0.0f;
+        int32_t s1 = 0, s2 = 0;
+        for (int k = 0; k < 32; k++) {
+            float t = p[k] * id;
+            t = t > -127.0f ? t : -127.0f; /* NaN -> -127 */
+            t = t < 127.0f ? t : 127.0f;
+            const float r1 = round_even_small(t);
+            q1[32 * b + k] = (int8_t)r1;
+            s1 += (int32_t)r1;
+            if (digits == 2) {
+                const float r2 = round_even_small((t - r1) * 128.0f);
+                q2[32 * b + k] = (int8_t)r2;
+                s2 += (int32_t)r2;
+            }
+        }
+        const int32_t S = digits == 2 ? 128 * s1 + s2 : s1;
+        dd[b] = digits == 2 ? d * (1.0f / 128.0f) : d;
+        bsum[b] = dd[b] * (float)S;
+        corr[b] = 128 * S;
+    }
+}
+
+void pm_block_sums_portable(const float *x, int n, int cols, float *bsum) {
+    const size_t nblk = (size_t)n * (size_t)cols / 32;
+    for (size_t b = 0; b < nblk; b++) {
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int k = 0; k < 32; k += 8)
+            for (int l = 0; l < 8; l++) acc[l] += x[32 * b + k + l];
+        bsum[b] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    }
+}
+
+/* Float activations on tiled weights: per group (x_g . q_g) * scale + sum(x_g) * min (INT4),
+ * or (x_g . (q_g + 128)) * scale - 128 * sum(x_g) * scale (INT8 stored offset). */
+static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
+                               int tb, int te) {
+    const int nb = w->nb, gpb = w->gpb, ng = w->ng;
+    for (int t = tb; t < te; t++) {
+        const uint8_t *rec = w->data + (size_t)t * w->tile_bytes;
+        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
+        const uint16_t *mn = sc + (size_t)ng * 16;
+        const int r0 = 16 * t, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+        for (int i = 0; i < a->n; i++) {
+            const float *x = a->x + (size_t)i * a->cols, *bs = a->bsum + (size_t)i * nb;
+            for (int rr = 0; rr < nr; rr++) {
+                float acc = 0.0f;
+                for (int g = 0; g < ng; g++) {
+                    const float s = pocket_f16_to_f32(sc[16 * g + rr]);
+                    float d = 0.0f, xs = 0.0f;
+                    for (int j = 0; j < gpb; j++) {
+                        const int b = g * gpb + j;
+                        for (int k = 0; k < 32; k++)
+                            d += (float)pm_tiled_value(w, rec, b, k, rr) * x[32 * b + k];
+                        xs += bs[b];
+                    }
+                    acc += d * s;
+                    if (w->bits == 4)
+                        acc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
+                    else
+                        acc -= 128.0f * xs * s;
+                }
+                y[(size_t)i * ystride + r0 + rr] = acc;
+            }
+        }
+    }
+}
+
+void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
+                              int tb, int te) {
+    if (a->digits == 0) {
+        tiled_f32_portable(w, a, y, ystride, tb, te);
+        return;
+    }
+    const int nb = w->nb, gpb = w->gpb, ng = w->ng;
+    for (int t = tb; t < te; t++) {
+        const uint8_t *rec = w->data + (size_t)t * w->tile_bytes;
+        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
+        const uint16_t *mn = sc + (size_t)ng * 16;
+        const int r0 = 16 * t, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+        for (int i = 0; i < a->n; i++) {
+            const int8_t *x1 = a->q1 + (size_t)i * a->cols, *x2 = a->q2 + (size_t)i * a->cols;
+            const float *dd = a->dd + (size_t)i * nb, *bs = a->bsum + (size_t)i * nb;
+            const int32_t *corr = a->corr + (size_t)i * nb;
+            for (int rr = 0; rr < nr; rr++) {
+                float acc = 0.0f, macc = 0.0f;
+                for (int g = 0; g < ng; g++) {
+                    const float s = pocket_f16_to_f32(sc[16 * g + rr]);
+                    float xs = 0.0f;
+                    for (int j = 0; j < gpb; j++) {
+                        const int b = g * gpb + j;
+                        int32_t i1 = 0, i2 = 0;
+                        for (int k = 0; k < 32; k++) {
+                            const int v = pm_tiled_value(w, rec, b, k, rr);
+                            i1 += v * x1[32 * b + k];
+                            if (a->digits == 2) i2 += v * x2[32 * b + k];
+                        }
+                        int32_t T = a->digits == 2 ? 128 * i1 + i2 : i1;
+                        if (w->bits == 8) T -= corr[b];
+                        acc += (float)T * (s * dd[b]);
+                        xs += bs[b];
+                    }
+                    if (w->bits == 4) macc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
+                }
+                y[(size_t)i * ystride + r0 + rr] = acc + macc;
+            }
+        }
+    }
+}
+
+const pm_ops pm_ops_portable = {
+    "portable",          rmsnorm_portable,      attn_portable,           glu_portable,
+    matmul_f32_portable, to_f16_portable,       pm_quant_act_portable,   pm_matmul_tiled_portable,
+    pm_block_sums_portable,
+};

@@ -1,0 +1,180 @@
+/* Quantized weights of the inference engine repacked into 16-row tiles (pm_tiled, layout in
+ * pocket_model_ops.h), and release of the source pages of a read-only file mapping.
+ *
+ * At creation, the weights of the products that run on the tiled kernels (every product on
+ * AVX-512; the int8-activation ones elsewhere) are repacked into tiles, the same size as the
+ * original; the others use the kernels of pocket_kernels.h on the caller's layout. With
+ * config.release_source, the source pages are handed back to the kernel as the repacking goes,
+ * so a large matrix never sits in memory whole beside its copy. A tied embedding is looked up
+ * in the head's tiles when the head is tiled (pm_tiled_row: its released pages stay released);
+ * a separate one in the file drops the pages each lookup maps (pm_release_around).
+ */
+#if !defined(_WIN32) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* madvise, MADV_* */
+#endif
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#include <unistd.h>
+#endif
+
+#include "pocket_internal.h"
+#include "pocket_model_internal.h"
+
+void pm_tiled_free(pm_tiled *t) {
+    free(t->data);
+    memset(t, 0, sizeof *t);
+}
+
+/* Hand the whole pages inside [p, p + n) back to the kernel. Only for read-only file mappings
+ * (config.release_source): a page touched again is read back from the file. */
+static void release_range(const void *p, size_t n) {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+    long page = sysconf(_SC_PAGESIZE);
+    if (!p || !n || page <= 0) return;
+    uintptr_t a = (uintptr_t)p, ps = (uintptr_t)page;
+    uintptr_t lo = (a + ps - 1) / ps * ps, hi = (a + n) / ps * ps;
+    if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
+/* Hand back the pages that hold [p, p + n), whole pages around it included: only for a
+ * read-only file mapping, where a dropped page is read back from the page cache when next
+ * touched. */
+void pm_release_around(const void *p, size_t n) {
+#if defined(__linux__) && defined(MADV_DONTNEED)
+    long page = sysconf(_SC_PAGESIZE);
+    if (!p || !n || page <= 0) return;
+    uintptr_t a = (uintptr_t)p, ps = (uintptr_t)page;
+    uintptr_t lo = a / ps * ps, hi = (a + n + ps - 1) / ps * ps;
+    (void)madvise((void *)lo, hi - lo, MADV_DONTNEED);
+#else
+    (void)p;
+    (void)n;
+#endif
+}
+
+/* Release the source pages of rows [r0, r1) of a quantized weight. */
+static void release_rows(const pocket_weight *w, size_t r0, size_t r1) {
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
+    const size_t cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
+    const size_t row_bytes = w->type == POCKET_WT_Q4 ? cols / 2 : cols;
+    const size_t n = r1 - r0;
+    release_range((const uint8_t *)w->data + r0 * row_bytes, n * row_bytes);
+    release_range(w->scales + r0 * ng, n * ng * sizeof(uint16_t));
+    if (w->type == POCKET_WT_Q4) release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
+}
+
+static void release_weight(const pocket_weight *w) { release_rows(w, 0, (size_t)w->rows); }
+
+/* The embedding rows are read from the file mapping a few at a time, in no order: tell the
+ * kernel not to read ahead around each one (its usual 128 KB readahead per fault made a
+ * 512-token prompt pull ~70 MB of Gemma's embedding into memory for 0.3 MB of rows). */
+void pm_advise_random_rows(const pocket_weight *w) {
+#if defined(__linux__) && defined(MADV_RANDOM)
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
+    const size_t rows = (size_t)w->rows, cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
+    const size_t row_bytes = w->type == POCKET_WT_Q4 ? cols / 2 : cols;
+    const void *ranges[3] = {w->data, w->scales, w->type == POCKET_WT_Q4 ? w->mins : NULL};
+    const size_t sizes[3] = {rows * row_bytes, rows * ng * sizeof(uint16_t),
+                             rows * ng * sizeof(uint16_t)};
+    long page = sysconf(_SC_PAGESIZE);
+    if (page <= 0) return;
+    for (int k = 0; k < 3; k++) {
+        if (!ranges[k]) continue;
+        uintptr_t a = (uintptr_t)ranges[k], ps = (uintptr_t)page;
+        uintptr_t lo = (a + ps - 1) / ps * ps, hi = (a + sizes[k]) / ps * ps;
+        if (hi > lo) (void)madvise((void *)lo, hi - lo, MADV_RANDOM);
+    }
+#else
+    (void)w;
+#endif
+}
+
+/* Tiles repacked between releases of their source rows: the source of a large matrix (a 262k
+ * x 640 embedding used as the head) never sits in memory whole beside its copy. */
+#define PM_RELEASE_TILES 256
+
+/* Repack `w` into 16-row tiles; with `release`, the source pages (a read-only file mapping)
+ * are handed back as the repacking goes. */
+int pm_tiled_build(const pocket_weight *w, pm_tiled *t, int release) {
+    memset(t, 0, sizeof *t);
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
+    const int q4 = w->type == POCKET_WT_Q4;
+    t->bits = q4 ? 4 : 8;
+    t->rows = w->rows;
+    t->cols = w->cols;
+    t->group_size = w->group_size;
+    t->ntiles = (w->rows + 15) / 16;
+    t->nb = w->cols / 32;
+    t->ng = w->cols / w->group_size;
+    t->gpb = w->group_size / 32;
+    t->block_bytes = q4 ? 256 : 512;
+    t->scale_off = (size_t)t->nb * t->block_bytes;
+    t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32 * (q4 ? 2 : 1), 64);
+    t->data = (uint8_t *)pm_zalloc((size_t)t->ntiles * t->tile_bytes, 1);
+    if (!t->data) return POCKET_ENOMEM;
+    const size_t C = (size_t)w->cols, ng = (size_t)t->ng;
+    for (int tl = 0; tl < t->ntiles; tl++) {
+        uint8_t *rec = t->data + (size_t)tl * t->tile_bytes;
+        uint16_t *sc = (uint16_t *)(rec + t->scale_off), *mn = sc + ng * 16;
+        for (int i = 0; i < 16; i++) {
+            const size_t r = (size_t)tl * 16 + (size_t)i;
+            if (r >= (size_t)w->rows) {
+                if (!q4) /* zero weights are stored as 128 */
+                    for (int b = 0; b < t->nb; b++)
+                        for (int k = 0; k < 32; k++)
+                            rec[(size_t)b * 512 + 64 * (k / 4) + 4 * i + (k & 3)] = 128;
+                continue;
+            }
+            for (size_t g = 0; g < ng; g++) {
+                sc[16 * g + i] = w->scales[r * ng + g];
+                if (q4) mn[16 * g + i] = w->mins[r * ng + g];
+            }
+            if (q4) {
+                /* source block b: byte k (k < 16) holds column k (low nibble) and 16 + k (high);
+                 * target vector m, lane i, byte j: column 8m + j (low), 8m + 4 + j (high) */
+                const uint8_t *src = (const uint8_t *)w->data + r * (C / 2);
+                for (int b = 0; b < t->nb; b++, src += 16) {
+                    uint8_t *blk = rec + (size_t)b * 256 + 4 * i;
+                    for (int j = 0; j < 4; j++) {
+                        blk[0 + j] = (uint8_t)((src[j] & 15) | (src[4 + j] << 4));
+                        blk[64 + j] = (uint8_t)((src[8 + j] & 15) | (src[12 + j] << 4));
+                        blk[128 + j] = (uint8_t)((src[j] >> 4) | (src[4 + j] & 0xF0));
+                        blk[192 + j] = (uint8_t)((src[8 + j] >> 4) | (src[12 + j] & 0xF0));
+                    }
+                }
+            } else {
+                const int8_t *src = (const int8_t *)w->data + r * C;
+                for (int b = 0; b < t->nb; b++, src += 32) {
+                    uint8_t *blk = rec + (size_t)b * 512 + 4 * i;
+                    for (int k = 0; k < 32; k++)
+                        blk[64 * (k / 4) + (k & 3)] = (uint8_t)(src[k] + 128);
+                }
+            }
+        }
+        if (release && (tl + 1) % PM_RELEASE_TILES == 0)
+            release_rows(w, (size_t)(tl + 1 - PM_RELEASE_TILES) * 16, (size_t)(tl + 1) * 16);
+    }
+    if (release) release_weight(w); /* the pages that straddled chunk ends, and the tail */
+    return POCKET_OK;
+}
+
+/* Row r of a tiled matrix as floats: the same values (and float operations) as dequantizing
+ * the source row. */
+void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
+    const uint8_t *rec = w->data + (r / 16) * w->tile_bytes;
+    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off), *mn = sc + (size_t)w->ng * 16;
+    const int i = (int)(r % 16), per_group = w->group_size;
+    for (int b = 0; b < w->nb; b++)
+        for (int k = 0; k < 32; k++) {
+            const int c = 32 * b + k, g = c / per_group;
+            const int q = pm_tiled_value(w, rec, b, k, i);
+            x[c] = w->bits == 4 ? (float)q * pocket_f16_to_f32(sc[16 * g + i]) +
+                                      pocket_f16_to_f32(mn[16 * g + i])
+                                : (float)(q - 128) * pocket_f16_to_f32(sc[16 * g + i]);
+        }
+}
