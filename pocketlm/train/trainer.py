@@ -1,0 +1,667 @@
+"""Pre-training and supervised fine-tuning of a :class:`~pocketlm.train.model.PocketLM`.
+
+One entry point, :func:`train`, runs on a laptop CPU for the ``tiny`` preset and, unchanged, under
+``torchrun --nproc_per_node N`` with PyTorch DDP (``--fsdp`` shards the model with FSDP for the
+large presets). What it does:
+
+* AdamW with decoupled weight decay (not on norms and biases), linear warm-up then cosine decay to
+  ``min_lr_ratio * lr``, gradient accumulation, gradient clipping, bf16 autocast where the
+  hardware has it (``dtype="auto"``: CUDA with bf16; float32 on CPUs, where it is predictable);
+* batches that are a pure function of ``(seed, step)`` (:class:`~pocketlm.train.data.TokenShards`
+  for pre-training, :class:`SFTData` for chats), so a run stopped at any point and resumed from
+  its last checkpoint continues with exactly the losses it would have had;
+* checkpoints written atomically every ``save_every`` steps (model, optimizer, step, RNG states,
+  the tokenizer and both configs, in one file), held-out loss every ``eval_every`` steps, metrics
+  as JSON lines, a loss-curve picture, and a progress bar with tokens/s and ETA;
+* SFT: chats formatted with the chat template, loss on the assistant tokens only;
+* distillation: logit distillation from a teacher with the same vocabulary (any GGUF or
+  Hugging Face model, loaded into torch through the runtime's importers).
+
+A run directory holds ``checkpoint.pt`` (the latest state), ``metrics.jsonl``, ``loss.svg`` and
+``train_config.json``; :mod:`pocketlm.train.export` turns it into a deploy file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..errors import FormatError, PocketError
+from ..tokenizer import Tokenizer
+from .model import PocketLM, preset_config
+
+__all__ = ["CHECKPOINT", "SFTData", "TrainConfig", "load_checkpoint", "train"]
+
+CHECKPOINT = "checkpoint.pt"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; stored in the checkpoint and in ``train_config.json``."""
+
+    out: str
+    data: str
+    preset: str = "tiny"
+    mode: str = "pretrain"  # "pretrain" | "sft"
+    steps: int = 200
+    batch_size: int = 8  # sequences per process per micro-step
+    grad_accum: int = 1
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 20
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 50
+    seed: int = 0
+    dtype: str = "auto"  # "auto" | "bf16" | "fp32"
+    init_from: str | None = None  # a run or checkpoint to start from (SFT after pre-training)
+    distill_from: str | None = None  # teacher model: registry name, GGUF, HF folder, run
+    distill_alpha: float = 0.5  # weight of the distillation term
+    distill_temperature: float = 1.0
+    fsdp: bool = False
+    threads: int | None = None
+
+    def check(self) -> None:
+        if self.mode not in ("pretrain", "sft"):
+            raise PocketError(f"mode must be 'pretrain' or 'sft', got {self.mode!r}")
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_every",
+                     "eval_batches", "save_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PocketError(f"--{name.replace('_', '-')} must be a positive integer, "
+                                  f"got {v!r}")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
+            raise PocketError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise PocketError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if not 0 <= self.distill_alpha <= 1 or self.distill_temperature <= 0:
+            raise PocketError("need 0 <= distill_alpha <= 1 and distill_temperature > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+# ---------------------------------------------------------------------------------------------
+# supervised fine-tuning data
+# ---------------------------------------------------------------------------------------------
+
+
+class SFTData:
+    """Chats (JSONL, one ``{"messages": [{"role", "content"}, ...]}`` per line) as token ids and
+    a mask of the tokens that carry loss: every assistant message (its text and end-of-turn),
+    nothing of the system and user turns or the assistant header.
+
+    The chat template renders each prefix of the conversation; the ids of message ``i`` are the
+    tokens of ``render(messages[:i+1])`` past ``render(messages[:i])`` (with the generation
+    prompt for an assistant turn), so any template whose turns end in a special token works.
+    """
+
+    def __init__(self, path: str | Path, tokenizer: Tokenizer, chat_template: str | None,
+                 seq_len: int, *, holdout: float = 0.05, seed: int = 0):
+        from ..chat import render as render_chat
+
+        self.path = Path(path)
+        self.seq_len = seq_len
+        template = chat_template or CHATML
+        examples: list[tuple[np.ndarray, np.ndarray]] = []
+        bad: list[str] = []
+        try:
+            lines = self.path.read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as e:
+            raise FormatError(f"{self.path}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise PocketError(f"{self.path}: cannot read: {e.strerror}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                msgs = json.loads(line)["messages"]
+                if not isinstance(msgs, list) or not msgs or not all(
+                        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+                        and isinstance(m.get("content"), str) for m in msgs):
+                    raise ValueError("messages must be a list of {role, content}")
+            except (ValueError, KeyError, TypeError) as e:
+                bad.append(f"line {n}: {e}")
+                continue
+            ids: list[int] = []
+            mask: list[bool] = []
+            prev = ""
+            for i, m in enumerate(msgs):
+                if m["role"] == "assistant":
+                    head = render_chat(template, msgs[:i], add_generation_prompt=True)
+                    part = tokenizer.encode(head[len(prev):], add_bos=False)
+                    ids += part
+                    mask += [False] * len(part)
+                    prev = head
+                full = render_chat(template, msgs[: i + 1], add_generation_prompt=False)
+                if not full.startswith(prev):
+                    raise FormatError(f"{self.path}: line {n}: the chat template does not render "
+                                      "conversations prefix by prefix; SFT needs one that does")
+                part = tokenizer.encode(full[len(prev):], add_bos=False)
+                ids += part
+                mask += [m["role"] == "assistant"] * len(part)
+                prev = full
+            if tokenizer.add_bos and tokenizer.bos_id is not None:
+                ids, mask = [tokenizer.bos_id, *ids], [False, *mask]
+            if any(mask):
+                examples.append((np.asarray(ids[: seq_len + 1], dtype=np.int64),
+                                 np.asarray(mask[: seq_len + 1], dtype=bool)))
+        if bad and not examples:
+            raise FormatError(f"{self.path}: no valid chat records ({bad[0]})")
+        if not examples:
+            raise FormatError(f"{self.path}: no chats with an assistant message")
+        self.skipped = bad
+        self.pad_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else 0
+        order = np.random.default_rng(seed).permutation(len(examples))
+        n_val = max(1, int(round(holdout * len(examples)))) if len(examples) > 1 else 0
+        self.val = [examples[i] for i in order[:n_val]]
+        self.train = [examples[i] for i in order[n_val:]] or self.val
+
+    def _stack(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        T = self.seq_len + 1
+        ids = np.full((len(rows), T), self.pad_id, dtype=np.int64)
+        tgt = np.full((len(rows), T), -100, dtype=np.int64)
+        for r, (x, m) in enumerate(rows):
+            ids[r, : len(x)] = x
+            tgt[r, : len(x)] = np.where(m, x, -100)
+        return ids, tgt
+
+    def batch(self, step: int, batch_size: int, *, seed: int = 0, rank: int = 0,
+              world: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and targets (-100 where no loss) ``[batch_size, seq_len + 1]``; rank ``r`` gets
+        rows ``r*batch_size..`` of the global batch drawn for ``(seed, step)``."""
+        rng = np.random.default_rng([seed, step])
+        pick = rng.integers(0, len(self.train), batch_size * world)
+        rows = [self.train[i] for i in pick[rank * batch_size:(rank + 1) * batch_size]]
+        return self._stack(rows)
+
+    def eval_batches(self, batch_size: int, max_batches: int) -> Iterator[tuple[np.ndarray,
+                                                                                np.ndarray]]:
+        for b in range(0, min(len(self.val), batch_size * max_batches), batch_size):
+            yield self._stack(self.val[b:b + batch_size])
+
+
+# ---------------------------------------------------------------------------------------------
+# the run
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _init_distributed() -> _Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        return _Dist(device=dev)
+    import torch.distributed as dist
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+        backend, dev = "nccl", torch.device("cuda", local)
+    else:
+        backend, dev = "gloo", torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend)
+    return _Dist(dist.get_rank(), dist.get_world_size(), local, dev)
+
+
+def _lr_at(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr``, then cosine decay to ``min_lr_ratio * lr`` at the last step."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    span = max(1, cfg.steps - cfg.warmup)
+    progress = min(1.0, (step - cfg.warmup) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _autocast(cfg: TrainConfig, device: torch.device):
+    use_bf16 = cfg.dtype == "bf16" or (
+        cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    if not use_bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def _optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=1e-8)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _checkpoint_path(path: str | Path) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        p = p / CHECKPOINT
+    if not p.is_file():
+        raise PocketError(f"{path}: no pocketlm training checkpoint there (expected a run "
+                          f"folder with {CHECKPOINT} or the file itself)")
+    return p
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """The checkpoint dict of a run folder (or ``checkpoint.pt``): ``model_config``,
+    ``train_config``, ``step``, ``model`` (state dict), ``tokenizer`` (JSON), ``chat_template``."""
+    p = _checkpoint_path(path)
+    try:
+        ck = torch.load(p, map_location="cpu", weights_only=False)
+    except Exception as e:  # torch raises many kinds for a damaged file
+        raise FormatError(f"{p}: not a readable training checkpoint ({e})") from None
+    if not isinstance(ck, dict) or ck.get("format") != "pocketlm-checkpoint":
+        raise FormatError(f"{p}: not a pocketlm training checkpoint")
+    return ck
+
+
+def model_from_checkpoint(ck: dict) -> tuple[PocketLM, Tokenizer]:
+    cfg = ModelConfig.from_dict(ck["model_config"])
+    model = PocketLM(cfg, init_seed=None)
+    model.load_state_dict(ck["model"])
+    return model, Tokenizer.from_json(ck["tokenizer"])
+
+
+def _same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    if a.vocab_size != b.vocab_size:
+        return False
+    return all(a.id_to_token(i) == b.id_to_token(i) for i in range(a.vocab_size))
+
+
+def _teacher(cfg: TrainConfig, tokenizer: Tokenizer, device) -> PocketLM:
+    from ..formats import open_source, sniff
+    from ..registry import resolve
+    from .model import from_source
+
+    src = cfg.distill_from
+    if Path(src).is_dir() and (Path(src) / CHECKPOINT).is_file():
+        teacher, t_tok = model_from_checkpoint(load_checkpoint(src))
+    else:
+        path = resolve(src, quiet=True)
+        if sniff(path) == "pocket":
+            raise PocketError(f"{src}: a deploy file is quantized; give the teacher as a GGUF "
+                              "file, a Hugging Face folder, a registry name or a training run")
+        source = open_source(path)
+        teacher, t_tok = from_source(source), source.tokenizer
+    if not _same_vocabulary(tokenizer, t_tok):
+        raise PocketError(
+            f"the teacher {src!r} has another vocabulary ({t_tok.vocab_size} tokens vs "
+            f"{tokenizer.vocab_size}): logit distillation needs the same tokenizer; train the "
+            "student with the teacher's tokenizer (--tokenizer), or distill on the teacher's "
+            "generated text instead (pocket distill-data, then --mode sft on its output)")
+    teacher.eval().requires_grad_(False)
+    return teacher.to(device)
+
+
+def _plot_losses(metrics: list[dict], path: Path, title: str) -> None:
+    """A small SVG of the training and held-out loss by step."""
+    train = [(m["step"], m["loss"]) for m in metrics if "loss" in m]
+    val = [(m["step"], m["val_loss"]) for m in metrics if "val_loss" in m]
+    if not train:
+        return
+    W, H, pad = 640, 360, 50
+    steps = [s for s, _ in train + val]
+    losses = [v for _, v in train + val]
+    x0, x1 = min(steps), max(max(steps), min(steps) + 1)
+    y0, y1 = min(losses), max(losses)
+    y1 = y1 if y1 > y0 else y0 + 1
+
+    def xy(s, v):
+        return (pad + (W - 2 * pad) * (s - x0) / (x1 - x0),
+                H - pad - (H - 2 * pad) * (v - y0) / (y1 - y0))
+
+    def poly(points, color):
+        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in (xy(s, v) for s, v in points))
+        return f'<polyline fill="none" stroke="{color}" stroke-width="1.5" points="{pts}"/>'
+
+    from html import escape
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+           'font-family="sans-serif" font-size="12">', '<rect width="100%" height="100%" '
+           'fill="white"/>', f'<text x="{pad}" y="20" font-size="14">{escape(title)}</text>',
+           f'<line x1="{pad}" y1="{H - pad}" x2="{W - pad}" y2="{H - pad}" stroke="#333"/>',
+           f'<line x1="{pad}" y1="{pad}" x2="{pad}" y2="{H - pad}" stroke="#333"/>',
+           f'<text x="{pad}" y="{H - pad + 16}">{x0}</text>',
+           f'<text x="{W - pad - 30}" y="{H - pad + 16}">step {x1}</text>',
+           f'<text x="4" y="{pad + 4}">{y1:.2f}</text>',
+           f'<text x="4" y="{H - pad}">{y0:.2f}</text>', poly(train, "#2f6fdf")]
+    if val:
+        out.append(poly(val, "#e07b39"))
+    out.append(f'<text x="{W - 190}" y="40" fill="#2f6fdf">training loss</text>')
+    out.append(f'<text x="{W - 190}" y="56" fill="#e07b39">held-out loss</text>')
+    out.append("</svg>")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("\n".join(out), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
+          chat_template: str | None = None, progress: bool = True) -> dict:
+    """Run (or resume) training; returns the final metrics. ``tokenizer`` is needed for a new
+    run (a resumed run and ``init_from`` bring their own)."""
+    cfg.check()
+    dist = _init_distributed()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    ck_path = out / CHECKPOINT
+    resume = ck_path.is_file()
+    init = None
+    if resume:
+        ck = load_checkpoint(ck_path)
+        saved = TrainConfig.from_dict(ck["train_config"])
+        if saved.preset != cfg.preset or saved.mode != cfg.mode:
+            raise PocketError(
+                f"{out} holds a {saved.preset} {saved.mode} run; this one is {cfg.preset} "
+                f"{cfg.mode}: use another --out, or the same settings to resume")
+        model_cfg = ModelConfig.from_dict(ck["model_config"])
+        tokenizer = Tokenizer.from_json(ck["tokenizer"])
+        chat_template = ck.get("chat_template")
+    elif cfg.init_from:
+        init = load_checkpoint(cfg.init_from)
+        model_cfg = ModelConfig.from_dict(init["model_config"])
+        tokenizer = Tokenizer.from_json(init["tokenizer"])
+        chat_template = chat_template or init.get("chat_template")
+        if model_cfg.max_context < cfg.seq_len:
+            raise PocketError(f"--seq-len {cfg.seq_len} exceeds the model's context "
+                              f"{model_cfg.max_context}")
+    else:
+        if tokenizer is None:
+            raise PocketError("a new run needs a tokenizer")
+        model_cfg = preset_config(cfg.preset, tokenizer.vocab_size,
+                                  max_context=max(cfg.seq_len, 256))
+    if cfg.seq_len > model_cfg.max_context:
+        raise PocketError(f"--seq-len {cfg.seq_len} exceeds the model's context "
+                          f"{model_cfg.max_context}")
+    chat_template = chat_template or CHATML
+
+    # data
+    if cfg.mode == "pretrain":
+        from .data import TokenShards
+
+        train_data = TokenShards(Path(cfg.data), "train")
+        val_data = TokenShards(Path(cfg.data), "val")
+        for split, shards in (("training", train_data), ("held-out", val_data)):
+            if shards.n_tokens < cfg.seq_len + 1:
+                raise PocketError(
+                    f"{cfg.data}: the {split} split has {shards.n_tokens} tokens, fewer than one "
+                    f"sequence of --seq-len {cfg.seq_len} + 1; use more text, a larger "
+                    "--holdout or a shorter --seq-len")
+        if train_data.vocab_size > model_cfg.vocab_size:
+            raise PocketError(f"{cfg.data}: shards were made with a {train_data.vocab_size}-token "
+                              f"vocabulary; the model has {model_cfg.vocab_size}")
+    else:
+        train_data = SFTData(cfg.data, tokenizer, chat_template, cfg.seq_len, seed=cfg.seed)
+        val_data = train_data
+
+    def get_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k = step * cfg.grad_accum + micro
+        if cfg.mode == "pretrain":
+            b = train_data.batch(k, cfg.batch_size, cfg.seq_len, seed=cfg.seed, rank=dist.rank,
+                                 world=dist.world)
+            x, y = b[:, :-1], b[:, 1:]
+        else:
+            ids, tgt = train_data.batch(k, cfg.batch_size, seed=cfg.seed, rank=dist.rank,
+                                        world=dist.world)
+            x, y = ids[:, :-1], tgt[:, 1:]
+        return (torch.from_numpy(np.ascontiguousarray(x)).to(dist.device),
+                torch.from_numpy(np.ascontiguousarray(y)).to(dist.device))
+
+    # model and optimizer
+    torch.manual_seed(cfg.seed)
+    model = PocketLM(model_cfg, init_seed=cfg.seed)
+    if resume:
+        model.load_state_dict(ck["model"])
+    elif init is not None:
+        model.load_state_dict(init["model"])
+    model.to(dist.device)
+    teacher = _teacher(cfg, tokenizer, dist.device) if cfg.distill_from else None
+    wrapped: torch.nn.Module = model
+    if dist.world > 1:
+        if cfg.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.layers:
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            wrapped = DDP(model, device_ids=[dist.local_rank] if dist.device.type == "cuda"
+                          else None)
+    opt = _optimizer(model, cfg)
+    start = 0
+    metrics: list[dict] = []
+    if resume:
+        _load_optimizer(model, opt, ck["optimizer"], cfg.fsdp and dist.world > 1)
+        start = int(ck["step"])
+        _set_rng_state(ck["rng"])
+        metrics = _read_metrics(out / "metrics.jsonl", upto=start)
+
+    if dist.main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_config.json").write_text(json.dumps(
+            {"train": cfg.to_dict(), "model": model_cfg.to_dict()}, indent=2), encoding="utf-8")
+        _write_metrics(out / "metrics.jsonl", metrics)
+
+    def evaluate() -> float:
+        model.eval()
+        total, count = 0.0, 0
+        with torch.no_grad(), _autocast(cfg, dist.device):
+            if cfg.mode == "pretrain":
+                batches = ((b[:, :-1], b[:, 1:]) for b in val_data.iter_eval_batches(
+                    cfg.batch_size, cfg.seq_len, cfg.eval_batches))
+            else:
+                batches = ((i[:, :-1], t[:, 1:]) for i, t in val_data.eval_batches(
+                    cfg.batch_size, cfg.eval_batches))
+            for x, y in batches:
+                x = torch.from_numpy(np.ascontiguousarray(x)).to(dist.device)
+                y = torch.from_numpy(np.ascontiguousarray(y)).to(dist.device)
+                logits = model(x).float()
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                       ignore_index=-100, reduction="sum")
+                total += float(loss)
+                count += int((y != -100).sum())
+        model.train()
+        return total / max(count, 1)
+
+    def save(step: int) -> None:
+        state_model, state_opt = _state_dicts(model, opt, cfg.fsdp and dist.world > 1)
+        if not dist.main:
+            return
+        _atomic_save({
+            "format": "pocketlm-checkpoint", "version": 1, "step": step,
+            "model_config": model_cfg.to_dict(), "train_config": cfg.to_dict(),
+            "model": state_model, "optimizer": state_opt, "rng": _rng_state(),
+            "tokenizer": tokenizer.to_json(), "chat_template": chat_template,
+            "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }, ck_path)
+
+    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * dist.world
+    bar = None
+    if progress and dist.main:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
+                   desc=f"{cfg.mode} {cfg.preset}")
+    model.train()
+    t_last = time.perf_counter()
+    last: dict = {}
+    for step in range(start, cfg.steps):
+        lr = _lr_at(cfg, step)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        loss_sum = 0.0
+        for micro in range(cfg.grad_accum):
+            x, y = get_batch(step, micro)
+            sync = contextlib.nullcontext()
+            if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and \
+                    micro < cfg.grad_accum - 1:
+                sync = wrapped.no_sync()
+            with sync, _autocast(cfg, dist.device):
+                logits = wrapped(x).float()
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                       ignore_index=-100)
+                if teacher is not None:
+                    with torch.no_grad():
+                        t_logits = teacher(x).float()[..., : logits.shape[-1]]
+                    T = cfg.distill_temperature
+                    keep = (y != -100).reshape(-1)
+                    kd = F.kl_div(F.log_softmax(logits.reshape(-1, logits.shape[-1])[keep] / T,
+                                                dim=-1),
+                                  F.log_softmax(t_logits.reshape(-1, logits.shape[-1])[keep] / T,
+                                                dim=-1),
+                                  log_target=True, reduction="batchmean") * T * T
+                    loss = (1 - cfg.distill_alpha) * loss + cfg.distill_alpha * kd
+                (loss / cfg.grad_accum).backward()
+            loss_sum += float(loss.detach())
+        if dist.world > 1:  # report the global batch's loss, not this rank's share
+            import torch.distributed as tdist
+
+            t = torch.tensor([loss_sum], dtype=torch.float64, device=dist.device)
+            tdist.all_reduce(t)
+            loss_sum = float(t) / dist.world
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        row = {"step": step + 1, "loss": loss_sum / cfg.grad_accum, "lr": lr,
+               "grad_norm": float(grad_norm), "tokens": (step + 1) * tokens_per_step,
+               "tokens_per_s": tokens_per_step / dt if dt > 0 else None}
+        done = step + 1
+        if done % cfg.eval_every == 0 or done == cfg.steps:
+            row["val_loss"] = evaluate()
+            row["val_ppl"] = math.exp(min(row["val_loss"], 50))
+        metrics.append(row)
+        last = row
+        if dist.main:
+            with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        if done % cfg.save_every == 0 or done == cfg.steps:
+            save(done)
+            if dist.main:
+                _plot_losses(metrics, out / "loss.svg", f"{cfg.preset} {cfg.mode}: {out.name}")
+        if bar is not None:
+            post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s'] or 0:.0f}"}
+            if "val_loss" in row:
+                post["val"] = f"{row['val_loss']:.3f}"
+            bar.set_postfix(post)
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if dist.world > 1:
+        import torch.distributed as tdist
+
+        tdist.barrier()
+    return last
+
+
+def _state_dicts(model, opt, sharded: bool) -> tuple[dict, dict]:
+    if not sharded:
+        return ({k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+                opt.state_dict())
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+
+
+def _load_optimizer(model, opt, state: dict, sharded: bool) -> None:
+    if not sharded:
+        opt.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, opt, model_state_dict=model.state_dict(), optim_state_dict=state,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def _read_metrics(path: Path, upto: int) -> list[dict]:
+    """The metrics of the steps up to the checkpoint: later ones are replayed on resume."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a hard stop
+        if isinstance(row, dict) and row.get("step", upto + 1) <= upto:
+            rows.append(row)
+    return rows
+
+
+def _write_metrics(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)
+

