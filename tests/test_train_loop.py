@@ -170,7 +170,8 @@ def test_resume_after_a_hard_stop_continues_exactly(pretrained, tmp_path):
     assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
 
 
-def test_two_processes_with_torchrun_match_one(pretrained, tmp_path):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_two_processes_with_torchrun_match_one(pretrained, tmp_path, sharding):
     root, run = pretrained
     shards, tok_dir = run / "data", run / "tokenizer"
     one = tmp_path / "one"
@@ -181,7 +182,8 @@ def test_two_processes_with_torchrun_match_one(pretrained, tmp_path):
     two = tmp_path / "two"
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                         "--master_port", str(29500 + os.getpid() % 1000), "-m", "pocketlm.cli",
-                        "train", "--out", str(two), "--batch-size", "4", *args],
+                        "train", "--out", str(two), "--batch-size", "4", *args,
+                        *(["--fsdp"] if sharding == "fsdp" else [])],
                        capture_output=True, text=True,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
@@ -189,6 +191,10 @@ def test_two_processes_with_torchrun_match_one(pretrained, tmp_path):
     assert len(a) == len(b) == 6
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) < 1e-4 * abs(x["loss"]), (x, y)
+    # the checkpoint holds the whole model either way: it exports like a one-process run
+    from pocketlm.train.export import checkpoint_source
+
+    assert set(checkpoint_source(two).tensors) == set(checkpoint_source(one).tensors)
 
 
 def test_bad_input_is_refused_clearly(pretrained, tmp_path):
@@ -215,3 +221,38 @@ def test_bad_input_is_refused_clearly(pretrained, tmp_path):
     with pytest.raises(PocketError, match="unknown preset"):
         from pocketlm.train.model import preset_config
         preset_config("nope")
+
+
+def test_logit_distillation_from_a_teacher_with_the_same_vocabulary(pretrained, tmp_path):
+    root, run = pretrained
+    shards, tok_dir = run / "data", run / "tokenizer"
+    student = tmp_path / "student"
+    pocket("train", "--data", str(shards), "--tokenizer", str(tok_dir), "--out", str(student),
+           "--steps", "8", "--eval-every", "8", "--save-every", "8", "--distill-from", str(run),
+           "--distill-alpha", "0.7", "--distill-temperature", "2", *COMMON)
+    rows = metrics(student)
+    assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"]
+    # a teacher with another vocabulary is refused, pointing to sequence-level distillation
+    other = tmp_path / "other-tok"
+    from pocketlm.train.tokenizer_train import train_tokenizer
+
+    train_tokenizer([(root / "corpus.txt")], 500, other, progress=False)
+    p = pocket("train", "--data", str(shards), "--tokenizer", str(other), "--out",
+               str(tmp_path / "s2"), "--steps", "2", "--distill-from", str(run), *COMMON,
+               check=False)
+    assert p.returncode == 1 and "vocabulary" in p.stderr and "distill-data" in p.stderr
+
+
+def test_sequence_level_distillation_data(pretrained, tmp_path):
+    root, run = pretrained
+    teacher = root / "teacher.pocket"
+    if not teacher.is_file():
+        pocket("export", str(run), "-o", str(teacher))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Where is the cat?\n\n小猫在哪里？\n", encoding="utf-8")
+    out = tmp_path / "distill.jsonl"
+    pocket("distill-data", "--teacher", str(teacher), "--prompts", str(prompts), "-o", str(out),
+           "--max-tokens", "8")
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == ["Where is the cat?", "小猫在哪里？"]
+    assert all(r["messages"][1]["role"] == "assistant" for r in rows)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -97,6 +98,18 @@ def cmd_train(args) -> int:
         raise PocketError(f"{data}: no such file or folder")
     tokenizer = template = None
     resuming = (out / CHECKPOINT).is_file()
+    preset = args.preset
+    if resuming or args.init:
+        from .trainer import load_checkpoint
+
+        ck_preset = load_checkpoint(out if resuming else args.init)["train_config"]["preset"]
+        if preset and preset != ck_preset:
+            where = f"{out} holds a {ck_preset} run" if resuming else \
+                f"{args.init} is a {ck_preset} checkpoint"
+            raise PocketError(f"{where}; --preset {preset} does not match (leave --preset out, "
+                              "or use another --out)")
+        preset = ck_preset
+    preset = preset or "tiny"
     if args.tokenizer:
         tokenizer, template = _tokenizer_from(args.tokenizer)
     if args.mode == "pretrain" and data.is_file():
@@ -119,7 +132,7 @@ def cmd_train(args) -> int:
             if tokenizer is None:
                 from .tokenizer_train import train_tokenizer
 
-                vocab = args.vocab_size or (4000 if args.preset == "tiny" else 16000)
+                vocab = args.vocab_size or (4000 if preset == "tiny" else 16000)
                 print(f"[training a {vocab}-token tokenizer on {data} -> {out / 'tokenizer'}]",
                       file=sys.stderr)
                 tokenizer = train_tokenizer(documents, vocab, out / "tokenizer",
@@ -137,7 +150,7 @@ def cmd_train(args) -> int:
         raise PocketError("a new run on prepared shards or chats needs --tokenizer (the "
                           "tokenizer the data was made with)")
     cfg = TrainConfig(
-        out=str(out), data=str(data), preset=args.preset, mode=args.mode, steps=args.steps,
+        out=str(out), data=str(data), preset=preset, mode=args.mode, steps=args.steps,
         batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
         lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
@@ -147,7 +160,7 @@ def cmd_train(args) -> int:
     if resuming:
         print(f"[resuming {out / CHECKPOINT}]", file=sys.stderr)
     last = train(cfg, tokenizer=tokenizer, chat_template=template, progress=not args.quiet)
-    if last:
+    if last and int(os.environ.get("RANK", "0")) == 0:
         msg = f"step {last['step']}: loss {last['loss']:.4f}"
         if "val_loss" in last:
             msg += f", held-out loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
@@ -182,32 +195,53 @@ def cmd_tokenizer_train(args) -> int:
 def cmd_data_prepare(args) -> int:
     from .data import prepare_mixture, prepare_text_file
 
-    sources = [x for x in (args.corpora, args.mixture, args.text) if x]
-    if len(sources) != 1:
+    given = [x for x in (args.corpora, args.mixture, args.text) if x]
+    if len(given) != 1:
         raise PocketError("give exactly one of --corpora NAME..., --mixture FILE or --text FILE")
     if args.chats_out:
         from .corpora import export_chats
 
         info = export_chats(Path(args.chats_out))
         print(f"{args.chats_out}: {info['chats']} chats", file=sys.stderr)
-    if not args.tokenizer:
+    if bool(args.tokenizer) == bool(args.vocab_size):
         raise PocketError("pocket data prepare needs --tokenizer (a folder from `pocket "
-                          "tokenizer train`, a registry model or a model file)")
-    tokenizer, _ = _tokenizer_from(args.tokenizer)
+                          "tokenizer train`, a registry model or a model file) or --vocab-size "
+                          "N to train one on the data (OUT/tokenizer)")
     out = Path(args.out)
     if args.text:
-        meta = prepare_text_file(Path(args.text), tokenizer, out, holdout=args.holdout,
-                                 seed=args.seed, shard_tokens=args.shard_tokens,
-                                 progress=not args.quiet)
+        from .data import read_text_documents
+
+        documents, sources = read_text_documents(Path(args.text)), None
     else:
+        from .data import build_mixture
+
         config = Path(args.mixture) if args.mixture else {name: 1.0 for name in args.corpora}
-        meta = prepare_mixture(config, tokenizer, out, holdout=args.holdout, seed=args.seed,
+        documents, sources = build_mixture(
+            config, seed=args.seed, progress=not args.quiet, total_chars=args.total_chars,
+            max_repeat=args.max_repeat, min_chars=args.min_chars,
+            near_threshold=None if args.no_near_dedup else 0.8)
+    if args.tokenizer:
+        tokenizer, _ = _tokenizer_from(args.tokenizer)
+    else:
+        from .tokenizer_train import train_tokenizer
+
+        print(f"[training a {args.vocab_size}-token tokenizer on the data -> "
+              f"{out / 'tokenizer'}]", file=sys.stderr)
+        tokenizer = train_tokenizer(documents, args.vocab_size, out / "tokenizer",
+                                    seed=args.seed, sample_lines=args.tokenizer_sample,
+                                    progress=not args.quiet)
+    if args.text:
+        meta = prepare_text_file(Path(args.text), tokenizer, out / "shards" if not
+                                 args.tokenizer else out, holdout=args.holdout, seed=args.seed,
+                                 shard_tokens=args.shard_tokens, progress=not args.quiet)
+    else:
+        meta = prepare_mixture(config, tokenizer, out / "shards" if not args.tokenizer else out,
+                               holdout=args.holdout, seed=args.seed,
                                shard_tokens=args.shard_tokens, progress=not args.quiet,
-                               total_chars=args.total_chars, max_repeat=args.max_repeat,
-                               min_chars=args.min_chars,
-                               near_threshold=None if args.no_near_dedup else 0.8)
+                               mixture=(documents, sources))
     splits = {k: v.get("tokens") for k, v in meta["splits"].items()}
-    print(f"{out}: " + ", ".join(f"{k} {n:,} tokens" for k, n in splits.items()))
+    where = out if args.tokenizer else out / "shards"
+    print(f"{where}: " + ", ".join(f"{k} {n:,} tokens" for k, n in splits.items()))
     return 0
 
 
@@ -243,8 +277,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        "chats. Same command under torchrun for several processes (DDP; --fsdp "
                        "shards the model).", epilog=TRAIN_EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS),
-                   help="model size (default tiny; --list-presets shows them)")
+    p.add_argument("--preset", default=None, choices=list(PRESETS),
+                   help="model size (default tiny, or the run's when resuming or with --init; "
+                   "--list-presets shows them)")
     p.add_argument("--list-presets", action="store_true",
                    help="print each preset's parameters, INT4 file size and peak memory")
     p.add_argument("--json", action="store_true", help="with --list-presets: JSON lines")
@@ -318,6 +353,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--mixture", help="mixture config (JSON or YAML): a weight per corpus")
     d.add_argument("--text", help="a UTF-8 text file (documents separated by blank lines)")
     d.add_argument("--tokenizer", help="tokenizer folder, registry model or model file")
+    d.add_argument("--vocab-size", type=int, default=None,
+                   help="instead of --tokenizer: train a tokenizer of this size on the data "
+                   "(written to OUT/tokenizer; the shards then go to OUT/shards)")
+    d.add_argument("--tokenizer-sample", type=int, default=None,
+                   help="train that tokenizer on a random sample of this many lines")
     d.add_argument("--out", required=True, help="shard folder")
     d.add_argument("--holdout", type=float, default=0.01, help="held-out share of documents")
     d.add_argument("--seed", type=int, default=0)

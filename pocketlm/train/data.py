@@ -630,11 +630,43 @@ def prepare_mixture(
     max_repeat: float = 4.0,
     min_chars: int = 16,
     near_threshold: float | None = 0.8,
+    mixture: tuple[list[str], list[dict]] | None = None,
 ) -> dict:
     """Fetch, clean and dedup each corpus of the mixture ``config`` (see :func:`load_mixture`),
     sample them to their weights (see :func:`mix_documents`) and write a shard set to
     ``out_dir`` (see :func:`prepare_shards`). ``meta.json``'s ``sources`` holds each corpus's
-    provenance and licence, its cleaning and dedup counts, and what the mixture took from it."""
+    provenance and licence, its cleaning and dedup counts, and what the mixture took from it.
+    ``mixture``: the result of :func:`build_mixture` when the caller already has it (for
+    example to train a tokenizer on the same documents first)."""
+    if mixture is None:
+        mixture = build_mixture(config, seed=seed, progress=progress, total_chars=total_chars,
+                                max_repeat=max_repeat, min_chars=min_chars,
+                                near_threshold=near_threshold)
+    mixed, sources = mixture
+    return prepare_shards(
+        mixed,
+        tokenizer,
+        out_dir,
+        holdout=holdout,
+        seed=seed,
+        shard_tokens=shard_tokens,
+        progress=progress,
+        sources=sources,
+    )
+
+
+def build_mixture(
+    config: Path | str | dict,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    total_chars: int | None = None,
+    max_repeat: float = 4.0,
+    min_chars: int = 16,
+    near_threshold: float | None = 0.8,
+) -> tuple[list[str], list[dict]]:
+    """The mixture's documents (fetched, cleaned, deduplicated, sampled to the weights and
+    shuffled) and, per corpus, its provenance, pipeline counts and selection."""
     from pocketlm.train.corpora import clean_and_dedup, corpus_documents, read_manifest_entry
 
     weights = load_mixture(config)
@@ -659,16 +691,7 @@ def prepare_mixture(
         {**read_manifest_entry(name), "pipeline": pipeline[name], "mixture": selection[name]}
         for name in sorted(weights)
     ]
-    return prepare_shards(
-        mixed,
-        tokenizer,
-        out_dir,
-        holdout=holdout,
-        seed=seed,
-        shard_tokens=shard_tokens,
-        progress=progress,
-        sources=sources,
-    )
+    return mixed, sources
 
 
 def _with_bar(items: Iterable[str], bar: Any) -> Iterator[str]:
