@@ -1,4 +1,5 @@
-"""The training verbs of ``pocket``: train, export, tokenizer train, data prepare, distill-data.
+"""The training verbs of ``pocket``: train, finetune, export, tokenizer train, data prepare,
+distill-data.
 
 Registered by :func:`add_commands` on the main parser; each handler imports torch (the ``train``
 extra) only when it runs, so the rest of the command line works without it.
@@ -169,6 +170,36 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_finetune(args) -> int:
+    _need_torch("finetune")
+    from .trainer import TrainConfig, train
+
+    out = Path(args.out)
+    cfg = TrainConfig(
+        out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
+        steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay,
+        clip=args.clip, eval_every=args.eval_every, eval_batches=args.eval_batches,
+        save_every=args.save_every, seed=args.seed, dtype=args.dtype, threads=args.threads,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, val_data=args.val_data,
+        early_stop=args.early_stop, strict=args.strict)
+    last = train(cfg, progress=not args.quiet)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if last:
+        msg = f"step {last['step']}: loss {last['loss']:.4f}"
+        if "val_loss" in last:
+            msg += f", held-out loss {last['val_loss']:.4f}"
+        print(f"{msg}; run {out}")
+    if args.export:
+        from .export import export
+
+        report = export(out, args.export, group_size=args.group_size,
+                        embed_bits=args.embed_bits)
+        print(report.summary())
+    return 0
+
+
 def cmd_export(args) -> int:
     _need_torch("export")
     from .export import export
@@ -176,7 +207,8 @@ def cmd_export(args) -> int:
     out = Path(args.output)
     if out.exists() and not args.force:
         raise PocketError(f"{out} exists; pass --force to overwrite it")
-    report = export(args.run, out, group_size=args.group_size, embed_bits=args.embed_bits)
+    report = export(args.run, out, group_size=args.group_size, embed_bits=args.embed_bits,
+                    best=False if args.last else None)
     print(report.summary())
     return 0
 
@@ -322,8 +354,54 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", required=True, help="the .pocket file to write")
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
+    p.add_argument("--last", action="store_true",
+                   help="export the latest checkpoint even when the run kept best.pt")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("finetune", help="adapt an existing model to a task: full or LoRA",
+                       description="Fine-tune a model (registry name, GGUF, Hugging Face folder "
+                       "or training run; loaded into torch through the runtime's importers) on "
+                       "chats: JSONL lines of {\"messages\": [...]} or {\"prompt\": ..., "
+                       "\"completion\": ...}, formatted with the model's chat template, loss on "
+                       "the answers only. Running the same command again resumes.",
+                       epilog="examples:\n  pocket finetune -m smollm2-135m --data task.jsonl "
+                       "--lora-rank 8 --out runs/task --export task.pocket\n",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", required=True, help="the base model")
+    p.add_argument("--data", required=True, help="training chats (JSONL)")
+    p.add_argument("--val-data", help="held-out chats (default: 5 %% of --data)")
+    p.add_argument("--out", required=True, help="run folder")
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank (default 0: full fine-tuning)")
+    p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2*rank)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--seq-len", type=int, default=256, help="longest chat in tokens (longer "
+                   "ones are cut)")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4; "
+                   "LoRA usually wants ~1e-3)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--save-every", type=int, default=25)
+    p.add_argument("--early-stop", type=int, default=0, metavar="N",
+                   help="stop after N evaluations without a better held-out loss; the best "
+                   "weights are kept in OUT/best.pt and exported")
+    p.add_argument("--strict", action="store_true", help="refuse malformed JSONL lines "
+                   "(default: skip them and say how many)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--export", metavar="FILE.pocket", help="pack the result (LoRA merged) into "
+                   "this deploy file when done")
+    p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
+    p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_finetune)
 
     p = sub.add_parser("tokenizer", help="train a zh+en byte-level BPE tokenizer")
     tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)

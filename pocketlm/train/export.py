@@ -13,18 +13,28 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
+from ..errors import FormatError
 from ..formats import SourceModel, SourceTensor
 from ..tokenizer import Tokenizer
-from .trainer import load_checkpoint
+from .trainer import BEST, checkpoint_weights, load_checkpoint
 
 __all__ = ["checkpoint_source", "export"]
 
 
-def checkpoint_source(run: str | Path) -> SourceModel:
-    ck = load_checkpoint(run)
+def checkpoint_source(run: str | Path, *, best: bool | None = None) -> SourceModel:
+    """The run's weights as a model source. ``best``: the early-stopping best weights
+    (``best.pt``); None takes them when the run has them, else the latest checkpoint. LoRA
+    adapters are merged into the weights."""
+    run_path = Path(run)
+    best_path = run_path / BEST if run_path.is_dir() else None
+    if best is None:
+        best = best_path is not None and best_path.is_file()
+    if best and (best_path is None or not best_path.is_file()):
+        raise FormatError(f"{run}: no {BEST} (the run did not use early stopping)")
+    ck = load_checkpoint(best_path if best else run)
     cfg = ModelConfig.from_dict(ck["model_config"])
     tensors: dict[str, SourceTensor] = {}
-    for name, t in ck["model"].items():
+    for name, t in checkpoint_weights(ck).items():
         arr = t.detach().float().cpu().numpy()
         tensors[name] = SourceTensor(name=name, shape=tuple(arr.shape), dtype="F32",
                                      to_float=lambda a=arr: a)
@@ -33,6 +43,7 @@ def checkpoint_source(run: str | Path) -> SourceModel:
         chat_template=ck.get("chat_template"), tensors=tensors,
         provenance={"source": "pocketlm training checkpoint", "path": str(Path(run)),
                     "step": int(ck["step"]), "preset": ck["train_config"].get("preset"),
+                    "base": ck["train_config"].get("base"), "lora": ck.get("lora"),
                     "mode": ck["train_config"].get("mode"), "saved": ck.get("saved")},
     )
     src.check_tensors(str(run))
@@ -40,12 +51,13 @@ def checkpoint_source(run: str | Path) -> SourceModel:
 
 
 def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits: int = 8,
-           progress: bool = True):
-    """Quantize the run's latest checkpoint into the deploy file ``out``; returns the report."""
+           best: bool | None = None, progress: bool = True):
+    """Quantize the run (its best weights under early stopping, else the latest checkpoint)
+    into the deploy file ``out``; returns the packing report."""
     from ..pack import pack
 
-    return pack(checkpoint_source(run), out, group_size=group_size, embed_bits=embed_bits,
-                progress=progress)
+    return pack(checkpoint_source(run, best=best), out, group_size=group_size,
+                embed_bits=embed_bits, progress=progress)
 
 
 def float_weights(run: str | Path) -> dict[str, np.ndarray]:

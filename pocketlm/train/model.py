@@ -3,8 +3,8 @@
 ``PocketLM(config)`` is the model of :mod:`pocketlm.config` (llama, qwen2, qwen3, gemma3 and
 pocketlm's own ``pocket`` family) as a :class:`torch.nn.Module` whose ``state_dict()`` keys are
 exactly ``config.tensor_shapes()``: a checkpoint exports to a deploy file without a name table,
-and a GGUF or Hugging Face model loads into it (a distillation teacher) through the runtime's own
-importers (:func:`from_source`).
+and a GGUF or Hugging Face model loads into it (a base model to fine-tune, a distillation
+teacher) through the runtime's own importers.
 
 Conventions match the runtime: norms are ``x / rms(x) * weight`` (Gemma's ``1 + w`` is folded into
 the stored weight), RoPE rotates the two halves of each head, attention is causal with GQA and an
@@ -23,10 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..errors import PocketError
 from .presets import PRESETS, Preset, preset_config, preset_report
 
-__all__ = ["PRESETS", "PocketLM", "Preset", "from_source", "preset_config", "preset_report"]
+__all__ = ["PRESETS", "PocketLM", "Preset", "preset_config", "preset_report"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,15 +206,3 @@ def _window_mask(T: int, window: int, device) -> torch.Tensor:
     d = i[:, None] - i[None, :]
     return (d >= 0) & (d < window)
 
-
-def from_source(source, *, dtype: torch.dtype = torch.float32) -> PocketLM:
-    """A :class:`PocketLM` holding a :class:`pocketlm.formats.SourceModel`'s weights (dequantized
-    to float): a GGUF file or Hugging Face folder as a torch model, e.g. a distillation teacher."""
-    model = PocketLM(source.config, init_seed=None)
-    state = {name: torch.from_numpy(t.to_float().astype("float32"))
-             for name, t in source.tensors.items()}
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise PocketError(f"the source's tensors do not fit the model: missing {missing[:3]}, "
-                          f"unexpected {unexpected[:3]}")
-    return model.to(dtype)

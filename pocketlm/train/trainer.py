@@ -44,9 +44,11 @@ from ..errors import FormatError, PocketError
 from ..tokenizer import Tokenizer
 from .model import PocketLM, preset_config
 
-__all__ = ["CHECKPOINT", "SFTData", "TrainConfig", "load_checkpoint", "train"]
+__all__ = ["BEST", "CHECKPOINT", "SFTData", "TrainConfig", "checkpoint_weights",
+           "load_checkpoint", "model_from_checkpoint", "train"]
 
 CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"  # with early stopping: the weights of the best held-out loss
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -59,7 +61,7 @@ class TrainConfig:
 
     out: str
     data: str
-    preset: str = "tiny"
+    preset: str | None = "tiny"  # None when fine-tuning a base model
     mode: str = "pretrain"  # "pretrain" | "sft"
     steps: int = 200
     batch_size: int = 8  # sequences per process per micro-step
@@ -82,6 +84,12 @@ class TrainConfig:
     distill_temperature: float = 1.0
     fsdp: bool = False
     threads: int | None = None
+    base: str | None = None  # fine-tune this model (registry name, GGUF, HF folder, run)
+    lora_rank: int = 0  # 0: full fine-tuning; else LoRA adapters of this rank
+    lora_alpha: float | None = None  # LoRA scale numerator (default 2 * rank)
+    val_data: str | None = None  # held-out chats for SFT (default: 5 % of --data)
+    early_stop: int = 0  # stop after this many evaluations without a better held-out loss
+    strict: bool = False  # SFT: refuse malformed JSONL lines instead of skipping them
 
     def check(self) -> None:
         if self.mode not in ("pretrain", "sft"):
@@ -98,6 +106,14 @@ class TrainConfig:
             raise PocketError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
         if not 0 <= self.distill_alpha <= 1 or self.distill_temperature <= 0:
             raise PocketError("need 0 <= distill_alpha <= 1 and distill_temperature > 0")
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise PocketError(f"--lora-rank must be 0 (full fine-tuning) or positive, got "
+                              f"{self.lora_rank!r}")
+        if self.lora_rank and self.fsdp:
+            raise PocketError("LoRA with --fsdp is not supported; use DDP (no --fsdp)")
+        if not isinstance(self.early_stop, int) or self.early_stop < 0:
+            raise PocketError(f"--early-stop must be a non-negative integer, got "
+                              f"{self.early_stop!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -129,7 +145,7 @@ class SFTData:
     """
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, chat_template: str | None,
-                 seq_len: int, *, holdout: float = 0.05, seed: int = 0):
+                 seq_len: int, *, holdout: float = 0.05, seed: int = 0, strict: bool = False):
         from ..chat import render as render_chat
 
         self.path = Path(path)
@@ -147,12 +163,10 @@ class SFTData:
             if not line.strip():
                 continue
             try:
-                msgs = json.loads(line)["messages"]
-                if not isinstance(msgs, list) or not msgs or not all(
-                        isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-                        and isinstance(m.get("content"), str) for m in msgs):
-                    raise ValueError("messages must be a list of {role, content}")
+                msgs = _chat_record(json.loads(line))
             except (ValueError, KeyError, TypeError) as e:
+                if strict:
+                    raise FormatError(f"{self.path}: line {n}: {e}") from None
                 bad.append(f"line {n}: {e}")
                 continue
             ids: list[int] = []
@@ -189,6 +203,10 @@ class SFTData:
         self.val = [examples[i] for i in order[:n_val]]
         self.train = [examples[i] for i in order[n_val:]] or self.val
 
+    @property
+    def n_train(self) -> int:
+        return len(self.train)
+
     def _stack(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
         T = self.seq_len + 1
         ids = np.full((len(rows), T), self.pad_id, dtype=np.int64)
@@ -211,6 +229,27 @@ class SFTData:
                                                                                 np.ndarray]]:
         for b in range(0, min(len(self.val), batch_size * max_batches), batch_size):
             yield self._stack(self.val[b:b + batch_size])
+
+
+def _chat_record(rec: object) -> list[dict]:
+    """The messages of one JSONL record: ``{"messages": [...]}`` or ``{"prompt", "completion"}``
+    (a user turn and the assistant's answer)."""
+    if not isinstance(rec, dict):
+        raise ValueError("each line must be a JSON object")
+    if "messages" in rec:
+        msgs = rec["messages"]
+    elif "prompt" in rec and "completion" in rec:
+        msgs = [{"role": "user", "content": rec["prompt"]},
+                {"role": "assistant", "content": rec["completion"]}]
+    else:
+        raise ValueError(f"expected 'messages' or 'prompt' and 'completion', found fields "
+                         f"{sorted(rec)}")
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str) for m in msgs):
+        raise ValueError("messages must be a non-empty list of {role: system|user|assistant, "
+                         "content: str}")
+    return msgs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,11 +363,45 @@ def load_checkpoint(path: str | Path) -> dict:
     return ck
 
 
+def checkpoint_weights(ck: dict) -> dict[str, torch.Tensor]:
+    """The checkpoint's model weights under the runtime's names (LoRA adapters merged)."""
+    if ck.get("lora"):
+        from .lora import merge_lora_state
+
+        return merge_lora_state(ck["model"], ck["lora"])
+    return ck["model"]
+
+
 def model_from_checkpoint(ck: dict) -> tuple[PocketLM, Tokenizer]:
     cfg = ModelConfig.from_dict(ck["model_config"])
     model = PocketLM(cfg, init_seed=None)
-    model.load_state_dict(ck["model"])
+    model.load_state_dict(checkpoint_weights(ck))
     return model, Tokenizer.from_json(ck["tokenizer"])
+
+
+def _base_model(spec: str):
+    """A model to fine-tune: a training run, or any GGUF file / Hugging Face folder / registry
+    model through the runtime's importers (dequantized to float32). Returns the config, a
+    function that loads the weights (called once the data has been checked), the tokenizer and
+    the chat template."""
+    if Path(spec).is_dir() and (Path(spec) / CHECKPOINT).is_file():
+        ck = load_checkpoint(spec)
+        return (ModelConfig.from_dict(ck["model_config"]), lambda: checkpoint_weights(ck),
+                Tokenizer.from_json(ck["tokenizer"]), ck.get("chat_template"))
+    from ..formats import open_source, sniff
+    from ..registry import resolve
+
+    path = resolve(spec, quiet=True)
+    if sniff(path) == "pocket":
+        raise PocketError(f"{spec}: a deploy file is quantized; fine-tune from the GGUF file, the "
+                          "Hugging Face folder, a registry name or a training run")
+    src = open_source(path)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: torch.tensor(np.asarray(t.to_float(), dtype=np.float32))
+                for n, t in src.tensors.items()}
+
+    return src.config, weights, src.tokenizer, src.chat_template
 
 
 def _same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
@@ -338,26 +411,18 @@ def _same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
 
 
 def _teacher(cfg: TrainConfig, tokenizer: Tokenizer, device) -> PocketLM:
-    from ..formats import open_source, sniff
-    from ..registry import resolve
-    from .model import from_source
-
+    """The distillation teacher (a run, GGUF file, Hugging Face folder or registry model) in
+    torch; it must have the student's vocabulary."""
     src = cfg.distill_from
-    if Path(src).is_dir() and (Path(src) / CHECKPOINT).is_file():
-        teacher, t_tok = model_from_checkpoint(load_checkpoint(src))
-    else:
-        path = resolve(src, quiet=True)
-        if sniff(path) == "pocket":
-            raise PocketError(f"{src}: a deploy file is quantized; give the teacher as a GGUF "
-                              "file, a Hugging Face folder, a registry name or a training run")
-        source = open_source(path)
-        teacher, t_tok = from_source(source), source.tokenizer
+    t_cfg, weights, t_tok, _ = _base_model(src)
     if not _same_vocabulary(tokenizer, t_tok):
         raise PocketError(
             f"the teacher {src!r} has another vocabulary ({t_tok.vocab_size} tokens vs "
             f"{tokenizer.vocab_size}): logit distillation needs the same tokenizer; train the "
             "student with the teacher's tokenizer (--tokenizer), or distill on the teacher's "
             "generated text instead (pocket distill-data, then --mode sft on its output)")
+    teacher = PocketLM(t_cfg, init_seed=None)
+    teacher.load_state_dict(weights())
     teacher.eval().requires_grad_(False)
     return teacher.to(device)
 
@@ -415,16 +480,24 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     ck_path = out / CHECKPOINT
     resume = ck_path.is_file()
     init = None
+    base_state = None
     if resume:
         ck = load_checkpoint(ck_path)
         saved = TrainConfig.from_dict(ck["train_config"])
-        if saved.preset != cfg.preset or saved.mode != cfg.mode:
-            raise PocketError(
-                f"{out} holds a {saved.preset} {saved.mode} run; this one is {cfg.preset} "
-                f"{cfg.mode}: use another --out, or the same settings to resume")
+        ours = (cfg.preset, cfg.mode, cfg.base, cfg.lora_rank)
+        theirs = (saved.preset, saved.mode, saved.base, saved.lora_rank)
+        if ours != theirs:
+            def say(t):
+                return (f"{t[1]} of {t[2]}" if t[2] else f"{t[0]} {t[1]}") + \
+                    (f" (LoRA rank {t[3]})" if t[3] else "")
+            raise PocketError(f"{out} holds a {say(theirs)} run; this one is {say(ours)}: use "
+                              "another --out, or the same settings to resume")
         model_cfg = ModelConfig.from_dict(ck["model_config"])
         tokenizer = Tokenizer.from_json(ck["tokenizer"])
         chat_template = ck.get("chat_template")
+    elif cfg.base:
+        model_cfg, base_state, tokenizer, base_template = _base_model(cfg.base)  # loads later
+        chat_template = chat_template or base_template
     elif cfg.init_from:
         init = load_checkpoint(cfg.init_from)
         model_cfg = ModelConfig.from_dict(init["model_config"])
@@ -459,8 +532,17 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             raise PocketError(f"{cfg.data}: shards were made with a {train_data.vocab_size}-token "
                               f"vocabulary; the model has {model_cfg.vocab_size}")
     else:
-        train_data = SFTData(cfg.data, tokenizer, chat_template, cfg.seq_len, seed=cfg.seed)
+        train_data = SFTData(cfg.data, tokenizer, chat_template, cfg.seq_len, seed=cfg.seed,
+                             strict=cfg.strict, holdout=0.0 if cfg.val_data else 0.05)
         val_data = train_data
+        if cfg.val_data:
+            val_data = SFTData(cfg.val_data, tokenizer, chat_template, cfg.seq_len,
+                               seed=cfg.seed, strict=cfg.strict, holdout=1.0)
+        if train_data.skipped and dist.main:
+            import sys
+
+            print(f"[{cfg.data}: skipped {len(train_data.skipped)} malformed lines, first: "
+                  f"{train_data.skipped[0]}; --strict refuses them]", file=sys.stderr)
 
     def get_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = step * cfg.grad_accum + micro
@@ -477,11 +559,25 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
 
     # model and optimizer
     torch.manual_seed(cfg.seed)
-    model = PocketLM(model_cfg, init_seed=cfg.seed)
+    model = PocketLM(model_cfg, init_seed=None if (resume or base_state or init) else cfg.seed)
+    if base_state is not None:
+        model.load_state_dict(base_state())
+        del base_state
+    elif init is not None:
+        model.load_state_dict(checkpoint_weights(init))
+    lora = None
+    if cfg.lora_rank:
+        from .lora import add_lora
+
+        n_train = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        lora = model.lora
+        if dist.main and progress:
+            import sys
+
+            print(f"[LoRA rank {cfg.lora_rank}: {n_train:,} trainable parameters of "
+                  f"{sum(p.numel() for p in model.parameters()):,}]", file=sys.stderr)
     if resume:
         model.load_state_dict(ck["model"])
-    elif init is not None:
-        model.load_state_dict(init["model"])
     model.to(dist.device)
     teacher = _teacher(cfg, tokenizer, dist.device) if cfg.distill_from else None
     wrapped: torch.nn.Module = model
@@ -500,11 +596,15 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     opt = _optimizer(model, cfg)
     start = 0
     metrics: list[dict] = []
+    best_val, bad_evals = math.inf, 0  # early stopping
     if resume:
         _load_optimizer(model, opt, ck["optimizer"], cfg.fsdp and dist.world > 1)
         start = int(ck["step"])
         _set_rng_state(ck["rng"])
         metrics = _read_metrics(out / "metrics.jsonl", upto=start)
+        best_val, bad_evals = ck.get("best_val", math.inf), ck.get("bad_evals", 0)
+        if ck.get("stopped_early"):
+            start = cfg.steps  # nothing left to do
 
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
@@ -533,17 +633,18 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         model.train()
         return total / max(count, 1)
 
-    def save(step: int) -> None:
+    def save(step: int, path: Path = ck_path, *, stopped_early: bool = False) -> None:
         state_model, state_opt = _state_dicts(model, opt, cfg.fsdp and dist.world > 1)
         if not dist.main:
             return
         _atomic_save({
             "format": "pocketlm-checkpoint", "version": 1, "step": step,
             "model_config": model_cfg.to_dict(), "train_config": cfg.to_dict(),
-            "model": state_model, "optimizer": state_opt, "rng": _rng_state(),
-            "tokenizer": tokenizer.to_json(), "chat_template": chat_template,
-            "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
-        }, ck_path)
+            "model": state_model, "optimizer": state_opt if path == ck_path else None,
+            "rng": _rng_state(), "lora": lora, "best_val": best_val, "bad_evals": bad_evals,
+            "stopped_early": stopped_early, "tokenizer": tokenizer.to_json(),
+            "chat_template": chat_template, "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }, path)
 
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * dist.world
     bar = None
@@ -551,7 +652,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
-                   desc=f"{cfg.mode} {cfg.preset}")
+                   desc=f"{cfg.mode} {cfg.preset or Path(cfg.base or '').name}")
     model.train()
     t_last = time.perf_counter()
     last: dict = {}
@@ -598,24 +699,43 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
                "grad_norm": float(grad_norm), "tokens": (step + 1) * tokens_per_step,
                "tokens_per_s": tokens_per_step / dt if dt > 0 else None}
         done = step + 1
+        stop_now = False
         if done % cfg.eval_every == 0 or done == cfg.steps:
             row["val_loss"] = evaluate()
             row["val_ppl"] = math.exp(min(row["val_loss"], 50))
+            if cfg.early_stop:
+                if row["val_loss"] < best_val:
+                    best_val, bad_evals = row["val_loss"], 0
+                    save(done, out / BEST)
+                else:
+                    bad_evals += 1
+                    stop_now = bad_evals >= cfg.early_stop
+                    if stop_now:
+                        row["early_stop"] = True
         metrics.append(row)
         last = row
         if dist.main:
             with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
-        if done % cfg.save_every == 0 or done == cfg.steps:
-            save(done)
+        if done % cfg.save_every == 0 or done == cfg.steps or stop_now:
+            save(done, stopped_early=stop_now)
             if dist.main:
-                _plot_losses(metrics, out / "loss.svg", f"{cfg.preset} {cfg.mode}: {out.name}")
+                _plot_losses(metrics, out / "loss.svg",
+                             f"{cfg.preset or cfg.base} {cfg.mode}: {out.name}")
         if bar is not None:
             post = {"loss": f"{row['loss']:.3f}", "tok/s": f"{row['tokens_per_s'] or 0:.0f}"}
             if "val_loss" in row:
                 post["val"] = f"{row['val_loss']:.3f}"
             bar.set_postfix(post)
             bar.update(1)
+        if stop_now:
+            if dist.main and progress:
+                import sys
+
+                print(f"\n[early stop at step {done}: held-out loss has not improved for "
+                      f"{cfg.early_stop} evaluations; best {best_val:.4f} in {out / BEST}]",
+                      file=sys.stderr)
+            break
     if bar is not None:
         bar.close()
     if dist.world > 1:

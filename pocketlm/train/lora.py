@@ -1,0 +1,80 @@
+"""LoRA: low-rank adapters on the linear layers of a :class:`~pocketlm.train.model.PocketLM`.
+
+``add_lora(model, rank, alpha)`` freezes every parameter and gives each targeted ``nn.Linear``
+two trainable matrices, ``lora_a`` [rank, in] (small random) and ``lora_b`` [out, rank] (zeros),
+so the layer computes ``x W^T + (alpha / rank) (x A^T) B^T``: at the start exactly the base model.
+The state dict keeps the base names (``layers.0.attn.w_q.weight``) and adds ``.lora_a`` /
+``.lora_b`` beside them; :func:`merge_lora_state` folds the adapters into the weights
+(``W + (alpha / rank) B A``), which is what export does before quantization.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import PocketError
+
+__all__ = ["LoRALinear", "add_lora", "merge_lora_state", "DEFAULT_TARGETS"]
+
+DEFAULT_TARGETS = ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down")
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+        super().__init__()
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.scale = alpha / rank
+        out_f, in_f = self.weight.shape
+        bound = 1.0 / math.sqrt(in_f)
+        a = (torch.rand(rank, in_f, generator=generator) * 2 - 1) * bound
+        self.lora_a = nn.Parameter(a.to(self.weight.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(out_f, rank, dtype=self.weight.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
+             targets: tuple[str, ...] = DEFAULT_TARGETS, seed: int = 0) -> int:
+    """Freeze ``model`` and put adapters on its linear layers named in ``targets``; returns the
+    number of trainable parameters."""
+    if not isinstance(rank, int) or rank < 1:
+        raise PocketError(f"LoRA rank must be a positive integer, got {rank!r}")
+    alpha = float(2 * rank if alpha is None else alpha)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(int(seed))
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, rank, alpha, gen))
+                replaced += 1
+    if not replaced:
+        raise PocketError(f"no linear layer named {', '.join(targets)} to put LoRA on")
+    model.lora = {"rank": rank, "alpha": alpha, "targets": list(targets)}
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def merge_lora_state(state: dict[str, torch.Tensor], lora: dict) -> dict[str, torch.Tensor]:
+    """The state dict with every adapter folded into its weight (and the adapters removed)."""
+    scale = float(lora["alpha"]) / int(lora["rank"])
+    out = {k: v for k, v in state.items() if not k.endswith((".lora_a", ".lora_b"))}
+    for k in state:
+        if k.endswith(".lora_a"):
+            stem = k[: -len(".lora_a")]
+            a, b = state[k].float(), state[stem + ".lora_b"].float()
+            w = out[stem + ".weight"]
+            out[stem + ".weight"] = (w.float() + scale * (b @ a)).to(w.dtype)
+    return out

@@ -1,0 +1,181 @@
+"""pocket finetune: full and LoRA fine-tuning of an existing model (here a tiny GGUF file read
+through the runtime's importer), LoRA merging, early stopping, exact resume, bad task files."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tiny_gguf
+import torch
+import torch_ref
+
+from pocketlm.errors import FormatError
+
+WORDS = ["red", "blue", "green", "black", "white", "gold"]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """A tiny llama-family GGUF file with a byte-level tokenizer and a ChatML template."""
+    path = tmp_path_factory.mktemp("base") / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", seed=3, weight_type="F32", max_context=256)
+    return path
+
+
+def task_file(path: Path, n: int, *, start: int = 0) -> Path:
+    """A learnable task: the answer is the colour word that the prompt ends with, twice."""
+    rows = []
+    for i in range(start, start + n):
+        w = WORDS[i % len(WORDS)]
+        rows.append({"prompt": f"say {w}", "completion": f"{w} {w}"})
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
+    return path
+
+
+def pocket(*args, check=True):
+    p = subprocess.run([sys.executable, "-m", "pocketlm.cli", *args], capture_output=True,
+                       text=True)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} failed:\n{p.stderr[-3000:]}")
+    return p
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+FT = ["--batch-size", "8", "--seq-len", "48", "--warmup", "2", "--eval-batches", "2",
+      "--threads", "1", "--quiet"]
+
+
+def test_lora_merge_equals_the_adapted_model():
+    from pocketlm.train.lora import add_lora, merge_lora_state
+    from pocketlm.train.model import PocketLM
+
+    cfg = torch_ref.tiny_config("qwen2")  # biases, untied head
+    model = PocketLM(cfg, init_seed=1)
+    n = add_lora(model, 4, 8.0, seed=2)
+    assert 0 < n < sum(p.numel() for p in model.parameters())
+    assert all(("lora_" in name) == p.requires_grad for name, p in model.named_parameters())
+    ids = torch.tensor([[3, 9, 27, 81, 243, 5]])
+    with torch.no_grad():
+        before = model(ids)
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.05)
+        adapted = model(ids)
+    assert (adapted - before).abs().max() > 1e-3  # the adapters do something
+    merged = PocketLM(cfg, init_seed=None)
+    merged.load_state_dict(merge_lora_state(model.state_dict(), model.lora))
+    with torch.no_grad():
+        assert torch.allclose(merged(ids), adapted, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lora", [0, 8])
+def test_finetune_from_gguf_lowers_held_out_loss_and_exports(base, tmp_path, lora):
+    train = task_file(tmp_path / "train.jsonl", 120)
+    val = task_file(tmp_path / "val.jsonl", 12, start=1000)
+    out = tmp_path / "run"
+    lr = "1e-2" if lora else "1e-3"
+    pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val), "--out",
+           str(out), "--steps", "30", "--eval-every", "10", "--save-every", "10", "--lr", lr,
+           "--lora-rank", str(lora), "--export", str(tmp_path / "ft.pocket"), *FT)
+    rows = metrics(out)
+    val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert val_losses[-1] < val_losses[0] * 0.8, val_losses
+    import pocketlm
+    from pocketlm.train.export import checkpoint_source
+    from pocketlm.train.trainer import load_checkpoint
+
+    ck = load_checkpoint(out)
+    assert bool(ck["lora"]) == bool(lora)
+    src = checkpoint_source(out)
+    assert not any(".lora_" in n for n in src.tensors)  # merged before export
+    m = pocketlm.load(tmp_path / "ft.pocket")
+    reply = m.chat([{"role": "user", "content": "say gold"}], max_tokens=4)
+    assert isinstance(reply, str)
+
+
+def test_early_stopping_keeps_and_exports_the_best_weights(base, tmp_path):
+    train = task_file(tmp_path / "train.jsonl", 60)
+    val = task_file(tmp_path / "val.jsonl", 6, start=500)
+    out = tmp_path / "run"
+    # a learning rate far too high: the held-out loss soon stops improving
+    pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val), "--out",
+           str(out), "--steps", "60", "--eval-every", "2", "--save-every", "50", "--lr", "0.3",
+           "--early-stop", "2", *FT)
+    rows = metrics(out)
+    assert rows[-1].get("early_stop") and len(rows) < 60
+    from pocketlm.train.trainer import BEST, load_checkpoint
+
+    best = load_checkpoint(out / BEST)
+    vals = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert best["best_val"] == min(vals)
+    # running the command again does nothing more: the run has ended
+    pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val), "--out",
+           str(out), "--steps", "60", "--eval-every", "2", "--save-every", "50", "--lr", "0.3",
+           "--early-stop", "2", *FT)
+    assert len(metrics(out)) == len(rows)
+
+
+def test_finetune_resumes_exactly_after_a_hard_stop(base, tmp_path):
+    train = task_file(tmp_path / "train.jsonl", 80)
+    args = ["-m", str(base), "--data", str(train), "--steps", "16", "--eval-every", "4",
+            "--save-every", "4", "--lr", "2e-3", "--lora-rank", "4", *FT]
+    straight = tmp_path / "a"
+    pocket("finetune", *args, "--out", str(straight))
+    stopped = tmp_path / "b"
+    proc = subprocess.Popen([sys.executable, "-m", "pocketlm.cli", "finetune", *args, "--out",
+                             str(stopped)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if (stopped / "metrics.jsonl").is_file() and len(metrics(stopped)) >= 6:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert len(metrics(stopped)) < 16
+    pocket("finetune", *args, "--out", str(stopped))
+    a, b = metrics(straight), metrics(stopped)
+    assert [r["step"] for r in b] == list(range(1, 17))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_bad_task_files(base, tmp_path):
+    from pocketlm.formats import open_source
+    from pocketlm.train.trainer import SFTData
+
+    tok = open_source(base).tokenizer
+    good = json.dumps({"prompt": "say red", "completion": "red red"})
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("\n".join([good, "{not json", json.dumps({"question": "q"}), good]) + "\n",
+                     encoding="utf-8")
+    data = SFTData(mixed, tok, None, 32)
+    assert len(data.skipped) == 2 and data.skipped[0].startswith("line 2")
+    assert "line 3" in data.skipped[1] and "prompt" in data.skipped[1]
+    with pytest.raises(FormatError, match="line 2"):
+        SFTData(mixed, tok, None, 32, strict=True)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n", encoding="utf-8")
+    with pytest.raises(FormatError, match="no chats"):
+        SFTData(empty, tok, None, 32)
+    p = pocket("finetune", "-m", str(base), "--data", str(empty), "--out", str(tmp_path / "r"),
+               check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "no chats" in p.stderr
+    p = pocket("finetune", "-m", str(tmp_path / "nope.gguf"), "--data", str(mixed), "--out",
+               str(tmp_path / "r2"), check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1
+    # a run folder that holds another kind of run is not resumed into
+    run = tmp_path / "run"
+    pocket("finetune", "-m", str(base), "--data", str(mixed), "--out", str(run), "--steps", "2",
+           "--eval-every", "2", *FT)
+    p = pocket("finetune", "-m", str(base), "--data", str(mixed), "--out", str(run), "--steps",
+               "4", "--lora-rank", "4", *FT, check=False)
+    assert p.returncode == 1 and "LoRA" in p.stderr
+
