@@ -349,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .train.cli import add_commands  # train, export, tokenizer, data, distill-data
 
     add_commands(sub)
+    from .evaluate.cli import add_commands as add_eval_commands
+
+    add_eval_commands(sub)
     return parser
 
 

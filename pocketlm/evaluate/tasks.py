@@ -1,0 +1,762 @@
+"""Engines, perplexity, task files and their scoring.
+
+An *engine* is the small interface that evaluation needs from a model (:class:`Engine`):
+``tokenize(text)``, ``logits(ids)`` (next-token logits at every position) and
+``generate(ids, max_tokens)``. :class:`PocketEngine` runs a :class:`pocketlm.PocketModel`;
+:class:`LlamaCppEngine` runs a GGUF through llama-cpp-python, so the same numbers can be
+checked against an independent implementation.
+
+A *task* (:class:`Task`) is a header (type, prompt template, few-shot settings) plus examples.
+:func:`load_task` reads one from a YAML/JSON task file or from a JSONL file whose first line is
+``{"task": {...header...}}``; :func:`evaluate_task` scores it:
+
+* ``multiple_choice`` and ``classification``: the log-likelihood of each candidate
+  continuation (a choice, a label) given the prompt; the best one is the prediction, so the
+  model can only ever answer one of the candidates;
+* ``generation``: greedy decoding, then an answer-extraction rule and exact match.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import PocketError
+
+TASK_TYPES = ("multiple_choice", "generation", "classification")
+LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+# -- engines ------------------------------------------------------------------------------------
+
+
+class Engine:
+    """What evaluation needs from a model. Subclasses set ``name``, ``max_context`` and
+    ``bos_ids`` (``[bos]`` when the model's tokenizer adds a BOS token, else ``[]``)."""
+
+    name = "engine"
+    max_context = 0
+    bos_ids: list[int] = []
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        """Token ids of ``text`` without BOS (``special``: parse special-token text)."""
+        raise NotImplementedError
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        """Next-token logits at every position of ``ids``: float ``[len(ids), vocab]``."""
+        raise NotImplementedError
+
+    def generate(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> str:
+        """Greedy continuation of ``ids`` as text, cut before the first stop string."""
+        raise NotImplementedError
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """``messages`` rendered with the model's chat template, ready for the reply."""
+        raise PocketError(f"the {self.name} engine has no chat template")
+
+    def continuation_logprobs(self, context: list[int],
+                              continuations: list[list[int]]) -> list[float]:
+        """Sum of log-probabilities of each continuation's tokens after ``context``."""
+        out = []
+        for cont in continuations:
+            rows = self.logits(context + cont)[len(context) - 1: len(context) + len(cont) - 1]
+            out.append(float(token_logprobs(rows, cont).sum()))
+        return out
+
+
+class PocketEngine(Engine):
+    """A :class:`pocketlm.PocketModel` (the runtime's native engine)."""
+
+    name = "pocketlm"
+
+    def __init__(self, model):
+        self.model = model
+        tok = model.tokenizer
+        self.bos_ids = [tok.bos_id] if tok.add_bos and tok.bos_id is not None else []
+        self.max_context = model.n_ctx  # the context it was loaded with
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return self.model.tokenizer.encode(text, add_bos=False, special=special)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        return self.model.logits(list(ids))
+
+    def generate(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> str:
+        from ..generate import stream_text
+
+        tokens = self.model.stream_ids(list(ids), max_tokens=max_tokens, temperature=0.0)
+        return "".join(stream_text(self.model.tokenizer, tokens, list(stop)))
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        return self.model.render_chat(messages)
+
+    def continuation_logprobs(self, context: list[int],
+                              continuations: list[list[int]]) -> list[float]:
+        # the context runs once; each continuation reuses its keys and values
+        rt = self.model.runtime
+        cache = rt.new_cache(len(context) + max(len(c) for c in continuations))
+        last = rt.forward(context, cache, all_logits=True)[-1:]
+        out = []
+        for cont in continuations:
+            cache.truncate(len(context))
+            rows = last if len(cont) == 1 else np.concatenate(
+                [last, rt.forward(cont[:-1], cache, all_logits=True)])
+            out.append(float(token_logprobs(rows, cont).sum()))
+        return out
+
+
+class LlamaCppEngine(Engine):
+    """A GGUF file run by llama-cpp-python (``logits_all=True`` for per-position logits)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None):
+        try:
+            import llama_cpp
+        except ImportError:
+            raise PocketError("--engine llama.cpp needs llama-cpp-python: "
+                              "pip install llama-cpp-python") from None
+        path = Path(path)
+        if path.suffix != ".gguf":
+            raise PocketError(f"{path}: the llama.cpp engine needs a .gguf file")
+        # logits_all keeps n_ctx x vocab float32 scores: a modest default context
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx or 2048, n_batch=512,
+                                   logits_all=True, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        meta = self.llm.metadata
+        trained = meta.get(f"{meta.get('general.architecture')}.context_length")
+        self.max_context = min(self.llm.n_ctx(), int(trained) if trained else self.llm.n_ctx())
+        with_bos = self.llm.tokenize(b"a", add_bos=True, special=False)
+        without = self.llm.tokenize(b"a", add_bos=False, special=False)
+        self.bos_ids = [self.llm.token_bos()] if len(with_bos) > len(without) else []
+        self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
+
+    def tokenize(self, text: str, *, special: bool = False) -> list[int]:
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
+
+    def logits(self, ids: Sequence[int]) -> np.ndarray:
+        if len(ids) > self.max_context:
+            raise PocketError(f"{len(ids)} tokens exceed the llama.cpp context of "
+                              f"{self.max_context}")
+        self.llm.reset()
+        self.llm.eval(list(ids))
+        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+
+    def generate(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> str:
+        self.llm.reset()
+        out = self.llm.create_completion(list(ids), max_tokens=max_tokens, temperature=0.0,
+                                         top_k=1, stop=list(stop) or None)
+        return out["choices"][0]["text"]
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        from ..chat import render
+
+        bos = self.llm.detokenize(self.bos_ids, special=True).decode("utf-8", "replace")
+        eos = self.llm.detokenize([self.llm.token_eos()], special=True).decode("utf-8",
+                                                                                "replace")
+        return render(self.chat_template, messages, bos_token=bos, eos_token=eos)
+
+
+def token_logprobs(rows: np.ndarray, targets: Sequence[int]) -> np.ndarray:
+    """float64 log-probability of ``targets[i]`` under the logits ``rows[i]``."""
+    x = np.asarray(rows, dtype=np.float64)
+    top = x.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(x - top).sum(axis=-1)) + top[:, 0]
+    return x[np.arange(len(targets)), np.asarray(targets)] - lse
+
+
+# -- perplexity ---------------------------------------------------------------------------------
+
+
+def perplexity(model, text: str, *, window: int | None = None, stride: int | None = None,
+               progress: bool = True) -> dict:
+    """Perplexity of ``text`` under ``model`` (a PocketModel or an :class:`Engine`).
+
+    The token sequence is scored with a sliding window of ``window`` tokens (default the
+    model's context, at most 1024) moved by ``stride`` tokens (default ``window // 2``). Every
+    token is scored exactly once; after the first window each one sees at least
+    ``window - stride`` tokens of context. A model whose tokenizer adds a BOS token gets it at
+    the start of every window, and the BOS itself is never scored; without a BOS the first
+    token of the text has no context and is not scored.
+
+    Returns ``ppl`` (per token), ``ppl_char`` and ``bits_per_char`` (total NLL over the
+    characters of ``text``, comparable across tokenizers), ``tokens`` (scored), ``chars`` and
+    ``nll`` (total, in nats).
+    """
+    engine = as_engine(model)
+    if not isinstance(text, str):
+        raise PocketError(f"perplexity() takes a str, got {type(text).__name__}")
+    prefix = list(engine.bos_ids)
+    body = engine.tokenize(text)
+    if len(body) < (1 if prefix else 2):
+        raise PocketError(f"the text has {len(body)} token(s): nothing to score")
+    window = min(engine.max_context, 1024) if window is None else window
+    if isinstance(window, bool) or not isinstance(window, int) or window < len(prefix) + 2:
+        raise PocketError(f"window must be an integer of at least {len(prefix) + 2} tokens, "
+                          f"got {window!r}")
+    if window > engine.max_context:
+        raise PocketError(f"window {window} exceeds the model's context of "
+                          f"{engine.max_context}")
+    cap = window - len(prefix)  # text tokens per window
+    stride = window // 2 if stride is None else stride
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= window:
+        raise PocketError(f"stride must be an integer in 1..{window}, got {stride!r}")
+    # without a BOS a window's first token has no context, so windows must overlap by one
+    stride = min(stride, cap if prefix else cap - 1)
+
+    starts = [0]
+    while starts[-1] + cap < len(body):
+        starts.append(starts[-1] + stride)
+    bar = _bar(len(starts), "perplexity", "window", progress)
+    nll, scored, done = 0.0, 0, 0
+    for begin in starts:
+        end = min(begin + cap, len(body))
+        ids = prefix + body[begin:end]
+        first = max(done, begin if prefix else begin + 1)  # first text index scored here
+        pos = np.arange(first, end) - begin + len(prefix)  # positions of the scored tokens
+        rows = engine.logits(ids)[pos - 1]
+        nll -= float(token_logprobs(rows, [ids[p] for p in pos]).sum())
+        scored += len(pos)
+        done = end
+        bar.update(1)
+    bar.close()
+    chars = len(text)
+    return {"ppl": math.exp(nll / scored), "ppl_char": math.exp(nll / chars),
+            "bits_per_char": nll / chars / math.log(2), "tokens": scored, "chars": chars,
+            "nll": nll, "window": window, "stride": stride}
+
+
+def as_engine(model) -> Engine:
+    """``model`` itself if it is an :class:`Engine`, else a :class:`PocketEngine` over it."""
+    return model if isinstance(model, Engine) else PocketEngine(model)
+
+
+def _bar(total: int, desc: str, unit: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=f" {unit}", disable=not enabled or total < 2,
+                leave=False, dynamic_ncols=True)
+
+
+# -- answer extraction --------------------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def normalize(text: str) -> str:
+    """Exact-match normal form: casefolded, whitespace collapsed, edge punctuation stripped,
+    and a number written canonically (``$1,234.50`` → ``1234.5``, ``18.00`` → ``18``)."""
+    text = " ".join(str(text).casefold().split()).strip(" .,:;!?。，：；！？\"'`")
+    number = text.replace(",", "").replace("$", "")
+    try:
+        value = float(number)
+    except ValueError:
+        return text
+    if math.isfinite(value) and value == int(value):
+        return str(int(value))
+    return repr(value)
+
+
+def last_number(text: str) -> str | None:
+    """The number after the last ``####`` (GSM8K's answer marker) if there is one, else the
+    last number in ``text``; None when it holds no number."""
+    if "####" in text:
+        found = _NUMBER.findall(text.rsplit("####", 1)[1])
+        if found:
+            return found[0]
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of ``text`` (empty if none)."""
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def make_extractor(rule: str) -> Callable[[str], str | None]:
+    """The answer-extraction function of ``rule``: ``last_number``, ``first_line`` or
+    ``regex:<pattern>`` (the first group of the first match, or the whole match)."""
+    if rule == "last_number":
+        return last_number
+    if rule == "first_line":
+        return first_line
+    if isinstance(rule, str) and rule.startswith("regex:"):
+        try:
+            pattern = re.compile(rule[len("regex:"):])
+        except re.error as e:
+            raise PocketError(f"extract {rule!r}: bad regular expression: {e}") from None
+
+        def extract(text: str) -> str | None:
+            m = pattern.search(text)
+            if m is None:
+                return None
+            return next((g for g in m.groups() if g is not None), m.group(0))
+
+        return extract
+    raise PocketError(f"extract must be 'last_number', 'first_line' or 'regex:<pattern>', "
+                      f"got {rule!r}")
+
+
+# -- templates ----------------------------------------------------------------------------------
+
+_FIELD = re.compile(r"\{\{|\}\}|\{(\w+)(?:\[(\d+)\])?\}")
+
+
+def template_fields(template: str) -> set[str]:
+    """The example fields that ``template`` refers to (``{name}`` or ``{name[i]}``)."""
+    return {m.group(1) for m in _FIELD.finditer(template) if m.group(1)}
+
+
+def render_template(template: str, example: dict, *, where: str = "") -> str:
+    """``template`` with ``{field}`` and ``{field[i]}`` replaced from ``example``;
+    ``{{`` and ``}}`` are literal braces."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(1) is None:
+            return m.group(0)[0]
+        name, index = m.group(1), m.group(2)
+        if name not in example:
+            raise PocketError(f"{where}template refers to unknown field {{{name}}}; the "
+                              f"example has {', '.join(sorted(example)) or 'no fields'}")
+        value = example[name]
+        if index is not None:
+            if not isinstance(value, list) or int(index) >= len(value):
+                raise PocketError(f"{where}template refers to {{{name}[{index}]}} but "
+                                  f"{name!r} is not a list of more than {index} items")
+            value = value[int(index)]
+        return str(value)
+
+    return _FIELD.sub(sub, template)
+
+
+# -- tasks --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """A task header and its examples (each a dict of fields).
+
+    ``fewshot`` holds the pool that ``shots`` examples are drawn from; when it is empty the
+    first ``shots`` examples are used and excluded from scoring.
+    """
+
+    name: str
+    type: str
+    template: str
+    examples: list[dict]
+    fewshot: list[dict] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)  # classification
+    extract: str = "last_number"  # generation
+    choice_prefix: str = " "  # put between the prompt and each choice/label/answer
+    continuation: str = "choice"  # multiple_choice: score the "choice" text or its "letter"
+    fewshot_separator: str = "\n\n"
+    shots: int = 0
+    seed: int = 0
+    chat: bool = False
+    max_tokens: int = 256
+    stop: list[str] | None = None  # generation; default "\n\n", or nothing with chat
+    source: dict = field(default_factory=dict)  # where the data came from, its licence
+    skipped: int = 0  # malformed lines skipped while reading
+
+
+_HEADER_KEYS = {"name", "type", "template", "labels", "extract", "choice_prefix", "continuation",
+                "fewshot_separator", "shots", "seed", "chat", "max_tokens", "stop", "source",
+                "examples", "data", "fewshot", "description"}
+
+
+def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], None] | None = None
+              ) -> Task:
+    """Read a task file: YAML or JSON (a header with ``examples`` or a ``data`` JSONL path,
+    and optionally ``fewshot``), or JSONL whose first line is ``{"task": {...header...}}``.
+
+    Malformed JSONL lines are skipped and counted in ``Task.skipped`` (``warn`` is told), or
+    refused with ``strict``. Every example is checked against the header.
+    """
+    path = Path(path)
+    text = _read_text(path)
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise PocketError(f"{path}: reading YAML task files needs PyYAML: "
+                              "pip install pyyaml") from None
+        try:
+            header = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise PocketError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        return _task_from_header(header, path, strict=strict, warn=warn)
+    if path.suffix == ".json":
+        try:
+            header = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PocketError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+        return _task_from_header(header, path, strict=strict, warn=warn)
+    records, skipped = read_jsonl(path, text, strict=strict)
+    if not records or not (isinstance(records[0][1], dict) and set(records[0][1]) == {"task"}):
+        raise PocketError(f"{path}: a JSONL task file starts with a header line "
+                          '{"task": {"type": ..., "template": ...}}')
+    header = dict(records[0][1]["task"]) if isinstance(records[0][1]["task"], dict) else None
+    if header is None:
+        raise PocketError(f"{path}:{records[0][0]}: \"task\" must be an object")
+    if "examples" in header or "data" in header:
+        raise PocketError(f"{path}:{records[0][0]}: a JSONL task holds its examples as lines, "
+                          "not in the header")
+    lines = [(f"{path}:{no}", r) for no, r in records[1:]]
+    return _task_from_header(header, path, strict=strict, warn=warn, skipped=skipped,
+                             lines=lines)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise PocketError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PocketError(f"{path}: is a directory, not a task file") from None
+    if not data.strip():
+        raise PocketError(f"{path}: the file is empty")
+    if b"\x00" in data[:8192]:
+        raise PocketError(f"{path}: a binary file, not a UTF-8 text file")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise PocketError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x}); "
+                          "convert the file to UTF-8") from None
+
+
+def read_jsonl(path: Path, text: str, *, strict: bool = False
+               ) -> tuple[list[tuple[int, Any]], int]:
+    """``[(line number, value)]`` of the non-blank lines, and how many malformed lines were
+    skipped (``strict`` raises on the first one instead)."""
+    out, skipped = [], 0
+    for no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+            if not isinstance(value, dict):
+                raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+        except ValueError as e:
+            if strict:
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                raise PocketError(f"{path}:{no}: malformed line ({msg})") from None
+            skipped += 1
+            continue
+        out.append((no, value))
+    return out, skipped
+
+
+def _task_from_header(header: Any, path: Path, *, strict: bool, warn, skipped: int = 0,
+                      lines: list | None = None) -> Task:
+    if not isinstance(header, dict):
+        raise PocketError(f"{path}: a task file is a mapping with 'type', 'template' and "
+                          "'examples' (or 'data')")
+    unknown = sorted(set(header) - _HEADER_KEYS)
+    if unknown:
+        raise PocketError(f"{path}: unknown task key(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(_HEADER_KEYS))}")
+    examples, fewshot = list(lines or []), []
+    for key, out in (("examples", examples), ("fewshot", fewshot)):
+        value = header.get(key)
+        if key == "examples" and value is None and "data" in header:
+            value = header["data"]
+        if value is None:
+            continue
+        if isinstance(value, str):  # a JSONL file next to the task file
+            data_path = (path.parent / value) if not Path(value).is_absolute() else Path(value)
+            records, n_bad = read_jsonl(data_path, _read_text(data_path), strict=strict)
+            skipped += n_bad
+            out.extend((f"{data_path}:{no}", r) for no, r in records)
+        elif isinstance(value, list):
+            for i, r in enumerate(value):
+                if not isinstance(r, dict):
+                    raise PocketError(f"{path}: {key}[{i}] is not an object")
+                out.append((f"{path}: {key}[{i}]", r))
+        else:
+            raise PocketError(f"{path}: {key!r} must be a list of examples or a JSONL path")
+    task = Task(
+        name=str(header.get("name") or path.stem),
+        type=header.get("type"),
+        template=header.get("template"),
+        examples=[r for _, r in examples],
+        fewshot=[r for _, r in fewshot],
+        labels=header.get("labels") or [],
+        extract=header.get("extract", "last_number"),
+        choice_prefix=header.get("choice_prefix", " "),
+        continuation=header.get("continuation", "choice"),
+        fewshot_separator=header.get("fewshot_separator", "\n\n"),
+        shots=header.get("shots", 0),
+        seed=header.get("seed", 0),
+        chat=bool(header.get("chat", False)),
+        max_tokens=header.get("max_tokens", 256),
+        stop=[header["stop"]] if isinstance(header.get("stop"), str) else header.get("stop"),
+        source=dict(header.get("source") or {}),
+        skipped=skipped,
+    )
+    check_task(task, where=str(path), located=[*examples, *fewshot])
+    if skipped and warn is not None:
+        warn(f"{path}: skipped {skipped} malformed line(s); --strict refuses them")
+    return task
+
+
+def check_task(task: Task, *, where: str = "task", located: list | None = None) -> None:
+    """Raise :class:`PocketError` naming the file/line of the first problem of ``task``."""
+    if task.type not in TASK_TYPES:
+        raise PocketError(f"{where}: type must be one of {', '.join(TASK_TYPES)}, "
+                          f"got {task.type!r}")
+    if not isinstance(task.template, str) or not task.template:
+        raise PocketError(f"{where}: 'template' must be a non-empty string such as "
+                          "\"Question: {question}\\nAnswer:\"")
+    for key in ("shots", "seed", "max_tokens"):
+        value = getattr(task, key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PocketError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
+    if not isinstance(task.choice_prefix, str) or not isinstance(task.fewshot_separator, str):
+        raise PocketError(f"{where}: 'choice_prefix' and 'fewshot_separator' must be strings")
+    if task.stop is not None and not (isinstance(task.stop, list)
+                                      and all(isinstance(s, str) and s for s in task.stop)):
+        raise PocketError(f"{where}: 'stop' must be a list of non-empty strings")
+    if task.type == "classification":
+        if not isinstance(task.labels, list) or len(task.labels) < 2 or not all(
+                isinstance(x, str) and x for x in task.labels):
+            raise PocketError(f"{where}: a classification task needs 'labels': a list of at "
+                              "least two non-empty strings")
+        if len(set(task.labels)) != len(task.labels):
+            raise PocketError(f"{where}: 'labels' has duplicates")
+    if task.type == "generation":
+        make_extractor(task.extract)
+        if task.max_tokens < 1:
+            raise PocketError(f"{where}: 'max_tokens' must be at least 1")
+    if task.type == "multiple_choice" and task.continuation not in ("choice", "letter"):
+        raise PocketError(f"{where}: 'continuation' must be 'choice' or 'letter', "
+                          f"got {task.continuation!r}")
+    if not task.examples:
+        raise PocketError(f"{where}: the task has no examples")
+    located = located or [(f"{where}: example {i}", r) for i, r in enumerate(task.examples)]
+    for loc, example in located:
+        _check_example(task, example, str(loc))
+
+
+def _check_example(task: Task, ex: dict, loc: str) -> None:
+    fields = set(ex) | ({"options"} if task.type == "multiple_choice" else set())
+    for name in template_fields(task.template):
+        if name not in fields:
+            raise PocketError(f"{loc}: the template refers to {{{name}}} but the example has "
+                              f"no field {name!r} (it has {', '.join(sorted(ex)) or 'none'})")
+    if task.type == "multiple_choice":
+        choices = ex.get("choices")
+        if not isinstance(choices, list) or len(choices) < 2 or not all(
+                isinstance(c, str) and c for c in choices):
+            raise PocketError(f"{loc}: 'choices' must be a list of at least two non-empty "
+                              "strings")
+        answer_index(ex, loc)
+    elif task.type == "classification":
+        if ex.get("label") not in task.labels:
+            raise PocketError(f"{loc}: label {ex.get('label')!r} is not in the label set "
+                              f"{task.labels}")
+    else:
+        if not isinstance(ex.get("answer"), str | int | float) or isinstance(ex.get("answer"),
+                                                                             bool):
+            raise PocketError(f"{loc}: a generation example needs an 'answer' string")
+
+
+def answer_index(ex: dict, loc: str = "example") -> int:
+    """The index of the correct choice: ``answer`` as an index, the choice text, or a letter."""
+    choices, answer = ex["choices"], ex.get("answer")
+    if isinstance(answer, int) and not isinstance(answer, bool):
+        if 0 <= answer < len(choices):
+            return answer
+    elif isinstance(answer, str):
+        if answer in choices:
+            return choices.index(answer)
+        if len(answer) == 1 and answer.upper() in LETTERS[: len(choices)]:
+            return LETTERS.index(answer.upper())
+    raise PocketError(f"{loc}: answer {answer!r} is neither an index 0..{len(choices) - 1}, "
+                      "a choice's text nor a choice letter")
+
+
+# -- prompts ------------------------------------------------------------------------------------
+
+
+def _fields(task: Task, ex: dict) -> dict:
+    if task.type != "multiple_choice":
+        return ex
+    options = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(ex["choices"]))
+    return {"options": options, **ex}
+
+
+def candidates(task: Task, ex: dict) -> list[str]:
+    """The continuations that are scored for ``ex`` (choices, their letters, or labels)."""
+    if task.type == "classification":
+        return list(task.labels)
+    if task.continuation == "letter":
+        return list(LETTERS[: len(ex["choices"])])
+    return list(ex["choices"])
+
+
+def target(task: Task, ex: dict) -> str:
+    """The correct continuation of ``ex`` (what a few-shot example shows as its answer)."""
+    if task.type == "classification":
+        return ex["label"]
+    if task.type == "multiple_choice":
+        return candidates(task, ex)[answer_index(ex)]
+    return str(ex["answer"])
+
+
+def split_shots(task: Task, shots: int | None = None, seed: int | None = None
+                ) -> tuple[list[dict], list[dict]]:
+    """``(few-shot examples, examples to score)``: ``shots`` drawn from the ``fewshot`` pool
+    with ``seed`` (the same for every example), or else the first ``shots`` examples."""
+    k = task.shots if shots is None else shots
+    seed = task.seed if seed is None else seed
+    if k < 0:
+        raise PocketError(f"shots must be non-negative, got {k}")
+    if task.fewshot:
+        if k > len(task.fewshot):
+            raise PocketError(f"task {task.name}: {k} shots asked but the few-shot pool has "
+                              f"{len(task.fewshot)} examples")
+        return random.Random(seed).sample(task.fewshot, k), list(task.examples)
+    if k >= len(task.examples):
+        raise PocketError(f"task {task.name}: {k} shots leave none of its "
+                          f"{len(task.examples)} examples to score")
+    return list(task.examples[:k]), list(task.examples[k:])
+
+
+def build_prompt(task: Task, ex: dict, shots: list[dict]) -> str:
+    """The text before the answer: the few-shot examples with their answers, then ``ex``."""
+    where = f"task {task.name}: "
+    parts = [render_template(task.template, _fields(task, s), where=where)
+             + task.choice_prefix + target(task, s) for s in shots]
+    parts.append(render_template(task.template, _fields(task, ex), where=where))
+    return task.fewshot_separator.join(parts)
+
+
+def encode_prompt(engine: Engine, task: Task, prompt: str) -> tuple[list[int], list[int], str]:
+    """``(BOS ids, text ids, text)`` of the prompt: the chat template applied when
+    ``task.chat``; the engine's BOS unless the rendered template already starts with it."""
+    text = prompt
+    if task.chat:
+        text = engine.render_chat([{"role": "user", "content": prompt}])
+    ids = engine.tokenize(text, special=task.chat)
+    bos = list(engine.bos_ids)
+    if not bos or ids[: len(bos)] == bos:
+        bos = []
+    return bos, ids, text
+
+
+def split_continuation(engine: Engine, context: str, continuation: str, *,
+                       special: bool = False, context_ids: list[int] | None = None
+                       ) -> list[int]:
+    """Token ids of ``continuation`` after ``context`` (without BOS; ``context_ids`` are the
+    context's own tokens, computed when not given).
+
+    The whole text is tokenized and the tokens beyond the context's are taken when the context
+    tokens are its prefix (so a merge across the boundary is scored as the model writes it);
+    otherwise the continuation is tokenized on its own and appended.
+    """
+    if context_ids is None:
+        context_ids = engine.tokenize(context, special=special)
+    full = engine.tokenize(context + continuation, special=special)
+    if full[: len(context_ids)] == context_ids and len(full) > len(context_ids):
+        return full[len(context_ids):]
+    own = engine.tokenize(continuation, special=special)
+    if not own:
+        raise PocketError(f"continuation {continuation!r} has no tokens")
+    return own
+
+
+def _fit(bos: list[int], ids: list[int], room: int, task: Task) -> list[int]:
+    """``bos + ids`` cut from the left so that ``room`` tokens remain in the context."""
+    keep = room - len(bos)
+    if keep < 1:
+        raise PocketError(f"task {task.name}: the answer alone does not fit the model's "
+                          "context")
+    return bos + ids[-keep:]
+
+
+# -- evaluation ---------------------------------------------------------------------------------
+
+
+def score_example(engine: Engine, task: Task, ex: dict, shots: list[dict]) -> dict:
+    """Score one example; returns ``{"prediction", "target", "correct", ...}``."""
+    prompt = build_prompt(task, ex, shots)
+    if task.type == "generation":
+        bos, ids, _ = encode_prompt(engine, task, prompt)
+        ids = _fit(bos, ids, engine.max_context - task.max_tokens, task)
+        stop = task.stop if task.stop is not None else ([] if task.chat else ["\n\n"])
+        output = engine.generate(ids, task.max_tokens, stop)
+        extract = make_extractor(task.extract)
+        got, want = extract(output), extract(str(ex["answer"]))
+        want = str(ex["answer"]) if want is None else want
+        correct = got is not None and normalize(got) == normalize(want)
+        return {"prediction": got, "target": want, "correct": correct, "output": output}
+    lead = ""
+    if not task.chat:  # the prompt's trailing spaces go to the continuation: " Paris", one token
+        stripped = prompt.rstrip(" \t")
+        lead = prompt[len(stripped):] + task.choice_prefix
+        prompt = stripped
+    bos, ids, text = encode_prompt(engine, task, prompt)
+    cands = candidates(task, ex)
+    conts = [split_continuation(engine, text, lead + c, special=task.chat, context_ids=ids)
+             for c in cands]
+    context = _fit(bos, ids, engine.max_context - max(len(c) for c in conts), task)
+    logprobs = engine.continuation_logprobs(context, conts)
+    best = int(np.argmax(logprobs))
+    per_char = [lp / len(lead + c) for lp, c in zip(logprobs, cands, strict=True)]
+    best_norm = int(np.argmax(per_char))
+    gold = cands.index(target(task, ex))
+    return {"prediction": cands[best], "target": cands[gold], "correct": best == gold,
+            "correct_norm": best_norm == gold, "logprobs": logprobs}
+
+
+def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | None = None,
+                  seed: int | None = None, progress: bool = True,
+                  on_example: Callable[[dict, dict], None] | None = None) -> dict:
+    """Score ``task`` with ``model`` (a PocketModel or an :class:`Engine`).
+
+    Returns ``{"task", "type", "n", "accuracy", "correct", "shots", "seconds",
+    "examples_per_s"}``, plus ``acc_norm`` (the choice with the best log-likelihood per
+    character) for multiple choice and the count of each predicted label for classification.
+    ``on_example(example, result)`` sees every scored example.
+    """
+    engine = as_engine(model)
+    few, todo = split_shots(task, shots, seed)
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise PocketError(f"limit must be a positive integer, got {limit!r}")
+        todo = todo[:limit]
+    correct = correct_norm = 0
+    predicted: dict[str, int] = {}
+    t0 = time.perf_counter()
+    bar = _bar(len(todo), task.name, "ex", progress)
+    for i, ex in enumerate(todo):
+        result = score_example(engine, task, ex, few)
+        correct += bool(result["correct"])
+        correct_norm += bool(result.get("correct_norm"))
+        if task.type == "classification":
+            predicted[result["prediction"]] = predicted.get(result["prediction"], 0) + 1
+        if on_example is not None:
+            on_example(ex, result)
+        bar.update(1)
+        bar.set_postfix(acc=f"{correct / (i + 1):.3f}", refresh=False)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    n = len(todo)
+    out = {"task": task.name, "type": task.type, "n": n, "accuracy": correct / n,
+           "correct": correct, "shots": len(few), "seconds": seconds,
+           "examples_per_s": n / seconds if seconds > 0 else None}
+    if task.type == "multiple_choice":
+        out["acc_norm"] = correct_norm / n
+    if task.type == "classification":
+        out["predicted"] = {label: predicted.get(label, 0) for label in task.labels}
+    return out
