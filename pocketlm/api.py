@@ -24,7 +24,7 @@ from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
 from .generate import GenerationState, stream_text, stream_tokens
 from .runtime import Runtime
 from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, release_free_heap
 
 DEFAULT_CONTEXT = 4096  # KV cache capacity when the caller does not ask for one
 
@@ -197,6 +197,7 @@ def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = No
     )
     if model.runtime.native is not None:
         pf.drop_resident()  # the engine holds its own copy; mapped pages come back on demand
+    release_free_heap()  # what loading freed goes back to the system, not to the heap
     stage("runtime (weights, native engine)")
     return model
 
@@ -211,7 +212,7 @@ def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel
 
 # Bumped when packing writes something better for the same source (a leaner tokenizer, a new
 # layout), so that cached deploy files are rebuilt once instead of being used forever.
-PACK_REVISION = 2
+PACK_REVISION = 3
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,

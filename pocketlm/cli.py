@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
                    help="INT4 group size (default 32)")
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8),
-                   help="bits of the token embedding and output head (default 8)")
+                   help="bits of the token embedding and output head (default 8; a source "
+                   "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, losslessly)")
     p.add_argument("--keep-precision", action="store_true",
                    help="store weights that the source holds above 4 bits (Q5_0, Q6_K, Q8_0, "
                    "float) in INT8 instead of requantizing them to INT4: larger file, source "

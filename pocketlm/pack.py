@@ -78,11 +78,18 @@ _LOW_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "I
                   "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
 
 
+# 4-bit GGUF types that import into pocketlm's INT4 layout without requantizing.
+_INT4_IMPORTABLE = {"Q4_0", "Q4_1", "Q4_K"}
+
+
 def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
                 keep_precision: bool = False) -> int | None:
-    """Bits to store a tensor with (None: keep it in float32)."""
+    """Bits to store a tensor with (None: keep it in float32). The embedding and output head
+    take ``embed_bits``, except that a source holding them in a 4-bit type that imports
+    losslessly stays in 4 bits: widening it to 8 would only requantize the same values and
+    double their memory."""
     if name in EMBED_NAMES:
-        return embed_bits
+        return 4 if source_dtype in _INT4_IMPORTABLE else embed_bits
     if name.endswith(QUANT_SUFFIXES):
         return 8 if keep_precision and source_dtype not in _LOW_BIT_TYPES else 4
     return None
@@ -105,6 +112,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     n_params = 0
     q_bytes = q_params = 0
 
+    stored_embed_bits = None  # what the embedding / head are stored in (see choose_bits)
     names = list(model.tensors)
     bar = _progress(names, progress)
     for name in bar:
@@ -112,6 +120,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         count = int(np.prod(st.shape))
         n_params += count
         bits = choose_bits(name, embed_bits, st.dtype, keep_precision)
+        if name in EMBED_NAMES and bits is not None:
+            stored_embed_bits = max(stored_embed_bits or 0, bits)
         if bits is None:
             values = st.to_float()
             arrays.append((name, np.ascontiguousarray(values, dtype=np.float32)))
@@ -146,7 +156,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         "generation": model.generation.to_dict(),
         "chat_template": model.chat_template or "",
         "quant": {"scheme": f"int4-g{group_size}" + ("+int8" if keep_precision else ""),
-                  "group_size": group_size, "embed_bits": embed_bits,
+                  "group_size": group_size, "embed_bits": stored_embed_bits or embed_bits,
                   "keep_precision": keep_precision, "tensors": layouts},
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
