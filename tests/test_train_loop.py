@@ -207,6 +207,23 @@ def test_bad_input_is_refused_clearly(pretrained, tmp_path):
     binary.write_bytes(bytes(range(256)) * 40)
     p = pocket("train", "--data", str(binary), "--out", str(tmp_path / "r2"), check=False)
     assert p.returncode == 1 and p.stderr.count("\n") == 1
+    gbk = tmp_path / "gbk.txt"
+    gbk.write_bytes("小猫在山上玩。\n\n小狗在河边。\n".encode("gbk"))
+    p = pocket("train", "--data", str(gbk), "--out", str(tmp_path / "r3"), check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "UTF-8" in p.stderr
+    # a checkpoint whose weights do not fit its config (shapes edited)
+    from pocketlm.train.trainer import load_checkpoint
+
+    ck = load_checkpoint(run)
+    ck["model_config"] = {**ck["model_config"], "d_ff": ck["model_config"]["d_ff"] + 32}
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    torch.save(ck, broken / "checkpoint.pt")
+    p = pocket("export", str(broken), "-o", str(tmp_path / "b.pocket"), check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "shape" in p.stderr
+    p = pocket("train", "--data", str(run / "data"), "--out", str(broken), "--steps", "80",
+               *COMMON, check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "do not fit" in p.stderr
     # a run folder holding another preset's run
     p = pocket("train", "--data", str(run / "data"), "--out", str(run), "--preset",
                "pocket-10m", "--steps", "70", check=False)

@@ -74,20 +74,10 @@ def _open_engine(args):
 def _read_text(spec: str) -> tuple[str, str]:
     if spec == "-":
         return sys.stdin.read(), "<stdin>"
+    from ..textfile import read_text_file
+
     path = Path(spec)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise PocketError(f"{path}: no such file") from None
-    if b"\x00" in data[:8192]:
-        raise PocketError(f"{path}: a binary file, not a UTF-8 text file")
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise PocketError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x})") from None
-    if not text.strip():
-        raise PocketError(f"{path}: the file is empty")
+    text = read_text_file(path)
     return text, str(path)
 
 

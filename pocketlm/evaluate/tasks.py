@@ -416,22 +416,9 @@ def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], N
 
 
 def _read_text(path: Path) -> str:
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise PocketError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise PocketError(f"{path}: is a directory, not a task file") from None
-    if not data.strip():
-        raise PocketError(f"{path}: the file is empty")
-    if b"\x00" in data[:8192]:
-        raise PocketError(f"{path}: a binary file, not a UTF-8 text file")
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise PocketError(f"{path}:{line}: not UTF-8 (byte 0x{data[e.start]:02x}); "
-                          "convert the file to UTF-8") from None
+    from ..textfile import read_text_file
+
+    return read_text_file(path, what="task file")
 
 
 def read_jsonl(path: Path, text: str, *, strict: bool = False

@@ -169,28 +169,10 @@ def prepare_text_file(
 
 def read_text_documents(path: Path) -> list[str]:
     """The documents of a text or JSONL file, as :func:`prepare_text_file` reads them."""
+    from ..textfile import read_text_file
+
     path = Path(path)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise PocketError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise PocketError(f"{path}: is a folder, expected a text file") from None
-    except OSError as e:
-        raise PocketError(f"{path}: cannot read: {e.strerror or e}") from None
-    if not raw.strip():
-        raise PocketError(f"{path}: the file is empty")
-    nul = raw.find(b"\x00")
-    if nul >= 0:
-        raise PocketError(f"{path}: looks like a binary file (NUL byte at byte offset {nul})")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise PocketError(
-            f"{path}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at byte offset {e.start});"
-            " convert it with `iconv -t UTF-8`"
-        ) from None
-    text = text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+    text = read_text_file(path)
     if path.suffix.lower() in (".jsonl", ".ndjson"):
         documents = _jsonl_documents(path, text)
     else:

@@ -153,12 +153,14 @@ class SFTData:
         template = chat_template or CHATML
         examples: list[tuple[np.ndarray, np.ndarray]] = []
         bad: list[str] = []
+        from ..textfile import read_text_file
+
         try:
-            lines = self.path.read_text(encoding="utf-8").splitlines()
-        except UnicodeDecodeError as e:
-            raise FormatError(f"{self.path}: not UTF-8 text (byte {e.start})") from None
-        except OSError as e:
-            raise PocketError(f"{self.path}: cannot read: {e.strerror}") from None
+            lines = read_text_file(self.path, what="JSONL file").splitlines()
+        except PocketError as e:
+            if "the file is empty" not in str(e):
+                raise
+            lines = []  # reported below as "no chats"
         for n, line in enumerate(lines, 1):
             if not line.strip():
                 continue
@@ -208,7 +210,8 @@ class SFTData:
         return len(self.train)
 
     def _stack(self, rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
-        T = self.seq_len + 1
+        # padded to the longest chat of the batch, not to seq_len: short chats cost less
+        T = max(len(x) for x, _ in rows)
         ids = np.full((len(rows), T), self.pad_id, dtype=np.int64)
         tgt = np.full((len(rows), T), -100, dtype=np.int64)
         for r, (x, m) in enumerate(rows):
@@ -218,7 +221,8 @@ class SFTData:
 
     def batch(self, step: int, batch_size: int, *, seed: int = 0, rank: int = 0,
               world: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Ids and targets (-100 where no loss) ``[batch_size, seq_len + 1]``; rank ``r`` gets
+        """Ids and targets (-100 where no loss) ``[batch_size, T]``, ``T <= seq_len + 1`` the
+        longest chat of the batch (shorter ones padded); rank ``r`` gets
         rows ``r*batch_size..`` of the global batch drawn for ``(seed, step)``."""
         rng = np.random.default_rng([seed, step])
         pick = rng.integers(0, len(self.train), batch_size * world)
@@ -375,8 +379,19 @@ def checkpoint_weights(ck: dict) -> dict[str, torch.Tensor]:
 def model_from_checkpoint(ck: dict) -> tuple[PocketLM, Tokenizer]:
     cfg = ModelConfig.from_dict(ck["model_config"])
     model = PocketLM(cfg, init_seed=None)
-    model.load_state_dict(checkpoint_weights(ck))
+    _load_weights(model, checkpoint_weights(ck), "the checkpoint")
     return model, Tokenizer.from_json(ck["tokenizer"])
+
+
+def _load_weights(model: torch.nn.Module, state: dict, origin: str) -> None:
+    """``load_state_dict`` with a one-line error when the weights do not fit the config."""
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()
+        detail = next((x.strip() for x in first[1:] if x.strip()), first[0] if first else "")
+        raise FormatError(f"{origin}: the weights do not fit the model config ({detail})") \
+            from None
 
 
 def _base_model(spec: str):
@@ -422,7 +437,7 @@ def _teacher(cfg: TrainConfig, tokenizer: Tokenizer, device) -> PocketLM:
             "student with the teacher's tokenizer (--tokenizer), or distill on the teacher's "
             "generated text instead (pocket distill-data, then --mode sft on its output)")
     teacher = PocketLM(t_cfg, init_seed=None)
-    teacher.load_state_dict(weights())
+    _load_weights(teacher, weights(), f"the teacher {src!r}")
     teacher.eval().requires_grad_(False)
     return teacher.to(device)
 
@@ -561,10 +576,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     torch.manual_seed(cfg.seed)
     model = PocketLM(model_cfg, init_seed=None if (resume or base_state or init) else cfg.seed)
     if base_state is not None:
-        model.load_state_dict(base_state())
+        _load_weights(model, base_state(), f"the base model {cfg.base!r}")
         del base_state
     elif init is not None:
-        model.load_state_dict(checkpoint_weights(init))
+        _load_weights(model, checkpoint_weights(init), f"{cfg.init_from}")
     lora = None
     if cfg.lora_rank:
         from .lora import add_lora
@@ -577,7 +592,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             print(f"[LoRA rank {cfg.lora_rank}: {n_train:,} trainable parameters of "
                   f"{sum(p.numel() for p in model.parameters()):,}]", file=sys.stderr)
     if resume:
-        model.load_state_dict(ck["model"])
+        _load_weights(model, ck["model"], str(ck_path))
     model.to(dist.device)
     teacher = _teacher(cfg, tokenizer, dist.device) if cfg.distill_from else None
     wrapped: torch.nn.Module = model
@@ -646,7 +661,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             "chat_template": chat_template, "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
         }, path)
 
-    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * dist.world
+    tokens_seen = 0 if not metrics else int(metrics[-1].get("tokens", 0))
     bar = None
     if progress and dist.main:
         from tqdm import tqdm
@@ -661,8 +676,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         for g in opt.param_groups:
             g["lr"] = lr
         loss_sum = 0.0
+        step_tokens = 0
         for micro in range(cfg.grad_accum):
             x, y = get_batch(step, micro)
+            step_tokens += x.numel() * dist.world  # (SFT: padding to the batch's longest chat)
             sync = contextlib.nullcontext()
             if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and \
                     micro < cfg.grad_accum - 1:
@@ -696,8 +713,9 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         now = time.perf_counter()
         dt, t_last = now - t_last, now
         row = {"step": step + 1, "loss": loss_sum / cfg.grad_accum, "lr": lr,
-               "grad_norm": float(grad_norm), "tokens": (step + 1) * tokens_per_step,
-               "tokens_per_s": tokens_per_step / dt if dt > 0 else None}
+               "grad_norm": float(grad_norm), "tokens": tokens_seen + step_tokens,
+               "tokens_per_s": step_tokens / dt if dt > 0 else None}
+        tokens_seen += step_tokens
         done = step + 1
         stop_now = False
         if done % cfg.eval_every == 0 or done == cfg.steps:

@@ -1,0 +1,41 @@
+"""Reading the UTF-8 text files users hand to pocketlm (corpora, task files, chats), with one-line
+errors that say what is wrong and where."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import PocketError
+
+__all__ = ["read_text_file"]
+
+
+def read_text_file(path: str | Path, *, what: str = "text file") -> str:
+    """The text of ``path``: a leading byte-order mark dropped, line ends as ``\\n``.
+
+    Refuses a missing path, a folder, an empty file, a binary file (a NUL byte) and bytes that
+    are not UTF-8, naming the file and the line and byte offset of the problem.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise PocketError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise PocketError(f"{path}: is a folder, expected a {what}") from None
+    except OSError as e:
+        raise PocketError(f"{path}: cannot read: {e.strerror or e}") from None
+    if not raw.strip():
+        raise PocketError(f"{path}: the file is empty")
+    nul = raw.find(b"\x00")
+    if nul >= 0:
+        raise PocketError(f"{path}: looks like a binary file (NUL byte at byte offset {nul}), "
+                          f"not a UTF-8 {what}")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise PocketError(
+            f"{path}:{line}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at byte offset "
+            f"{e.start}); convert it with `iconv -t UTF-8`") from None
+    return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
