@@ -216,7 +216,7 @@ PACK_REVISION = 3
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
-                      keep_precision: bool = False) -> Path:
+                      keep_precision: bool = False, *, name: str | None = None) -> Path:
     from .registry import pocket_home
 
     st = src.stat()
@@ -226,7 +226,7 @@ def packed_cache_path(src: Path, group_size: int, embed_bits: int,
     if keep_precision:
         key += "|keep"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return pocket_home() / "packed" / f"{src.stem}-{tag}-{digest}.pocket"
+    return pocket_home() / "packed" / f"{name or src.stem}-{tag}-{digest}.pocket"
 
 
 def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
@@ -234,7 +234,8 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
          n_ctx: int | None = None, verify: bool = True, quiet: bool = True) -> PocketModel:
     """Load a model by registry name, ``.pocket`` file, ``.gguf`` file or Hugging Face folder.
 
-    GGUF files and folders are packed to INT4 on first use and the deploy file is cached under
+    GGUF files, Hugging Face folders and training runs are packed to INT4 on first use and the
+    deploy file is cached under
     ``$POCKET_HOME/packed``. ``precision="float"`` instead runs the source's dequantized float32
     weights (the reference path, for checking an import). ``group_size``, ``embed_bits`` and
     ``keep_precision`` are the packing options of :func:`pocketlm.pack.pack`.
@@ -254,7 +255,11 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
         return load_pocket(path, verify=verify, n_ctx=n_ctx)
     if precision == "float":
         return from_source(open_source(path), n_ctx=n_ctx)
-    cached = packed_cache_path(Path(path), group_size, embed_bits, keep_precision)
+    key = Path(path)
+    if kind == "run":  # the checkpoint file the run exports (best.pt under early stopping)
+        key = key / "best.pt" if (key / "best.pt").is_file() else key / "checkpoint.pt"
+    cached = packed_cache_path(key, group_size, embed_bits, keep_precision,
+                               name=Path(path).name if kind == "run" else None)
     if not cached.is_file():
         pack(path, cached, group_size=group_size, embed_bits=embed_bits,
              keep_precision=keep_precision, progress=not quiet)

@@ -240,7 +240,7 @@ def cmd_bench(args) -> int:
 
 # -- parser ----------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
-    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf or HF folder "
+    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf, HF folder or training run "
                    "(default: $POCKET_MODEL or smollm2-135m)")
     p.add_argument("-n", "--max-tokens", dest="n", type=int, default=n_default,
                    help=f"tokens to generate at most (default {n_default})")
@@ -298,7 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "prompt of --n-prompt tokens, --n-gen greedy tokens with EOS ignored, 1 "
                        "warm-up and --runs measured runs (median, min, max), each engine in its "
                        "own process for its peak-memory delta, engines alternating run by run.")
-    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf or HF folder")
+    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf, HF folder or "
+                   "training run")
     p.add_argument("--threads", type=int, default=int(os.environ.get("POCKET_THREADS", 2)),
                    help="CPU threads (default 2, or $POCKET_THREADS)")
     p.add_argument("--n-prompt", type=int, default=512, help="prompt tokens (default 512)")

@@ -97,8 +97,10 @@ def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
 
 def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int = 32,
          embed_bits: int = 8, keep_precision: bool = False, measure_error: bool = True,
-         progress: bool = True) -> PackReport:
-    """Quantize ``source`` and write the deploy file ``out``; returns a report."""
+         progress: bool = True, int4_search: bool = True) -> PackReport:
+    """Quantize ``source`` and write the deploy file ``out``; returns a report.
+    ``int4_search=False`` rounds INT4 groups to their min-max grid (for weights trained
+    against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`)."""
     if group_size not in GROUP_SIZES:
         raise UnsupportedError(f"group size {group_size} is not supported; choose one of "
                                f"{', '.join(map(str, GROUP_SIZES))}")
@@ -133,7 +135,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         if qt is None:
             check_quantizable(tuple(st.shape), group_size, name)  # names the tensor on error
             ref = st.to_float()
-            qt = quantize(ref, bits, group_size)
+            qt = quantize(ref, bits, group_size, search=int4_search)
             how = "requantized"
         err = 0.0
         if measure_error:

@@ -194,9 +194,12 @@ def quantize_int8(w: np.ndarray, group_size: int = 32) -> QuantTensor:
     return QuantTensor("int8", (rows, cols), group_size, q_all, s_all, None)
 
 
-def quantize(w: np.ndarray, bits: int, group_size: int = 32) -> QuantTensor:
+def quantize(w: np.ndarray, bits: int, group_size: int = 32, *,
+             search: bool = True) -> QuantTensor:
+    """``search=False``: INT4 groups take plain min-max ranges (the grid quantization-aware
+    training trains against), instead of the best of a few candidate ranges."""
     if bits == 4:
-        return quantize_int4(w, group_size)
+        return quantize_int4(w, group_size, search=search)
     if bits == 8:
         return quantize_int8(w, group_size)
     raise UnsupportedError(f"{bits}-bit weights are not supported; choose 4 or 8")

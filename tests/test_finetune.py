@@ -77,6 +77,18 @@ def test_lora_merge_equals_the_adapted_model():
         assert torch.allclose(merged(ids), adapted, atol=1e-5, rtol=1e-5)
 
 
+def test_qat_rounds_to_the_grid_the_export_stores():
+    import numpy as np
+
+    from pocketlm.quant import quantize_int4
+    from pocketlm.train.lora import fake_quant_int4
+
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(4)) * 0.05
+    w[3, :32] = 0.25  # a constant group: zero range
+    got = fake_quant_int4(w).numpy()
+    assert np.array_equal(got, quantize_int4(w.numpy(), 32, search=False).dequantize())
+
+
 @pytest.mark.parametrize("lora", [0, 8])
 def test_finetune_from_gguf_lowers_held_out_loss_and_exports(base, tmp_path, lora):
     train = task_file(tmp_path / "train.jsonl", 120)
@@ -85,7 +97,8 @@ def test_finetune_from_gguf_lowers_held_out_loss_and_exports(base, tmp_path, lor
     lr = "1e-2" if lora else "1e-3"
     pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val), "--out",
            str(out), "--steps", "30", "--eval-every", "10", "--save-every", "10", "--lr", lr,
-           "--lora-rank", str(lora), "--export", str(tmp_path / "ft.pocket"), *FT)
+           "--lora-rank", str(lora), *(["--qat"] if lora else []),
+           "--export", str(tmp_path / "ft.pocket"), *FT)
     rows = metrics(out)
     val_losses = [r["val_loss"] for r in rows if "val_loss" in r]
     assert val_losses[-1] < val_losses[0] * 0.8, val_losses
@@ -100,6 +113,16 @@ def test_finetune_from_gguf_lowers_held_out_loss_and_exports(base, tmp_path, lor
     m = pocketlm.load(tmp_path / "ft.pocket")
     reply = m.chat([{"role": "user", "content": "say gold"}], max_tokens=4)
     assert isinstance(reply, str)
+    if lora:  # trained against the INT4 grid: the export holds exactly the weights it used
+        import numpy as np
+
+        from pocketlm.formats.pocketfile import PocketFile
+        from pocketlm.train.lora import fake_quant_int4
+
+        stored = PocketFile(tmp_path / "ft.pocket").weights()["layers.0.mlp.w_up.weight"]
+        merged = src.tensors["layers.0.mlp.w_up.weight"].to_float()
+        want = fake_quant_int4(torch.from_numpy(merged)).numpy()
+        assert np.array_equal(stored.dequantize(), want)
 
 
 def test_early_stopping_keeps_and_exports_the_best_weights(base, tmp_path):

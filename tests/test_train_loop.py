@@ -116,6 +116,10 @@ def test_export_matches_the_torch_model_and_runs(pretrained):
     assert agree >= 0.95, agree
     r = pocket("run", "-m", str(out), "--raw", "-n", "12", "The cat")
     assert r.stdout.strip(), r.stderr
+    # a run folder is a model source too: packed on first use, or run in float
+    r2 = pocket("run", "-m", str(run), "--raw", "-n", "12", "The cat")
+    assert r2.stdout == r.stdout
+    assert np.abs(load(run, precision="float").logits(ids) - got).max() == 0
     # exporting over an existing file needs --force
     again = pocket("export", str(run), "-o", str(out), check=False)
     assert again.returncode == 1 and "--force" in again.stderr

@@ -104,7 +104,7 @@ class PocketEngine(Engine):
         # the context runs once; each continuation reuses its keys and values
         rt = self.model.runtime
         cache = rt.new_cache(len(context) + max(len(c) for c in continuations))
-        last = rt.forward(context, cache, all_logits=True)[-1:]
+        last = rt.forward(context, cache)[None, :]  # only the last position's logits
         out = []
         for cont in continuations:
             cache.truncate(len(context))

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..config import GenerationDefaults, ModelConfig
-from ..errors import FormatError, ModelNotFoundError, UnsupportedError
+from ..errors import FormatError, ModelNotFoundError, PocketError, UnsupportedError
 from ..quant import QuantTensor
 
 
@@ -70,12 +70,16 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def sniff(path: str | Path) -> str:
-    """'gguf', 'hf', 'pocket' or raise: which importer handles this path."""
+    """'gguf', 'hf', 'pocket', 'run' (a pocketlm training run) or raise: which importer
+    handles this path."""
     p = Path(path)
     if p.is_dir():
         if (p / "config.json").is_file():
             return "hf"
-        raise FormatError(f"{p}: a folder without config.json is not a Hugging Face model folder")
+        if (p / "checkpoint.pt").is_file():
+            return "run"
+        raise FormatError(f"{p}: a folder without config.json is not a Hugging Face model "
+                          "folder (nor a training run: no checkpoint.pt)")
     if not p.is_file():
         raise ModelNotFoundError(f"{p}: no such file or folder")
     with open(p, "rb") as f:
@@ -89,7 +93,8 @@ def sniff(path: str | Path) -> str:
 
 
 def open_source(path: str | Path) -> SourceModel:
-    """Read a GGUF file or a Hugging Face folder (not a deploy file: those load directly)."""
+    """Read a GGUF file, a Hugging Face folder or a training run (its best weights under early
+    stopping, else the latest checkpoint; not a deploy file: those load directly)."""
     kind = sniff(path)
     if kind == "gguf":
         from .gguf import read_gguf
@@ -99,4 +104,13 @@ def open_source(path: str | Path) -> SourceModel:
         from .hf import read_hf
 
         return read_hf(path)
+    if kind == "run":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise PocketError(f"{path}: reading a training run needs PyTorch: pip install "
+                              "'pocketlm[train]'") from None
+        from ..train.export import checkpoint_source
+
+        return checkpoint_source(path)
     raise FormatError(f"{path}: is already a pocketlm deploy file; nothing to import")

@@ -182,7 +182,7 @@ def cmd_finetune(args) -> int:
         clip=args.clip, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, seed=args.seed, dtype=args.dtype, threads=args.threads,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, val_data=args.val_data,
-        early_stop=args.early_stop, strict=args.strict)
+        early_stop=args.early_stop, strict=args.strict, qat=args.qat)
     last = train(cfg, progress=not args.quiet)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
@@ -375,6 +375,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-rank", type=int, default=0,
                    help="LoRA adapters of this rank (default 0: full fine-tuning)")
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2*rank)")
+    p.add_argument("--qat", action="store_true",
+                   help="with --lora-rank: train against the INT4 grid the export uses, so a "
+                   "small task adaptation survives quantization")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)

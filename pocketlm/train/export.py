@@ -56,8 +56,13 @@ def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits
     into the deploy file ``out``; returns the packing report."""
     from ..pack import pack
 
-    return pack(checkpoint_source(run, best=best), out, group_size=group_size,
-                embed_bits=embed_bits, progress=progress)
+    src = checkpoint_source(run, best=best)
+    qat = bool((src.provenance.get("lora") or {}).get("qat_group"))
+    if qat and group_size != 32:
+        raise FormatError(f"{run} was trained against the INT4 grid of group size 32; export "
+                          "it with --group-size 32")
+    return pack(src, out, group_size=group_size, embed_bits=embed_bits, progress=progress,
+                int4_search=not qat)  # a QAT run is exported to the grid it trained against
 
 
 def float_weights(run: str | Path) -> dict[str, np.ndarray]:

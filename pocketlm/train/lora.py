@@ -18,16 +18,35 @@ from torch import nn
 
 from ..errors import PocketError
 
-__all__ = ["LoRALinear", "add_lora", "merge_lora_state", "DEFAULT_TARGETS"]
+__all__ = ["LoRALinear", "add_lora", "fake_quant_int4", "merge_lora_state", "DEFAULT_TARGETS"]
 
 DEFAULT_TARGETS = ("w_q", "w_k", "w_v", "w_o", "w_gate", "w_up", "w_down")
 
 
-class LoRALinear(nn.Module):
-    """A frozen linear layer plus a trainable low-rank update."""
+def fake_quant_int4(w: torch.Tensor, group_size: int = 32) -> torch.Tensor:
+    """``w`` rounded to the INT4 grid the deploy file stores (asymmetric, min-max range per
+    group of ``group_size`` inputs, float16 scale and minimum), computed in float32: what
+    ``pocketlm.quant.quantize_int4(w, search=False)`` dequantizes to."""
+    out_f, in_f = w.shape
+    g = w.float().reshape(out_f, in_f // group_size, group_size)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s = ((hi - lo) / 15.0).half().float()
+    m = lo.half().float()
+    inv = torch.where(s != 0, 1.0 / torch.where(s != 0, s, torch.ones_like(s)),
+                      torch.zeros_like(s))
+    q = torch.clamp(torch.round((g - m) * inv), 0, 15)
+    return (q * s + m).reshape(out_f, in_f).to(w.dtype)
 
-    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator):
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update. With ``qat_group`` the layer
+    computes with ``W + (alpha/rank) B A`` rounded to the deploy file's INT4 grid (gradients
+    pass straight through the rounding): the adapters learn what survives INT4."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, generator: torch.Generator,
+                 qat_group: int | None = None):
         super().__init__()
+        self.qat_group = qat_group
         self.weight = base.weight
         self.bias = base.bias
         self.weight.requires_grad_(False)
@@ -41,14 +60,20 @@ class LoRALinear(nn.Module):
         self.lora_b = nn.Parameter(torch.zeros(out_f, rank, dtype=self.weight.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qat_group:
+            w = self.weight + self.scale * (self.lora_b @ self.lora_a)
+            wq = fake_quant_int4(w.detach(), self.qat_group)
+            return F.linear(x, w + (wq - w).detach(), self.bias)
         y = F.linear(x, self.weight, self.bias)
         return y + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scale
 
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
-             targets: tuple[str, ...] = DEFAULT_TARGETS, seed: int = 0) -> int:
+             targets: tuple[str, ...] = DEFAULT_TARGETS, seed: int = 0,
+             qat_group: int | None = None) -> int:
     """Freeze ``model`` and put adapters on its linear layers named in ``targets``; returns the
-    number of trainable parameters."""
+    number of trainable parameters. ``qat_group``: train against the INT4 grid of that group
+    size (quantization-aware)."""
     if not isinstance(rank, int) or rank < 1:
         raise PocketError(f"LoRA rank must be a positive integer, got {rank!r}")
     alpha = float(2 * rank if alpha is None else alpha)
@@ -59,11 +84,11 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if name in targets and isinstance(child, nn.Linear):
-                setattr(module, name, LoRALinear(child, rank, alpha, gen))
+                setattr(module, name, LoRALinear(child, rank, alpha, gen, qat_group))
                 replaced += 1
     if not replaced:
         raise PocketError(f"no linear layer named {', '.join(targets)} to put LoRA on")
-    model.lora = {"rank": rank, "alpha": alpha, "targets": list(targets)}
+    model.lora = {"rank": rank, "alpha": alpha, "targets": list(targets), "qat_group": qat_group}
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

@@ -189,15 +189,20 @@ class PocketLM(nn.Module):
             x = layer(x, *tables[theta], masks[window])
         return self.norm(x)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.hidden(ids), self.head_weight())
+    def forward(self, ids: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, T, vocab]``; with a boolean ``select`` ``[B, T]``, only those positions'
+        logits, ``[N, vocab]`` in row-major order (the head is the largest matrix of a small
+        model: training computes it only where there is a target)."""
+        h = self.hidden(ids)
+        if select is not None:
+            h = h[select]
+        return F.linear(h, self.head_weight())
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor, *,
              ignore_index: int = -100) -> torch.Tensor:
         """Mean next-token cross-entropy over the targets that are not ``ignore_index``."""
-        logits = self(ids)
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=ignore_index)
+        keep = targets != ignore_index
+        return F.cross_entropy(self(ids, keep).float(), targets[keep])
 
 
 def _window_mask(T: int, window: int, device) -> torch.Tensor:

@@ -90,6 +90,7 @@ class TrainConfig:
     val_data: str | None = None  # held-out chats for SFT (default: 5 % of --data)
     early_stop: int = 0  # stop after this many evaluations without a better held-out loss
     strict: bool = False  # SFT: refuse malformed JSONL lines instead of skipping them
+    qat: bool = False  # LoRA: train against the INT4 grid the export uses (group 32)
 
     def check(self) -> None:
         if self.mode not in ("pretrain", "sft"):
@@ -109,6 +110,9 @@ class TrainConfig:
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise PocketError(f"--lora-rank must be 0 (full fine-tuning) or positive, got "
                               f"{self.lora_rank!r}")
+        if self.qat and not self.lora_rank:
+            raise PocketError("--qat trains LoRA adapters against the INT4 grid: give "
+                              "--lora-rank too")
         if self.lora_rank and self.fsdp:
             raise PocketError("LoRA with --fsdp is not supported; use DDP (no --fsdp)")
         if not isinstance(self.early_stop, int) or self.early_stop < 0:
@@ -499,12 +503,12 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     if resume:
         ck = load_checkpoint(ck_path)
         saved = TrainConfig.from_dict(ck["train_config"])
-        ours = (cfg.preset, cfg.mode, cfg.base, cfg.lora_rank)
-        theirs = (saved.preset, saved.mode, saved.base, saved.lora_rank)
+        ours = (cfg.preset, cfg.mode, cfg.base, cfg.lora_rank, cfg.qat)
+        theirs = (saved.preset, saved.mode, saved.base, saved.lora_rank, saved.qat)
         if ours != theirs:
             def say(t):
                 return (f"{t[1]} of {t[2]}" if t[2] else f"{t[0]} {t[1]}") + \
-                    (f" (LoRA rank {t[3]})" if t[3] else "")
+                    (f" (LoRA rank {t[3]}{', QAT' if t[4] else ''})" if t[3] else "")
             raise PocketError(f"{out} holds a {say(theirs)} run; this one is {say(ours)}: use "
                               "another --out, or the same settings to resume")
         model_cfg = ModelConfig.from_dict(ck["model_config"])
@@ -584,7 +588,8 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     if cfg.lora_rank:
         from .lora import add_lora
 
-        n_train = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed)
+        n_train = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed,
+                           qat_group=32 if cfg.qat else None)
         lora = model.lora
         if dist.main and progress:
             import sys
@@ -685,18 +690,16 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
                     micro < cfg.grad_accum - 1:
                 sync = wrapped.no_sync()
             with sync, _autocast(cfg, dist.device):
-                logits = wrapped(x).float()
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                       ignore_index=-100)
+                keep = y != -100  # the output head runs only where there is a target
+                logits = wrapped(x, keep).float()
+                target = y[keep]
+                loss = F.cross_entropy(logits, target)
                 if teacher is not None:
                     with torch.no_grad():
-                        t_logits = teacher(x).float()[..., : logits.shape[-1]]
+                        t_logits = teacher(x, keep).float()[:, : logits.shape[-1]]
                     T = cfg.distill_temperature
-                    keep = (y != -100).reshape(-1)
-                    kd = F.kl_div(F.log_softmax(logits.reshape(-1, logits.shape[-1])[keep] / T,
-                                                dim=-1),
-                                  F.log_softmax(t_logits.reshape(-1, logits.shape[-1])[keep] / T,
-                                                dim=-1),
+                    kd = F.kl_div(F.log_softmax(logits / T, dim=-1),
+                                  F.log_softmax(t_logits / T, dim=-1),
                                   log_target=True, reduction="batchmean") * T * T
                     loss = (1 - cfg.distill_alpha) * loss + cfg.distill_alpha * kd
                 (loss / cfg.grad_accum).backward()
