@@ -227,7 +227,10 @@ def test_bad_input_is_refused_clearly(pretrained, tmp_path):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "shape" in p.stderr
     p = pocket("train", "--data", str(run / "data"), "--out", str(broken), "--steps", "80",
                *COMMON, check=False)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "do not fit" in p.stderr
+    # (after the "[resuming ...]" status line) one error line, no traceback
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and last.startswith("pocket: error:") and "do not fit" in last
+    assert "Traceback" not in p.stderr
     # a run folder holding another preset's run
     p = pocket("train", "--data", str(run / "data"), "--out", str(run), "--preset",
                "pocket-10m", "--steps", "70", check=False)
