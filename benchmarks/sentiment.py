@@ -174,8 +174,9 @@ def table(path: Path) -> None:
     print("| system | accuracy | n | classifications/s | peak memory MB (process) |")
     print("|---|---|---|---|---|")
     for r in rows:
+        mem = r.get("peak_rss_mb_above_start")
         print(f"| {r['system']} | {100 * r['accuracy']:.1f} % | {r['n']} | "
-              f"{r['classifications_per_s']:.1f} | {r['peak_rss_mb_above_start']:.0f} |")
+              f"{r['classifications_per_s']:.1f} | {'-' if mem is None else f'{mem:.0f}'} |")
 
 
 def main() -> None:
