@@ -69,13 +69,12 @@ def rewrite_header(path: Path, edit) -> Path:
     return path
 
 
-def expect_format_error(path: Path, match: str | None = None, cls=FormatError, **kw):
+def format_error(path: Path, cls=FormatError, **kw) -> str:
+    """The message of the error opening ``path`` raises (it must name the file)."""
     with pytest.raises(cls) as info:
         PocketFile(path, **kw)
     msg = str(info.value)
     assert str(path) in msg, msg
-    if match is not None:
-        assert match in msg, msg
     return msg
 
 
@@ -259,34 +258,34 @@ def test_overwrite_replaces_the_file(good):
 
 # -- bad files -------------------------------------------------------------------------------
 def test_missing_and_empty_files(tmp_path):
-    expect_format_error(tmp_path / "nothing.pocket", "no such file")
-    expect_format_error(tmp_path, "no such file")  # a folder
+    assert "no such file" in format_error(tmp_path / "nothing.pocket")
+    assert "no such file" in format_error(tmp_path)  # a folder
     empty = tmp_path / "empty.pocket"
     empty.write_bytes(b"")
-    expect_format_error(empty, "empty")
+    assert "empty" in format_error(empty)
     seven = tmp_path / "seven.pocket"
     seven.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00")
-    expect_format_error(seven, "truncated")
+    assert "truncated" in format_error(seven)
 
 
 @pytest.mark.parametrize("n", [0, 1, 1000, 2**40, 2**64 - 1])
 def test_header_length_does_not_fit(tmp_path, n):
     path = tmp_path / "h.pocket"
     path.write_bytes(struct.pack("<Q", n) + b'{"a": 1}' + b" " * 92)
-    expect_format_error(path, "header length")
+    assert "header length" in format_error(path)
 
 
 @pytest.mark.parametrize("cut", [1, 7, 100])
 def test_truncated_data(good, cut):
     data = good.read_bytes()
     good.write_bytes(data[:-cut])
-    expect_format_error(good, "truncated")
+    assert "truncated" in format_error(good)
 
 
 def test_truncated_inside_the_header(good):
     n, _ = read_raw_header(good)
     good.write_bytes(good.read_bytes()[:8 + n // 2])
-    expect_format_error(good, "header length")
+    assert "header length" in format_error(good)
 
 
 @pytest.mark.parametrize("header", [
@@ -297,12 +296,12 @@ def test_truncated_inside_the_header(good):
     b'{"x": ' + b"9" * 10_000 + b"}",  # an integer beyond Python's conversion limit
 ])
 def test_header_not_json(tmp_path, header):
-    expect_format_error(craft(tmp_path / "j.pocket", header), "not valid JSON")
+    assert "not valid JSON" in format_error(craft(tmp_path / "j.pocket", header))
 
 
 @pytest.mark.parametrize("header", [b"[]", b'"text"', b"42", b"null"])
 def test_header_not_an_object(tmp_path, header):
-    expect_format_error(craft(tmp_path / "j.pocket", header), "not a JSON object")
+    assert "not a JSON object" in format_error(craft(tmp_path / "j.pocket", header))
 
 
 def test_flipped_byte_is_a_checksum_error(good):
@@ -312,8 +311,8 @@ def test_flipped_byte_is_a_checksum_error(good):
     data = bytearray(good.read_bytes())
     data[info.start + 5] ^= 0x01
     good.write_bytes(bytes(data))
-    msg = expect_format_error(good, "'d.i8'", cls=ChecksumError)
-    assert "corrupt" in msg
+    msg = format_error(good, cls=ChecksumError)
+    assert "'d.i8'" in msg and "corrupt" in msg
     pf = PocketFile(good, verify=False)  # loads without the check...
     assert not np.array_equal(pf.tensor("d.i8"), sample_tensors()["d.i8"])
     pf.verify(["a.f32", "b.f16"])  # ...the other tensors are fine...
@@ -330,7 +329,7 @@ def test_flipped_byte_in_padding_and_tokenizer(good):
         data = bytearray(good.read_bytes())
         data[start] ^= 0x80
         good.write_bytes(bytes(data))
-        expect_format_error(good, name, cls=ChecksumError)
+        assert name in format_error(good, cls=ChecksumError)
         data[start] ^= 0x80
         good.write_bytes(bytes(data))
     PocketFile(good)
@@ -350,9 +349,9 @@ def test_padding_without_recorded_checksums_loads(good):
 def test_plain_safetensors_file(tmp_path):
     path = tmp_path / "model.safetensors"
     save_file({"w": np.ones((2, 2), np.float32)}, str(path))
-    expect_format_error(path, "pocket pack")
+    assert "pocket pack" in format_error(path)
     save_file({"w": np.ones((2, 2), np.float32)}, str(path), metadata={"format": "pt"})
-    expect_format_error(path, "pocket pack")
+    assert "pocket pack" in format_error(path)
 
 
 @pytest.mark.parametrize("version", ["2", "0", "x", "1.0", None, 2, [1], {"v": 1}])
@@ -363,7 +362,7 @@ def test_wrong_format_version(good, version):
         else:
             h["__metadata__"]["format_version"] = version
     rewrite_header(good, edit)
-    expect_format_error(good, "format version")
+    assert "format version" in format_error(good)
 
 
 def test_random_bytes(tmp_path):
@@ -371,18 +370,18 @@ def test_random_bytes(tmp_path):
     for i in range(20):
         path = tmp_path / f"r{i}.pocket"
         path.write_bytes(r.integers(0, 256, int(r.integers(1, 5000)), dtype=np.uint8).tobytes())
-        expect_format_error(path)
+        assert format_error(path)
         # a plausible header length followed by junk
         path.write_bytes(struct.pack("<Q", 100) + r.integers(0, 256, 300, np.uint8).tobytes())
-        expect_format_error(path)
+        assert format_error(path)
 
 
 def test_gguf_file(tmp_path):
     path = tmp_path / "model.gguf"
     path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 10, 2) + bytes(range(256)) * 4)
-    expect_format_error(path)
+    assert format_error(path)
     path.write_bytes(b"GGUF")
-    expect_format_error(path, "truncated")
+    assert "truncated" in format_error(path)
 
 
 META = {"format": "pocket", "format_version": "1"}
@@ -419,8 +418,8 @@ def test_bad_tensor_entry(tmp_path, entry, match):
     data = np.arange(3, dtype=np.float32).tobytes()
     path = craft(tmp_path / "t.pocket", {"__metadata__": _meta(w=zlib.crc32(data)), "w": entry},
                  data)
-    msg = expect_format_error(path, match)
-    assert "'w'" in msg
+    msg = format_error(path)
+    assert match in msg and "'w'" in msg
 
 
 @pytest.mark.parametrize("meta,match", [
@@ -437,7 +436,7 @@ def test_bad_metadata(tmp_path, meta, match):
     data = np.arange(3, dtype=np.float32).tobytes()
     entry = {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}
     path = craft(tmp_path / "m.pocket", {"__metadata__": meta, "w": entry}, data)
-    expect_format_error(path, match)
+    assert match in format_error(path)
 
 
 @pytest.mark.parametrize("recorded", [12345, "abc", None, 1.5, [1]])
@@ -445,7 +444,7 @@ def test_wrong_recorded_checksum(tmp_path, recorded):
     data = np.arange(3, dtype=np.float32).tobytes()
     entry = {"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}
     path = craft(tmp_path / "c.pocket", {"__metadata__": _meta(w=recorded), "w": entry}, data)
-    expect_format_error(path, "'w'", cls=ChecksumError)
+    assert "'w'" in format_error(path, cls=ChecksumError)
     PocketFile(path, verify=False)
 
 
