@@ -256,8 +256,10 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
     if precision == "float":
         return from_source(open_source(path), n_ctx=n_ctx)
     key = Path(path)
-    if kind == "run":  # the checkpoint file the run exports (best.pt under early stopping)
-        key = key / "best.pt" if (key / "best.pt").is_file() else key / "checkpoint.pt"
+    if kind == "run":
+        from .formats import run_checkpoint
+
+        key = run_checkpoint(key)
     cached = packed_cache_path(key, group_size, embed_bits, keep_precision,
                                name=Path(path).name if kind == "run" else None)
     if not cached.is_file():

@@ -459,7 +459,7 @@ class SpmTokenizer(Tokenizer):
         self._vocab_size = sp.get_piece_size()
         self._dropped_id = None
         self._lock = threading.Lock()
-        self._finders: dict[bool, re.Pattern | None] = {}
+        self._finders: dict[bool, tuple[re.Pattern | None, dict[str, int]]] = {}
 
     @property
     def kind(self) -> str:
@@ -481,26 +481,25 @@ class SpmTokenizer(Tokenizer):
     def _piece(self, id: int) -> str | None:
         return self.sp.id_to_piece(id)
 
-    def _finder(self, special: bool) -> re.Pattern | None:
-        """A regex matching every token text that is cut out of the text (longest first)."""
+    def _finder(self, special: bool) -> tuple[re.Pattern | None, dict[str, int]]:
+        """A regex matching every token text that is cut out of the text (longest first), and
+        those texts' ids; built once per ``special``."""
         if special not in self._finders:
-            texts = set(self.user_defined) | (set(self.special_tokens) if special else set())
-            texts = sorted(texts, key=lambda t: (-len(t), t))
+            table = {**self.user_defined, **(self.special_tokens if special else {})}
+            texts = sorted(table, key=lambda t: (-len(t), t))
             self._finders[special] = (
-                re.compile("|".join(re.escape(t) for t in texts)) if texts else None
-            )
+                re.compile("|".join(re.escape(t) for t in texts)) if texts else None, table)
         return self._finders[special]
 
     def _partition(self, text: str, special: bool) -> list[str | int]:
         """``text`` as raw-text pieces and token ids, as llama.cpp partitions it: each token
         text, longest first, is cut out of the raw pieces wherever it occurs."""
-        finder = self._finder(special)
+        finder, table = self._finder(special)
         if finder is None or not text:
             return [text] if text else []
         present = {m.group(0) for m in finder.finditer(text)}
         if not present:
             return [text]
-        table = {**self.user_defined, **(self.special_tokens if special else {})}
         parts: list[str | int] = [text]
         for tok in sorted(present, key=lambda t: (-len(t), t)):
             tid = table[tok]

@@ -92,6 +92,13 @@ def sniff(path: str | Path) -> str:
                       f"GGUF file or a Hugging Face folder; found bytes {head[:8]!r})")
 
 
+def run_checkpoint(run: str | Path) -> Path:
+    """The checkpoint file a training run folder stands for: ``best.pt`` (the early-stopping
+    best weights) when the run kept one, else ``checkpoint.pt`` (the latest)."""
+    run = Path(run)
+    return run / "best.pt" if (run / "best.pt").is_file() else run / "checkpoint.pt"
+
+
 def open_source(path: str | Path) -> SourceModel:
     """Read a GGUF file, a Hugging Face folder or a training run (its best weights under early
     stopping, else the latest checkpoint; not a deploy file: those load directly)."""

@@ -64,6 +64,18 @@ def _tokenizer_from(spec: str):
     return src.tokenizer, src.chat_template
 
 
+def _run_train_config(path: Path) -> dict:
+    """A run's training settings: its ``train_config.json`` (cheap), else from the checkpoint
+    (which holds the optimizer state too)."""
+    folder = path if path.is_dir() else path.parent
+    try:
+        return json.loads((folder / "train_config.json").read_text(encoding="utf-8"))["train"]
+    except (OSError, ValueError, KeyError, TypeError):
+        from .trainer import load_checkpoint
+
+        return load_checkpoint(path)["train_config"]
+
+
 def _read_meta(shards: Path) -> dict | None:
     try:
         return json.loads((shards / "meta.json").read_text(encoding="utf-8"))
@@ -101,9 +113,7 @@ def cmd_train(args) -> int:
     resuming = (out / CHECKPOINT).is_file()
     preset = args.preset
     if resuming or args.init:
-        from .trainer import load_checkpoint
-
-        ck_preset = load_checkpoint(out if resuming else args.init)["train_config"]["preset"]
+        ck_preset = _run_train_config(out if resuming else Path(args.init))["preset"]
         if preset and preset != ck_preset:
             where = f"{out} holds a {ck_preset} run" if resuming else \
                 f"{args.init} is a {ck_preset} checkpoint"

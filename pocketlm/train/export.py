@@ -14,7 +14,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FormatError
-from ..formats import SourceModel, SourceTensor
+from ..formats import SourceModel, SourceTensor, run_checkpoint
 from ..tokenizer import Tokenizer
 from .trainer import BEST, checkpoint_weights, load_checkpoint
 
@@ -26,12 +26,15 @@ def checkpoint_source(run: str | Path, *, best: bool | None = None) -> SourceMod
     (``best.pt``); None takes them when the run has them, else the latest checkpoint. LoRA
     adapters are merged into the weights."""
     run_path = Path(run)
-    best_path = run_path / BEST if run_path.is_dir() else None
     if best is None:
-        best = best_path is not None and best_path.is_file()
-    if best and (best_path is None or not best_path.is_file()):
-        raise FormatError(f"{run}: no {BEST} (the run did not use early stopping)")
-    ck = load_checkpoint(best_path if best else run)
+        path = run_checkpoint(run_path) if run_path.is_dir() else run_path
+    elif best:
+        path = run_path / BEST
+        if not path.is_file():
+            raise FormatError(f"{run}: no {BEST} (the run did not use early stopping)")
+    else:
+        path = run_path
+    ck = load_checkpoint(path)
     cfg = ModelConfig.from_dict(ck["model_config"])
     tensors: dict[str, SourceTensor] = {}
     for name, t in checkpoint_weights(ck).items():
