@@ -430,3 +430,158 @@ def test_real_model_q8_top1_agreement(smollm, monkeypatch):
         got = np.concatenate(rows)
         agree = float((got.argmax(-1) == expected.argmax(-1)).mean())
         assert agree >= 0.99, f"q8 top-1 agreement {agree:.3f} (split {split})"
+
+
+# -- continuous batching: one token of several sequences per forward ------------------------
+
+def _batched_decode(rt, prompts, steps, *, stagger=True):
+    """Greedy-free: every sequence is fed its own fixed token stream. Sequences start at
+    different times (stagger) so positions and cache lengths differ within a batch. Returns
+    the logits of every decode step of every sequence, in order."""
+    caches = [rt.new_cache(64) for _ in prompts]
+    for p, c in zip(prompts, caches, strict=True):
+        rt.forward(p, c)
+    out = [[] for _ in prompts]
+    for step in range(steps):
+        live = [i for i in range(len(prompts)) if not stagger or step >= i]
+        toks = [IDS[(step + 3 * i) % len(IDS)] for i in live]
+        logits = rt.forward_batch(toks, [caches[i] for i in live])
+        assert logits.shape == (len(live), rt.config.vocab_size)
+        for row, i in enumerate(live):
+            out[i].append(logits[row])
+    return [np.stack(o) for o in out], caches
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_batched_decode_matches_one_sequence_at_a_time(arch, mode):
+    cfg = torch_ref.tiny_config(arch, sliding_window=5) if arch == "gemma3" else \
+        torch_ref.tiny_config(arch)
+    w = _weights(cfg, 21, True)
+    ref, nat, bound = _runtimes(cfg, w, mode)
+    prompts = [IDS[:3], IDS[2:9], [7], IDS[::-1]]
+    expected, ref_caches = _batched_decode(ref, prompts, 8)  # numpy: one forward per row
+    got, caches = _batched_decode(nat, prompts, 8)
+    for e, g in zip(expected, got, strict=True):
+        assert _rel_err(g, e) <= bound
+    assert [c.length for c in caches] == [c.length for c in ref_caches]
+    # each row equals the same token run alone through forward() (span-split attention)
+    single = nat.new_cache(64)
+    nat.forward(prompts[1], single)
+    solo = [nat.forward([IDS[(s + 3) % len(IDS)]], single) for s in range(1, 8)]
+    assert _rel_err(np.stack(solo), got[1]) <= max(bound, 1e-5)
+
+
+def test_batched_decode_threads_do_not_change_results():
+    cfg = torch_ref.tiny_config("qwen3")
+    w = _weights(cfg, 22, True)
+    outs = []
+    for threads in (1, 2, 3):
+        _, nat, _ = _runtimes(cfg, w, "q8", threads=threads)
+        outs.append(np.concatenate(_batched_decode(nat, [IDS[:4], IDS[4:]], 5)[0]))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], outs[2])
+
+
+def test_batch_larger_than_one_block():
+    """More sequences than the engine's block of rows (128) in one call."""
+    cfg = torch_ref.tiny_config("llama")
+    w = _weights(cfg, 23, True)
+    ref, nat, bound = _runtimes(cfg, w, "q8")
+    n = 130
+    toks = [(7 * i) % cfg.vocab_size for i in range(n)]
+    caches = [nat.new_cache(4) for _ in range(n)]
+    for i, c in enumerate(caches):
+        nat.forward([IDS[i % len(IDS)]], c)
+    got = nat.forward_batch(toks, caches)
+    for i in (0, 64, 127, 128, 129):
+        c = ref.new_cache(4)
+        ref.forward([IDS[i % len(IDS)]], c)
+        assert _rel_err(got[i], ref.forward([toks[i]], c)) <= bound
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_copy_prefix_reuses_a_computed_prompt(kv):
+    cfg = torch_ref.tiny_config("gemma3")
+    w = _weights(cfg, 24, True)
+    for rt in _runtimes(cfg, w, "f32" if kv == "f32" else "f32-kv16")[:2]:
+        shared = rt.new_cache(40)
+        rt.forward(IDS[:10], shared)  # e.g. a system prompt, computed once
+        fresh = rt.forward(IDS, rt.new_cache(40), all_logits=True)
+        for n in (10, 7, 0):  # the whole prefix, part of it (crossing no 16-block), none
+            c = rt.new_cache(30)
+            rt.copy_prefix(c, shared, n)
+            assert c.length == n
+            got = rt.forward(IDS[n:], c, all_logits=True)
+            np.testing.assert_allclose(got, fresh[n:], atol=1e-5 * np.abs(fresh).max())
+        assert shared.length == 10  # the source is untouched
+        with pytest.raises(ContextLengthError):
+            rt.copy_prefix(rt.new_cache(30), shared, 11)  # more than it holds
+        with pytest.raises(ContextLengthError):
+            rt.copy_prefix(rt.new_cache(5), shared, 10)  # more than the target holds
+        with pytest.raises(ValueError):
+            rt.copy_prefix(shared, shared, 3)
+
+
+def test_batch_errors_raise_and_leave_the_caches_unchanged():
+    cfg = torch_ref.tiny_config("llama")
+    w = _weights(cfg, 25, True)
+    _, nat, _ = _runtimes(cfg, w)
+    a, b, full = nat.new_cache(8), nat.new_cache(8), nat.new_cache(2)
+    nat.forward([1, 2], a)
+    nat.forward([3], b)
+    nat.forward([4, 5], full)
+    for toks, caches, err in [
+        ([1, 2], [a, a], ValueError),                  # one cache twice
+        ([1, 2], [a], ValueError),                     # counts differ
+        ([1, cfg.vocab_size], [a, b], ValueError),     # id out of range
+        ([1, 2], [a, full], ContextLengthError),       # a full cache
+        ([], [], ValueError),
+    ]:
+        with pytest.raises(err):
+            nat.forward_batch(toks, caches)
+        assert (a.length, b.length, full.length) == (2, 1, 2)
+    _, other, _ = _runtimes(cfg, w)
+    with pytest.raises(ValueError):
+        nat.forward_batch([1, 2], [a, other.new_cache(4)])
+    assert (a.length, b.length) == (2, 1)
+    # the raw extension checks positions and caches itself
+    eng = nat.native
+    logits = np.empty((2, cfg.vocab_size), np.float32)
+    with pytest.raises(ValueError):
+        eng.model.forward_batch([a.kv, b.kv], np.array([1, 2], np.int32),
+                                np.array([0, 8], np.int32), logits)
+    with pytest.raises(TypeError):
+        eng.model.forward_batch([a.kv, "x"], np.array([1, 2], np.int32),
+                                np.array([0, 1], np.int32), logits)
+    with pytest.raises(ValueError):
+        eng.model.forward_batch([a.kv, b.kv], np.array([1, 2], np.int32),
+                                np.array([0, 1], np.int32), np.empty((3, 5), np.float32))
+    with pytest.raises(ValueError):
+        eng.model.kv_copy(a.kv, b.kv, 9)
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8"])
+def test_a_row_does_not_depend_on_the_rest_of_its_batch(mode):
+    """Batch invariance: a sequence's logits are bit-identical alone or among others."""
+    cfg = torch_ref.tiny_config("qwen2", max_context=512)
+    w = _weights(cfg, 26, True)
+    _, nat, _ = _runtimes(cfg, w, mode)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 40, 150, 9, 1, 70)]
+
+    def run(members):
+        caches = {i: nat.new_cache(200) for i in members}
+        for i in members:
+            nat.forward(prompts[i], caches[i])
+        rows = {i: [] for i in members}
+        for step in range(4):
+            lg = nat.forward_batch([(step + i) % cfg.vocab_size for i in members],
+                                   [caches[i] for i in members])
+            for r, i in enumerate(members):
+                rows[i].append(lg[r])
+        return {i: np.stack(v) for i, v in rows.items()}
+
+    alone = run([2])[2]
+    np.testing.assert_array_equal(run([0, 1, 2])[2], alone)
+    np.testing.assert_array_equal(run([5, 4, 3, 2, 1, 0])[2], alone)

@@ -120,6 +120,59 @@ class Runtime:
             return NativeKVCache(self.native, cap)
         return KVCache(self.config, cap)
 
+    def forward_batch(self, ids, caches: list[KVCache]) -> np.ndarray:
+        """One token for each of several sequences (continuous batching): ``ids[i]`` runs at
+        the next position of ``caches[i]``; returns float32 logits ``[len(ids), vocab]``.
+
+        The native engine streams the weights once for the whole batch; each row computes what
+        :meth:`forward` of that one token computes (to float rounding: a one-token forward
+        splits its attention differently), and bit for bit what it computes in any other batch
+        (results do not depend on who else is in the batch). The caches must be distinct."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise ValueError("forward_batch() needs at least one token")
+        if len(caches) != n:
+            raise ValueError(f"{len(caches)} caches for {n} tokens")
+        if len({id(c) for c in caches}) != n:
+            raise ValueError("a KV cache appears twice in one batch")
+        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+        for c in caches:
+            if c.length >= c.capacity:
+                raise ContextLengthError(f"{c.length + 1} tokens do not fit the context of "
+                                         f"{c.capacity}")
+        if all(isinstance(c, NativeKVCache) for c in caches):
+            if any(self.native is None or c.engine is not self.native for c in caches):
+                raise ValueError("this KV cache belongs to another runtime")
+            pos = np.array([c.length for c in caches], dtype=np.int32)
+            logits = self.native.forward_batch([c.kv for c in caches], ids.astype(np.int32),
+                                               pos)
+            for c in caches:
+                c.length += 1
+            return logits
+        return np.stack([self.forward(ids[i:i + 1], c) for i, c in enumerate(caches)])
+
+    def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
+        """Make the first ``n`` positions of ``dst`` those of ``src`` (``dst.length = n``): a
+        prompt prefix computed once serves another sequence."""
+        if dst is src:
+            raise ValueError("copy_prefix() needs two different caches")
+        if not 0 <= n <= min(src.length, dst.capacity):
+            raise ContextLengthError(f"cannot copy {n} positions from a cache holding "
+                                     f"{src.length} into one of capacity {dst.capacity}")
+        if isinstance(src, NativeKVCache) != isinstance(dst, NativeKVCache):
+            raise ValueError("copy_prefix() needs two caches of the same engine")
+        if isinstance(src, NativeKVCache):
+            if src.engine is not self.native or dst.engine is not self.native:
+                raise ValueError("this KV cache belongs to another runtime")
+            self.native.kv_copy(dst.kv, src.kv, n)
+        else:
+            for layer in range(self.config.n_layers):
+                dst.k[layer][:n] = src.k[layer][:n]
+                dst.v[layer][:n] = src.v[layer][:n]
+        dst.length = n
+
     def _rope(self, theta: float, positions: np.ndarray):
         end = int(positions.max()) + 1
         cached = self._rope_cache.get(theta)

@@ -126,6 +126,23 @@ int pocket_model_forward(pocket_model *model, pocket_kv *kv, const int32_t *ids,
                          int start_pos, float *logits, int all_logits, pocket_pool *pool,
                          int nthreads);
 
+/* One token for each of n sequences in one pass over the weights (continuous batching): row i
+ * runs ids[i] at position pos[i] of kvs[i] (positions before pos[i] filled by earlier calls;
+ * the n caches distinct, all of this model) and writes logits[i * vocab ..]. Each row computes
+ * what pocket_model_forward() of that one token computes, to float rounding (a one-token
+ * forward splits its attention into spans merged afterwards; here every row attends in one
+ * pass, as in a prefill block). A row's result does not depend on the other rows of the batch,
+ * bit for bit: a server's answers do not change with its load. Checks every id, position and
+ * cache; returns POCKET_OK or a negative status (nothing is written to any cache on an
+ * argument error). */
+int pocket_model_forward_batch(pocket_model *model, pocket_kv *const *kvs, const int32_t *ids,
+                               const int32_t *pos, int n, float *logits, pocket_pool *pool,
+                               int nthreads);
+
+/* Copy positions [0, n) of src into dst (same model and format; n within both capacities):
+ * a shared prompt prefix computed once and reused by another sequence. */
+int pocket_kv_copy(pocket_kv *dst, const pocket_kv *src, int n);
+
 #ifdef __cplusplus
 }
 #endif

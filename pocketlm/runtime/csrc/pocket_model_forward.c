@@ -47,13 +47,25 @@ enum { PM_JOB_CONCAT, PM_JOB_GLU, PM_JOB_ATTN_DECODE, PM_JOB_ATTN_BLOCK, PM_JOB_
  * quantization, RoPE, residuals) split over the threads; smaller ones on the caller. */
 #define PM_PAR_ROWS 16
 
+/* Where the rows of a block go: one sequence (row i at position pos0 + i of kv), or a batch
+ * of sequences (row i at position pos[i] of kvs[i], all distinct caches). */
+typedef struct pm_seq {
+    pocket_kv *kv;
+    int pos0;
+    pocket_kv *const *kvs;
+    const int32_t *pos;
+} pm_seq;
+
+static inline pocket_kv *seq_kv(const pm_seq *s, int i) { return s->kvs ? s->kvs[i] : s->kv; }
+static inline int seq_pos(const pm_seq *s, int i) { return s->pos ? s->pos[i] : s->pos0 + i; }
+
 /* Per-token steps of a layer: fn(r, i0, i1) processes tokens [i0, i1) of the block. */
 struct pm_rows;
 typedef void (*pm_rows_fn)(const struct pm_rows *r, int i0, int i1);
 typedef struct pm_rows {
     pocket_model *m;
-    pocket_kv *kv;
-    int layer, pos0;
+    const pm_seq *seq;
+    int layer;
     const pm_act *act; /* activations to prepare (quantize / sum), or NULL */
     pm_rows_fn fn;
 } pm_rows;
@@ -70,9 +82,10 @@ typedef struct pm_job {
     pm_act act; /* the int8 activations, when quantized */
     int quantized;
     /* attention */
-    const pocket_kv *kv;
-    int layer, pos0, lo, hi, nspans, units;
-    const void *K, *V; /* the layer's cache */
+    const pocket_kv *kv; /* decode */
+    const pm_seq *seq;   /* block */
+    int layer, lo, hi, nspans, units;
+    const void *K, *V; /* decode: the layer's cache */
     const pm_rows *rows; /* PM_JOB_ROWS */
     const pm_act *post;  /* PM_JOB_GLU: the output prepared for W_down by each task, or NULL */
     int status;
@@ -198,17 +211,19 @@ static void pm_task(void *ctx, int task, int ntasks) {
         float *pm = scr + (size_t)G * PM_SPAN, *pl = pm + G, *pacc = pl + G;
         const int win = m->layers[j->layer].sliding ? m->c.sliding_window : 0;
         for (int u = task; u < j->units; u += ntasks) {
-            const int i = u / nkv, kvh = u % nkv, pos = j->pos0 + i;
+            const int i = u / nkv, kvh = u % nkv, pos = seq_pos(j->seq, i);
+            const pocket_kv *kv = seq_kv(j->seq, i);
             attn_unit_init(pm, pl, pacc, G, hd);
             pm_attn_args A;
             A.q = m->q + (size_t)i * m->q_dim + (size_t)kvh * G * hd;
             A.G = G;
             A.hd = hd;
             A.scale = m->c.attn_scale;
-            A.f16 = j->kv->f16;
-            const size_t off = (size_t)kvh * j->kv->head_stride * (A.f16 ? 2 : 4);
-            A.K = (const char *)j->K + off;
-            A.V = (const char *)j->V + off;
+            A.f16 = kv->f16;
+            const size_t es = A.f16 ? 2 : 4;
+            const size_t off = ((size_t)j->layer * kv->layer_stride + (size_t)kvh * kv->head_stride) * es;
+            A.K = (const char *)kv->k + off;
+            A.V = (const char *)kv->v + off;
             A.a = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
             A.b = pos + 1;
             A.s = scr;
@@ -400,7 +415,7 @@ static void rope_heads(float *x, int heads, int hd, const float *cs, const float
 }
 
 /* Biases, q/k norms, RoPE for the block's q and k; k and v into the cache. */
-static void post_qkv(pocket_model *m, pocket_kv *kv, int layer, int i0, int i1, int pos0) {
+static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int i1) {
     const pocket_layer_weights *L = &m->layers[layer];
     const int hd = m->c.head_dim, nh = m->c.n_heads, nkv = m->c.n_kv_heads;
     const int qd = m->q_dim, kvd = m->kv_dim;
@@ -417,7 +432,8 @@ static void post_qkv(pocket_model *m, pocket_kv *kv, int layer, int i0, int i1, 
             m->ops->rmsnorm(q, L->q_norm, nh, hd, m->c.norm_eps, q);
             m->ops->rmsnorm(k, L->k_norm, nkv, hd, m->c.norm_eps, k);
         }
-        const size_t pos = (size_t)(pos0 + i);
+        pocket_kv *kv = seq_kv(seq, i);
+        const size_t pos = (size_t)seq_pos(seq, i);
         const float *cs = m->rcos[base] + pos * H, *sn = m->rsin[base] + pos * H;
         rope_heads(q, nh, hd, cs, sn);
         rope_heads(k, nkv, hd, cs, sn);
@@ -487,7 +503,7 @@ static void step_pre_attn(const pm_rows *r, int i0, int i1) { /* h = norm(x); pr
 }
 
 static void step_post_qkv(const pm_rows *r, int i0, int i1) {
-    post_qkv(r->m, r->kv, r->layer, i0, i1, r->pos0);
+    post_qkv(r->m, r->seq, r->layer, i0, i1);
 }
 
 static void step_post_attn(const pm_rows *r, int i0, int i1) { /* x += [norm](o); h = norm(x) */
@@ -514,12 +530,12 @@ static void step_post_mlp(const pm_rows *r, int i0, int i1) { /* x += [norm](o) 
     add_rows(m->x + off, m->o + off, len);
 }
 
-static int layer_forward(pocket_model *m, pocket_kv *kv, int l, int n, int pos0,
-                         pocket_pool *pool, int nthreads) {
+static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocket_pool *pool,
+                         int nthreads) {
     const pocket_layer_weights *L = &m->layers[l];
     const int d = m->c.d_model, qd = m->q_dim, ff = m->c.d_ff;
     const pm_tiled *T = m->tiled + (size_t)7 * l;
-    pm_rows r = {m, kv, l, pos0, NULL, NULL};
+    pm_rows r = {m, seq, l, NULL, NULL};
     pm_act act;
     int rc;
 
@@ -538,15 +554,17 @@ static int layer_forward(pocket_model *m, pocket_kv *kv, int l, int n, int pos0,
     pm_job j;
     memset(&j, 0, sizeof j);
     j.m = m;
-    j.kv = kv;
+    j.seq = seq;
     j.layer = l;
-    j.pos0 = pos0;
     j.n = n;
-    const size_t es = kv->f16 ? 2 : 4;
-    j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
-    j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
     const int nkv = m->c.n_kv_heads;
-    if (n == 1) {
+    if (n == 1 && !seq->kvs) { /* one token: its keys split into spans over the threads */
+        const pocket_kv *kv = seq_kv(seq, 0);
+        const int pos0 = seq_pos(seq, 0);
+        const size_t es = kv->f16 ? 2 : 4;
+        j.kv = kv;
+        j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
+        j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
         const int win = L->sliding ? m->c.sliding_window : 0;
         j.kind = PM_JOB_ATTN_DECODE;
         j.hi = pos0 + 1;
@@ -590,45 +608,101 @@ static int layer_forward(pocket_model *m, pocket_kv *kv, int l, int n, int pos0,
     return run_rows(m, pool, nthreads, n, &r);
 }
 
+/* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. */
+static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_pool *pool,
+                     int nthreads) {
+    const int d = m->c.d_model;
+    m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
+    const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
+    pm_act act;
+    const int use = plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, &act);
+    if (use) prepare_act(m, &act, 0, nrows);
+    return run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
+                        use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+}
+
+static int check_threads(pocket_pool *pool, int *nthreads) {
+    if (*nthreads < 1 || *nthreads > PM_MAX_THREADS) return POCKET_EINVAL;
+    if (pool && pocket_pool_size(pool) < *nthreads) *nthreads = pocket_pool_size(pool);
+    if (!pool) *nthreads = 1;
+    return POCKET_OK;
+}
+
 int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int n,
                          int start_pos, float *logits, int all_logits, pocket_pool *pool,
                          int nthreads) {
     if (!m || !kv || !ids || !logits || kv->model != m) return POCKET_EINVAL;
     if (n <= 0 || start_pos < 0 || (long long)start_pos + n > kv->capacity) return POCKET_EINVAL;
-    if (nthreads < 1 || nthreads > PM_MAX_THREADS || (all_logits != 0 && all_logits != 1))
+    if (check_threads(pool, &nthreads) || (all_logits != 0 && all_logits != 1))
         return POCKET_EINVAL;
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= m->c.vocab_size) return POCKET_EINVAL;
-    if (pool && pocket_pool_size(pool) < nthreads) nthreads = pocket_pool_size(pool);
-    if (!pool) nthreads = 1;
     int rc = pm_ensure_rope(m, start_pos + n);
     if (rc) return rc;
-    const int d = m->c.d_model;
     const size_t V = (size_t)m->c.vocab_size;
     for (int b0 = 0; b0 < n; b0 += PM_BLOCK) {
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
-        const int pos0 = start_pos + b0;
+        const pm_seq seq = {kv, start_pos + b0, NULL, NULL};
         embed_rows(m, ids + b0, nb, m->x);
         for (int l = 0; l < m->c.n_layers; l++) {
-            rc = layer_forward(m, kv, l, nb, pos0, pool, nthreads);
+            rc = layer_forward(m, &seq, l, nb, pool, nthreads);
             if (rc) return rc;
         }
-        int rows0 = 0, nrows = nb; /* rows of the block whose logits are wanted */
-        float *y = logits + (size_t)b0 * V;
-        if (!all_logits) {
-            if (b0 + nb < n) continue;
-            rows0 = nb - 1;
-            nrows = 1;
-            y = logits;
-        }
-        m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
-        const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
-        pm_act act;
-        const int use = plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, &act);
-        if (use) prepare_act(m, &act, 0, nrows);
-        rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
-                          use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+        if (all_logits)
+            rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads);
+        else if (b0 + nb == n)
+            rc = head_rows(m, nb - 1, 1, logits, pool, nthreads);
         if (rc) return rc;
     }
+    return POCKET_OK;
+}
+
+int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
+                               const int32_t *pos, int n, float *logits, pocket_pool *pool,
+                               int nthreads) {
+    if (!m || !kvs || !ids || !pos || !logits || n <= 0) return POCKET_EINVAL;
+    if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
+    int need = 0;
+    for (int i = 0; i < n; i++) {
+        const pocket_kv *kv = kvs[i];
+        if (!kv || kv->model != m || ids[i] < 0 || ids[i] >= m->c.vocab_size || pos[i] < 0 ||
+            pos[i] >= kv->capacity)
+            return POCKET_EINVAL;
+        for (int k = 0; k < i; k++)
+            if (kvs[k] == kv) return POCKET_EINVAL; /* one row per sequence */
+        if (pos[i] + 1 > need) need = pos[i] + 1;
+    }
+    int rc = pm_ensure_rope(m, need);
+    if (rc) return rc;
+    const size_t V = (size_t)m->c.vocab_size;
+    for (int b0 = 0; b0 < n; b0 += PM_BLOCK) { /* the rows are independent sequences */
+        const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
+        const pm_seq seq = {NULL, 0, kvs + b0, pos + b0};
+        embed_rows(m, ids + b0, nb, m->x);
+        for (int l = 0; l < m->c.n_layers; l++) {
+            rc = layer_forward(m, &seq, l, nb, pool, nthreads);
+            if (rc) return rc;
+        }
+        if ((rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads))) return rc;
+    }
+    return POCKET_OK;
+}
+
+int pocket_kv_copy(pocket_kv *dst, const pocket_kv *src, int n) {
+    if (!dst || !src || dst == src || dst->model != src->model || dst->f16 != src->f16 || n < 0 ||
+        n > src->capacity || n > dst->capacity)
+        return POCKET_EINVAL;
+    if (n == 0) return POCKET_OK;
+    const pocket_model *m = src->model;
+    const size_t es = src->f16 ? 2 : 4, hd = (size_t)m->c.head_dim;
+    /* keys: whole blocks of 16 positions (the tail of the last block is never read) */
+    const size_t kbytes = pocket_round_up((size_t)n, 16) * hd * es, vbytes = (size_t)n * hd * es;
+    for (int l = 0; l < m->c.n_layers; l++)
+        for (int h = 0; h < m->c.n_kv_heads; h++) {
+            const size_t so = ((size_t)l * src->layer_stride + (size_t)h * src->head_stride) * es;
+            const size_t d = ((size_t)l * dst->layer_stride + (size_t)h * dst->head_stride) * es;
+            memcpy((char *)dst->k + d, (const char *)src->k + so, kbytes);
+            memcpy((char *)dst->v + d, (const char *)src->v + so, vbytes);
+        }
     return POCKET_OK;
 }

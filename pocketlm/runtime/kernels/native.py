@@ -349,3 +349,15 @@ class NativeEngine:
         _call(self.model.forward, kv, ids, int(start_pos), logits, all_logits=all_logits,
               threads=self.threads, pool=_get_pool(self.threads))
         return logits
+
+    def forward_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """One token per sequence: logits float32 ``[n, vocab]`` of ``ids[i]`` (int32) at
+        position ``pos[i]`` (int32) of ``kvs[i]``; one pass over the weights for all of them."""
+        logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
+        _call(self.model.forward_batch, kvs, ids, pos, logits, threads=self.threads,
+              pool=_get_pool(self.threads))
+        return logits
+
+    def kv_copy(self, dst, src, n: int) -> None:
+        """Positions ``[0, n)`` of the cache ``src`` into ``dst``."""
+        _call(self.model.kv_copy, dst, src, int(n))
