@@ -24,6 +24,7 @@ EPILOG = """examples:
   pocket pack model.gguf -o model.pocket           # INT4 deploy file
   pocket inspect model.pocket                      # what is inside
   pocket bench --vs llama.cpp                      # speed, memory, energy vs llama.cpp
+  pocket serve -m qwen2.5-0.5b                     # OpenAI-compatible API + chat page
   pocket train --preset tiny --data corpus.txt --out runs/tiny   # train from scratch
   pocket export runs/tiny -o tiny.pocket           # a training run as a deploy file
 
@@ -354,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate.cli import add_commands as add_eval_commands
 
     add_eval_commands(sub)
+    from .serve.cli import add_commands as add_serve_commands
+
+    add_serve_commands(sub)
     return parser
 
 

@@ -46,40 +46,63 @@ def stream_tokens(runtime: Runtime, cache: KVCache, prompt_ids: list[int], *, ma
     state.finish_reason = "length"
 
 
+class TextStream:
+    """Tokens in, text out, one token at a time: pieces never split a UTF-8 character and never
+    show any part of a stop string; after a stop string, ``stopped`` is set and nothing more
+    comes out. (The push form of :func:`stream_text`, for a server that feeds many.)"""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
+        self._detok = StreamingDetokenizer(tokenizer)
+        self._stops = [s for s in (stop or []) if s]
+        self._hold = max((len(s) for s in self._stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """The text that can be shown now that ``token`` came."""
+        if self.stopped:
+            return ""
+        self._pending += self._detok.add(token)
+        return self._release(final=False)
+
+    def finish(self) -> str:
+        """The text still held back, once no more tokens come."""
+        if self.stopped:
+            return ""
+        self._pending += self._detok.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        pending = self._pending
+        if not self._stops:
+            self._pending = ""
+            return pending
+        cut = _find_stop(pending, self._stops)
+        if cut is not None:
+            self.stopped = True
+            self._pending = ""
+            return pending[:cut]
+        # keep back a tail that could still become a stop string
+        safe = len(pending) if final else _partial_stop_start(pending, self._stops, self._hold)
+        self._pending = pending[safe:]
+        return pending[:safe]
+
+
 def stream_text(tokenizer: Tokenizer, tokens: Iterable[int], stop: list[str] | None = None,
                 state: GenerationState | None = None) -> Iterator[str]:
     """Detokenize ``tokens`` incrementally, cutting the text before the first stop string."""
-    detok = StreamingDetokenizer(tokenizer)
-    stops = [s for s in (stop or []) if s]
-    hold = max((len(s) for s in stops), default=1) - 1
-    pending = ""
+    text = TextStream(tokenizer, stop)
     for token in tokens:
-        pending += detok.add(token)
-        if stops:
-            cut = _find_stop(pending, stops)
-            if cut is not None:
-                if pending[:cut]:
-                    yield pending[:cut]
-                if state is not None:
-                    state.finish_reason = "stop"
-                return
-            # keep back a tail that could still become a stop string
-            safe = _partial_stop_start(pending, stops, hold)
-            if safe > 0:
-                yield pending[:safe]
-                pending = pending[safe:]
-        elif pending:
-            yield pending
-            pending = ""
-    pending += detok.flush()
-    if stops:
-        cut = _find_stop(pending, stops)
-        if cut is not None:
-            pending = pending[:cut]
-            if state is not None:
-                state.finish_reason = "stop"
-    if pending:
-        yield pending
+        piece = text.add(token)
+        if piece:
+            yield piece
+        if text.stopped:
+            break
+    piece = text.finish()
+    if piece:
+        yield piece
+    if text.stopped and state is not None:
+        state.finish_reason = "stop"
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

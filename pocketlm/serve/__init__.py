@@ -1,0 +1,4 @@
+"""`pocket serve`: an OpenAI-compatible local API with continuous batching (see app.py).
+
+Needs the ``serve`` extra (Starlette and uvicorn): ``pip install 'pocketlm[serve]'``.
+"""

@@ -1,0 +1,130 @@
+"""`pocket serve`: the command line of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..errors import PocketError
+
+SERVE_EPILOG = """examples:
+  pocket serve                                   # default model on http://127.0.0.1:8000
+  pocket serve -m qwen2.5-0.5b --max-memory-mb 900 --api-key "$KEY"
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
+
+Any OpenAI client works: base_url="http://127.0.0.1:8000/v1" (api_key: the --api-key, or any
+string when none is set). Sampling defaults (temperature, top_p, ...) are the model's own
+generation settings when a request leaves them out; temperature 0 is greedy.
+
+memory: --max-memory-mb bounds the whole process (weights, tokenizer, step buffers and every
+KV cache). A request reserves the KV cache of its prompt + max_tokens before it starts;
+requests that do not fit wait (oldest first) in a line of --max-queue, and beyond that get
+429 with Retry-After. Nothing accepted is dropped.
+"""
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP API and chat page "
+                       "(continuous batching, memory budget)",
+                       description="Serve one model over OpenAI's HTTP API (/v1/completions, "
+                       "/v1/chat/completions, /v1/models, streaming as server-sent events) with "
+                       "a chat page at /. Concurrent requests are decoded together, one batched "
+                       "step at a time.", epilog=SERVE_EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", help="registry name, .pocket, .gguf, HF folder or training "
+                   "run (default: $POCKET_MODEL or smollm2-135m)")
+    p.add_argument("--model-name", help="the id clients use in 'model' (default: the registry "
+                   "name or the file's stem)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: "
+                   "this machine only; 0.0.0.0 exposes it to the network)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
+    p.add_argument("--api-key", default=os.environ.get("POCKET_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 (default: $POCKET_API_KEY; "
+                   "none: no auth)")
+    p.add_argument("--ctx", type=int, default=None, help="context per request, prompt + "
+                   "answer (default 4096, or the model's if smaller)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at "
+                   "most (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a "
+                   "slot or memory; more get 429 (default 64)")
+    p.add_argument("--max-memory-mb", type=float, default=None, help="memory budget of the "
+                   "whole process in MB (default: none beyond --max-batch x context)")
+    p.add_argument("--prefix-cache-mb", type=float, default=64.0, help="memory for cached prompt "
+                   "prefixes, e.g. a shared system prompt (default 64; 0: off)")
+    p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body "
+                   "(default 1024 KB)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default warning)")
+    p.set_defaults(func=cmd_serve)
+
+
+def served_name(model_arg: str) -> str:
+    """The id clients send: a registry name as given, a file or folder by its stem."""
+    path = Path(model_arg)
+    return path.stem if path.exists() or path.suffix in (".pocket", ".gguf") else model_arg
+
+
+def _require_stack() -> None:
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise PocketError(f"pocket serve needs {e.name}: pip install 'pocketlm[serve]'") from None
+
+
+def cmd_serve(args) -> int:
+    _require_stack()
+    import uvicorn
+
+    import pocketlm
+
+    from ..cli import default_model
+    from .app import ServerConfig, create_app
+
+    if not 0 <= args.port <= 65535:
+        raise PocketError(f"--port must be in 0..65535, got {args.port}")
+    model_arg = args.model or default_model()
+    cfg = ServerConfig(model_name=args.model_name or served_name(model_arg),
+                       api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
+                       max_memory_mb=args.max_memory_mb, max_body_kb=args.max_body_kb,
+                       prefix_cache_mb=args.prefix_cache_mb)
+    t0 = time.time()
+    model = pocketlm.load(model_arg, n_ctx=args.ctx, quiet=False)
+    app = create_app(model, cfg)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    budget = app.state.kv_budget
+    mem = (f"memory budget {cfg.max_memory_mb:g} MB ({app.state.base_memory / 2**20:.0f} MB "
+           f"model + buffers, {budget / 2**20:.0f} MB for KV caches)" if budget is not None
+           else f"no memory budget (model + buffers {app.state.base_memory / 2**20:.0f} MB)")
+
+    async def announce():
+        while not server.started:
+            import asyncio
+
+            await asyncio.sleep(0.05)
+        for sock in server.servers[0].sockets if server.servers else []:
+            host, port = sock.getsockname()[:2]
+            print(f"pocketlm: serving '{cfg.model_name}' ({model.runtime.engine} engine, "
+                  f"context {model.n_ctx}, up to {cfg.max_batch} requests at once; {mem}) "
+                  f"loaded in {time.time() - t0:.1f} s", file=sys.stderr)
+            print(f"pocketlm: http://{host}:{port}/  (OpenAI API at http://{host}:{port}/v1"
+                  f"{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
+            break
+
+    import asyncio
+
+    async def main():
+        task = asyncio.create_task(announce())
+        await server.serve()
+        task.cancel()
+
+    asyncio.run(main())
+    return 0 if server.started else 1

@@ -1,0 +1,268 @@
+"""The OpenAI request and response shapes the server speaks, and their checks.
+
+Request bodies are checked field by field before anything runs: unknown fields, wrong types,
+out-of-range values and unsupported options each give a 400 naming the field (the error
+object of OpenAI's API: ``{"error": {"message", "type", "param", "code"}}``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or {401: "authentication_error", 404: "not_found_error",
+                             429: "rate_limit_error", 503: "server_error",
+                             500: "server_error"}.get(status, "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- field checkers: (value, name) -> the value to use ------------------------------------------
+def _type_name(v: Any) -> str:
+    return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
+            list: "array", dict: "object"}.get(type(v), type(v).__name__)
+
+
+def _number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    def check(v, name):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise _bad(f"'{name}' must be a number, got {_type_name(v)}", name, "invalid_type")
+        v = float(v)
+        if not math.isfinite(v):
+            raise _bad(f"'{name}' must be a finite number", name)
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            raise _bad(f"'{name}' must be {'>' if lo_open else '>='} {lo}, got {v:g}", name)
+        if hi is not None and v > hi:
+            raise _bad(f"'{name}' must be <= {hi}, got {v:g}", name)
+        return v
+    return check
+
+
+def _integer(lo: int | None = None):
+    def check(v, name):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise _bad(f"'{name}' must be an integer, got {_type_name(v)}", name, "invalid_type")
+        if lo is not None and v < lo:
+            raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
+        return v
+    return check
+
+
+def _boolean(v, name):
+    if not isinstance(v, bool):
+        raise _bad(f"'{name}' must be a boolean, got {_type_name(v)}", name, "invalid_type")
+    return v
+
+
+def _string(v, name):
+    if not isinstance(v, str):
+        raise _bad(f"'{name}' must be a string, got {_type_name(v)}", name, "invalid_type")
+    return v
+
+
+def _stop(v, name):
+    if isinstance(v, str):
+        return [v] if v else []
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        if len(v) > 4:
+            raise _bad(f"'{name}' takes at most 4 strings, got {len(v)}", name)
+        return [s for s in v if s]
+    raise _bad(f"'{name}' must be a string or an array of strings", name, "invalid_type")
+
+
+def _only(value, what: str):
+    def check(v, name):
+        if v != value:
+            raise _bad(f"'{name}' = {v!r} is not supported by this server ({what})", name,
+                       "unsupported_value")
+        return v
+    return check
+
+
+def _stream_options(v, name):
+    if not isinstance(v, dict):
+        raise _bad(f"'{name}' must be an object, got {_type_name(v)}", name, "invalid_type")
+    unknown = set(v) - {"include_usage"}
+    if unknown:
+        raise _bad(f"unrecognized field '{name}.{sorted(unknown)[0]}'", name,
+                   "unknown_parameter")
+    return {"include_usage": _boolean(v.get("include_usage", False), f"{name}.include_usage")}
+
+
+def _messages(v, name):
+    if not isinstance(v, list) or not v:
+        raise _bad(f"'{name}' must be a non-empty array of messages", name,
+                   "invalid_type" if not isinstance(v, list) else "invalid_value")
+    out = []
+    for i, m in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(f"'{where}' must be an object, got {_type_name(m)}", where,
+                       "invalid_type")
+        unknown = set(m) - {"role", "content", "name"}
+        if unknown:
+            raise _bad(f"unrecognized field '{where}.{sorted(unknown)[0]}'", where,
+                       "unknown_parameter")
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant"):
+            raise _bad(f"'{where}.role' must be one of system, developer, user, assistant; "
+                       f"got {role!r}", f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise _bad(f"'{where}.content[{j}]' must be a text part "
+                               '({"type": "text", "text": ...}); this model reads text only',
+                               f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise _bad(f"'{where}.content' must be a string, got {_type_name(content)}",
+                       f"{where}.content", "invalid_type")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _prompt(v, name):
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+        v = v[0]
+    if not isinstance(v, str):
+        raise _bad(f"'{name}' must be a string (or an array of one string)", name,
+                   "invalid_type")
+    return v
+
+
+_SAMPLING = {
+    "model": _string,
+    "max_tokens": _integer(0),
+    "temperature": _number(0, 2),
+    "top_p": _number(0, 1, lo_open=True),
+    "n": _only(1, "one choice per request"),
+    "stream": _boolean,
+    "stream_options": _stream_options,
+    "stop": _stop,
+    "seed": _integer(0),
+    "user": _string,
+    "presence_penalty": _only(0, "use repetition_penalty"),
+    "frequency_penalty": _only(0, "use repetition_penalty"),
+    # extensions, as in llama.cpp's and vLLM's servers
+    "top_k": _integer(0),
+    "min_p": _number(0, 1),
+    "repetition_penalty": _number(0, lo_open=True),
+}
+
+CHAT_FIELDS = {**_SAMPLING, "messages": _messages, "max_completion_tokens": _integer(0),
+               "logprobs": _only(False, "no log-probabilities")}
+COMPLETION_FIELDS = {**_SAMPLING, "prompt": _prompt, "echo": _only(False, "no echo"),
+                     "logprobs": _only(None, "no log-probabilities"),
+                     "best_of": _only(1, "one candidate"),
+                     "suffix": _only(None, "no insertion")}
+
+
+@dataclass
+class GenerationRequest:
+    """A checked request: what the scheduler needs, whichever endpoint it came from."""
+
+    model: str
+    messages: list[dict] | None
+    prompt: str | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    min_p: float | None
+    repetition_penalty: float | None
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise _bad(f"the request body must be a JSON object, got {_type_name(body)}", None,
+                   "invalid_type")
+    fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    unknown = [k for k in body if k not in fields]
+    if unknown:
+        raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
+                   "unknown_parameter")
+    required = "messages" if chat else "prompt"
+    for name in ("model", required):
+        if name not in body:
+            raise _bad(f"missing required field '{name}'", name, "missing_required_parameter")
+    v = {k: (fields[k](x, k) if x is not None else None) for k, x in body.items()}
+    max_tokens = v.get("max_completion_tokens") if chat else None
+    if max_tokens is None:
+        max_tokens = v.get("max_tokens")
+    if not chat and max_tokens is None and "max_tokens" not in body:
+        max_tokens = 16  # OpenAI's default for /v1/completions
+    return GenerationRequest(
+        model=v["model"], messages=v.get("messages") if chat else None,
+        prompt=None if chat else v["prompt"], max_tokens=max_tokens,
+        temperature=v.get("temperature"), top_p=v.get("top_p"), top_k=v.get("top_k"),
+        min_p=v.get("min_p"), repetition_penalty=v.get("repetition_penalty"),
+        seed=v.get("seed"), stop=v.get("stop") or [], stream=bool(v.get("stream")),
+        include_usage=bool((v.get("stream_options") or {}).get("include_usage")))
+
+
+# -- responses ------------------------------------------------------------------------------
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str, use: dict, *,
+                    chat: bool) -> dict:
+    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
+               "logprobs": None, "finish_reason": finish} if chat else
+              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+
+
+def chunk_body(rid: str, model: str, *, chat: bool, text: str | None = None,
+               role: bool = False, finish: str | None = None, use: dict | None = None) -> dict:
+    """One streamed chunk: a role announcement, a piece of text, the finish reason, or (with
+    ``use``) the usage chunk whose choices are empty."""
+    if use is not None:
+        choices = []
+    elif chat:
+        delta = {"role": "assistant", "content": ""} if role else (
+            {"content": text} if text is not None else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+    body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        body["usage"] = use
+    return body

@@ -1,0 +1,369 @@
+"""Continuous batching: many requests share one model, one decode step at a time.
+
+One scheduler thread owns the model. Each loop it
+
+1. admits waiting requests (oldest first) while fewer than ``max_batch`` run and the KV cache
+   each needs fits the memory budget (evicting cached prompt prefixes first);
+2. prefills the prompts of newly admitted requests, reusing the longest cached prompt prefix
+   (a fixed system prompt is computed once) and adding each prompt to that prefix cache;
+3. runs one decode step for every running request in one native call
+   (:meth:`Runtime.forward_batch`: the weights are read once for all of them), samples each
+   row with the request's own sampler, and hands the text to the request's event queue.
+
+Finished and cancelled requests leave between steps; their caches are freed at once. A row's
+result does not depend on the other rows of its batch, so an answer does not change with the
+server's load. Events go to each request through ``loop.call_soon_threadsafe``; the HTTP
+side never touches the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..api import PocketModel
+from ..generate import TextStream
+from ..runtime.model import KVCache
+from ..sampling import Sampler
+
+MB = 1 << 20
+
+
+class QueueFullError(Exception):
+    """Every batch slot is taken and the waiting line is full: retry later (HTTP 429)."""
+
+    def __init__(self, retry_after: int):
+        super().__init__("the server is at capacity: every batch slot is busy and the waiting "
+                         f"line is full; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class TooLargeError(Exception):
+    """The request alone needs more KV cache than the memory budget has (HTTP 400)."""
+
+
+class ShuttingDownError(Exception):
+    """The server is stopping and takes no new requests (HTTP 503)."""
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation. Built by the HTTP side; the scheduler fills in the rest."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampler: Sampler
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # set by either side
+    cancelled: bool = False
+    # scheduler-side state
+    cache: KVCache | None = None
+    text: TextStream | None = None
+    history: list[int] = field(default_factory=list)
+    completion_tokens: int = 0
+    next_token: int | None = None  # sampled, not yet run through the model
+    reserved: int = 0  # bytes of KV cache held
+    prefix_reused: int = 0  # prompt tokens taken from the prefix cache
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+
+    @property
+    def capacity(self) -> int:
+        # the last sampled token is never run through the model
+        return len(self.prompt_ids) + max(self.max_tokens, 1) - 1 or 1
+
+    def emit(self, *event) -> None:
+        """Hand an event to the HTTP side: ("text", str), ("done", finish_reason) or
+        ("error", message)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+@dataclass(eq=False)
+class _Prefix:
+    tokens: tuple[int, ...]
+    cache: KVCache
+    nbytes: int
+
+
+def common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Scheduler:
+    """Runs requests on ``model`` from a background thread (see the module docstring).
+
+    ``kv_budget``: bytes of KV cache (running requests + cached prefixes) allowed at once, or
+    None for no limit beyond ``max_batch``. ``max_queue``: requests that may wait for a slot;
+    one more gets :class:`QueueFullError`. ``prefix_cache_mb``: the most memory cached prompt
+    prefixes may hold (they are evicted first when a request needs room)."""
+
+    MIN_PREFIX = 8  # shorter common prefixes are recomputed, not copied
+
+    def __init__(self, model: PocketModel, *, max_batch: int = 16, max_queue: int = 64,
+                 kv_budget: int | None = None, prefix_cache_mb: float = 64.0):
+        self.model = model
+        self.runtime = model.runtime
+        self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.kv_budget = kv_budget
+        self.prefix_budget = int(prefix_cache_mb * MB)
+        self.stop_ids = set(model.tokenizer.eos_ids)
+        self._lock = threading.Condition()
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._prefixes: OrderedDict[int, _Prefix] = OrderedDict()  # LRU, oldest first
+        self._ids = itertools.count()
+        self._reserved = 0  # bytes: running caches + prefixes
+        self._stopping = False
+        self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "rejected": 0,
+                      "prefix_hits": 0, "prefix_tokens_reused": 0, "steps": 0,
+                      "max_batch_seen": 0}
+        self._thread = threading.Thread(target=self._run, name="pocket-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- memory ------------------------------------------------------------------------------
+    def kv_bytes(self, capacity: int) -> int:
+        """Bytes of a KV cache of ``capacity`` positions (as the engine allocates it)."""
+        c = self.model.config
+        positions = -(-capacity // 16) * 16
+        per = 2 if getattr(self.runtime.native, "kv_format", "f32") == "f16" else 4
+        if self.runtime.native is None:
+            positions, per = capacity, 4
+        return 2 * c.n_layers * c.n_kv_heads * positions * c.head_dim * per
+
+    # -- the HTTP side -----------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        """Queue ``req``; raises :class:`QueueFullError`, :class:`TooLargeError` or
+        :class:`ShuttingDownError` instead of accepting what cannot be served."""
+        need = self.kv_bytes(req.capacity)
+        with self._lock:
+            if self._stopping:
+                raise ShuttingDownError("the server is shutting down")
+            if self.kv_budget is not None and need > self.kv_budget:
+                self.stats["rejected"] += 1
+                raise TooLargeError(
+                    f"this request needs {need / MB:.1f} MB of KV cache "
+                    f"({len(req.prompt_ids)} prompt tokens + max_tokens {req.max_tokens}) but "
+                    f"the server's memory budget leaves {self.kv_budget / MB:.1f} MB for KV "
+                    "caches; lower max_tokens or shorten the prompt")
+            if len(self._waiting) >= self.max_queue and (
+                    len(self._running) >= self.max_batch or self._waiting):
+                self.stats["rejected"] += 1
+                raise QueueFullError(self._retry_after())
+            self.stats["requests"] += 1
+            self._waiting.append(req)
+            self._lock.notify()
+
+    def cancel(self, req: Request) -> None:
+        """The client went away: drop ``req`` (its cache is freed at the next step)."""
+        with self._lock:
+            req.cancelled = True
+            self._lock.notify()
+
+    def _retry_after(self) -> int:
+        return max(1, min(30, len(self._waiting) // max(1, self.max_batch) + 1))
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting),
+                    "kv_reserved_mb": round(self._reserved / MB, 1),
+                    "kv_budget_mb": None if self.kv_budget is None
+                    else round(self.kv_budget / MB, 1),
+                    "cached_prefixes": len(self._prefixes), **self.stats}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking requests; finish nothing more (pending ones get an error event)."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    # -- the scheduler thread ----------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopping and not self._waiting and not self._running:
+                    self._lock.wait()
+                if self._stopping:
+                    for req in list(self._waiting) + self._running:
+                        req.emit("error", "the server is shutting down")
+                    self._waiting.clear()
+                    for req in list(self._running):
+                        self._release(req)
+                    self._running.clear()
+                    return
+                self._drop_cancelled()
+                admitted = self._admit()
+            for req in admitted:
+                try:
+                    self._prefill(req)
+                except Exception as e:  # noqa: BLE001 - one bad request must not stop the rest
+                    with self._lock:
+                        req.emit("error", f"internal error: {e}")
+                        self._finish(req, None)
+            try:
+                self._decode_step()
+            except Exception as e:  # noqa: BLE001 - the server must go on: fail the requests
+                with self._lock:
+                    for req in list(self._running):
+                        req.emit("error", f"internal error: {e}")
+                        self._finish(req, None)
+
+    def _drop_cancelled(self) -> None:
+        for req in [r for r in self._waiting if r.cancelled]:
+            self._waiting.remove(req)
+            self.stats["cancelled"] += 1
+        for req in [r for r in self._running if r.cancelled]:
+            self._running.remove(req)
+            self._release(req)
+            self.stats["cancelled"] += 1
+
+    def _admit(self) -> list[Request]:
+        admitted = []
+        while self._waiting and len(self._running) < self.max_batch:
+            req = self._waiting[0]
+            need = self.kv_bytes(req.capacity)
+            if not self._make_room(need):
+                break  # the oldest waits for memory; nobody overtakes it
+            self._waiting.popleft()
+            req.reserved = need
+            self._reserved += need
+            self._running.append(req)
+            admitted.append(req)
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self._running))
+        return admitted
+
+    def _make_room(self, need: int) -> bool:
+        if self.kv_budget is None:
+            return True
+        while self._reserved + need > self.kv_budget and self._prefixes:
+            _, p = self._prefixes.popitem(last=False)
+            self._reserved -= p.nbytes
+        return self._reserved + need <= self.kv_budget
+
+    def _release(self, req: Request) -> None:
+        req.cache = None  # the native cache is freed with its last reference
+        self._reserved -= req.reserved
+        req.reserved = 0
+
+    def _finish(self, req: Request, reason: str | None) -> None:
+        """(Lock held.) Flush the held-back text, report, and free the cache."""
+        if reason is not None:
+            tail = req.text.finish() if req.text else ""
+            if tail:
+                req.emit("text", tail)
+            if req.text is not None and req.text.stopped:
+                reason = "stop"
+            req.emit("done", reason)
+            self.stats["completed"] += 1
+        if req in self._running:
+            self._running.remove(req)
+        self._release(req)
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def _best_prefix(self, ids: list[int]) -> tuple[_Prefix | None, int]:
+        best, best_n = None, 0
+        for p in self._prefixes.values():
+            n = common_prefix(p.tokens, ids)
+            if n > best_n:
+                best, best_n = p, n
+        return best, best_n
+
+    def _remember_prefix(self, req: Request) -> None:
+        """(Lock held.) Keep a copy of the prompt's KV for later requests that share it."""
+        ids = req.prompt_ids
+        if len(ids) < self.MIN_PREFIX:
+            return
+        for key, p in self._prefixes.items():
+            if common_prefix(p.tokens, ids) == len(ids):  # already covered
+                self._prefixes.move_to_end(key)
+                return
+        nbytes = self.kv_bytes(len(ids))
+        if nbytes > self.prefix_budget:
+            return
+        held = sum(p.nbytes for p in self._prefixes.values())
+        while self._prefixes and held + nbytes > self.prefix_budget:
+            _, old = self._prefixes.popitem(last=False)
+            held -= old.nbytes
+            self._reserved -= old.nbytes
+        if self.kv_budget is not None and self._reserved + nbytes > self.kv_budget:
+            return  # running requests come first
+        cache = self.runtime.new_cache(len(ids))
+        self.runtime.copy_prefix(cache, req.cache, len(ids))
+        self._prefixes[next(self._ids)] = _Prefix(tuple(ids), cache, nbytes)
+        self._reserved += nbytes
+
+    # -- work --------------------------------------------------------------------------------
+    def _prefill(self, req: Request) -> None:
+        if req.cancelled:
+            return
+        ids = req.prompt_ids
+        req.cache = self.runtime.new_cache(req.capacity)
+        req.text = TextStream(self.model.tokenizer, req.stop)
+        req.history = list(ids)
+        with self._lock:
+            prefix, n = self._best_prefix(ids)
+            n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
+            if prefix is not None and n >= self.MIN_PREFIX:
+                self.runtime.copy_prefix(req.cache, prefix.cache, n)
+                req.prefix_reused = n
+                self.stats["prefix_hits"] += 1
+                self.stats["prefix_tokens_reused"] += n
+                for key, p in self._prefixes.items():
+                    if p is prefix:
+                        self._prefixes.move_to_end(key)
+                        break
+        logits = self.runtime.forward(ids[req.prefix_reused:], req.cache)
+        with self._lock:
+            self._remember_prefix(req)
+            if not req.cancelled:
+                self._take(req, logits)
+
+    def _decode_step(self) -> None:
+        with self._lock:
+            batch = [r for r in self._running if r.next_token is not None and not r.cancelled]
+        if not batch:
+            return
+        logits = self.runtime.forward_batch([r.next_token for r in batch],
+                                            [r.cache for r in batch])
+        self.stats["steps"] += 1
+        with self._lock:
+            for req, row in zip(batch, logits, strict=True):
+                req.next_token = None
+                if not req.cancelled:
+                    self._take(req, row)
+
+    def _take(self, req: Request, logits: np.ndarray) -> None:
+        """(Lock held.) Sample the next token from ``logits`` and pass its text on."""
+        if req.max_tokens == 0:
+            self._finish(req, "length")
+            return
+        token = req.sampler(logits, req.history)
+        if req.first_token is None:
+            req.first_token = time.perf_counter()
+        if token in self.stop_ids:
+            self._finish(req, "stop")
+            return
+        req.completion_tokens += 1
+        req.history.append(token)
+        piece = req.text.add(token)
+        if piece:
+            req.emit("text", piece)
+        if req.text.stopped:
+            self._finish(req, "stop")
+        elif req.completion_tokens >= req.max_tokens or req.cache.length >= req.cache.capacity:
+            self._finish(req, "length")
+        else:
+            req.next_token = token
