@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -63,6 +64,22 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def _uvicorn_server():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, whose SIGINT/SIGTERM end in a graceful stop and exit code 0 (uvicorn
+        re-raises the signal once shut down, which would end the process as killed)."""
+
+        def capture_signals(self):
+            stack = contextlib.ExitStack()
+            stack.enter_context(super().capture_signals())
+            stack.callback(lambda: getattr(self, "_captured_signals", []).clear())  # first
+            return stack
+
+    return Server
+
+
 def served_name(model_arg: str) -> str:
     """The id clients send: a registry name as given, a file or folder by its stem."""
     path = Path(model_arg)
@@ -98,7 +115,7 @@ def cmd_serve(args) -> int:
     app = create_app(model, cfg)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _uvicorn_server()(config)
 
     budget = app.state.kv_budget
     mem = (f"memory budget {cfg.max_memory_mb:g} MB ({app.state.base_memory / 2**20:.0f} MB "
@@ -127,4 +144,6 @@ def cmd_serve(args) -> int:
         task.cancel()
 
     asyncio.run(main())
+    if server.started:
+        print("pocketlm: server stopped", file=sys.stderr)
     return 0 if server.started else 1

@@ -158,8 +158,8 @@ class Scheduler:
                     f"({len(req.prompt_ids)} prompt tokens + max_tokens {req.max_tokens}) but "
                     f"the server's memory budget leaves {self.kv_budget / MB:.1f} MB for KV "
                     "caches; lower max_tokens or shorten the prompt")
-            if len(self._waiting) >= self.max_queue and (
-                    len(self._running) >= self.max_batch or self._waiting):
+            free = max(0, self.max_batch - len(self._running))  # about to be admitted
+            if len(self._waiting) >= self.max_queue + free:
                 self.stats["rejected"] += 1
                 raise QueueFullError(self._retry_after())
             self.stats["requests"] += 1

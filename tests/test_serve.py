@@ -1,0 +1,467 @@
+"""`pocket serve` end to end: a real server process on an ephemeral port with a real model
+(smollm2-135m, the engine's default settings), driven by the real `openai` client and by raw
+HTTP for what a client library would never send.
+
+Answers are checked against the library's own generation in this process (same engine
+settings) and against the server's one-request-at-a-time answers under load; the scheduler's
+counters (/health) show that batching, prefix reuse and cancellation really happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+MODEL = "smollm2-135m"
+pytestmark = pytest.mark.real
+
+
+class Server:
+    """`pocket serve` in a subprocess; ``url`` once it listens."""
+
+    def __init__(self, *args: str, env: dict | None = None):
+        e = {k: v for k, v in os.environ.items() if k != "POCKET_ACT"}  # the engine's default
+        e.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pocketlm.cli", "serve", "-m", MODEL, "--port", "0", *args],
+            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=e)
+        self.log: list[str] = []
+        deadline = time.time() + 120
+        self.url = None
+        while time.time() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            self.log.append(line)
+            m = re.search(r"(http://[\d.]+:\d+)/  \(OpenAI", line)
+            if m:
+                self.url = m.group(1)
+                break
+        if self.url is None:
+            self.proc.kill()
+            raise RuntimeError("server did not start:\n" + "".join(self.log)
+                               + self.proc.stderr.read())
+        # keep draining stderr so the server never blocks on a full pipe
+        threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stderr],
+                         daemon=True).start()
+
+    def client(self, **kw) -> openai.OpenAI:
+        kw.setdefault("api_key", "unused")
+        kw.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=self.url + "/v1", **kw)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def peak_rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+        raise AssertionError("no VmHWM")
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server()
+    yield s
+    assert s.stop() == 0, "".join(s.log)
+
+
+@pytest.fixture(scope="module")
+def local(monkeypatch_module):
+    """The library in this process, with the server's engine settings."""
+    import pocketlm
+
+    monkeypatch_module.delenv("POCKET_ACT", raising=False)
+    return pocketlm.load(MODEL)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    mp = pytest.MonkeyPatch()
+    yield mp
+    mp.undo()
+
+
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
+             "What is 2 + 3?", "Translate 'good morning' into French."]
+
+
+# -- the OpenAI client ----------------------------------------------------------------------
+
+def test_models_and_health(server):
+    c = server.client()
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    h = server.health()
+    assert h["status"] == "ok" and h["model"] == MODEL and h["engine"] == "native"
+
+
+def test_chat_matches_the_library_and_counts_usage(server, local):
+    c = server.client()
+    for q in QUESTIONS[:2]:
+        msgs = [{"role": "user", "content": q}]
+        r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+        expected = local.chat(msgs, max_tokens=40, temperature=0)
+        state = local.last_state
+        assert r.choices[0].message.content == expected
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].finish_reason == ("stop" if state.finish_reason == "stop"
+                                              else "length")
+        assert r.usage.prompt_tokens == len(local.chat_ids(msgs))
+        assert r.usage.completion_tokens == len(state.generated)
+        assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+        assert r.object == "chat.completion" and r.model == MODEL
+
+
+def test_streaming_chat_equals_the_whole_answer(server):
+    c = server.client()
+    msgs = [{"role": "user", "content": QUESTIONS[1]}]
+    whole = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30, temperature=0)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=30,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finish[-1] == whole.choices[0].finish_reason and set(finish[:-1]) == {None}
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    pieces = [ch for ch in chunks if ch.choices and ch.choices[0].delta.content]
+    assert len(pieces) > 5  # streamed as it was generated, not in one piece
+    # without stream_options there is no usage chunk
+    plain = list(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=5,
+                                           temperature=0, stream=True))
+    assert all(ch.usage is None and ch.choices for ch in plain)
+
+
+def test_completions_plain_and_streaming(server, local):
+    c = server.client()
+    prompt = "The capital of France is"
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == local.generate(prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 12
+    assert r.usage.prompt_tokens == len(local.tokenize(prompt))
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True))
+    assert streamed == r.choices[0].text
+    # OpenAI's default for completions is 16 tokens
+    assert c.completions.create(model=MODEL, prompt=prompt, temperature=0).usage \
+        .completion_tokens == 16
+
+
+def test_stop_strings_cut_the_answer(server):
+    c = server.client()
+    prompt = "Count: one, two, three, four, five, six,"
+    full = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    text = full.choices[0].text
+    assert "," in text.strip()
+    stop = text.strip()[text.strip().index(",") :]  # from the first comma of the answer
+    cut = c.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                               stop=[stop[:2], "zzz"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[: text.index(stop[:2])]
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stop=stop[:2], stream=True))
+    assert streamed == cut.choices[0].text
+
+
+def test_seeds_reproduce_samples(server):
+    c = server.client()
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=24, temperature=1.0)
+    a = [c.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)]
+    b = [c.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)]
+    assert a == b
+    assert len(set(a)) > 1  # different seeds, different samples
+
+
+# -- concurrency ----------------------------------------------------------------------------
+
+def _prompts(n: int) -> list[str]:
+    subjects = ["cats", "rivers", "the moon", "bread", "trains", "music", "winter", "bees",
+                "the sea", "tea"]
+    return [f"Fact {i} about {subjects[i % len(subjects)]}:" for i in range(n)]
+
+
+def test_fifty_clients_at_once_each_get_their_own_answer(server):
+    c = server.client(timeout=300)
+    prompts = _prompts(50)
+    kw = dict(model=MODEL, max_tokens=24, temperature=0)
+    known = {p: c.completions.create(prompt=p, **kw).choices[0].text for p in prompts}
+    before = server.health()
+
+    def call(p):
+        if prompts.index(p) % 2:
+            return "".join(ch.choices[0].text
+                           for ch in c.completions.create(prompt=p, stream=True, **kw))
+        return c.completions.create(prompt=p, **kw).choices[0].text
+
+    with ThreadPoolExecutor(50) as pool:
+        got = dict(zip(prompts, pool.map(call, prompts)))
+    assert got == known
+    after = server.health()
+    assert after["max_batch_seen"] > 4  # decoded together, not one after another
+    assert after["completed"] - before["completed"] == 50
+    assert after["running"] == 0 and after["waiting"] == 0 and after["kv_reserved_mb"] >= 0
+
+
+def test_shared_system_prompt_is_reused(server, local):
+    c = server.client()
+    system = ("You are a helpful assistant for a shopping app. Answer briefly, in one "
+              "sentence, and never make up prices.")
+    before = server.health()
+    answers = []
+    for q in QUESTIONS:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": q}]
+        answers.append(c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16,
+                                                 temperature=0).choices[0].message.content)
+        assert answers[-1] == local.chat(msgs, max_tokens=16, temperature=0)
+    after = server.health()
+    shared = len(local.tokenize(local.render_chat([{"role": "system", "content": system}])))
+    assert after["prefix_hits"] - before["prefix_hits"] >= len(QUESTIONS) - 1
+    assert (after["prefix_tokens_reused"] - before["prefix_tokens_reused"]
+            >= (len(QUESTIONS) - 1) * (shared - 2))
+
+
+def test_client_disconnect_cancels_and_frees(server):
+    before = server.health()
+    with httpx.Client(timeout=30) as http, http.stream(
+            "POST", server.url + "/v1/completions",
+            json={"model": MODEL, "prompt": "A long story:", "max_tokens": 2000,
+                  "temperature": 0, "stream": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+    # the connection is closed: the request is cancelled and its cache freed
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        h = server.health()
+        if h["cancelled"] > before["cancelled"] and h["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert h["cancelled"] == before["cancelled"] + 1 and h["running"] == 0
+    assert h["completed"] == before["completed"]  # it did not run to its 2000 tokens
+    assert server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+
+
+# -- bad input from the wire ----------------------------------------------------------------
+
+def _post(server, path, body=None, raw=None, headers=None):
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(server.url + path, content=content, timeout=30,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+BAD = [  # (body or raw bytes, status, code, param)
+    (b"{not json", 400, "invalid_json", None),
+    (b"\xff\xfe", 400, "invalid_json", None),
+    ([1, 2], 400, "invalid_type", None),
+    ({"model": MODEL}, 400, "missing_required_parameter", "prompt"),
+    ({"prompt": "x"}, 400, "missing_required_parameter", "model"),
+    ({"model": MODEL, "prompt": 5}, 400, "invalid_type", "prompt"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": -1}, 400, "invalid_value", "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": "9"}, 400, "invalid_type", "max_tokens"),
+    ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "invalid_type", "temperature"),
+    ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "invalid_value", "temperature"),
+    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
+    ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "invalid_type", "stream"),
+    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "unsupported_value", "n"),
+    ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "invalid_type", "stop"),
+    ({"model": MODEL, "prompt": "x", "seed": -4}, 400, "invalid_value", "seed"),
+    ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unknown_parameter", "bogus"),
+    ({"model": "gpt-4o", "prompt": "x"}, 404, "model_not_found", "model"),
+    ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "context_length_exceeded",
+     "max_tokens"),
+    ({"model": MODEL, "prompt": "word " * 5000}, 400, "context_length_exceeded", "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,status,code,param", BAD,
+                         ids=[f"{i}-{b[2]}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_openai_errors(server, body, status, code, param):
+    r = _post(server, "/v1/completions", raw=body if isinstance(body, bytes) else None,
+              body=None if isinstance(body, bytes) else body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["param"] == param and err["message"]
+
+
+def test_bad_chat_requests(server):
+    for body, param in [
+        ({"model": MODEL, "messages": []}, "messages"),
+        ({"model": MODEL, "messages": "hi"}, "messages"),
+        ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x", "x": 1}]}, "messages[0]"),
+    ]:
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_transport_errors_and_the_server_keeps_serving(server):
+    huge = _post(server, "/v1/completions", raw=b'{"model": "x", "prompt": "' + b"a" * 2_000_000
+                 + b'"}')
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+    assert server.client().completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage
+    assert server.proc.poll() is None
+
+
+def test_api_key():
+    s = Server("--api-key", "s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            s.client().models.list()
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong").completions.create(model=MODEL, prompt="x", max_tokens=1)
+        r = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert s.client(api_key="s3cret").completions.create(model=MODEL, prompt="Hi",
+                                                             max_tokens=2).usage
+        assert httpx.get(s.url + "/health").status_code == 200  # health needs no key
+    finally:
+        assert s.stop() == 0
+
+
+def test_full_queue_gets_429_and_nothing_accepted_is_lost():
+    s = Server("--max-batch", "1", "--max-queue", "1")
+    try:
+        body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 150, "temperature": 0}
+        with ThreadPoolExecutor(6) as pool:
+            futs = [pool.submit(httpx.post, s.url + "/v1/completions", json=body, timeout=120)
+                    for _ in range(6)]
+            results = [f.result() for f in futs]
+        codes = sorted(r.status_code for r in results)
+        assert codes.count(429) >= 1 and codes.count(200) >= 2, codes
+        for r in results:
+            if r.status_code == 429:
+                assert int(r.headers["Retry-After"]) >= 1
+                assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            else:  # every accepted request completed, with the same greedy answer
+                assert r.json()["usage"]["completion_tokens"] == 150
+        texts = {r.json()["choices"][0]["text"] for r in results if r.status_code == 200}
+        assert len(texts) == 1
+        h = s.health()
+        assert h["completed"] == codes.count(200) and h["rejected"] == codes.count(429)
+    finally:
+        assert s.stop() == 0
+
+
+def test_memory_budget_bounds_the_process():
+    budget = 260  # MB: weights and buffers ~200 MB; a 2000-token cache ~45 MB
+    s = Server("--max-memory-mb", str(budget), "--prefix-cache-mb", "0")
+    try:
+        h = s.health()
+        kv_budget = h["kv_budget_mb"]
+        assert 16 <= kv_budget < budget
+        per_req = kv_budget / 3  # each of these requests needs about a third of it
+        tokens = int(per_req * 2**20 / (2 * 30 * 3 * 64 * 2)) - 10  # smollm2: f16 KV
+        body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": tokens,
+                "temperature": 0}
+        # one request that can never fit is refused outright
+        r = httpx.post(s.url + "/v1/completions", timeout=30,
+                       json={**body, "max_tokens": 4000})
+        assert r.status_code == 400 and "KV cache" in r.json()["error"]["message"]
+        # eight that fit three at a time: they wait, then all complete
+        with ThreadPoolExecutor(8) as pool:
+            rs = list(pool.map(lambda _: httpx.post(s.url + "/v1/completions", json=body,
+                                                    timeout=300), range(8)))
+        assert [r.status_code for r in rs] == [200] * 8
+        h = s.health()
+        assert h["max_batch_seen"] <= 3 and h["kv_reserved_mb"] == 0
+        assert s.peak_rss_mb() <= budget, (s.peak_rss_mb(), h)
+    finally:
+        assert s.stop() == 0
+
+
+def test_budget_too_small_to_start():
+    r = subprocess.run([sys.executable, "-m", "pocketlm.cli", "serve", "-m", MODEL,
+                        "--max-memory-mb", "50", "--port", "0"], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1
+    lines = r.stderr.strip().splitlines()
+    assert lines[-1].startswith("pocket: error: --max-memory-mb 50 is too small")
+
+
+# -- the chat page in headless Chromium ------------------------------------------------------
+
+ARTIFACTS = Path(os.environ.get("POCKET_TEST_ARTIFACTS", Path(__file__).parent.parent / "build"
+                                / "test-artifacts"))
+
+
+def _chromium() -> str:
+    for name in ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"):
+        if Path(name).exists():
+            return name
+    raise AssertionError("no Chromium found: install Debian's `chromium` (make test does)")
+
+
+def test_chat_page_streams_an_answer_in_chromium(server, local):
+    from playwright.sync_api import sync_playwright
+
+    question = "What is the capital of France? 请用一句话回答。"
+    expected = local.chat([{"role": "user", "content": question}], max_tokens=64,
+                          temperature=0)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent.includes("
+                                   f"'{MODEL}')")
+            page.fill("#max", "64")
+            page.fill("#input", question)
+            page.keyboard.press("Enter")
+            # the answer grows while streaming, then is marked done
+            page.wait_for_selector(".assistant[data-streaming]", timeout=30000)
+            page.wait_for_selector(".assistant[data-done]", timeout=120000)
+            answer = page.inner_text(".assistant")
+            asked = page.inner_text(".user")
+            stats = page.inner_text("#stats")
+            page.screenshot(path=str(ARTIFACTS / "chat_page.png"), full_page=True)
+            # the stop button ends a long answer mid-stream; the server cancels it
+            before = server.health()
+            page.click("#clear")
+            page.fill("#max", "2000")
+            page.fill("#input", "Write a very long story about a dragon.")
+            page.keyboard.press("Enter")
+            page.wait_for_function("document.querySelector('.assistant') && "
+                                   "document.querySelector('.assistant').textContent.length > 40")
+            page.click("#stop")
+            page.wait_for_selector(".assistant[data-done]", timeout=30000)
+            stopped = page.inner_text("#stats")
+            assert page.is_enabled("#send") and not page.is_enabled("#stop")
+        finally:
+            browser.close()
+    deadline = time.time() + 20
+    while server.health()["cancelled"] == before["cancelled"] and time.time() < deadline:
+        time.sleep(0.1)
+    after = server.health()
+    assert after["cancelled"] == before["cancelled"] + 1 and after["running"] == 0
+    assert "stopped" in stopped
+    assert answer.strip() == expected.strip()
+    assert asked == question  # the Chinese text went through the page unchanged
+    assert re.search(r"tokens/s", stats), stats
