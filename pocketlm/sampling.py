@@ -66,6 +66,8 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
         p = self.params
+        if p.temperature == 0 and (p.repetition_penalty == 1.0 or not history):
+            return int(np.argmax(logits))  # greedy: no copy needed (the same first maximum)
         x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay intact
         if p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))

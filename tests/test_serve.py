@@ -133,6 +133,20 @@ def test_chat_matches_the_library_and_counts_usage(server, local):
         assert r.object == "chat.completion" and r.model == MODEL
 
 
+def test_long_prompt_prefilled_in_chunks_matches_the_library(server, local):
+    # ~900 tokens: several prefill chunks, while another request streams
+    text = (Path(__file__).parent / "data" / "english.txt").read_text(encoding="utf-8")
+    prompt = (text * 4)[:4000]
+    c = server.client(timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        other = pool.submit(lambda: c.completions.create(model=MODEL, prompt="Hello, my name is",
+                                                         max_tokens=40, temperature=0))
+        r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert other.result().usage.completion_tokens == 40
+    assert r.usage.prompt_tokens == len(local.tokenize(prompt)) > 600
+    assert r.choices[0].text == local.generate(prompt, max_tokens=8, temperature=0)
+
+
 def test_streaming_chat_equals_the_whole_answer(server):
     c = server.client()
     msgs = [{"role": "user", "content": QUESTIONS[1]}]
@@ -275,6 +289,7 @@ def _post(server, path, body=None, raw=None, headers=None):
 BAD = [  # (body or raw bytes, status, code, param)
     (b"{not json", 400, "invalid_json", None),
     (b"\xff\xfe", 400, "invalid_json", None),
+    (b"[" * 200_000 + b"]" * 200_000, 400, "invalid_json", None),
     ([1, 2], 400, "invalid_type", None),
     ({"model": MODEL}, 400, "missing_required_parameter", "prompt"),
     ({"prompt": "x"}, 400, "missing_required_parameter", "model"),

@@ -136,6 +136,9 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         except json.JSONDecodeError as e:
             raise P.APIError(400, f"the request body is not valid JSON: {e.msg} at line "
                              f"{e.lineno} column {e.colno}", code="invalid_json") from None
+        except RecursionError:
+            raise P.APIError(400, "the request body nests too deeply",
+                             code="invalid_json") from None
 
     def check_model(name: str) -> None:
         if name != cfg.model_name:
@@ -173,7 +176,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         from ..sampling import Sampler
 
         return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=Sampler(params),
-                       stop=g.stop, loop=loop)
+                       stop=g.stop, loop=loop, ignore_eos=g.ignore_eos)
 
     def submit(req: Request) -> None:
         try:

@@ -173,6 +173,7 @@ _SAMPLING = {
     "top_k": _integer(0),
     "min_p": _number(0, 1),
     "repetition_penalty": _number(0, lo_open=True),
+    "ignore_eos": _boolean,  # generate max_tokens whatever the model says (benchmarks)
 }
 
 CHAT_FIELDS = {**_SAMPLING, "messages": _messages, "max_completion_tokens": _integer(0),
@@ -200,6 +201,7 @@ class GenerationRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False
 
 
 def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
@@ -227,7 +229,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         temperature=v.get("temperature"), top_p=v.get("top_p"), top_k=v.get("top_k"),
         min_p=v.get("min_p"), repetition_penalty=v.get("repetition_penalty"),
         seed=v.get("seed"), stop=v.get("stop") or [], stream=bool(v.get("stream")),
-        include_usage=bool((v.get("stream_options") or {}).get("include_usage")))
+        include_usage=bool((v.get("stream_options") or {}).get("include_usage")),
+        ignore_eos=bool(v.get("ignore_eos")))
 
 
 # -- responses ------------------------------------------------------------------------------

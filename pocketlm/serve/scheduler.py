@@ -4,8 +4,9 @@ One scheduler thread owns the model. Each loop it
 
 1. admits waiting requests (oldest first) while fewer than ``max_batch`` run and the KV cache
    each needs fits the memory budget (evicting cached prompt prefixes first);
-2. prefills the prompts of newly admitted requests, reusing the longest cached prompt prefix
-   (a fixed system prompt is computed once) and adding each prompt to that prefix cache;
+2. prefills the prompts of admitted requests, at most ``prefill_chunk`` tokens per loop (a
+   long prompt does not stall everyone else's decoding), reusing the longest cached prompt
+   prefix (a fixed system prompt is computed once) and adding each prompt to that cache;
 3. runs one decode step for every running request in one native call
    (:meth:`Runtime.forward_batch`: the weights are read once for all of them), samples each
    row with the request's own sampler, and hands the text to the request's event queue.
@@ -61,6 +62,7 @@ class Request:
     sampler: Sampler
     stop: list[str]
     loop: asyncio.AbstractEventLoop
+    ignore_eos: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # set by either side
     cancelled: bool = False
@@ -70,6 +72,7 @@ class Request:
     history: list[int] = field(default_factory=list)
     completion_tokens: int = 0
     next_token: int | None = None  # sampled, not yet run through the model
+    prefilled: int = 0  # prompt tokens in the cache so far
     reserved: int = 0  # bytes of KV cache held
     prefix_reused: int = 0  # prompt tokens taken from the prefix cache
     submitted: float = field(default_factory=time.perf_counter)
@@ -112,13 +115,15 @@ class Scheduler:
     MIN_PREFIX = 8  # shorter common prefixes are recomputed, not copied
 
     def __init__(self, model: PocketModel, *, max_batch: int = 16, max_queue: int = 64,
-                 kv_budget: int | None = None, prefix_cache_mb: float = 64.0):
+                 kv_budget: int | None = None, prefix_cache_mb: float = 64.0,
+                 prefill_chunk: int = 256):
         self.model = model
         self.runtime = model.runtime
         self.max_batch = max_batch
         self.max_queue = max_queue
         self.kv_budget = kv_budget
         self.prefix_budget = int(prefix_cache_mb * MB)
+        self.prefill_chunk = prefill_chunk
         self.stop_ids = set(model.tokenizer.eos_ids)
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -205,10 +210,15 @@ class Scheduler:
                     self._running.clear()
                     return
                 self._drop_cancelled()
-                admitted = self._admit()
-            for req in admitted:
+                self._admit()
+                prefilling = [r for r in self._running if r.text is None or
+                              r.prefilled < len(r.prompt_ids)]
+            budget = self.prefill_chunk
+            for req in prefilling:  # oldest first, up to prefill_chunk tokens this loop
+                if budget <= 0:
+                    break
                 try:
-                    self._prefill(req)
+                    budget -= self._prefill(req, budget)
                 except Exception as e:  # noqa: BLE001 - one bad request must not stop the rest
                     with self._lock:
                         req.emit("error", f"internal error: {e}")
@@ -230,8 +240,7 @@ class Scheduler:
             self._release(req)
             self.stats["cancelled"] += 1
 
-    def _admit(self) -> list[Request]:
-        admitted = []
+    def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_batch:
             req = self._waiting[0]
             need = self.kv_bytes(req.capacity)
@@ -241,9 +250,7 @@ class Scheduler:
             req.reserved = need
             self._reserved += need
             self._running.append(req)
-            admitted.append(req)
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self._running))
-        return admitted
 
     def _make_room(self, need: int) -> bool:
         if self.kv_budget is None:
@@ -306,30 +313,37 @@ class Scheduler:
         self._reserved += nbytes
 
     # -- work --------------------------------------------------------------------------------
-    def _prefill(self, req: Request) -> None:
+    def _prefill(self, req: Request, budget: int) -> int:
+        """Run up to ``budget`` more prompt tokens of ``req``; returns how many ran."""
         if req.cancelled:
-            return
+            return 0
         ids = req.prompt_ids
-        req.cache = self.runtime.new_cache(req.capacity)
-        req.text = TextStream(self.model.tokenizer, req.stop)
-        req.history = list(ids)
-        with self._lock:
-            prefix, n = self._best_prefix(ids)
-            n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
-            if prefix is not None and n >= self.MIN_PREFIX:
-                self.runtime.copy_prefix(req.cache, prefix.cache, n)
-                req.prefix_reused = n
-                self.stats["prefix_hits"] += 1
-                self.stats["prefix_tokens_reused"] += n
-                for key, p in self._prefixes.items():
-                    if p is prefix:
-                        self._prefixes.move_to_end(key)
-                        break
-        logits = self.runtime.forward(ids[req.prefix_reused:], req.cache)
-        with self._lock:
-            self._remember_prefix(req)
-            if not req.cancelled:
-                self._take(req, logits)
+        if req.text is None:  # first visit: the cache, and a cached prefix if one fits
+            req.cache = self.runtime.new_cache(req.capacity)
+            req.text = TextStream(self.model.tokenizer, req.stop)
+            req.history = list(ids)
+            with self._lock:
+                prefix, n = self._best_prefix(ids)
+                n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
+                if prefix is not None and n >= self.MIN_PREFIX:
+                    self.runtime.copy_prefix(req.cache, prefix.cache, n)
+                    req.prefilled = req.prefix_reused = n
+                    self.stats["prefix_hits"] += 1
+                    self.stats["prefix_tokens_reused"] += n
+                    for key, p in self._prefixes.items():
+                        if p is prefix:
+                            self._prefixes.move_to_end(key)
+                            break
+        start = req.prefilled
+        end = min(len(ids), start + max(1, budget))
+        logits = self.runtime.forward(ids[start:end], req.cache)
+        req.prefilled = end
+        if end == len(ids):
+            with self._lock:
+                self._remember_prefix(req)
+                if not req.cancelled:
+                    self._take(req, logits)
+        return end - start
 
     def _decode_step(self) -> None:
         with self._lock:
@@ -353,7 +367,7 @@ class Scheduler:
         token = req.sampler(logits, req.history)
         if req.first_token is None:
             req.first_token = time.perf_counter()
-        if token in self.stop_ids:
+        if token in self.stop_ids and not req.ignore_eos:
             self._finish(req, "stop")
             return
         req.completion_tokens += 1
