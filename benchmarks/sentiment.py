@@ -130,7 +130,8 @@ def score_model(model, test: list[dict], shots: list[dict], chat: bool) -> tuple
     return correct / len(test), len(test) / dt
 
 
-def run(work: Path, limit: int | None, systems: list[str], seed: int, ft: str = "ftq") -> None:
+def run(work: Path, limit: int | None, systems: list[str], seed: int, ft: str = "ftq",
+        ft_base: str = "smollm2-135m") -> None:
     import pocketlm
     from pocketlm.bench import machine_info
     from pocketlm.evaluate.recipes import sentiment_split
@@ -158,7 +159,7 @@ def run(work: Path, limit: int | None, systems: list[str], seed: int, ft: str = 
             k = 2 if mode == "fewshot" else 0
             acc, rate = score_model(model, test, shots[:k], chat=model_id.startswith("ft"))
             name = f"{model_id} {mode}" if not model_id.startswith("ft") else \
-                f"smollm2-135m fine-tuned ({ft}), {model_id[3:]}"
+                f"{ft_base} fine-tuned ({ft}), {model_id[3:]}"
             del model
         row = {"system": name, "model": model_id, "accuracy": round(acc, 4), "n": len(test),
                "classifications_per_s": round(rate, 2),
@@ -195,6 +196,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ft", default="ftq", help="the fine-tuning run under --work (and its "
                    "export, NAME.pocket)")
+    p.add_argument("--ft-base", default="smollm2-135m", help="the model --ft was tuned from "
+                   "(for the row's name)")
     p.add_argument("--systems", nargs="+", default=[
         "ngram", "smollm2-135m:zeroshot", "smollm2-135m:fewshot", "qwen2.5-0.5b:zeroshot",
         "qwen2.5-0.5b:fewshot", "ft-float:zeroshot", "ft-int4:zeroshot"])
@@ -204,7 +207,7 @@ def main() -> None:
     if a.cmd == "prepare":
         prepare(a.out, a.n_train, a.n_val, a.max_chars, a.seed)
     elif a.cmd == "run":
-        run(a.work, a.limit, a.systems, a.seed, a.ft)
+        run(a.work, a.limit, a.systems, a.seed, a.ft, a.ft_base)
     else:
         table(a.path)
 
