@@ -19,6 +19,7 @@ dev: $(VENV)/.installed
 
 test: dev  ## everything but the slow real-model checks (what CI runs)
 	./scripts/ensure-chromium
+	./scripts/ensure-cross
 	$(PY) -c "import pocketlm.runtime.kernels.native as n; assert n.available(), n.unavailable_reason()"
 	$(PY) -m pytest -m "not slow"
 	POCKET_KERNELS=numpy $(PY) -m pytest -q tests/test_runtime.py tests/test_gguf_import.py tests/test_api.py

@@ -1,0 +1,310 @@
+"""The engine's portable C code built for ARM64 (aarch64) and run under qemu-user.
+
+``tests/native_harness.c`` drives the engine (pocketlm/runtime/csrc, no Python) on a model dump
+written here: a prefill with every logit, decode steps, a second cache, and one batched step
+over both caches, with the portable kernels (``POCKET_LEVEL_SCALAR``) and a pool of 2 threads.
+It is compiled with the engine's sources (setup.py's, less the CPython module pocket_module.c)
+twice: ``gcc`` for this host and ``aarch64-linux-gnu-gcc`` for ARM64, run under
+``qemu-aarch64 -L /usr/aarch64-linux-gnu``. Tiny random models of every family (INT4 layers,
+INT8 embedding / head, as test_native_forward quantizes them), each run with int8 activations
+on and off (act_q8 = 31 / 0) and float16 KV caches on and off.
+
+Flags: setup.py's (``-O3 -std=c11 -fno-strict-aliasing -Wall -Wno-unknown-pragmas -pthread``)
+plus ``-ffp-contract=off`` on both compilers. GCC already defaults to no contraction under
+``-std=c11`` (an ISO mode), so this is the real build; spelled out, it keeps AArch64's fused
+multiply-adds out of the float code whatever the compiler's default. The harness alone also
+gets ``-Werror``.
+
+Each build is linked twice: against the C library as is (the real build) and "pinned", with
+``-Wl,--wrap=tanhf -Wl,--wrap=expf`` routing the engine's only float libm calls to versions in
+the harness computed through the double functions (identical on both platforms). glibc's
+tanhf differs by up to 3 ulp between its x86-64 and AArch64 builds (glibc 2.36), and that is
+the whole of the cross-architecture difference: with it pinned, every logit is bit-identical.
+
+Checks, per family and mode (bounds relative to the largest |logit| of the reference):
+
+* pinned: ARM64 logits == host logits, bit for bit (observed: identical, all 20 cases);
+* real builds: ARM64 within 1e-5 of the host (observed: 0 with int8 activations; up to 6.2e-7
+  with float activations, where glibc's tanhf shows through silu / GELU);
+* real builds, both targets, within test_native_forward's bounds (its MODES) of the numpy
+  reference runtime: f32 2e-5 (observed <= 1.4e-6), f32 activations + f16 KV 3e-3 (observed
+  <= 5e-4), q8 2e-2 (observed <= 5.4e-4; also used for q8 with a float32 KV cache, whose
+  error is a part of it: observed <= 1.9e-4);
+* the host build == the CPython wrapper's engine (NativeEngine, level "scalar", 2 threads), bit
+  for bit: the harness fills the model exactly as pocket_module_model.inc does.
+
+If the cross compiler or qemu is missing, these tests fail (they do not skip): run
+``scripts/ensure-cross`` (as root it installs them) or
+``sudo apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user``.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch_ref
+from test_native_forward import IDS, MODES
+
+from pocketlm.quant import quantize_int4, quantize_int8
+from pocketlm.runtime import Runtime
+from pocketlm.runtime.kernels import native
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = ROOT / "pocketlm" / "runtime" / "csrc"
+HARNESS = Path(__file__).with_name("native_harness.c")
+# setup.py compiles every csrc/*.c; pocket_module.c is the CPython wrapper (needs Python.h)
+ENGINE_SOURCES = sorted(p for p in CSRC.glob("*.c") if p.name != "pocket_module.c")
+CFLAGS = ["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
+          "-pthread", "-ffp-contract=off"]
+HARNESS_CFLAGS = ["-Werror"]
+LIBS = ["-pthread", "-lm"]
+PIN_LIBM = ["-Wl,--wrap=tanhf", "-Wl,--wrap=expf"]  # see native_harness.c
+
+ARM_CC = "aarch64-linux-gnu-gcc"
+QEMU = "qemu-aarch64"
+SYSROOT = Path("/usr/aarch64-linux-gnu")
+INSTALL = ("run scripts/ensure-cross (as root it installs them), or: sudo apt-get install "
+           "gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user")
+EM_AARCH64 = 183  # ELF e_machine
+HOST_ARCH = {"x86_64": "x86_64", "amd64": "x86_64", "aarch64": "aarch64",
+             "arm64": "aarch64"}.get(platform.machine().lower(), "other")
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "pocket"]
+SPLIT = 8  # IDS[:8] in one prefill, the other 5 ids one decode step each
+IDS_B = [7, 300, 2, 64, 9]  # a second sequence, in a second cache
+BATCH = [42, 250]  # one forward_batch step: the next token of each sequence
+N_ROWS = len(IDS) + len(IDS_B) + len(BATCH)
+RUNS = [(0, 0), (0, 1), (31, 0), (31, 1)]  # (act_q8, kv_f16)
+BOUND_MODE = {(0, 0): "f32", (0, 1): "f32-kv16", (31, 0): "q8", (31, 1): "q8"}
+ARM_VS_HOST = 1e-5  # real libm; pinned: bit-identical
+
+KIND = {"f32": 1, "int4": 4, "int8": 8}
+
+
+# -- the model dump (format: the top of tests/native_harness.c) --------------------------------
+
+def _weights(cfg, seed):
+    """As test_native_forward._weights(quantized=True): INT4 layers, INT8 embedding / head."""
+    sd = torch_ref.random_state_dict(cfg, seed=seed)
+    out = dict(sd)
+    for name, w in sd.items():
+        if w.ndim == 2:
+            out[name] = (quantize_int8(w) if name in ("embed.weight", "lm_head.weight")
+                         else quantize_int4(w, 32))
+    return out
+
+
+def _tensor_order(cfg, has_head):
+    names = ["embed.weight"] + (["lm_head.weight"] if has_head else []) + ["norm.weight"]
+    for i in range(cfg.n_layers):
+        p = f"layers.{i}."
+        names += [p + s for s in ("attn_norm.weight", "mlp_norm.weight", "attn.w_q.weight",
+                                  "attn.w_k.weight", "attn.w_v.weight", "attn.w_o.weight",
+                                  "mlp.w_gate.weight", "mlp.w_up.weight", "mlp.w_down.weight")]
+        if cfg.qkv_bias:
+            names += [p + "attn.w_q.bias", p + "attn.w_k.bias", p + "attn.w_v.bias"]
+        if cfg.qk_norm:
+            names += [p + "attn.q_norm.weight", p + "attn.k_norm.weight"]
+        if cfg.sandwich_norms:
+            names += [p + "post_attn_norm.weight", p + "post_mlp_norm.weight"]
+    return names
+
+
+def _le_bytes(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes()
+
+
+def _tensor_record(name: str, t) -> bytes:
+    """One tensor in the engine's form (what native.engine_weights hands the wrapper)."""
+    if isinstance(t, tuple):  # ("int4", q, scales, mins, gs) | ("int8", q, scales, gs)
+        kind, q, *rest = t
+        gs, arrays = rest[-1], [q, *rest[:-1]]
+        assert q.dtype == (np.uint8 if kind == "int4" else np.int8)
+        assert all(a.dtype == np.float16 for a in arrays[1:])
+        rows, cols = q.shape[0], q.shape[1] * (2 if kind == "int4" else 1)
+    else:  # float32 matrix or vector
+        assert t.dtype == np.float32
+        kind, gs, arrays = "f32", 0, [t]
+        rows, cols = (t.shape[0], 0) if t.ndim == 1 else t.shape
+    encoded = name.encode()
+    head = struct.pack("<i", len(encoded)) + encoded
+    head += struct.pack("<4i", KIND[kind], rows, cols, gs)
+    return head + b"".join(_le_bytes(a) for a in arrays)
+
+
+def write_dump(cfg, weights, path: Path) -> None:
+    tensors, reason = native.engine_weights(cfg, weights)
+    assert tensors is not None, reason
+    has_head = "lm_head.weight" in tensors
+    parts = [
+        b"PLMDUMP1",
+        struct.pack("<7i", cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads,
+                    cfg.n_kv_heads, cfg.head_dim, cfg.d_ff),
+        struct.pack("<8i", int(cfg.qkv_bias), int(cfg.qk_norm), int(cfg.sandwich_norms),
+                    {"silu": 0, "gelu_tanh": 1}[cfg.activation], cfg.sliding_window or 0,
+                    int(cfg.tie_embeddings), int(has_head), cfg.max_context),
+        struct.pack("<5d", cfg.norm_eps, cfg.embed_scale,
+                    -1.0 if cfg.attn_scale is None else cfg.attn_scale, cfg.rope_theta,
+                    cfg.rope_theta_local or 0.0),
+        struct.pack(f"<{cfg.n_layers}i", *(int(t == "sliding") for t in cfg.layer_types)),
+    ]
+    order = _tensor_order(cfg, has_head)
+    assert sorted(order) == sorted(tensors), "the dump must hold every tensor exactly once"
+    parts += [_tensor_record(name, tensors[name]) for name in order]
+    parts.append(b"END!")
+    path.write_bytes(b"".join(parts))
+
+
+def read_logits(path: Path, rows: int, vocab: int) -> np.ndarray:
+    data = path.read_bytes()
+    assert data[:8] == b"PLMLOGIT", f"{path}: not a logits file"
+    assert struct.unpack_from("<2i", data, 8) == (rows, vocab)
+    assert len(data) == 16 + 4 * rows * vocab
+    return np.frombuffer(data, "<f4", offset=16).reshape(rows, vocab).astype(np.float32)
+
+
+# -- builds -------------------------------------------------------------------------------------
+
+def _require_tools(target: str) -> None:
+    if target == "host":
+        if shutil.which("gcc") is None:
+            pytest.fail("the ARM64 build test needs gcc: sudo apt-get install gcc",
+                        pytrace=False)
+        return
+    missing = [t for t in (ARM_CC, QEMU) if shutil.which(t) is None]
+    if not (SYSROOT / "lib" / "ld-linux-aarch64.so.1").exists():
+        missing.append(f"the ARM64 C library in {SYSROOT}")
+    if missing:
+        pytest.fail(f"the ARM64 build test needs {', '.join(missing)}: {INSTALL}",
+                    pytrace=False)
+
+
+def _sh(cmd: list, what: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, cwd=cwd,
+                       timeout=300)
+    if p.returncode != 0:
+        pytest.fail(f"{what} failed (exit {p.returncode}): {' '.join(map(str, cmd))}\n"
+                    f"{p.stdout}{p.stderr}", pytrace=False)
+    return p
+
+
+class Builds:
+    """The harness + engine per target ("host", "arm64"), compiled once, linked twice:
+    "libc" (the C library's math) and "pinned" (tanhf / expf from the harness)."""
+
+    def __init__(self, tmp: Path):
+        self.tmp = tmp
+        self.progs: dict[str, dict[str, Path]] = {}
+
+    def get(self, target: str, variant: str) -> Path:
+        _require_tools(target)
+        if target not in self.progs:
+            cc = "gcc" if target == "host" else ARM_CC
+            out = self.tmp / target
+            out.mkdir()
+            _sh([cc, *CFLAGS, *HARNESS_CFLAGS, f"-I{CSRC}", "-c", HARNESS],
+                f"{target}: compiling the harness", cwd=out)
+            _sh([cc, *CFLAGS, f"-I{CSRC}", "-c", *ENGINE_SOURCES],
+                f"{target}: compiling the engine", cwd=out)
+            objs = sorted(out.glob("*.o"))
+            assert len(objs) == len(ENGINE_SOURCES) + 1
+            progs = {"libc": out / "native_harness", "pinned": out / "native_harness_pinned"}
+            _sh([cc, *objs, "-o", progs["libc"], *LIBS], f"{target}: linking")
+            _sh([cc, *objs, *PIN_LIBM, "-o", progs["pinned"], *LIBS], f"{target}: linking")
+            if target == "arm64":
+                for prog in progs.values():
+                    machine = struct.unpack_from("<H", prog.read_bytes(), 18)[0]
+                    assert machine == EM_AARCH64, f"{prog}: ELF e_machine {machine}"
+            self.progs[target] = progs
+        return self.progs[target][variant]
+
+    def run(self, target: str, variant: str, dump: Path, act_q8: int, kv_f16: int,
+            vocab: int) -> np.ndarray:
+        prog = self.get(target, variant)
+        out = dump.with_name(f"{target}-{variant}-{act_q8}-{kv_f16}.logits")
+        cmd = [prog] if target == "host" else [QEMU, "-L", SYSROOT, prog]
+        cmd += [dump, out, act_q8, kv_f16, SPLIT, ",".join(map(str, IDS)),
+                ",".join(map(str, IDS_B)), ",".join(map(str, BATCH))]
+        p = _sh(cmd, f"the {target} harness ({variant})")
+        arch = HOST_ARCH if target == "host" else "aarch64"
+        assert p.stdout.startswith(f"ok arch={arch} level=scalar "), p.stdout
+        return read_logits(out, N_ROWS, vocab)
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    return Builds(tmp_path_factory.mktemp("arm_build"))
+
+
+# -- the comparisons ----------------------------------------------------------------------------
+
+def _reference(rt) -> np.ndarray:
+    """What the harness computes, through a Runtime: A (prefill + decode), B, the batch step."""
+    a, b = rt.new_cache(len(IDS) + 1), rt.new_cache(len(IDS_B) + 1)
+    rows = [rt.forward(IDS[:SPLIT], a, all_logits=True)]
+    rows += [rt.forward([t], a, all_logits=True) for t in IDS[SPLIT:]]
+    rows.append(rt.forward(IDS_B, b, all_logits=True))
+    rows.append(rt.forward_batch(BATCH, [a, b]))
+    out = np.concatenate(rows, axis=0)
+    assert out.shape == (N_ROWS, rt.config.vocab_size)
+    return out
+
+
+def _wrapper_runtime(cfg, w, act_q8, kv_f16):
+    """The CPython wrapper's engine at the scalar level, 2 threads, in the harness's mode."""
+    if not native.engine_available():
+        pytest.fail(native.unavailable_reason() or "the native engine is not built: run "
+                    "`pip install -e .`", pytrace=False)
+    rt = Runtime(cfg, w, engine="numpy")
+    rt.native = native.NativeEngine(cfg, w, act="q8" if act_q8 else "f32",
+                                    kv="f16" if kv_f16 else "f32", digits=2, level="scalar",
+                                    threads=2)
+    assert rt.native.q8_mask() == act_q8
+    return rt
+
+
+def _rel_err(ours, ref) -> float:
+    """The largest difference, relative to the largest reference logit."""
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def _where(a, b) -> str:
+    d = np.abs(a - b)
+    row, col = np.unravel_index(d.argmax(), d.shape)
+    return (f"max |diff| {d.max():.3g} ({_rel_err(a, b):.3g} of max |logit|) at row {row}, "
+            f"token {col}; {int((d > 0).sum())} of {d.size} logits differ")
+
+
+def test_cross_toolchain_is_installed():
+    _require_tools("arm64")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_arm64_build_matches_host_and_reference(arch, builds, tmp_path):
+    cfg = torch_ref.tiny_config(arch)
+    w = _weights(cfg, 21)
+    dump = tmp_path / "model.bin"
+    write_dump(cfg, w, dump)
+    expected = _reference(Runtime(cfg, w, engine="numpy"))
+    V = cfg.vocab_size
+    for act_q8, kv_f16 in RUNS:
+        mode = f"{arch}, act_q8={act_q8}, kv_f16={kv_f16}"
+        host, arm = (builds.run(t, "libc", dump, act_q8, kv_f16, V) for t in ("host", "arm64"))
+        pin_host, pin_arm = (builds.run(t, "pinned", dump, act_q8, kv_f16, V)
+                             for t in ("host", "arm64"))
+        assert np.array_equal(pin_arm, pin_host), (
+            f"{mode}: ARM64 vs host, libm pinned: {_where(pin_arm, pin_host)}")
+        assert _rel_err(arm, host) <= ARM_VS_HOST, f"{mode}: ARM64 vs host: {_where(arm, host)}"
+        bound = MODES[BOUND_MODE[act_q8, kv_f16]][3]
+        for target, got in (("host", host), ("arm64", arm)):
+            err = _rel_err(got, expected)
+            assert err <= bound, f"{mode}: {target} vs the numpy reference: {err:.3g} > {bound}"
+        wrapped = _reference(_wrapper_runtime(cfg, w, act_q8, kv_f16))
+        assert np.array_equal(host, wrapped), (
+            f"{mode}: harness vs NativeEngine(level='scalar'): {_where(host, wrapped)}")
