@@ -1,9 +1,10 @@
 /* A standalone driver of the native engine (pocketlm/runtime/csrc, no Python): loads a model
- * dump, runs prefill, decode and batched decode with the portable (scalar) kernels and writes
- * every logit. tests/test_arm_build.py builds it for the host and for ARM64 (run under qemu)
- * and compares the two with each other and with the numpy reference runtime.
+ * dump, runs prefill, decode and batched decode at one kernel level (default: the portable
+ * scalar kernels) and writes every logit. tests/test_arm_build.py builds it for the host and
+ * for ARM64 (run under qemu) and compares the two with each other and with the numpy reference
+ * runtime, and the ARM64 build's neon level with its scalar level.
  *
- * Usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH
+ * Usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH [LEVEL]
  *   ACT_Q8   the engine's act_q8 mask: 0 (float activations) .. 1023 (31: int8 activations,
  *            two digits, everywhere)
  *   KV_F16   0: float32 KV caches, 1: float16
@@ -12,9 +13,15 @@
  *   IDS_B    comma-separated ids of sequence B, one prefill (all logits) in a second cache
  *   BATCH    two comma-separated ids: one pocket_model_forward_batch() call running the first
  *            at the next position of A's cache and the second at the next position of B's
+ *   LEVEL    the kernel level by name (pocket_level_name: scalar, avx2, avx512, neon); default
+ *            scalar. A level this build or CPU lacks is an error (exit status 1), never a
+ *            silent fallback.
  * Every forward uses a pocket_pool of 2 threads. Exit status 0 on success; 1 with a message on
  * stderr on any error (bad arguments or file, an engine status other than POCKET_OK).
- * On success it prints one line to stdout: "ok arch=<x86_64|aarch64|other> level=<name> ...".
+ * On success it prints one line to stdout:
+ *   "ok arch=<x86_64|aarch64|other> level=<name> ops=<name> ..."
+ * level: the kernel table's level, ops: the engine's operations (pocket_model_ops_name:
+ * portable, avx512 or neon).
  *
  * Model dump (all integers int32, all floats float64 or float32 as stated, little-endian):
  *   char[8]  "PLMDUMP1"
@@ -254,9 +261,19 @@ static void wr_i32(FILE *f, int32_t v, const char *path) {
 /* ---- main --------------------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
-    if (argc != 9)
-        die("usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH "
+    if (argc != 9 && argc != 10)
+        die("usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH [LEVEL] "
             "(see the top of tests/native_harness.c)");
+    int level = POCKET_LEVEL_SCALAR;
+    if (argc == 10) {
+        level = -1;
+        for (int l = 0; l < POCKET_LEVEL_COUNT; l++)
+            if (strcmp(argv[9], pocket_level_name(l)) == 0) level = l;
+        if (level < 0) die("LEVEL: unknown kernel level '%s'", argv[9]);
+        if (!pocket_level_compiled(level)) die("LEVEL: '%s' is not compiled in", argv[9]);
+        if (!pocket_level_supported(level))
+            die("LEVEL: '%s' is not supported by this CPU", argv[9]);
+    }
     {
         const uint16_t one = 1;
         uint8_t low;
@@ -371,16 +388,17 @@ int main(int argc, char **argv) {
     if (fgetc(r.f) != EOF) die("%s: trailing bytes after the end marker", model_path);
     fclose(r.f);
 
-    /* -- the engine, portable kernels -- */
+    /* -- the engine, at the requested level -- */
     for (int i = 0; i < na; i++)
         if (ids_a[i] >= c.vocab_size) die("IDS_A: id %d is out of range", (int)ids_a[i]);
     for (int i = 0; i < nb; i++)
         if (ids_b[i] >= c.vocab_size) die("IDS_B: id %d is out of range", (int)ids_b[i]);
     if (batch[0] >= c.vocab_size || batch[1] >= c.vocab_size) die("BATCH: id out of range");
 
-    const pocket_kernel_table *kt = pocket_kernels(POCKET_LEVEL_SCALAR);
-    if (!kt) die("pocket_kernels(POCKET_LEVEL_SCALAR) returned NULL");
-    if (kt->level != POCKET_LEVEL_SCALAR) die("pocket_kernels(SCALAR) gave level %d", kt->level);
+    const pocket_kernel_table *kt = pocket_kernels(level);
+    if (!kt) die("pocket_kernels(%s) returned NULL", pocket_level_name(level));
+    if (kt->level != level)
+        die("pocket_kernels(%s) gave level %d", pocket_level_name(level), kt->level);
     pocket_pool *pool = pocket_pool_create(HARNESS_THREADS);
     if (!pool) die("pocket_pool_create(%d) failed", HARNESS_THREADS);
     pocket_model *model = NULL;
@@ -432,9 +450,9 @@ int main(int argc, char **argv) {
     const char *arch = (feat & POCKET_CPU_AARCH64) ? "aarch64"
                        : (feat & POCKET_CPU_X86_64) ? "x86_64"
                                                     : "other";
-    printf("ok arch=%s level=%s act_q8=%d kv_f16=%d rows=%d vocab=%d kv_bytes=%zu\n", arch,
-           pocket_level_name(kt->level), act_q8, kv_f16, rows, (int)V,
-           pocket_kv_nbytes(kva));
+    printf("ok arch=%s level=%s ops=%s act_q8=%d kv_f16=%d rows=%d vocab=%d kv_bytes=%zu\n",
+           arch, pocket_level_name(kt->level), pocket_model_ops_name(model), act_q8, kv_f16,
+           rows, (int)V, pocket_kv_nbytes(kva));
 
     pocket_kv_destroy(kva);
     pocket_kv_destroy(kvb);

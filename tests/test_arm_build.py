@@ -33,6 +33,17 @@ Checks, per family and mode (bounds relative to the largest |logit| of the refer
 * the host build == the CPython wrapper's engine (NativeEngine, level "scalar", 2 threads), bit
   for bit: the harness fills the model exactly as pocket_module_model.inc does.
 
+The neon level (pm_ops_neon, pocket_model_neon.c: SDOT products on the tiled weights) runs in
+the same ARM64 build under ``qemu-aarch64 -cpu max`` (a CPU with the dot-product extension;
+the harness's LEVEL argument, and its output line names the level and operations it ran):
+
+* ARM64 neon == ARM64 scalar, bit for bit, in every mode above plus one int8 digit everywhere
+  and a mix of one and two digits (observed: identical, all 30 cases). The SDOT totals are the
+  portable kernel's exact int32 sums and the float epilogue repeats its operations in order
+  (no fused multiply-add); float activations run the scalar kernels at this level;
+* the level is refused under ``-cpu cortex-a53`` (ARMv8.0, no HWCAP_ASIMDDP), where scalar
+  still runs, and is not compiled into the x86-64 build.
+
 If the cross compiler or qemu is missing, these tests fail (they do not skip): run
 ``scripts/ensure-cross`` (as root it installs them) or
 ``sudo apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user``.
@@ -83,6 +94,9 @@ N_ROWS = len(IDS) + len(IDS_B) + len(BATCH)
 RUNS = [(0, 0), (0, 1), (31, 0), (31, 1)]  # (act_q8, kv_f16)
 BOUND_MODE = {(0, 0): "f32", (0, 1): "f32-kv16", (31, 0): "q8", (31, 1): "q8"}
 ARM_VS_HOST = 1e-5  # real libm; pinned: bit-identical
+NEON_CPU = "max"  # qemu's CPU model for the neon runs: reports asimddp (SDOT) in HWCAP
+NO_DOTPROD_CPU = "cortex-a53"  # ARMv8.0-A: NEON without the dot-product extension
+OPS = {"scalar": "portable", "neon": "neon"}  # level -> the engine's operations (pm_ops_*)
 
 KIND = {"f32": 1, "int4": 4, "int8": 8}
 
@@ -224,16 +238,30 @@ class Builds:
             self.progs[target] = progs
         return self.progs[target][variant]
 
+    @staticmethod
+    def command(prog: Path, target: str, cpu: str | None = None) -> list:
+        """How to start `prog`: directly on the host, under qemu for ARM64 (`cpu`: qemu's
+        -cpu model, None: its default)."""
+        if target == "host":
+            return [prog]
+        return [QEMU, *(["-cpu", cpu] if cpu else []), "-L", SYSROOT, prog]
+
     def run(self, target: str, variant: str, dump: Path, act_q8: int, kv_f16: int,
-            vocab: int) -> np.ndarray:
+            vocab: int, level: str = "scalar") -> np.ndarray:
+        """The harness's logits at a kernel level: "scalar" (the portable operations, the
+        default, run as before) or "neon" (ARM64 only, under qemu's "max" CPU, which has the
+        dot-product extension; the harness must report that it ran pm_ops_neon)."""
         prog = self.get(target, variant)
-        out = dump.with_name(f"{target}-{variant}-{act_q8}-{kv_f16}.logits")
-        cmd = [prog] if target == "host" else [QEMU, "-L", SYSROOT, prog]
+        out = dump.with_name(f"{target}-{variant}-{level}-{act_q8}-{kv_f16}.logits")
+        cmd = self.command(prog, target, NEON_CPU if level == "neon" else None)
         cmd += [dump, out, act_q8, kv_f16, SPLIT, ",".join(map(str, IDS)),
                 ",".join(map(str, IDS_B)), ",".join(map(str, BATCH))]
-        p = _sh(cmd, f"the {target} harness ({variant})")
+        if level != "scalar":
+            cmd.append(level)
+        p = _sh(cmd, f"the {target} harness ({variant}, {level})")
         arch = HOST_ARCH if target == "host" else "aarch64"
-        assert p.stdout.startswith(f"ok arch={arch} level=scalar "), p.stdout
+        ops = OPS[level]
+        assert p.stdout.startswith(f"ok arch={arch} level={level} ops={ops} "), p.stdout
         return read_logits(out, N_ROWS, vocab)
 
 
@@ -308,3 +336,57 @@ def test_arm64_build_matches_host_and_reference(arch, builds, tmp_path):
         wrapped = _reference(_wrapper_runtime(cfg, w, act_q8, kv_f16))
         assert np.array_equal(host, wrapped), (
             f"{mode}: harness vs NativeEngine(level='scalar'): {_where(host, wrapped)}")
+
+
+# -- the neon level (ARM64 with the dot-product extension) -------------------------------------
+
+# (act_q8, kv_f16): RUNS, plus one int8 digit everywhere (31 | 31 << 5) and a mix of one digit
+# (QKV, gate / up) and two (wo, down, head)
+NEON_RUNS = RUNS + [(1023, 1), (31 | (1 | 4) << 5, 0)]
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_arm64_neon_matches_arm64_scalar(arch, builds, tmp_path):
+    """The neon level of the ARM64 build (pm_ops_neon: SDOT products on the tiled weights, under
+    qemu -cpu max) against its scalar level (the portable operations), both with the C library's
+    math: bit for bit in every mode. With int8 activations the SDOT sums are the portable
+    kernel's exact int32 totals (INT8 weights XORed to q, which equals the portable
+    128 * sum(u x1) + sum(u x2) - corr), and the float epilogue repeats the portable operations
+    in their order, lane = row, without fused multiply-adds; with float activations the neon
+    level runs the scalar kernels (no tiled float products), so those logits are identical as
+    well."""
+    cfg = torch_ref.tiny_config(arch)
+    w = _weights(cfg, 21)
+    dump = tmp_path / "model.bin"
+    write_dump(cfg, w, dump)
+    V = cfg.vocab_size
+    for act_q8, kv_f16 in NEON_RUNS:
+        mode = f"{arch}, act_q8={act_q8}, kv_f16={kv_f16}"
+        scalar = builds.run("arm64", "libc", dump, act_q8, kv_f16, V)
+        neon = builds.run("arm64", "libc", dump, act_q8, kv_f16, V, level="neon")
+        assert np.array_equal(neon, scalar), (
+            f"{mode}: ARM64 neon vs ARM64 scalar: {_where(neon, scalar)}")
+
+
+def test_neon_level_needs_arm64_with_dotprod(builds, tmp_path):
+    """The neon level is chosen from the CPU's HWCAP_ASIMDDP: refused on an ARMv8.0 CPU
+    (qemu -cpu cortex-a53) where the scalar level still runs, and absent from an x86-64 build."""
+    cfg = torch_ref.tiny_config("llama")
+    dump = tmp_path / "model.bin"
+    write_dump(cfg, _weights(cfg, 21), dump)
+    args = [dump, tmp_path / "out.logits", 31, 0, SPLIT, ",".join(map(str, IDS)),
+            ",".join(map(str, IDS_B)), ",".join(map(str, BATCH))]
+
+    def harness(target, cpu, *level):
+        cmd = builds.command(builds.get(target, "libc"), target, cpu) + args + list(level)
+        return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300)
+
+    p = harness("arm64", NO_DOTPROD_CPU, "neon")
+    assert p.returncode == 1 and "'neon' is not supported by this CPU" in p.stderr, (
+        p.returncode, p.stdout, p.stderr)
+    p = harness("arm64", NO_DOTPROD_CPU)
+    assert p.returncode == 0 and p.stdout.startswith("ok arch=aarch64 level=scalar ops=portable ")
+    if HOST_ARCH == "x86_64":
+        p = harness("host", None, "neon")
+        assert p.returncode == 1 and "'neon' is not compiled in" in p.stderr, (
+            p.returncode, p.stdout, p.stderr)

@@ -38,7 +38,11 @@ try:
 except ImportError:
     _native = None
 
-ALL_LEVELS = ("scalar", "avx2", "avx512")
+ALL_LEVELS = ("scalar", "avx2", "avx512", "neon")  # indices: _native.LEVEL_*
+# the levels of this architecture (the NEON kernels are checked on x86 machines too, cross-built
+# and run under qemu: tests/test_arm_build.py)
+ARCH_LEVELS = (("scalar", "neon") if platform.machine().lower() in ("aarch64", "arm64")
+               else ("scalar", "avx2", "avx512"))
 NS = (1, 2, 3, 7, 33)
 ROWS = (1, 3, 32, 100, 257)
 COLS = (32, 64, 96, 576, 1536)
@@ -143,7 +147,7 @@ def _cases():
 
 
 # -- accuracy --------------------------------------------------------------------------------
-@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("level", ARCH_LEVELS)
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_f32_activations_match_numpy(kind, level):
     _require_level(level)
@@ -162,7 +166,7 @@ def test_f32_activations_match_numpy(kind, level):
     assert worst < F32_RTOL
 
 
-@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("level", ARCH_LEVELS)
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_q8_activations_match_numpy(kind, level):
     _require_level(level)
@@ -180,7 +184,7 @@ def test_q8_activations_match_numpy(kind, level):
             f"{where}: q8 result differs from x~ @ W.T by {err_xt.max():.3g}")
 
 
-@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("level", ARCH_LEVELS)
 def test_q8_typical_error_is_small(level):
     """On Gaussian data the q8 path's relative error is far below the worst-case bound."""
     _require_level(level)
@@ -193,7 +197,7 @@ def test_q8_typical_error_is_small(level):
     assert rel < 0.01, rel
 
 
-@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("level", ARCH_LEVELS)
 def test_quantize_act_matches_twin_bit_for_bit(level):
     _require_level(level)
     rng = np.random.default_rng(3)
@@ -214,7 +218,7 @@ def test_quantize_act_matches_twin_bit_for_bit(level):
     np.testing.assert_array_equal(sx, s_ref)
 
 
-@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("level", ARCH_LEVELS)
 @pytest.mark.parametrize("act", ["f32", "q8"])
 def test_int8_weights_with_minus_128(level, act):
     """GGUF Q8_0 blocks may hold -128; the |w| x sign(x, w) trick must stay exact."""
@@ -237,7 +241,7 @@ def test_int8_weights_with_minus_128(level, act):
         assert (np.abs(y - ref) <= F32_RTOL * scale).all()
 
 
-@pytest.mark.parametrize("level", ALL_LEVELS)
+@pytest.mark.parametrize("level", ARCH_LEVELS)
 @pytest.mark.parametrize("kind", ["int4", "int8"])
 def test_threads_give_identical_results(kind, level):
     _require_level(level)

@@ -16,6 +16,17 @@
 #define POCKET_X86_SIMD 0
 #endif
 
+/* The ARM64 neon level (dot-product kernels, see pocket_model_neon.c); the same condition as
+ * PM_HAVE_NEON in pocket_model_ops.h: GCC >= 8 (target attributes), or Clang with the dot-product
+ * extension in the target already. */
+#if defined(__aarch64__) && !defined(POCKET_NO_SIMD) &&                                          \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8) ||                             \
+     (defined(__clang__) && defined(__ARM_FEATURE_DOTPROD)))
+#define POCKET_ARM_NEON 1
+#else
+#define POCKET_ARM_NEON 0
+#endif
+
 #if defined(__GNUC__) || defined(__clang__)
 #define POCKET_INLINE static inline __attribute__((always_inline))
 #define POCKET_LIKELY(x) __builtin_expect(!!(x), 1)

@@ -1,5 +1,7 @@
 /* pocketlm native kernels: portable scalar kernels, CPU detection and dispatch, the thread pool
- * and the threaded drivers. The AVX2 / AVX-512 kernels live in pocket_x86.c. */
+ * and the threaded drivers. The AVX2 / AVX-512 kernels live in pocket_x86.c; the neon level
+ * (ARM64) has the engine's tiled products only (pocket_model_neon.c) and hands out the scalar
+ * kernels here. */
 #if !defined(_WIN32) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* pthread, sched_yield, getpid */
 #endif
@@ -20,6 +22,11 @@
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <cpuid.h>
+#endif
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
 #endif
 
 /* =========================================================================================
@@ -219,6 +226,15 @@ static const pocket_kernel_table table_scalar = {
     quant_act_scalar,    q4_q8_scalar, q8_q8_scalar,
 };
 
+#if POCKET_ARM_NEON
+/* The neon level: the per-call kernels are the scalar ones (identical results); what the level
+ * changes is the whole-model engine's operations (pm_ops_neon, chosen in pocket_model.c). */
+static const pocket_kernel_table table_neon = {
+    POCKET_LEVEL_NEON, "neon",       q4_f32_scalar, q8_f32_scalar,
+    quant_act_scalar,  q4_q8_scalar, q8_q8_scalar,
+};
+#endif
+
 /* =========================================================================================
  * CPU detection and dispatch
  * ========================================================================================= */
@@ -247,6 +263,20 @@ static int x86_avx512_ok(void) {
 }
 #endif
 
+#if defined(__aarch64__)
+/* The dot-product extension (SDOT / UDOT, ARMv8.2-A, optional up to ARMv8.3): on Linux from the
+ * kernel's hardware capabilities; elsewhere only when the compiler's target already has it. */
+static int arm_dotprod_ok(void) {
+#if defined(__linux__) && defined(HWCAP_ASIMDDP)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#elif defined(__ARM_FEATURE_DOTPROD)
+    return 1;
+#else
+    return 0;
+#endif
+}
+#endif
+
 unsigned pocket_cpu_features(void) {
     unsigned f = 0;
 #if defined(__x86_64__)
@@ -254,9 +284,7 @@ unsigned pocket_cpu_features(void) {
 #endif
 #if defined(__aarch64__)
     f |= POCKET_CPU_AARCH64 | POCKET_CPU_NEON;
-#if defined(__ARM_FEATURE_DOTPROD)
-    f |= POCKET_CPU_ASIMD_DOT;
-#endif
+    if (arm_dotprod_ok()) f |= POCKET_CPU_ASIMD_DOT;
 #endif
 #if POCKET_X86_SIMD
     __builtin_cpu_init();
@@ -285,6 +313,9 @@ int pocket_level_compiled(int level) {
 #if POCKET_X86_SIMD
     if (level == POCKET_LEVEL_AVX2 || level == POCKET_LEVEL_AVX512) return 1;
 #endif
+#if POCKET_ARM_NEON
+    if (level == POCKET_LEVEL_NEON) return 1;
+#endif
     return 0;
 }
 
@@ -294,6 +325,9 @@ int pocket_level_supported(int level) {
 #if POCKET_X86_SIMD
     case POCKET_LEVEL_AVX2: return x86_avx2_ok();
     case POCKET_LEVEL_AVX512: return x86_avx512_ok();
+#endif
+#if POCKET_ARM_NEON
+    case POCKET_LEVEL_NEON: return arm_dotprod_ok();
 #endif
     default: return 0;
     }
@@ -310,6 +344,7 @@ const char *pocket_level_name(int level) {
     case POCKET_LEVEL_SCALAR: return "scalar";
     case POCKET_LEVEL_AVX2: return "avx2";
     case POCKET_LEVEL_AVX512: return "avx512";
+    case POCKET_LEVEL_NEON: return "neon";
     default: return NULL;
     }
 }
@@ -322,6 +357,9 @@ const pocket_kernel_table *pocket_kernels(int level) {
 #if POCKET_X86_SIMD
     case POCKET_LEVEL_AVX2: return &pocket_table_avx2;
     case POCKET_LEVEL_AVX512: return &pocket_table_avx512;
+#endif
+#if POCKET_ARM_NEON
+    case POCKET_LEVEL_NEON: return &table_neon;
 #endif
     default: return NULL;
     }

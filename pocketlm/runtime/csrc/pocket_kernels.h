@@ -38,13 +38,17 @@ enum {
     POCKET_EUNSUPPORTED = -3 /* the requested kernel level is not available on this CPU/build */
 };
 
-/* Kernel levels, lowest to highest. */
+/* Kernel levels, lowest to highest within one architecture (x86-64: scalar < avx2 < avx512;
+ * ARM64: scalar < neon). */
 enum {
     POCKET_LEVEL_AUTO = -1,  /* the highest level this CPU supports */
     POCKET_LEVEL_SCALAR = 0, /* portable C (auto-vectorized by the compiler where it can) */
     POCKET_LEVEL_AVX2 = 1,   /* x86-64 AVX2 + FMA + F16C */
     POCKET_LEVEL_AVX512 = 2, /* x86-64 AVX-512 F/BW/DQ/VL + VNNI */
-    POCKET_LEVEL_COUNT = 3
+    POCKET_LEVEL_NEON = 3,   /* ARM64 NEON + dot product (ARMv8.2-A +dotprod, HWCAP_ASIMDDP):
+                                the engine's tiled int8 products; the per-call kernels of the
+                                table are the scalar ones */
+    POCKET_LEVEL_COUNT = 4
 };
 
 /* CPU feature bits reported by pocket_cpu_features(). */
@@ -72,7 +76,7 @@ unsigned pocket_cpu_features(void);
 /* 1 if `level` is compiled in and supported by this CPU (and its OS), else 0. */
 int pocket_level_supported(int level);
 int pocket_best_level(void);
-const char *pocket_level_name(int level); /* "scalar", "avx2", "avx512" or NULL */
+const char *pocket_level_name(int level); /* "scalar", "avx2", "avx512", "neon" or NULL */
 /* 1 if the build contains code for `level` (whatever this CPU supports). */
 int pocket_level_compiled(int level);
 

@@ -133,10 +133,14 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     m->one_digit = (act_q8 >> POCKET_Q8_ONE_DIGIT_SHIFT) & POCKET_Q8_ALL;
     m->ops = &pm_ops_portable;
 #if PM_HAVE_AVX512
-    if (kernels->level >= POCKET_LEVEL_AVX512) {
+    if (kernels->level == POCKET_LEVEL_AVX512) {
         m->ops = &pm_ops_avx512;
         m->tiled_f32 = 1;
     }
+#endif
+#if PM_HAVE_NEON
+    /* int8-activation products only: float activations keep the kernel table's products */
+    if (kernels->level == POCKET_LEVEL_NEON) m->ops = &pm_ops_neon;
 #endif
     m->q_dim = qd;
     m->kv_dim = kvd;
@@ -295,6 +299,10 @@ void pocket_kv_destroy(pocket_kv *kv) {
 }
 
 int pocket_kv_capacity(const pocket_kv *kv) { return kv ? kv->capacity : 0; }
+
+const char *pocket_model_ops_name(const pocket_model *model) {
+    return model ? model->ops->name : NULL;
+}
 
 size_t pocket_kv_nbytes(const pocket_kv *kv) {
     if (!kv) return 0;

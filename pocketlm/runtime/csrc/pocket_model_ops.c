@@ -2,7 +2,8 @@
  * norms, attention, activations, float16 conversion, activation quantization and the products
  * on tiled weights, in plain C. They run where AVX-512 is not available (the scalar and avx2
  * kernel levels, other architectures); the AVX-512 attention (pocket_model_x86.c) falls back to
- * attn_portable for more than 64 query heads per KV head.
+ * attn_portable for more than 64 query heads per KV head, and the neon operations
+ * (pocket_model_neon.c) use all of them but the int8-digit tiled products.
  */
 #include <math.h>
 

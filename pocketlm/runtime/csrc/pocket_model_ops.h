@@ -1,7 +1,8 @@
 /* Internal: the elementwise / attention operations of the engine (pocket_model_forward.c),
- * with a portable implementation (pocket_model_ops.c) and an AVX-512 one (pocket_model_x86.c),
- * chosen once per model from the kernel level; the layouts they share (KV cache, tiled
- * weights, prepared activations). Not part of the public API. */
+ * with a portable implementation (pocket_model_ops.c), an AVX-512 one (pocket_model_x86.c) and
+ * an ARM64 NEON one (pocket_model_neon.c), chosen once per model from the kernel level; the
+ * layouts they share (KV cache, tiled weights, prepared activations). Not part of the public
+ * API. */
 #ifndef POCKET_MODEL_OPS_H
 #define POCKET_MODEL_OPS_H
 
@@ -123,6 +124,17 @@ extern const pm_ops pm_ops_avx512;
 #define PM_HAVE_AVX512 1
 #else
 #define PM_HAVE_AVX512 0
+#endif
+/* The condition of POCKET_ARM_NEON (pocket_internal.h): GCC >= 8 compiles the SDOT code with a
+ * target attribute; Clang only when the target already has the extension (-march=...+dotprod),
+ * as its arm_neon.h before version 16 declares the dot-product intrinsics only then. */
+#if defined(__aarch64__) && !defined(POCKET_NO_SIMD) &&                                          \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8) ||                             \
+     (defined(__clang__) && defined(__ARM_FEATURE_DOTPROD)))
+extern const pm_ops pm_ops_neon; /* SDOT products: ARMv8.2-A +dotprod, checked at run time */
+#define PM_HAVE_NEON 1
+#else
+#define PM_HAVE_NEON 0
 #endif
 
 #endif /* POCKET_MODEL_OPS_H */

@@ -511,6 +511,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "LEVEL_SCALAR", POCKET_LEVEL_SCALAR) ||
         PyModule_AddIntConstant(m, "LEVEL_AVX2", POCKET_LEVEL_AVX2) ||
         PyModule_AddIntConstant(m, "LEVEL_AVX512", POCKET_LEVEL_AVX512) ||
+        PyModule_AddIntConstant(m, "LEVEL_NEON", POCKET_LEVEL_NEON) ||
         PyModule_AddIntConstant(m, "KERNEL_API", KERNEL_API) ||
         PyModule_AddIntConstant(m, "MODEL_API", MODEL_API) ||
         PyModule_AddIntConstant(m, "Q8_QKV", POCKET_Q8_QKV) ||

@@ -11,8 +11,10 @@ Same semantics as :func:`pocketlm.runtime.kernels.numpy_ref.linear_ref`. Two act
   ``||x - x~|| <= sqrt(32) / 254 * ||x||``.
 
 Environment: ``POCKET_THREADS`` (threads; default: usable CPUs, at most 8) and
-``POCKET_CPU_LEVEL`` (``scalar`` | ``avx2`` | ``avx512``: force a kernel level, default the best
-the CPU supports). The kernel level and threads can also be passed per call.
+``POCKET_CPU_LEVEL`` (``scalar`` | ``avx2`` | ``avx512`` on x86-64, ``scalar`` | ``neon`` on ARM64:
+force a kernel level, default the best the CPU supports). The kernel level and threads can also
+be passed per call. ``neon`` (ARM64 with the dot-product extension) changes the whole-model
+engine's int8-activation products only; its per-call kernels are the scalar ones.
 
 The whole-model engine (:class:`NativeEngine`, ``pocketlm._native.NativeModel``) runs the
 complete forward pass in one native call; the runtime uses it by default (see
@@ -46,7 +48,7 @@ except ImportError as e:  # not built: pip install -e .
 else:
     _IMPORT_ERROR = ""
 
-LEVELS = ("scalar", "avx2", "avx512")
+LEVELS = ("scalar", "avx2", "avx512", "neon")  # indices: the LEVEL_* values of _native
 MAX_DEFAULT_THREADS = 8
 _API = 1
 

@@ -1,0 +1,248 @@
+/* ARM64 NEON operations of the inference engine (see pocket_model_ops.h): the products on
+ * tiled weights with int8 activation digits, on the dot-product extension (SDOT, ARMv8.2-A
+ * +dotprod). Every NEON function carries its own target attribute: this file is compiled for the
+ * baseline ARMv8.0 like the rest of the build, and the engine only selects these where the neon
+ * kernel level is supported (HWCAP_ASIMDDP, checked at run time in pocket_kernels.c).
+ *
+ * What is NEON here and what is not:
+ *   matmul_tiled, digits 1 and 2   SDOT kernels below;
+ *   matmul_tiled, digits 0         pm_matmul_tiled_portable (the engine does not build tiled
+ *                                  weights for float activations at this level, see
+ *                                  pocket_model.c: float products go through the kernel
+ *                                  table, i.e. the scalar kernels);
+ *   quant_act, block_sums          the portable functions (identical results by contract);
+ *   rmsnorm, attn, glu, matmul_f32, to_f16   the portable operations, called through
+ *                                  pm_ops_portable.
+ *
+ * The SDOT product. One `vdotq_laneq_s32(acc, w, x, L)` adds, for each of its 4 int32 lanes e,
+ * the dot product of the 4 bytes 4e..4e+3 of w with the 4 bytes of 32-bit word L of x. A 64-byte
+ * chunk vector of a tile record (pocket_model_ops.h: chunk k of row i = the 4 bytes at lane i)
+ * is 4 registers of 16 bytes, register r holding rows 4r..4r+3; so 4 SDOTs with the chunk's 4
+ * activation bytes as word L of x cover the 16 rows of the tile, accumulator r lane e = row
+ * 4r + e. The 32 int8 activations of a block are two registers xa (columns 0..15, chunks 0..3)
+ * and xb (columns 16..31, chunks 4..7): chunk c is word c % 4 of (c < 4 ? xa : xb).
+ *   INT4: vector m holds chunk 2m in its low nibbles and chunk 2m + 1 in its high nibbles;
+ *         values 0..15 are valid s8 operands as they are (AND 0x0F, shift right by 4).
+ *   INT8: vector k holds chunk k as q + 128 (u8); XOR 0x80 turns it into q as s8, so the
+ *         integer sums are those of the true weights q and the offset term corr of pm_act is
+ *         not needed: with u = q + 128 and S the block's digit sum,
+ *           128 * sum(u x1) + sum(u x2) - corr = 128 * sum(q x1) + sum(q x2)   (corr = 128 S),
+ *         the same int32 value the portable kernel computes (no overflow either way: at most
+ *         32 * 255 * 127 * 129 < 2^31).
+ * Per block the int32 total T = 128 i1 + i2 (digits 2) or i1 (digits 1) is exact. The float
+ * epilogue then repeats the portable kernel's operations in its order, row by row (a NEON lane
+ * per row): acc += (float)T * (scale * dd[b]); xs += bsum[b] over the group; INT4:
+ * macc += min * xs per group; y = acc + macc. Conversions and products are the same IEEE
+ * operations (SCVTF and FCVTL round like C's casts; FMUL / FADD, no fused multiply-add: like the
+ * portable file, this one relies on the build's -std=c11, which turns off GCC's contraction of
+ * a * b + c), so the results are bit-identical to pm_matmul_tiled_portable.
+ */
+#include "pocket_internal.h"
+#include "pocket_model_ops.h"
+
+#if PM_HAVE_NEON
+
+#include <arm_neon.h>
+
+#if defined(__clang__)
+#define TGT /* the target has +dotprod already (see PM_HAVE_NEON) */
+#else
+#define TGT __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+#define AI __attribute__((always_inline))
+
+/* acc[0..3] += the chunk in w[0..3] (rows 0..15) times word LANE of xv (a literal 0..3). */
+#define SDOT16(acc, w, xv, LANE)                                                                \
+    do {                                                                                        \
+        (acc)[0] = vdotq_laneq_s32((acc)[0], (w)[0], (xv), LANE);                               \
+        (acc)[1] = vdotq_laneq_s32((acc)[1], (w)[1], (xv), LANE);                               \
+        (acc)[2] = vdotq_laneq_s32((acc)[2], (w)[2], (xv), LANE);                               \
+        (acc)[3] = vdotq_laneq_s32((acc)[3], (w)[3], (xv), LANE);                               \
+    } while (0)
+
+/* INT4 vector MM of the block: low nibbles = chunk 2 MM (word LO of X), high nibbles = chunk
+ * 2 MM + 1 (word LO + 1), both digits, T tokens. */
+#define Q4_VEC(MM, X, LO)                                                                       \
+    do {                                                                                        \
+        int8x16_t lo_[4], hi_[4];                                                               \
+        for (int r_ = 0; r_ < 4; r_++) {                                                        \
+            const uint8x16_t v_ = vld1q_u8(blk + 64 * (MM) + 16 * r_);                          \
+            lo_[r_] = vreinterpretq_s8_u8(vandq_u8(v_, m4));                                    \
+            hi_[r_] = vreinterpretq_s8_u8(vshrq_n_u8(v_, 4));                                   \
+        }                                                                                       \
+        for (int t_ = 0; t_ < T; t_++) {                                                        \
+            SDOT16(i1[t_], lo_, X##1[t_], LO);                                                  \
+            SDOT16(i1[t_], hi_, X##1[t_], LO + 1);                                              \
+            if (DIG == 2) {                                                                     \
+                SDOT16(i2[t_], lo_, X##2[t_], LO);                                              \
+                SDOT16(i2[t_], hi_, X##2[t_], LO + 1);                                          \
+            }                                                                                   \
+        }                                                                                       \
+    } while (0)
+
+/* INT8 vector K of the block (chunk K = word LANE of X), stored q + 128 -> q, T tokens. */
+#define Q8_VEC(K, X, LANE)                                                                      \
+    do {                                                                                        \
+        int8x16_t q_[4];                                                                        \
+        for (int r_ = 0; r_ < 4; r_++)                                                          \
+            q_[r_] = vreinterpretq_s8_u8(veorq_u8(vld1q_u8(blk + 64 * (K) + 16 * r_), sgn));    \
+        for (int t_ = 0; t_ < T; t_++) {                                                        \
+            SDOT16(i1[t_], q_, X##1[t_], LANE);                                                 \
+            if (DIG == 2) SDOT16(i2[t_], q_, X##2[t_], LANE);                                   \
+        }                                                                                       \
+    } while (0)
+
+/* 4 float16 values (rows 4r..4r+3 of a scale / min group) as float32, exactly. */
+static inline TGT AI float32x4_t load_f16x4(const uint16_t *p) {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+
+/* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1. Q4: INT4 (u8 nibbles) or INT8
+ * (q + 128) weights; DIG: activation digits (1 or 2). Float accumulators acc / macc: [token]
+ * [r] lane e = row 4r + e of the tile, as in the portable kernel's acc / macc of that row. */
+static inline TGT AI void tiled_tile(const int Q4, const int DIG, const int T,
+                                     const pm_tiled *w, const pm_act *a, int i0, float *y,
+                                     size_t ystride, int tile) {
+    const size_t BB = Q4 ? 256 : 512;
+    const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
+    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
+    const uint16_t *mn = sc + (size_t)w->ng * 16;
+    const int nb = w->nb, ng = w->ng, gpb = w->gpb;
+    const uint8x16_t m4 = vdupq_n_u8(0x0F), sgn = vdupq_n_u8(0x80);
+    const int8_t *p1[2], *p2[2];
+    const float *dd[2], *bs[2];
+    for (int t = 0; t < T; t++) {
+        p1[t] = a->q1 + (size_t)(i0 + t) * a->cols;
+        p2[t] = DIG == 2 ? a->q2 + (size_t)(i0 + t) * a->cols : p1[t];
+        dd[t] = a->dd + (size_t)(i0 + t) * nb;
+        bs[t] = a->bsum + (size_t)(i0 + t) * nb;
+    }
+    float32x4_t acc[2][4], macc[2][4];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < 4; r++) acc[t][r] = macc[t][r] = vdupq_n_f32(0.0f);
+    for (int g = 0; g < ng; g++) {
+        float32x4_t s[4];
+        for (int r = 0; r < 4; r++) s[r] = load_f16x4(sc + 16 * g + 4 * r);
+        float xs[2] = {0.0f, 0.0f};
+        for (int jb = 0; jb < gpb; jb++) {
+            const int b = g * gpb + jb;
+            const uint8_t *blk = rec + (size_t)b * BB;
+            int32x4_t i1[2][4], i2[2][4];
+            int8x16_t xa1[2], xb1[2], xa2[2], xb2[2];
+            for (int t = 0; t < T; t++) {
+                for (int r = 0; r < 4; r++) i1[t][r] = i2[t][r] = vdupq_n_s32(0);
+                xa1[t] = vld1q_s8(p1[t] + 32 * b);
+                xb1[t] = vld1q_s8(p1[t] + 32 * b + 16);
+                xa2[t] = vld1q_s8(p2[t] + 32 * b);
+                xb2[t] = vld1q_s8(p2[t] + 32 * b + 16);
+            }
+            if (Q4) {
+                Q4_VEC(0, xa, 0);
+                Q4_VEC(1, xa, 2);
+                Q4_VEC(2, xb, 0);
+                Q4_VEC(3, xb, 2);
+            } else {
+                Q8_VEC(0, xa, 0);
+                Q8_VEC(1, xa, 1);
+                Q8_VEC(2, xa, 2);
+                Q8_VEC(3, xa, 3);
+                Q8_VEC(4, xb, 0);
+                Q8_VEC(5, xb, 1);
+                Q8_VEC(6, xb, 2);
+                Q8_VEC(7, xb, 3);
+            }
+            for (int t = 0; t < T; t++) {
+                const float db = dd[t][b];
+                for (int r = 0; r < 4; r++) {
+                    const int32x4_t tot =
+                        DIG == 2 ? vaddq_s32(vshlq_n_s32(i1[t][r], 7), i2[t][r]) : i1[t][r];
+                    const float32x4_t sd = vmulq_n_f32(s[r], db);
+                    acc[t][r] = vaddq_f32(acc[t][r], vmulq_f32(vcvtq_f32_s32(tot), sd));
+                }
+                xs[t] += bs[t][b];
+            }
+        }
+        if (Q4)
+            for (int r = 0; r < 4; r++) {
+                const float32x4_t mv = load_f16x4(mn + 16 * g + 4 * r);
+                for (int t = 0; t < T; t++)
+                    macc[t][r] = vaddq_f32(macc[t][r], vmulq_n_f32(mv, xs[t]));
+            }
+    }
+    const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+    for (int t = 0; t < T; t++) {
+        float *yt = y + (size_t)(i0 + t) * ystride + r0;
+        if (nr == 16) {
+            for (int r = 0; r < 4; r++) vst1q_f32(yt + 4 * r, vaddq_f32(acc[t][r], macc[t][r]));
+        } else {
+            float out[16];
+            for (int r = 0; r < 4; r++) vst1q_f32(out + 4 * r, vaddq_f32(acc[t][r], macc[t][r]));
+            memcpy(yt, out, (size_t)nr * sizeof(float));
+        }
+    }
+}
+
+/* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone. */
+static inline TGT AI void tiled_range(const int Q4, const int DIG, const pm_tiled *w,
+                                      const pm_act *a, float *y, size_t ystride, int tb, int te) {
+    for (int tile = tb; tile < te; tile++) {
+        int i0 = 0;
+        for (; i0 + 2 <= a->n; i0 += 2) tiled_tile(Q4, DIG, 2, w, a, i0, y, ystride, tile);
+        if (i0 < a->n) tiled_tile(Q4, DIG, 1, w, a, i0, y, ystride, tile);
+    }
+}
+
+static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
+                                  int tb, int te) {
+    if (a->digits != 1 && a->digits != 2) {
+        pm_matmul_tiled_portable(w, a, y, ystride, tb, te);
+        return;
+    }
+    if (w->bits == 4) {
+        if (a->digits == 2)
+            tiled_range(1, 2, w, a, y, ystride, tb, te);
+        else
+            tiled_range(1, 1, w, a, y, ystride, tb, te);
+    } else {
+        if (a->digits == 2)
+            tiled_range(0, 2, w, a, y, ystride, tb, te);
+        else
+            tiled_range(0, 1, w, a, y, ystride, tb, te);
+    }
+}
+
+/* ---- the portable operations ------------------------------------------------------------- */
+
+static void rmsnorm_via_portable(const float *x, const float *w, int n, int d, float eps,
+                                 float *out) {
+    pm_ops_portable.rmsnorm(x, w, n, d, eps, out);
+}
+
+static void attn_via_portable(const pm_attn_args *a) { pm_ops_portable.attn(a); }
+
+static void glu_via_portable(float *gate, const float *up, size_t len, int gelu) {
+    pm_ops_portable.glu(gate, up, len, gelu);
+}
+
+static void matmul_f32_via_portable(const float *x, int n, int cols, const float *w, int rows,
+                                    float *y, int rb, int re) {
+    pm_ops_portable.matmul_f32(x, n, cols, w, rows, y, rb, re);
+}
+
+static void to_f16_via_portable(const float *x, uint16_t *out, size_t len) {
+    pm_ops_portable.to_f16(x, out, len);
+}
+
+const pm_ops pm_ops_neon = {
+    "neon",
+    rmsnorm_via_portable,
+    attn_via_portable,
+    glu_via_portable,
+    matmul_f32_via_portable,
+    to_f16_via_portable,
+    pm_quant_act_portable,
+    matmul_tiled_neon,
+    pm_block_sums_portable,
+};
+
+#endif /* PM_HAVE_NEON */
