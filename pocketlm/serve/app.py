@@ -30,6 +30,7 @@ from starlette.routing import Route
 
 from ..api import PocketModel
 from ..errors import PocketError
+from ..sampling import Sampler
 from . import protocol as P
 from .scheduler import MB, QueueFullError, Request, Scheduler, ShuttingDownError, TooLargeError
 
@@ -173,8 +174,6 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                                    g.repetition_penalty, g.seed)
         except PocketError as e:
             raise P.APIError(400, str(e)) from None
-        from ..sampling import Sampler
-
         return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=Sampler(params),
                        stop=g.stop, loop=loop, ignore_eos=g.ignore_eos)
 
@@ -227,7 +226,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             while True:
                 try:
                     ev = await asyncio.wait_for(req.events.get(), timeout=0.5)
-                except TimeoutError:
+                except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
                     if await request.is_disconnected():
                         scheduler.cancel(req)
                         return Response(status_code=499)
