@@ -355,7 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .evaluate.cli import add_commands as add_eval_commands
 
     add_eval_commands(sub)
-    from .serve.cli import add_commands as add_serve_commands
+    from .server.cli import add_commands as add_serve_commands
 
     add_serve_commands(sub)
     return parser

@@ -91,11 +91,12 @@ def test_presets():
         preset_config("huge")
 
 
-def test_the_runtime_and_the_command_line_do_not_import_torch():
+def test_the_runtime_server_and_command_line_do_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, pocketlm, pocketlm.api, pocketlm.cli, pocketlm.train.cli; "
+    code = ("import sys, pocketlm, pocketlm.api, pocketlm.cli, pocketlm.train.cli, "
+            "pocketlm.server.app, pocketlm.server.scheduler; "
             "pocketlm.cli.build_parser(); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

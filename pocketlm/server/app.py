@@ -7,7 +7,7 @@
     POST /v1/chat/completions   chat with the model's own template (idem)
 
 Built on Starlette (ASGI) and run by uvicorn. Requests are batched by
-:class:`~pocketlm.serve.scheduler.Scheduler`; this module checks the wire (auth, body size,
+:class:`~pocketlm.server.scheduler.Scheduler`; this module checks the wire (auth, body size,
 JSON, fields, context) and turns scheduler events into OpenAI responses. Every error is
 OpenAI's error object with a fitting status; a client that disconnects has its request
 cancelled and its KV cache freed.
@@ -98,7 +98,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                           kv_budget=kv_budget,
                           prefix_cache_mb=min(cfg.prefix_cache_mb,
                                               (kv_budget or 1 << 62) / MB / 2))
-    page = resources.files("pocketlm.serve").joinpath("static/index.html").read_text("utf-8")
+    page = resources.files("pocketlm.server").joinpath("static/index.html").read_text("utf-8")
     started = int(time.time())
 
     # -- wire checks ---------------------------------------------------------------------
