@@ -309,8 +309,15 @@ def _where(a, b) -> str:
             f"token {col}; {int((d > 0).sum())} of {d.size} logits differ")
 
 
-def test_cross_toolchain_is_installed():
+def test_cross_toolchain_builds_and_runs_an_arm64_program(tmp_path):
     _require_tools("arm64")
+    src = tmp_path / "hello.c"
+    src.write_text('#include <stdio.h>\nint main(void) { printf("%d\\n", (int)sizeof(void *) * 8'
+                   ' + __aarch64__); return 0; }\n')
+    exe = tmp_path / "hello"
+    _sh([ARM_CC, "-O2", "-o", exe, src], "cross-compiling a test program")
+    out = _sh([QEMU, "-L", SYSROOT, exe], "running it under qemu").stdout.strip()
+    assert out == "65"  # 64-bit pointers + __aarch64__ defined: it really is an ARM64 binary
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

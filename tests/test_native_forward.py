@@ -585,3 +585,12 @@ def test_a_row_does_not_depend_on_the_rest_of_its_batch(mode):
     alone = run([2])[2]
     np.testing.assert_array_equal(run([0, 1, 2])[2], alone)
     np.testing.assert_array_equal(run([5, 4, 3, 2, 1, 0])[2], alone)
+
+
+@pytest.mark.parametrize("mode", ["f32", "f32-kv16"])
+def test_cache_nbytes_is_what_new_cache_allocates(mode):
+    cfg = torch_ref.tiny_config("qwen2")
+    w = _weights(cfg, 27, True)
+    for rt in _runtimes(cfg, w, mode)[:2]:  # numpy reference, native engine
+        for cap in (1, 15, 16, 17, 100):
+            assert rt.cache_nbytes(cap) == rt.new_cache(cap).nbytes > 0

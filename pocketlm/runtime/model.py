@@ -120,6 +120,16 @@ class Runtime:
             return NativeKVCache(self.native, cap)
         return KVCache(self.config, cap)
 
+    def cache_nbytes(self, capacity: int) -> int:
+        """Bytes of keys and values that :meth:`new_cache` allocates for ``capacity``
+        positions (the native engine rounds positions up to 16 and may store float16)."""
+        c = self.config
+        if self.native is None:
+            return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * 4
+        positions = -(-capacity // 16) * 16
+        per = 2 if self.native.kv_format == "f16" else 4
+        return 2 * c.n_layers * c.n_kv_heads * positions * c.head_dim * per
+
     def forward_batch(self, ids, caches: list[KVCache]) -> np.ndarray:
         """One token for each of several sequences (continuous batching): ``ids[i]`` runs at
         the next position of ``caches[i]``; returns float32 logits ``[len(ids), vocab]``.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import os
 import sys
@@ -124,8 +125,6 @@ def cmd_serve(args) -> int:
 
     async def announce():
         while not server.started:
-            import asyncio
-
             await asyncio.sleep(0.05)
         for sock in server.servers[0].sockets if server.servers else []:
             host, port = sock.getsockname()[:2]
@@ -135,8 +134,6 @@ def cmd_serve(args) -> int:
             print(f"pocketlm: http://{host}:{port}/  (OpenAI API at http://{host}:{port}/v1"
                   f"{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
             break
-
-    import asyncio
 
     async def main():
         task = asyncio.create_task(announce())

@@ -141,12 +141,7 @@ class Scheduler:
     # -- memory ------------------------------------------------------------------------------
     def kv_bytes(self, capacity: int) -> int:
         """Bytes of a KV cache of ``capacity`` positions (as the engine allocates it)."""
-        c = self.model.config
-        positions = -(-capacity // 16) * 16
-        per = 2 if getattr(self.runtime.native, "kv_format", "f32") == "f16" else 4
-        if self.runtime.native is None:
-            positions, per = capacity, 4
-        return 2 * c.n_layers * c.n_kv_heads * positions * c.head_dim * per
+        return self.runtime.cache_nbytes(capacity)
 
     # -- the HTTP side -----------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -280,12 +275,13 @@ class Scheduler:
         self._release(req)
 
     # -- prefix cache ------------------------------------------------------------------------
-    def _best_prefix(self, ids: list[int]) -> tuple[_Prefix | None, int]:
+    def _best_prefix(self, ids: list[int]) -> tuple[int | None, int]:
+        """(key of the cached prefix sharing the most leading tokens with ``ids``, how many)."""
         best, best_n = None, 0
-        for p in self._prefixes.values():
+        for key, p in self._prefixes.items():
             n = common_prefix(p.tokens, ids)
             if n > best_n:
-                best, best_n = p, n
+                best, best_n = key, n
         return best, best_n
 
     def _remember_prefix(self, req: Request) -> None:
@@ -323,17 +319,14 @@ class Scheduler:
             req.text = TextStream(self.model.tokenizer, req.stop)
             req.history = list(ids)
             with self._lock:
-                prefix, n = self._best_prefix(ids)
+                key, n = self._best_prefix(ids)
                 n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
-                if prefix is not None and n >= self.MIN_PREFIX:
-                    self.runtime.copy_prefix(req.cache, prefix.cache, n)
+                if key is not None and n >= self.MIN_PREFIX:
+                    self.runtime.copy_prefix(req.cache, self._prefixes[key].cache, n)
+                    self._prefixes.move_to_end(key)
                     req.prefilled = req.prefix_reused = n
                     self.stats["prefix_hits"] += 1
                     self.stats["prefix_tokens_reused"] += n
-                    for key, p in self._prefixes.items():
-                        if p is prefix:
-                            self._prefixes.move_to_end(key)
-                            break
         start = req.prefilled
         end = min(len(ids), start + max(1, budget))
         logits = self.runtime.forward(ids[start:end], req.cache)
