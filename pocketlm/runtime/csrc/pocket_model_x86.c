@@ -321,6 +321,9 @@ static TGTV void quant_act_avx512(const float *x, int n, int cols, int digits, i
     }
 }
 
+/* The loops over the T tokens of a tile, unrolled so that their accumulators stay in registers. */
+#define PM_UNROLL_T _Pragma("GCC unroll 4")
+
 /* One tile of 16 rows for T tokens (i0 .. i0 + T - 1). Q4: INT4 (u8 nibbles) or INT8 (q + 128)
  * weights; DIG: activation digits. Integer block sums are exact; each block is rescaled by
  * scale[row] * dd[token] into float32 accumulators (lane = row). */
@@ -336,6 +339,7 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
     const int8_t *x1[4], *x2[4];
     const float *dd[4], *bs[4];
     const int32_t *cr[4];
+    PM_UNROLL_T
     for (int t = 0; t < T; t++) {
         x1[t] = a->q1 + (size_t)(i0 + t) * a->cols;
         x2[t] = a->q2 + (size_t)(i0 + t) * a->cols;
@@ -347,6 +351,7 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
         for (size_t o = w->scale_off; o < w->tile_bytes; o += 64)
             PM_PREFETCH(rec + o);
     __m512 acc[4];
+    PM_UNROLL_T
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g++) {
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
@@ -356,58 +361,53 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
             if (prefetch)
                 for (size_t o = 0; o < BB; o += 64)
                     PM_PREFETCH(blk + o);
-            __m512i i1[4], i2[4], j1[4], j2[4];
+            __m512i i1[4], i2[4]; /* exact integer sums of the block: digit 1, digit 2 */
+            PM_UNROLL_T
             for (int t = 0; t < T; t++) {
                 i1[t] = _mm512_setzero_si512();
                 i2[t] = _mm512_setzero_si512();
-                j1[t] = _mm512_setzero_si512();
-                j2[t] = _mm512_setzero_si512();
             }
             if (Q4) {
                 for (int mm = 0; mm < 4; mm++) {
                     const __m512i V = _mm512_load_si512((const void *)(blk + 64 * mm));
                     const __m512i lo = _mm512_and_si512(V, m4);
                     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(V, 4), m4);
+                    PM_UNROLL_T
                     for (int t = 0; t < T; t++) {
                         const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
                         int32_t wa, wb;
                         memcpy(&wa, p1, 4);
                         memcpy(&wb, p1 + 4, 4);
                         i1[t] = _mm512_dpbusd_epi32(i1[t], lo, _mm512_set1_epi32(wa));
-                        j1[t] = _mm512_dpbusd_epi32(j1[t], hi, _mm512_set1_epi32(wb));
+                        i1[t] = _mm512_dpbusd_epi32(i1[t], hi, _mm512_set1_epi32(wb));
                         if (DIG == 2) {
                             const int8_t *p2 = x2[t] + 32 * b + 8 * mm;
                             memcpy(&wa, p2, 4);
                             memcpy(&wb, p2 + 4, 4);
                             i2[t] = _mm512_dpbusd_epi32(i2[t], lo, _mm512_set1_epi32(wa));
-                            j2[t] = _mm512_dpbusd_epi32(j2[t], hi, _mm512_set1_epi32(wb));
+                            i2[t] = _mm512_dpbusd_epi32(i2[t], hi, _mm512_set1_epi32(wb));
                         }
                     }
                 }
             } else {
                 for (int k = 0; k < 8; k++) {
                     const __m512i V = _mm512_load_si512((const void *)(blk + 64 * k));
+                    PM_UNROLL_T
                     for (int t = 0; t < T; t++) {
                         int32_t wa;
                         memcpy(&wa, x1[t] + 32 * b + 4 * k, 4);
-                        if (k & 1)
-                            j1[t] = _mm512_dpbusd_epi32(j1[t], V, _mm512_set1_epi32(wa));
-                        else
-                            i1[t] = _mm512_dpbusd_epi32(i1[t], V, _mm512_set1_epi32(wa));
+                        i1[t] = _mm512_dpbusd_epi32(i1[t], V, _mm512_set1_epi32(wa));
                         if (DIG == 2) {
                             memcpy(&wa, x2[t] + 32 * b + 4 * k, 4);
-                            if (k & 1)
-                                j2[t] = _mm512_dpbusd_epi32(j2[t], V, _mm512_set1_epi32(wa));
-                            else
-                                i2[t] = _mm512_dpbusd_epi32(i2[t], V, _mm512_set1_epi32(wa));
+                            i2[t] = _mm512_dpbusd_epi32(i2[t], V, _mm512_set1_epi32(wa));
                         }
                     }
                 }
             }
+            PM_UNROLL_T
             for (int t = 0; t < T; t++) {
-                __m512i tot = _mm512_add_epi32(i1[t], j1[t]);
-                if (DIG == 2)
-                    tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), _mm512_add_epi32(i2[t], j2[t]));
+                __m512i tot = i1[t];
+                if (DIG == 2) tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), i2[t]);
                 if (!Q4) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(cr[t][b]));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
                                          _mm512_mul_ps(s, _mm512_set1_ps(dd[t][b])), acc[t]);
@@ -415,6 +415,7 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
         }
         if (Q4) {
             const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
+            PM_UNROLL_T
             for (int t = 0; t < T; t++) {
                 float xs = bs[t][g * gpb];
                 for (int jb = 1; jb < gpb; jb++) xs += bs[t][g * gpb + jb];
@@ -424,6 +425,7 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
     }
     const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
     const __mmask16 mk = tail_mask(nr);
+    PM_UNROLL_T
     for (int t = 0; t < T; t++)
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
