@@ -26,6 +26,9 @@ If the extension is not built these tests fail (they do not skip): run ``pip ins
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch_ref
@@ -409,6 +412,41 @@ def test_real_model_greedy_tokens_match_numpy(smollm, monkeypatch):
     nat = Runtime(m.config, m.runtime.w)
     assert nat.engine == "native"
     assert _greedy(nat, ids, 32) == _greedy(ref, ids, 32)
+
+
+# In a fresh process: load a deploy file, prefill and decode, then sum the resident pages of
+# the file's mapping. The engine reads only its own copies (repacked tiles, copied norm
+# vectors), so the mapping holds next to nothing; reading a 2 KB norm vector in place would map
+# the page cache's folio around it (up to megabytes) on every layer.
+_MAPPED_AFTER_RUN = """
+import sys
+import numpy as np
+from pocketlm.api import load_pocket
+path = sys.argv[1]
+m = load_pocket(path)
+ids = m.tokenize("The history of the city begins in the early")
+cache = m.runtime.new_cache(len(ids) + 8)
+logits = m.runtime.forward(ids, cache)
+for _ in range(8):
+    logits = m.runtime.forward([int(np.argmax(logits))], cache)
+kb, inside = 0, False
+for line in open("/proc/self/smaps"):
+    head = line.split()
+    if "-" in head[0] and ":" not in head[0]:
+        inside = line.rstrip().endswith(path)
+    elif inside and head[0] == "Rss:":
+        kb += int(head[1])
+print(kb)
+"""
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_real_model_runs_without_the_file_resident(smollm):
+    out = subprocess.run([sys.executable, "-c", _MAPPED_AFTER_RUN, str(smollm.path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) < 1024, f"{out.stdout.strip()} KB of the deploy file resident"
 
 
 @pytest.mark.real

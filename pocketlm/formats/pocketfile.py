@@ -247,6 +247,12 @@ class PocketFile:
             raise FormatError(f"{self.path}: metadata field {key!r} is not valid JSON") from None
 
     def verify(self, names: Iterable[str] | None = None) -> None:
+        try:
+            self._verify(names)
+        finally:  # a read maps the page cache's large folios, which straddle tensors: drop all
+            self.drop_resident()
+
+    def _verify(self, names: Iterable[str] | None) -> None:
         for name in names if names is not None else self.infos:
             info = self.infos[name]
             if name.startswith("_pad.") and name not in self.checksums:

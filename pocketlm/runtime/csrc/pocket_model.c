@@ -50,6 +50,7 @@ void *pm_zalloc(size_t count, size_t size) {
 void pocket_model_destroy(pocket_model *m) {
     if (!m) return;
     free(m->layers);
+    free(m->vecs);
     for (int b = 0; b < 2; b++) {
         free(m->inv_freq[b]);
         free(m->rcos[b]);
@@ -77,6 +78,47 @@ void pocket_model_destroy(pocket_model *m) {
     free(m->part);
     free(m->tscr);
     free(m);
+}
+
+/* Copy every layer's norm weights and biases and the final norm into m->vecs and point the
+ * model at the copies; with release_source, the source pages around them are handed back. */
+static int copy_vectors(pocket_model *m) {
+    const pocket_model_config *c = &m->c;
+    const size_t d = (size_t)c->d_model, qd = (size_t)m->q_dim, kvd = (size_t)m->kv_dim;
+    const size_t hd = (size_t)c->head_dim;
+    size_t total = d;
+    for (int l = 0; l < c->n_layers; l++) {
+        const pocket_layer_weights *L = &m->layers[l];
+        total += 2 * d + (L->q_bias ? qd : 0) + (L->k_bias ? kvd : 0) + (L->v_bias ? kvd : 0) +
+                 (L->q_norm ? hd : 0) + (L->k_norm ? hd : 0) + (L->post_attn_norm ? d : 0) +
+                 (L->post_mlp_norm ? d : 0);
+    }
+    if (!(m->vecs = (float *)malloc(total * sizeof(float)))) return POCKET_ENOMEM;
+    float *dst = m->vecs;
+#define PM_COPY_VEC(ptr, len)                                                                   \
+    do {                                                                                        \
+        if (ptr) {                                                                              \
+            memcpy(dst, ptr, (len) * sizeof(float));                                            \
+            if (c->release_source) pm_release_around(ptr, (len) * sizeof(float));               \
+            ptr = dst;                                                                          \
+            dst += (len);                                                                       \
+        }                                                                                       \
+    } while (0)
+    for (int l = 0; l < c->n_layers; l++) {
+        pocket_layer_weights *L = &m->layers[l];
+        PM_COPY_VEC(L->attn_norm, d);
+        PM_COPY_VEC(L->mlp_norm, d);
+        PM_COPY_VEC(L->q_bias, qd);
+        PM_COPY_VEC(L->k_bias, kvd);
+        PM_COPY_VEC(L->v_bias, kvd);
+        PM_COPY_VEC(L->q_norm, hd);
+        PM_COPY_VEC(L->k_norm, hd);
+        PM_COPY_VEC(L->post_attn_norm, d);
+        PM_COPY_VEC(L->post_mlp_norm, d);
+    }
+    PM_COPY_VEC(m->final_norm, d);
+#undef PM_COPY_VEC
+    return POCKET_OK;
 }
 
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
@@ -203,6 +245,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             return rc;
         }
     }
+    if (copy_vectors(m)) goto nomem;
     if (c.release_source) pm_advise_random_rows(&m->embed);
     *out = m;
     return POCKET_OK;

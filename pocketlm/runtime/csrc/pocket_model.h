@@ -71,9 +71,10 @@ typedef struct pocket_model_config {
     float norm_eps, embed_scale, attn_scale;
     double rope_theta, rope_theta_local; /* local: base of sliding layers (0: rope_theta) */
     int max_positions;                   /* the largest KV cache capacity allowed */
-    int release_source; /* 1: the quantized weights are a read-only file mapping: once a weight
-                         * is repacked, its source pages are handed back to the kernel
-                         * (madvise), so load does not hold the file and the copy at once */
+    int release_source; /* 1: the weights (matrices and vectors) are a read-only file mapping:
+                         * once a weight is repacked (a vector: copied), its source pages are
+                         * handed back to the kernel (madvise), so load does not hold the file
+                         * and the copy at once */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;

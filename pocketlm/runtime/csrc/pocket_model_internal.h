@@ -25,6 +25,9 @@ struct pocket_model {
     pocket_layer_weights *layers;
     pocket_weight embed, head;
     const float *final_norm;
+    /* the norm weights and biases, copied out of the caller's memory: a few KB each, read every
+     * token, and in a file mapping every touch would map the file's large folio around them */
+    float *vecs;
     const pocket_kernel_table *kt;
     const pm_ops *ops;
     int act_q8;       /* POCKET_Q8_* classes with int8 activations */

@@ -304,8 +304,8 @@ class NativeEngine:
                  threads: int | None = None, level: str | None = None,
                  capacity: int | None = None, digits: int | None = None,
                  release_source: bool = False):
-        """``release_source``: the quantized weights are views of a read-only file mapping,
-        whose pages the engine may hand back once it has repacked them."""
+        """``release_source``: every weight is a view of a read-only file mapping, whose pages
+        the engine may hand back once it has repacked (or copied) them."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
