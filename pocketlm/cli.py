@@ -23,7 +23,7 @@ EPILOG = """examples:
   pocket pull gemma3-270m                          # fetch a registry model
   pocket pack model.gguf -o model.pocket           # INT4 deploy file
   pocket inspect model.pocket                      # what is inside
-  pocket bench --vs llama.cpp                      # speed, memory, energy vs llama.cpp
+  pocket bench --vs llama.cpp mnn                  # speed, memory, energy vs llama.cpp, MNN
   pocket serve -m qwen2.5-0.5b                     # OpenAI-compatible API + chat page
   pocket train --preset tiny --data corpus.txt --out runs/tiny   # train from scratch
   pocket export runs/tiny -o tiny.pocket           # a training run as a deploy file
@@ -221,7 +221,7 @@ def cmd_bench(args) -> int:
                   f"tok/s, decode {args.n_gen / sample['decode_s']:.1f} tok/s]", file=sys.stderr)
 
     results = bench(args.model or default_model(), threads=args.threads, n_prompt=args.n_prompt,
-                    n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf,
+                    n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
                     watts_per_core=args.watts_per_core, progress=progress)
     if args.json:
         for r in results:
@@ -266,6 +266,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .bench import VS_ENGINES
+
     parser = _Parser(
         prog="pocket", description="Run, pack, inspect, benchmark and train app-native small language models.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -294,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="prefill/decode speed, peak memory, size and energy, "
-                       "optionally side by side with llama.cpp",
+                       "optionally side by side with llama.cpp and MNN",
                        description="Benchmark a model with the MNN-Pocket methodology: a fixed "
                        "prompt of --n-prompt tokens, --n-gen greedy tokens with EOS ignored, 1 "
                        "warm-up and --runs measured runs (median, min, max), each engine in its "
@@ -306,9 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--n-gen", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("--runs", type=int, default=5, help="measured runs (default 5)")
-    p.add_argument("--vs", action="append", choices=("llama.cpp",),
-                   help="also run this engine on the same GGUF, alternating")
-    p.add_argument("--gguf", help="the GGUF for --vs when -m is a .pocket file")
+    p.add_argument("--vs", action="extend", nargs="+", choices=VS_ENGINES, metavar="ENGINE",
+                   help="also run these engines on the same model, alternating: llama.cpp (the "
+                   "GGUF), mnn (an MNN export, see --mnn)")
+    p.add_argument("--gguf", help="the GGUF for --vs llama.cpp when -m is a .pocket file")
+    p.add_argument("--mnn", metavar="DIR", help="the MNN export for --vs mnn (default: "
+                   "$POCKET_HOME/mnn/NAME, written by scripts/export-mnn NAME)")
     p.add_argument("--watts-per-core", type=float, default=3.0,
                    help="power of one busy core for the energy estimate without RAPL (default 3)")
     p.add_argument("--json", action="store_true", help="one JSON line per engine")

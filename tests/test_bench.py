@@ -70,7 +70,7 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     (dict(runs=0), "runs"),
     (dict(n_prompt=-1), "n-prompt"),
     (dict(n_prompt=300), "context"),
-    (dict(vs=["mnn"]), "llama.cpp"),
+    (dict(vs=["mlc"]), "llama.cpp, mnn"),
 ])
 def test_bench_bad_arguments(gguf, kwargs, match):
     with pytest.raises(PocketError, match=match):

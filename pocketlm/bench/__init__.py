@@ -7,6 +7,8 @@
   ``runs`` measured runs. Engines alternate run by run, so that a noisy machine hits them alike.
   Reported: median, min and max of prefill and decode tokens/s.
 * Peak memory: peak resident set (VmHWM) minus the resident set just before the model is loaded.
+* Engines: pocketlm on its deploy file; llama.cpp (llama-cpp-python) on the GGUF; mnn (MNN's LLM
+  engine, ``MNN.llm``) on an export by scripts/export-mnn, whose deploy size is the folder's.
 * Energy for the report's typical call (``n_prompt`` in, ``n_gen`` out): RAPL where the machine
   exposes it, otherwise CPU-seconds x a stated watts-per-core figure, labelled as an estimate;
   compared with 1/10000 of a reference phone battery (13.9 Wh -> 5.0 J).
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -31,6 +34,8 @@ BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0, "energy_j": 5.0}
 PHONE_BATTERY_WH = 13.9
 WATTS_PER_CORE = 3.0  # assumed power of one busy core when RAPL is not available
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
+VS_ENGINES = ("llama.cpp", "mnn")
+MNN_VERSION = "3.6.1"  # the version scripts/export-mnn exports for
 
 
 @dataclass
@@ -119,10 +124,38 @@ def _read_rapl() -> int | None:
         return None
 
 
+def mnn_export(model: str, mnn: str | None) -> Path:
+    """The MNN export folder for ``--vs mnn``: ``mnn`` (the folder or its config.json), by default
+    ``$POCKET_HOME/mnn/<model>``, where scripts/export-mnn writes a registry model's."""
+    from ..registry import REGISTRY, pocket_home
+
+    if not mnn and model not in REGISTRY:
+        raise PocketError("--vs mnn: give the model's MNN export with --mnn DIR "
+                          "(scripts/export-mnn NAME makes one for a registry model)")
+    path = Path(mnn).expanduser() if mnn else pocket_home() / "mnn" / model
+    folder = path.parent if path.is_file() else path
+    if not (folder / "config.json").is_file():
+        fix = (f"run scripts/export-mnn {model}" if model in REGISTRY
+               else "give the folder that scripts/export-mnn wrote with --mnn DIR")
+        raise PocketError(f"--vs mnn: no MNN export at {folder} (no config.json): {fix}")
+    if importlib.util.find_spec("MNN") is None:
+        raise PocketError(f"--vs mnn needs MNN in this Python ({sys.executable}): "
+                          f"pip install MNN=={MNN_VERSION}")
+    return folder
+
+
+def _file_mb(path: Path) -> float:
+    """Deploy size: the file, or every file of a folder (an MNN export)."""
+    files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else [path]
+    return sum(f.stat().st_size for f in files) / 1e6
+
+
 def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_gen: int = 128,
           runs: int = 5, vs: list[str] | None = None, gguf: str | None = None,
-          watts_per_core: float = WATTS_PER_CORE, progress=None) -> list[EngineResult]:
-    """Benchmark pocketlm (and ``vs`` engines) on one model; one result per engine."""
+          mnn: str | None = None, watts_per_core: float = WATTS_PER_CORE,
+          progress=None) -> list[EngineResult]:
+    """Benchmark pocketlm (and ``vs`` engines: llama.cpp on the GGUF, MNN on the export ``mnn``)
+    on one model; one result per engine."""
     from ..api import load
     from ..formats import sniff
     from ..registry import DEFAULT_MODEL, resolve
@@ -132,12 +165,15 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         if not isinstance(value, int) or value < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be a positive integer, got "
                               f"{value!r}")
-    vs = list(vs or [])
-    unknown = [e for e in vs if e != "llama.cpp"]
+    vs = list(dict.fromkeys(vs or []))  # in order, once each
+    unknown = [e for e in vs if e not in VS_ENGINES]
     if unknown:
         raise UnsupportedError(f"--vs {unknown[0]!r}: supported engines to compare with: "
-                               "llama.cpp")
+                               f"{', '.join(VS_ENGINES)}")
+    if mnn and "mnn" not in vs:
+        raise PocketError("--mnn names the MNN export for --vs mnn: add --vs mnn")
     name = model or DEFAULT_MODEL
+    files = {"mnn": mnn_export(name, mnn)} if "mnn" in vs else {}
     src = resolve(name)
     m = load(src, quiet=False)  # packs a GGUF / HF source once; the cached file is benchmarked
     deploy = Path(m.path)
@@ -146,8 +182,8 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         raise PocketError(f"n_prompt + n_gen = {len(ids) + n_gen} exceeds the model's context "
                           f"of {m.config.max_context}")
     del m
-    files = {"pocketlm": deploy}
-    if vs:
+    files["pocketlm"] = deploy
+    if "llama.cpp" in vs:
         gguf_path = Path(gguf) if gguf else Path(src)
         if sniff(gguf_path) != "gguf":
             raise PocketError("--vs llama.cpp needs the model as GGUF: give a registry name or a "
@@ -201,7 +237,7 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             prefill_tps_max=max(prefill), decode_tps=statistics.median(decode),
             decode_tps_min=min(decode), decode_tps_max=max(decode),
             peak_rss_delta_mb=st["peak_rss_mb"] - st["baseline_rss_mb"],
-            file_mb=files[engine].stat().st_size / 1e6, load_s=st["load_s"],
+            file_mb=_file_mb(files[engine]), load_s=st["load_s"],
             energy_j_est=energy, energy_method=method, prompt_hash=ids_hash(ids),
             machine=machine_info(), command=command,
             memory_stages=[[name, rss - st["baseline_rss_mb"], hwm - st["baseline_rss_mb"]]
@@ -263,4 +299,4 @@ def format_table(results: list[EngineResult]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["bench", "EngineResult", "format_table", "budget_line", "BUDGETS"]
+__all__ = ["bench", "EngineResult", "format_table", "budget_line", "BUDGETS", "VS_ENGINES"]
