@@ -107,19 +107,20 @@ static inline TGT AI void scores_block(const int GH, const float *q, int hd, con
     for (int g = 0; g < GH; g++) out[g] = _mm512_add_ps(a0[g], a1[g]);
 }
 
-/* acc[g] = acc[g] * corr[g] + sum_j p[g][j] * V[pos0 + j], j < len, for G heads and
- * head_dim = 16 * NV, accumulators in registers (G * NV <= 16). */
+/* acc[g][c] = acc[g][c] * corr[g] + sum_j p[g][j] * V[pos0 + j][c], j < len, for G heads and
+ * the 16 * NV columns c from col0 (acc rows and V rows hd apart), accumulators in registers
+ * (G * NV <= 16): each value vector is loaded once for the G heads. */
 static inline TGT AI void values_regs(const int G, const int NV, const float *p, size_t pstride,
                                       const void *V, int f16, int pos0, int len,
-                                      const float *corr, float *acc) {
+                                      const float *corr, float *acc, int hd, int col0) {
     __m512 av[4][8];
     for (int g = 0; g < G; g++) {
         const __m512 c = _mm512_set1_ps(corr[g]);
         for (int t = 0; t < NV; t++)
-            av[g][t] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * 16 * NV + 16 * t), c);
+            av[g][t] = _mm512_mul_ps(_mm512_loadu_ps(acc + (size_t)g * hd + col0 + 16 * t), c);
     }
     for (int j = 0; j < len; j++) {
-        const size_t vb = (size_t)(pos0 + j) * 16 * NV;
+        const size_t vb = (size_t)(pos0 + j) * hd + col0;
         __m512 v[8];
         for (int t = 0; t < NV; t++) v[t] = load_kv(V, f16, vb + 16 * t, (__mmask16)0xFFFF);
         for (int g = 0; g < G; g++) {
@@ -128,7 +129,7 @@ static inline TGT AI void values_regs(const int G, const int NV, const float *p,
         }
     }
     for (int g = 0; g < G; g++)
-        for (int t = 0; t < NV; t++) _mm512_storeu_ps(acc + (size_t)g * 16 * NV + 16 * t, av[g][t]);
+        for (int t = 0; t < NV; t++) _mm512_storeu_ps(acc + (size_t)g * hd + col0 + 16 * t, av[g][t]);
 }
 
 /* The same for any G and head_dim, head by head (accumulators of one head in registers). */
@@ -215,15 +216,25 @@ static TGT void attn_avx512(const pm_attn_args *A) {
         /* weighted values of positions [c, cend) */
         const float *p = A->s + (c - base);
         const int len = cend - c;
-        const int key = hd == 64 ? G : hd == 128 ? 10 + G : 0;
-        switch (key) {
-        case 1: values_regs(1, 4, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
-        case 2: values_regs(2, 4, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
-        case 3: values_regs(3, 4, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
-        case 4: values_regs(4, 4, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
-        case 11: values_regs(1, 8, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
-        case 12: values_regs(2, 8, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
-        default: values_any(G, hd, p, PM_SPAN, A->V, f16, c, len, corr, A->acc); break;
+        if (hd % 64) {
+            values_any(G, hd, p, PM_SPAN, A->V, f16, c, len, corr, A->acc);
+        } else {
+            /* heads in groups of <= 4, columns in blocks of 128 (<= 2 heads) or 64 */
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int gh = G - g0 < 4 ? G - g0 : 4, wide = gh <= 2 && hd % 128 == 0;
+                const float *pg = p + (size_t)g0 * PM_SPAN, *cg = corr + g0;
+                float *ag = A->acc + (size_t)g0 * hd;
+                for (int col0 = 0; col0 < hd; col0 += wide ? 128 : 64) {
+                    switch (wide ? 10 + gh : gh) {
+                    case 1: values_regs(1, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    case 2: values_regs(2, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    case 3: values_regs(3, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    case 4: values_regs(4, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    case 11: values_regs(1, 8, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    default: values_regs(2, 8, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    }
+                }
+            }
         }
         c = cend;
     }
