@@ -570,16 +570,15 @@ class SpmTokenizer(Tokenizer):
 
 
 def _hf_from_str(text: str) -> tokenizers.Tokenizer:
-    """``tokenizers.Tokenizer.from_str``, lean on memory for BPE vocabularies.
+    """``tokenizers.Tokenizer.from_str``, then the freed heap handed back to the system.
 
     Deserialising a BPE model from JSON holds several times its final size, and the C heap
-    keeps most of that after it is freed (SmolLM2's 49k merges: +41 MB resident; Qwen's 151k
-    far more); building the merges from Python lists costs a fraction. Everything else
-    (vocabulary, normalizer, pre-tokenizer, decoder, added tokens) still comes from the JSON.
-    The freed heap is then handed back to the system (:func:`release_free_heap`).
+    keeps that after it is freed (SmolLM2's 49k merges: +41 MB resident) unless it is returned
+    (:func:`release_free_heap`): then qwen2.5's 151k-merge tokenizer loads in 0.37 s with a
+    54 MB resident set.
     """
     try:
-        return _hf_from_spec(text)
+        return tokenizers.Tokenizer.from_str(text)
     finally:
         release_free_heap()
 
@@ -602,25 +601,6 @@ def release_free_heap() -> None:
 
 
 _MALLOC_TRIM = None
-
-
-def _hf_from_spec(text: str) -> tokenizers.Tokenizer:
-    spec = json.loads(text)
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or not model.get("merges"):
-        return tokenizers.Tokenizer.from_str(text)
-    vocab = model["vocab"]  # stays in the JSON too: added tokens resolve their ids against it
-    merges = model.pop("merges")
-    pairs = [tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1)) for m in merges]
-    del merges  # free the parsed lists before the model is built
-    options = {k: model[k] for k in ("dropout", "unk_token", "continuing_subword_prefix",
-                                     "end_of_word_suffix", "fuse_unk", "byte_fallback",
-                                     "ignore_merges") if model.get(k) is not None}
-    spec["model"] = {**model, "merges": []}
-    hf = tokenizers.Tokenizer.from_str(json.dumps(spec))
-    del spec
-    hf.model = tokenizers.models.BPE(vocab, pairs, **options)
-    return hf
 
 
 class StreamingDetokenizer:
