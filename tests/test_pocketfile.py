@@ -320,6 +320,25 @@ def test_flipped_byte_is_a_checksum_error(good):
         pf.verify()  # ...and an explicit verify finds it
 
 
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_checksum_of_a_tensor_summed_in_chunks(tmp_path, monkeypatch, where):
+    """Large tensors are summed chunk by chunk (their pages dropped as it goes): a flipped byte
+    in any chunk is found, and an intact file passes."""
+    from pocketlm.formats import pocketfile
+
+    monkeypatch.setattr(pocketfile, "CHECKSUM_CHUNK", 4096)
+    path = tmp_path / "big.pocket"
+    w = np.random.default_rng(0).integers(-128, 128, size=(100, 1000), dtype=np.int8)
+    write_pocket(path, [("w", w), ("b", np.ones(7, np.float32))], METADATA)
+    info = PocketFile(path).infos["w"]  # intact: verifies across 25 chunks
+    size = info.end - info.start
+    offset = {"first": 0, "middle": size // 2 + 1, "last": size - 1}[where]
+    data = bytearray(path.read_bytes())
+    data[info.start + offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert "'w'" in format_error(path, cls=ChecksumError)
+
+
 def test_flipped_byte_in_padding_and_tokenizer(good):
     pf = PocketFile(good)
     pads = [i for n, i in pf.infos.items() if n.startswith("_pad.")]
