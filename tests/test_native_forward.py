@@ -348,6 +348,10 @@ def test_native_model_checks_its_arguments():
         _native.NativeKV(model, 17)  # above the model's capacity
     with pytest.raises(ValueError):
         _native.NativeKV(model, 0)
+    for kwargs, error in (({"threads": 0}, ValueError), ({"threads": 2000}, ValueError),
+                          ({"threads": 2, "pool": "not a pool"}, TypeError)):
+        with pytest.raises(error):
+            _native.NativeModel(cfg.to_dict(), tensors, 16, **kwargs)
 
     def broken(name, value):
         t = dict(tensors)

@@ -121,13 +121,114 @@ static int copy_vectors(pocket_model *m) {
     return POCKET_OK;
 }
 
+/* ---- the repacked weights --------------------------------------------------------------- */
+
+#define PM_TILE_TASKS 64 /* threads that repack at most */
+
+/* A range of tiles of one weight, repacked by one task. */
+typedef struct tile_piece {
+    size_t bytes;
+    int k, tb, te, owner;
+} tile_piece;
+
+typedef struct tile_jobs {
+    pocket_model *m;
+    const pocket_weight **w; /* w[k]: the source of m->tiled[k], or NULL (not repacked) */
+    tile_piece *pieces;
+    int npieces;
+} tile_jobs;
+
+static int larger_first(const void *a, const void *b) {
+    const tile_piece *x = (const tile_piece *)a, *y = (const tile_piece *)b;
+    if (x->bytes != y->bytes) return x->bytes < y->bytes ? 1 : -1;
+    return x->k != y->k ? x->k - y->k : x->tb - y->tb;
+}
+
+static void tiles_task(void *ctx, int task, int ntasks) {
+    tile_jobs *J = (tile_jobs *)ctx;
+    (void)ntasks;
+    for (int i = 0; i < J->npieces; i++) {
+        const tile_piece *p = &J->pieces[i];
+        if (p->owner == task)
+            pm_tiled_fill(J->w[p->k], &J->m->tiled[p->k], p->tb, p->te, J->m->c.release_source);
+    }
+}
+
+/* Repack the weights of the int8-activation products (and, on AVX-512, of the float ones)
+ * into m->tiled with up to nthreads tasks: a weight larger than half a task's share is cut
+ * into one tile range per task; the largest pieces go first, each to the task with the fewest
+ * bytes so far. */
+static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
+    const int L = m->c.n_layers, n = 7 * L + 1;
+    int ntasks = pool ? nthreads : 1;
+    if (pool && ntasks > pocket_pool_size(pool)) ntasks = pocket_pool_size(pool);
+    if (ntasks > PM_TILE_TASKS) ntasks = PM_TILE_TASKS;
+    tile_jobs J;
+    memset(&J, 0, sizeof J);
+    J.m = m;
+    J.w = (const pocket_weight **)calloc((size_t)n, sizeof *J.w);
+    J.pieces = (tile_piece *)calloc((size_t)n * (size_t)ntasks, sizeof *J.pieces);
+    int rc = J.w && J.pieces ? POCKET_OK : POCKET_ENOMEM;
+    const int cls[7] = {POCKET_Q8_QKV, POCKET_Q8_QKV, POCKET_Q8_QKV, POCKET_Q8_WO,
+                        POCKET_Q8_GATE_UP, POCKET_Q8_GATE_UP, POCKET_Q8_DOWN};
+    for (int l = 0; l < L && !rc; l++) {
+        const pocket_layer_weights *Lw = &m->layers[l];
+        const pocket_weight *ws[7] = {&Lw->wq, &Lw->wk, &Lw->wv, &Lw->wo, &Lw->wgate, &Lw->wup,
+                                      &Lw->wdown};
+        for (int k = 0; k < 7; k++)
+            if ((m->tiled_f32 || (m->act_q8 & cls[k])) && ws[k]->type != POCKET_WT_F32)
+                J.w[7 * l + k] = ws[k];
+    }
+    if (!rc && (m->tiled_f32 || (m->act_q8 & POCKET_Q8_HEAD)) && m->head.type != POCKET_WT_F32)
+        J.w[7 * L] = &m->head;
+    size_t total = 0;
+    for (int k = 0; k < n && !rc; k++)
+        if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k])))
+            total += (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
+    for (int k = 0; k < n && !rc; k++) {
+        if (!J.w[k]) continue;
+        const pm_tiled *t = &m->tiled[k];
+        const size_t bytes = (size_t)t->ntiles * t->tile_bytes;
+        const int parts = bytes > total / ntasks / 2 && t->ntiles >= ntasks ? ntasks : 1;
+        for (int p = 0; p < parts; p++) {
+            tile_piece *pc = &J.pieces[J.npieces++];
+            pc->k = k;
+            pc->tb = (int)((long long)t->ntiles * p / parts);
+            pc->te = (int)((long long)t->ntiles * (p + 1) / parts);
+            pc->bytes = (size_t)(pc->te - pc->tb) * t->tile_bytes;
+        }
+    }
+    if (!rc) {
+        qsort(J.pieces, (size_t)J.npieces, sizeof *J.pieces, larger_first);
+        size_t load[PM_TILE_TASKS] = {0};
+        for (int i = 0; i < J.npieces; i++) {
+            int t = 0;
+            for (int u = 1; u < ntasks; u++)
+                if (load[u] < load[t]) t = u;
+            J.pieces[i].owner = t;
+            load[t] += J.pieces[i].bytes;
+        }
+        if (ntasks > 1)
+            pocket_pool_run(pool, ntasks, tiles_task, &J);
+        else
+            tiles_task(&J, 0, 1);
+        if (m->c.release_source)
+            for (int k = 0; k < n; k++)
+                if (J.w[k]) pm_tiled_release_source(J.w[k]);
+    }
+    free(J.w);
+    free(J.pieces);
+    return rc;
+}
+
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
-                        pocket_model **out) {
+                        pocket_pool *pool, int nthreads, pocket_model **out) {
     if (!out) return POCKET_EINVAL;
     *out = NULL;
     if (!cfg || !layers || !embed || !head || !final_norm || !kernels) return POCKET_EINVAL;
+    if (nthreads < 1 || nthreads > 1024) return POCKET_EINVAL;
     const pocket_model_config c = *cfg;
     if (c.vocab_size <= 0 || c.d_model <= 0 || c.n_layers <= 0 || c.n_heads <= 0 ||
         c.n_kv_heads <= 0 || c.head_dim <= 0 || c.d_ff <= 0 || c.max_positions <= 0)
@@ -224,22 +325,8 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             goto nomem;
     m->tiled = (pm_tiled *)calloc((size_t)7 * c.n_layers + 1, sizeof(pm_tiled));
     if (!m->tiled) goto nomem;
-    for (int l = 0; l < c.n_layers; l++) {
-        const pocket_layer_weights *L = &m->layers[l];
-        const pocket_weight *ws[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wgate, &L->wup, &L->wdown};
-        const int cls[7] = {POCKET_Q8_QKV, POCKET_Q8_QKV, POCKET_Q8_QKV, POCKET_Q8_WO,
-                            POCKET_Q8_GATE_UP, POCKET_Q8_GATE_UP, POCKET_Q8_DOWN};
-        for (int k = 0; k < 7; k++)
-            if ((m->tiled_f32 || (m->act_q8 & cls[k])) && ws[k]->type != POCKET_WT_F32) {
-                int rc = pm_tiled_build(ws[k], &m->tiled[7 * l + k], c.release_source);
-                if (rc) {
-                    pocket_model_destroy(m);
-                    return rc;
-                }
-            }
-    }
-    if ((m->tiled_f32 || (m->act_q8 & POCKET_Q8_HEAD)) && m->head.type != POCKET_WT_F32) {
-        int rc = pm_tiled_build(&m->head, &m->tiled[7 * c.n_layers], c.release_source);
+    {
+        int rc = build_tiles(m, pool, nthreads);
         if (rc) {
             pocket_model_destroy(m);
             return rc;

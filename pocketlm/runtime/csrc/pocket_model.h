@@ -98,13 +98,14 @@ enum {
  * embed for tied embeddings). kernels: a table from pocket_kernels(); act_q8: a set of
  * POCKET_Q8_* bits, the products whose activations are quantized to int8 (0: float
  * activations everywhere); the quantized weights of those products are repacked into a
- * layout for int8 dot products (pocket_model_ops.h), the same size as the original. Checks every scalar argument and
- * every pointer for presence; the sizes behind the pointers are the caller's responsibility.
+ * layout for int8 dot products (pocket_model_ops.h), the same size as the original, by up to
+ * nthreads threads of `pool` (NULL: the caller alone). Checks every scalar argument and every
+ * pointer for presence; the sizes behind the pointers are the caller's responsibility.
  * Returns POCKET_OK and *out, or a negative status. */
 int pocket_model_create(const pocket_model_config *config, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
-                        pocket_model **out);
+                        pocket_pool *pool, int nthreads, pocket_model **out);
 void pocket_model_destroy(pocket_model *model);
 /* The name of the operations the model runs on ("portable", "avx512" or "neon": see
  * pocket_model_ops.h), chosen from the kernel table's level; NULL for a NULL model. */

@@ -80,9 +80,17 @@ int pm_ensure_attn_scratch(pocket_model *m, int tasks, size_t units);
 
 /* ---- pocket_model_tiles.c ---------------------------------------------------------------- */
 
-/* Repack `w` (INT4 or INT8) into 16-row tiles; with `release`, the source pages (a read-only
- * file mapping) are handed back as the repacking goes. */
-int pm_tiled_build(const pocket_weight *w, pm_tiled *t, int release);
+/* Lay out and allocate the 16-row tiles of `w` (INT4 or INT8) in `t` (zeroed memory). */
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t);
+
+/* Repack tiles [tb, te) of `w` into `t` (ranges of one weight may be filled by different
+ * threads); with `release`, the source pages of those rows (a read-only file mapping) are
+ * handed back as the repacking goes. */
+void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int release);
+
+/* Hand back every source page of `w` (a read-only file mapping), e.g. those that straddled
+ * the ends of the ranges filled. */
+void pm_tiled_release_source(const pocket_weight *w);
 
 /* Free the tiles of `t` and zero it (a zeroed pm_tiled is fine). */
 void pm_tiled_free(pm_tiled *t);

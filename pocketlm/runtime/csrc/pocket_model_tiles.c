@@ -21,8 +21,26 @@
 #include "pocket_internal.h"
 #include "pocket_model_internal.h"
 
+/* Zeroed memory for tiles. On Linux a private anonymous mapping: its pages arrive zeroed
+ * from the kernel, so the repack writes them once, where zeroed heap memory would be written
+ * three times (the kernel's zeroing on first touch, memset, the repack). */
+static uint8_t *tiles_alloc(size_t bytes) {
+#if defined(__linux__)
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : (uint8_t *)p;
+#else
+    return (uint8_t *)pm_zalloc(bytes, 1);
+#endif
+}
+
 void pm_tiled_free(pm_tiled *t) {
-    free(t->data);
+    if (t->data) {
+#if defined(__linux__)
+        munmap(t->data, (size_t)t->ntiles * t->tile_bytes);
+#else
+        free(t->data);
+#endif
+    }
     memset(t, 0, sizeof *t);
 }
 
@@ -68,7 +86,7 @@ static void release_rows(const pocket_weight *w, size_t r0, size_t r1) {
     if (w->type == POCKET_WT_Q4) release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
 }
 
-static void release_weight(const pocket_weight *w) { release_rows(w, 0, (size_t)w->rows); }
+void pm_tiled_release_source(const pocket_weight *w) { release_rows(w, 0, (size_t)w->rows); }
 
 /* The embedding rows are read from the file mapping a few at a time, in no order: tell the
  * kernel not to read ahead around each one (its usual 128 KB readahead per fault made a
@@ -98,9 +116,7 @@ void pm_advise_random_rows(const pocket_weight *w) {
  * x 640 embedding used as the head) never sits in memory whole beside its copy. */
 #define PM_RELEASE_TILES 256
 
-/* Repack `w` into 16-row tiles; with `release`, the source pages (a read-only file mapping)
- * are handed back as the repacking goes. */
-int pm_tiled_build(const pocket_weight *w, pm_tiled *t, int release) {
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t) {
     memset(t, 0, sizeof *t);
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
     const int q4 = w->type == POCKET_WT_Q4;
@@ -115,10 +131,14 @@ int pm_tiled_build(const pocket_weight *w, pm_tiled *t, int release) {
     t->block_bytes = q4 ? 256 : 512;
     t->scale_off = (size_t)t->nb * t->block_bytes;
     t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32 * (q4 ? 2 : 1), 64);
-    t->data = (uint8_t *)pm_zalloc((size_t)t->ntiles * t->tile_bytes, 1);
-    if (!t->data) return POCKET_ENOMEM;
+    t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes);
+    return t->data ? POCKET_OK : POCKET_ENOMEM;
+}
+
+void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int release) {
+    const int q4 = w->type == POCKET_WT_Q4;
     const size_t C = (size_t)w->cols, ng = (size_t)t->ng;
-    for (int tl = 0; tl < t->ntiles; tl++) {
+    for (int tl = tb; tl < te; tl++) {
         uint8_t *rec = t->data + (size_t)tl * t->tile_bytes;
         uint16_t *sc = (uint16_t *)(rec + t->scale_off), *mn = sc + ng * 16;
         for (int i = 0; i < 16; i++) {
@@ -156,11 +176,12 @@ int pm_tiled_build(const pocket_weight *w, pm_tiled *t, int release) {
                 }
             }
         }
-        if (release && (tl + 1) % PM_RELEASE_TILES == 0)
+        if (release && (tl + 1 - tb) % PM_RELEASE_TILES == 0)
             release_rows(w, (size_t)(tl + 1 - PM_RELEASE_TILES) * 16, (size_t)(tl + 1) * 16);
     }
-    if (release) release_weight(w); /* the pages that straddled chunk ends, and the tail */
-    return POCKET_OK;
+    if (release) /* the rest of the range, and the pages that straddled chunk ends */
+        release_rows(w, (size_t)tb * 16,
+                     (size_t)te * 16 < (size_t)w->rows ? (size_t)te * 16 : (size_t)w->rows);
 }
 
 /* Row r of a tiled matrix as floats: the same values (and float operations) as dequantizing

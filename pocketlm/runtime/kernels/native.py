@@ -330,7 +330,8 @@ class NativeEngine:
         cfg = config.to_dict()
         cfg["release_source"] = bool(release_source)
         self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
-                           act_q8=self.q8_mask(), level=_level_id(level))
+                           act_q8=self.q8_mask(), level=_level_id(level), threads=self.threads,
+                           pool=_get_pool(self.threads))
         self.level = self.model.level
 
     def q8_mask(self) -> int:
