@@ -222,9 +222,11 @@ def packed_cache_path(src: Path, group_size: int, embed_bits: int,
     st = src.stat()
     key = (f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|g{group_size}|e{embed_bits}"
            f"|r{PACK_REVISION}")
-    tag = f"g{group_size}-e{embed_bits}" + ("-keep" if keep_precision else "")
+    # keep-precision packs store Q5_0/Q5_1 weights in INT5 (older ones: INT8): a new tag, so
+    # that those older caches are not reused
+    tag = f"g{group_size}-e{embed_bits}" + ("-keep5" if keep_precision else "")
     if keep_precision:
-        key += "|keep"
+        key += "|keep5"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return pocket_home() / "packed" / f"{name or src.stem}-{tag}-{digest}.pocket"
 

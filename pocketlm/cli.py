@@ -340,9 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bits of the token embedding and output head (default 8; a source "
                    "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, losslessly)")
     p.add_argument("--keep-precision", action="store_true",
-                   help="store weights that the source holds above 4 bits (Q5_0, Q6_K, Q8_0, "
-                   "float) in INT8 instead of requantizing them to INT4: larger file, source "
-                   "quality")
+                   help="do not requantize weights that the source holds above 4 bits to "
+                   "INT4: Q5_0/Q5_1 are stored in INT5 (losslessly), the other types (Q5_K, "
+                   "Q6_K, Q8_0, F16...) in INT8: larger file, source quality")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_pack)
 

@@ -2,12 +2,13 @@
 
 The scheme: every linear weight in group-wise INT4; the token embedding and an untied output
 head in INT8 or INT4 (``embed_bits``); norms and biases in float32. With ``keep_precision`` a
-linear weight that the source stores above 4 bits (Q5_0, Q6_K, Q8_0, float...) is stored in INT8
-instead of being requantized to INT4: a larger file with the source's quality (small models
-such as Gemma 3 270M lose several percent of perplexity when their 5-bit tensors are forced to
-4 bits by plain rounding). A source block whose grid
-the target layout can hold (GGUF Q4_0/Q4_1/Q4_K for INT4 and Q8_0 for INT8, at group size 32)
-is imported without requantizing; everything else is requantized from its float values.
+linear weight that the source stores above 4 bits is not requantized to INT4: GGUF Q5_0/Q5_1
+weights are stored in INT5 and wider ones (Q5_K, Q6_K, Q8_0, float...) in INT8, a larger file
+with the source's quality (small models such as Gemma 3 270M lose several percent of
+perplexity when their 5-bit tensors are forced to 4 bits by plain rounding). A source block
+whose grid the target layout can hold (GGUF Q4_0/Q4_1/Q4_K for INT4, Q5_0/Q5_1 for INT5 and
+Q8_0 for INT8, at group size 32) is imported without requantizing; everything else is
+requantized from its float values.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ EMBED_NAMES = ("embed.weight", "lm_head.weight")
 class TensorReport:
     name: str
     source_dtype: str
-    stored: str  # "int4" | "int8" | "f32"
+    stored: str  # "int4" | "int5" | "int8" | "f32"
     how: str  # "lossless" | "requantized" | "float"
     rel_error: float
     n_params: int
@@ -80,6 +81,8 @@ _LOW_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "I
 
 # 4-bit GGUF types that import into pocketlm's INT4 layout without requantizing.
 _INT4_IMPORTABLE = {"Q4_0", "Q4_1", "Q4_K"}
+# 5-bit GGUF types that import into the INT5 layout without requantizing (keep_precision).
+_INT5_IMPORTABLE = {"Q5_0", "Q5_1"}
 
 
 def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
@@ -87,11 +90,14 @@ def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
     """Bits to store a tensor with (None: keep it in float32). The embedding and output head
     take ``embed_bits``, except that a source holding them in a 4-bit type that imports
     losslessly stays in 4 bits: widening it to 8 would only requantize the same values and
-    double their memory."""
+    double their memory. Linear weights take 4 bits; with ``keep_precision`` a Q5_0/Q5_1
+    source takes 5 (a lossless import) and any other type above 4 bits takes 8."""
     if name in EMBED_NAMES:
         return 4 if source_dtype in _INT4_IMPORTABLE else embed_bits
     if name.endswith(QUANT_SUFFIXES):
-        return 8 if keep_precision and source_dtype not in _LOW_BIT_TYPES else 4
+        if not keep_precision or source_dtype in _LOW_BIT_TYPES:
+            return 4
+        return 5 if source_dtype in _INT5_IMPORTABLE else 8
     return None
 
 
@@ -99,8 +105,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
          embed_bits: int = 8, keep_precision: bool = False, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
-    ``int4_search=False`` rounds INT4 groups to their min-max grid (for weights trained
-    against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`)."""
+    ``int4_search=False`` rounds requantized INT4 (and INT5) groups to their min-max grid (for
+    weights trained against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`)."""
     if group_size not in GROUP_SIZES:
         raise UnsupportedError(f"group size {group_size} is not supported; choose one of "
                                f"{', '.join(map(str, GROUP_SIZES))}")
@@ -115,6 +121,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     q_bytes = q_params = 0
 
     stored_embed_bits = None  # what the embedding / head are stored in (see choose_bits)
+    linear_kinds = {"int4"}  # what the linear weights are stored in (for the scheme's name)
     names = list(model.tensors)
     bar = _progress(names, progress)
     for name in bar:
@@ -147,6 +154,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         if qt.mins is not None:
             arrays.append((name + ".mins", qt.mins))
         layouts[name] = {"kind": qt.kind, "shape": list(qt.shape), "group_size": qt.group_size}
+        if name.endswith(QUANT_SUFFIXES):
+            linear_kinds.add(qt.kind)
         q_bytes += qt.nbytes
         q_params += count
         reports.append(TensorReport(name, st.dtype, qt.kind, how, err, count))
@@ -157,7 +166,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         "config": model.config.to_dict(),
         "generation": model.generation.to_dict(),
         "chat_template": model.chat_template or "",
-        "quant": {"scheme": f"int4-g{group_size}" + ("+int8" if keep_precision else ""),
+        "quant": {"scheme": f"int4-g{group_size}" + "".join(
+                      f"+{k}" for k in ("int5", "int8") if k in linear_kinds),
                   "group_size": group_size, "embed_bits": stored_embed_bits or embed_bits,
                   "keep_precision": keep_precision, "tensors": layouts},
         "provenance": {**model.provenance, "pocketlm_version": __version__,

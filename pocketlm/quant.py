@@ -1,4 +1,4 @@
-"""Group-wise weight quantization: the INT4 and INT8 layouts, specified once.
+"""Group-wise weight quantization: the INT4, INT5 and INT8 layouts, specified once.
 
 INT4 (asymmetric, ``kind="int4"``), for a weight ``W`` of shape ``[rows, cols]``:
 
@@ -9,6 +9,17 @@ INT4 (asymmetric, ``kind="int4"``), for a weight ``W`` of shape ``[rows, cols]``
   with one mask and one shift.) The layout does not depend on the group size.
 * ``scales``, ``mins``: float16 ``[rows, cols // group_size]``.
 * ``W[r, c] = q[r, c] * scales[r, c // g] + mins[r, c // g]`` with ``q`` in ``0..15``.
+
+INT5 (asymmetric, ``kind="int5"``), same shape rules:
+
+* ``qweight``: uint8 ``[rows, cols // 32 * 20]``. Block ``b`` of a row occupies bytes
+  ``20*b .. 20*b + 19``: bytes ``20*b .. 20*b + 3`` are a little-endian uint32 whose bit ``k``
+  is bit 4 (the high bit) of the value at column ``32*b + k``; bytes ``20*b + 4 .. 20*b + 19``
+  are the low 4 bits exactly as INT4 packs them (byte ``k``: column ``32*b + k`` in the low
+  nibble, column ``32*b + 16 + k`` in the high nibble). This is GGUF Q5_0's ``{qh[4]; qs[16]}``
+  in block order, so Q5_0/Q5_1 blocks import as a byte copy.
+* ``scales``, ``mins``: float16 ``[rows, cols // group_size]``.
+* ``W[r, c] = q[r, c] * scales[r, c // g] + mins[r, c // g]`` with ``q`` in ``0..31``.
 
 INT8 (symmetric, ``kind="int8"``): ``qweight`` int8 ``[rows, cols]``, ``scales`` float16
 ``[rows, cols // group_size]``, ``W[r, c] = q[r, c] * scales[r, c // g]`` (GGUF Q8_0 with
@@ -26,14 +37,16 @@ import numpy as np
 from .errors import UnsupportedError
 
 GROUP_SIZES = (32, 64, 128)
+KINDS = ("int4", "int5", "int8")
 BLOCK = 32  # nibble-packing block, independent of the group size
+INT5_BLOCK_BYTES = 20  # bytes of one 32-value INT5 block: 4 of high bits, 16 of nibbles
 
 
 @dataclass
 class QuantTensor:
     """A quantized 2-D weight in one of the layouts above (arrays may be views of a mmap)."""
 
-    kind: str  # "int4" | "int8"
+    kind: str  # "int4" | "int5" | "int8"
     shape: tuple[int, int]
     group_size: int
     qweight: np.ndarray
@@ -55,7 +68,13 @@ class QuantTensor:
         if self.kind == "int4":
             return dequantize_int4(self.qweight[sel], self.scales[sel], self.mins[sel],
                                    self.group_size)
-        return dequantize_int8(self.qweight[sel], self.scales[sel], self.group_size)
+        if self.kind == "int5":
+            return dequantize_int5(self.qweight[sel], self.scales[sel], self.mins[sel],
+                                   self.group_size)
+        if self.kind == "int8":
+            return dequantize_int8(self.qweight[sel], self.scales[sel], self.group_size)
+        raise UnsupportedError(f"quantized weight kind {self.kind!r} is not supported; "
+                               f"choose one of {', '.join(KINDS)}")
 
 
 def check_quantizable(shape: tuple[int, ...], group_size: int, name: str = "tensor") -> None:
@@ -86,12 +105,43 @@ def unpack_int4(packed: np.ndarray) -> np.ndarray:
     return q.reshape(rows, half * 2)
 
 
-def dequantize_int4(qweight, scales, mins, group_size: int) -> np.ndarray:
-    q = unpack_int4(qweight).astype(np.float32)
+def pack_int5(q: np.ndarray) -> np.ndarray:
+    """uint8 values 0..31 ``[rows, cols]`` -> packed ``[rows, cols // 32 * 20]`` (layout
+    above)."""
+    rows, cols = q.shape
+    q = np.asarray(q, dtype=np.uint8)
+    nb = cols // BLOCK
+    out = np.empty((rows, nb, INT5_BLOCK_BYTES), dtype=np.uint8)
+    high = (q >> 4 & 1).reshape(rows, nb, BLOCK)
+    out[:, :, :4] = np.packbits(high, axis=2, bitorder="little")  # little-endian uint32
+    out[:, :, 4:] = pack_int4(q & 0x0F).reshape(rows, nb, 16)
+    return out.reshape(rows, nb * INT5_BLOCK_BYTES)
+
+
+def unpack_int5(packed: np.ndarray) -> np.ndarray:
+    """Packed ``[rows, cols // 32 * 20]`` -> uint8 values 0..31 ``[rows, cols]``."""
+    rows, nbytes = packed.shape
+    nb = nbytes // INT5_BLOCK_BYTES
+    blocks = packed.reshape(rows, nb, INT5_BLOCK_BYTES)
+    high = np.unpackbits(blocks[:, :, :4], axis=2, bitorder="little")  # [rows, nb, 32]
+    low = unpack_int4(blocks[:, :, 4:].reshape(rows, nb * 16))
+    return low | (high.reshape(rows, nb * BLOCK) << 4)
+
+
+def _dequantize_asym(q: np.ndarray, scales, mins, group_size: int) -> np.ndarray:
+    q = q.astype(np.float32)
     rows, cols = q.shape
     q = q.reshape(rows, cols // group_size, group_size)
     w = q * scales.astype(np.float32)[:, :, None] + mins.astype(np.float32)[:, :, None]
     return w.reshape(rows, cols)
+
+
+def dequantize_int4(qweight, scales, mins, group_size: int) -> np.ndarray:
+    return _dequantize_asym(unpack_int4(qweight), scales, mins, group_size)
+
+
+def dequantize_int5(qweight, scales, mins, group_size: int) -> np.ndarray:
+    return _dequantize_asym(unpack_int5(qweight), scales, mins, group_size)
 
 
 def dequantize_int8(qweight, scales, group_size: int) -> np.ndarray:
@@ -111,6 +161,20 @@ def quantize_int4(w: np.ndarray, group_size: int = 32, *, search: bool = True) -
     min-max range, then refitting scale and minimum by least squares), keeping the one with the
     smallest squared error; without it, plain min-max rounding.
     """
+    return _quantize_asym(w, group_size, search, "int4")
+
+
+def quantize_int5(w: np.ndarray, group_size: int = 32, *, search: bool = True) -> QuantTensor:
+    """Asymmetric INT5 (32 levels) with float16 scale and minimum per group; ``search`` as in
+    :func:`quantize_int4`."""
+    return _quantize_asym(w, group_size, search, "int5")
+
+
+_ASYM = {"int4": (15, pack_int4), "int5": (31, pack_int5)}  # kind -> (largest q, packer)
+
+
+def _quantize_asym(w: np.ndarray, group_size: int, search: bool, kind: str) -> QuantTensor:
+    qmax, pack_fn = _ASYM[kind]
     w = np.asarray(w, dtype=np.float32)
     check_quantizable(w.shape, group_size)
     rows, cols = w.shape
@@ -121,30 +185,31 @@ def quantize_int4(w: np.ndarray, group_size: int = 32, *, search: bool = True) -
     step = max(1, _ROW_CHUNK // cols)
     for r0 in range(0, rows, step):
         g = w[r0:r0 + step].reshape(-1, group_size)
-        q, s, m = _quantize_groups_int4(g, search)
+        q, s, m = _quantize_groups_asym(g, search, qmax)
         n = g.shape[0] // ng
         q_all[r0:r0 + n] = q.reshape(n, cols)
         s_all[r0:r0 + n] = s.reshape(n, ng)
         m_all[r0:r0 + n] = m.reshape(n, ng)
-    return QuantTensor("int4", (rows, cols), group_size, pack_int4(q_all), s_all, m_all)
+    return QuantTensor(kind, (rows, cols), group_size, pack_fn(q_all), s_all, m_all)
 
 
-def _round_to_grid(g, s16, m16):
-    """q = clip(round((g - m) / s), 0, 15) with float16-rounded s and m (s == 0: q = 0)."""
+def _round_to_grid(g, s16, m16, qmax: int = 15):
+    """q = clip(round((g - m) / s), 0, qmax) with float16-rounded s and m (s == 0: q = 0)."""
     s = s16.astype(np.float32)
     m = m16.astype(np.float32)
     inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
-    q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, 15)
+    q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, qmax)
     err = ((q * s[:, None] + m[:, None] - g) ** 2).sum(axis=1)
     return q.astype(np.uint8), err
 
 
-def _quantize_groups_int4(g: np.ndarray, search: bool):
+def _quantize_groups_asym(g: np.ndarray, search: bool, qmax: int = 15):
+    """Groups ``[n, group_size]`` -> (q uint8, scale float16, min float16) on ``0..qmax``."""
     lo = g.min(axis=1)
     hi = g.max(axis=1)
-    s16 = ((hi - lo) / 15.0).astype(np.float16)
+    s16 = ((hi - lo) / float(qmax)).astype(np.float16)
     m16 = lo.astype(np.float16)
-    best_q, best_err = _round_to_grid(g, s16, m16)
+    best_q, best_err = _round_to_grid(g, s16, m16, qmax)
     best_s, best_m = s16, m16
     if not search:
         return best_q, best_s, best_m
@@ -152,10 +217,10 @@ def _quantize_groups_int4(g: np.ndarray, search: bool):
     for shrink in (0.02, 0.05, 0.08, 0.12, 0.16, 0.2):
         # candidate grid on a narrowed range, then a least-squares refit of (s, m) given q
         span = (hi - lo) * (1.0 - shrink)
-        s = span / 15.0
+        s = span / float(qmax)
         m = lo + (hi - lo) * shrink / 2
         inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
-        q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, 15)
+        q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, qmax)
         sq, sq2 = q.sum(axis=1), (q * q).sum(axis=1)
         sw, sqw = g.sum(axis=1), (q * g).sum(axis=1)
         det = n * sq2 - sq * sq
@@ -164,7 +229,7 @@ def _quantize_groups_int4(g: np.ndarray, search: bool):
         m_fit = np.where(ok, (sq2 * sw - sq * sqw) / np.where(ok, det, 1), m)
         s_fit = np.maximum(s_fit, 0)
         cand_s, cand_m = s_fit.astype(np.float16), m_fit.astype(np.float16)
-        cq, cerr = _round_to_grid(g, cand_s, cand_m)
+        cq, cerr = _round_to_grid(g, cand_s, cand_m, qmax)
         better = cerr < best_err
         best_q[better] = cq[better]
         best_err = np.where(better, cerr, best_err)
@@ -196,13 +261,16 @@ def quantize_int8(w: np.ndarray, group_size: int = 32) -> QuantTensor:
 
 def quantize(w: np.ndarray, bits: int, group_size: int = 32, *,
              search: bool = True) -> QuantTensor:
-    """``search=False``: INT4 groups take plain min-max ranges (the grid quantization-aware
-    training trains against), instead of the best of a few candidate ranges."""
+    """``search=False``: INT4/INT5 groups take plain min-max ranges (the grid
+    quantization-aware training trains against), instead of the best of a few candidate
+    ranges."""
     if bits == 4:
         return quantize_int4(w, group_size, search=search)
+    if bits == 5:
+        return quantize_int5(w, group_size, search=search)
     if bits == 8:
         return quantize_int8(w, group_size)
-    raise UnsupportedError(f"{bits}-bit weights are not supported; choose 4 or 8")
+    raise UnsupportedError(f"{bits}-bit weights are not supported; choose 4, 5 or 8")
 
 
 # -- lossless import of GGUF blocks ----------------------------------------------------------
@@ -211,12 +279,18 @@ def quantize(w: np.ndarray, bits: int, group_size: int = 32, *,
 #                       Q4_K = {f16 d; f16 dmin; u8 scales[12]; u8 qs[128]} per 256 values,
 #                              8 sub-blocks of 32 with 6-bit scale sc and min mn:
 #                              d * sc * q - dmin * mn
+#                       Q5_0 = {f16 d; u8 qh[4]; u8 qs[16]} -> (q - 16) * d
+#                       Q5_1 = {f16 d; f16 m; u8 qh[4]; u8 qs[16]} -> q * d + m
+#                              (q = low nibble from qs as in Q4_0, bit 4 from qh as a
+#                              little-endian uint32, bit k for value k)
 #                       Q8_0 = {f16 d; i8 qs[32]} -> q * d
-# Each 32-value (sub-)block is an asymmetric group-32 INT4 (or symmetric INT8) group, so these
-# import without requantizing. Q4_0 and Q4_1 are exact. Q4_K's effective scale d * sc and
-# minimum -dmin * mn are products of a float16 and a 6-bit integer, rounded here to float16:
-# a relative error of at most 2^-11 on each (the only loss; at most 2^-25 absolute in float16's
-# subnormal range). A block whose scale or minimum exceeds the float16 range is not imported.
+# Each 32-value (sub-)block is an asymmetric group-32 INT4 or INT5 (or symmetric INT8) group,
+# so these import without requantizing. Q4_0, Q4_1, Q5_0 and Q5_1 are exact (Q4_0 and Q5_0
+# store the minimum -8 * d, -16 * d: a tensor where that overflows float16 is not imported).
+# Q4_K's effective scale d * sc and minimum -dmin * mn are products of a float16 and a 6-bit
+# integer, rounded here to float16: a relative error of at most 2^-11 on each (the only loss; at
+# most 2^-25 absolute in float16's subnormal range). A block whose scale or minimum exceeds the
+# float16 range is not imported.
 
 def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
     """Raw GGUF rows (uint8 ``[rows, bytes_per_row]``) -> group-32 INT4, or None if the type
@@ -256,6 +330,27 @@ def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
             return None
         return QuantTensor("int4", (rows, cols), 32, pack_int4(q), scales, mins)
     return None
+
+
+def int5_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):
+    """Raw GGUF Q5_0/Q5_1 rows (uint8 ``[rows, bytes_per_row]``) -> group-32 INT5 (exact), or
+    None for other types (and for a Q5_0 minimum beyond float16)."""
+    if type_name not in ("Q5_0", "Q5_1"):
+        return None
+    rows, cols = shape
+    head = 2 if type_name == "Q5_0" else 4  # bytes before qh: d, or d and m
+    b = np.ascontiguousarray(raw).reshape(rows, cols // 32, head + INT5_BLOCK_BYTES)
+    d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    if type_name == "Q5_0":
+        d32 = d.astype(np.float32)
+        with np.errstate(over="ignore"):
+            mins = (-16.0 * d32).astype(np.float16)
+        if not np.array_equal(mins.astype(np.float32), -16.0 * d32):  # overflow: not exact
+            return None
+    else:
+        mins = b[:, :, 2:4].copy().view(np.float16)[:, :, 0]
+    qweight = np.ascontiguousarray(b[:, :, head:]).reshape(rows, cols // 32 * INT5_BLOCK_BYTES)
+    return QuantTensor("int5", (rows, cols), 32, qweight, d.copy(), mins)
 
 
 def _q4k_scale_min(s: np.ndarray):

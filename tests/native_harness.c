@@ -36,6 +36,8 @@
  *     kind 1 (float32): float32 [rows, cols]; a vector has cols = 0 and is float32 [rows]
  *     kind 4 (INT4):    uint8 qweight [rows, cols / 2], float16 scales [rows, cols / gs],
  *                       float16 mins [rows, cols / gs]   (layout of pocket_kernels.h)
+ *     kind 5 (INT5):    uint8 qweight [rows, cols / 32 * 20], then scales and mins as INT4
+ *                       (layout: POCKET_WT_Q5 in pocket_model.h)
  *     kind 8 (INT8):    int8 qweight [rows, cols], float16 scales [rows, cols / gs]
  *     (group_size is 0 for float32)
  *   in this order (the names pocketlm.config.ModelConfig uses):
@@ -194,7 +196,7 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
         w->data = rd_array(r, rc * sizeof(float), name);
         return;
     }
-    if (kind != POCKET_WT_Q4 && kind != POCKET_WT_Q8)
+    if (kind != POCKET_WT_Q4 && kind != POCKET_WT_Q5 && kind != POCKET_WT_Q8)
         die("tensor '%s': unknown kind %d", name, kind);
     if (gs != 32 && gs != 64 && gs != 128)
         die("tensor '%s': group_size must be 32, 64 or 128, got %d", name, gs);
@@ -204,8 +206,8 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
     const size_t ng = (size_t)rows * (size_t)(cols / gs);
     w->type = kind;
     w->group_size = gs;
-    if (kind == POCKET_WT_Q4) {
-        w->data = rd_array(r, rc / 2, name);
+    if (kind == POCKET_WT_Q4 || kind == POCKET_WT_Q5) {
+        w->data = rd_array(r, kind == POCKET_WT_Q4 ? rc / 2 : rc / 32 * 20, name);
         w->scales = (const uint16_t *)rd_array(r, ng * sizeof(uint16_t), name);
         w->mins = (const uint16_t *)rd_array(r, ng * sizeof(uint16_t), name);
     } else {

@@ -62,7 +62,7 @@ import pytest
 import torch_ref
 from test_native_forward import IDS, MODES
 
-from pocketlm.quant import quantize_int4, quantize_int8
+from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
 from pocketlm.runtime import Runtime
 from pocketlm.runtime.kernels import native
 
@@ -98,18 +98,20 @@ NEON_CPU = "max"  # qemu's CPU model for the neon runs: reports asimddp (SDOT) i
 NO_DOTPROD_CPU = "cortex-a53"  # ARMv8.0-A: NEON without the dot-product extension
 OPS = {"scalar": "portable", "neon": "neon"}  # level -> the engine's operations (pm_ops_*)
 
-KIND = {"f32": 1, "int4": 4, "int8": 8}
+KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8}
 
 
 # -- the model dump (format: the top of tests/native_harness.c) --------------------------------
 
 def _weights(cfg, seed):
-    """As test_native_forward._weights(quantized=True): INT4 layers, INT8 embedding / head."""
+    """As test_native_forward._weights(quantized=True): INT4 layers, INT8 embedding / head;
+    W_down in INT5 (the other weight layout of a keep-precision pack)."""
     sd = torch_ref.random_state_dict(cfg, seed=seed)
     out = dict(sd)
     for name, w in sd.items():
         if w.ndim == 2:
             out[name] = (quantize_int8(w) if name in ("embed.weight", "lm_head.weight")
+                         else quantize_int5(w, 32) if name.endswith("w_down.weight")
                          else quantize_int4(w, 32))
     return out
 
@@ -136,12 +138,13 @@ def _le_bytes(a: np.ndarray) -> bytes:
 
 def _tensor_record(name: str, t) -> bytes:
     """One tensor in the engine's form (what native.engine_weights hands the wrapper)."""
-    if isinstance(t, tuple):  # ("int4", q, scales, mins, gs) | ("int8", q, scales, gs)
+    if isinstance(t, tuple):  # ("int4" | "int5", q, scales, mins, gs) | ("int8", q, scales, gs)
         kind, q, *rest = t
         gs, arrays = rest[-1], [q, *rest[:-1]]
-        assert q.dtype == (np.uint8 if kind == "int4" else np.int8)
+        assert q.dtype == (np.int8 if kind == "int8" else np.uint8)
         assert all(a.dtype == np.float16 for a in arrays[1:])
-        rows, cols = q.shape[0], q.shape[1] * (2 if kind == "int4" else 1)
+        rows = q.shape[0]
+        cols = {"int4": q.shape[1] * 2, "int5": q.shape[1] // 20 * 32, "int8": q.shape[1]}[kind]
     else:  # float32 matrix or vector
         assert t.dtype == np.float32
         kind, gs, arrays = "f32", 0, [t]

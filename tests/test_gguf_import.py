@@ -12,10 +12,12 @@ import pytest
 import tiny_gguf
 import torch_ref
 
-from pocketlm.api import from_source, load_pocket
+from pocketlm.api import from_source, load_pocket, packed_cache_path
 from pocketlm.errors import FormatError, PocketError, UnsupportedError
 from pocketlm.formats import open_source
-from pocketlm.pack import QUANT_SUFFIXES, pack
+from pocketlm.formats.pocketfile import PocketFile
+from pocketlm.pack import QUANT_SUFFIXES, choose_bits, pack
+from pocketlm.quant import QuantTensor
 
 IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]  # longer than gemma3's window (5)
 
@@ -166,6 +168,99 @@ def test_pack_of_8bit_or_float_gguf_requantizes(tmp_path, arch, weight_type):
     c_ours = packed - packed.mean(-1, keepdims=True)
     c_ref = ref - ref.mean(-1, keepdims=True)
     assert np.linalg.norm(c_ours - c_ref) / np.linalg.norm(c_ref) < 0.5
+
+
+@pytest.mark.parametrize("arch,weight_type", [("llama", "Q5_0"), ("qwen2", "Q5_1"),
+                                              ("gemma3", "Q5_0")])
+def test_keep_precision_pack_of_5bit_gguf_is_lossless_int5(tmp_path, arch, weight_type):
+    src = tmp_path / "m.gguf"
+    config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=4, weight_type=weight_type)
+    report = pack(src, tmp_path / "m.pocket", keep_precision=True, progress=False)
+    linear = [t for t in report.tensors if t.name.endswith(QUANT_SUFFIXES)]
+    assert len(linear) == 7 * config.n_layers
+    for t in linear:
+        assert (t.how, t.stored, t.source_dtype) == ("lossless", "int5", weight_type), t
+        assert t.rel_error == 0.0, t
+    for t in report.tensors:
+        if t.name in ("embed.weight", "lm_head.weight"):  # Q8_0 in the file
+            assert (t.how, t.stored) == ("lossless", "int8")
+        assert t.how != "requantized", t
+
+    pf = PocketFile(tmp_path / "m.pocket")
+    quant = pf.json("quant")
+    assert quant["scheme"] == "int4-g32+int5" and quant["keep_precision"] is True
+    weights = pf.weights()
+    source = open_source(src)
+    for t in linear:
+        w = weights[t.name]
+        assert isinstance(w, QuantTensor) and w.kind == "int5" and w.group_size == 32
+        assert w.bits_per_weight == 6.0  # 5 bits + float16 scale and minimum per 32
+        assert np.array_equal(w.dequantize(), source.tensors[t.name].to_float()), t.name
+
+    model = load_pocket(tmp_path / "m.pocket")
+    packed = model.logits(IDS)
+    floats = from_source(source).logits(IDS)
+    np.testing.assert_allclose(packed, floats, rtol=0, atol=_tol(floats))
+    ref = torch_ref.TorchRefModel(config, state).forward(IDS)
+    np.testing.assert_allclose(packed, ref, rtol=0, atol=_tol(ref))
+
+
+def test_default_pack_of_5bit_gguf_stays_int4(tmp_path):
+    src = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="Q5_0")
+    report = pack(src, tmp_path / "m.pocket", progress=False)
+    for t in report.tensors:
+        if t.name.endswith(QUANT_SUFFIXES):
+            assert (t.how, t.stored, t.source_dtype) == ("requantized", "int4", "Q5_0"), t
+            assert 0 < t.rel_error < 0.12, t
+    quant = PocketFile(tmp_path / "m.pocket").json("quant")
+    assert quant["scheme"] == "int4-g32" and quant["keep_precision"] is False
+    assert {q["kind"] for n, q in quant["tensors"].items() if n.endswith(QUANT_SUFFIXES)} == {
+        "int4"}
+
+
+def test_keep_precision_at_another_group_size_requantizes_int5(tmp_path):
+    """Q5_0 blocks are group-32 grids: at group size 64 they are requantized, still to INT5."""
+    src = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(src, "qwen2", seed=6, weight_type="Q5_0", d_ff=128)
+    report = pack(src, tmp_path / "m.pocket", group_size=64, keep_precision=True,
+                  progress=False)
+    for t in report.tensors:
+        if t.name.endswith(QUANT_SUFFIXES):
+            assert (t.how, t.stored) == ("requantized", "int5"), t
+            assert 0 < t.rel_error < 0.06, t  # INT5 on INT5-rounded Gaussian weights
+    weights = PocketFile(tmp_path / "m.pocket").weights()
+    assert weights["layers.0.mlp.w_up.weight"].group_size == 64
+
+
+@pytest.mark.parametrize("name", ["layers.0.attn.w_q.weight", "layers.3.mlp.w_down.weight"])
+def test_choose_bits_policy(name):
+    for keep in (False, True):  # types that import into INT4 stay 4 bits
+        for t in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL"):
+            assert choose_bits(name, 8, t, keep) == 4, t
+    for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"):
+        assert choose_bits(name, 8, t, False) == 4, t  # default packs: INT4 throughout
+    assert choose_bits(name, 8, "Q5_0", True) == 5
+    assert choose_bits(name, 8, "Q5_1", True) == 5
+    for t in ("Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"):
+        assert choose_bits(name, 8, t, True) == 8, t
+    # the embedding, head and float tensors do not depend on keep_precision
+    for keep in (False, True):
+        assert choose_bits("embed.weight", 8, "Q5_0", keep) == 8
+        assert choose_bits("lm_head.weight", 4, "Q5_1", keep) == 4
+        assert choose_bits("embed.weight", 8, "Q4_K", keep) == 4
+        assert choose_bits("layers.0.attn_norm.weight", 8, "F32", keep) is None
+
+
+def test_keep_precision_cache_is_not_an_older_int8_pack(tmp_path, monkeypatch):
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")
+    keep = packed_cache_path(src, 32, 8, True)
+    plain = packed_cache_path(src, 32, 8, False)
+    assert keep != plain and keep.parent == plain.parent
+    assert "-keep5-" in keep.name and "-keep" not in plain.name
+    assert "-keep-" not in keep.name  # the name older (INT8) keep-precision packs were cached as
 
 
 # -- bad input -------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 from pocketlm.errors import ChecksumError, FormatError
 from pocketlm.formats import pocketfile
 from pocketlm.formats.pocketfile import ALIGN, PocketFile, write_pocket
-from pocketlm.quant import QuantTensor, quantize_int4, quantize_int8
+from pocketlm.quant import QuantTensor, quantize_int4, quantize_int5, quantize_int8
 
 
 def sample_tensors() -> dict[str, np.ndarray]:
@@ -578,6 +578,59 @@ def test_weights_scales_of_the_wrong_dtype(tmp_path):
                          layouts={INT4: {"kind": "int4", "shape": [4, 64], "group_size": 32}})
     with pytest.raises(FormatError, match="quant layout"):
         PocketFile(path).weights()
+
+
+INT5 = "blk.0.mlp.w_up.weight"
+
+
+def int5_file(path: Path, layout=None, arrays=None) -> tuple[Path, QuantTensor]:
+    q5 = quantize_int5(np.random.default_rng(3).standard_normal((3, 96)).astype(np.float32))
+    if arrays is None:
+        arrays = [(INT5, q5.qweight), (INT5 + ".scales", q5.scales), (INT5 + ".mins", q5.mins)]
+    layout = layout or {"kind": "int5", "shape": [3, 96], "group_size": 32}
+    write_pocket(path, arrays + [("pocket.tokenizer", np.frombuffer(b"{}", np.uint8))],
+                 {"quant": {"scheme": "int4-g32+int5", "group_size": 32, "embed_bits": 8,
+                            "tensors": {INT5: layout}}})
+    return path, q5
+
+
+def test_weights_returns_int5_tensors(tmp_path):
+    path, q5 = int5_file(tmp_path / "q5.pocket")
+    weights = PocketFile(path).weights()
+    assert set(weights) == {INT5}
+    w = weights[INT5]
+    assert isinstance(w, QuantTensor) and (w.kind, w.shape, w.group_size) == ("int5", (3, 96), 32)
+    assert w.qweight.shape == (3, 60) and w.qweight.dtype == np.uint8
+    assert w.qweight.flags.writeable is False  # a view of the mapping
+    for a, b in ((w.qweight, q5.qweight), (w.scales, q5.scales), (w.mins, q5.mins)):
+        assert np.array_equal(a, b)
+    assert np.array_equal(w.dequantize(), q5.dequantize())
+
+
+@pytest.mark.parametrize("layout", [
+    {"kind": "int5", "shape": [3, 64], "group_size": 32},  # qweight is 60 bytes a row, not 40
+    {"kind": "int4", "shape": [3, 96], "group_size": 32},  # INT4 would be 48 bytes a row
+    {"kind": "int5", "shape": [3, 96], "group_size": 96},  # not a group size
+])
+def test_int5_layout_mismatch(tmp_path, layout):
+    path, _ = int5_file(tmp_path / "q5.pocket", layout=layout)
+    with pytest.raises(FormatError, match="quant layout") as info:
+        PocketFile(path).weights()
+    assert INT5 in str(info.value)
+
+
+def test_int5_needs_uint8_values_and_mins(tmp_path):
+    q5 = quantize_int5(np.ones((3, 96), np.float32))
+    path, _ = int5_file(tmp_path / "a.pocket", arrays=[
+        (INT5, q5.qweight.view(np.int8)), (INT5 + ".scales", q5.scales),
+        (INT5 + ".mins", q5.mins)])
+    with pytest.raises(FormatError, match="quant layout"):
+        PocketFile(path).weights()
+    path, _ = int5_file(tmp_path / "b.pocket", arrays=[(INT5, q5.qweight),
+                                                       (INT5 + ".scales", q5.scales)])
+    with pytest.raises(FormatError, match="missing tensor") as info:
+        PocketFile(path).weights()
+    assert ".mins" in str(info.value)
 
 
 @pytest.mark.parametrize("quant", ["[1, 2]", "{not json", '{"tensors": [1]}'])

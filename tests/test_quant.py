@@ -1,4 +1,4 @@
-"""Exact tests of the INT4/INT8 layouts, the quantizers and the lossless GGUF block import.
+"""Exact tests of the INT4/INT5/INT8 layouts, the quantizers and the lossless GGUF block import.
 
 Everything here is pure numpy on small arrays (plus gguf-py as the reference for the GGUF block
 formats), so it runs in a few seconds.
@@ -16,15 +16,20 @@ from pocketlm.errors import UnsupportedError
 from pocketlm.quant import (
     QuantTensor,
     dequantize_int4,
+    dequantize_int5,
     dequantize_int8,
     int4_from_gguf_blocks,
+    int5_from_gguf_blocks,
     int8_from_gguf_blocks,
     pack_int4,
+    pack_int5,
     quantize,
     quantize_int4,
+    quantize_int5,
     quantize_int8,
     relative_error,
     unpack_int4,
+    unpack_int5,
 )
 
 U = 2.0 ** -11  # unit roundoff of float16
@@ -350,7 +355,10 @@ def test_quantize_dispatch():
     w = rng(13).standard_normal((2, 64)).astype(np.float32)
     assert quantize(w, 4).kind == "int4"
     assert quantize(w, 8, 64).kind == "int8" and quantize(w, 8, 64).group_size == 64
-    for bits in (2, 3, 16):
+    q5 = quantize(w, 5, 64, search=False)
+    assert q5.kind == "int5" and q5.group_size == 64
+    assert np.array_equal(q5.qweight, quantize_int5(w, 64, search=False).qweight)
+    for bits in (2, 3, 6, 16):
         with pytest.raises(UnsupportedError, match=f"{bits}-bit"):
             quantize(w, bits)
 
@@ -524,6 +532,293 @@ def test_imports_are_always_group_32():
         assert int4_from_gguf_blocks(gq.quantize(x, GT[t]), t, (2, 256)).group_size == 32
     assert int8_from_gguf_blocks(gq.quantize(x, GT.Q8_0), "Q8_0", (2, 256)).group_size == 32
     assert int4_from_gguf_blocks(_random_q4k(4, 2, 1, 1.0), "Q4_K", (2, 256)).group_size == 32
+
+
+# -- INT5 ------------------------------------------------------------------------------------
+def ref_pack5(q: np.ndarray) -> bytes:
+    """The documented INT5 layout, element by element: per block of 32 values a little-endian
+    uint32 of the high bits, then the low nibbles as INT4 packs them."""
+    rows, cols = q.shape
+    out = bytearray()
+    for r in range(rows):
+        for b in range(cols // 32):
+            qh = sum(((int(q[r, 32 * b + k]) >> 4) & 1) << k for k in range(32))
+            out += qh.to_bytes(4, "little")
+            for k in range(16):
+                out.append((int(q[r, 32 * b + k]) & 15) | ((int(q[r, 32 * b + 16 + k]) & 15) << 4))
+    return bytes(out)
+
+
+def test_pack_int5_1x32_exact_bytes():
+    q = np.arange(32, dtype=np.uint8)[None, :]  # column k holds k
+    packed = pack_int5(q)
+    # high bits set for columns 16..31; nibble byte k holds k and (16 + k) & 15 = k
+    expected = bytes.fromhex("0000ffff") + bytes(k * 0x11 for k in range(16))
+    assert packed.dtype == np.uint8 and packed.shape == (1, 20)
+    assert packed.tobytes() == expected
+    assert packed.tobytes() == ref_pack5(q)
+    assert np.array_equal(unpack_int5(packed), q)
+
+
+def test_pack_int5_2x64_exact_bytes():
+    q = np.zeros((2, 64), np.uint8)
+    q[0, 5] = 16  # row 0, block 0: high bit 5, nibble 0
+    q[0, 31] = 31  # high bit 31, nibble 15 in the high half of byte 15
+    q[1, 40] = 17  # row 1, block 1, column 8 of the block: high bit 8, nibble 1
+    packed = pack_int5(q)
+    assert packed.shape == (2, 40)
+    row0 = bytes.fromhex("20000080") + bytes(15) + b"\xf0" + bytes(20)
+    row1 = bytes(20) + bytes.fromhex("00010000") + bytes(8) + b"\x01" + bytes(7)
+    assert packed[0].tobytes() == row0 and packed[1].tobytes() == row1
+    assert packed.tobytes() == ref_pack5(q)
+    assert np.array_equal(unpack_int5(packed), q)
+
+
+@pytest.mark.parametrize("shape", [(1, 32), (1, 96), (17, 32), (17, 96), (1, 640), (17, 640)])
+def test_pack_unpack_int5_roundtrip(shape):
+    q = rng(31).integers(0, 32, size=shape, dtype=np.uint8)
+    packed = pack_int5(q)
+    assert packed.dtype == np.uint8 and packed.flags.c_contiguous
+    assert packed.shape == (shape[0], shape[1] // 32 * 20)
+    assert packed.tobytes() == ref_pack5(q)
+    out = unpack_int5(packed)
+    assert out.dtype == np.uint8 and np.array_equal(out, q)
+    assert np.array_equal(unpack_int5(packed[::2]), q[::2])  # a strided view of the rows
+    # the low nibbles are exactly INT4's packing
+    blocks = packed.reshape(shape[0], -1, 20)
+    assert np.array_equal(blocks[:, :, 4:].reshape(shape[0], -1), pack_int4(q & 15))
+    # any bytes are an INT5 block: unpacking and repacking gives them back
+    anybytes = rng(32).integers(0, 256, size=packed.shape, dtype=np.uint8)
+    assert np.array_equal(pack_int5(unpack_int5(anybytes)), anybytes)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_dequantize_int5_formula(group_size):
+    r = rng(33)
+    rows, cols = 3, 256
+    q = r.integers(0, 32, size=(rows, cols), dtype=np.uint8)
+    q[0, :32] = 31
+    scales = r.standard_normal((rows, cols // group_size)).astype(np.float16)
+    mins = r.standard_normal((rows, cols // group_size)).astype(np.float16)
+    w = dequantize_int5(pack_int5(q), scales, mins, group_size)
+    assert w.dtype == np.float32 and w.shape == (rows, cols)
+    expected = np.empty((rows, cols), np.float32)
+    for i in range(rows):
+        for c in range(cols):
+            g = c // group_size
+            expected[i, c] = np.float32(float(q[i, c]) * float(scales[i, g]) + float(mins[i, g]))
+    assert np.array_equal(w, expected)
+    qt = QuantTensor("int5", (rows, cols), group_size, pack_int5(q), scales, mins)
+    assert np.array_equal(qt.dequantize(), expected)
+    assert np.array_equal(qt.dequantize(slice(1, 3)), expected[1:3])
+    assert np.array_equal(qt.dequantize(np.array([2, 0])), expected[[2, 0]])
+
+
+def test_int5_bits_per_weight_and_unknown_kind():
+    w = rng(34).standard_normal((4, 128)).astype(np.float32)
+    assert quantize_int5(w, 32).bits_per_weight == pytest.approx(5 + 16 / 32 + 16 / 32)
+    assert quantize_int5(w, 128).bits_per_weight == pytest.approx(5 + 32 / 128)
+    qt = quantize_int5(w, 64)
+    bad = QuantTensor("int3", qt.shape, 64, qt.qweight, qt.scales, qt.mins)
+    with pytest.raises(UnsupportedError, match="int3"):
+        bad.dequantize()
+
+
+def _check_int5(qt: QuantTensor, shape, g, nonneg_scales: bool = True):
+    rows, cols = shape
+    assert qt.kind == "int5" and qt.shape == (rows, cols) and qt.group_size == g
+    assert qt.qweight.dtype == np.uint8 and qt.qweight.shape == (rows, cols // 32 * 20)
+    assert qt.scales.dtype == np.float16 and qt.scales.shape == (rows, cols // g)
+    assert qt.mins.dtype == np.float16 and qt.mins.shape == (rows, cols // g)
+    assert np.isfinite(qt.scales).all() and np.isfinite(qt.mins).all()
+    if nonneg_scales:
+        assert (qt.scales >= 0).all()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("scale", [1.0, 1e-3, 300.0])
+def test_int5_minmax_error_bound(group_size, scale):
+    r = rng(35)
+    w = (r.standard_normal((8, 256)) * scale + r.standard_normal((8, 1)) * scale).astype(
+        np.float32)
+    qt = quantize_int5(w, group_size, search=False)
+    _check_int5(qt, w.shape, group_size)
+    grp = _groups(w, group_size)
+    lo, hi = grp.min(axis=1), grp.max(axis=1)
+    # half a step, plus the float16 rounding of the step and of the minimum, plus slack
+    bound = (hi - lo) / 62 * (1 + 2 * U) + U * (np.abs(lo) + (hi - lo)) + 32 * F16_SUB
+    bound += 2.0 ** -20 * np.maximum(np.abs(lo), np.abs(hi))
+    err = np.abs(qt.dequantize().astype(np.float64) - w).reshape(-1)
+    assert (err <= np.repeat(bound, group_size)).all()
+    grp32 = w.reshape(-1, group_size)
+    assert np.array_equal(qt.mins.reshape(-1), grp32.min(axis=1).astype(np.float16))
+    assert np.array_equal(qt.scales.reshape(-1),
+                          ((grp32.max(axis=1) - grp32.min(axis=1)) / 31.0).astype(np.float16))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int5_error_below_int4_and_values_in_range(group_size):
+    r = rng(36)
+    w = np.concatenate([
+        r.standard_normal((16, 512)),
+        r.standard_t(2, (16, 512)) * 0.1,
+        np.where(r.random((16, 512)) < 0.01, 50.0, 1.0) * r.standard_normal((16, 512)),
+    ]).astype(np.float32)
+    for search in (False, True):
+        q4 = quantize_int4(w, group_size, search=search)
+        q5 = quantize_int5(w, group_size, search=search)
+        _check_int5(q5, w.shape, group_size)
+        q = unpack_int5(q5.qweight)
+        assert q.max() == 31 and q.min() == 0  # the whole range 0..31 is used
+        e4 = relative_error(w[:16], q4.dequantize()[:16])
+        e5 = relative_error(w[:16], q5.dequantize()[:16])
+        assert e5 < 0.6 * e4, (e4, e5)  # one more bit: about half the error (gaussian rows)
+        assert relative_error(w, q5.dequantize()) < relative_error(w, q4.dequantize())
+    plain = quantize_int5(w, group_size, search=False)
+    best = quantize_int5(w, group_size, search=True)
+    e_plain = ((_groups(plain.dequantize(), group_size) - _groups(w, group_size)) ** 2).sum(1)
+    e_best = ((_groups(best.dequantize(), group_size) - _groups(w, group_size)) ** 2).sum(1)
+    assert (e_best <= e_plain * (1 + 1e-5) + 1e-30).all()
+    assert e_best.sum() < e_plain.sum()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("search", [False, True])
+def test_int5_exact_on_grid(group_size, search):
+    r = rng(37)
+    rows, cols = 4, 256
+    ng = cols // group_size
+    s = (np.abs(r.standard_normal((rows, ng))) + 0.01).astype(np.float16)
+    m = r.standard_normal((rows, ng)).astype(np.float16)
+    q = r.integers(0, 32, size=(rows, cols)).astype(np.uint8)
+    q[:, ::group_size] = 0
+    q[:, 1::group_size] = 31
+    w = dequantize_int5(pack_int5(q), s, m, group_size)
+    qt = quantize_int5(w, group_size, search=search)
+    assert np.array_equal(qt.dequantize(), w)
+    assert np.array_equal(unpack_int5(qt.qweight), q)
+    assert np.array_equal(qt.scales, s) and np.array_equal(qt.mins, m)
+
+
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("search", [False, True])
+def test_int5_constant_groups_zero_rows_and_chunks(monkeypatch, search):
+    w = np.zeros((4, 128), np.float32)
+    w[1, :32] = 3.25
+    w[2] = 7.0
+    w[3, 64:] = np.linspace(-1, 1, 64)
+    qt = quantize_int5(w, 32, search=search)
+    _check_int5(qt, w.shape, 32)
+    deq = qt.dequantize()
+    assert np.array_equal(deq[:3], w[:3]) and np.array_equal(deq[3, :64], np.zeros(64))
+    w = rng(38).standard_normal((37, 128)).astype(np.float32)
+    ref = quantize_int5(w, 64, search=search)
+    monkeypatch.setattr(quant, "_ROW_CHUNK", 100)  # one row per chunk
+    small = quantize_int5(w, 64, search=search)
+    for a, b in ((small.qweight, ref.qweight), (small.scales, ref.scales),
+                 (small.mins, ref.mins)):
+        assert np.array_equal(a, b)
+    with pytest.raises(UnsupportedError, match="cannot be quantized"):
+        quantize_int5(np.ones((2, 48), np.float32))
+
+
+def _q5_blocks(seed: int, rows: int, nblocks: int, type_name: str, d_scale: float):
+    """Random GGUF Q5_0/Q5_1 rows: random qh and qs bytes, float16 d (and m) over many
+    magnitudes (subnormals included) and both signs."""
+    r = rng(seed)
+    head = 2 if type_name == "Q5_0" else 4
+    raw = r.integers(0, 256, size=(rows, nblocks, head + 20), dtype=np.uint8)
+    mag = d_scale * 10.0 ** r.uniform(-7, 0, size=(rows, nblocks, head // 2))
+    dm = (mag * r.choice([-1, 1], size=mag.shape)).astype(np.float16)
+    dm[0, 0] = 0.0
+    raw[:, :, :head] = dm.view(np.uint8)
+    return raw.reshape(rows, nblocks * (head + 20)), head
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("seed,rows,nblocks,d_scale", [(0, 1, 1, 1.0), (1, 17, 3, 1.0),
+                                                        (2, 4, 20, 4000.0), (3, 2, 8, 1e-3)])
+def test_int5_from_gguf_random_blocks_bit_exact(type_name, seed, rows, nblocks, d_scale):
+    raw, head = _q5_blocks(seed, rows, nblocks, type_name, d_scale)
+    shape = (rows, nblocks * 32)
+    qt = int5_from_gguf_blocks(raw, type_name, shape)
+    assert qt is not None
+    _check_int5(qt, shape, 32, nonneg_scales=False)
+    ref = gq.dequantize(raw, GT[type_name])
+    ours = qt.dequantize()
+    assert ref.shape == shape and ours.dtype == np.float32
+    assert np.array_equal(ours, ref)  # equal values (+0.0 == -0.0)
+    # a byte copy of {qh, qs}, and the block's d (and m) as scale (and minimum)
+    blocks = raw.reshape(rows, nblocks, head + 20)
+    assert np.array_equal(qt.qweight.reshape(rows, nblocks, 20), blocks[:, :, head:])
+    d = blocks[:, :, 0:2].copy().view(np.float16)[:, :, 0]
+    assert np.array_equal(qt.scales, d)
+    if type_name == "Q5_0":
+        assert np.array_equal(qt.mins.astype(np.float32), -16 * d.astype(np.float32))
+    else:
+        assert np.array_equal(qt.mins, blocks[:, :, 2:4].copy().view(np.float16)[:, :, 0])
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+def test_int5_from_gguf_hand_built_block(type_name):
+    q = rng(39).integers(0, 32, 32).astype(np.uint8)
+    q[3], q[20] = 31, 16
+    qh = sum(((int(q[k]) >> 4) & 1) << k for k in range(32))
+    qs = bytes((int(q[k]) & 15) | ((int(q[16 + k]) & 15) << 4) for k in range(16))
+    head = np.array([0.5] if type_name == "Q5_0" else [0.5, -3.0], np.float16).tobytes()
+    block = np.frombuffer(head + qh.to_bytes(4, "little") + qs, np.uint8)[None, :]
+    if type_name == "Q5_0":
+        expected = ((q.astype(np.float32) - 16) * 0.5)
+    else:
+        expected = q.astype(np.float32) * 0.5 - 3.0
+    assert np.array_equal(gq.dequantize(block, GT[type_name])[0], expected)
+    qt = int5_from_gguf_blocks(block, type_name, (1, 32))
+    assert np.array_equal(unpack_int5(qt.qweight)[0], q)
+    assert np.array_equal(qt.dequantize()[0], expected)
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("scale", SCALES)
+def test_int5_from_gguf_quantized_matrices(type_name, shape, scale):
+    x = _gguf_matrix(40 + sum(shape), shape, scale)
+    raw = gq.quantize(x, GT[type_name])
+    qt = int5_from_gguf_blocks(raw, type_name, shape)
+    assert np.array_equal(qt.dequantize(), gq.dequantize(raw, GT[type_name]))
+    if scale >= 1:
+        assert relative_error(x, qt.dequantize()) < 0.05
+
+
+def test_q5_0_scale_overflow_is_not_imported():
+    """-16 * d overflows float16 for |d| > 4094: no exact INT5 minimum, so None."""
+    block = np.full(22, 0x5A, np.uint8)
+    block[0:2] = np.array([4096.0], np.float16).view(np.uint8)
+    assert int5_from_gguf_blocks(block[None, :], "Q5_0", (1, 32)) is None
+    two = np.concatenate([block, block])
+    two[0:2] = np.array([1.0], np.float16).view(np.uint8)  # one good block, one overflowing
+    assert int5_from_gguf_blocks(two[None, :], "Q5_0", (1, 64)) is None
+    block[0:2] = np.array([-4094.0], np.float16).view(np.uint8)  # minimum 65504 fits
+    qt = int5_from_gguf_blocks(block[None, :], "Q5_0", (1, 32))
+    assert qt is not None and qt.mins[0, 0] == np.float16(65504.0)
+    assert np.array_equal(qt.dequantize(), gq.dequantize(block[None, :], GT.Q5_0))
+    # Q5_1 carries its minimum: the same d imports
+    b1 = np.full(24, 0x5A, np.uint8)
+    b1[0:4] = np.array([4096.0, -60000.0], np.float16).view(np.uint8)
+    qt = int5_from_gguf_blocks(b1[None, :], "Q5_1", (1, 32))
+    assert np.array_equal(qt.dequantize(), gq.dequantize(b1[None, :], GT.Q5_1))
+
+
+def test_int5_types_without_a_compatible_grid():
+    x = _gguf_matrix(41, (2, 256), 1.0)
+    for t in ("Q4_0", "Q4_1", "Q8_0"):
+        assert int5_from_gguf_blocks(gq.quantize(x, GT[t]), t, (2, 256)) is None
+    assert int5_from_gguf_blocks(np.zeros((2, 176), np.uint8), "Q5_K", (2, 256)) is None
+    assert int5_from_gguf_blocks(x.astype(np.float16).view(np.uint8), "F16", (2, 256)) is None
+    q51 = gq.quantize(x, GT.Q5_1)
+    assert int4_from_gguf_blocks(q51, "Q5_1", (2, 256)) is None
+    assert int8_from_gguf_blocks(q51, "Q5_1", (2, 256)) is None
+    for t in ("Q5_0", "Q5_1"):
+        assert int5_from_gguf_blocks(gq.quantize(x, GT[t]), t, (2, 256)).group_size == 32
 
 
 # -- relative_error --------------------------------------------------------------------------

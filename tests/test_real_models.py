@@ -10,8 +10,8 @@ tokenized by llama.cpp so that every engine sees the same ids):
 * the deploy file keeps top-1 agreement >= 95 % with the float path and perplexity within 3 % of
   it. smollm2-135m (Q4_1) imports losslessly into INT4. gemma3-270m and qwen2.5-0.5b store most
   weights as Q5_0/Q6_K/Q8_0, which plain INT4 rounding cannot hold: they meet the bounds packed
-  with ``keep_precision`` (those tensors in INT8), and their strict-INT4 figures are checked
-  against looser regression bounds (see docs/accuracy.md for how far and why);
+  with ``keep_precision`` (Q5_0 tensors in INT5, the wider ones in INT8), and their strict-INT4
+  figures are checked against looser regression bounds (see docs/accuracy.md for how far and why);
 * greedy decoding from the INT4 deploy file follows llama.cpp's greedy tokens.
 
 smollm2-135m runs in CI; gemma3-270m and qwen2.5-0.5b are marked slow (`make test-all`).

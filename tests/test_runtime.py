@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch_ref
 
-from pocketlm.quant import quantize_int4, quantize_int8
+from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
 from pocketlm.runtime import Runtime
+from pocketlm.runtime import kernels as K
+from pocketlm.runtime.kernels import numpy_ref
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "pocket"]
 IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]
@@ -63,6 +65,60 @@ def test_int4_runtime_matches_fake_quantized_torch(arch):
     ref = torch_ref.TorchRefModel(cfg, fake).forward(IDS)
     ours = _logits_incremental(Runtime(cfg, packed), IDS, 4)
     np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int5_runtime_matches_dequantized_torch(arch):
+    """INT5 matrices (keep-precision packs of Q5_0 GGUF files) give the dequantized model's
+    logits in the engine in force (native when built, else numpy) and in the numpy reference."""
+    cfg = torch_ref.tiny_config(arch)
+    sd = torch_ref.random_state_dict(cfg, seed=5)
+    packed, fake = dict(sd), dict(sd)
+    for name, w in sd.items():
+        if w.ndim == 2:
+            qt = quantize_int5(w, 32) if name not in ("embed.weight", "lm_head.weight") else \
+                quantize_int8(w, 32)
+            packed[name], fake[name] = qt, qt.dequantize()
+    ref = torch_ref.TorchRefModel(cfg, fake).forward(IDS)
+    for engine in (None, "numpy"):
+        ours = _logits_incremental(Runtime(cfg, packed, engine=engine), IDS, 4)
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+
+
+def _product_bound(x, qt) -> np.ndarray:
+    """The scale of float32 rounding in (x_g . q_g) * scale + sum(x_g) * min."""
+    g = qt.group_size
+    m = np.repeat(np.abs(qt.mins.astype(np.float64)), g, axis=1)
+    return np.abs(x.astype(np.float64)) @ (np.abs(qt.dequantize().astype(np.float64)) + 2 * m).T
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("n", [1, 5])
+def test_matmul_int5_ref_equals_the_dequantized_product(monkeypatch, group_size, n):
+    r = np.random.default_rng(6)
+    qt = quantize_int5((r.standard_normal((37, 384)) + 0.5).astype(np.float32), group_size)
+    x = r.standard_normal((n, 384)).astype(np.float32)
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T
+    y = numpy_ref.matmul_int5_ref(x, qt)
+    assert y.dtype == np.float32 and y.shape == (n, 37)
+    assert (np.abs(y - ref) <= 1e-5 * _product_bound(x, qt)).all()
+    monkeypatch.setattr(numpy_ref, "_ROWS_PER_CHUNK", 8)  # rows in several chunks: same numbers
+    assert np.array_equal(numpy_ref.matmul_int5_ref(x, qt), y)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "native"])
+def test_linear_of_an_int5_weight_under_both_backends(monkeypatch, backend):
+    """The native backend has no INT5 matrix kernel: linear() takes the numpy twin there."""
+    monkeypatch.setenv("POCKET_KERNELS", backend)
+    r = np.random.default_rng(7)
+    qt = quantize_int5(r.standard_normal((24, 128)).astype(np.float32), 64)
+    x = r.standard_normal((3, 128)).astype(np.float32)
+    bias = r.standard_normal(24).astype(np.float32)
+    y = K.linear(x, qt, bias)
+    assert y.dtype == np.float32 and y.shape == (3, 24)
+    assert np.array_equal(y, numpy_ref.matmul_int5_ref(x, qt) + bias)
+    ref = x.astype(np.float64) @ qt.dequantize().astype(np.float64).T + bias
+    assert (np.abs(y - ref) <= 1e-5 * _product_bound(x, qt) + 1e-6 * np.abs(bias)).all()
 
 
 def test_sliding_window_is_honoured_beyond_the_window():

@@ -151,8 +151,8 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     """Write a tiny ``arch`` model as a GGUF file at ``path``.
 
     ``weight_type`` is the type of the linear weights; ``embed_type`` that of the token
-    embedding and untied output head (default Q8_0 for 4-bit files, so that a pack imports the
-    whole file without requantizing, else ``weight_type``). Norms and biases are F32.
+    embedding and untied output head (default Q8_0 for 4- and 5-bit files, so that a pack
+    imports the whole file without requantizing, else ``weight_type``). Norms and biases are F32.
     ``gguf_arch`` overrides ``general.architecture`` (the metadata keys keep ``arch``);
     ``extra_tensors`` (GGUF name -> array) and ``drop_tensors`` (GGUF names) make broken files.
 
@@ -163,13 +163,14 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
 
     path = Path(path)
     if embed_type is None:
-        embed_type = "Q8_0" if weight_type in ("Q4_0", "Q4_1") else weight_type
+        embed_type = "Q8_0" if weight_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1") else weight_type
     config = reference_config(arch, **config_overrides)
     weights = torch_ref.random_state_dict(config, seed=seed)
 
     writer = gguf.GGUFWriter(str(path), gguf_arch or arch)  # writes general.architecture
     writer.add_name(f"tiny-{arch}")
-    writer.add_file_type({"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7}[weight_type])
+    writer.add_file_type({"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8,
+                          "Q5_1": 9}[weight_type])
     k = f"{arch}."
     writer.add_uint32(k + "block_count", config.n_layers)
     writer.add_uint32(k + "context_length", config.max_context)

@@ -1,7 +1,7 @@
 """GGUF import: config, tensors and tokenizer from a GGUF file (read with the ``gguf`` library).
 
 Tensor data stays memory-mapped until asked for. Float values come from ``gguf.quants``
-(the numpy implementation of every ggml type, tested upstream against the C library); 4-bit
+(the numpy implementation of every ggml type, tested upstream against the C library); 4-, 5-
 and 8-bit blocks whose grid pocketlm's layouts can hold are imported without requantizing.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import FormatError, UnsupportedError
-from ..quant import int4_from_gguf_blocks, int8_from_gguf_blocks
+from ..quant import int4_from_gguf_blocks, int5_from_gguf_blocks, int8_from_gguf_blocks
 from . import SourceModel, SourceTensor, sha256_file
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
@@ -240,6 +240,8 @@ def _source_tensor(name, t, type_name, shape, permute_heads, dequantize) -> Sour
             return None
         if bits == 4:
             return int4_from_gguf_blocks(raw(), type_name, shape)
+        if bits == 5:
+            return int5_from_gguf_blocks(raw(), type_name, shape)
         if bits == 8:
             return int8_from_gguf_blocks(raw(), type_name, shape)
         return None

@@ -12,8 +12,8 @@ that format)::
   every tensor's bytes).
 * The tokenizer (its JSON) is the uint8 tensor ``pocket.tokenizer``.
 * Quantized weights use the layouts of :mod:`pocketlm.quant`: the packed values under the
-  weight's own name (uint8 for INT4, int8 for INT8), the float16 scales under
-  ``<name>.scales`` and the INT4 minimums under ``<name>.mins``.
+  weight's own name (uint8 for INT4 and INT5, int8 for INT8), the float16 scales under
+  ``<name>.scales`` and the INT4/INT5 minimums under ``<name>.mins``.
 * Every tensor starts at a multiple of 64 bytes from the start of the file, so native kernels
   can read it in place; the gaps are filled with small ``_pad.<n>`` tensors because safetensors
   allows no holes.
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ChecksumError, FormatError
-from ..quant import GROUP_SIZES, QuantTensor
+from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, QuantTensor
 
 FORMAT_NAME = "pocket"
 FORMAT_VERSION = 1
@@ -322,7 +322,7 @@ class PocketFile:
             try:
                 kind, shape, gs = q["kind"], tuple(q["shape"]), int(q["group_size"])
                 rows, cols = (int(n) for n in shape)
-                ok = kind in ("int4", "int8") and gs in GROUP_SIZES and rows >= 0 and cols % gs == 0
+                ok = kind in KINDS and gs in GROUP_SIZES and rows >= 0 and cols % gs == 0
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
@@ -331,9 +331,10 @@ class PocketFile:
             shape = (rows, cols)
             qweight = self.tensor(name)
             scales = self.tensor(name + ".scales")
-            mins = self.tensor(name + ".mins") if kind == "int4" else None
-            expect = (rows, cols // 2) if kind == "int4" else (rows, cols)
-            qdtype = np.uint8 if kind == "int4" else np.int8
+            mins = self.tensor(name + ".mins") if kind != "int8" else None
+            expect = {"int4": (rows, cols // 2), "int5": (rows, cols // 32 * INT5_BLOCK_BYTES),
+                      "int8": (rows, cols)}[kind]
+            qdtype = np.int8 if kind == "int8" else np.uint8
             if qweight.shape != expect or scales.shape != (rows, cols // gs) or (
                 mins is not None and mins.shape != scales.shape
             ) or qweight.dtype != qdtype or scales.dtype != np.float16 or (

@@ -9,10 +9,10 @@ Two engines run the same math:
 * the native engine (``pocketlm._native.NativeModel``): the whole forward pass, every layer
   and the output head, in one C call per :meth:`Runtime.forward`. Used when the kernel backend
   is native (``POCKET_KERNELS``, default when built) and every weight is in a layout it
-  supports (INT4 / INT8 QuantTensors, float32 arrays, C-contiguous). ``POCKET_ACT`` picks float
-  (``f32``, default) or int8 (``q8``) activations for the quantized products, ``POCKET_KV`` the
-  KV cache format (``f32`` | ``f16``; default ``f32`` with f32 activations, ``f16`` with q8),
-  ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs). Its caches are
+  supports (INT4 / INT5 / INT8 QuantTensors, float32 arrays, C-contiguous). ``POCKET_ACT``
+  picks float (``f32``, default) or int8 (``q8``) activations for the quantized products,
+  ``POCKET_KV`` the KV cache format (``f32`` | ``f16``; default ``f32`` with f32 activations,
+  ``f16`` with q8), ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs). Its caches are
   :class:`NativeKVCache` objects.
 * the numpy reference below (``POCKET_KERNELS=numpy``; also the fallback), which computes
   layer by layer through :mod:`pocketlm.runtime.kernels` and is the specification the native

@@ -25,10 +25,10 @@
 static int weight_ok(const pocket_weight *w, int rows, int cols, int allow_f32) {
     if (!w || w->rows != rows || w->cols != cols || !w->data) return 0;
     if (w->type == POCKET_WT_F32) return allow_f32;
-    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return 0;
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8) return 0;
     if (w->group_size != 32 && w->group_size != 64 && w->group_size != 128) return 0;
     if (cols % 32 || cols % w->group_size || !w->scales) return 0;
-    if (w->type == POCKET_WT_Q4 && !w->mins) return 0;
+    if (w->type != POCKET_WT_Q8 && !w->mins) return 0;
     return 1;
 }
 
@@ -71,7 +71,9 @@ void pocket_model_destroy(pocket_model *m) {
         free(m->add[k]);
         free(m->absum[k]);
         free(m->acorr[k]);
+        free(m->axb[k]);
     }
+    free(m->awbuf);
     if (m->tiled)
         for (int k = 0; k < 7 * m->c.n_layers + 1; k++) pm_tiled_free(&m->tiled[k]);
     free(m->tiled);
@@ -221,6 +223,14 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
     return rc;
 }
 
+int pocket_model_amx_available(void) {
+#if PM_HAVE_AMX
+    return pm_amx_enable();
+#else
+    return 0;
+#endif
+}
+
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
@@ -243,6 +253,13 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         !isfinite(c.rope_theta_local))
         return POCKET_EINVAL;
     if (act_q8 < 0 || act_q8 >= 1 << (2 * POCKET_Q8_ONE_DIGIT_SHIFT)) return POCKET_EINVAL;
+    if (c.amx != 0 && c.amx != 1) return POCKET_EINVAL;
+#if PM_HAVE_AMX
+    if (c.amx && (kernels->level != POCKET_LEVEL_AVX512 || !pm_amx_enable()))
+        return POCKET_EUNSUPPORTED;
+#else
+    if (c.amx) return POCKET_EUNSUPPORTED;
+#endif
 
     const int d = c.d_model, qd = c.n_heads * c.head_dim, kvd = c.n_kv_heads * c.head_dim;
     const int ff = c.d_ff;
@@ -281,6 +298,15 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         m->tiled_f32 = 1;
     }
 #endif
+    /* INT5 weights exist only as tiles: with any of them, every product runs on the tiles */
+    if (embed->type == POCKET_WT_Q5 || head->type == POCKET_WT_Q5) m->tiled_f32 = 1;
+    for (int l = 0; l < c.n_layers; l++) {
+        const pocket_layer_weights *L = &layers[l];
+        const pocket_weight *ws[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wgate, &L->wup,
+                                      &L->wdown};
+        for (int k = 0; k < 7; k++)
+            if (ws[k]->type == POCKET_WT_Q5) m->tiled_f32 = 1;
+    }
 #if PM_HAVE_NEON
     /* int8-activation products only: float activations keep the kernel table's products */
     if (kernels->level == POCKET_LEVEL_NEON) m->ops = &pm_ops_neon;
@@ -321,8 +347,10 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             !(m->a2[k] = (int8_t *)pm_zalloc(B * m->max_in, 1)) ||
             !(m->add[k] = (float *)pm_zalloc(B * (m->max_in / 32 + 1), sizeof(float))) ||
             !(m->absum[k] = (float *)pm_zalloc(B * (m->max_in / 32 + 1), sizeof(float))) ||
-            !(m->acorr[k] = (int32_t *)pm_zalloc(B * (m->max_in / 32 + 1), sizeof(int32_t))))
+            !(m->acorr[k] = (int32_t *)pm_zalloc(B * (m->max_in / 32 + 1), sizeof(int32_t))) ||
+            (c.amx && !(m->axb[k] = (uint16_t *)pm_zalloc(2 * B * m->max_in, sizeof(uint16_t)))))
             goto nomem;
+    m->amx = c.amx;
     m->tiled = (pm_tiled *)calloc((size_t)7 * c.n_layers + 1, sizeof(pm_tiled));
     if (!m->tiled) goto nomem;
     {
@@ -390,6 +418,18 @@ int pm_ensure_attn_scratch(pocket_model *m, int tasks, size_t units) {
         m->part = p;
         m->part_units = units;
     }
+    return POCKET_OK;
+}
+
+int pm_ensure_amx_scratch(pocket_model *m, int tasks) {
+    if (!m->amx || tasks <= m->awbuf_tasks) return POCKET_OK;
+    const size_t stride = (size_t)2 * (size_t)(m->max_in / 32 + 1) * 512; /* bfloat16 */
+    uint16_t *b = (uint16_t *)pm_zalloc((size_t)tasks * stride, sizeof(uint16_t));
+    if (!b) return POCKET_ENOMEM;
+    free(m->awbuf);
+    m->awbuf = b;
+    m->awbuf_tasks = tasks;
+    m->awbuf_stride = stride;
     return POCKET_OK;
 }
 

@@ -42,6 +42,10 @@ enum {
     POCKET_WT_NONE = 0, /* absent (optional tensors) */
     POCKET_WT_F32 = 1,  /* float32 [rows, cols] (or [cols] for vectors) */
     POCKET_WT_Q4 = 4,   /* INT4 layout of pocket_kernels.h */
+    POCKET_WT_Q5 = 5,   /* INT5: uint8 [rows, cols / 32 * 20], per block of 32 columns a
+                         * little-endian uint32 of high bits (bit k: column k) then the low
+                         * nibbles as INT4 packs them (GGUF Q5_0's qh, qs); scales and mins as
+                         * INT4, q in 0..31. Runs on the tiled kernels only. */
     POCKET_WT_Q8 = 8    /* INT8 layout of pocket_kernels.h */
 };
 
@@ -49,9 +53,9 @@ enum {
 typedef struct pocket_weight {
     int type; /* POCKET_WT_* */
     int rows, cols, group_size;
-    const void *data;       /* float32 | uint8 packed INT4 | int8 */
-    const uint16_t *scales; /* float16 [rows, cols / group_size] (Q4, Q8) */
-    const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4) */
+    const void *data;       /* float32 | uint8 packed INT4 / INT5 | int8 */
+    const uint16_t *scales; /* float16 [rows, cols / group_size] (Q4, Q5, Q8) */
+    const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4, Q5) */
 } pocket_weight;
 
 typedef struct pocket_layer_weights {
@@ -75,10 +79,17 @@ typedef struct pocket_model_config {
                          * once a weight is repacked (a vector: copied), its source pages are
                          * handed back to the kernel (madvise), so load does not hold the file
                          * and the copy at once */
+    int amx;            /* 1: products over 16 or more tokens run on AMX-BF16 tiles, bfloat16
+                         * weights and activations (pocket_model_amx.c); needs the avx512 level
+                         * and a CPU (and OS) with AMX-BF16, else POCKET_EUNSUPPORTED */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;
 typedef struct pocket_kv pocket_kv;
+
+/* 1 when config.amx can be used here (built with AMX support, a CPU with AMX-BF16 and the
+ * avx512 level, the OS grants the tile state: asked once per process), else 0. */
+int pocket_model_amx_available(void);
 
 /* Product classes whose activations may be quantized to int8 (bits of act_q8). */
 enum {

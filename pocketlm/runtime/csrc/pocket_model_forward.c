@@ -102,6 +102,12 @@ static void split_range(long long total, int unit, int task, int ntasks, int *b,
 static void prepare_cols(const pocket_model *m, const pm_act *a, int i, int c0, int c1) {
     const size_t C = (size_t)a->cols, nb = C / 32, off = (size_t)i * C + (size_t)c0;
     const size_t boff = (size_t)i * nb + (size_t)c0 / 32;
+#if PM_HAVE_AMX
+    if (a->xb) {
+        pm_amx_to_bf16(a->x + off, a->xb + off, a->xl + off, (size_t)(c1 - c0));
+        return;
+    }
+#endif
     if (a->digits)
         m->ops->quant_act(a->x + off, 1, c1 - c0, a->digits, (int8_t *)a->q1 + off,
                           (int8_t *)a->q2 + off, (float *)a->dd + boff, (float *)a->bsum + boff,
@@ -114,11 +120,18 @@ static void job_fail(pm_job *j, int rc) {
     if (rc) __atomic_store_n(&j->status, rc, __ATOMIC_RELAXED);
 }
 
-/* y[:, rb:re] = x W[rb:re]^T for one weight. */
+/* y[:, rb:re] = x W[rb:re]^T for one weight (task: the caller's task index). */
 static int product_rows(const pocket_model *m, const pocket_weight *w, const pm_tiled *t,
-                        const pm_job *j, float *y, int rb, int re) {
+                        const pm_job *j, float *y, int rb, int re, int task) {
     if (re <= rb) return POCKET_OK;
     if (t && j->quantized) { /* rb is a multiple of 16; re too, or the last row */
+#if PM_HAVE_AMX
+        if (j->act.xb) {
+            pm_amx_matmul(t, j->act.xb, j->act.xl, j->act.n, y, (size_t)w->rows, rb / 16,
+                          (re + 15) / 16, m->awbuf + (size_t)task * m->awbuf_stride);
+            return POCKET_OK;
+        }
+#endif
         m->ops->matmul_tiled(t, &j->act, y, (size_t)w->rows, rb / 16, (re + 15) / 16);
         return POCKET_OK;
     }
@@ -155,7 +168,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
         for (int k = 0; k < j->nmat && rc == POCKET_OK; k++) {
             const int rows = j->w[k]->rows;
             const int rb = (b > off ? b : off) - off, re = (e < off + rows ? e : off + rows) - off;
-            if (re > rb) rc = product_rows(m, j->w[k], j->t[k], j, j->y[k], rb, re);
+            if (re > rb) rc = product_rows(m, j->w[k], j->t[k], j, j->y[k], rb, re, task);
             off += (rows + PM_ROW_UNIT - 1) / PM_ROW_UNIT * PM_ROW_UNIT;
         }
         break;
@@ -164,8 +177,8 @@ static void pm_task(void *ctx, int task, int ntasks) {
         /* with j->post, whole blocks of 32 columns per task: each prepares its own */
         split_range(j->total, j->post ? 32 : PM_ROW_UNIT, task, ntasks, &b, &e);
         if (e <= b) break;
-        rc = product_rows(m, j->w[0], j->t[0], j, j->y[0], b, e);
-        if (rc == POCKET_OK) rc = product_rows(m, j->w[1], j->t[1], j, j->y[1], b, e);
+        rc = product_rows(m, j->w[0], j->t[0], j, j->y[0], b, e, task);
+        if (rc == POCKET_OK) rc = product_rows(m, j->w[1], j->t[1], j, j->y[1], b, e, task);
         if (rc == POCKET_OK)
             for (int i = 0; i < j->n; i++)
                 m->ops->glu(j->y[0] + (size_t)i * j->total + b, j->y[1] + (size_t)i * j->total + b,
@@ -276,6 +289,10 @@ static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int n
     act->cols = cols;
     act->x = x;
     act->digits = q8 ? ((m->one_digit & cls) ? 1 : 2) : 0;
+    if (m->amx && n >= PM_AMX_MIN_TOKENS) {
+        act->xb = m->axb[slot];
+        act->xl = m->axb[slot] + (size_t)PM_BLOCK * (size_t)m->max_in;
+    }
     act->q1 = m->a1[slot];
     act->q2 = m->a2[slot];
     act->dd = m->add[slot];
@@ -288,6 +305,12 @@ static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int n
 static void prepare_act(const pocket_model *m, const pm_act *a, int i0, int i1) {
     if (!a || a->n == 0 || i1 <= i0) return;
     const size_t C = (size_t)a->cols, nb = C / 32;
+#if PM_HAVE_AMX
+    if (a->xb) {
+        pm_amx_to_bf16(a->x + i0 * C, a->xb + i0 * C, a->xl + i0 * C, (size_t)(i1 - i0) * C);
+        return;
+    }
+#endif
     if (a->digits)
         m->ops->quant_act(a->x + i0 * C, i1 - i0, a->cols, a->digits, (int8_t *)a->q1 + i0 * C,
                           (int8_t *)a->q2 + i0 * C, (float *)a->dd + i0 * nb,
@@ -336,6 +359,10 @@ static int run_products(pocket_model *m, pocket_pool *pool, int nthreads, int ki
         const int units = (j.total + 31) / 32;
         tasks = units < nthreads ? units : nthreads;
     }
+    if (j.quantized && j.act.xb) {
+        const int rc = pm_ensure_amx_scratch(m, tasks);
+        if (rc) return rc;
+    }
     return run_job(&j, pool, tasks);
 }
 
@@ -376,28 +403,35 @@ static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *
             const int8_t *q = (const int8_t *)w->data + r * d;
             const uint16_t *s = w->scales + r * ng;
             for (size_t c = 0; c < d; c++) xi[c] = (float)q[c] * pocket_f16_to_f32(s[c / gs]);
-        } else {
-            const uint8_t *q = (const uint8_t *)w->data + r * (d / 2);
+        } else { /* INT4, INT5: blocks of 32 columns, [high bits (INT5)] nibbles */
+            const int q5 = w->type == POCKET_WT_Q5;
+            const uint8_t *q = (const uint8_t *)w->data + r * pm_row_bytes(w);
             const uint16_t *s = w->scales + r * ng, *mn = w->mins + r * ng;
-            for (size_t b = 0; b < d / 32; b++)
+            for (size_t b = 0; b < d / 32; b++, q += q5 ? 20 : 16) {
+                const uint32_t qh = q5 ? (uint32_t)q[0] | (uint32_t)q[1] << 8 |
+                                             (uint32_t)q[2] << 16 | (uint32_t)q[3] << 24
+                                       : 0;
+                const uint8_t *nib = q + (q5 ? 4 : 0);
                 for (size_t k = 0; k < 16; k++) {
                     const size_t c0 = 32 * b + k, c1 = c0 + 16;
-                    const uint8_t byte = q[16 * b + k];
-                    xi[c0] = (float)(byte & 15) * pocket_f16_to_f32(s[c0 / gs]) +
+                    const unsigned v0 = (nib[k] & 15u) | ((qh >> k) & 1u) << 4;
+                    const unsigned v1 = (nib[k] >> 4) | ((qh >> (k + 16)) & 1u) << 4;
+                    xi[c0] = (float)v0 * pocket_f16_to_f32(s[c0 / gs]) +
                              pocket_f16_to_f32(mn[c0 / gs]);
-                    xi[c1] = (float)(byte >> 4) * pocket_f16_to_f32(s[c1 / gs]) +
+                    xi[c1] = (float)v1 * pocket_f16_to_f32(s[c1 / gs]) +
                              pocket_f16_to_f32(mn[c1 / gs]);
                 }
+            }
         }
         if (m->c.embed_scale != 1.0f)
             for (size_t c = 0; c < d; c++) xi[c] *= m->c.embed_scale;
         if (!from_head && m->c.release_source && w->type != POCKET_WT_F32) {
             /* a separate embedding stays in the file: drop the pages a lookup mapped (the
              * kernel maps whole large folios, ~1 MB a row), so lookups never add up */
-            pm_release_around((const uint8_t *)w->data + r * (w->type == POCKET_WT_Q8 ? d : d / 2),
-                           w->type == POCKET_WT_Q8 ? d : d / 2);
+            const size_t rb = pm_row_bytes(w);
+            pm_release_around((const uint8_t *)w->data + r * rb, rb);
             pm_release_around(w->scales + r * ng, ng * sizeof(uint16_t));
-            if (w->type == POCKET_WT_Q4) pm_release_around(w->mins + r * ng, ng * sizeof(uint16_t));
+            if (w->type != POCKET_WT_Q8) pm_release_around(w->mins + r * ng, ng * sizeof(uint16_t));
         }
     }
 }

@@ -32,7 +32,8 @@ struct pocket_model {
     const pm_ops *ops;
     int act_q8;       /* POCKET_Q8_* classes with int8 activations */
     int one_digit;    /* POCKET_Q8_* classes with one int8 digit per activation (else two) */
-    int tiled_f32;    /* float-activation products on the tiled weights too (AVX-512) */
+    int tiled_f32;    /* float-activation products on the tiled weights too (AVX-512, INT5) */
+    int amx;          /* products of PM_AMX_MIN_TOKENS or more tokens on AMX-BF16 */
     /* repacked weights of the int8-activation products: [layer * 7 + k] (k: q, k, v, o,
      * gate, up, down), then the head; data == NULL where not used */
     pm_tiled *tiled;
@@ -50,6 +51,10 @@ struct pocket_model {
     int8_t *a1[2], *a2[2];
     float *add[2], *absum[2];
     int32_t *acorr[2];
+    uint16_t *axb[2]; /* amx: the activations in bfloat16, hi then lo [2, PM_BLOCK, max_in] */
+    uint16_t *awbuf;  /* amx: per task, two weight tiles widened to bfloat16 */
+    int awbuf_tasks;
+    size_t awbuf_stride;
     /* decode attention partials [unit][G][hd + 2]; per-task attention scratch */
     float *part;
     size_t part_units;
@@ -78,9 +83,33 @@ int pm_ensure_rope(pocket_model *m, int need);
 /* Per-task attention scratch for `tasks` tasks and decode partials for `units` units. */
 int pm_ensure_attn_scratch(pocket_model *m, int tasks, size_t units);
 
+/* amx: per-task weight buffers for `tasks` tasks. */
+int pm_ensure_amx_scratch(pocket_model *m, int tasks);
+
+/* ---- pocket_model_amx.c ------------------------------------------------------------------ */
+
+#define PM_AMX_MIN_TOKENS 16 /* fewer tokens: the int8 products (one tile of 16 would be idle) */
+#if PM_HAVE_AMX
+/* Ask the OS for the tile state (once per process): 1 when AMX-BF16 can be used. */
+int pm_amx_enable(void);
+/* float32 x -> two bfloat16 terms hi = bf16(x), lo = bf16(x - hi), len values. */
+void pm_amx_to_bf16(const float *x, uint16_t *hi, uint16_t *lo, size_t len);
+/* y[i * ystride + r] = (hi[i] + lo[i]) . W~[r] for the rows of tiles [tb, te), tokens i < n:
+ * xb, xl the activation terms in bfloat16 [ceil16(n), cols] (rows past n are read, their
+ * results dropped); wbuf: 2 * (cols / 32) * 512 bfloat16 of scratch, 64-byte aligned. */
+void pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *xl, int n, float *y,
+                   size_t ystride, int tb, int te, uint16_t *wbuf);
+#endif
+
 /* ---- pocket_model_tiles.c ---------------------------------------------------------------- */
 
-/* Lay out and allocate the 16-row tiles of `w` (INT4 or INT8) in `t` (zeroed memory). */
+/* Bytes of one row of a quantized weight's data (INT4, INT5, INT8). */
+static inline size_t pm_row_bytes(const pocket_weight *w) {
+    const size_t cols = (size_t)w->cols;
+    return w->type == POCKET_WT_Q4 ? cols / 2 : w->type == POCKET_WT_Q5 ? cols / 32 * 20 : cols;
+}
+
+/* Lay out and allocate the 16-row tiles of `w` (INT4, INT5 or INT8) in `t` (zeroed memory). */
 int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t);
 
 /* Repack tiles [tb, te) of `w` into `t` (ranges of one weight may be filled by different

@@ -5,11 +5,11 @@
  * kernel level is supported (HWCAP_ASIMDDP, checked at run time in pocket_kernels.c).
  *
  * What is NEON here and what is not:
- *   matmul_tiled, digits 1 and 2   SDOT kernels below;
- *   matmul_tiled, digits 0         pm_matmul_tiled_portable (the engine does not build tiled
- *                                  weights for float activations at this level, see
- *                                  pocket_model.c: float products go through the kernel
- *                                  table, i.e. the scalar kernels);
+ *   matmul_tiled, digits 1 and 2   SDOT kernels below (INT4 and INT8 weights);
+ *   matmul_tiled, digits 0, INT5   pm_matmul_tiled_portable (the engine does not build tiled
+ *                                  weights for float activations at this level unless a
+ *                                  weight is INT5, see pocket_model.c: float products go
+ *                                  through the kernel table, i.e. the scalar kernels);
  *   quant_act, block_sums          the portable functions (identical results by contract);
  *   rmsnorm, attn, glu, matmul_f32, to_f16   the portable operations, called through
  *                                  pm_ops_portable.
@@ -194,7 +194,7 @@ static inline TGT AI void tiled_range(const int Q4, const int DIG, const pm_tile
 
 static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
                                   int tb, int te) {
-    if (a->digits != 1 && a->digits != 2) {
+    if ((a->digits != 1 && a->digits != 2) || w->bits == 5) { /* no SDOT INT5 kernel yet */
         pm_matmul_tiled_portable(w, a, y, ystride, tb, te);
         return;
     }

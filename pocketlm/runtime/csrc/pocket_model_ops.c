@@ -174,7 +174,7 @@ void pm_block_sums_portable(const float *x, int n, int cols, float *bsum) {
     }
 }
 
-/* Float activations on tiled weights: per group (x_g . q_g) * scale + sum(x_g) * min (INT4),
+/* Float activations on tiled weights: per group (x_g . q_g) * scale + sum(x_g) * min (INT4, INT5),
  * or (x_g . (q_g + 128)) * scale - 128 * sum(x_g) * scale (INT8 stored offset). */
 static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
                                int tb, int te) {
@@ -198,7 +198,7 @@ static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, siz
                         xs += bs[b];
                     }
                     acc += d * s;
-                    if (w->bits == 4)
+                    if (w->bits != 8)
                         acc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
                     else
                         acc -= 128.0f * xs * s;
@@ -243,7 +243,7 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
                         acc += (float)T * (s * dd[b]);
                         xs += bs[b];
                     }
-                    if (w->bits == 4) macc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
+                    if (w->bits != 8) macc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
                 }
                 y[(size_t)i * ystride + r0 + rr] = acc + macc;
             }

@@ -49,13 +49,17 @@ typedef struct pm_attn_args {
  * activation word computes 16 rows:
  *   INT4: 4 vectors per block; vector m, lane i, byte j: low nibble = column 8m + j,
  *         high nibble = column 8m + 4 + j (values 0..15);
+ *   INT5: the 4 vectors of INT4 (the low 4 bits), then for each vector m two little-endian
+ *         64-bit masks (bytes 256 + 16m ..): bit 4i + j of the first is bit 4 of column
+ *         8m + j of lane i, of the second bit 4 of column 8m + 4 + j (values 0..31; a masked
+ *         byte add of 16 completes a vector);
  *   INT8: 8 vectors per block; vector k, lane i, byte j = column 4k + j, stored as q + 128.
  * Scales (and mins) of group g are 16 float16 values, one per row of the tile. */
 typedef struct pm_tiled {
-    int bits; /* 4 | 8 */
+    int bits; /* 4 | 5 | 8 */
     int rows, cols, group_size;
     int ntiles, nb, ng, gpb;
-    size_t block_bytes; /* 256 | 512 */
+    size_t block_bytes; /* 256 | 320 | 512 */
     size_t tile_bytes;  /* bytes of one tile record */
     size_t scale_off;   /* offset of the scales in a record (mins follow: + ng * 32) */
     uint8_t *data;
@@ -64,10 +68,15 @@ typedef struct pm_tiled {
 /* Weight value (u8 operand) of row lane `i`, column k of block b, in a tile record. */
 static inline int pm_tiled_value(const pm_tiled *w, const uint8_t *rec, int b, int k, int i) {
     const uint8_t *blk = rec + (size_t)b * w->block_bytes;
-    if (w->bits == 4) {
+    if (w->bits != 8) {
         const int m = k / 8, j = k % 8;
         const uint8_t byte = blk[64 * m + 4 * i + (j & 3)];
-        return j < 4 ? (byte & 15) : (byte >> 4);
+        int v = j < 4 ? (byte & 15) : (byte >> 4);
+        if (w->bits == 5) {
+            const int bit = 4 * i + (j & 3); /* byte bit / 8 of mask (j >= 4) of vector m */
+            v |= ((blk[256 + 16 * m + 8 * (j >= 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+        }
+        return v;
     }
     return blk[64 * (k / 4) + 4 * i + (k & 3)];
 }
@@ -80,6 +89,7 @@ static inline int pm_tiled_value(const pm_tiled *w, const uint8_t *rec, int b, i
  * the INT4 minimums) and corr = 128 * S (the exact offset of INT8 weights stored as q + 128). */
 typedef struct pm_act {
     int n, cols, digits; /* digits 0: float activations x (bsum: sums of x per block) */
+    uint16_t *xb, *xl;   /* non-NULL: the AMX-BF16 path, x = xb + xl in bfloat16 [n, cols] */
     const float *x;      /* [n, cols] */
     const int8_t *q1, *q2; /* [n, cols] */
     const float *dd, *bsum; /* [n, cols / 32] */
@@ -124,6 +134,14 @@ extern const pm_ops pm_ops_avx512;
 #define PM_HAVE_AVX512 1
 #else
 #define PM_HAVE_AVX512 0
+#endif
+/* AMX intrinsics: GCC 11, Clang 12 (pocket_model_amx.c) */
+#if PM_HAVE_AVX512 && defined(__linux__) &&                                                     \
+    ((defined(__clang__) && __clang_major__ >= 12) ||                                          \
+     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define PM_HAVE_AMX 1
+#else
+#define PM_HAVE_AMX 0
 #endif
 /* The condition of POCKET_ARM_NEON (pocket_internal.h): GCC >= 8 compiles the SDOT code with a
  * target attribute; Clang only when the target already has the extension (-march=...+dotprod),

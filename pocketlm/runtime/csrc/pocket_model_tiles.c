@@ -77,13 +77,12 @@ void pm_release_around(const void *p, size_t n) {
 
 /* Release the source pages of rows [r0, r1) of a quantized weight. */
 static void release_rows(const pocket_weight *w, size_t r0, size_t r1) {
-    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
-    const size_t cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
-    const size_t row_bytes = w->type == POCKET_WT_Q4 ? cols / 2 : cols;
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8) return;
+    const size_t ng = (size_t)w->cols / (size_t)w->group_size, row_bytes = pm_row_bytes(w);
     const size_t n = r1 - r0;
     release_range((const uint8_t *)w->data + r0 * row_bytes, n * row_bytes);
     release_range(w->scales + r0 * ng, n * ng * sizeof(uint16_t));
-    if (w->type == POCKET_WT_Q4) release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
+    if (w->type != POCKET_WT_Q8) release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
 }
 
 void pm_tiled_release_source(const pocket_weight *w) { release_rows(w, 0, (size_t)w->rows); }
@@ -93,10 +92,10 @@ void pm_tiled_release_source(const pocket_weight *w) { release_rows(w, 0, (size_
  * 512-token prompt pull ~70 MB of Gemma's embedding into memory for 0.3 MB of rows). */
 void pm_advise_random_rows(const pocket_weight *w) {
 #if defined(__linux__) && defined(MADV_RANDOM)
-    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return;
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8) return;
     const size_t rows = (size_t)w->rows, cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
-    const size_t row_bytes = w->type == POCKET_WT_Q4 ? cols / 2 : cols;
-    const void *ranges[3] = {w->data, w->scales, w->type == POCKET_WT_Q4 ? w->mins : NULL};
+    const size_t row_bytes = pm_row_bytes(w);
+    const void *ranges[3] = {w->data, w->scales, w->type != POCKET_WT_Q8 ? w->mins : NULL};
     const size_t sizes[3] = {rows * row_bytes, rows * ng * sizeof(uint16_t),
                              rows * ng * sizeof(uint16_t)};
     long page = sysconf(_SC_PAGESIZE);
@@ -118,9 +117,10 @@ void pm_advise_random_rows(const pocket_weight *w) {
 
 int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t) {
     memset(t, 0, sizeof *t);
-    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
-    const int q4 = w->type == POCKET_WT_Q4;
-    t->bits = q4 ? 4 : 8;
+    if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8)
+        return POCKET_EINVAL;
+    const int q4 = w->type != POCKET_WT_Q8; /* with minimums */
+    t->bits = w->type;
     t->rows = w->rows;
     t->cols = w->cols;
     t->group_size = w->group_size;
@@ -128,23 +128,34 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t) {
     t->nb = w->cols / 32;
     t->ng = w->cols / w->group_size;
     t->gpb = w->group_size / 32;
-    t->block_bytes = q4 ? 256 : 512;
+    t->block_bytes = w->type == POCKET_WT_Q4 ? 256 : w->type == POCKET_WT_Q5 ? 320 : 512;
     t->scale_off = (size_t)t->nb * t->block_bytes;
     t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32 * (q4 ? 2 : 1), 64);
     t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes);
     return t->data ? POCKET_OK : POCKET_ENOMEM;
 }
 
+/* The low nibbles of one source block (byte k: column k low, 16 + k high) into lane i of
+ * the 4 vectors at blk (vector m, byte j: column 8m + j low, 8m + 4 + j high). */
+static inline void fill_nibbles(uint8_t *blk, const uint8_t *src) {
+    for (int j = 0; j < 4; j++) {
+        blk[0 + j] = (uint8_t)((src[j] & 15) | (src[4 + j] << 4));
+        blk[64 + j] = (uint8_t)((src[8 + j] & 15) | (src[12 + j] << 4));
+        blk[128 + j] = (uint8_t)((src[j] >> 4) | (src[4 + j] & 0xF0));
+        blk[192 + j] = (uint8_t)((src[8 + j] >> 4) | (src[12 + j] & 0xF0));
+    }
+}
+
 void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int release) {
-    const int q4 = w->type == POCKET_WT_Q4;
-    const size_t C = (size_t)w->cols, ng = (size_t)t->ng;
+    const int q4 = w->type == POCKET_WT_Q4, q5 = w->type == POCKET_WT_Q5;
+    const size_t C = (size_t)w->cols, ng = (size_t)t->ng, row_bytes = pm_row_bytes(w);
     for (int tl = tb; tl < te; tl++) {
         uint8_t *rec = t->data + (size_t)tl * t->tile_bytes;
         uint16_t *sc = (uint16_t *)(rec + t->scale_off), *mn = sc + ng * 16;
         for (int i = 0; i < 16; i++) {
             const size_t r = (size_t)tl * 16 + (size_t)i;
             if (r >= (size_t)w->rows) {
-                if (!q4) /* zero weights are stored as 128 */
+                if (!q4 && !q5) /* zero weights are stored as 128 */
                     for (int b = 0; b < t->nb; b++)
                         for (int k = 0; k < 32; k++)
                             rec[(size_t)b * 512 + 64 * (k / 4) + 4 * i + (k & 3)] = 128;
@@ -152,20 +163,26 @@ void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int rele
             }
             for (size_t g = 0; g < ng; g++) {
                 sc[16 * g + i] = w->scales[r * ng + g];
-                if (q4) mn[16 * g + i] = w->mins[r * ng + g];
+                if (q4 || q5) mn[16 * g + i] = w->mins[r * ng + g];
             }
             if (q4) {
-                /* source block b: byte k (k < 16) holds column k (low nibble) and 16 + k (high);
-                 * target vector m, lane i, byte j: column 8m + j (low), 8m + 4 + j (high) */
-                const uint8_t *src = (const uint8_t *)w->data + r * (C / 2);
-                for (int b = 0; b < t->nb; b++, src += 16) {
-                    uint8_t *blk = rec + (size_t)b * 256 + 4 * i;
-                    for (int j = 0; j < 4; j++) {
-                        blk[0 + j] = (uint8_t)((src[j] & 15) | (src[4 + j] << 4));
-                        blk[64 + j] = (uint8_t)((src[8 + j] & 15) | (src[12 + j] << 4));
-                        blk[128 + j] = (uint8_t)((src[j] >> 4) | (src[4 + j] & 0xF0));
-                        blk[192 + j] = (uint8_t)((src[8 + j] >> 4) | (src[12 + j] & 0xF0));
-                    }
+                const uint8_t *src = (const uint8_t *)w->data + r * row_bytes;
+                for (int b = 0; b < t->nb; b++, src += 16)
+                    fill_nibbles(rec + (size_t)b * 256 + 4 * i, src);
+            } else if (q5) {
+                /* source block b: a little-endian uint32 of high bits (bit k: column k), then
+                 * the nibbles as INT4; the high bits go to bit 4i + j of mask (m, j >= 4) */
+                const uint8_t *src = (const uint8_t *)w->data + r * row_bytes;
+                for (int b = 0; b < t->nb; b++, src += 20) {
+                    uint8_t *blk = rec + (size_t)b * 320;
+                    fill_nibbles(blk + 4 * i, src + 4);
+                    const uint32_t qh = (uint32_t)src[0] | (uint32_t)src[1] << 8 |
+                                        (uint32_t)src[2] << 16 | (uint32_t)src[3] << 24;
+                    for (int k = 0; k < 32; k++)
+                        if ((qh >> k) & 1) {
+                            const int m = k / 8, j = k % 8, bit = 4 * i + (j & 3);
+                            blk[256 + 16 * m + 8 * (j >= 4) + bit / 8] |= (uint8_t)(1u << (bit % 8));
+                        }
                 }
             } else {
                 const int8_t *src = (const int8_t *)w->data + r * C;
@@ -194,7 +211,7 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
         for (int k = 0; k < 32; k++) {
             const int c = 32 * b + k, g = c / per_group;
             const int q = pm_tiled_value(w, rec, b, k, i);
-            x[c] = w->bits == 4 ? (float)q * pocket_f16_to_f32(sc[16 * g + i]) +
+            x[c] = w->bits != 8 ? (float)q * pocket_f16_to_f32(sc[16 * g + i]) +
                                       pocket_f16_to_f32(mn[16 * g + i])
                                 : (float)(q - 128) * pocket_f16_to_f32(sc[16 * g + i]);
         }

@@ -335,18 +335,37 @@ static TGTV void quant_act_avx512(const float *x, int n, int cols, int digits, i
 /* The loops over the T tokens of a tile, unrolled so that their accumulators stay in registers. */
 #define PM_UNROLL_T _Pragma("GCC unroll 4")
 
-/* One tile of 16 rows for T tokens (i0 .. i0 + T - 1). Q4: INT4 (u8 nibbles) or INT8 (q + 128)
- * weights; DIG: activation digits. Integer block sums are exact; each block is rescaled by
- * scale[row] * dd[token] into float32 accumulators (lane = row). */
-static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
+/* The two operand vectors (columns 8m + j and 8m + 4 + j) of nibble vector m of an INT4 or
+ * INT5 block: INT5 adds 16 to the bytes whose bit is set in the block's masks. */
+static inline TGTV AI void nibble_pair(const int BITS, const uint8_t *blk, int m, __m512i *lo,
+                                       __m512i *hi) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i V = _mm512_load_si512((const void *)(blk + 64 * m));
+    *lo = _mm512_and_si512(V, m4);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(V, 4), m4);
+    if (BITS == 5) {
+        uint64_t kl, kh;
+        memcpy(&kl, blk + 256 + 16 * m, 8);
+        memcpy(&kh, blk + 256 + 16 * m + 8, 8);
+        const __m512i c16 = _mm512_set1_epi8(16);
+        *lo = _mm512_mask_add_epi8(*lo, _cvtu64_mask64(kl), *lo, c16);
+        *hi = _mm512_mask_add_epi8(*hi, _cvtu64_mask64(kh), *hi, c16);
+    }
+}
+
+/* One tile of 16 rows for T tokens (i0 .. i0 + T - 1). BITS: INT4 (u8 nibbles), INT5 (nibbles
+ * and high-bit masks) or INT8 (q + 128) weights; DIG: activation digits. Integer block sums
+ * are exact; each block is rescaled by scale[row] * dd[token] into float32 accumulators
+ * (lane = row); INT4 / INT5 minimums are added per group. */
+static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T,
                                       const pm_tiled *w, const pm_act *a, int i0, float *y,
                                       size_t ystride, int tile, int prefetch) {
-    const size_t BB = Q4 ? 256 : 512;
+    const int Q4 = BITS != 8; /* nibbles and minimums */
+    const size_t BB = BITS == 4 ? 256 : BITS == 5 ? 320 : 512;
     const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
     const uint16_t *mn = sc + (size_t)w->ng * 16;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int8_t *x1[4], *x2[4];
     const float *dd[4], *bs[4];
     const int32_t *cr[4];
@@ -380,9 +399,8 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
             }
             if (Q4) {
                 for (int mm = 0; mm < 4; mm++) {
-                    const __m512i V = _mm512_load_si512((const void *)(blk + 64 * mm));
-                    const __m512i lo = _mm512_and_si512(V, m4);
-                    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(V, 4), m4);
+                    __m512i lo, hi;
+                    nibble_pair(BITS, blk, mm, &lo, &hi);
                     PM_UNROLL_T
                     for (int t = 0; t < T; t++) {
                         const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
@@ -441,16 +459,16 @@ static inline TGTV AI void tiled_tile(const int Q4, const int DIG, const int T,
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
 
-static inline TGTV AI void tiled_range(const int Q4, const int DIG, const pm_tiled *w,
+static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
                                        const pm_act *a, float *y, size_t ystride, int tb, int te) {
     for (int tile = tb; tile < te; tile++) {
         int i0 = 0;
         for (; i0 + 4 <= a->n; i0 += 4)
-            tiled_tile(Q4, DIG, 4, w, a, i0, y, ystride, tile, i0 == 0);
+            tiled_tile(BITS, DIG, 4, w, a, i0, y, ystride, tile, i0 == 0);
         switch (a->n - i0) {
-        case 1: tiled_tile(Q4, DIG, 1, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: tiled_tile(Q4, DIG, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: tiled_tile(Q4, DIG, 3, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 1: tiled_tile(BITS, DIG, 1, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 2: tiled_tile(BITS, DIG, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 3: tiled_tile(BITS, DIG, 3, w, a, i0, y, ystride, tile, i0 == 0); break;
         default: break;
         }
     }
@@ -460,19 +478,22 @@ static inline TGTV AI void tiled_range(const int Q4, const int DIG, const pm_til
 
 /* One tile of 16 rows for T tokens, float32 activations. INT4: a weight nibble becomes a float
  * through a 16-entry table (vpermps uses the low 4 bits of each lane, so a shift of the packed
- * lanes selects the nibble); INT8 (q + 128): byte -> int32 -> float. Per group and token,
+ * lanes selects the nibble); INT5: the nibble pair completed with its high bits (nibble_pair)
+ * through a 32-entry table (vpermt2ps, 5 index bits); INT8 (q + 128): byte -> int32 -> float. Per group and token,
  * d = x_g . q_g accumulates in SPL independent partial sums (FMA latency; the same SPL for
  * every token count, so that results do not depend on how tokens are batched), then
  * acc += d * scale + sum(x_g) * min  (INT8: - 128 * sum(x_g) * scale). */
-static inline TGTV AI void tiledf_tile(const int Q4, const int T, const int SPL,
+static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SPL,
                                        const pm_tiled *w, const pm_act *a, int i0, float *y,
                                        size_t ystride, int tile, int prefetch) {
-    const size_t BB = Q4 ? 256 : 512;
+    const int Q4 = BITS != 8; /* nibbles and minimums */
+    const size_t BB = BITS == 4 ? 256 : BITS == 5 ? 320 : 512;
     const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
     const uint16_t *mn = sc + (size_t)w->ng * 16;
     const int ng = w->ng, gpb = w->gpb, nb = w->nb;
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lut16 = _mm512_add_ps(lut, _mm512_set1_ps(16.0f));
     const __m512i ff = _mm512_set1_epi32(0xFF);
     const float *x[8], *bs[8];
     for (int t = 0; t < T; t++) {
@@ -492,7 +513,24 @@ static inline TGTV AI void tiledf_tile(const int Q4, const int T, const int SPL,
             const uint8_t *blk = rec + (size_t)b * BB;
             if (prefetch)
                 for (size_t o = 0; o < BB; o += 64) PM_PREFETCH(blk + o);
-            if (Q4) {
+            if (BITS == 5) {
+                for (int mm = 0; mm < 4; mm++) {
+                    __m512i lo, hi;
+                    nibble_pair(5, blk, mm, &lo, &hi);
+                    for (int j = 0; j < 4; j++) {
+                        const __m512 wl = _mm512_permutex2var_ps(
+                            lut, j ? _mm512_srli_epi32(lo, 8 * j) : lo, lut16);
+                        const __m512 wh = _mm512_permutex2var_ps(
+                            lut, j ? _mm512_srli_epi32(hi, 8 * j) : hi, lut16);
+                        const int c = 32 * b + 8 * mm + j;
+                        for (int t = 0; t < T; t++) {
+                            const int q0 = (2 * j) % SPL, q1 = (2 * j + 1) % SPL;
+                            d[t][q0] = _mm512_fmadd_ps(wl, _mm512_set1_ps(x[t][c]), d[t][q0]);
+                            d[t][q1] = _mm512_fmadd_ps(wh, _mm512_set1_ps(x[t][c + 4]), d[t][q1]);
+                        }
+                    }
+                }
+            } else if (Q4) {
                 for (int mm = 0; mm < 4; mm++) {
                     const __m512i V = _mm512_load_si512((const void *)(blk + 64 * mm));
                     for (int j = 0; j < 4; j++) {
@@ -538,20 +576,20 @@ static inline TGTV AI void tiledf_tile(const int Q4, const int T, const int SPL,
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
 
-static inline TGTV AI void tiledf_range(const int Q4, const pm_tiled *w, const pm_act *a,
+static inline TGTV AI void tiledf_range(const int BITS, const pm_tiled *w, const pm_act *a,
                                         float *y, size_t ystride, int tb, int te) {
     for (int tile = tb; tile < te; tile++) {
         int i0 = 0;
         /* the same operations for a (row, token) whatever the token count: SPL = 2 always */
-        for (; i0 + 8 <= a->n; i0 += 8) tiledf_tile(Q4, 8, 2, w, a, i0, y, ystride, tile, i0 == 0);
+        for (; i0 + 8 <= a->n; i0 += 8) tiledf_tile(BITS, 8, 2, w, a, i0, y, ystride, tile, i0 == 0);
         if (a->n - i0 >= 4) {
-            tiledf_tile(Q4, 4, 2, w, a, i0, y, ystride, tile, i0 == 0);
+            tiledf_tile(BITS, 4, 2, w, a, i0, y, ystride, tile, i0 == 0);
             i0 += 4;
         }
         switch (a->n - i0) {
-        case 1: tiledf_tile(Q4, 1, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: tiledf_tile(Q4, 2, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: tiledf_tile(Q4, 3, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 1: tiledf_tile(BITS, 1, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 2: tiledf_tile(BITS, 2, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 3: tiledf_tile(BITS, 3, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
         default: break;
         }
     }
@@ -568,21 +606,28 @@ static TGTV void matmul_tiled_avx512(const pm_tiled *w, const pm_act *a, float *
                                      size_t ystride, int tb, int te) {
     if (a->digits == 0) {
         if (w->bits == 4)
-            tiledf_range(1, w, a, y, ystride, tb, te);
+            tiledf_range(4, w, a, y, ystride, tb, te);
+        else if (w->bits == 5)
+            tiledf_range(5, w, a, y, ystride, tb, te);
         else
-            tiledf_range(0, w, a, y, ystride, tb, te);
+            tiledf_range(8, w, a, y, ystride, tb, te);
         return;
     }
     if (w->bits == 4) {
         if (a->digits == 2)
-            tiled_range(1, 2, w, a, y, ystride, tb, te);
+            tiled_range(4, 2, w, a, y, ystride, tb, te);
         else
-            tiled_range(1, 1, w, a, y, ystride, tb, te);
+            tiled_range(4, 1, w, a, y, ystride, tb, te);
+    } else if (w->bits == 5) {
+        if (a->digits == 2)
+            tiled_range(5, 2, w, a, y, ystride, tb, te);
+        else
+            tiled_range(5, 1, w, a, y, ystride, tb, te);
     } else {
         if (a->digits == 2)
-            tiled_range(0, 2, w, a, y, ystride, tb, te);
+            tiled_range(8, 2, w, a, y, ystride, tb, te);
         else
-            tiled_range(0, 1, w, a, y, ystride, tb, te);
+            tiled_range(8, 1, w, a, y, ystride, tb, te);
     }
 }
 

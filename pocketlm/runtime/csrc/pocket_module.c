@@ -458,6 +458,12 @@ fail:
 
 #include "pocket_module_model.inc"
 
+static PyObject *py_amx_available(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    return PyBool_FromLong(pocket_model_amx_available());
+}
+
 /* ---- module ----------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -469,6 +475,9 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "quantize_act_q8(x, qx, dx, sx, level=-1): x float32 [n, cols] -> qx int8 [n, cols],\n"
      "dx float32 [n, cols/32] (block scales), sx float32 [n, cols/32] (dx * sum of qx)."},
+    {"amx_available", py_amx_available, METH_NOARGS,
+     "amx_available() -> bool: whether NativeModel can run prefill products on AMX-BF16\n"
+     "(config 'amx'): built with it, the CPU has it, the OS granted the tile state."},
     {"cpu_info", py_cpu_info, METH_NOARGS,
      "cpu_info() -> dict: detected CPU features, supported and compiled kernel levels, best."},
     {NULL, NULL, 0, NULL},

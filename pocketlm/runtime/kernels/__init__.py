@@ -2,11 +2,12 @@
 
 ``POCKET_KERNELS`` selects the backend for quantized matrix products: ``native`` (the C
 extension ``pocketlm._native``, the default when it is built) or ``numpy`` (the reference,
-:mod:`.numpy_ref`, which every native kernel is tested against). ``POCKET_ACT`` chooses the
-native activation format: ``f32`` (the same numbers as the reference up to float rounding) or
-``q8`` (activations as INT8 for integer dot products: faster, slightly different). The wrapper
-functions here check what they are handed (dtype, shape, layout) before calling a backend, so
-a backend may trust its inputs.
+:mod:`.numpy_ref`, which every native kernel is tested against). INT5 weights have no native
+single-matrix kernel: :func:`linear` computes them with the numpy reference under either
+backend. ``POCKET_ACT`` chooses the native activation format: ``f32`` (the same numbers as the
+reference up to float rounding) or ``q8`` (activations as INT8 for integer dot products:
+faster, slightly different). The wrapper functions here check what they are handed (dtype,
+shape, layout) before calling a backend, so a backend may trust its inputs.
 
 With the native backend the runtime normally runs the whole forward pass in the native engine
 (:class:`.native.NativeEngine`), whose default is ``q8``: each block of 32 activations is carried
@@ -27,6 +28,8 @@ from . import native, numpy_ref
 
 BACKENDS = ("native", "numpy")
 ACTIVATIONS = ("f32", "q8")
+# QuantTensor kinds with a native single-matrix kernel; the others (INT5) take the numpy twin
+NATIVE_MATMUL_KINDS = ("int4", "int8")
 
 
 def backend_name() -> str:
@@ -73,7 +76,8 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     _check_activations(x, in_f, "linear")
     if bias is not None and (bias.dtype != np.float32 or bias.shape != (out_f,)):
         raise KernelError(f"linear: bias must be float32 of shape ({out_f},)")
-    if isinstance(w, QuantTensor) and backend_name() == "native":
+    if isinstance(w, QuantTensor) and backend_name() == "native" and \
+            w.kind in NATIVE_MATMUL_KINDS:
         return native.linear(x, w, bias, act=activation_format(default="f32"))
     return numpy_ref.linear_ref(x, w, bias)
 

@@ -25,6 +25,9 @@ complete forward pass in one native call; the runtime uses it by default (see
 * ``POCKET_ACT=q8``: int8 dot products. Each activation block of 32 is carried as two int8
   digits, ``x ~ d/128 * (128 q1 + q2)`` (~15 bits of the block's range; ``POCKET_Q8_DIGITS=1``:
   one digit, plain int8 like the per-call kernels above, faster prefill, coarser).
+* ``POCKET_AMX`` (with q8): ``1`` runs the products of 16 or more tokens (prefill) on the
+  AMX-BF16 tile unit, bfloat16 weights and activations (an error where the CPU or OS lacks
+  it); ``0`` keeps them on the int8 products; unset: AMX where available.
 * ``POCKET_KV``: ``f32`` | ``f16`` KV cache (default f32 with f32 activations, f16 with q8).
 * ``POCKET_THREADS``: threads of the engine (default: the usable CPUs, at most 8).
 """
@@ -259,19 +262,38 @@ def q8_digits() -> int:
     return int(env)
 
 
+def amx_available() -> bool:
+    """Whether the engine can run prefill products on AMX-BF16 here."""
+    return available() and bool(getattr(_native, "amx_available", lambda: False)())
+
+
+def amx_setting(act: str) -> bool:
+    """POCKET_AMX: ``1`` (required), ``0`` (off), unset (where available); only with q8."""
+    env = os.environ.get("POCKET_AMX", "").strip()
+    if env not in ("", "0", "1"):
+        raise KernelError(f"POCKET_AMX={env!r}; choose 0 or 1")
+    if act != "q8" or env == "0":
+        return False
+    if env == "1":
+        if not amx_available():
+            raise KernelError("POCKET_AMX=1, but this build, CPU or OS has no AMX-BF16")
+        return True
+    return amx_available()
+
+
 def _engine_tensor(w):
     """The engine's form of a weight, or None if its layout is not supported."""
     if isinstance(w, QuantTensor):
-        arrays = [w.qweight, w.scales] + ([w.mins] if w.kind == "int4" else [])
-        if w.kind not in ("int4", "int8") or w.group_size not in (32, 64, 128):
+        arrays = [w.qweight, w.scales] + ([w.mins] if w.kind in ("int4", "int5") else [])
+        if w.kind not in ("int4", "int5", "int8") or w.group_size not in (32, 64, 128):
             return None
         if not all(isinstance(a, np.ndarray) and a.flags.c_contiguous for a in arrays):
             return None
-        if w.kind == "int4":
+        if w.kind in ("int4", "int5"):
             if w.qweight.dtype != np.uint8 or w.scales.dtype != np.float16 or \
                     w.mins.dtype != np.float16:
                 return None
-            return ("int4", w.qweight, w.scales, w.mins, int(w.group_size))
+            return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size))
         if w.qweight.dtype != np.int8 or w.scales.dtype != np.float16:
             return None
         return ("int8", w.qweight, w.scales, int(w.group_size))
@@ -303,9 +325,10 @@ class NativeEngine:
     def __init__(self, config, weights: dict, *, act: str | None = None, kv: str | None = None,
                  threads: int | None = None, level: str | None = None,
                  capacity: int | None = None, digits: int | None = None,
-                 release_source: bool = False):
+                 release_source: bool = False, amx: bool | None = None):
         """``release_source``: every weight is a view of a read-only file mapping, whose pages
-        the engine may hand back once it has repacked (or copied) them."""
+        the engine may hand back once it has repacked (or copied) them. ``amx``: prefill
+        products on AMX-BF16 (None: ``POCKET_AMX``; only with q8 at the avx512 level)."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
@@ -327,10 +350,18 @@ class NativeEngine:
             raise KernelError(reason)
         self.capacity = int(config.max_context if capacity is None else capacity)
         self.vocab_size = config.vocab_size
+        level_id = _level_id(level)
+        if amx is None:  # POCKET_AMX, at the avx512 level (the one it extends)
+            self.amx = amx_setting(self.act) and LEVELS[level_id] == "avx512"
+        else:
+            self.amx = bool(amx)
+            if self.amx and (self.act != "q8" or not amx_available()):
+                raise KernelError("amx needs act='q8' and a build, CPU and OS with AMX-BF16")
         cfg = config.to_dict()
         cfg["release_source"] = bool(release_source)
+        cfg["amx"] = self.amx
         self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
-                           act_q8=self.q8_mask(), level=_level_id(level), threads=self.threads,
+                           act_q8=self.q8_mask(), level=level_id, threads=self.threads,
                            pool=_get_pool(self.threads))
         self.level = self.model.level
 

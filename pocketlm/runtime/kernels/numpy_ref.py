@@ -8,13 +8,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...quant import QuantTensor, unpack_int4
+from ...errors import KernelError
+from ...quant import QuantTensor, unpack_int4, unpack_int5
 
 _ROWS_PER_CHUNK = 2048  # rows of a quantized weight widened to float32 at a time
 
 
 def matmul_int4_ref(x: np.ndarray, w: QuantTensor) -> np.ndarray:
     """``x @ W.T`` for an INT4 weight: per group, (x_g . q_g) * scale + sum(x_g) * min."""
+    return _matmul_asym_ref(x, w, unpack_int4)
+
+
+def matmul_int5_ref(x: np.ndarray, w: QuantTensor) -> np.ndarray:
+    """``x @ W.T`` for an INT5 weight: per group, (x_g . q_g) * scale + sum(x_g) * min."""
+    return _matmul_asym_ref(x, w, unpack_int5)
+
+
+def _matmul_asym_ref(x: np.ndarray, w: QuantTensor, unpack) -> np.ndarray:
     n = x.shape[0]
     rows, cols = w.shape
     g = w.group_size
@@ -24,7 +34,7 @@ def matmul_int4_ref(x: np.ndarray, w: QuantTensor) -> np.ndarray:
     y = np.empty((n, rows), dtype=np.float32)
     for r0 in range(0, rows, _ROWS_PER_CHUNK):
         r1 = min(rows, r0 + _ROWS_PER_CHUNK)
-        q = unpack_int4(w.qweight[r0:r1]).astype(np.float32).reshape(r1 - r0, ng, g)
+        q = unpack(w.qweight[r0:r1]).astype(np.float32).reshape(r1 - r0, ng, g)
         dots = np.einsum("ngk,rgk->nrg", xg, q, optimize=True)  # [n, r, ng]
         s = w.scales[r0:r1].astype(np.float32)
         m = w.mins[r0:r1].astype(np.float32)
@@ -48,9 +58,15 @@ def matmul_int8_ref(x: np.ndarray, w: QuantTensor) -> np.ndarray:
     return y
 
 
+_MATMUL_REF = {"int4": matmul_int4_ref, "int5": matmul_int5_ref, "int8": matmul_int8_ref}
+
+
 def linear_ref(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     if isinstance(w, QuantTensor):
-        y = matmul_int4_ref(x, w) if w.kind == "int4" else matmul_int8_ref(x, w)
+        matmul = _MATMUL_REF.get(w.kind)
+        if matmul is None:
+            raise KernelError(f"linear: quantized weight kind {w.kind!r} is not supported")
+        y = matmul(x, w)
     else:
         y = x @ w.T
     if bias is not None:

@@ -1,0 +1,229 @@
+/* AMX-BF16 products of the inference engine for prefill (pocket_model_config.amx).
+ *
+ * A product over a block of n >= PM_AMX_MIN_TOKENS tokens, Y[n, rows] = X[n, K] W[rows, K]^T,
+ * runs on the tile unit: X as two bfloat16 terms, hi = bf16(x) and lo = bf16(x - hi) (the A
+ * tiles: 16 tokens x 32 features, row-major, as prepare_act writes them; ~16 significant bits
+ * together), W widened from its 16-row tiles (INT4, INT5 or INT8, pocket_model_ops.h) to
+ * bfloat16 two tiles at a time into a per-thread buffer in the B-tile layout (row r of a
+ * 32-feature block: for each of the 16 weight rows, the features 2r and 2r + 1), and the sums
+ * accumulate in float32 tiles (TDPBF16PS: C[16 tokens, 16 rows] += A . B, for hi and for lo).
+ *
+ * Every weight is q * scale + min (INT8: (q - 128) * scale) in float32, rounded once to
+ * bfloat16 (8 significant bits); the products are exact in float32 and summed in float32. The
+ * two-digit int8 products of the other paths carry the weights exactly; this path trades that
+ * for the tile unit's rate. On smollm2-135m, bfloat16 weights alone keep top-1 agreement with
+ * the reference at 99.2-100 %, bfloat16 activations (one term) would lose 0.4-2 %: hence two
+ * terms (docs/engine.md).
+ *
+ * Work is split by weight tiles (16 rows), like the other products, so results do not depend
+ * on the number of threads. Linux needs the process to ask for the tile state once
+ * (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads the tile configuration before its
+ * first tile instruction.
+ */
+#if !defined(_WIN32) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE /* syscall */
+#endif
+
+#include "pocket_internal.h"
+#include "pocket_model_internal.h"
+
+#if PM_HAVE_AMX
+
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+#define TGTA                                                                                    \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,"        \
+                          "avx512bf16,amx-tile,amx-bf16")))
+
+/* 0: not asked yet, 1: granted, -1: refused (by the kernel or the CPU). */
+static int amx_state;
+
+int pm_amx_enable(void) {
+    int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (s) return s > 0;
+    const unsigned f = pocket_cpu_features();
+    int ok = (f & POCKET_CPU_AMX_BF16) && (f & POCKET_CPU_AVX512BW) &&
+             pocket_level_supported(POCKET_LEVEL_AVX512);
+#if defined(__linux__)
+    if (ok) ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+#else
+    ok = 0;
+#endif
+    __atomic_store_n(&amx_state, ok ? 1 : -1, __ATOMIC_RELEASE);
+    return ok;
+}
+
+/* The tile configuration: tiles 0-3 accumulators (16 x 16 float), 4-5 activations (16 tokens x
+ * 32 bf16), 6-7 weights (16 feature pairs x 16 rows x 2 bf16): every tile 16 rows x 64 bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static __thread int tiles_ready;
+
+static TGTA void tiles_configure(void) {
+    if (tiles_ready) return;
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    tiles_ready = 1;
+}
+
+/* float32 x -> bfloat16 hi = bf16(x), lo = bf16(x - hi) (round to nearest even, as
+ * vcvtneps2bf16). */
+static inline TGTA void split_bf16(__m512 v, uint16_t *hi, uint16_t *lo, __mmask16 mk) {
+    const __m256bh h = _mm512_cvtneps_pbh(v);
+    const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hv));
+    _mm256_mask_storeu_epi16(hi, mk, (__m256i)h);
+    _mm256_mask_storeu_epi16(lo, mk, (__m256i)l);
+}
+
+void TGTA pm_amx_to_bf16(const float *x, uint16_t *hi, uint16_t *lo, size_t len) {
+    size_t k = 0;
+    for (; k + 16 <= len; k += 16) split_bf16(_mm512_loadu_ps(x + k), hi + k, lo + k, 0xFFFF);
+    if (k < len) {
+        const __mmask16 mk = (__mmask16)((1u << (len - k)) - 1u);
+        split_bf16(_mm512_maskz_loadu_ps(mk, x + k), hi + k, lo + k, mk);
+    }
+}
+
+/* The 32 columns of block b of a tile record as float32 weights, 16 rows each: w[c] lane i is
+ * W[16 tile + i][32 b + c]. */
+static inline TGTA void block_weights(const pm_tiled *w, const uint8_t *rec, int b, __m512 *wv) {
+    const uint8_t *blk = rec + (size_t)b * w->block_bytes;
+    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
+    const int g = b / w->gpb;
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
+    const __m512i ff = _mm512_set1_epi32(0xFF);
+    if (w->bits == 8) {
+        const __m512 mv = _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+        for (int k = 0; k < 8; k++) {
+            const __m512i V = _mm512_load_si512((const void *)(blk + 64 * k));
+            for (int j = 0; j < 4; j++) {
+                const __m512i q = _mm512_and_si512(_mm512_srli_epi32(V, 8 * j), ff);
+                wv[4 * k + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, mv);
+            }
+        }
+        return;
+    }
+    const uint16_t *mn = sc + (size_t)w->ng * 16;
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    for (int mm = 0; mm < 4; mm++) {
+        const __m512i V = _mm512_load_si512((const void *)(blk + 64 * mm));
+        __m512i lo = _mm512_and_si512(V, m4), hi = _mm512_and_si512(_mm512_srli_epi16(V, 4), m4);
+        if (w->bits == 5) {
+            uint64_t kl, kh;
+            memcpy(&kl, blk + 256 + 16 * mm, 8);
+            memcpy(&kh, blk + 256 + 16 * mm + 8, 8);
+            const __m512i c16 = _mm512_set1_epi8(16);
+            lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(kl), lo, c16);
+            hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(kh), hi, c16);
+        }
+        for (int j = 0; j < 4; j++) {
+            const __m512i ql = _mm512_and_si512(_mm512_srli_epi32(lo, 8 * j), ff);
+            const __m512i qh = _mm512_and_si512(_mm512_srli_epi32(hi, 8 * j), ff);
+            wv[8 * mm + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ql), s, mv);
+            wv[8 * mm + 4 + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qh), s, mv);
+        }
+    }
+}
+
+/* Tile `tile` of w widened into B-tile blocks: out[b * 512 + 32 r + 2 i + j] (bf16) is
+ * W[16 tile + i][32 b + 2 r + j]. */
+static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *out) {
+    const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    for (int b = 0; b < w->nb; b++) {
+        __m512 wv[32];
+        block_weights(w, rec, b, wv);
+        uint16_t *o = out + (size_t)b * 512;
+        for (int r = 0; r < 16; r++) {
+            const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wv[2 * r]));
+            const __m512i d = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wv[2 * r + 1]));
+            const __m512i pair = _mm512_or_si512(_mm512_and_si512(e, lo16), _mm512_slli_epi32(d, 16));
+            _mm512_store_si512((void *)(o + 32 * r), pair);
+        }
+    }
+}
+
+/* C tile (16 tokens x 16 rows, float) -> y rows [t0, t0 + nt) x columns [r0, r0 + nr). */
+static inline TGTA void store_rows(const float *c, float *y, size_t ystride, int t0, int nt,
+                                   int r0, int nr) {
+    const __mmask16 mk = (__mmask16)(nr >= 16 ? 0xFFFFu : (1u << nr) - 1u);
+    for (int t = 0; t < nt; t++)
+        _mm512_mask_storeu_ps(y + (size_t)(t0 + t) * ystride + r0, mk, _mm512_loadu_ps(c + 16 * t));
+}
+
+void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *xl, int n,
+                        float *y, size_t ystride, int tb, int te, uint16_t *wbuf) {
+    tiles_configure();
+    const int K = w->cols, nb = w->nb, ntt = (n + 15) / 16;
+    const size_t xs = (size_t)K * sizeof(uint16_t); /* stride of the activation rows */
+    uint16_t *w0 = wbuf, *w1 = wbuf + (size_t)nb * 512;
+    float c[4][256] __attribute__((aligned(64)));
+    for (int tile = tb; tile < te; tile += 2) {
+        const int two = tile + 1 < te; /* a pair of weight tiles (the last may be alone) */
+        widen_tile(w, tile, w0);
+        if (two) widen_tile(w, tile + 1, w1);
+        for (int tt = 0; tt < ntt; tt += 2) {
+            /* tokens [16 tt, 16 tt + 32): the second token tile repeats the first when alone */
+            const int tt1 = tt + 1 < ntt ? tt + 1 : tt;
+            const size_t o0 = (size_t)16 * tt * K, o1 = (size_t)16 * tt1 * K;
+            const uint16_t *a0 = xb + o0, *a1 = xb + o1, *l0 = xl + o0, *l1 = xl + o1;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int b = 0; b < nb; b++) {
+                _tile_loadd(4, a0 + 32 * b, xs);
+                _tile_loadd(5, a1 + 32 * b, xs);
+                _tile_loadd(6, w0 + (size_t)512 * b, 64);
+                _tile_loadd(7, (two ? w1 : w0) + (size_t)512 * b, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+                _tile_loadd(4, l0 + 32 * b, xs);
+                _tile_loadd(5, l1 + 32 * b, xs);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            const int nt0 = n - 16 * tt < 16 ? n - 16 * tt : 16;
+            const int nt1 = n - 16 * tt1 < 16 ? n - 16 * tt1 : 16;
+            const int r0 = 16 * tile, nr0 = w->rows - r0 < 16 ? w->rows - r0 : 16;
+            store_rows(c[0], y, ystride, 16 * tt, nt0, r0, nr0);
+            if (two) store_rows(c[1], y, ystride, 16 * tt, nt0, r0 + 16,
+                                w->rows - r0 - 16 < 16 ? w->rows - r0 - 16 : 16);
+            if (tt1 != tt) {
+                store_rows(c[2], y, ystride, 16 * tt1, nt1, r0, nr0);
+                if (two) store_rows(c[3], y, ystride, 16 * tt1, nt1, r0 + 16,
+                                    w->rows - r0 - 16 < 16 ? w->rows - r0 - 16 : 16);
+            }
+        }
+    }
+}
+
+#endif /* PM_HAVE_AMX */
+
+typedef int pocket_model_amx_unit_not_empty;
