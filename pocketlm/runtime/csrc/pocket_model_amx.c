@@ -61,6 +61,8 @@ int pm_amx_enable(void) {
 
 /* The tile configuration: tiles 0-3 accumulators (16 x 16 float), 4-5 activations (16 tokens x
  * 32 bf16), 6-7 weights (16 feature pairs x 16 rows x 2 bf16): every tile 16 rows x 64 bytes. */
+#define PM_AMX_TILES 4 /* weight tiles per pass: 4 accumulators of 16 tokens */
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -147,16 +149,17 @@ static inline TGTA void block_weights(const pm_tiled *w, const uint8_t *rec, int
  * W[16 tile + i][32 b + 2 r + j]. */
 static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *out) {
     const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
-    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+    /* cvtne2ps gives [even column x 16 rows, odd column x 16 rows]: interleave to row pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
     for (int b = 0; b < w->nb; b++) {
         __m512 wv[32];
         block_weights(w, rec, b, wv);
         uint16_t *o = out + (size_t)b * 512;
         for (int r = 0; r < 16; r++) {
-            const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wv[2 * r]));
-            const __m512i d = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(wv[2 * r + 1]));
-            const __m512i pair = _mm512_or_si512(_mm512_and_si512(e, lo16), _mm512_slli_epi32(d, 16));
-            _mm512_store_si512((void *)(o + 32 * r), pair);
+            const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(wv[2 * r + 1], wv[2 * r]);
+            _mm512_store_si512((void *)(o + 32 * r), _mm512_permutexvar_epi16(pairs, two));
         }
     }
 }
@@ -174,51 +177,47 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
     tiles_configure();
     const int K = w->cols, nb = w->nb, ntt = (n + 15) / 16;
     const size_t xs = (size_t)K * sizeof(uint16_t); /* stride of the activation rows */
-    uint16_t *w0 = wbuf, *w1 = wbuf + (size_t)nb * 512;
+    const size_t wt = (size_t)nb * 512;             /* bfloat16 of one widened tile */
     float c[4][256] __attribute__((aligned(64)));
-    for (int tile = tb; tile < te; tile += 2) {
-        const int two = tile + 1 < te; /* a pair of weight tiles (the last may be alone) */
-        widen_tile(w, tile, w0);
-        if (two) widen_tile(w, tile + 1, w1);
-        for (int tt = 0; tt < ntt; tt += 2) {
-            /* tokens [16 tt, 16 tt + 32): the second token tile repeats the first when alone */
-            const int tt1 = tt + 1 < ntt ? tt + 1 : tt;
-            const size_t o0 = (size_t)16 * tt * K, o1 = (size_t)16 * tt1 * K;
-            const uint16_t *a0 = xb + o0, *a1 = xb + o1, *l0 = xl + o0, *l1 = xl + o1;
+    for (int tile = tb; tile < te; tile += PM_AMX_TILES) {
+        /* up to 4 weight tiles at a time; a missing one repeats the last (results dropped) */
+        const int nw = te - tile < PM_AMX_TILES ? te - tile : PM_AMX_TILES;
+        for (int k = 0; k < nw; k++) widen_tile(w, tile + k, wbuf + (size_t)k * wt);
+        const uint16_t *b0 = wbuf, *b1 = wbuf + (nw > 1 ? 1 : 0) * wt;
+        const uint16_t *b2 = wbuf + (size_t)(nw > 2 ? 2 : nw - 1) * wt;
+        const uint16_t *b3 = wbuf + (size_t)(nw > 3 ? 3 : nw - 1) * wt;
+        for (int tt = 0; tt < ntt; tt++) {
+            const size_t o = (size_t)16 * tt * K;
+            const uint16_t *a = xb + o, *l = xl + o;
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
             for (int b = 0; b < nb; b++) {
-                _tile_loadd(4, a0 + 32 * b, xs);
-                _tile_loadd(5, a1 + 32 * b, xs);
-                _tile_loadd(6, w0 + (size_t)512 * b, 64);
-                _tile_loadd(7, (two ? w1 : w0) + (size_t)512 * b, 64);
+                const size_t ob = (size_t)512 * b;
+                _tile_loadd(4, a + 32 * b, xs);
+                _tile_loadd(5, l + 32 * b, xs);
+                _tile_loadd(6, b0 + ob, 64);
                 _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(0, 5, 6);
+                _tile_loadd(7, b1 + ob, 64);
                 _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(1, 5, 7);
+                _tile_loadd(6, b2 + ob, 64);
+                _tile_dpbf16ps(2, 4, 6);
                 _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-                _tile_loadd(4, l0 + 32 * b, xs);
-                _tile_loadd(5, l1 + 32 * b, xs);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(7, b3 + ob, 64);
+                _tile_dpbf16ps(3, 4, 7);
                 _tile_dpbf16ps(3, 5, 7);
             }
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64);
             _tile_stored(3, c[3], 64);
-            const int nt0 = n - 16 * tt < 16 ? n - 16 * tt : 16;
-            const int nt1 = n - 16 * tt1 < 16 ? n - 16 * tt1 : 16;
-            const int r0 = 16 * tile, nr0 = w->rows - r0 < 16 ? w->rows - r0 : 16;
-            store_rows(c[0], y, ystride, 16 * tt, nt0, r0, nr0);
-            if (two) store_rows(c[1], y, ystride, 16 * tt, nt0, r0 + 16,
-                                w->rows - r0 - 16 < 16 ? w->rows - r0 - 16 : 16);
-            if (tt1 != tt) {
-                store_rows(c[2], y, ystride, 16 * tt1, nt1, r0, nr0);
-                if (two) store_rows(c[3], y, ystride, 16 * tt1, nt1, r0 + 16,
-                                    w->rows - r0 - 16 < 16 ? w->rows - r0 - 16 : 16);
+            const int nt = n - 16 * tt < 16 ? n - 16 * tt : 16;
+            for (int k = 0; k < nw; k++) {
+                const int r0 = 16 * (tile + k), nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+                store_rows(c[k], y, ystride, 16 * tt, nt, r0, nr);
             }
         }
     }
