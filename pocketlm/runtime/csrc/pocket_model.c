@@ -423,7 +423,7 @@ int pm_ensure_attn_scratch(pocket_model *m, int tasks, size_t units) {
 
 int pm_ensure_amx_scratch(pocket_model *m, int tasks) {
     if (!m->amx || tasks <= m->awbuf_tasks) return POCKET_OK;
-    const size_t stride = (size_t)4 * (size_t)(m->max_in / 32 + 1) * 512; /* bfloat16 */
+    const size_t stride = (size_t)8 * (size_t)(m->max_in / 32 + 1) * 512; /* bfloat16 */
     uint16_t *b = (uint16_t *)pm_zalloc((size_t)tasks * stride, sizeof(uint16_t));
     if (!b) return POCKET_ENOMEM;
     free(m->awbuf);
