@@ -57,6 +57,7 @@ def main() -> None:
                     "group_size": args.group_size, "embed_bits": args.embed_bits,
                     "keep_precision": args.keep_precision,
                     "pocket_file_mb": round(packed.stat().st_size / 1e6, 1),
+                    "scheme": qm.metadata.get("quant", {}).get("scheme", ""),
                     "float_vs_llama_f32": oracle.compare(ref32, fl),
                     "float_vs_llama_quant": oracle.compare(refq, fl),
                     "int4_vs_float": oracle.compare(fl, q),

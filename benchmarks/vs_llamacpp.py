@@ -11,7 +11,8 @@ their own processes (`pocket bench --vs llama.cpp`).
 The default deploy file stores every matrix in INT4. gemma3-270m's and qwen2.5-0.5b's GGUFs keep
 most matrices at 5-8 bits, so their default packs are smaller and less accurate than what
 llama.cpp runs (docs/accuracy.md); `--keep-precision` benchmarks the packs that keep those
-tensors in INT8 (top-1 agreement with the float model 97-99 %), i.e. at quality parity or above.
+tensors (Q5_0 in INT5, Q6_K/Q8_0 in INT8: top-1 agreement with the float model 97-99 %), i.e.
+at quality parity or above.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool) -> Non
     from pocketlm.registry import resolve
     from pocketlm.runtime.kernels import native
 
-    pack = "int4 g32, embed int8" + (", keep-precision" if keep_precision else "")
+    pack = "int4 g32, embed int8" + (", keep-precision (q5_0 int5, q6_k/q8_0 int8)"
+                                      if keep_precision else "")
     for name in models:
         if keep_precision:  # the pack's path, its GGUF for llama.cpp
             target = pocketlm.load(name, keep_precision=True, quiet=False).path
@@ -47,7 +49,8 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool) -> Non
             row["date"] = time.strftime("%Y-%m-%d %H:%M")
             row["engine_version"] = ("llama-cpp-python " + llama_cpp.__version__
                                      if r.engine == "llama.cpp"
-                                     else "pocketlm native " + native.cpu_features()["selected"])
+                                     else "pocketlm native " + native.cpu_features()["selected"]
+                                     + (" + amx-bf16 prefill" if native.amx_setting("q8") else ""))
             row["command"] = " ".join(sys.argv)
             print(json.dumps(row), flush=True)
 
@@ -92,7 +95,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--keep-precision", action="store_true",
-                    help="benchmark the packs that keep the source's 5-8-bit tensors in INT8")
+                    help="benchmark the packs that keep the source's 5-8-bit tensors (Q5_0 in "
+                    "INT5, wider types in INT8)")
     ap.add_argument("--table", metavar="JSONL", help="print the markdown table of a results file")
     args = ap.parse_args()
     if args.table:
