@@ -54,6 +54,19 @@ def test_bench_against_llama_cpp_alternating(gguf):
         assert r.prompt_hash == results[0].prompt_hash
     table = format_table(results)
     assert "pocketlm / llama.cpp" in table and "budgets" in table
+    # the kernels pocketlm ran on are stated, AMX prefill where in force
+    machine = results[0].machine
+    assert machine["kernel_level"] and f"kernels {machine['kernel_level']}" in table
+    assert ("AMX-BF16 prefill" in table) == machine["amx_prefill"]
+
+
+def test_bench_states_the_amx_setting(monkeypatch):
+    from pocketlm.bench import machine_info
+
+    monkeypatch.setenv("POCKET_AMX", "0")
+    assert machine_info()["amx_prefill"] is False
+    monkeypatch.setenv("POCKET_AMX", "bogus")  # an invalid setting: reported off, not a crash
+    assert machine_info()["amx_prefill"] is False
 
 
 def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import PocketError, UnsupportedError
+from ..errors import KernelError, PocketError, UnsupportedError
 from .prompt import benchmark_ids, ids_hash
 
 BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0, "energy_j": 5.0}
@@ -78,8 +78,12 @@ def machine_info() -> dict[str, Any]:
     from ..runtime.kernels import native
 
     level = native.cpu_features().get("best") if native.available() else None
+    try:  # what pocketlm's prefill runs on with the default (q8) activations
+        amx = native.amx_setting("q8")
+    except KernelError:
+        amx = False
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
-            "kernel_level": level, "python": platform.python_version(),
+            "kernel_level": level, "amx_prefill": amx, "python": platform.python_version(),
             "os": platform.system()}
 
 
@@ -274,7 +278,9 @@ def format_table(results: list[EngineResult]) -> str:
     lines = [
         f"model {r0.model}  threads {r0.threads}  prompt {r0.n_prompt} tokens "
         f"(hash {r0.prompt_hash})  decode {r0.n_gen} tokens  runs {r0.runs} (+1 warm-up)",
-        f"machine: {r0.machine.get('cpu')} ({r0.machine.get('cores')} CPUs)",
+        f"machine: {r0.machine.get('cpu')} ({r0.machine.get('cores')} CPUs); pocketlm kernels "
+        f"{r0.machine.get('kernel_level')}"
+        + (", AMX-BF16 prefill" if r0.machine.get("amx_prefill") else ""),
         "",
         f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak MB':>8} "
         f"{'file MB':>8} {'load s':>7} {'energy J':>9}",
