@@ -112,21 +112,28 @@ def test_tokenizer_comes_from_the_file(tiny):
 
 
 # -- packing ---------------------------------------------------------------------------------
+def _assert_lossless(report, config, stored, weight_type):
+    """Every linear weight imported as `stored` without loss, the Q8_0 embedding / head into
+    INT8, nothing requantized; returns the linear weights' reports."""
+    linear = [t for t in report.tensors if t.name.endswith(QUANT_SUFFIXES)]
+    assert len(linear) == 7 * config.n_layers
+    for t in linear:
+        assert (t.how, t.stored, t.source_dtype) == ("lossless", stored, weight_type), t
+        assert t.rel_error == 0.0, t
+    for t in report.tensors:
+        if t.name in ("embed.weight", "lm_head.weight"):  # Q8_0 in the file
+            assert (t.how, t.stored) == ("lossless", "int8")
+        assert t.how != "requantized", t
+    return linear
+
+
 @pytest.mark.parametrize("arch,weight_type", [("llama", "Q4_0"), ("llama", "Q4_1"),
                                               ("qwen2", "Q4_0"), ("gemma3", "Q4_1")])
 def test_pack_of_4bit_gguf_is_lossless(tmp_path, arch, weight_type):
     src = tmp_path / "m.gguf"
     config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=2, weight_type=weight_type)
     report = pack(src, tmp_path / "m.pocket", progress=False)
-    linear = [t for t in report.tensors if t.name.endswith(QUANT_SUFFIXES)]
-    assert len(linear) == 7 * config.n_layers
-    for t in linear:
-        assert (t.how, t.stored, t.source_dtype) == ("lossless", "int4", weight_type), t
-        assert t.rel_error == 0.0, t
-    for t in report.tensors:
-        if t.name in ("embed.weight", "lm_head.weight"):  # Q8_0 in the file
-            assert (t.how, t.stored) == ("lossless", "int8")
-        assert t.how != "requantized", t
+    _assert_lossless(report, config, "int4", weight_type)
 
     packed = load_pocket(tmp_path / "m.pocket").logits(IDS)
     floats = from_source(open_source(src)).logits(IDS)
@@ -176,15 +183,7 @@ def test_keep_precision_pack_of_5bit_gguf_is_lossless_int5(tmp_path, arch, weigh
     src = tmp_path / "m.gguf"
     config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=4, weight_type=weight_type)
     report = pack(src, tmp_path / "m.pocket", keep_precision=True, progress=False)
-    linear = [t for t in report.tensors if t.name.endswith(QUANT_SUFFIXES)]
-    assert len(linear) == 7 * config.n_layers
-    for t in linear:
-        assert (t.how, t.stored, t.source_dtype) == ("lossless", "int5", weight_type), t
-        assert t.rel_error == 0.0, t
-    for t in report.tensors:
-        if t.name in ("embed.weight", "lm_head.weight"):  # Q8_0 in the file
-            assert (t.how, t.stored) == ("lossless", "int8")
-        assert t.how != "requantized", t
+    linear = _assert_lossless(report, config, "int5", weight_type)
 
     pf = PocketFile(tmp_path / "m.pocket")
     quant = pf.json("quant")

@@ -153,15 +153,21 @@ def _int4_minmax_bound(w: np.ndarray, g: int) -> np.ndarray:
     return np.repeat(bound, g)
 
 
-def _check_int4(qt: QuantTensor, shape, g, nonneg_scales: bool = True):
+def _check_asym(kind: str, qt: QuantTensor, shape, g, nonneg_scales: bool = True):
+    """An INT4 / INT5 tensor of `shape`, group size `g`, in its layout."""
     rows, cols = shape
-    assert qt.kind == "int4" and qt.shape == (rows, cols) and qt.group_size == g
-    assert qt.qweight.dtype == np.uint8 and qt.qweight.shape == (rows, cols // 2)
+    qbytes = cols // 2 if kind == "int4" else cols // 32 * 20
+    assert qt.kind == kind and qt.shape == (rows, cols) and qt.group_size == g
+    assert qt.qweight.dtype == np.uint8 and qt.qweight.shape == (rows, qbytes)
     assert qt.scales.dtype == np.float16 and qt.scales.shape == (rows, cols // g)
     assert qt.mins.dtype == np.float16 and qt.mins.shape == (rows, cols // g)
     assert np.isfinite(qt.scales).all() and np.isfinite(qt.mins).all()
     if nonneg_scales:  # our quantizers; imported GGUF blocks may carry negative scales
         assert (qt.scales >= 0).all()
+
+
+def _check_int4(qt: QuantTensor, shape, g, nonneg_scales: bool = True):
+    _check_asym("int4", qt, shape, g, nonneg_scales)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -203,21 +209,27 @@ def test_int4_search_never_worse_per_group(group_size):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("search", [False, True])
-def test_int4_exact_on_grid(group_size, search):
-    """Values of the form q * s + m with float16 s, m and both q = 0 and 15 in every group
-    quantize without any error."""
+@pytest.mark.parametrize("kind", ["int4", "int5"])
+def test_asymmetric_exact_on_grid(kind, group_size, search):
+    """Values of the form q * s + m with float16 s, m and both q = 0 and the largest q in every
+    group quantize without any error."""
+    qmax, pack_fn, unpack_fn, deq, quant = {
+        "int4": (15, pack_int4, unpack_int4, dequantize_int4, quantize_int4),
+        "int5": (31, pack_int5, unpack_int5, dequantize_int5, quantize_int5),
+    }[kind]
     r = rng(7)
     rows, cols = 4, 256
     ng = cols // group_size
     s = (np.abs(r.standard_normal((rows, ng))) + 0.01).astype(np.float16)
     m = r.standard_normal((rows, ng)).astype(np.float16)
-    q = r.integers(0, 16, size=(rows, cols)).astype(np.uint8)
+    q = r.integers(0, qmax + 1, size=(rows, cols)).astype(np.uint8)
     q[:, ::group_size] = 0
-    q[:, 1::group_size] = 15
-    w = dequantize_int4(pack_int4(q), s, m, group_size)
-    qt = quantize_int4(w, group_size, search=search)
+    q[:, 1::group_size] = qmax
+    w = deq(pack_fn(q), s, m, group_size)
+    qt = quant(w, group_size, search=search)
+    assert qt.kind == kind
     assert np.array_equal(qt.dequantize(), w)
-    assert np.array_equal(unpack_int4(qt.qweight), q)
+    assert np.array_equal(unpack_fn(qt.qweight), q)
     assert np.array_equal(qt.scales, s) and np.array_equal(qt.mins, m)
 
 
@@ -625,14 +637,7 @@ def test_int5_bits_per_weight_and_unknown_kind():
 
 
 def _check_int5(qt: QuantTensor, shape, g, nonneg_scales: bool = True):
-    rows, cols = shape
-    assert qt.kind == "int5" and qt.shape == (rows, cols) and qt.group_size == g
-    assert qt.qweight.dtype == np.uint8 and qt.qweight.shape == (rows, cols // 32 * 20)
-    assert qt.scales.dtype == np.float16 and qt.scales.shape == (rows, cols // g)
-    assert qt.mins.dtype == np.float16 and qt.mins.shape == (rows, cols // g)
-    assert np.isfinite(qt.scales).all() and np.isfinite(qt.mins).all()
-    if nonneg_scales:
-        assert (qt.scales >= 0).all()
+    _check_asym("int5", qt, shape, g, nonneg_scales)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -680,24 +685,6 @@ def test_int5_error_below_int4_and_values_in_range(group_size):
     e_best = ((_groups(best.dequantize(), group_size) - _groups(w, group_size)) ** 2).sum(1)
     assert (e_best <= e_plain * (1 + 1e-5) + 1e-30).all()
     assert e_best.sum() < e_plain.sum()
-
-
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("search", [False, True])
-def test_int5_exact_on_grid(group_size, search):
-    r = rng(37)
-    rows, cols = 4, 256
-    ng = cols // group_size
-    s = (np.abs(r.standard_normal((rows, ng))) + 0.01).astype(np.float16)
-    m = r.standard_normal((rows, ng)).astype(np.float16)
-    q = r.integers(0, 32, size=(rows, cols)).astype(np.uint8)
-    q[:, ::group_size] = 0
-    q[:, 1::group_size] = 31
-    w = dequantize_int5(pack_int5(q), s, m, group_size)
-    qt = quantize_int5(w, group_size, search=search)
-    assert np.array_equal(qt.dequantize(), w)
-    assert np.array_equal(unpack_int5(qt.qweight), q)
-    assert np.array_equal(qt.scales, s) and np.array_equal(qt.mins, m)
 
 
 @pytest.mark.filterwarnings("error")

@@ -211,26 +211,20 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
                 const size_t ob = (size_t)512 * b;
                 _tile_loadd(4, a + 32 * b, xs);
                 _tile_loadd(5, l + 32 * b, xs);
-                _tile_loadd(6, bh[0] + ob, 64);
-                _tile_loadd(7, bl[0] + ob, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(0, 5, 6);
-                _tile_dpbf16ps(0, 4, 7);
-                _tile_loadd(6, bh[1] + ob, 64);
-                _tile_loadd(7, bl[1] + ob, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_dpbf16ps(1, 5, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_loadd(6, bh[2] + ob, 64);
-                _tile_loadd(7, bl[2] + ob, 64);
-                _tile_dpbf16ps(2, 4, 6);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_loadd(6, bh[3] + ob, 64);
-                _tile_loadd(7, bl[3] + ob, 64);
-                _tile_dpbf16ps(3, 4, 6);
-                _tile_dpbf16ps(3, 5, 6);
-                _tile_dpbf16ps(3, 4, 7);
+                /* tile numbers are immediates: one expansion per accumulator */
+#define PM_AMX_THREE(k)                                                                          \
+    do {                                                                                        \
+        _tile_loadd(6, bh[k] + ob, 64);                                                         \
+        _tile_loadd(7, bl[k] + ob, 64);                                                         \
+        _tile_dpbf16ps(k, 4, 6);                                                                \
+        _tile_dpbf16ps(k, 5, 6);                                                                \
+        _tile_dpbf16ps(k, 4, 7);                                                                \
+    } while (0)
+                PM_AMX_THREE(0);
+                PM_AMX_THREE(1);
+                PM_AMX_THREE(2);
+                PM_AMX_THREE(3);
+#undef PM_AMX_THREE
             }
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
