@@ -756,6 +756,10 @@ def test_a_row_does_not_depend_on_the_rest_of_its_batch(mode):
     alone = run([2])[2]
     np.testing.assert_array_equal(run([0, 1, 2])[2], alone)
     np.testing.assert_array_equal(run([5, 4, 3, 2, 1, 0])[2], alone)
+    # a batch of 16 or more rows too (the size from which prefill products go to AMX tiles:
+    # batched decode stays on the int8 products whatever its size)
+    prompts += [rng.integers(0, cfg.vocab_size, 3 + i).tolist() for i in range(14)]
+    np.testing.assert_array_equal(run(list(range(20)))[2], alone)
 
 
 @pytest.mark.parametrize("mode", ["f32", "f32-kv16"])

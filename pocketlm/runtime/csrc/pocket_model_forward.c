@@ -289,7 +289,7 @@ static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int n
     act->cols = cols;
     act->x = x;
     act->digits = q8 ? ((m->one_digit & cls) ? 1 : 2) : 0;
-    if (m->amx && n >= PM_AMX_MIN_TOKENS) {
+    if (m->amx_call && n >= PM_AMX_MIN_TOKENS) {
         act->xb = m->axb[slot];
         act->xl = m->axb[slot] + (size_t)PM_BLOCK * (size_t)m->max_in;
     }
@@ -673,6 +673,7 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
         if (ids[i] < 0 || ids[i] >= m->c.vocab_size) return POCKET_EINVAL;
     int rc = pm_ensure_rope(m, start_pos + n);
     if (rc) return rc;
+    m->amx_call = m->amx;
     const size_t V = (size_t)m->c.vocab_size;
     for (int b0 = 0; b0 < n; b0 += PM_BLOCK) {
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
@@ -708,6 +709,7 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
     }
     int rc = pm_ensure_rope(m, need);
     if (rc) return rc;
+    m->amx_call = 0; /* int8 products whatever the batch size: rows independent of the batch */
     const size_t V = (size_t)m->c.vocab_size;
     for (int b0 = 0; b0 < n; b0 += PM_BLOCK) { /* the rows are independent sequences */
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;

@@ -34,6 +34,8 @@ struct pocket_model {
     int one_digit;    /* POCKET_Q8_* classes with one int8 digit per activation (else two) */
     int tiled_f32;    /* float-activation products on the tiled weights too (AVX-512, INT5) */
     int amx;          /* products of PM_AMX_MIN_TOKENS or more tokens on AMX-BF16 */
+    int amx_call;     /* amx in this call: prefill (pocket_model_forward) only, so that a
+                       * batched decode row never depends on how many others share its batch */
     /* repacked weights of the int8-activation products: [layer * 7 + k] (k: q, k, v, o,
      * gate, up, down), then the head; data == NULL where not used */
     pm_tiled *tiled;
