@@ -55,11 +55,37 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool) -> Non
             print(json.dumps(row), flush=True)
 
 
+# -- markdown (shared with vs_mnn.py) -----------------------------------------------------------
+ENGINE_HEADER = ("| model | engine | weights | prefill tok/s (min–max) | decode tok/s (min–max) | "
+                 "peak RSS Δ MB | file MB | load s | energy J (est.) |\n"
+                 "|---|---|---|---|---|---|---|---|---|")
+
+
+def engine_row(r: dict, pack: str) -> str:
+    return (f"| {r['model']} | {r['engine']} | {pack} | {r['prefill_tps']:.0f} "
+            f"({r['prefill_tps_min']:.0f}–{r['prefill_tps_max']:.0f}) | {r['decode_tps']:.0f} "
+            f"({r['decode_tps_min']:.0f}–{r['decode_tps_max']:.0f}) | "
+            f"{r['peak_rss_delta_mb']:.0f} | {r['file_mb']:.0f} | {r['load_s']:.2f} | "
+            f"{r['energy_j_est']:.2f} |")
+
+
+def ratio_row(model: str, label: str, a: dict, b: dict) -> str:
+    """pocketlm's row `a` over another engine's `b`."""
+    return (f"| {model} | {label} | ×{a['prefill_tps'] / b['prefill_tps']:.2f} | "
+            f"×{a['decode_tps'] / b['decode_tps']:.2f} | "
+            f"×{a['peak_rss_delta_mb'] / b['peak_rss_delta_mb']:.2f} |")
+
+
+def machine_line(rows: list[dict]) -> str:
+    r0 = rows[0]
+    return (f"machine: {r0['machine']['cpu']}, {r0['machine']['cores']} CPUs; threads "
+            f"{r0['threads']}; prompt {r0['n_prompt']} tokens, {r0['n_gen']} generated; median "
+            f"of {r0['runs']} runs after 1 warm-up; energy: {r0['energy_method']}")
+
+
 def table(path: str) -> None:
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    print("| model | engine | weights | prefill tok/s (min–max) | decode tok/s (min–max) | "
-          "peak RSS Δ MB | file MB | load s | energy J (est.) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(ENGINE_HEADER)
     pairs = []  # (pocketlm row, the llama.cpp row of the same bench call)
     ours = None
     for r in rows:
@@ -69,23 +95,13 @@ def table(path: str) -> None:
             ours = r
         elif ours is not None and ours["model"] == r["model"]:
             pairs.append((ours, r))
-        print(f"| {r['model']} | {r['engine']} | {pack} | {r['prefill_tps']:.0f} "
-              f"({r['prefill_tps_min']:.0f}–{r['prefill_tps_max']:.0f}) | {r['decode_tps']:.0f} "
-              f"({r['decode_tps_min']:.0f}–{r['decode_tps_max']:.0f}) | "
-              f"{r['peak_rss_delta_mb']:.0f} | {r['file_mb']:.0f} | {r['load_s']:.2f} | "
-              f"{r['energy_j_est']:.2f} |")
+        print(engine_row(r, pack))
     print()
     print("| model | pocketlm weights | prefill ratio | decode ratio | peak memory ratio |")
     print("|---|---|---|---|---|")
     for a, b in pairs:
-        print(f"| {a['model']} | {a.get('pack', 'int4 g32, embed int8')} | "
-              f"×{a['prefill_tps'] / b['prefill_tps']:.2f} | "
-              f"×{a['decode_tps'] / b['decode_tps']:.2f} | "
-              f"×{a['peak_rss_delta_mb'] / b['peak_rss_delta_mb']:.2f} |")
-    r0 = rows[0]
-    print(f"\nmachine: {r0['machine']['cpu']}, {r0['machine']['cores']} CPUs; threads "
-          f"{r0['threads']}; prompt {r0['n_prompt']} tokens, {r0['n_gen']} generated; median of "
-          f"{r0['runs']} runs after 1 warm-up; energy: {r0['energy_method']}")
+        print(ratio_row(a["model"], a.get("pack", "int4 g32, embed int8"), a, b))
+    print("\n" + machine_line(rows))
 
 
 def main() -> None:

@@ -53,18 +53,14 @@ def run(models: list[str], threads: int, runs: int) -> None:
 
 
 def table(path: str) -> None:
+    from vs_llamacpp import ENGINE_HEADER, engine_row, machine_line, ratio_row
+
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    print("| model | engine | weights | prefill tok/s (min–max) | decode tok/s (min–max) | "
-          "peak RSS Δ MB | file MB | load s | energy J (est.) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(ENGINE_HEADER)
     by_model: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_model.setdefault(r["model"], {})[r["engine"]] = r
-        print(f"| {r['model']} | {r['engine']} | {r['pack']} | {r['prefill_tps']:.0f} "
-              f"({r['prefill_tps_min']:.0f}–{r['prefill_tps_max']:.0f}) | {r['decode_tps']:.0f} "
-              f"({r['decode_tps_min']:.0f}–{r['decode_tps_max']:.0f}) | "
-              f"{r['peak_rss_delta_mb']:.0f} | {r['file_mb']:.0f} | {r['load_s']:.2f} | "
-              f"{r['energy_j_est']:.2f} |")
+        print(engine_row(r, r["pack"]))
     print()
     print("| model | pocketlm vs | prefill ratio | decode ratio | peak memory ratio |")
     print("|---|---|---|---|---|")
@@ -72,15 +68,8 @@ def table(path: str) -> None:
         a = engines["pocketlm"]
         for other in ("mnn", "llama.cpp"):
             if other in engines:
-                b = engines[other]
-                print(f"| {model} | {other} | ×{a['prefill_tps'] / b['prefill_tps']:.2f} | "
-                      f"×{a['decode_tps'] / b['decode_tps']:.2f} | "
-                      f"×{a['peak_rss_delta_mb'] / b['peak_rss_delta_mb']:.2f} |")
-    r0 = rows[0]
-    print(f"\nmachine: {r0['machine']['cpu']}, {r0['machine']['cores']} CPUs; threads "
-          f"{r0['threads']}; prompt {r0['n_prompt']} tokens, {r0['n_gen']} generated; median of "
-          f"{r0['runs']} runs after 1 warm-up; energy: {r0['energy_method']}; "
-          f"{', '.join(sorted({r['engine_version'] for r in rows}))}")
+                print(ratio_row(model, other, a, engines[other]))
+    print(f"\n{machine_line(rows)}; {', '.join(sorted({r['engine_version'] for r in rows}))}")
 
 
 def main() -> None:

@@ -30,7 +30,8 @@
 
 #if PM_HAVE_AMX
 
-#include <immintrin.h>
+#include "pocket_model_x86.h"
+
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -49,8 +50,7 @@ int pm_amx_enable(void) {
     int s = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
     if (s) return s > 0;
     const unsigned f = pocket_cpu_features();
-    int ok = (f & POCKET_CPU_AMX_BF16) && (f & POCKET_CPU_AVX512BW) &&
-             pocket_level_supported(POCKET_LEVEL_AVX512);
+    int ok = (f & POCKET_CPU_AMX_BF16) && pocket_level_supported(POCKET_LEVEL_AVX512);
 #if defined(__linux__)
     if (ok) ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
 #else
@@ -60,10 +60,10 @@ int pm_amx_enable(void) {
     return ok;
 }
 
-/* The tile configuration: tiles 0-3 accumulators (16 x 16 float), 4-5 activations (16 tokens x
- * 32 bf16), 6-7 weights (16 feature pairs x 16 rows x 2 bf16): every tile 16 rows x 64 bytes. */
 #define PM_AMX_TILES 4 /* weight tiles per pass: 4 accumulators of 16 tokens */
 
+/* The tile configuration: tiles 0-3 accumulators (16 x 16 float), 4-5 activations (16 tokens x
+ * 32 bf16), 6-7 weights (16 feature pairs x 16 rows x 2 bf16): every tile 16 rows x 64 bytes. */
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -85,12 +85,16 @@ static TGTA void tiles_configure(void) {
     tiles_ready = 1;
 }
 
+/* 16 bfloat16 values back in float32 (exact: the upper halves of the lanes). */
+static inline TGTA __m512 bf16_float(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 /* float32 x -> bfloat16 hi = bf16(x), lo = bf16(x - hi) (round to nearest even, as
  * vcvtneps2bf16). */
 static inline TGTA void split_bf16(__m512 v, uint16_t *hi, uint16_t *lo, __mmask16 mk) {
     const __m256bh h = _mm512_cvtneps_pbh(v);
-    const __m512 hv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, hv));
+    const __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16_float((__m256i)h)));
     _mm256_mask_storeu_epi16(hi, mk, (__m256i)h);
     _mm256_mask_storeu_epi16(lo, mk, (__m256i)l);
 }
@@ -125,18 +129,9 @@ static inline TGTA void block_weights(const pm_tiled *w, const uint8_t *rec, int
     }
     const uint16_t *mn = sc + (size_t)w->ng * 16;
     const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
     for (int mm = 0; mm < 4; mm++) {
-        const __m512i V = _mm512_load_si512((const void *)(blk + 64 * mm));
-        __m512i lo = _mm512_and_si512(V, m4), hi = _mm512_and_si512(_mm512_srli_epi16(V, 4), m4);
-        if (w->bits == 5) {
-            uint64_t kl, kh;
-            memcpy(&kl, blk + 256 + 16 * mm, 8);
-            memcpy(&kh, blk + 256 + 16 * mm + 8, 8);
-            const __m512i c16 = _mm512_set1_epi8(16);
-            lo = _mm512_mask_add_epi8(lo, _cvtu64_mask64(kl), lo, c16);
-            hi = _mm512_mask_add_epi8(hi, _cvtu64_mask64(kh), hi, c16);
-        }
+        __m512i lo, hi;
+        pm_nibble_pair(w->bits, blk, mm, &lo, &hi);
         for (int j = 0; j < 4; j++) {
             const __m512i ql = _mm512_and_si512(_mm512_srli_epi32(lo, 8 * j), ff);
             const __m512i qh = _mm512_and_si512(_mm512_srli_epi32(hi, 8 * j), ff);
@@ -163,10 +158,8 @@ static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *hi, uint16_t 
             const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(d, e);
             _mm512_store_si512((void *)(oh + 32 * r), _mm512_permutexvar_epi16(pairs, two));
             /* the bfloat16 terms back in float32 (low half: e, high half: d), remainders */
-            const __m512 eh = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(two)), 16));
-            const __m512 dh = _mm512_castsi512_ps(
-                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(two, 1)), 16));
+            const __m512 eh = bf16_float(_mm512_castsi512_si256(two));
+            const __m512 dh = bf16_float(_mm512_extracti64x4_epi64(two, 1));
             const __m512i tl =
                 (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(d, dh), _mm512_sub_ps(e, eh));
             _mm512_store_si512((void *)(ol + 32 * r), _mm512_permutexvar_epi16(pairs, tl));

@@ -16,7 +16,7 @@
 
 #if PM_HAVE_AVX512
 
-#include <immintrin.h>
+#include "pocket_model_x86.h"
 
 #define TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
 
@@ -335,24 +335,6 @@ static TGTV void quant_act_avx512(const float *x, int n, int cols, int digits, i
 /* The loops over the T tokens of a tile, unrolled so that their accumulators stay in registers. */
 #define PM_UNROLL_T _Pragma("GCC unroll 4")
 
-/* The two operand vectors (columns 8m + j and 8m + 4 + j) of nibble vector m of an INT4 or
- * INT5 block: INT5 adds 16 to the bytes whose bit is set in the block's masks. */
-static inline TGTV AI void nibble_pair(const int BITS, const uint8_t *blk, int m, __m512i *lo,
-                                       __m512i *hi) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F);
-    const __m512i V = _mm512_load_si512((const void *)(blk + 64 * m));
-    *lo = _mm512_and_si512(V, m4);
-    *hi = _mm512_and_si512(_mm512_srli_epi16(V, 4), m4);
-    if (BITS == 5) {
-        uint64_t kl, kh;
-        memcpy(&kl, blk + 256 + 16 * m, 8);
-        memcpy(&kh, blk + 256 + 16 * m + 8, 8);
-        const __m512i c16 = _mm512_set1_epi8(16);
-        *lo = _mm512_mask_add_epi8(*lo, _cvtu64_mask64(kl), *lo, c16);
-        *hi = _mm512_mask_add_epi8(*hi, _cvtu64_mask64(kh), *hi, c16);
-    }
-}
-
 /* One tile of 16 rows for T tokens (i0 .. i0 + T - 1). BITS: INT4 (u8 nibbles), INT5 (nibbles
  * and high-bit masks) or INT8 (q + 128) weights; DIG: activation digits. Integer block sums
  * are exact; each block is rescaled by scale[row] * dd[token] into float32 accumulators
@@ -400,7 +382,7 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
             if (Q4) {
                 for (int mm = 0; mm < 4; mm++) {
                     __m512i lo, hi;
-                    nibble_pair(BITS, blk, mm, &lo, &hi);
+                    pm_nibble_pair(BITS, blk, mm, &lo, &hi);
                     PM_UNROLL_T
                     for (int t = 0; t < T; t++) {
                         const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
@@ -478,7 +460,7 @@ static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_t
 
 /* One tile of 16 rows for T tokens, float32 activations. INT4: a weight nibble becomes a float
  * through a 16-entry table (vpermps uses the low 4 bits of each lane, so a shift of the packed
- * lanes selects the nibble); INT5: the nibble pair completed with its high bits (nibble_pair)
+ * lanes selects the nibble); INT5: the nibble pair completed with its high bits (pm_nibble_pair)
  * through a 32-entry table (vpermt2ps, 5 index bits); INT8 (q + 128): byte -> int32 -> float. Per group and token,
  * d = x_g . q_g accumulates in SPL independent partial sums (FMA latency; the same SPL for
  * every token count, so that results do not depend on how tokens are batched), then
@@ -516,7 +498,7 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
             if (BITS == 5) {
                 for (int mm = 0; mm < 4; mm++) {
                     __m512i lo, hi;
-                    nibble_pair(5, blk, mm, &lo, &hi);
+                    pm_nibble_pair(5, blk, mm, &lo, &hi);
                     for (int j = 0; j < 4; j++) {
                         const __m512 wl = _mm512_permutex2var_ps(
                             lut, j ? _mm512_srli_epi32(lo, 8 * j) : lo, lut16);
