@@ -252,6 +252,40 @@ def test_amx_prefill_matches_reference(arch, quantized):
 
 
 @needs_amx
+@pytest.mark.parametrize("kv", ["f16", "f32"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_amx_attention_over_long_prompts_matches_reference(arch, kv):
+    # prefill attention on the tile unit (head_dim a multiple of 32): a prompt that starts off
+    # the 16/32-key grid, then blocks of 128 tokens over more than two chunks of 512 keys, then
+    # decode steps (the int8 path) reading the keys those blocks wrote; gemma3's sliding window
+    # of 40 cuts across the 32-key grid. Prefill is near float32 (measured: 2e-5 with a float32
+    # cache, 6e-4 with float16).
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
+                                max_context=1200, **extra)
+    w = _weights(cfg, 23, True)
+    ids = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, 1100)]
+    ref = Runtime(cfg, w, engine="numpy")
+    cache = ref.new_cache(len(ids))
+    expected = np.concatenate([ref.forward(ids[:37], cache, all_logits=True),
+                               ref.forward(ids[37:1097], cache, all_logits=True)]
+                              + [ref.forward([t], cache, all_logits=True) for t in ids[1097:]])
+    outs = []
+    for threads in (1, 2):
+        nat = Runtime(cfg, w, engine="numpy")
+        nat.native = native.NativeEngine(cfg, w, act="q8", kv=kv, amx=True, threads=threads)
+        cache = nat.new_cache(len(ids))
+        got = np.concatenate([nat.forward(ids[:37], cache, all_logits=True),
+                              nat.forward(ids[37:1097], cache, all_logits=True)]
+                             + [nat.forward([t], cache, all_logits=True) for t in ids[1097:]])
+        rows = np.abs(got - expected).max(-1) / np.abs(expected).max()
+        assert rows[:1097].max() <= (1e-4 if kv == "f32" else MODES["f32-kv16"][3])
+        assert rows[1097:].max() <= MODES["q8"][3]  # decode: int8 activations
+        outs.append(got)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@needs_amx
 def test_amx_differs_from_the_int8_path_and_is_off_for_short_blocks():
     # the setting is in force: long blocks give other (bfloat16) numbers than the int8
     # products, blocks under 16 tokens the very same ones

@@ -74,6 +74,9 @@ void pocket_model_destroy(pocket_model *m) {
         free(m->axb[k]);
     }
     free(m->awbuf);
+    free(m->akv);
+    free(m->aml);
+    free(m->ascr);
     if (m->tiled)
         for (int k = 0; k < 7 * m->c.n_layers + 1; k++) pm_tiled_free(&m->tiled[k]);
     free(m->tiled);
@@ -430,6 +433,25 @@ int pm_ensure_amx_scratch(pocket_model *m, int tasks) {
     m->awbuf = b;
     m->awbuf_tasks = tasks;
     m->awbuf_stride = stride;
+    return POCKET_OK;
+}
+
+int pm_ensure_amx_attn(pocket_model *m, int tasks) {
+    if (!m->amx) return POCKET_EINVAL;
+    const size_t hd = (size_t)m->c.head_dim;
+    if (!m->akv) {
+        m->akv = (uint16_t *)pm_zalloc((size_t)m->c.n_kv_heads * 4 * PM_AMX_KCHUNK * hd,
+                                       sizeof(uint16_t));
+        m->aml = (float *)pm_zalloc((size_t)2 * m->c.n_heads * PM_BLOCK, sizeof(float));
+        if (!m->akv || !m->aml) return POCKET_ENOMEM;
+    }
+    if (tasks > m->ascr_tasks) {
+        uint8_t *b = (uint8_t *)pm_zalloc((size_t)tasks * PM_AMX_ATTN_SCRATCH(hd), 1);
+        if (!b) return POCKET_ENOMEM;
+        free(m->ascr);
+        m->ascr = b;
+        m->ascr_tasks = tasks;
+    }
     return POCKET_OK;
 }
 

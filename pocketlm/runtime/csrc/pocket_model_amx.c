@@ -32,6 +32,7 @@
 
 #include "pocket_model_x86.h"
 
+#include <math.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -141,29 +142,32 @@ static inline TGTA void block_weights(const pm_tiled *w, const uint8_t *rec, int
     }
 }
 
+/* Two float32 vectors (lane i: the values of features 2r and 2r + 1 for column i) as one row of
+ * a B tile in two bfloat16 terms: hi[2 i + j] = bf16(v_j[i]), lo the same for v_j - hi. */
+static inline TGTA void store_pair_row(__m512 e, __m512 d, uint16_t *hi, uint16_t *lo) {
+    /* cvtne2ps gives [e x 16, d x 16]: interleave to column pairs */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
+    const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(d, e);
+    _mm512_store_si512((void *)hi, _mm512_permutexvar_epi16(pairs, two));
+    /* the bfloat16 terms back in float32 (low half: e, high half: d), remainders */
+    const __m512 eh = bf16_float(_mm512_castsi512_si256(two));
+    const __m512 dh = bf16_float(_mm512_extracti64x4_epi64(two, 1));
+    const __m512i tl = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(d, dh), _mm512_sub_ps(e, eh));
+    _mm512_store_si512((void *)lo, _mm512_permutexvar_epi16(pairs, tl));
+}
+
 /* Tile `tile` of w widened into B-tile blocks of two bfloat16 terms: hi[b * 512 + 32 r + 2 i + j]
  * = bf16(W[16 tile + i][32 b + 2 r + j]), lo the same for W - hi. */
 static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *hi, uint16_t *lo) {
     const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
-    /* cvtne2ps gives [even column x 16 rows, odd column x 16 rows]: interleave to row pairs */
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                           1, 16, 0);
     for (int b = 0; b < w->nb; b++) {
         __m512 wv[32];
         block_weights(w, rec, b, wv);
-        uint16_t *oh = hi + (size_t)b * 512, *ol = lo + (size_t)b * 512;
-        for (int r = 0; r < 16; r++) {
-            const __m512 e = wv[2 * r], d = wv[2 * r + 1];
-            const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(d, e);
-            _mm512_store_si512((void *)(oh + 32 * r), _mm512_permutexvar_epi16(pairs, two));
-            /* the bfloat16 terms back in float32 (low half: e, high half: d), remainders */
-            const __m512 eh = bf16_float(_mm512_castsi512_si256(two));
-            const __m512 dh = bf16_float(_mm512_extracti64x4_epi64(two, 1));
-            const __m512i tl =
-                (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(d, dh), _mm512_sub_ps(e, eh));
-            _mm512_store_si512((void *)(ol + 32 * r), _mm512_permutexvar_epi16(pairs, tl));
-        }
+        for (int r = 0; r < 16; r++)
+            store_pair_row(wv[2 * r], wv[2 * r + 1], hi + (size_t)b * 512 + 32 * r,
+                           lo + (size_t)b * 512 + 32 * r);
     }
 }
 
@@ -230,6 +234,209 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
             }
         }
     }
+}
+
+
+/* ---- attention over a prefill block ----------------------------------------------------------
+ *
+ * Scores S = Q K^T and values P V on the tile unit, both products in the three bfloat16 terms of
+ * the weight products above (Q, P: hi + lo of float32; K, V: hi + lo of their float16 or float32
+ * cache values, exact for float16), float32 softmax between them (the pieces of attn_avx512:
+ * the same exponential, a running maximum and sum per query row over chunks of keys). */
+
+static inline TGTA __m512 load16(const void *base, int f16, size_t idx) {
+    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
+    return _mm512_loadu_ps((const float *)base + idx);
+}
+
+void TGTA pm_amx_attn_kv(const void *K, const void *V, int f16, int hd, int k0, int end, int c0,
+                         int c1, uint16_t *kh, uint16_t *kl, uint16_t *vh, uint16_t *vl) {
+    const int ndc = hd / 32, ndt = hd / 16;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int kc = c0; kc < c1; kc++) {
+        for (int half = 0; half < 2; half++) { /* K: the two blocks of 16 keys */
+            const int kb = 2 * kc + half, p0 = k0 + 16 * kb, left = end - p0;
+            const __mmask16 mk = (__mmask16)(left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u);
+            const size_t base = pm_k_index(p0, 0, hd);
+            for (int c = 0; c < ndc; c++)
+                for (int r = 0; r < 16; r++) {
+                    const size_t e = (size_t)(32 * c + 2 * r);
+                    const __m512 ev = mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * e)) : zero;
+                    const __m512 dv =
+                        mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * (e + 1))) : zero;
+                    const size_t o = ((size_t)kb * ndc + c) * 512 + 32 * r;
+                    store_pair_row(ev, dv, kh + o, kl + o);
+                }
+        }
+        for (int r = 0; r < 16; r++) { /* V: keys in pairs, 16 columns per tile */
+            const int p = k0 + 32 * kc + 2 * r;
+            for (int c = 0; c < ndt; c++) {
+                const __m512 ev = p < end ? load16(V, f16, (size_t)p * hd + 16 * c) : zero;
+                const __m512 dv = p + 1 < end ? load16(V, f16, (size_t)(p + 1) * hd + 16 * c) : zero;
+                const size_t o = ((size_t)kc * ndt + c) * 512 + 32 * r;
+                store_pair_row(ev, dv, vh + o, vl + o);
+            }
+        }
+    }
+}
+
+void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
+    tiles_configure();
+    const int hd = A->hd, ndc = hd / 32, ndt = hd / 16, nq = A->nq;
+    const size_t KC = PM_AMX_KCHUNK;
+    uint16_t *qh = (uint16_t *)A->scratch, *ql = qh + 16 * hd;
+    float *s = (float *)(ql + 16 * hd);
+    uint16_t *ph = (uint16_t *)(s + 16 * KC), *pl = ph + 16 * KC;
+    float *o = (float *)(pl + 16 * KC);
+    float corr[16];
+
+    /* the keys of this chunk any row attends to: [ks, ke), ks a multiple of 32 from k0 */
+    const int first = A->win && A->pos0 - A->win + 1 > 0 ? A->pos0 - A->win + 1 : 0;
+    int ks = first > A->k0 ? first : A->k0;
+    ks = A->k0 + ((ks - A->k0) & ~31);
+    const int last = A->pos0 + nq; /* past the last row's own key */
+    const int ke = last < A->k0 + A->nk ? last : A->k0 + A->nk;
+    if (ke > ks) {
+        const int len = (ke - ks + 31) & ~31;
+        for (int i = 0; i < 16; i++) {
+            if (i < nq) {
+                pm_amx_to_bf16(A->q + (size_t)i * A->qstride, qh + (size_t)i * hd,
+                               ql + (size_t)i * hd, (size_t)hd);
+            } else {
+                memset(qh + (size_t)i * hd, 0, (size_t)hd * sizeof(uint16_t));
+                memset(ql + (size_t)i * hd, 0, (size_t)hd * sizeof(uint16_t));
+            }
+        }
+        /* S[i][key - ks] = q_i . k, four blocks of 16 keys at a time */
+        const int nkb = len / 16, kb0 = (ks - A->k0) / 16;
+        const size_t qs = (size_t)hd * sizeof(uint16_t);
+        for (int b = 0; b < nkb; b += 4) {
+            const int nb = nkb - b < 4 ? nkb - b : 4;
+            const uint16_t *bh[4], *bl[4];
+            for (int k = 0; k < 4; k++) {
+                const size_t off = (size_t)(kb0 + b + (k < nb ? k : nb - 1)) * ndc * 512;
+                bh[k] = A->kh + off;
+                bl[k] = A->kl + off;
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int c = 0; c < ndc; c++) {
+                _tile_loadd(4, qh + 32 * c, qs);
+                _tile_loadd(5, ql + 32 * c, qs);
+#define PM_AMX_QK(k)                                                                             \
+    do {                                                                                        \
+        _tile_loadd(6, bh[k] + (size_t)512 * c, 64);                                            \
+        _tile_loadd(7, bl[k] + (size_t)512 * c, 64);                                            \
+        _tile_dpbf16ps(k, 4, 6);                                                                \
+        _tile_dpbf16ps(k, 5, 6);                                                                \
+        _tile_dpbf16ps(k, 4, 7);                                                                \
+    } while (0)
+                PM_AMX_QK(0);
+                PM_AMX_QK(1);
+                PM_AMX_QK(2);
+                PM_AMX_QK(3);
+#undef PM_AMX_QK
+            }
+            _tile_stored(0, s + 16 * b, KC * sizeof(float));
+            if (nb > 1) _tile_stored(1, s + 16 * (b + 1), KC * sizeof(float));
+            if (nb > 2) _tile_stored(2, s + 16 * (b + 2), KC * sizeof(float));
+            if (nb > 3) _tile_stored(3, s + 16 * (b + 3), KC * sizeof(float));
+        }
+        /* softmax pieces, row by row: P = exp(S * scale - max) over the row's keys, 0 elsewhere */
+        const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+        const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(A->scale);
+        for (int i = 0; i < 16; i++) {
+            float *si = s + (size_t)i * KC;
+            uint16_t *phi = ph + (size_t)i * KC, *pli = pl + (size_t)i * KC;
+            int a = 0, e = 0; /* the row's keys in [a, e) */
+            if (i < nq) {
+                const int p = A->pos0 + i;
+                a = A->win && p - A->win + 1 > ks ? p - A->win + 1 : ks;
+                e = p + 1 < ke ? p + 1 : ke;
+            }
+            const __m512i va = _mm512_set1_epi32(a - ks), ve = _mm512_set1_epi32(e - ks);
+            __m512 mx = ninf;
+            for (int j = 0; j < len; j += 16) {
+                const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(j));
+                const __mmask16 ok = _mm512_cmpge_epi32_mask(key, va) & _mm512_cmplt_epi32_mask(key, ve);
+                const __m512 v = _mm512_mask_mul_ps(ninf, ok, _mm512_loadu_ps(si + j), vscale);
+                _mm512_storeu_ps(si + j, v);
+                mx = _mm512_max_ps(mx, v);
+            }
+            const float cm = _mm512_reduce_max_ps(mx), old = A->m[i], nm = old > cm ? old : cm;
+            if (nm == -INFINITY) { /* no key yet: nothing changes */
+                corr[i] = 1.0f;
+                memset(phi, 0, (size_t)len * sizeof(uint16_t));
+                memset(pli, 0, (size_t)len * sizeof(uint16_t));
+                continue;
+            }
+            corr[i] = old == -INFINITY ? 0.0f : expf(old - nm);
+            const __m512 vnm = _mm512_set1_ps(nm);
+            __m512 sum = _mm512_setzero_ps();
+            for (int j = 0; j < len; j += 16) {
+                const __m512 sv = _mm512_loadu_ps(si + j);
+                const __mmask16 ok = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
+                const __m512 pv = _mm512_maskz_mov_ps(ok, pm_exp512(_mm512_sub_ps(sv, vnm)));
+                sum = _mm512_add_ps(sum, pv);
+                split_bf16(pv, phi + j, pli + j, 0xFFFF);
+            }
+            A->l[i] = A->l[i] * corr[i] + _mm512_reduce_add_ps(sum);
+            A->m[i] = nm;
+        }
+        /* O = P V, four tiles of 16 columns at a time */
+        const int nkc = len / 32, kc0 = (ks - A->k0) / 32;
+        const size_t ps = KC * sizeof(uint16_t);
+        for (int t = 0; t < ndt; t += 4) {
+            const int nt = ndt - t < 4 ? ndt - t : 4;
+            size_t off[4];
+            for (int k = 0; k < 4; k++) off[k] = (size_t)(t + (k < nt ? k : nt - 1)) * 512;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int c = 0; c < nkc; c++) {
+                const size_t vo = (size_t)(kc0 + c) * ndt * 512;
+                _tile_loadd(4, ph + 32 * c, ps);
+                _tile_loadd(5, pl + 32 * c, ps);
+#define PM_AMX_PV(k)                                                                             \
+    do {                                                                                        \
+        _tile_loadd(6, A->vh + vo + off[k], 64);                                                \
+        _tile_loadd(7, A->vl + vo + off[k], 64);                                                \
+        _tile_dpbf16ps(k, 4, 6);                                                                \
+        _tile_dpbf16ps(k, 5, 6);                                                                \
+        _tile_dpbf16ps(k, 4, 7);                                                                \
+    } while (0)
+                PM_AMX_PV(0);
+                PM_AMX_PV(1);
+                PM_AMX_PV(2);
+                PM_AMX_PV(3);
+#undef PM_AMX_PV
+            }
+            const size_t os = (size_t)hd * sizeof(float);
+            _tile_stored(0, o + 16 * t, os);
+            if (nt > 1) _tile_stored(1, o + 16 * (t + 1), os);
+            if (nt > 2) _tile_stored(2, o + 16 * (t + 2), os);
+            if (nt > 3) _tile_stored(3, o + 16 * (t + 3), os);
+        }
+        for (int i = 0; i < nq; i++) {
+            float *acc = A->acc + (size_t)i * A->astride;
+            const float *oi = o + (size_t)i * hd;
+            const __m512 c = _mm512_set1_ps(corr[i]);
+            for (int k = 0; k < hd; k += 16) {
+                const __m512 ov = _mm512_loadu_ps(oi + k);
+                _mm512_storeu_ps(acc + k, corr[i] == 0.0f ? ov
+                                                          : _mm512_fmadd_ps(_mm512_loadu_ps(acc + k), c, ov));
+            }
+        }
+    }
+    if (A->last)
+        for (int i = 0; i < nq; i++) {
+            float *acc = A->acc + (size_t)i * A->astride;
+            const __m512 r = _mm512_set1_ps(A->l[i]);
+            for (int k = 0; k < hd; k += 16) _mm512_storeu_ps(acc + k, _mm512_div_ps(_mm512_loadu_ps(acc + k), r));
+        }
 }
 
 #endif /* PM_HAVE_AMX */

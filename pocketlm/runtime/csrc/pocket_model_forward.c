@@ -41,7 +41,15 @@
  * Parallel regions
  * ========================================================================================= */
 
-enum { PM_JOB_CONCAT, PM_JOB_GLU, PM_JOB_ATTN_DECODE, PM_JOB_ATTN_BLOCK, PM_JOB_ROWS };
+enum {
+    PM_JOB_CONCAT,
+    PM_JOB_GLU,
+    PM_JOB_ATTN_DECODE,
+    PM_JOB_ATTN_BLOCK,
+    PM_JOB_AMX_KV,
+    PM_JOB_AMX_ATTN,
+    PM_JOB_ROWS
+};
 
 /* Blocks of at least this many tokens run their per-token steps (norms, activation
  * quantization, RoPE, residuals) split over the threads; smaller ones on the caller. */
@@ -85,7 +93,8 @@ typedef struct pm_job {
     const pocket_kv *kv; /* decode */
     const pm_seq *seq;   /* block */
     int layer, lo, hi, nspans, units;
-    const void *K, *V; /* decode: the layer's cache */
+    const void *K, *V; /* decode: the layer's cache; amx attention: the layer's in seq->kv */
+    int end, last;     /* amx attention: keys < end exist; the last chunk of keys */
     const pm_rows *rows; /* PM_JOB_ROWS */
     const pm_act *post;  /* PM_JOB_GLU: the output prepared for W_down by each task, or NULL */
     int status;
@@ -252,6 +261,54 @@ static void pm_task(void *ctx, int task, int ntasks) {
         }
         break;
     }
+#if PM_HAVE_AMX
+    case PM_JOB_AMX_KV: {
+        /* units u = kvh * chunks + c: 32 keys from j->lo of KV head kvh */
+        const int hd = m->c.head_dim, nc = (j->hi - j->lo) / 32, f16 = j->seq->kv->f16;
+        const size_t es = f16 ? 2 : 4, hs = j->seq->kv->head_stride * es;
+        const size_t buf = (size_t)PM_AMX_KCHUNK * hd;
+        split_range(j->units, 1, task, ntasks, &b, &e);
+        for (int u = b; u < e;) {
+            const int kvh = u / nc, c0 = u % nc, c1 = e - u < nc - c0 ? c0 + (e - u) : nc;
+            uint16_t *kh = m->akv + (size_t)kvh * 4 * buf;
+            pm_amx_attn_kv((const char *)j->K + kvh * hs, (const char *)j->V + kvh * hs, f16, hd,
+                           j->lo, j->end, c0, c1, kh, kh + buf, kh + 2 * buf, kh + 3 * buf);
+            u += c1 - c0;
+        }
+        break;
+    }
+    case PM_JOB_AMX_ATTN: {
+        /* units u = tile * n_heads + h: 16 query rows of head h, dealt round-robin */
+        const int hd = m->c.head_dim, nh = m->c.n_heads, qd = m->q_dim;
+        const size_t buf = (size_t)PM_AMX_KCHUNK * hd;
+        for (int u = task; u < j->units; u += ntasks) {
+            const int tile = u / nh, h = u % nh, i0 = 16 * tile;
+            const uint16_t *kh = m->akv + (size_t)(h / m->group) * 4 * buf;
+            pm_amx_attn_args A;
+            A.q = m->q + (size_t)i0 * qd + (size_t)h * hd;
+            A.qstride = (size_t)qd;
+            A.nq = j->n - i0 < 16 ? j->n - i0 : 16;
+            A.hd = hd;
+            A.pos0 = j->seq->pos0 + i0;
+            A.win = m->layers[j->layer].sliding ? m->c.sliding_window : 0;
+            A.scale = m->c.attn_scale;
+            A.kh = kh;
+            A.kl = kh + buf;
+            A.vh = kh + 2 * buf;
+            A.vl = kh + 3 * buf;
+            A.k0 = j->lo;
+            A.nk = j->hi - j->lo;
+            A.m = m->aml + (size_t)h * PM_BLOCK + i0;
+            A.l = A.m + (size_t)nh * PM_BLOCK;
+            A.acc = m->att + (size_t)i0 * qd + (size_t)h * hd;
+            A.astride = (size_t)qd;
+            A.last = j->last;
+            A.scratch = m->ascr + (size_t)task * PM_AMX_ATTN_SCRATCH(hd);
+            pm_amx_attn(&A);
+        }
+        break;
+    }
+#endif
     case PM_JOB_ROWS:
         split_range(j->n, 1, task, ntasks, &b, &e);
         if (e > b) j->rows->fn(j->rows, b, e);
@@ -564,6 +621,48 @@ static void step_post_mlp(const pm_rows *r, int i0, int i1) { /* x += [norm](o) 
     add_rows(m->x + off, m->o + off, len);
 }
 
+/* Attention of a prefill block on the tile unit (pm_amx_attn): the keys the block sees in
+ * chunks of PM_AMX_KCHUNK, each converted once (one parallel region) and then attended to by
+ * every 16 query rows of every head (a second one). */
+static int attn_amx(pocket_model *m, const pm_seq *seq, int l, int n, pocket_pool *pool,
+                    int nthreads) {
+    const pocket_kv *kv = seq->kv;
+    const int win = m->layers[l].sliding ? m->c.sliding_window : 0;
+    const int nh = m->c.n_heads, ntiles = (n + 15) / 16;
+    const int end = seq->pos0 + n, first = win && seq->pos0 - win + 1 > 0 ? seq->pos0 - win + 1 : 0;
+    const int tasks = nthreads < ntiles * nh ? nthreads : ntiles * nh;
+    int rc = pm_ensure_amx_attn(m, tasks);
+    if (rc) return rc;
+    for (int h = 0; h < nh; h++)
+        for (int i = 0; i < n; i++) {
+            m->aml[(size_t)h * PM_BLOCK + i] = -INFINITY;
+            m->aml[(size_t)(nh + h) * PM_BLOCK + i] = 0.0f;
+        }
+    pm_job j;
+    memset(&j, 0, sizeof j);
+    j.m = m;
+    j.seq = seq;
+    j.layer = l;
+    j.n = n;
+    j.end = end;
+    const size_t es = kv->f16 ? 2 : 4;
+    j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
+    j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
+    for (int k0 = first & ~31; k0 < end; k0 += PM_AMX_KCHUNK) {
+        const int k1 = k0 + PM_AMX_KCHUNK < end ? k0 + PM_AMX_KCHUNK : (end + 31) & ~31;
+        j.lo = k0;
+        j.hi = k1;
+        j.last = k0 + PM_AMX_KCHUNK >= end;
+        j.kind = PM_JOB_AMX_KV;
+        j.units = m->c.n_kv_heads * ((k1 - k0) / 32);
+        if ((rc = run_job(&j, pool, j.units < nthreads ? j.units : nthreads))) return rc;
+        j.kind = PM_JOB_AMX_ATTN;
+        j.units = ntiles * nh;
+        if ((rc = run_job(&j, pool, tasks))) return rc;
+    }
+    return POCKET_OK;
+}
+
 static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocket_pool *pool,
                          int nthreads) {
     const pocket_layer_weights *L = &m->layers[l];
@@ -609,6 +708,9 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
         if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
         if ((rc = run_job(&j, pool, tasks))) return rc;
         merge_partials(m, j.nspans);
+    } else if (PM_HAVE_AMX && m->amx_call && !seq->kvs && n >= PM_AMX_MIN_TOKENS &&
+               m->c.head_dim % 32 == 0) {
+        if ((rc = attn_amx(m, seq, l, n, pool, nthreads))) return rc;
     } else {
         j.kind = PM_JOB_ATTN_BLOCK;
         j.units = n * nkv;

@@ -57,6 +57,10 @@ struct pocket_model {
     uint16_t *awbuf;  /* amx: per task, two weight tiles widened to bfloat16 */
     int awbuf_tasks;
     size_t awbuf_stride;
+    uint16_t *akv;    /* amx attention: keys and values of a chunk [n_kv_heads][4][KCHUNK * hd] */
+    float *aml;       /* amx attention: running max and sum [2][n_heads][PM_BLOCK] */
+    uint8_t *ascr;    /* amx attention: per-task scratch */
+    int ascr_tasks;
     /* decode attention partials [unit][G][hd + 2]; per-task attention scratch */
     float *part;
     size_t part_units;
@@ -87,6 +91,8 @@ int pm_ensure_attn_scratch(pocket_model *m, int tasks, size_t units);
 
 /* amx: per-task weight buffers for `tasks` tasks. */
 int pm_ensure_amx_scratch(pocket_model *m, int tasks);
+/* amx attention: the chunk buffers and per-task scratch for `tasks` tasks. */
+int pm_ensure_amx_attn(pocket_model *m, int tasks);
 
 /* ---- pocket_model_amx.c ------------------------------------------------------------------ */
 
@@ -101,6 +107,39 @@ void pm_amx_to_bf16(const float *x, uint16_t *hi, uint16_t *lo, size_t len);
  * results dropped); wbuf: 2 * (cols / 32) * 512 bfloat16 of scratch, 64-byte aligned. */
 void pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *xl, int n, float *y,
                    size_t ystride, int tb, int te, uint16_t *wbuf);
+#endif
+
+/* Prefill attention on the tile unit (one sequence, head_dim a multiple of 32): keys in chunks
+ * of PM_AMX_KCHUNK, each converted once for all query rows (pm_amx_attn_kv), then 16 query rows
+ * of one head at a time (pm_amx_attn). */
+#define PM_AMX_KCHUNK 512
+/* bytes of pm_amx_attn scratch for head_dim hd */
+#define PM_AMX_ATTN_SCRATCH(hd) ((size_t)128 * (size_t)(hd) + (size_t)128 * PM_AMX_KCHUNK)
+typedef struct pm_amx_attn_args {
+    const float *q; /* query row i of the head at q + i * qstride, i < nq <= 16 */
+    size_t qstride;
+    int nq, hd, pos0, win; /* row i is at position pos0 + i; win: sliding window or 0 */
+    float scale;
+    /* keys [k0, k0 + nk) (k0, nk multiples of 32) of the head's KV head, by pm_amx_attn_kv */
+    const uint16_t *kh, *kl, *vh, *vl;
+    int k0, nk;
+    float *m, *l;   /* running maximum and sum of row i (start: -inf, 0) */
+    float *acc;     /* running weighted values of row i at acc + i * astride */
+    size_t astride;
+    int last;       /* the last chunk: acc is divided by l */
+    void *scratch;  /* PM_AMX_ATTN_SCRATCH(hd) bytes, 64-byte aligned */
+} pm_amx_attn_args;
+#if PM_HAVE_AMX
+/* K and V of one KV head's cache (pocket_model_ops.h layout; float16 or float32), key chunks
+ * [c0, c1) of 32 from key k0, in B-tile form with two bfloat16 terms (keys >= end: zero):
+ *   kh[(kb * hd/32 + c) * 512 + 32 r + 2 j + t] = K[k0 + 16 kb + j][32 c + 2 r + t]
+ *   vh[(kc * hd/16 + c) * 512 + 32 r + 2 j + t] = V[k0 + 32 kc + 2 r + t][16 c + j]
+ * (kl, vl the remainders), each buffer PM_AMX_KCHUNK * hd values. */
+void pm_amx_attn_kv(const void *K, const void *V, int f16, int hd, int k0, int end, int c0,
+                    int c1, uint16_t *kh, uint16_t *kl, uint16_t *vh, uint16_t *vl);
+/* One chunk of keys for 16 query rows of one head: causal (row i sees keys <= pos0 + i, and
+ * > pos0 + i - win with a window), scores (q . k) * scale. */
+void pm_amx_attn(const pm_amx_attn_args *a);
 #endif
 
 /* ---- pocket_model_tiles.c ---------------------------------------------------------------- */

@@ -38,25 +38,6 @@ static inline TGT AI __mmask16 tail_mask(int left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
-/* e^x, x <= 0 or moderate; inputs below -104 give 0 (or the smallest subnormal). */
-static inline TGT AI __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.5f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 r2 = _mm512_mul_ps(r, r);
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 static inline TGT AI __m512 load_kv(const void *base, int f16, size_t idx, __mmask16 mk) {
     if (f16)
         return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + idx));
@@ -206,7 +187,7 @@ static TGT void attn_avx512(const pm_attn_args *A) {
             for (int j = 0; j < nlen; j += 16) {
                 const __m512 sv = _mm512_loadu_ps(sg + j);
                 const __mmask16 ok = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
-                const __m512 pv = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(sv, vnm)));
+                const __m512 pv = _mm512_maskz_mov_ps(ok, pm_exp512(_mm512_sub_ps(sv, vnm)));
                 _mm512_storeu_ps(sg + j, pv);
                 sum = _mm512_add_ps(sum, pv);
             }
@@ -254,7 +235,7 @@ static TGT void glu_avx512(float *gate, const float *up, size_t len, int gelu) {
         } else {
             t = _mm512_sub_ps(_mm512_setzero_ps(), x);
         }
-        const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, exp512(t)));
+        const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, pm_exp512(t)));
         _mm512_mask_storeu_ps(gate + k, mk, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, up + k)));
     }
 }
