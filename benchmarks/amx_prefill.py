@@ -1,5 +1,8 @@
 """AMX-BF16 prefill against the int8 products, same engine, same run (JSON lines).
 
+With POCKET_AMX on, a prefill block's products and (since rows with "amx_attention") its
+attention run on the tile unit; off, the int8 products and float32 AVX-512 attention.
+
 For each model: top-1 agreement and mean KL of the engine's logits against the numpy
 float-activation reference on 256 tokens of tests/data/english.txt and chinese.txt (one prefill,
 all logits), with POCKET_AMX off (int8 products, two digits) and on; then a 512-token prefill
@@ -46,6 +49,7 @@ def run(name: str, runs: int, threads: int, keep: bool) -> dict:
     engines = {amx: _engine(m, amx, threads) for amx in (False, True)}
     row = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(), "model": name,
            "keep_precision": keep, "threads": threads, "amx_terms": "x_hi w_hi + x_lo w_hi + x_hi w_lo",
+           "amx_attention": True,
            "date": time.strftime("%Y-%m-%d %H:%M")}
     for text in ("english", "chinese"):
         ids = m.tokenize((ROOT / "tests" / "data" / f"{text}.txt").read_text("utf-8"))[:256]

@@ -1,4 +1,4 @@
-/* AMX-BF16 products of the inference engine for prefill (pocket_model_config.amx).
+/* AMX-BF16 products and attention of the engine's prefill (pocket_model_config.amx).
  *
  * A product over a block of n >= PM_AMX_MIN_TOKENS tokens, Y[n, rows] = X[n, K] W[rows, K]^T,
  * runs on the tile unit with both operands as two bfloat16 terms, hi = bf16(v) and
@@ -16,10 +16,13 @@
  * alone cost gemma3-270m 1.5-2 % of top-1 agreement, bfloat16 activations smollm2-135m up to
  * 2 %; hence the three products.
  *
- * Work is split by weight tiles (16 rows), like the other products, so results do not depend
- * on the number of threads. Linux needs the process to ask for the tile state once
- * (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads the tile configuration before its
- * first tile instruction.
+ * Prefill attention (pm_amx_attn_kv, pm_amx_attn) uses the same three products for Q K^T and
+ * P V, see below.
+ *
+ * Work is split by weight tiles (16 rows), like the other products, and attention by 16 query
+ * rows of one head, so results do not depend on the number of threads. Linux needs the
+ * process to ask for the tile state once (arch_prctl ARCH_REQ_XCOMP_PERM); each thread loads
+ * the tile configuration before its first tile instruction.
  */
 #if !defined(_WIN32) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE /* syscall */
@@ -245,7 +248,8 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
  * the same exponential, a running maximum and sum per query row over chunks of keys). */
 
 static inline TGTA __m512 load16(const void *base, int f16, size_t idx) {
-    if (f16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
+    if (f16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
@@ -256,12 +260,14 @@ void TGTA pm_amx_attn_kv(const void *K, const void *V, int f16, int hd, int k0, 
     for (int kc = c0; kc < c1; kc++) {
         for (int half = 0; half < 2; half++) { /* K: the two blocks of 16 keys */
             const int kb = 2 * kc + half, p0 = k0 + 16 * kb, left = end - p0;
-            const __mmask16 mk = (__mmask16)(left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u);
+            const __mmask16 mk =
+                (__mmask16)(left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u);
             const size_t base = pm_k_index(p0, 0, hd);
             for (int c = 0; c < ndc; c++)
                 for (int r = 0; r < 16; r++) {
                     const size_t e = (size_t)(32 * c + 2 * r);
-                    const __m512 ev = mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * e)) : zero;
+                    const __m512 ev =
+                        mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * e)) : zero;
                     const __m512 dv =
                         mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * (e + 1))) : zero;
                     const size_t o = ((size_t)kb * ndc + c) * 512 + 32 * r;
@@ -272,7 +278,8 @@ void TGTA pm_amx_attn_kv(const void *K, const void *V, int f16, int hd, int k0, 
             const int p = k0 + 32 * kc + 2 * r;
             for (int c = 0; c < ndt; c++) {
                 const __m512 ev = p < end ? load16(V, f16, (size_t)p * hd + 16 * c) : zero;
-                const __m512 dv = p + 1 < end ? load16(V, f16, (size_t)(p + 1) * hd + 16 * c) : zero;
+                const __m512 dv =
+                    p + 1 < end ? load16(V, f16, (size_t)(p + 1) * hd + 16 * c) : zero;
                 const size_t o = ((size_t)kc * ndt + c) * 512 + 32 * r;
                 store_pair_row(ev, dv, vh + o, vl + o);
             }
@@ -360,7 +367,8 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
             __m512 mx = ninf;
             for (int j = 0; j < len; j += 16) {
                 const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(j));
-                const __mmask16 ok = _mm512_cmpge_epi32_mask(key, va) & _mm512_cmplt_epi32_mask(key, ve);
+                const __mmask16 ok =
+                    _mm512_cmpge_epi32_mask(key, va) & _mm512_cmplt_epi32_mask(key, ve);
                 const __m512 v = _mm512_mask_mul_ps(ninf, ok, _mm512_loadu_ps(si + j), vscale);
                 _mm512_storeu_ps(si + j, v);
                 mx = _mm512_max_ps(mx, v);
@@ -426,8 +434,8 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
             const __m512 c = _mm512_set1_ps(corr[i]);
             for (int k = 0; k < hd; k += 16) {
                 const __m512 ov = _mm512_loadu_ps(oi + k);
-                _mm512_storeu_ps(acc + k, corr[i] == 0.0f ? ov
-                                                          : _mm512_fmadd_ps(_mm512_loadu_ps(acc + k), c, ov));
+                const __m512 prev = _mm512_loadu_ps(acc + k);
+                _mm512_storeu_ps(acc + k, corr[i] == 0.0f ? ov : _mm512_fmadd_ps(prev, c, ov));
             }
         }
     }
@@ -435,7 +443,8 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
         for (int i = 0; i < nq; i++) {
             float *acc = A->acc + (size_t)i * A->astride;
             const __m512 r = _mm512_set1_ps(A->l[i]);
-            for (int k = 0; k < hd; k += 16) _mm512_storeu_ps(acc + k, _mm512_div_ps(_mm512_loadu_ps(acc + k), r));
+            for (int k = 0; k < hd; k += 16)
+                _mm512_storeu_ps(acc + k, _mm512_div_ps(_mm512_loadu_ps(acc + k), r));
         }
 }
 
