@@ -5,8 +5,8 @@
  * kernel level is supported (HWCAP_ASIMDDP, checked at run time in pocket_kernels.c).
  *
  * What is NEON here and what is not:
- *   matmul_tiled, digits 1 and 2   SDOT kernels below (INT4 and INT8 weights);
- *   matmul_tiled, digits 0, INT5   pm_matmul_tiled_portable (the engine does not build tiled
+ *   matmul_tiled, digits 1 and 2   SDOT kernels below (INT4, INT5 and INT8 weights);
+ *   matmul_tiled, digits 0         pm_matmul_tiled_portable (the engine does not build tiled
  *                                  weights for float activations at this level unless a
  *                                  weight is INT5, see pocket_model.c: float products go
  *                                  through the kernel table, i.e. the scalar kernels);
@@ -23,6 +23,9 @@
  * and xb (columns 16..31, chunks 4..7): chunk c is word c % 4 of (c < 4 ? xa : xb).
  *   INT4: vector m holds chunk 2m in its low nibbles and chunk 2m + 1 in its high nibbles;
  *         values 0..15 are valid s8 operands as they are (AND 0x0F, shift right by 4).
+ *   INT5: the INT4 vectors plus, per vector m, two 64-bit masks (bit 4i + j: the 5th bit of
+ *         byte 4i + j of the low / high nibbles); register r takes mask bytes 2r and 2r + 1,
+ *         spread over its 16 bytes with a bit-select test, and adds 16 where set: 0..31.
  *   INT8: vector k holds chunk k as q + 128 (u8); XOR 0x80 turns it into q as s8, so the
  *         integer sums are those of the true weights q and the offset term corr of pm_act is
  *         not needed: with u = q + 128 and S the block's digit sum,
@@ -60,15 +63,28 @@
         (acc)[3] = vdotq_laneq_s32((acc)[3], (w)[3], (xv), LANE);                               \
     } while (0)
 
-/* INT4 vector MM of the block: low nibbles = chunk 2 MM (word LO of X), high nibbles = chunk
- * 2 MM + 1 (word LO + 1), both digits, T tokens. */
+/* The INT5 high bits of register r (bytes 16r..16r+15) from a vector's 64-bit mask k: 16 where
+ * bit 16r + byte is set, else 0. */
+static inline TGT AI uint8x16_t high_bits(const uint8_t *k, int r) {
+    static const uint8_t sel[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t b = vcombine_u8(vdup_n_u8(k[2 * r]), vdup_n_u8(k[2 * r + 1]));
+    return vandq_u8(vtstq_u8(b, vld1q_u8(sel)), vdupq_n_u8(16));
+}
+
+/* INT4 (or INT5) vector MM of the block: low nibbles = chunk 2 MM (word LO of X), high nibbles
+ * = chunk 2 MM + 1 (word LO + 1), both digits, T tokens. */
 #define Q4_VEC(MM, X, LO)                                                                       \
     do {                                                                                        \
         int8x16_t lo_[4], hi_[4];                                                               \
         for (int r_ = 0; r_ < 4; r_++) {                                                        \
             const uint8x16_t v_ = vld1q_u8(blk + 64 * (MM) + 16 * r_);                          \
-            lo_[r_] = vreinterpretq_s8_u8(vandq_u8(v_, m4));                                    \
-            hi_[r_] = vreinterpretq_s8_u8(vshrq_n_u8(v_, 4));                                   \
+            uint8x16_t l_ = vandq_u8(v_, m4), h_ = vshrq_n_u8(v_, 4);                           \
+            if (BITS == 5) {                                                                    \
+                l_ = vaddq_u8(l_, high_bits(blk + 256 + 16 * (MM), r_));                        \
+                h_ = vaddq_u8(h_, high_bits(blk + 256 + 16 * (MM) + 8, r_));                    \
+            }                                                                                   \
+            lo_[r_] = vreinterpretq_s8_u8(l_);                                                  \
+            hi_[r_] = vreinterpretq_s8_u8(h_);                                                  \
         }                                                                                       \
         for (int t_ = 0; t_ < T; t_++) {                                                        \
             SDOT16(i1[t_], lo_, X##1[t_], LO);                                                  \
@@ -97,13 +113,14 @@ static inline TGT AI float32x4_t load_f16x4(const uint16_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 }
 
-/* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1. Q4: INT4 (u8 nibbles) or INT8
- * (q + 128) weights; DIG: activation digits (1 or 2). Float accumulators acc / macc: [token]
+/* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1. BITS: INT4 (u8 nibbles), INT5
+ * (nibbles and high-bit masks) or INT8 (q + 128) weights; DIG: activation digits (1 or 2). Float accumulators acc / macc: [token]
  * [r] lane e = row 4r + e of the tile, as in the portable kernel's acc / macc of that row. */
-static inline TGT AI void tiled_tile(const int Q4, const int DIG, const int T,
+static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
                                      const pm_tiled *w, const pm_act *a, int i0, float *y,
                                      size_t ystride, int tile) {
-    const size_t BB = Q4 ? 256 : 512;
+    const int Q4 = BITS != 8;
+    const size_t BB = BITS == 8 ? 512 : BITS == 5 ? 320 : 256;
     const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
     const uint16_t *mn = sc + (size_t)w->ng * 16;
@@ -183,31 +200,29 @@ static inline TGT AI void tiled_tile(const int Q4, const int DIG, const int T,
 }
 
 /* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone. */
-static inline TGT AI void tiled_range(const int Q4, const int DIG, const pm_tiled *w,
+static inline TGT AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
                                       const pm_act *a, float *y, size_t ystride, int tb, int te) {
     for (int tile = tb; tile < te; tile++) {
         int i0 = 0;
-        for (; i0 + 2 <= a->n; i0 += 2) tiled_tile(Q4, DIG, 2, w, a, i0, y, ystride, tile);
-        if (i0 < a->n) tiled_tile(Q4, DIG, 1, w, a, i0, y, ystride, tile);
+        for (; i0 + 2 <= a->n; i0 += 2) tiled_tile(BITS, DIG, 2, w, a, i0, y, ystride, tile);
+        if (i0 < a->n) tiled_tile(BITS, DIG, 1, w, a, i0, y, ystride, tile);
     }
 }
 
 static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
                                   int tb, int te) {
-    if ((a->digits != 1 && a->digits != 2) || w->bits == 5) { /* no SDOT INT5 kernel yet */
+    if (a->digits != 1 && a->digits != 2) {
         pm_matmul_tiled_portable(w, a, y, ystride, tb, te);
         return;
     }
-    if (w->bits == 4) {
-        if (a->digits == 2)
-            tiled_range(1, 2, w, a, y, ystride, tb, te);
-        else
-            tiled_range(1, 1, w, a, y, ystride, tb, te);
-    } else {
-        if (a->digits == 2)
-            tiled_range(0, 2, w, a, y, ystride, tb, te);
-        else
-            tiled_range(0, 1, w, a, y, ystride, tb, te);
+    /* the bits and digits as literals: one specialised copy of the kernel each */
+    switch (w->bits * 10 + a->digits) {
+    case 42: tiled_range(4, 2, w, a, y, ystride, tb, te); break;
+    case 41: tiled_range(4, 1, w, a, y, ystride, tb, te); break;
+    case 52: tiled_range(5, 2, w, a, y, ystride, tb, te); break;
+    case 51: tiled_range(5, 1, w, a, y, ystride, tb, te); break;
+    case 82: tiled_range(8, 2, w, a, y, ystride, tb, te); break;
+    default: tiled_range(8, 1, w, a, y, ystride, tb, te); break;
     }
 }
 
