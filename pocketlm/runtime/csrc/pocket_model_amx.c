@@ -174,6 +174,25 @@ static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *hi, uint16_t 
     }
 }
 
+/* Accumulator tile k += A_hi B_hi + A_lo B_hi + A_hi B_lo: the A terms in tiles 4 (hi) and 5
+ * (lo), the B terms loaded from h and l (64-byte rows). Tile numbers are immediates, hence a
+ * macro with one expansion per accumulator. */
+#define PM_AMX_THREE(k, h, l)                                                                    \
+    do {                                                                                        \
+        _tile_loadd(6, h, 64);                                                                  \
+        _tile_loadd(7, l, 64);                                                                  \
+        _tile_dpbf16ps(k, 4, 6);                                                                \
+        _tile_dpbf16ps(k, 5, 6);                                                                \
+        _tile_dpbf16ps(k, 4, 7);                                                                \
+    } while (0)
+
+static inline TGTA void zero_accumulators(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
 /* C tile (16 tokens x 16 rows, float) -> y rows [t0, t0 + nt) x columns [r0, r0 + nr). */
 static inline TGTA void store_rows(const float *c, float *y, size_t ystride, int t0, int nt,
                                    int r0, int nr) {
@@ -202,29 +221,16 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
         for (int tt = 0; tt < ntt; tt++) {
             const size_t o = (size_t)16 * tt * K;
             const uint16_t *a = xb + o, *l = xl + o;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
             /* C_k += x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo is below float32 rounding) */
             for (int b = 0; b < nb; b++) {
                 const size_t ob = (size_t)512 * b;
                 _tile_loadd(4, a + 32 * b, xs);
                 _tile_loadd(5, l + 32 * b, xs);
-                /* tile numbers are immediates: one expansion per accumulator */
-#define PM_AMX_THREE(k)                                                                          \
-    do {                                                                                        \
-        _tile_loadd(6, bh[k] + ob, 64);                                                         \
-        _tile_loadd(7, bl[k] + ob, 64);                                                         \
-        _tile_dpbf16ps(k, 4, 6);                                                                \
-        _tile_dpbf16ps(k, 5, 6);                                                                \
-        _tile_dpbf16ps(k, 4, 7);                                                                \
-    } while (0)
-                PM_AMX_THREE(0);
-                PM_AMX_THREE(1);
-                PM_AMX_THREE(2);
-                PM_AMX_THREE(3);
-#undef PM_AMX_THREE
+                PM_AMX_THREE(0, bh[0] + ob, bl[0] + ob);
+                PM_AMX_THREE(1, bh[1] + ob, bl[1] + ob);
+                PM_AMX_THREE(2, bh[2] + ob, bl[2] + ob);
+                PM_AMX_THREE(3, bh[3] + ob, bl[3] + ob);
             }
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
@@ -325,26 +331,15 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
                 bh[k] = A->kh + off;
                 bl[k] = A->kl + off;
             }
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
             for (int c = 0; c < ndc; c++) {
                 _tile_loadd(4, qh + 32 * c, qs);
                 _tile_loadd(5, ql + 32 * c, qs);
-#define PM_AMX_QK(k)                                                                             \
-    do {                                                                                        \
-        _tile_loadd(6, bh[k] + (size_t)512 * c, 64);                                            \
-        _tile_loadd(7, bl[k] + (size_t)512 * c, 64);                                            \
-        _tile_dpbf16ps(k, 4, 6);                                                                \
-        _tile_dpbf16ps(k, 5, 6);                                                                \
-        _tile_dpbf16ps(k, 4, 7);                                                                \
-    } while (0)
-                PM_AMX_QK(0);
-                PM_AMX_QK(1);
-                PM_AMX_QK(2);
-                PM_AMX_QK(3);
-#undef PM_AMX_QK
+                const size_t oc = (size_t)512 * c;
+                PM_AMX_THREE(0, bh[0] + oc, bl[0] + oc);
+                PM_AMX_THREE(1, bh[1] + oc, bl[1] + oc);
+                PM_AMX_THREE(2, bh[2] + oc, bl[2] + oc);
+                PM_AMX_THREE(3, bh[3] + oc, bl[3] + oc);
             }
             _tile_stored(0, s + 16 * b, KC * sizeof(float));
             if (nb > 1) _tile_stored(1, s + 16 * (b + 1), KC * sizeof(float));
@@ -400,27 +395,15 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
             const int nt = ndt - t < 4 ? ndt - t : 4;
             size_t off[4];
             for (int k = 0; k < 4; k++) off[k] = (size_t)(t + (k < nt ? k : nt - 1)) * 512;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
+            zero_accumulators();
             for (int c = 0; c < nkc; c++) {
                 const size_t vo = (size_t)(kc0 + c) * ndt * 512;
                 _tile_loadd(4, ph + 32 * c, ps);
                 _tile_loadd(5, pl + 32 * c, ps);
-#define PM_AMX_PV(k)                                                                             \
-    do {                                                                                        \
-        _tile_loadd(6, A->vh + vo + off[k], 64);                                                \
-        _tile_loadd(7, A->vl + vo + off[k], 64);                                                \
-        _tile_dpbf16ps(k, 4, 6);                                                                \
-        _tile_dpbf16ps(k, 5, 6);                                                                \
-        _tile_dpbf16ps(k, 4, 7);                                                                \
-    } while (0)
-                PM_AMX_PV(0);
-                PM_AMX_PV(1);
-                PM_AMX_PV(2);
-                PM_AMX_PV(3);
-#undef PM_AMX_PV
+                PM_AMX_THREE(0, A->vh + vo + off[0], A->vl + vo + off[0]);
+                PM_AMX_THREE(1, A->vh + vo + off[1], A->vl + vo + off[1]);
+                PM_AMX_THREE(2, A->vh + vo + off[2], A->vl + vo + off[2]);
+                PM_AMX_THREE(3, A->vh + vo + off[3], A->vl + vo + off[3]);
             }
             const size_t os = (size_t)hd * sizeof(float);
             _tile_stored(0, o + 16 * t, os);
