@@ -2,7 +2,12 @@
 
     python benchmarks/vs_llamacpp.py [--models ...] [--threads 2] >> benchmarks/vs_llamacpp.jsonl
     python benchmarks/vs_llamacpp.py --keep-precision ...   # the quality-parity deploy files
+    python benchmarks/vs_llamacpp.py --calls 3 ...   # three bench calls per model (noisy VMs)
     python benchmarks/vs_llamacpp.py --table benchmarks/vs_llamacpp.jsonl   # markdown table
+
+Where a results file holds several calls for a model and pack, the table shows the call with
+the median prefill ratio (the lower middle one for an even count) and states the range of the
+ratios over all the calls.
 
 llama.cpp is llama-cpp-python, built for the machine's CPU features (see the README's
 benchmark section); both engines get the same prompt ids, alternate run by run, and run in
@@ -25,7 +30,7 @@ import time
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
 
 
-def run(models: list[str], threads: int, runs: int, keep_precision: bool) -> None:
+def run(models: list[str], threads: int, runs: int, keep_precision: bool, calls: int = 1) -> None:
     import llama_cpp
 
     import pocketlm
@@ -35,7 +40,7 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool) -> Non
 
     pack = "int4 g32, embed int8" + (", keep-precision (q5_0 int5, q6_k/q8_0 int8)"
                                       if keep_precision else "")
-    for name in models:
+    for name, call in ((n, c) for n in models for c in range(calls)):
         if keep_precision:  # the pack's path, its GGUF for llama.cpp
             target = pocketlm.load(name, keep_precision=True, quiet=False).path
             results = bench(str(target), threads=threads, runs=runs, vs=["llama.cpp"],
@@ -52,6 +57,7 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool) -> Non
                                      else "pocketlm native " + native.cpu_features()["selected"]
                                      + (" + amx-bf16 prefill" if native.amx_setting("q8") else ""))
             row["command"] = " ".join(sys.argv)
+            row["call"] = f"{call + 1}/{calls}"
             print(json.dumps(row), flush=True)
 
 
@@ -83,25 +89,43 @@ def machine_line(rows: list[dict]) -> str:
             f"of {r0['runs']} runs after 1 warm-up; energy: {r0['energy_method']}")
 
 
+def _pack(r: dict) -> str:
+    return r.get("pack", "int4 g32, embed int8" if r["engine"] == "pocketlm" else
+                 "gguf as published")
+
+
 def table(path: str) -> None:
     rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    print(ENGINE_HEADER)
-    pairs = []  # (pocketlm row, the llama.cpp row of the same bench call)
+    groups: dict[tuple, list] = {}  # (model, pocketlm pack) -> [(pocketlm row, llama.cpp row)]
     ours = None
     for r in rows:
-        pack = r.get("pack", "int4 g32, embed int8" if r["engine"] == "pocketlm" else
-                     "gguf as published")
         if r["engine"] == "pocketlm":
             ours = r
         elif ours is not None and ours["model"] == r["model"]:
-            pairs.append((ours, r))
-        print(engine_row(r, pack))
+            groups.setdefault((r["model"], _pack(ours)), []).append((ours, r))
+            ours = None
+    chosen, spread = [], []
+    for (model, pack), pairs in groups.items():
+        by_ratio = sorted(pairs, key=lambda p: p[0]["prefill_tps"] / p[1]["prefill_tps"])
+        chosen.append(by_ratio[(len(by_ratio) - 1) // 2])
+        if len(pairs) > 1:
+            pre = [a["prefill_tps"] / b["prefill_tps"] for a, b in pairs]
+            dec = [a["decode_tps"] / b["decode_tps"] for a, b in pairs]
+            spread.append(f"{model} ({pack}): {len(pairs)} calls, prefill ×{min(pre):.2f}–"
+                          f"×{max(pre):.2f}, decode ×{min(dec):.2f}–×{max(dec):.2f}")
+    print(ENGINE_HEADER)
+    for a, b in chosen:
+        print(engine_row(a, _pack(a)))
+        print(engine_row(b, _pack(b)))
     print()
     print("| model | pocketlm weights | prefill ratio | decode ratio | peak memory ratio |")
     print("|---|---|---|---|---|")
-    for a, b in pairs:
-        print(ratio_row(a["model"], a.get("pack", "int4 g32, embed int8"), a, b))
+    for a, b in chosen:
+        print(ratio_row(a["model"], _pack(a), a, b))
     print("\n" + machine_line(rows))
+    if spread:
+        print("\nthe call with the median prefill ratio of each model; the ratios over all calls: "
+              + "; ".join(spread))
 
 
 def main() -> None:
@@ -113,12 +137,14 @@ def main() -> None:
     ap.add_argument("--keep-precision", action="store_true",
                     help="benchmark the packs that keep the source's 5-8-bit tensors (Q5_0 in "
                     "INT5, wider types in INT8)")
+    ap.add_argument("--calls", type=int, default=1,
+                    help="bench calls per model (each: --runs runs per engine, alternating)")
     ap.add_argument("--table", metavar="JSONL", help="print the markdown table of a results file")
     args = ap.parse_args()
     if args.table:
         table(args.table)
     else:
-        run(args.models, args.threads, args.runs, args.keep_precision)
+        run(args.models, args.threads, args.runs, args.keep_precision, args.calls)
 
 
 if __name__ == "__main__":
