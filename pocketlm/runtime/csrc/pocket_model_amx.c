@@ -351,7 +351,6 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
         const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(A->scale);
         for (int i = 0; i < 16; i++) {
             float *si = s + (size_t)i * KC;
-            uint16_t *phi = ph + (size_t)i * KC, *pli = pl + (size_t)i * KC;
             int a = 0, e = 0; /* the row's keys in [a, e) */
             if (i < nq) {
                 const int p = A->pos0 + i;
@@ -359,34 +358,16 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
                 e = p + 1 < ke ? p + 1 : ke;
             }
             const __m512i va = _mm512_set1_epi32(a - ks), ve = _mm512_set1_epi32(e - ks);
-            __m512 mx = ninf;
             for (int j = 0; j < len; j += 16) {
                 const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(j));
                 const __mmask16 ok =
                     _mm512_cmpge_epi32_mask(key, va) & _mm512_cmplt_epi32_mask(key, ve);
                 const __m512 v = _mm512_mask_mul_ps(ninf, ok, _mm512_loadu_ps(si + j), vscale);
                 _mm512_storeu_ps(si + j, v);
-                mx = _mm512_max_ps(mx, v);
             }
-            const float cm = _mm512_reduce_max_ps(mx), old = A->m[i], nm = old > cm ? old : cm;
-            if (nm == -INFINITY) { /* no key yet: nothing changes */
-                corr[i] = 1.0f;
-                memset(phi, 0, (size_t)len * sizeof(uint16_t));
-                memset(pli, 0, (size_t)len * sizeof(uint16_t));
-                continue;
-            }
-            corr[i] = old == -INFINITY ? 0.0f : expf(old - nm);
-            const __m512 vnm = _mm512_set1_ps(nm);
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < len; j += 16) {
-                const __m512 sv = _mm512_loadu_ps(si + j);
-                const __mmask16 ok = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
-                const __m512 pv = _mm512_maskz_mov_ps(ok, pm_exp512(_mm512_sub_ps(sv, vnm)));
-                sum = _mm512_add_ps(sum, pv);
-                split_bf16(pv, phi + j, pli + j, 0xFFFF);
-            }
-            A->l[i] = A->l[i] * corr[i] + _mm512_reduce_add_ps(sum);
-            A->m[i] = nm;
+            /* a row without keys so far gets corr 0 and P = 0: its accumulator becomes 0 */
+            corr[i] = pm_softmax_piece(si, len, A->m + i, A->l + i);
+            pm_amx_to_bf16(si, ph + (size_t)i * KC, pl + (size_t)i * KC, (size_t)len);
         }
         /* O = P V, four tiles of 16 columns at a time */
         const int nkc = len / 32, kc0 = (ks - A->k0) / 32;

@@ -175,25 +175,8 @@ static TGT void attn_avx512(const pm_attn_args *A) {
         }
         /* softmax pieces */
         const int nlen = (kb1 - kb0 + 1) * 16;
-        for (int g = 0; g < G; g++) {
-            float *sg = A->s + (size_t)g * PM_SPAN;
-            __m512 mx = ninf;
-            for (int j = 0; j < nlen; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sg + j));
-            const float cm = _mm512_reduce_max_ps(mx);
-            const float old = A->m[g], nm = old > cm ? old : cm;
-            corr[g] = old == -INFINITY ? 0.0f : expf(old - nm);
-            const __m512 vnm = _mm512_set1_ps(nm);
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < nlen; j += 16) {
-                const __m512 sv = _mm512_loadu_ps(sg + j);
-                const __mmask16 ok = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
-                const __m512 pv = _mm512_maskz_mov_ps(ok, pm_exp512(_mm512_sub_ps(sv, vnm)));
-                _mm512_storeu_ps(sg + j, pv);
-                sum = _mm512_add_ps(sum, pv);
-            }
-            A->l[g] = A->l[g] * corr[g] + _mm512_reduce_add_ps(sum);
-            A->m[g] = nm;
-        }
+        for (int g = 0; g < G; g++)
+            corr[g] = pm_softmax_piece(A->s + (size_t)g * PM_SPAN, nlen, A->m + g, A->l + g);
         /* weighted values of positions [c, cend) */
         const float *p = A->s + (c - base);
         const int len = cend - c;

@@ -5,6 +5,7 @@
 #define POCKET_MODEL_X86_H
 
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -44,6 +45,32 @@ static inline __attribute__((always_inline, target("avx512f"))) __m512 pm_exp512
     const __m512 r2 = _mm512_mul_ps(r, r);
     const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(y, n);
+}
+
+/* One piece of an online softmax: s holds len (a multiple of 16) scaled scores, -inf where a
+ * key is masked. In place: s = e^(s - max) (0 where masked), with max the running maximum *m
+ * taken over these scores too; *l becomes *l * corr + the piece's sum. Returns corr, the factor
+ * for the accumulators of the earlier pieces (0 when there were none). */
+static inline __attribute__((always_inline, target("avx512f"))) float
+pm_softmax_piece(float *s, int len, float *m, float *l) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 mx = ninf;
+    for (int j = 0; j < len; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+    const float cm = _mm512_reduce_max_ps(mx);
+    const float old = *m, nm = old > cm ? old : cm;
+    const float corr = old == -INFINITY ? 0.0f : expf(old - nm);
+    const __m512 vnm = _mm512_set1_ps(nm);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < len; j += 16) {
+        const __m512 sv = _mm512_loadu_ps(s + j);
+        const __mmask16 ok = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
+        const __m512 pv = _mm512_maskz_mov_ps(ok, pm_exp512(_mm512_sub_ps(sv, vnm)));
+        _mm512_storeu_ps(s + j, pv);
+        sum = _mm512_add_ps(sum, pv);
+    }
+    *l = *l * corr + _mm512_reduce_add_ps(sum);
+    *m = nm;
+    return corr;
 }
 
 #endif /* POCKET_MODEL_X86_H */
