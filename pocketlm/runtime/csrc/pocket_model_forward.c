@@ -113,7 +113,7 @@ static void prepare_cols(const pocket_model *m, const pm_act *a, int i, int c0, 
     const size_t boff = (size_t)i * nb + (size_t)c0 / 32;
 #if PM_HAVE_AMX
     if (a->xb) {
-        pm_amx_to_bf16(a->x + off, a->xb + off, a->xl + off, (size_t)(c1 - c0));
+        pm_amx_act(a->x, a->cols, i, i + 1, c0, c1, a->xb, a->xl);
         return;
     }
 #endif
@@ -364,7 +364,7 @@ static void prepare_act(const pocket_model *m, const pm_act *a, int i0, int i1) 
     const size_t C = (size_t)a->cols, nb = C / 32;
 #if PM_HAVE_AMX
     if (a->xb) {
-        pm_amx_to_bf16(a->x + i0 * C, a->xb + i0 * C, a->xl + i0 * C, (size_t)(i1 - i0) * C);
+        pm_amx_act(a->x, a->cols, i0, i1, 0, a->cols, a->xb, a->xl);
         return;
     }
 #endif

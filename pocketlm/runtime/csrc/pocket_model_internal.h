@@ -102,9 +102,15 @@ int pm_ensure_amx_attn(pocket_model *m, int tasks);
 int pm_amx_enable(void);
 /* float32 x -> two bfloat16 terms hi = bf16(x), lo = bf16(x - hi), len values. */
 void pm_amx_to_bf16(const float *x, uint16_t *hi, uint16_t *lo, size_t len);
+/* Tokens [i0, i1), columns [c0, c1) (multiples of 32) of x [n, cols] as two bfloat16 terms in
+ * the A-tile layout of pm_amx_matmul: value (i, c) at
+ * ((i / 16) * (cols / 32) + c / 32) * 512 + (i % 16) * 32 + c % 32 of hi and lo. */
+void pm_amx_act(const float *x, int cols, int i0, int i1, int c0, int c1, uint16_t *hi,
+                uint16_t *lo);
 /* y[i * ystride + r] = (hi[i] + lo[i]) . W~[r] for the rows of tiles [tb, te), tokens i < n:
- * xb, xl the activation terms in bfloat16 [ceil16(n), cols] (rows past n are read, their
- * results dropped); wbuf: 2 * (cols / 32) * 512 bfloat16 of scratch, 64-byte aligned. */
+ * xb, xl the activation terms by pm_amx_act, ceil16(n) tokens (rows past n are read, their
+ * results dropped); wbuf: 8 * (cols / 32) * 512 bfloat16 of scratch (four weight tiles
+ * widened), 64-byte aligned. */
 void pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *xl, int n, float *y,
                    size_t ystride, int tb, int te, uint16_t *wbuf);
 #endif
