@@ -54,8 +54,9 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool, calls:
             row["date"] = time.strftime("%Y-%m-%d %H:%M")
             row["engine_version"] = ("llama-cpp-python " + llama_cpp.__version__
                                      if r.engine == "llama.cpp"
-                                     else "pocketlm native " + native.cpu_features()["selected"]
-                                     + (" + amx-bf16 prefill" if native.amx_setting("q8") else ""))
+                                     else "pocketlm native " + native.engine_setting()["level"]
+                                     + (" + amx-bf16 prefill" if native.engine_setting()["amx"]
+                                        else ""))
             row["command"] = " ".join(sys.argv)
             row["call"] = f"{call + 1}/{calls}"
             print(json.dumps(row), flush=True)

@@ -69,6 +69,28 @@ def test_bench_states_the_amx_setting(monkeypatch):
     assert machine_info()["amx_prefill"] is False
 
 
+def test_bench_states_the_kernels_the_engine_runs_on(monkeypatch):
+    # the machine line is what the engine runs on here: the forced kernel level, its default
+    # activations (f32 at the scalar level, q8 with SIMD int8 products), AMX only at avx512
+    from pocketlm.bench import machine_info
+    from pocketlm.runtime.kernels import native
+
+    monkeypatch.delenv("POCKET_ACT", raising=False)
+    monkeypatch.setenv("POCKET_CPU_LEVEL", "scalar")
+    info = machine_info()
+    assert (info["kernel_level"], info["activations"], info["amx_prefill"]) == \
+        ("scalar", "f32", False)
+    if "avx2" in native.cpu_features()["levels"]:
+        monkeypatch.setenv("POCKET_CPU_LEVEL", "avx2")
+        monkeypatch.setenv("POCKET_AVXVNNI", "0")
+        info = machine_info()
+        assert (info["kernel_level"], info["activations"], info["amx_prefill"]) == \
+            ("avx2", "q8", False)
+    monkeypatch.setenv("POCKET_CPU_LEVEL", "scalar")
+    monkeypatch.setenv("POCKET_ACT", "q8")
+    assert machine_info()["activations"] == "q8"
+
+
 def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     svg = tmp_path / "bench.svg"
     assert cli.main(["bench", "-m", str(gguf), "--threads", "1", "--n-prompt", "16",

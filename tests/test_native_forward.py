@@ -175,6 +175,44 @@ def test_odd_shapes_and_group_sizes(shape, group_size):
             assert _rel_err(_run(nat, ids, 130, capacity=160), expected) <= bound
 
 
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("layers", ["int4", "int5"])
+def test_avx2_level_int8_products(layers, group_size, monkeypatch):
+    # the avx2 level's int8 products (pocket_model_avx2.c) repeat the portable kernel's integer
+    # sums and float operations, on AVX-VNNI or (POCKET_AVXVNNI=0) on multiply-add pairs: the
+    # two give the same bits, and the scalar level's logits up to the float rounding of the
+    # level's vectorised attention and GLU; INT4 / INT5 layers and an INT8 head with a
+    # partial last tile (vocab 333), 1 and 2 digits, token pairs and an odd token, a prefill
+    # over two blocks, then decode
+    if "avx2" not in LEVELS:
+        import platform
+
+        assert platform.machine().lower() not in ("x86_64", "amd64"), "no avx2 level on x86-64"
+        return
+    cfg = torch_ref.tiny_config("llama", max_context=256, head_dim=32, n_heads=4, n_kv_heads=2,
+                                d_model=128, d_ff=256, vocab_size=333)
+    sd = torch_ref.random_state_dict(cfg, seed=31)
+    layer = quantize_int5 if layers == "int5" else quantize_int4
+    w = {name: (v if v.ndim != 2 else quantize_int8(v, group_size)
+                if name in ("embed.weight", "lm_head.weight") else layer(v, group_size))
+         for name, v in sd.items()}
+    ids = (IDS * 12)[:139]
+    for digits in (2, 1):
+        outs = {}
+        for level, vnni in (("scalar", "1"), ("avx2", "1"), ("avx2", "0")):
+            monkeypatch.setenv("POCKET_AVXVNNI", vnni)
+            rt = Runtime(cfg, w, engine="numpy")
+            rt.native = native.NativeEngine(cfg, w, act="q8", kv="f16", level=level, threads=2,
+                                            digits=digits, amx=False)
+            outs[level, vnni] = _run(rt, ids, 131, capacity=160)
+        np.testing.assert_array_equal(outs["avx2", "0"], outs["avx2", "1"])
+        assert np.isfinite(outs["scalar", "1"]).all()
+        # observed <= 2e-4 with two digits; one int8 digit turns the float differences into
+        # flipped roundings of activations (the q8-1digit bound)
+        bound = 1e-3 if digits == 2 else MODES["q8-1digit"][3]
+        assert _rel_err(outs["avx2", "1"], outs["scalar", "1"]) <= bound
+
+
 def _int5_bytes(q5: np.ndarray) -> np.ndarray:
     """uint8 values 0..31 [rows, cols] -> the INT5 layout, built here from its definition:
     per block of 32 columns a little-endian uint32 of bit 4 of each column, then the low

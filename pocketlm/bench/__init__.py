@@ -77,14 +77,16 @@ def machine_info() -> dict[str, Any]:
         pass
     from ..runtime.kernels import native
 
-    level = native.cpu_features().get("best") if native.available() else None
-    try:  # what pocketlm's prefill runs on with the default (q8) activations
-        amx = native.amx_setting("q8")
-    except KernelError:
-        amx = False
+    level, act, amx = None, None, False
+    if native.available():
+        try:  # what pocketlm's engine runs on with this environment's settings
+            setting = native.engine_setting()
+            level, act, amx = setting["level"], setting["act"], setting["amx"]
+        except KernelError:
+            pass
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
-            "kernel_level": level, "amx_prefill": amx, "python": platform.python_version(),
-            "os": platform.system()}
+            "kernel_level": level, "activations": act, "amx_prefill": amx,
+            "python": platform.python_version(), "os": platform.system()}
 
 
 class _Worker:
@@ -280,6 +282,8 @@ def format_table(results: list[EngineResult]) -> str:
         f"(hash {r0.prompt_hash})  decode {r0.n_gen} tokens  runs {r0.runs} (+1 warm-up)",
         f"machine: {r0.machine.get('cpu')} ({r0.machine.get('cores')} CPUs); pocketlm kernels "
         f"{r0.machine.get('kernel_level')}"
+        + (f", {r0.machine['activations']} activations" if r0.machine.get("activations")
+           else "")
         + (", AMX-BF16 prefill" if r0.machine.get("amx_prefill") else ""),
         "",
         f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak MB':>8} "

@@ -11,6 +11,8 @@
 #endif
 
 #include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "pocket_internal.h"
 #include "pocket_model.h"
@@ -299,6 +301,17 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     if (kernels->level == POCKET_LEVEL_AVX512) {
         m->ops = &pm_ops_avx512;
         m->tiled_f32 = 1;
+    }
+#endif
+#if PM_HAVE_AVX2
+    /* int8-activation products only: float activations keep the kernel table's products */
+    if (kernels->level == POCKET_LEVEL_AVX2) {
+        m->ops = &pm_ops_avx2;
+#if PM_HAVE_AVXVNNI
+        const char *vnni = getenv("POCKET_AVXVNNI"); /* "0": the plain AVX2 products */
+        if ((pocket_cpu_features() & POCKET_CPU_AVXVNNI) && !(vnni && !strcmp(vnni, "0")))
+            m->ops = &pm_ops_avxvnni;
+#endif
     }
 #endif
     /* INT5 weights exist only as tiles: with any of them, every product runs on the tiles */

@@ -11,8 +11,7 @@
  *                                  weight is INT5, see pocket_model.c: float products go
  *                                  through the kernel table, i.e. the scalar kernels);
  *   quant_act, block_sums          the portable functions (identical results by contract);
- *   rmsnorm, attn, glu, matmul_f32, to_f16   the portable operations, called through
- *                                  pm_ops_portable.
+ *   rmsnorm, attn, glu, matmul_f32, to_f16   the portable operations (pm_*_portable).
  *
  * The SDOT product. One `vdotq_laneq_s32(acc, w, x, L)` adds, for each of its 4 int32 lanes e,
  * the dot product of the 4 bytes 4e..4e+3 of w with the 4 bytes of 32-bit word L of x. A 64-byte
@@ -226,35 +225,13 @@ static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, 
     }
 }
 
-/* ---- the portable operations ------------------------------------------------------------- */
-
-static void rmsnorm_via_portable(const float *x, const float *w, int n, int d, float eps,
-                                 float *out) {
-    pm_ops_portable.rmsnorm(x, w, n, d, eps, out);
-}
-
-static void attn_via_portable(const pm_attn_args *a) { pm_ops_portable.attn(a); }
-
-static void glu_via_portable(float *gate, const float *up, size_t len, int gelu) {
-    pm_ops_portable.glu(gate, up, len, gelu);
-}
-
-static void matmul_f32_via_portable(const float *x, int n, int cols, const float *w, int rows,
-                                    float *y, int rb, int re) {
-    pm_ops_portable.matmul_f32(x, n, cols, w, rows, y, rb, re);
-}
-
-static void to_f16_via_portable(const float *x, uint16_t *out, size_t len) {
-    pm_ops_portable.to_f16(x, out, len);
-}
-
 const pm_ops pm_ops_neon = {
     "neon",
-    rmsnorm_via_portable,
-    attn_via_portable,
-    glu_via_portable,
-    matmul_f32_via_portable,
-    to_f16_via_portable,
+    pm_rmsnorm_portable,
+    pm_attn_portable,
+    pm_glu_portable,
+    pm_matmul_f32_portable,
+    pm_to_f16_portable,
     pm_quant_act_portable,
     matmul_tiled_neon,
     pm_block_sums_portable,

@@ -2,7 +2,7 @@
  * norms, attention, activations, float16 conversion, activation quantization and the products
  * on tiled weights, in plain C. They run where AVX-512 is not available (the scalar and avx2
  * kernel levels, other architectures); the AVX-512 attention (pocket_model_x86.c) falls back to
- * attn_portable for more than 64 query heads per KV head, and the neon operations
+ * pm_attn_portable for more than 64 query heads per KV head, and the neon operations
  * (pocket_model_neon.c) use all of them but the int8-digit tiled products.
  */
 #include <math.h>
@@ -20,8 +20,7 @@ static float dot_f32(const float *a, const float *b, int len) {
     return s;
 }
 
-static void rmsnorm_portable(const float *x, const float *w, int n, int d, float eps,
-                             float *out) {
+void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps, float *out) {
     for (int i = 0; i < n; i++) {
         const float *xi = x + (size_t)i * d;
         float *oi = out + (size_t)i * d;
@@ -35,7 +34,7 @@ static inline float kv_load(const void *base, int f16, size_t idx) {
     return f16 ? pocket_f16_to_f32(((const uint16_t *)base)[idx]) : ((const float *)base)[idx];
 }
 
-static void attn_portable(const pm_attn_args *A) {
+void pm_attn_portable(const pm_attn_args *A) {
     const int G = A->G, hd = A->hd;
     for (int c = A->a; c < A->b;) {
         const int cend0 = (c / PM_SPAN + 1) * PM_SPAN, cend = cend0 < A->b ? cend0 : A->b;
@@ -81,7 +80,7 @@ static void attn_portable(const pm_attn_args *A) {
     }
 }
 
-static void glu_portable(float *gate, const float *up, size_t len, int gelu) {
+void pm_glu_portable(float *gate, const float *up, size_t len, int gelu) {
     if (gelu) {
         const float c = 0.7978845608028654f; /* sqrt(2 / pi) */
         for (size_t k = 0; k < len; k++) {
@@ -96,8 +95,8 @@ static void glu_portable(float *gate, const float *up, size_t len, int gelu) {
     }
 }
 
-static void matmul_f32_portable(const float *x, int n, int cols, const float *w, int rows,
-                                float *y, int rb, int re) {
+void pm_matmul_f32_portable(const float *x, int n, int cols, const float *w, int rows,
+                            float *y, int rb, int re) {
     for (int r = rb; r < re; r++)
         for (int i = 0; i < n; i++)
             y[(size_t)i * rows + r] = dot_f32(x + (size_t)i * cols, w + (size_t)r * cols, cols);
@@ -121,7 +120,7 @@ static uint16_t f32_to_f16_bits(float f) {
     return (uint16_t)(sign | (r >> 13));
 }
 
-static void to_f16_portable(const float *x, uint16_t *out, size_t len) {
+void pm_to_f16_portable(const float *x, uint16_t *out, size_t len) {
     for (size_t k = 0; k < len; k++) out[k] = f32_to_f16_bits(x[k]);
 }
 
@@ -252,7 +251,13 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
 }
 
 const pm_ops pm_ops_portable = {
-    "portable",          rmsnorm_portable,      attn_portable,           glu_portable,
-    matmul_f32_portable, to_f16_portable,       pm_quant_act_portable,   pm_matmul_tiled_portable,
+    "portable",
+    pm_rmsnorm_portable,
+    pm_attn_portable,
+    pm_glu_portable,
+    pm_matmul_f32_portable,
+    pm_to_f16_portable,
+    pm_quant_act_portable,
+    pm_matmul_tiled_portable,
     pm_block_sums_portable,
 };

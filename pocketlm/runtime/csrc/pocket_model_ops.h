@@ -1,8 +1,8 @@
 /* Internal: the elementwise / attention operations of the engine (pocket_model_forward.c),
- * with a portable implementation (pocket_model_ops.c), an AVX-512 one (pocket_model_x86.c) and
- * an ARM64 NEON one (pocket_model_neon.c), chosen once per model from the kernel level; the
- * layouts they share (KV cache, tiled weights, prepared activations). Not part of the public
- * API. */
+ * with a portable implementation (pocket_model_ops.c), an AVX-512 one (pocket_model_x86.c), an
+ * AVX2 one (pocket_model_avx2.c) and an ARM64 NEON one (pocket_model_neon.c), chosen once per
+ * model from the kernel level; the layouts they share (KV cache, tiled weights, prepared
+ * activations). Not part of the public API. */
 #ifndef POCKET_MODEL_OPS_H
 #define POCKET_MODEL_OPS_H
 
@@ -121,7 +121,14 @@ typedef struct pm_ops {
     void (*block_sums)(const float *x, int n, int cols, float *bsum);
 } pm_ops;
 
-/* Portable twins used by both implementations. */
+/* The portable operations, also in the tables of the SIMD levels that do not replace them. */
+void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps, float *out);
+void pm_attn_portable(const pm_attn_args *a);
+void pm_glu_portable(float *gate, const float *up, size_t len, int gelu);
+void pm_matmul_f32_portable(const float *x, int n, int cols, const float *w, int rows, float *y,
+                            int rb, int re);
+void pm_to_f16_portable(const float *x, uint16_t *out, size_t len);
+/* Portable twins used by every implementation. */
 void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
                            float *dd, float *bsum, int32_t *corr);
 void pm_block_sums_portable(const float *x, int n, int cols, float *bsum);
@@ -134,6 +141,19 @@ extern const pm_ops pm_ops_avx512;
 #define PM_HAVE_AVX512 1
 #else
 #define PM_HAVE_AVX512 0
+#endif
+/* The avx2 level's int8 products (pocket_model_avx2.c); with AVX-VNNI where the compiler has
+ * its intrinsics (GCC 11, Clang 12) and the CPU the instruction (checked at run time). */
+#define PM_HAVE_AVX2 PM_HAVE_AVX512
+#if PM_HAVE_AVX2
+extern const pm_ops pm_ops_avx2;
+#endif
+#if PM_HAVE_AVX2 && ((defined(__clang__) && __clang_major__ >= 12) ||                          \
+                     (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+extern const pm_ops pm_ops_avxvnni;
+#define PM_HAVE_AVXVNNI 1
+#else
+#define PM_HAVE_AVXVNNI 0
 #endif
 /* AMX intrinsics: GCC 11, Clang 12 (pocket_model_amx.c) */
 #if PM_HAVE_AVX512 && defined(__linux__) &&                                                     \

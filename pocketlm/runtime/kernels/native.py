@@ -25,6 +25,10 @@ complete forward pass in one native call; the runtime uses it by default (see
 * ``POCKET_ACT=q8``: int8 dot products. Each activation block of 32 is carried as two int8
   digits, ``x ~ d/128 * (128 q1 + q2)`` (~15 bits of the block's range; ``POCKET_Q8_DIGITS=1``:
   one digit, plain int8 like the per-call kernels above, faster prefill, coarser).
+  Unset: q8 at the avx2, avx512 and neon levels, f32 at the scalar level
+  (:func:`default_activation`).
+* ``POCKET_AVXVNNI=0`` (avx2 level): the int8 products on AVX2's multiply-add pairs even where
+  the CPU has AVX-VNNI (same results, for comparison).
 * ``POCKET_AMX`` (with q8): ``1`` runs the products of 16 or more tokens (prefill) on the
   AMX-BF16 tile unit, bfloat16 weights and activations (an error where the CPU or OS lacks
   it); ``0`` keeps them on the int8 products; unset: AMX where available.
@@ -108,6 +112,21 @@ def cpu_features() -> dict:
         info["threads"] = None
         info["error"] = str(e)
     return info
+
+
+def engine_setting() -> dict:
+    """What a NativeEngine created with the defaults here runs on: ``level`` (kernel level,
+    ``+avxvnni`` where the avx2 level's int8 products use it), ``act``, ``amx`` (prefill on
+    AMX-BF16). Raises KernelError for invalid POCKET_* settings."""
+    from . import activation_format
+
+    level = LEVELS[_level_id(None)]
+    act = activation_format(default_activation(level))
+    amx = level == "avx512" and amx_setting(act)
+    if (level == "avx2" and act == "q8" and _info()["features"].get("avxvnni")
+            and os.environ.get("POCKET_AVXVNNI", "").strip() != "0"):
+        level = "avx2+avxvnni"
+    return {"level": level, "act": act, "amx": amx}
 
 
 def default_threads() -> int:
@@ -238,6 +257,14 @@ def engine_threads() -> int:
     return max(1, min(_usable_cpus(), MAX_DEFAULT_ENGINE_THREADS))
 
 
+def default_activation(level: str) -> str:
+    """The engine's activations when POCKET_ACT is unset: ``q8`` where the kernel level has
+    SIMD int8 products (avx2, avx512, neon), ``f32`` at the scalar level, whose portable int8
+    loop is several times slower than its float products (smollm2-135m, 2 threads: prefill 6
+    vs 74 tokens/s, decode 6 vs 26)."""
+    return "f32" if level == "scalar" else "q8"
+
+
 def kv_format(act: str) -> str:
     """POCKET_KV (``f32`` | ``f16``), else ``f32`` with float activations and ``f16`` with
     int8 activations (the fast setting)."""
@@ -333,7 +360,10 @@ class NativeEngine:
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
         from . import activation_format  # the package's POCKET_ACT parser
-        self.act = activation_format() if act is None else act
+        level_id = _level_id(level)
+        if act is None:  # int8 activations where the level has SIMD int8 products
+            act = activation_format(default_activation(LEVELS[level_id]))
+        self.act = act
         if self.act not in ("f32", "q8"):
             raise KernelError(f"act must be 'f32' or 'q8', got {self.act!r}")
         self.kv_format = kv_format(self.act) if kv is None else kv
@@ -350,7 +380,6 @@ class NativeEngine:
             raise KernelError(reason)
         self.capacity = int(config.max_context if capacity is None else capacity)
         self.vocab_size = config.vocab_size
-        level_id = _level_id(level)
         if amx is None:  # POCKET_AMX, at the avx512 level (the one it extends)
             self.amx = amx_setting(self.act) and LEVELS[level_id] == "avx512"
         else:

@@ -1,0 +1,460 @@
+/* AVX2 operations of the inference engine (see pocket_model_ops.h): the products on tiled
+ * weights with int8 activation digits, for x86-64 CPUs without AVX-512 (the avx2 kernel level).
+ * Before these, such CPUs ran the products in the portable C loop (smollm2-135m decoded ~4
+ * tokens/s) and attention and the GLU in plain C.
+ *
+ * What is AVX2 here and what is not:
+ *   matmul_tiled, digits 1 and 2   the kernels below (INT4, INT5 and INT8 weights), with the
+ *                                  AVX-VNNI dot product where the CPU has it (Alder Lake and
+ *                                  later), else AVX2's multiply-add pair;
+ *   matmul_tiled, digits 0         pm_matmul_tiled_portable (float activations at this level
+ *                                  use the kernel table's AVX2 products; tiles exist for them
+ *                                  only with INT5 weights, see pocket_model.c);
+ *   attn, glu                      AVX2 + FMA versions of the portable loops (below);
+ *   quant_act, block_sums          the portable functions (identical results by contract);
+ *   rmsnorm, matmul_f32, to_f16    the portable operations.
+ *
+ * The integer product. A 64-byte chunk vector of a tile record (pocket_model_ops.h: chunk k of
+ * row i = the 4 bytes at lane i) is two 256-bit registers, rows 0-7 and rows 8-15; the chunk's 4
+ * activation bytes are broadcast to every 32-bit lane, and each lane gets the dot product of its
+ * 4 weight bytes with them:
+ *   AVX-VNNI: vpdpbusd (u8 x s8, summed into the int32 lane);
+ *   AVX2:     vpmaddubsw (u8 x s8, adjacent pairs summed to int16) then vpmaddwd by 1 (the two
+ *             pairs to int32). The pairs cannot saturate: INT4 / INT5 weights are 0..31 and the
+ *             digits at most 127 in magnitude (2 x 31 x 127 < 2^15).
+ *   INT8 weights are stored as q + 128; XOR 0x80 gives q as s8, and the product runs on |q|
+ *   (u8, at most 128) and the digit with q's sign (vpsignb), so that 2 x 128 x 127 < 2^15 holds
+ *   for vpmaddubsw too. The lane sums are then those of the true q, and the offset term corr of
+ *   pm_act is not needed: 128 * sum(u x1) + sum(u x2) - corr = 128 * sum(q x1) + sum(q x2), the
+ *   int32 value the portable kernel computes.
+ * Per block the int32 total T = 128 i1 + i2 (digits 2) or i1 (digits 1) is exact. The float
+ * epilogue repeats the portable kernel's operations in its order, lane by lane (a lane per row):
+ * acc += (float)T * (scale * dd[b]); xs += bsum[b] over the group; INT4 / INT5:
+ * macc += min * xs per group; y = acc + macc. Separate multiplies and adds (no fused
+ * multiply-add: this file, like the portable one, is built with -std=c11, which keeps GCC from
+ * contracting a * b + c), so the results are bit-identical to pm_matmul_tiled_portable.
+ */
+#include "pocket_internal.h"
+#include "pocket_model_ops.h"
+
+#if PM_HAVE_AVX2
+
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#define TGT __attribute__((target("avx2,fma,f16c")))
+#if PM_HAVE_AVXVNNI
+#define TGTV __attribute__((target("avx2,fma,f16c,avxvnni")))
+#endif
+#define AI __attribute__((always_inline))
+
+/* Prefetch of the weight stream into L2, bytes ahead (as the AVX-512 kernel: decode reads every
+ * weight once per token, and the hardware prefetcher alone leaves the memory underused). */
+#define PM_AVX2_PREFETCH 16384
+
+/* acc += the dot products of each lane's 4 bytes of w (u8) with the broadcast word x (s8). */
+static inline TGT AI __m256i dot_avx2(__m256i acc, __m256i w, __m256i x) {
+    const __m256i pairs = _mm256_maddubs_epi16(w, x);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#if PM_HAVE_AVXVNNI
+static inline TGTV AI __m256i dot_vnni(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+}
+#endif
+
+/* The INT5 high bits of 32 bytes from 32 mask bits (bit k: byte k): 16 where set, else 0. */
+static inline TGT AI __m256i high_bits(const uint8_t *mask) {
+    uint32_t m32;
+    memcpy(&m32, mask, 4);
+    const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                         2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m32), idx);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel);
+    return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
+/* The 4 activation bytes of chunk c of a block as a broadcast word. */
+static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
+    int32_t v;
+    memcpy(&v, x + 4 * c, 4);
+    return _mm256_set1_epi32(v);
+}
+
+/* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1. VNNI: the AVX-VNNI dot product;
+ * BITS: INT4, INT5 or INT8 weights; DIG: activation digits (1 or 2). Accumulators [token][half]
+ * lane e = row 8 half + e of the tile, as the portable kernel's acc / macc of that row. */
+#define PM_AVX2_TILE(NAME, ATTR, DOT)                                                           \
+    static inline ATTR AI void NAME(const int BITS, const int DIG, const int T,                 \
+                                    const pm_tiled *w, const pm_act *a, int i0, float *y,       \
+                                    size_t ystride, int tile, int prefetch) {                   \
+        const int Q4 = BITS != 8;                                                               \
+        const size_t BB = BITS == 8 ? 512 : BITS == 5 ? 320 : 256;                              \
+        const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;                            \
+        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);                            \
+        const uint16_t *mn = sc + (size_t)w->ng * 16;                                           \
+        const int nb = w->nb, ng = w->ng, gpb = w->gpb;                                         \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), sgn = _mm256_set1_epi8((char)0x80);          \
+        const int8_t *p1[2], *p2[2];                                                            \
+        const float *dd[2], *bs[2];                                                             \
+        for (int t = 0; t < T; t++) {                                                           \
+            p1[t] = a->q1 + (size_t)(i0 + t) * a->cols;                                         \
+            p2[t] = DIG == 2 ? a->q2 + (size_t)(i0 + t) * a->cols : p1[t];                      \
+            dd[t] = a->dd + (size_t)(i0 + t) * nb;                                              \
+            bs[t] = a->bsum + (size_t)(i0 + t) * nb;                                            \
+        }                                                                                       \
+        if (prefetch)                                                                           \
+            for (size_t o = w->scale_off; o < w->tile_bytes; o += 64)                           \
+                _mm_prefetch((const char *)rec + o + PM_AVX2_PREFETCH, _MM_HINT_T1);            \
+        __m256 acc[2][2], macc[2][2];                                                           \
+        for (int t = 0; t < T; t++)                                                             \
+            for (int h = 0; h < 2; h++) acc[t][h] = macc[t][h] = _mm256_setzero_ps();           \
+        for (int g = 0; g < ng; g++) {                                                          \
+            __m256 s[2];                                                                        \
+            for (int h = 0; h < 2; h++)                                                         \
+                s[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * h))); \
+            float xs[2] = {0.0f, 0.0f};                                                         \
+            for (int jb = 0; jb < gpb; jb++) {                                                  \
+                const int b = g * gpb + jb;                                                     \
+                const uint8_t *blk = rec + (size_t)b * BB;                                      \
+                if (prefetch)                                                                   \
+                    for (size_t o = 0; o < BB; o += 64)                                         \
+                        _mm_prefetch((const char *)blk + o + PM_AVX2_PREFETCH, _MM_HINT_T1);    \
+                __m256i i1[2][2], i2[2][2];                                                     \
+                for (int t = 0; t < T; t++)                                                     \
+                    for (int h = 0; h < 2; h++) i1[t][h] = i2[t][h] = _mm256_setzero_si256();   \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    if (Q4) {                                                                   \
+                        for (int mm = 0; mm < 4; mm++) {                                        \
+                            const __m256i v =                                                   \
+                                _mm256_loadu_si256((const __m256i *)(blk + 64 * mm + 32 * h));  \
+                            __m256i lo = _mm256_and_si256(v, m4);                               \
+                            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);         \
+                            if (BITS == 5) {                                                    \
+                                const uint8_t *k = blk + 256 + 16 * mm + 4 * h;                 \
+                                lo = _mm256_add_epi8(lo, high_bits(k));                         \
+                                hi = _mm256_add_epi8(hi, high_bits(k + 8));                     \
+                            }                                                                   \
+                            for (int t = 0; t < T; t++) {                                       \
+                                const int8_t *x1 = p1[t] + 32 * b, *x2 = p2[t] + 32 * b;        \
+                                i1[t][h] = DOT(i1[t][h], lo, chunk_word(x1, 2 * mm));           \
+                                i1[t][h] = DOT(i1[t][h], hi, chunk_word(x1, 2 * mm + 1));       \
+                                if (DIG == 2) {                                                 \
+                                    i2[t][h] = DOT(i2[t][h], lo, chunk_word(x2, 2 * mm));       \
+                                    i2[t][h] = DOT(i2[t][h], hi, chunk_word(x2, 2 * mm + 1));   \
+                                }                                                               \
+                            }                                                                   \
+                        }                                                                       \
+                    } else {                                                                    \
+                        for (int k = 0; k < 8; k++) {                                           \
+                            const __m256i q = _mm256_xor_si256(                                 \
+                                _mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h)),   \
+                                sgn);                                                           \
+                            const __m256i aq = _mm256_abs_epi8(q);                              \
+                            for (int t = 0; t < T; t++) {                                       \
+                                const int8_t *x1 = p1[t] + 32 * b, *x2 = p2[t] + 32 * b;        \
+                                i1[t][h] =                                                      \
+                                    DOT(i1[t][h], aq, _mm256_sign_epi8(chunk_word(x1, k), q));  \
+                                if (DIG == 2)                                                   \
+                                    i2[t][h] = DOT(i2[t][h], aq,                                \
+                                                   _mm256_sign_epi8(chunk_word(x2, k), q));     \
+                            }                                                                   \
+                        }                                                                       \
+                    }                                                                           \
+                }                                                                               \
+                for (int t = 0; t < T; t++) {                                                   \
+                    const __m256 db = _mm256_set1_ps(dd[t][b]);                                 \
+                    for (int h = 0; h < 2; h++) {                                               \
+                        const __m256i tot =                                                     \
+                            DIG == 2 ? _mm256_add_epi32(_mm256_slli_epi32(i1[t][h], 7), i2[t][h]) \
+                                     : i1[t][h];                                                \
+                        const __m256 sd = _mm256_mul_ps(s[h], db);                              \
+                        acc[t][h] =                                                             \
+                            _mm256_add_ps(acc[t][h], _mm256_mul_ps(_mm256_cvtepi32_ps(tot), sd)); \
+                    }                                                                           \
+                    xs[t] += bs[t][b];                                                          \
+                }                                                                               \
+            }                                                                                   \
+            if (Q4)                                                                             \
+                for (int h = 0; h < 2; h++) {                                                   \
+                    const __m256 mv = _mm256_cvtph_ps(                                          \
+                        _mm_loadu_si128((const __m128i *)(mn + 16 * g + 8 * h)));               \
+                    for (int t = 0; t < T; t++)                                                 \
+                        macc[t][h] =                                                            \
+                            _mm256_add_ps(macc[t][h], _mm256_mul_ps(mv, _mm256_set1_ps(xs[t]))); \
+                }                                                                               \
+        }                                                                                       \
+        const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;                   \
+        for (int t = 0; t < T; t++) {                                                           \
+            float out[16];                                                                      \
+            for (int h = 0; h < 2; h++)                                                         \
+                _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(acc[t][h], macc[t][h]));            \
+            memcpy(y + (size_t)(i0 + t) * ystride + r0, out, (size_t)nr * sizeof(float));      \
+        }                                                                                       \
+    }
+
+/* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone;
+ * the weight stream prefetched when few tokens share it (decode). */
+#define PM_AVX2_RANGE(NAME, TILE, ATTR)                                                         \
+    static inline ATTR AI void NAME(const int BITS, const int DIG, const pm_tiled *w,           \
+                                    const pm_act *a, float *y, size_t ystride, int tb, int te) { \
+        const int prefetch = a->n <= 2;                                                         \
+        for (int tile = tb; tile < te; tile++) {                                                \
+            int i0 = 0;                                                                         \
+            for (; i0 + 2 <= a->n; i0 += 2)                                                     \
+                TILE(BITS, DIG, 2, w, a, i0, y, ystride, tile, prefetch);                       \
+            if (i0 < a->n) TILE(BITS, DIG, 1, w, a, i0, y, ystride, tile, prefetch);            \
+        }                                                                                       \
+    }
+
+/* The bits and digits as literals: one specialised copy of the kernel each. */
+#define PM_AVX2_MATMUL(NAME, RANGE, ATTR)                                                       \
+    static ATTR void NAME(const pm_tiled *w, const pm_act *a, float *y, size_t ystride, int tb, \
+                          int te) {                                                             \
+        if (a->digits != 1 && a->digits != 2) {                                                 \
+            pm_matmul_tiled_portable(w, a, y, ystride, tb, te);                                 \
+            return;                                                                             \
+        }                                                                                       \
+        switch (w->bits * 10 + a->digits) {                                                     \
+        case 42: RANGE(4, 2, w, a, y, ystride, tb, te); break;                                  \
+        case 41: RANGE(4, 1, w, a, y, ystride, tb, te); break;                                  \
+        case 52: RANGE(5, 2, w, a, y, ystride, tb, te); break;                                  \
+        case 51: RANGE(5, 1, w, a, y, ystride, tb, te); break;                                  \
+        case 82: RANGE(8, 2, w, a, y, ystride, tb, te); break;                                  \
+        default: RANGE(8, 1, w, a, y, ystride, tb, te); break;                                  \
+        }                                                                                       \
+    }
+
+PM_AVX2_TILE(tile_avx2, TGT, dot_avx2)
+PM_AVX2_RANGE(range_avx2, tile_avx2, TGT)
+PM_AVX2_MATMUL(matmul_tiled_avx2, range_avx2, TGT)
+#if PM_HAVE_AVXVNNI
+PM_AVX2_TILE(tile_vnni, TGTV, dot_vnni)
+PM_AVX2_RANGE(range_vnni, tile_vnni, TGTV)
+PM_AVX2_MATMUL(matmul_tiled_avxvnni, range_vnni, TGTV)
+#endif
+
+/* ---- attention and GLU ---------------------------------------------------------------------
+ *
+ * The portable attention's loops, vectorised: scores of up to 4 query heads per pass over a
+ * block of 16 keys (each key vector loaded once for those heads), the online softmax with a
+ * vector exponential, and the weighted values in registers, 16 columns of up to 4 heads per
+ * pass over the chunk's keys. Not bit-identical to the portable code (another summation order
+ * and exponential); tests/test_native_forward.py bounds every level against the numpy
+ * reference. */
+
+/* e^x for x <= 88; inputs below -87 give 0. */
+static inline TGT AI __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    const __m256 y =
+        _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline TGT AI float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline TGT AI float hsum8(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+
+static inline TGT AI __m256 load8(const void *base, int f16, size_t idx) {
+    if (f16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx)));
+    return _mm256_loadu_ps((const float *)base + idx);
+}
+
+/* Scaled scores of heads [g0, g0 + GH) for the 16 keys of block kb, -inf for keys outside
+ * [c, cend): s[g * PM_SPAN + 16 kb - base + 0..15]. */
+static inline TGT AI void scores_block(const int GH, const pm_attn_args *A, int g0, int kb,
+                                       int c, int cend, int base) {
+    const int hd = A->hd;
+    const size_t kbase = (size_t)kb * 16 * (size_t)hd;
+    __m256 s[4][2];
+    for (int g = 0; g < GH; g++) s[g][0] = s[g][1] = _mm256_setzero_ps();
+    for (int e = 0; e < hd; e++) {
+        const __m256 k0 = load8(A->K, A->f16, kbase + (size_t)e * 16);
+        const __m256 k1 = load8(A->K, A->f16, kbase + (size_t)e * 16 + 8);
+        for (int g = 0; g < GH; g++) {
+            const __m256 q = _mm256_set1_ps(A->q[(size_t)(g0 + g) * hd + e]);
+            s[g][0] = _mm256_fmadd_ps(q, k0, s[g][0]);
+            s[g][1] = _mm256_fmadd_ps(q, k1, s[g][1]);
+        }
+    }
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 vscale = _mm256_set1_ps(A->scale), ninf = _mm256_set1_ps(-INFINITY);
+    for (int h = 0; h < 2; h++) {
+        const __m256i pos = _mm256_add_epi32(lane, _mm256_set1_epi32(16 * kb + 8 * h));
+        const __m256i ok = _mm256_andnot_si256(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(c), pos),
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(cend), pos));
+        for (int g = 0; g < GH; g++)
+            _mm256_storeu_ps(A->s + (size_t)(g0 + g) * PM_SPAN + 16 * kb - base + 8 * h,
+                             _mm256_blendv_ps(ninf, _mm256_mul_ps(s[g][h], vscale),
+                                              _mm256_castsi256_ps(ok)));
+    }
+}
+
+/* acc[g][col0 .. col0 + 16) of heads [g0, g0 + GH) += p[g][j] V[j] over the keys [c, cend). */
+static inline TGT AI void values_block(const int GH, const pm_attn_args *A, int g0, int col0,
+                                       int c, int cend, int base) {
+    const int hd = A->hd;
+    __m256 acc[4][2];
+    for (int g = 0; g < GH; g++)
+        for (int h = 0; h < 2; h++)
+            acc[g][h] = _mm256_loadu_ps(A->acc + (size_t)(g0 + g) * hd + col0 + 8 * h);
+    for (int j = c; j < cend; j++) {
+        const size_t vb = (size_t)j * hd + (size_t)col0;
+        const __m256 v0 = load8(A->V, A->f16, vb), v1 = load8(A->V, A->f16, vb + 8);
+        for (int g = 0; g < GH; g++) {
+            const __m256 p = _mm256_set1_ps(A->s[(size_t)(g0 + g) * PM_SPAN + j - base]);
+            acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
+            acc[g][1] = _mm256_fmadd_ps(p, v1, acc[g][1]);
+        }
+    }
+    for (int g = 0; g < GH; g++)
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_ps(A->acc + (size_t)(g0 + g) * hd + col0 + 8 * h, acc[g][h]);
+}
+
+#define PM_BY_HEADS(GH, CALL1, CALL2, CALL3, CALL4)                                             \
+    switch (GH) {                                                                               \
+    case 1: CALL1; break;                                                                       \
+    case 2: CALL2; break;                                                                       \
+    case 3: CALL3; break;                                                                       \
+    default: CALL4; break;                                                                      \
+    }
+
+static TGT void attn_avx2(const pm_attn_args *A) {
+    const int G = A->G, hd = A->hd;
+    if (hd % 16) {
+        pm_attn_portable(A);
+        return;
+    }
+    for (int c = A->a; c < A->b;) {
+        const int cend0 = (c / PM_SPAN + 1) * PM_SPAN, cend = cend0 < A->b ? cend0 : A->b;
+        const int kb0 = c / 16, kb1 = (cend - 1) / 16, base = kb0 * 16;
+        for (int kb = kb0; kb <= kb1; kb++)
+            for (int g0 = 0; g0 < G; g0 += 4) {
+                const int gh = G - g0 < 4 ? G - g0 : 4;
+                PM_BY_HEADS(gh, scores_block(1, A, g0, kb, c, cend, base),
+                            scores_block(2, A, g0, kb, c, cend, base),
+                            scores_block(3, A, g0, kb, c, cend, base),
+                            scores_block(4, A, g0, kb, c, cend, base))
+            }
+        /* softmax pieces: s = e^(s - max) over the piece, the running maximum and sum */
+        const int nlen = (kb1 - kb0 + 1) * 16;
+        const __m256 ninf = _mm256_set1_ps(-INFINITY);
+        for (int g = 0; g < G; g++) {
+            float *sg = A->s + (size_t)g * PM_SPAN;
+            __m256 mx = ninf;
+            for (int j = 0; j < nlen; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + j));
+            const float cm = hmax8(mx), old = A->m[g], nm = old > cm ? old : cm;
+            const float corr = old == -INFINITY ? 0.0f : expf(old - nm);
+            const __m256 vnm = _mm256_set1_ps(nm);
+            __m256 sum = _mm256_setzero_ps();
+            for (int j = 0; j < nlen; j += 8) {
+                const __m256 sv = _mm256_loadu_ps(sg + j);
+                const __m256 pv = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ),
+                                                   exp256(_mm256_sub_ps(sv, vnm)));
+                _mm256_storeu_ps(sg + j, pv);
+                sum = _mm256_add_ps(sum, pv);
+            }
+            A->l[g] = A->l[g] * corr + hsum8(sum);
+            A->m[g] = nm;
+            if (corr != 1.0f) {
+                const __m256 vc = _mm256_set1_ps(corr);
+                float *ag = A->acc + (size_t)g * hd;
+                for (int e = 0; e < hd; e += 8)
+                    _mm256_storeu_ps(ag + e, _mm256_mul_ps(_mm256_loadu_ps(ag + e), vc));
+            }
+        }
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const int gh = G - g0 < 4 ? G - g0 : 4;
+            for (int col0 = 0; col0 < hd; col0 += 16)
+                PM_BY_HEADS(gh, values_block(1, A, g0, col0, c, cend, base),
+                            values_block(2, A, g0, col0, c, cend, base),
+                            values_block(3, A, g0, col0, c, cend, base),
+                            values_block(4, A, g0, col0, c, cend, base))
+        }
+        c = cend;
+    }
+}
+
+/* gate = act(gate) * up: silu(x) = x / (1 + e^-x); gelu (tanh form) = x / (1 + e^-2u),
+ * u = sqrt(2 / pi) (x + 0.044715 x^3); the exponential of -|.|, then the other side by
+ * 1 - sigmoid. */
+static inline TGT AI __m256 sigmoid256(__m256 z) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 az = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), az)); /* e^-|z| */
+    const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));    /* sigmoid(|z|) */
+    return _mm256_blendv_ps(pos, _mm256_sub_ps(one, pos), z);        /* z < 0: 1 - that */
+}
+
+static TGT void glu_avx2(float *gate, const float *up, size_t len, int gelu) {
+    size_t k = 0;
+    for (; k + 8 <= len; k += 8) {
+        const __m256 x = _mm256_loadu_ps(gate + k);
+        __m256 z = x;
+        if (gelu) {
+            const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+            z = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f),
+                              _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+        }
+        _mm256_storeu_ps(gate + k,
+                         _mm256_mul_ps(_mm256_mul_ps(x, sigmoid256(z)), _mm256_loadu_ps(up + k)));
+    }
+    if (k < len) pm_glu_portable(gate + k, up + k, len - k, gelu);
+}
+
+const pm_ops pm_ops_avx2 = {
+    "avx2",
+    pm_rmsnorm_portable,
+    attn_avx2,
+    glu_avx2,
+    pm_matmul_f32_portable,
+    pm_to_f16_portable,
+    pm_quant_act_portable,
+    matmul_tiled_avx2,
+    pm_block_sums_portable,
+};
+
+#if PM_HAVE_AVXVNNI
+const pm_ops pm_ops_avxvnni = {
+    "avx2+avxvnni",
+    pm_rmsnorm_portable,
+    attn_avx2,
+    glu_avx2,
+    pm_matmul_f32_portable,
+    pm_to_f16_portable,
+    pm_quant_act_portable,
+    matmul_tiled_avxvnni,
+    pm_block_sums_portable,
+};
+#endif
+
+#endif /* PM_HAVE_AVX2 */
