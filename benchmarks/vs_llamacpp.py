@@ -47,6 +47,7 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool, calls:
                             gguf=str(resolve(name)))
         else:
             results = bench(name, threads=threads, runs=runs, vs=["llama.cpp"])
+        ours = native.engine_setting()
         for r in results:
             row = json.loads(r.to_json())
             row["model"] = name
@@ -54,9 +55,8 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool, calls:
             row["date"] = time.strftime("%Y-%m-%d %H:%M")
             row["engine_version"] = ("llama-cpp-python " + llama_cpp.__version__
                                      if r.engine == "llama.cpp"
-                                     else "pocketlm native " + native.engine_setting()["level"]
-                                     + (" + amx-bf16 prefill" if native.engine_setting()["amx"]
-                                        else ""))
+                                     else "pocketlm native " + ours["level"]
+                                     + (" + amx-bf16 prefill" if ours["amx"] else ""))
             row["command"] = " ".join(sys.argv)
             row["call"] = f"{call + 1}/{calls}"
             print(json.dumps(row), flush=True)

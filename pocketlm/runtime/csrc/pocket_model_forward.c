@@ -624,9 +624,11 @@ static void step_post_mlp(const pm_rows *r, int i0, int i1) { /* x += [norm](o) 
 /* Attention of a prefill block on the tile unit (pm_amx_attn): the keys the block sees in
  * chunks of PM_AMX_KCHUNK, each converted once (one parallel region) and then attended to by
  * every 16 query rows of every head (a second one). */
-static int attn_amx(pocket_model *m, const pm_seq *seq, int l, int n, pocket_pool *pool,
-                    int nthreads) {
-    const pocket_kv *kv = seq->kv;
+static int attn_amx(pm_job *jp, pocket_pool *pool, int nthreads) {
+    pm_job j = *jp; /* m, seq, layer, n, kv and the layer's K, V set by layer_forward */
+    pocket_model *m = j.m;
+    const pm_seq *seq = j.seq;
+    const int l = j.layer, n = j.n;
     const int win = m->layers[l].sliding ? m->c.sliding_window : 0;
     const int nh = m->c.n_heads, ntiles = (n + 15) / 16;
     const int end = seq->pos0 + n, first = win && seq->pos0 - win + 1 > 0 ? seq->pos0 - win + 1 : 0;
@@ -638,16 +640,7 @@ static int attn_amx(pocket_model *m, const pm_seq *seq, int l, int n, pocket_poo
             m->aml[(size_t)h * PM_BLOCK + i] = -INFINITY;
             m->aml[(size_t)(nh + h) * PM_BLOCK + i] = 0.0f;
         }
-    pm_job j;
-    memset(&j, 0, sizeof j);
-    j.m = m;
-    j.seq = seq;
-    j.layer = l;
-    j.n = n;
     j.end = end;
-    const size_t es = kv->f16 ? 2 : 4;
-    j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
-    j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
     for (int k0 = first & ~31; k0 < end; k0 += PM_AMX_KCHUNK) {
         const int k1 = k0 + PM_AMX_KCHUNK < end ? k0 + PM_AMX_KCHUNK : (end + 31) & ~31;
         j.lo = k0;
@@ -690,14 +683,16 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
     j.seq = seq;
     j.layer = l;
     j.n = n;
-    const int nkv = m->c.n_kv_heads;
-    if (n == 1 && !seq->kvs) { /* one token: its keys split into spans over the threads */
-        const pocket_kv *kv = seq_kv(seq, 0);
-        const int pos0 = seq_pos(seq, 0);
+    if (!seq->kvs) { /* one sequence: this layer's keys and values */
+        const pocket_kv *kv = seq->kv;
         const size_t es = kv->f16 ? 2 : 4;
         j.kv = kv;
         j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
         j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
+    }
+    const int nkv = m->c.n_kv_heads;
+    if (n == 1 && !seq->kvs) { /* one token: its keys split into spans over the threads */
+        const int pos0 = seq_pos(seq, 0);
         const int win = L->sliding ? m->c.sliding_window : 0;
         j.kind = PM_JOB_ATTN_DECODE;
         j.hi = pos0 + 1;
@@ -710,7 +705,7 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
         merge_partials(m, j.nspans);
     } else if (PM_HAVE_AMX && m->amx_call && !seq->kvs && n >= PM_AMX_MIN_TOKENS &&
                m->c.head_dim % 32 == 0) {
-        if ((rc = attn_amx(m, seq, l, n, pool, nthreads))) return rc;
+        if ((rc = attn_amx(&j, pool, nthreads))) return rc;
     } else {
         j.kind = PM_JOB_ATTN_BLOCK;
         j.units = n * nkv;
