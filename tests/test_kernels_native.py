@@ -108,6 +108,33 @@ def _quantize_act_twin(x: np.ndarray):
     return q.reshape(n, cols), d, sx
 
 
+def _act_digits_twin(x: np.ndarray, digits: int):
+    """numpy twin of the engine's activation digits (pm_act, same float32 operations): a NaN
+    never wins a block's maximum and quantizes to -127."""
+    n, cols = x.shape
+    b = x.reshape(n, cols // 32, 32)
+    amax = np.where(np.isnan(b), np.float32(0), np.abs(b)).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore"):
+        inv = (np.float32(1) / d).astype(np.float32)
+    tiny = ~(amax >= np.float32(1e-30))
+    d = np.where(tiny, np.float32(0), d)
+    inv = np.where(tiny, np.float32(0), inv)
+    with np.errstate(invalid="ignore"):
+        t = b * inv[:, :, None]
+    t = np.where(np.isnan(t), np.float32(-127), np.clip(t, np.float32(-127), np.float32(127)))
+    r1 = np.rint(t)
+    s = r1.astype(np.int64).sum(axis=2)
+    q2 = None
+    if digits == 2:
+        r2 = np.rint((t - r1) * np.float32(128))
+        q2 = r2.astype(np.int8).reshape(n, cols)
+        s = 128 * s + r2.astype(np.int64).sum(axis=2)
+        d = (d * np.float32(1 / 128)).astype(np.float32)
+    bsum = (d * s.astype(np.float32)).astype(np.float32)
+    return r1.astype(np.int8).reshape(n, cols), q2, d, bsum
+
+
 def _dense(w: QuantTensor):
     """(W, M): float64 dequantized weight and the INT4 minimums broadcast over their groups."""
     wd = w.dequantize().astype(np.float64)
@@ -216,6 +243,56 @@ def test_quantize_act_matches_twin_bit_for_bit(level):
     np.testing.assert_array_equal(qx, q_ref)
     np.testing.assert_array_equal(dx, d_ref)
     np.testing.assert_array_equal(sx, s_ref)
+
+
+@pytest.mark.parametrize("digits", [1, 2])
+@pytest.mark.parametrize("level", ARCH_LEVELS)
+def test_engine_act_digits_match_twin_bit_for_bit(level, digits):
+    # the int8 digits the engine's products read (pm_act): every level computes the same bits
+    _require_level(level)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((10, 576)).astype(np.float32)
+    x[1] = 0.0
+    x[2] *= 1e4
+    x[3, :32] = 1e-35  # below the tiny threshold: quantizes to zero
+    x[4, :32] = np.arange(32, dtype=np.float32) - 15.5  # ties after scaling by 127 / 15.5
+    x[5, :32] = 0.5 + np.arange(32, dtype=np.float32)
+    x[5, 0] = 127.0  # d = 1: x.5 values are exact ties, and their second digits too
+    x[6, 40] = np.nan  # a NaN neither wins its block's maximum nor breaks the others
+    x[7, 64:96] = np.float32(3.0) * (np.arange(32) % 2 * 2 - 1)  # +-amax: digits +-127, 0
+    q1 = np.full((10, 576), 99, np.int8)
+    q2 = np.full((10, 576), 99, np.int8)
+    dd = np.empty((10, 18), np.float32)
+    bsum = np.empty((10, 18), np.float32)
+    _native.act_digits(x, q1, q2, dd, bsum, digits=digits, level=ALL_LEVELS.index(level))
+    r1, r2, rd, rb = _act_digits_twin(x, digits)
+    np.testing.assert_array_equal(q1, r1)
+    if digits == 2:
+        np.testing.assert_array_equal(q2, r2)
+    else:
+        assert (q2 == 99).all()  # not written
+    np.testing.assert_array_equal(dd, rd)
+    np.testing.assert_array_equal(bsum, rb)
+
+
+def test_engine_act_digits_bad_input():
+    x = np.ones((2, 64), np.float32)
+    q = np.empty((2, 64), np.int8)
+    d = np.empty((2, 2), np.float32)
+    b = np.empty((2, 2), np.float32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        _native.act_digits(np.ones((2, 48), np.float32), q[:, :48].copy(), q[:, :48].copy(),
+                           d, b)
+    with pytest.raises(ValueError, match="shape"):
+        _native.act_digits(x, q, q.copy(), np.empty((2, 3), np.float32), b)
+    with pytest.raises(TypeError, match="dtype"):
+        _native.act_digits(x, q.view(np.uint8), q.copy(), d, b)
+    with pytest.raises(ValueError, match="share memory"):
+        _native.act_digits(x, q, q, d, b)
+    with pytest.raises(ValueError, match="digits"):
+        _native.act_digits(x, q, q.copy(), d, b, digits=3)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _native.act_digits(np.ones((64, 2), np.float32).T, q, q.copy(), d, b)
 
 
 @pytest.mark.parametrize("level", ARCH_LEVELS)

@@ -213,6 +213,46 @@ def test_avx2_level_int8_products(layers, group_size, monkeypatch):
         assert _rel_err(outs["avx2", "1"], outs["scalar", "1"]) <= bound
 
 
+@pytest.mark.parametrize("layers", ["int4", "int5"])
+def test_avx2_pair_sums_at_their_largest(layers, monkeypatch):
+    # without AVX-VNNI the avx2 products add vpmaddubsw's int16 pair sums in int16 before
+    # widening them (8 per block half for INT4, 4 for INT5): with every weight at the top of
+    # its range (q = 15 / 31, one 0 per group) and every first-layer activation digit at
+    # +-127, the sums come within 4 % of 2^15 and must still equal the AVX-VNNI int32 sums
+    if "avx2" not in LEVELS:
+        return
+    cfg = torch_ref.tiny_config("llama", max_context=64, head_dim=32, n_heads=4, n_kv_heads=2,
+                                d_model=128, d_ff=256, vocab_size=64)
+    sd = torch_ref.random_state_dict(cfg, seed=5)
+    layer = quantize_int5 if layers == "int5" else quantize_int4
+    w = {}
+    for name, v in sd.items():
+        if name.endswith("norm.weight"):
+            w[name] = np.ones_like(v)
+        elif name in ("embed.weight", "lm_head.weight"):  # token t: the constant row +-1
+            sign = np.where(np.arange(v.shape[0]) % 2 == 0, 1.0, -1.0).astype(np.float32)
+            w[name] = quantize_int8(np.repeat(sign[:, None], v.shape[1], axis=1), 32)
+        elif v.ndim == 2:
+            top = np.ones_like(v)
+            top[:, ::32] = 0.0
+            w[name] = layer(top, 32)
+            q = unpack_int4(w[name].qweight) if layers == "int4" else None
+            assert q is None or (q.max() == 15 and (q == 15).mean() > 0.95)
+        else:
+            w[name] = v
+    ids = [2, 3, 4, 7, 8, 10, 13]
+    outs = {}
+    for level, vnni in (("scalar", "1"), ("avx2", "1"), ("avx2", "0")):
+        monkeypatch.setenv("POCKET_AVXVNNI", vnni)
+        rt = Runtime(cfg, w, engine="numpy")
+        rt.native = native.NativeEngine(cfg, w, act="q8", kv="f16", level=level, threads=2,
+                                        digits=2, amx=False)
+        outs[level, vnni] = _run(rt, ids, 5)
+    assert np.isfinite(outs["scalar", "1"]).all()
+    np.testing.assert_array_equal(outs["avx2", "0"], outs["avx2", "1"])
+    assert _rel_err(outs["avx2", "0"], outs["scalar", "1"]) <= 1e-3
+
+
 def _int5_bytes(q5: np.ndarray) -> np.ndarray:
     """uint8 values 0..31 [rows, cols] -> the INT5 layout, built here from its definition:
     per block of 32 columns a little-endian uint32 of bit 4 of each column, then the low

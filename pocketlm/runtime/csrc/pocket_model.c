@@ -236,6 +236,32 @@ int pocket_model_amx_available(void) {
 #endif
 }
 
+/* The operations of a kernel table's level (pocket_model_create adds AVX-VNNI products). */
+static const pm_ops *level_ops(const pocket_kernel_table *kernels) {
+#if PM_HAVE_AVX512
+    if (kernels->level == POCKET_LEVEL_AVX512) return &pm_ops_avx512;
+#endif
+#if PM_HAVE_AVX2
+    if (kernels->level == POCKET_LEVEL_AVX2) return &pm_ops_avx2;
+#endif
+#if PM_HAVE_NEON
+    if (kernels->level == POCKET_LEVEL_NEON) return &pm_ops_neon;
+#endif
+    return &pm_ops_portable;
+}
+
+int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, int n, int cols,
+                            int digits, int8_t *q1, int8_t *q2, float *dd, float *bsum) {
+    if (!kernels || !x || !q1 || !dd || !bsum || (digits == 2 && !q2)) return POCKET_EINVAL;
+    if (n < 0 || cols <= 0 || cols % 32 || (digits != 1 && digits != 2)) return POCKET_EINVAL;
+    const size_t nblk = (size_t)n * (size_t)cols / 32;
+    int32_t *corr = (int32_t *)malloc((nblk ? nblk : 1) * sizeof *corr);
+    if (!corr) return POCKET_ENOMEM;
+    level_ops(kernels)->quant_act(x, n, cols, digits, q1, q2, dd, bsum, corr);
+    free(corr);
+    return POCKET_OK;
+}
+
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
@@ -296,22 +322,17 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     m->kt = kernels;
     m->act_q8 = act_q8 & POCKET_Q8_ALL;
     m->one_digit = (act_q8 >> POCKET_Q8_ONE_DIGIT_SHIFT) & POCKET_Q8_ALL;
-    m->ops = &pm_ops_portable;
+    m->ops = level_ops(kernels);
 #if PM_HAVE_AVX512
-    if (kernels->level == POCKET_LEVEL_AVX512) {
-        m->ops = &pm_ops_avx512;
-        m->tiled_f32 = 1;
-    }
+    if (kernels->level == POCKET_LEVEL_AVX512) m->tiled_f32 = 1;
 #endif
-#if PM_HAVE_AVX2
-    /* int8-activation products only: float activations keep the kernel table's products */
-    if (kernels->level == POCKET_LEVEL_AVX2) {
-        m->ops = &pm_ops_avx2;
+    /* avx2 and neon: int8-activation products only (float activations keep the kernel
+     * table's products); avx2 on AVX-VNNI where the CPU has it */
 #if PM_HAVE_AVXVNNI
+    if (kernels->level == POCKET_LEVEL_AVX2) {
         const char *vnni = getenv("POCKET_AVXVNNI"); /* "0": the plain AVX2 products */
         if ((pocket_cpu_features() & POCKET_CPU_AVXVNNI) && !(vnni && !strcmp(vnni, "0")))
             m->ops = &pm_ops_avxvnni;
-#endif
     }
 #endif
     /* INT5 weights exist only as tiles: with any of them, every product runs on the tiles */
@@ -323,10 +344,6 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         for (int k = 0; k < 7; k++)
             if (ws[k]->type == POCKET_WT_Q5) m->tiled_f32 = 1;
     }
-#if PM_HAVE_NEON
-    /* int8-activation products only: float activations keep the kernel table's products */
-    if (kernels->level == POCKET_LEVEL_NEON) m->ops = &pm_ops_neon;
-#endif
     m->q_dim = qd;
     m->kv_dim = kvd;
     m->group = c.n_heads / c.n_kv_heads;

@@ -91,6 +91,13 @@ typedef struct pocket_kv pocket_kv;
  * avx512 level, the OS grants the tile state: asked once per process), else 0. */
 int pocket_model_amx_available(void);
 
+/* The engine's int8 activation digits (pm_act in pocket_model_ops.h) of x [n, cols] (cols a
+ * positive multiple of 32), computed by the operations of kernel table `kernels` (the same
+ * bits at every level): q1 (and q2 when digits == 2) [n, cols], dd and bsum [n, cols / 32].
+ * Returns POCKET_OK or a negative status (bad arguments, out of memory). */
+int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, int n, int cols,
+                            int digits, int8_t *q1, int8_t *q2, float *dd, float *bsum);
+
 /* Product classes whose activations may be quantized to int8 (bits of act_q8). */
 enum {
     POCKET_Q8_QKV = 1 << 0,

@@ -11,7 +11,9 @@
  *                                  use the kernel table's AVX2 products; tiles exist for them
  *                                  only with INT5 weights, see pocket_model.c);
  *   attn, glu                      AVX2 + FMA versions of the portable loops (below);
- *   quant_act, block_sums          the portable functions (identical results by contract);
+ *   quant_act                      the portable function's operations, 8 values at a time
+ *                                  (identical results by contract);
+ *   block_sums                     the portable function;
  *   rmsnorm, matmul_f32, to_f16    the portable operations.
  *
  * The integer product. A 64-byte chunk vector of a tile record (pocket_model_ops.h: chunk k of
@@ -19,9 +21,12 @@
  * activation bytes are broadcast to every 32-bit lane, and each lane gets the dot product of its
  * 4 weight bytes with them:
  *   AVX-VNNI: vpdpbusd (u8 x s8, summed into the int32 lane);
- *   AVX2:     vpmaddubsw (u8 x s8, adjacent pairs summed to int16) then vpmaddwd by 1 (the two
- *             pairs to int32). The pairs cannot saturate: INT4 / INT5 weights are 0..31 and the
- *             digits at most 127 in magnitude (2 x 31 x 127 < 2^15).
+ *   AVX2:     vpmaddubsw (u8 x s8, adjacent pairs summed to int16), the int16 pair sums of up
+ *             to 8 chunks added in int16, then vpmaddwd (the pairs to int32, PM_AVX2_RUN).
+ *             Nothing saturates: INT4 / INT5 weights are 0..31 and the digits at most 127 in
+ *             magnitude (2 x 31 x 127 < 2^15 per pair; the runs are sized to stay below
+ *             2^15). Before the runs every chunk paid its own vpmaddwd: two multiplies per dot
+ *             product instead of one (prefill 1.2-1.5x slower on one core).
  *   INT8 weights are stored as q + 128; XOR 0x80 gives q as s8, and the product runs on |q|
  *   (u8, at most 128) and the digit with q's sign (vpsignb), so that 2 x 128 x 127 < 2^15 holds
  *   for vpmaddubsw too. The lane sums are then those of the true q, and the offset term corr of
@@ -53,11 +58,29 @@
  * weight once per token, and the hardware prefetcher alone leaves the memory underused). */
 #define PM_AVX2_PREFETCH 16384
 
-/* acc += the dot products of each lane's 4 bytes of w (u8) with the broadcast word x (s8). */
-static inline TGT AI __m256i dot_avx2(__m256i acc, __m256i w, __m256i x) {
-    const __m256i pairs = _mm256_maddubs_epi16(w, x);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
+/* One dot product of each lane's 4 bytes of w (u8) with the broadcast word x (s8): PAIRS adds
+ * vpmaddubsw's two int16 pair sums per lane to J (widened by PM_AVX2_WIDEN), else DOT adds the
+ * lane's sum to I. */
+#define PM_AVX2_DOT(PAIRS, DOT, I, J, w, x)                                                     \
+    do {                                                                                        \
+        if (PAIRS) {                                                                            \
+            (J) = _mm256_add_epi16((J), _mm256_maddubs_epi16((w), (x)));                        \
+            __asm__("" : "+x"(J)); /* in this order: GCC's reassociated sums spill */           \
+        } else                                                                                  \
+            (I) = DOT((I), (w), (x));                                                           \
+    } while (0)
+/* TOT += 128 J1 + J2 (DIG 2) or J1 (DIG 1), the int16 pairs widened to int32 lane sums */
+#define PM_AVX2_WIDEN(DIG, TOT, J1, J2)                                                         \
+    do {                                                                                        \
+        if ((DIG) == 2) {                                                                       \
+            (TOT) = _mm256_add_epi32((TOT), _mm256_madd_epi16((J1), _mm256_set1_epi16(128)));   \
+            (TOT) = _mm256_add_epi32((TOT), _mm256_madd_epi16((J2), _mm256_set1_epi16(1)));     \
+        } else {                                                                                \
+            (TOT) = _mm256_add_epi32((TOT), _mm256_madd_epi16((J1), _mm256_set1_epi16(1)));     \
+        }                                                                                       \
+        (J1) = (J2) = _mm256_setzero_si256();                                                   \
+    } while (0)
+#define PM_AVX2_NODOT(acc, w, x) (acc) /* PAIRS never uses DOT */
 #if PM_HAVE_AVXVNNI
 static inline TGTV AI __m256i dot_vnni(__m256i acc, __m256i w, __m256i x) {
     return _mm256_dpbusd_avx_epi32(acc, w, x);
@@ -83,14 +106,27 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
     return _mm256_set1_epi32(v);
 }
 
-/* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1. VNNI: the AVX-VNNI dot product;
- * BITS: INT4, INT5 or INT8 weights; DIG: activation digits (1 or 2). Accumulators [token][half]
- * lane e = row 8 half + e of the tile, as the portable kernel's acc / macc of that row. */
-#define PM_AVX2_TILE(NAME, ATTR, DOT)                                                           \
+/* AVX2 without VNNI: vpmaddubsw's int16 pair sums are added in int16 for as many dot products
+ * as cannot overflow, then widened by one vpmaddwd (by 128 for the first digit): a pair sum is
+ * at most 2 x 15 x 127 = 3,810 (INT4) or 2 x 31 x 127 = 7,874 (INT5) in magnitude, so 8 (INT4:
+ * a block's whole tile half) or 4 (INT5) of them stay under 2^15; INT8 (2 x 128 x 127) widens
+ * every one. One multiply per dot product instead of two, the same int32 sums. */
+#define PM_AVX2_RUN(BITS) ((BITS) == 4 ? 8 : (BITS) == 5 ? 4 : 1)
+
+/* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1; a 256-bit lane per row, so the
+ * tile is two halves of 8 rows. For one token (decode) both halves go through the loop
+ * together; for two, one half after the other (each reads its own 32 bytes of every 64-byte
+ * chunk vector, so only the activations' broadcasts are repeated) so that a pass's
+ * accumulators fit in AVX2's 16 registers. Decode keeps both halves in one pass: the second
+ * pass would run with no weight stream in flight. PAIRS: AVX2's multiply-add pairs summed in
+ * int16 (above), else DOT (the AVX-VNNI dot product) into int32; BITS: INT4, INT5 or INT8
+ * weights; DIG: activation digits (1 or 2). acc / macc [token][half] lane e = row
+ * 8 half + e of the tile, as the portable kernel's acc / macc of that row. */
+#define PM_AVX2_TILE(NAME, ATTR, PAIRS, DOT)                                                    \
     static inline ATTR AI void NAME(const int BITS, const int DIG, const int T,                 \
                                     const pm_tiled *w, const pm_act *a, int i0, float *y,       \
                                     size_t ystride, int tile, int prefetch) {                   \
-        const int Q4 = BITS != 8;                                                               \
+        const int Q4 = BITS != 8, RUN = PM_AVX2_RUN(BITS), HN = T == 1 ? 2 : 1;                 \
         const size_t BB = BITS == 8 ? 512 : BITS == 5 ? 320 : 256;                              \
         const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;                            \
         const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);                            \
@@ -108,90 +144,103 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
         if (prefetch)                                                                           \
             for (size_t o = w->scale_off; o < w->tile_bytes; o += 64)                           \
                 _mm_prefetch((const char *)rec + o + PM_AVX2_PREFETCH, _MM_HINT_T1);            \
-        __m256 acc[2][2], macc[2][2];                                                           \
-        for (int t = 0; t < T; t++)                                                             \
-            for (int h = 0; h < 2; h++) acc[t][h] = macc[t][h] = _mm256_setzero_ps();           \
-        for (int g = 0; g < ng; g++) {                                                          \
-            __m256 s[2];                                                                        \
-            for (int h = 0; h < 2; h++)                                                         \
-                s[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * h))); \
-            float xs[2] = {0.0f, 0.0f};                                                         \
-            for (int jb = 0; jb < gpb; jb++) {                                                  \
-                const int b = g * gpb + jb;                                                     \
-                const uint8_t *blk = rec + (size_t)b * BB;                                      \
-                if (prefetch)                                                                   \
-                    for (size_t o = 0; o < BB; o += 64)                                         \
-                        _mm_prefetch((const char *)blk + o + PM_AVX2_PREFETCH, _MM_HINT_T1);    \
-                __m256i i1[2][2], i2[2][2];                                                     \
-                for (int t = 0; t < T; t++)                                                     \
-                    for (int h = 0; h < 2; h++) i1[t][h] = i2[t][h] = _mm256_setzero_si256();   \
-                for (int h = 0; h < 2; h++) {                                                   \
-                    if (Q4) {                                                                   \
-                        for (int mm = 0; mm < 4; mm++) {                                        \
+        const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;                   \
+        for (int h0 = 0; h0 < 2 && 8 * h0 < nr; h0 += HN) {                                     \
+            __m256 acc[2][2], macc[2][2];                                                       \
+            for (int t = 0; t < T; t++)                                                         \
+                for (int hh = 0; hh < HN; hh++) acc[t][hh] = macc[t][hh] = _mm256_setzero_ps(); \
+            for (int g = 0; g < ng; g++) {                                                      \
+                __m256 s[2];                                                                    \
+                for (int hh = 0; hh < HN; hh++)                                                 \
+                    s[hh] = _mm256_cvtph_ps(                                                    \
+                        _mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * (h0 + hh))));       \
+                float xs[2] = {0.0f, 0.0f};                                                     \
+                for (int jb = 0; jb < gpb; jb++) {                                              \
+                    const int b = g * gpb + jb;                                                 \
+                    const uint8_t *blk = rec + (size_t)b * BB;                                  \
+                    if (prefetch && h0 == 0)                                                    \
+                        for (size_t o = 0; o < BB; o += 64)                                     \
+                            _mm_prefetch((const char *)blk + o + PM_AVX2_PREFETCH, _MM_HINT_T1); \
+                    for (int hh = 0; hh < HN; hh++) {                                           \
+                        const int h = h0 + hh;                                                  \
+                        /* PAIRS: tot the block's int32 total, j1 / j2 the int16 pair sums not  \
+                         * yet in it; else i1 / i2 the digits' int32 sums */                    \
+                        __m256i tot[2], i1[2], i2[2], j1[2], j2[2];                             \
+                        for (int t = 0; t < T; t++)                                             \
+                            tot[t] = i1[t] = i2[t] = j1[t] = j2[t] = _mm256_setzero_si256();    \
+                        int run = 0;                                                            \
+                        for (int c = 0; c < (Q4 ? 4 : 8); c++) {                                \
                             const __m256i v =                                                   \
-                                _mm256_loadu_si256((const __m256i *)(blk + 64 * mm + 32 * h));  \
-                            __m256i lo = _mm256_and_si256(v, m4);                               \
-                            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);         \
-                            if (BITS == 5) {                                                    \
-                                const uint8_t *k = blk + 256 + 16 * mm + 4 * h;                 \
-                                lo = _mm256_add_epi8(lo, high_bits(k));                         \
-                                hi = _mm256_add_epi8(hi, high_bits(k + 8));                     \
+                                _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * h));   \
+                            __m256i u0, u1 = v, q = v;                                          \
+                            if (Q4) { /* chunks 2c (low nibbles) and 2c + 1 (high) */           \
+                                u0 = _mm256_and_si256(v, m4);                                   \
+                                u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);             \
+                                if (BITS == 5) {                                                \
+                                    const uint8_t *k = blk + 256 + 16 * c + 4 * h;              \
+                                    u0 = _mm256_add_epi8(u0, high_bits(k));                     \
+                                    u1 = _mm256_add_epi8(u1, high_bits(k + 8));                 \
+                                }                                                               \
+                            } else { /* INT8 chunk c: |q| against the digit with q's sign */    \
+                                q = _mm256_xor_si256(v, sgn);                                   \
+                                u0 = _mm256_abs_epi8(q);                                        \
                             }                                                                   \
                             for (int t = 0; t < T; t++) {                                       \
                                 const int8_t *x1 = p1[t] + 32 * b, *x2 = p2[t] + 32 * b;        \
-                                i1[t][h] = DOT(i1[t][h], lo, chunk_word(x1, 2 * mm));           \
-                                i1[t][h] = DOT(i1[t][h], hi, chunk_word(x1, 2 * mm + 1));       \
-                                if (DIG == 2) {                                                 \
-                                    i2[t][h] = DOT(i2[t][h], lo, chunk_word(x2, 2 * mm));       \
-                                    i2[t][h] = DOT(i2[t][h], hi, chunk_word(x2, 2 * mm + 1));   \
+                                if (Q4) {                                                       \
+                                    PM_AVX2_DOT(PAIRS, DOT, i1[t], j1[t], u0,                   \
+                                                chunk_word(x1, 2 * c));                         \
+                                    PM_AVX2_DOT(PAIRS, DOT, i1[t], j1[t], u1,                   \
+                                                chunk_word(x1, 2 * c + 1));                     \
+                                    if (DIG == 2) {                                             \
+                                        PM_AVX2_DOT(PAIRS, DOT, i2[t], j2[t], u0,               \
+                                                    chunk_word(x2, 2 * c));                     \
+                                        PM_AVX2_DOT(PAIRS, DOT, i2[t], j2[t], u1,               \
+                                                    chunk_word(x2, 2 * c + 1));                 \
+                                    }                                                           \
+                                } else {                                                        \
+                                    PM_AVX2_DOT(PAIRS, DOT, i1[t], j1[t], u0,                   \
+                                                _mm256_sign_epi8(chunk_word(x1, c), q));        \
+                                    if (DIG == 2)                                               \
+                                        PM_AVX2_DOT(PAIRS, DOT, i2[t], j2[t], u0,               \
+                                                    _mm256_sign_epi8(chunk_word(x2, c), q));    \
                                 }                                                               \
                             }                                                                   \
-                        }                                                                       \
-                    } else {                                                                    \
-                        for (int k = 0; k < 8; k++) {                                           \
-                            const __m256i q = _mm256_xor_si256(                                 \
-                                _mm256_loadu_si256((const __m256i *)(blk + 64 * k + 32 * h)),   \
-                                sgn);                                                           \
-                            const __m256i aq = _mm256_abs_epi8(q);                              \
-                            for (int t = 0; t < T; t++) {                                       \
-                                const int8_t *x1 = p1[t] + 32 * b, *x2 = p2[t] + 32 * b;        \
-                                i1[t][h] =                                                      \
-                                    DOT(i1[t][h], aq, _mm256_sign_epi8(chunk_word(x1, k), q));  \
-                                if (DIG == 2)                                                   \
-                                    i2[t][h] = DOT(i2[t][h], aq,                                \
-                                                   _mm256_sign_epi8(chunk_word(x2, k), q));     \
+                            run += Q4 ? 2 : 1;                                                  \
+                            if (PAIRS && run == RUN) {                                          \
+                                for (int t = 0; t < T; t++)                                     \
+                                    PM_AVX2_WIDEN(DIG, tot[t], j1[t], j2[t]);                   \
+                                run = 0;                                                        \
                             }                                                                   \
                         }                                                                       \
+                        for (int t = 0; t < T; t++) {                                           \
+                            if (!PAIRS)                                                         \
+                                tot[t] = DIG == 2                                               \
+                                             ? _mm256_add_epi32(_mm256_slli_epi32(i1[t], 7), i2[t]) \
+                                             : i1[t];                                           \
+                            const __m256 sd = _mm256_mul_ps(s[hh], _mm256_set1_ps(dd[t][b]));   \
+                            acc[t][hh] = _mm256_add_ps(                                         \
+                                acc[t][hh], _mm256_mul_ps(_mm256_cvtepi32_ps(tot[t]), sd));     \
+                        }                                                                       \
                     }                                                                           \
+                    for (int t = 0; t < T; t++) xs[t] += bs[t][b];                              \
                 }                                                                               \
-                for (int t = 0; t < T; t++) {                                                   \
-                    const __m256 db = _mm256_set1_ps(dd[t][b]);                                 \
-                    for (int h = 0; h < 2; h++) {                                               \
-                        const __m256i tot =                                                     \
-                            DIG == 2 ? _mm256_add_epi32(_mm256_slli_epi32(i1[t][h], 7), i2[t][h]) \
-                                     : i1[t][h];                                                \
-                        const __m256 sd = _mm256_mul_ps(s[h], db);                              \
-                        acc[t][h] =                                                             \
-                            _mm256_add_ps(acc[t][h], _mm256_mul_ps(_mm256_cvtepi32_ps(tot), sd)); \
+                if (Q4)                                                                         \
+                    for (int hh = 0; hh < HN; hh++) {                                           \
+                        const __m256 mv = _mm256_cvtph_ps(                                      \
+                            _mm_loadu_si128((const __m128i *)(mn + 16 * g + 8 * (h0 + hh))));   \
+                        for (int t = 0; t < T; t++)                                             \
+                            macc[t][hh] = _mm256_add_ps(macc[t][hh],                            \
+                                                        _mm256_mul_ps(mv, _mm256_set1_ps(xs[t]))); \
                     }                                                                           \
-                    xs[t] += bs[t][b];                                                          \
-                }                                                                               \
             }                                                                                   \
-            if (Q4)                                                                             \
-                for (int h = 0; h < 2; h++) {                                                   \
-                    const __m256 mv = _mm256_cvtph_ps(                                          \
-                        _mm_loadu_si128((const __m128i *)(mn + 16 * g + 8 * h)));               \
-                    for (int t = 0; t < T; t++)                                                 \
-                        macc[t][h] =                                                            \
-                            _mm256_add_ps(macc[t][h], _mm256_mul_ps(mv, _mm256_set1_ps(xs[t]))); \
-                }                                                                               \
-        }                                                                                       \
-        const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;                   \
-        for (int t = 0; t < T; t++) {                                                           \
-            float out[16];                                                                      \
-            for (int h = 0; h < 2; h++)                                                         \
-                _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(acc[t][h], macc[t][h]));            \
-            memcpy(y + (size_t)(i0 + t) * ystride + r0, out, (size_t)nr * sizeof(float));      \
+            for (int t = 0; t < T; t++) {                                                       \
+                float out[16];                                                                  \
+                for (int hh = 0; hh < HN; hh++)                                                 \
+                    _mm256_storeu_ps(out + 8 * hh, _mm256_add_ps(acc[t][hh], macc[t][hh]));     \
+                const int n = nr - 8 * h0 < 8 * HN ? nr - 8 * h0 : 8 * HN;                      \
+                memcpy(y + (size_t)(i0 + t) * ystride + r0 + 8 * h0, out, (size_t)n * sizeof(float)); \
+            }                                                                                   \
         }                                                                                       \
     }
 
@@ -227,11 +276,11 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
         }                                                                                       \
     }
 
-PM_AVX2_TILE(tile_avx2, TGT, dot_avx2)
+PM_AVX2_TILE(tile_avx2, TGT, 1, PM_AVX2_NODOT)
 PM_AVX2_RANGE(range_avx2, tile_avx2, TGT)
 PM_AVX2_MATMUL(matmul_tiled_avx2, range_avx2, TGT)
 #if PM_HAVE_AVXVNNI
-PM_AVX2_TILE(tile_vnni, TGTV, dot_vnni)
+PM_AVX2_TILE(tile_vnni, TGTV, 0, dot_vnni)
 PM_AVX2_RANGE(range_vnni, tile_vnni, TGTV)
 PM_AVX2_MATMUL(matmul_tiled_avxvnni, range_vnni, TGTV)
 #endif
@@ -431,6 +480,68 @@ static TGT void glu_avx2(float *gate, const float *up, size_t len, int gelu) {
     if (k < len) pm_glu_portable(gate + k, up + k, len - k, gelu);
 }
 
+/* ---- activation digits ----------------------------------------------------------------- */
+
+/* 4 x 8 int32 (values within int8) -> 32 int8 in order. */
+static inline TGT AI __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+    const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    return _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+static inline TGT AI int32_t hsum8i(__m256i v) {
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1));
+    return _mm_cvtsi128_si32(m);
+}
+
+/* pm_quant_act_portable's operations per value, 8 at a time: the same bits (a NaN never wins
+ * the maximum: vmaxps returns its second operand, the running maximum, for a NaN first). */
+static TGT void quant_act_avx2(const float *x, int n, int cols, int digits, int8_t *q1,
+                               int8_t *q2, float *dd, float *bsum, int32_t *corr) {
+    const size_t nblk = (size_t)n * (size_t)cols / 32;
+    const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+    const __m256 sign = _mm256_set1_ps(-0.0f), c128 = _mm256_set1_ps(128.0f);
+    const int RNE = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    for (size_t b = 0; b < nblk; b++) {
+        const float *p = x + 32 * b;
+        __m256 v[4], m = _mm256_setzero_ps();
+        for (int k = 0; k < 4; k++) {
+            v[k] = _mm256_loadu_ps(p + 8 * k);
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), m);
+        }
+        const float amax = hmax8(m);
+        float d = amax / 127.0f, id = 1.0f / d;
+        if (!(amax >= POCKET_ACT_TINY)) d = 0.0f, id = 0.0f;
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i i1[4], i2[4];
+        __m256i s1 = _mm256_setzero_si256(), s2 = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            /* max(t, -127) returns -127 for a NaN t, as the portable comparison */
+            const __m256 t = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(v[k], vid), lo), hi);
+            const __m256 r = _mm256_round_ps(t, RNE);
+            i1[k] = _mm256_cvtps_epi32(r);
+            s1 = _mm256_add_epi32(s1, i1[k]);
+            if (digits == 2) {
+                i2[k] = _mm256_cvtps_epi32(
+                    _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(t, r), c128), RNE));
+                s2 = _mm256_add_epi32(s2, i2[k]);
+            }
+        }
+        _mm256_storeu_si256((__m256i *)(q1 + 32 * b), pack_i8(i1[0], i1[1], i1[2], i1[3]));
+        int32_t S = hsum8i(s1);
+        if (digits == 2) {
+            _mm256_storeu_si256((__m256i *)(q2 + 32 * b), pack_i8(i2[0], i2[1], i2[2], i2[3]));
+            S = 128 * S + hsum8i(s2);
+            dd[b] = d * (1.0f / 128.0f);
+        } else {
+            dd[b] = d;
+        }
+        bsum[b] = dd[b] * (float)S;
+        corr[b] = 128 * S;
+    }
+}
+
 const pm_ops pm_ops_avx2 = {
     "avx2",
     pm_rmsnorm_portable,
@@ -438,7 +549,7 @@ const pm_ops pm_ops_avx2 = {
     glu_avx2,
     pm_matmul_f32_portable,
     pm_to_f16_portable,
-    pm_quant_act_portable,
+    quant_act_avx2,
     matmul_tiled_avx2,
     pm_block_sums_portable,
 };
@@ -451,7 +562,7 @@ const pm_ops pm_ops_avxvnni = {
     glu_avx2,
     pm_matmul_f32_portable,
     pm_to_f16_portable,
-    pm_quant_act_portable,
+    quant_act_avx2,
     matmul_tiled_avxvnni,
     pm_block_sums_portable,
 };

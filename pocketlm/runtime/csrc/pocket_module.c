@@ -464,6 +464,74 @@ static PyObject *py_amx_available(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(pocket_model_amx_available());
 }
 
+/* ---- act_digits ------------------------------------------------------------------------- */
+
+static PyObject *py_act_digits(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kw[] = {"x", "q1", "q2", "dd", "bsum", "digits", "level", NULL};
+    PyObject *ox, *o1, *o2, *od, *ob;
+    int digits = 2, level = POCKET_LEVEL_AUTO;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|ii:act_digits", kw, &ox, &o1, &o2, &od,
+                                     &ob, &digits, &level))
+        return NULL;
+    const pocket_kernel_table *t = check_level(level);
+    if (!t) return NULL;
+    if (digits != 1 && digits != 2) {
+        PyErr_Format(PyExc_ValueError, "digits must be 1 or 2, got %d", digits);
+        return NULL;
+    }
+    Arr x = {0}, q1 = {0}, q2 = {0}, d = {0}, b = {0};
+    PyObject *result = NULL;
+    if (get_array(ox, "x", 'f', 0, &x) < 0 || get_array(o1, "q1", 'b', 1, &q1) < 0 ||
+        get_array(o2, "q2", 'b', 1, &q2) < 0 || get_array(od, "dd", 'f', 1, &d) < 0 ||
+        get_array(ob, "bsum", 'f', 1, &b) < 0)
+        goto done;
+    Py_ssize_t n = x.v.shape[0], cols = x.v.shape[1];
+    if (cols == 0 || cols % 32 || cols > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "x has %zd features, not a positive multiple of 32",
+                     cols);
+        goto done;
+    }
+    if (n > INT_MAX) {
+        PyErr_SetString(PyExc_ValueError, "x is too large");
+        goto done;
+    }
+    if (check_shape(&q1, "q1", n, cols) < 0 || check_shape(&q2, "q2", n, cols) < 0 ||
+        check_shape(&d, "dd", n, cols / 32) < 0 || check_shape(&b, "bsum", n, cols / 32) < 0)
+        goto done;
+    {
+        const Arr *outs[5] = {&x, &q1, &q2, &d, &b};
+        for (int i = 0; i < 5; i++)
+            for (int j = i + 1; j < 5; j++)
+                if (overlaps(outs[i], outs[j])) {
+                    PyErr_SetString(PyExc_ValueError,
+                                    "x, q1, q2, dd and bsum must not share memory");
+                    goto done;
+                }
+    }
+    {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = pocket_model_act_digits(t, (const float *)x.v.buf, (int)n, (int)cols, digits,
+                                     (int8_t *)q1.v.buf, (int8_t *)q2.v.buf, (float *)d.v.buf,
+                                     (float *)b.v.buf);
+        Py_END_ALLOW_THREADS
+        if (rc != POCKET_OK) {
+            raise_status(rc);
+            goto done;
+        }
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    arr_release(&x);
+    arr_release(&q1);
+    arr_release(&q2);
+    arr_release(&d);
+    arr_release(&b);
+    return result;
+}
+
 /* ---- module ----------------------------------------------------------------------------- */
 
 static PyMethodDef methods[] = {
@@ -475,6 +543,10 @@ static PyMethodDef methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "quantize_act_q8(x, qx, dx, sx, level=-1): x float32 [n, cols] -> qx int8 [n, cols],\n"
      "dx float32 [n, cols/32] (block scales), sx float32 [n, cols/32] (dx * sum of qx)."},
+    {"act_digits", (PyCFunction)(void (*)(void))py_act_digits, METH_VARARGS | METH_KEYWORDS,
+     "act_digits(x, q1, q2, dd, bsum, digits=2, level=-1): the engine's int8 activation\n"
+     "digits of x float32 [n, cols]: q1, q2 int8 [n, cols] (q2 untouched with digits=1),\n"
+     "dd float32 [n, cols/32] (x ~ dd * (128 q1 + q2), or dd * q1), bsum float32 [n, cols/32]."},
     {"amx_available", py_amx_available, METH_NOARGS,
      "amx_available() -> bool: whether NativeModel can run prefill products on AMX-BF16\n"
      "(config 'amx'): built with it, the CPU has it, the OS granted the tile state."},
