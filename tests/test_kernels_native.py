@@ -224,17 +224,22 @@ def test_q8_typical_error_is_small(level):
     assert rel < 0.01, rel
 
 
-@pytest.mark.parametrize("level", ARCH_LEVELS)
-def test_quantize_act_matches_twin_bit_for_bit(level):
-    _require_level(level)
-    rng = np.random.default_rng(3)
-    x = rng.standard_normal((9, 576)).astype(np.float32)
+def _awkward_activations(rows: int, seed: int) -> np.ndarray:
+    """[rows >= 6, 576] activations with the quantizers' edge cases in rows 1-5."""
+    x = np.random.default_rng(seed).standard_normal((rows, 576)).astype(np.float32)
     x[1] = 0.0
     x[2] *= 1e4
     x[3, :32] = 1e-35  # below the tiny threshold: quantizes to zero
     x[4, :32] = np.arange(32, dtype=np.float32) - 15.5  # ties after scaling by 127 / 15.5
     x[5, :32] = 0.5 + np.arange(32, dtype=np.float32)
-    x[5, 0] = 127.0  # d = 1: x.5 values are exact ties
+    x[5, 0] = 127.0  # d = 1: x.5 values are exact ties (and their second digits too)
+    return x
+
+
+@pytest.mark.parametrize("level", ARCH_LEVELS)
+def test_quantize_act_matches_twin_bit_for_bit(level):
+    _require_level(level)
+    x = _awkward_activations(9, seed=3)
     qx = np.empty((9, 576), np.int8)
     dx = np.empty((9, 18), np.float32)
     sx = np.empty((9, 18), np.float32)
@@ -250,14 +255,7 @@ def test_quantize_act_matches_twin_bit_for_bit(level):
 def test_engine_act_digits_match_twin_bit_for_bit(level, digits):
     # the int8 digits the engine's products read (pm_act): every level computes the same bits
     _require_level(level)
-    rng = np.random.default_rng(5)
-    x = rng.standard_normal((10, 576)).astype(np.float32)
-    x[1] = 0.0
-    x[2] *= 1e4
-    x[3, :32] = 1e-35  # below the tiny threshold: quantizes to zero
-    x[4, :32] = np.arange(32, dtype=np.float32) - 15.5  # ties after scaling by 127 / 15.5
-    x[5, :32] = 0.5 + np.arange(32, dtype=np.float32)
-    x[5, 0] = 127.0  # d = 1: x.5 values are exact ties, and their second digits too
+    x = _awkward_activations(10, seed=5)
     x[6, 40] = np.nan  # a NaN neither wins its block's maximum nor breaks the others
     x[7, 64:96] = np.float32(3.0) * (np.arange(32) % 2 * 2 - 1)  # +-amax: digits +-127, 0
     q1 = np.full((10, 576), 99, np.int8)
