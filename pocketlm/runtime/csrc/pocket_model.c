@@ -236,18 +236,30 @@ int pocket_model_amx_available(void) {
 #endif
 }
 
-/* The operations of a kernel table's level (pocket_model_create adds AVX-VNNI products). */
+/* The operations of a kernel table's level: avx2 on AVX-VNNI where the compiler and the CPU
+ * have it, unless POCKET_AVXVNNI is "0" (the plain AVX2 products, same results). */
 static const pm_ops *level_ops(const pocket_kernel_table *kernels) {
 #if PM_HAVE_AVX512
     if (kernels->level == POCKET_LEVEL_AVX512) return &pm_ops_avx512;
 #endif
 #if PM_HAVE_AVX2
-    if (kernels->level == POCKET_LEVEL_AVX2) return &pm_ops_avx2;
+    if (kernels->level == POCKET_LEVEL_AVX2) {
+#if PM_HAVE_AVXVNNI
+        const char *vnni = getenv("POCKET_AVXVNNI");
+        if ((pocket_cpu_features() & POCKET_CPU_AVXVNNI) && !(vnni && !strcmp(vnni, "0")))
+            return &pm_ops_avxvnni;
+#endif
+        return &pm_ops_avx2;
+    }
 #endif
 #if PM_HAVE_NEON
     if (kernels->level == POCKET_LEVEL_NEON) return &pm_ops_neon;
 #endif
     return &pm_ops_portable;
+}
+
+const char *pocket_level_ops_name(const pocket_kernel_table *kernels) {
+    return kernels ? level_ops(kernels)->name : NULL;
 }
 
 int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, int n, int cols,
@@ -327,14 +339,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     if (kernels->level == POCKET_LEVEL_AVX512) m->tiled_f32 = 1;
 #endif
     /* avx2 and neon: int8-activation products only (float activations keep the kernel
-     * table's products); avx2 on AVX-VNNI where the CPU has it */
-#if PM_HAVE_AVXVNNI
-    if (kernels->level == POCKET_LEVEL_AVX2) {
-        const char *vnni = getenv("POCKET_AVXVNNI"); /* "0": the plain AVX2 products */
-        if ((pocket_cpu_features() & POCKET_CPU_AVXVNNI) && !(vnni && !strcmp(vnni, "0")))
-            m->ops = &pm_ops_avxvnni;
-    }
-#endif
+     * table's products) */
     /* INT5 weights exist only as tiles: with any of them, every product runs on the tiles */
     if (embed->type == POCKET_WT_Q5 || head->type == POCKET_WT_Q5) m->tiled_f32 = 1;
     for (int l = 0; l < c.n_layers; l++) {

@@ -125,9 +125,11 @@ int pocket_model_create(const pocket_model_config *config, const pocket_layer_we
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
                         pocket_pool *pool, int nthreads, pocket_model **out);
 void pocket_model_destroy(pocket_model *model);
-/* The name of the operations the model runs on ("portable", "avx512" or "neon": see
- * pocket_model_ops.h), chosen from the kernel table's level; NULL for a NULL model. */
+/* The name of the operations the model runs on ("portable", "avx2", "avx2+avxvnni", "avx512"
+ * or "neon": see pocket_model_ops.h), chosen from the kernel table's level; NULL for a NULL
+ * model. pocket_level_ops_name: the same choice for a model created now with `kernels`. */
 const char *pocket_model_ops_name(const pocket_model *model);
+const char *pocket_level_ops_name(const pocket_kernel_table *kernels);
 
 /* A KV cache of `capacity` positions for `model`: float32 (kv_f16 = 0) or float16 (kv_f16 = 1)
  * keys and values, per layer and KV head; values [position][head_dim], keys transposed in

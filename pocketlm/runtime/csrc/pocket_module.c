@@ -464,6 +464,15 @@ static PyObject *py_amx_available(PyObject *self, PyObject *unused) {
     return PyBool_FromLong(pocket_model_amx_available());
 }
 
+static PyObject *py_ops_name(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kw[] = {"level", NULL};
+    int level = POCKET_LEVEL_AUTO;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|i:ops_name", kw, &level)) return NULL;
+    const pocket_kernel_table *t = check_level(level);
+    return t ? PyUnicode_FromString(pocket_level_ops_name(t)) : NULL;
+}
+
 /* ---- act_digits ------------------------------------------------------------------------- */
 
 static PyObject *py_act_digits(PyObject *self, PyObject *args, PyObject *kwds) {
@@ -547,6 +556,9 @@ static PyMethodDef methods[] = {
      "act_digits(x, q1, q2, dd, bsum, digits=2, level=-1): the engine's int8 activation\n"
      "digits of x float32 [n, cols]: q1, q2 int8 [n, cols] (q2 untouched with digits=1),\n"
      "dd float32 [n, cols/32] (x ~ dd * (128 q1 + q2), or dd * q1), bsum float32 [n, cols/32]."},
+    {"ops_name", (PyCFunction)(void (*)(void))py_ops_name, METH_VARARGS | METH_KEYWORDS,
+     "ops_name(level=-1) -> str: the operations a NativeModel created now at that kernel level\n"
+     "runs on ('portable', 'avx2', 'avx2+avxvnni', 'avx512', 'neon')."},
     {"amx_available", py_amx_available, METH_NOARGS,
      "amx_available() -> bool: whether NativeModel can run prefill products on AMX-BF16\n"
      "(config 'amx'): built with it, the CPU has it, the OS granted the tile state."},

@@ -120,12 +120,12 @@ def engine_setting() -> dict:
     AMX-BF16). Raises KernelError for invalid POCKET_* settings."""
     from . import activation_format
 
-    level = LEVELS[_level_id(None)]
+    level_id = _level_id(None)
+    level = LEVELS[level_id]
     act = activation_format(default_activation(level))
     amx = level == "avx512" and amx_setting(act)
-    if (level == "avx2" and act == "q8" and _info()["features"].get("avxvnni")
-            and os.environ.get("POCKET_AVXVNNI", "").strip() != "0"):
-        level = "avx2+avxvnni"
+    if level == "avx2" and act == "q8":  # the engine's own choice of products
+        level = _native.ops_name(level_id)
     return {"level": level, "act": act, "amx": amx}
 
 
