@@ -4,10 +4,10 @@
  * for ARM64 (run under qemu) and compares the two with each other and with the numpy reference
  * runtime, and the ARM64 build's neon level with its scalar level.
  *
- * Usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH [LEVEL]
+ * Usage: native_harness MODEL OUT ACT_Q8 KV SPLIT IDS_A IDS_B BATCH [LEVEL]
  *   ACT_Q8   the engine's act_q8 mask: 0 (float activations) .. 1023 (31: int8 activations,
  *            two digits, everywhere)
- *   KV_F16   0: float32 KV caches, 1: float16
+ *   KV       the KV caches' format (POCKET_KV_*): 0 float32, 1 float16, 2 int8
  *   IDS_A    comma-separated token ids of sequence A; its first SPLIT ids (1 <= SPLIT <= len)
  *            run as one prefill with all logits, the others one decode step each
  *   IDS_B    comma-separated ids of sequence B, one prefill (all logits) in a second cache
@@ -284,7 +284,7 @@ int main(int argc, char **argv) {
     }
     const char *model_path = argv[1], *out_path = argv[2];
     const int act_q8 = (int)parse_int(argv[3], 0, 1023, "ACT_Q8");
-    const int kv_f16 = (int)parse_int(argv[4], 0, 1, "KV_F16");
+    const int kv_fmt = (int)parse_int(argv[4], 0, 2, "KV");
     static int32_t ids_a[MAX_IDS], ids_b[MAX_IDS], batch[MAX_IDS];
     const int na = parse_ids(argv[6], ids_a, "IDS_A");
     const int split = (int)parse_int(argv[5], 1, na, "SPLIT");
@@ -407,8 +407,8 @@ int main(int argc, char **argv) {
     check(pocket_model_create(&c, layers, &embed, &head, final_norm, kt, act_q8, NULL, 1, &model),
           "pocket_model_create");
     pocket_kv *kva = NULL, *kvb = NULL;
-    check(pocket_kv_create(model, capacity, kv_f16, &kva), "pocket_kv_create (A)");
-    check(pocket_kv_create(model, capacity, kv_f16, &kvb), "pocket_kv_create (B)");
+    check(pocket_kv_create(model, capacity, kv_fmt, &kva), "pocket_kv_create (A)");
+    check(pocket_kv_create(model, capacity, kv_fmt, &kvb), "pocket_kv_create (B)");
 
     const size_t V = (size_t)c.vocab_size;
     const int rows = na + nb + 2;
@@ -452,8 +452,8 @@ int main(int argc, char **argv) {
     const char *arch = (feat & POCKET_CPU_AARCH64) ? "aarch64"
                        : (feat & POCKET_CPU_X86_64) ? "x86_64"
                                                     : "other";
-    printf("ok arch=%s level=%s ops=%s act_q8=%d kv_f16=%d rows=%d vocab=%d kv_bytes=%zu\n",
-           arch, pocket_level_name(kt->level), pocket_model_ops_name(model), act_q8, kv_f16,
+    printf("ok arch=%s level=%s ops=%s act_q8=%d kv_fmt=%d rows=%d vocab=%d kv_bytes=%zu\n",
+           arch, pocket_level_name(kt->level), pocket_model_ops_name(model), act_q8, kv_fmt,
            rows, (int)V, pocket_kv_nbytes(kva));
 
     pocket_kv_destroy(kva);

@@ -91,8 +91,8 @@ SPLIT = 8  # IDS[:8] in one prefill, the other 5 ids one decode step each
 IDS_B = [7, 300, 2, 64, 9]  # a second sequence, in a second cache
 BATCH = [42, 250]  # one forward_batch step: the next token of each sequence
 N_ROWS = len(IDS) + len(IDS_B) + len(BATCH)
-RUNS = [(0, 0), (0, 1), (31, 0), (31, 1)]  # (act_q8, kv_f16)
-BOUND_MODE = {(0, 0): "f32", (0, 1): "f32-kv16", (31, 0): "q8", (31, 1): "q8"}
+RUNS = [(0, 0), (0, 1), (31, 0), (31, 1), (31, 2)]  # (act_q8, kv_fmt: 0 f32, 1 f16, 2 int8)
+BOUND_MODE = {(0, 0): "f32", (0, 1): "f32-kv16", (31, 0): "q8", (31, 1): "q8", (31, 2): "q8-kv8"}
 ARM_VS_HOST = 1e-5  # real libm; pinned: bit-identical
 NEON_CPU = "max"  # qemu's CPU model for the neon runs: reports asimddp (SDOT) in HWCAP
 NO_DOTPROD_CPU = "cortex-a53"  # ARMv8.0-A: NEON without the dot-product extension
@@ -249,15 +249,15 @@ class Builds:
             return [prog]
         return [QEMU, *(["-cpu", cpu] if cpu else []), "-L", SYSROOT, prog]
 
-    def run(self, target: str, variant: str, dump: Path, act_q8: int, kv_f16: int,
+    def run(self, target: str, variant: str, dump: Path, act_q8: int, kv_fmt: int,
             vocab: int, level: str = "scalar") -> np.ndarray:
         """The harness's logits at a kernel level: "scalar" (the portable operations, the
         default, run as before) or "neon" (ARM64 only, under qemu's "max" CPU, which has the
         dot-product extension; the harness must report that it ran pm_ops_neon)."""
         prog = self.get(target, variant)
-        out = dump.with_name(f"{target}-{variant}-{level}-{act_q8}-{kv_f16}.logits")
+        out = dump.with_name(f"{target}-{variant}-{level}-{act_q8}-{kv_fmt}.logits")
         cmd = self.command(prog, target, NEON_CPU if level == "neon" else None)
-        cmd += [dump, out, act_q8, kv_f16, SPLIT, ",".join(map(str, IDS)),
+        cmd += [dump, out, act_q8, kv_fmt, SPLIT, ",".join(map(str, IDS)),
                 ",".join(map(str, IDS_B)), ",".join(map(str, BATCH))]
         if level != "scalar":
             cmd.append(level)
@@ -287,14 +287,14 @@ def _reference(rt) -> np.ndarray:
     return out
 
 
-def _wrapper_runtime(cfg, w, act_q8, kv_f16):
+def _wrapper_runtime(cfg, w, act_q8, kv_fmt):
     """The CPython wrapper's engine at the scalar level, 2 threads, in the harness's mode."""
     if not native.engine_available():
         pytest.fail(native.unavailable_reason() or "the native engine is not built: run "
                     "`pip install -e .`", pytrace=False)
     rt = Runtime(cfg, w, engine="numpy")
     rt.native = native.NativeEngine(cfg, w, act="q8" if act_q8 else "f32",
-                                    kv="f16" if kv_f16 else "f32", digits=2, level="scalar",
+                                    kv=("f32", "f16", "q8")[kv_fmt], digits=2, level="scalar",
                                     threads=2)
     assert rt.native.q8_mask() == act_q8
     return rt
@@ -331,26 +331,26 @@ def test_arm64_build_matches_host_and_reference(arch, builds, tmp_path):
     write_dump(cfg, w, dump)
     expected = _reference(Runtime(cfg, w, engine="numpy"))
     V = cfg.vocab_size
-    for act_q8, kv_f16 in RUNS:
-        mode = f"{arch}, act_q8={act_q8}, kv_f16={kv_f16}"
-        host, arm = (builds.run(t, "libc", dump, act_q8, kv_f16, V) for t in ("host", "arm64"))
-        pin_host, pin_arm = (builds.run(t, "pinned", dump, act_q8, kv_f16, V)
+    for act_q8, kv_fmt in RUNS:
+        mode = f"{arch}, act_q8={act_q8}, kv_fmt={kv_fmt}"
+        host, arm = (builds.run(t, "libc", dump, act_q8, kv_fmt, V) for t in ("host", "arm64"))
+        pin_host, pin_arm = (builds.run(t, "pinned", dump, act_q8, kv_fmt, V)
                              for t in ("host", "arm64"))
         assert np.array_equal(pin_arm, pin_host), (
             f"{mode}: ARM64 vs host, libm pinned: {_where(pin_arm, pin_host)}")
         assert _rel_err(arm, host) <= ARM_VS_HOST, f"{mode}: ARM64 vs host: {_where(arm, host)}"
-        bound = MODES[BOUND_MODE[act_q8, kv_f16]][3]
+        bound = MODES[BOUND_MODE[act_q8, kv_fmt]][3]
         for target, got in (("host", host), ("arm64", arm)):
             err = _rel_err(got, expected)
             assert err <= bound, f"{mode}: {target} vs the numpy reference: {err:.3g} > {bound}"
-        wrapped = _reference(_wrapper_runtime(cfg, w, act_q8, kv_f16))
+        wrapped = _reference(_wrapper_runtime(cfg, w, act_q8, kv_fmt))
         assert np.array_equal(host, wrapped), (
             f"{mode}: harness vs NativeEngine(level='scalar'): {_where(host, wrapped)}")
 
 
 # -- the neon level (ARM64 with the dot-product extension) -------------------------------------
 
-# (act_q8, kv_f16): RUNS, plus one int8 digit everywhere (31 | 31 << 5) and a mix of one digit
+# (act_q8, kv_fmt): RUNS, plus one int8 digit everywhere (31 | 31 << 5) and a mix of one digit
 # (QKV, gate / up) and two (wo, down, head)
 NEON_RUNS = RUNS + [(1023, 1), (31 | (1 | 4) << 5, 0)]
 
@@ -370,10 +370,10 @@ def test_arm64_neon_matches_arm64_scalar(arch, builds, tmp_path):
     dump = tmp_path / "model.bin"
     write_dump(cfg, w, dump)
     V = cfg.vocab_size
-    for act_q8, kv_f16 in NEON_RUNS:
-        mode = f"{arch}, act_q8={act_q8}, kv_f16={kv_f16}"
-        scalar = builds.run("arm64", "libc", dump, act_q8, kv_f16, V)
-        neon = builds.run("arm64", "libc", dump, act_q8, kv_f16, V, level="neon")
+    for act_q8, kv_fmt in NEON_RUNS:
+        mode = f"{arch}, act_q8={act_q8}, kv_fmt={kv_fmt}"
+        scalar = builds.run("arm64", "libc", dump, act_q8, kv_fmt, V)
+        neon = builds.run("arm64", "libc", dump, act_q8, kv_fmt, V, level="neon")
         assert np.array_equal(neon, scalar), (
             f"{mode}: ARM64 neon vs ARM64 scalar: {_where(neon, scalar)}")
 

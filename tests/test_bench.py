@@ -89,6 +89,9 @@ def test_bench_states_the_kernels_the_engine_runs_on(monkeypatch):
     monkeypatch.setenv("POCKET_CPU_LEVEL", "scalar")
     monkeypatch.setenv("POCKET_ACT", "q8")
     assert machine_info()["activations"] == "q8"
+    assert machine_info()["kv_cache"] == "f16"  # the default with int8 activations
+    monkeypatch.setenv("POCKET_KV", "q8")
+    assert machine_info()["kv_cache"] == "q8"
 
 
 def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):

@@ -53,6 +53,10 @@ MODES = {  # name -> (act, kv, digits, bound relative to max |logit|)
     "f32-kv16": ("f32", "f16", 2, 3e-3),
     "q8": ("q8", "f16", 2, 2e-2),
     "q8-1digit": ("q8", "f16", 1, 8e-2),
+    # int8 KV cache: against the float reference, keys and values moved by up to half a step
+    # (1/254 of their block's largest); test_q8_kv_cache_matches_its_numpy_twin holds it to
+    # the same rounding done in numpy
+    "q8-kv8": ("q8", "q8", 2, 3e-2),
 }
 
 
@@ -120,6 +124,44 @@ def _run(rt, ids, split, all_logits=True, capacity=None):
         rows.append(rt.forward([t], cache, all_logits=True))
     assert cache.length == len(ids)
     return np.concatenate(rows, axis=0)
+
+
+def _q8_kv_twin(x: np.ndarray) -> np.ndarray:
+    """What the engine's int8 KV cache (POCKET_KV=q8) holds for keys or values x [n, heads, hd]:
+    per 16 values of a position and head, d = float16(max |x| / 127), round(x / d) * d."""
+    b = x.reshape(*x.shape[:-1], -1, 16).astype(np.float32)
+    d = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float16)
+    d = d.astype(np.float32)
+    q = np.clip(np.rint(b / np.where(d > 0, d, 1)), -127, 127)
+    return np.where(d > 0, q * d, 0).astype(np.float32).reshape(x.shape)
+
+
+class _Q8Rows:
+    """A reference cache layer whose writes go through _q8_kv_twin."""
+
+    def __init__(self, a):
+        self.a = a
+
+    def __setitem__(self, key, value):
+        self.a[key] = _q8_kv_twin(np.asarray(value, np.float32))
+
+    def __getitem__(self, key):
+        return self.a[key]
+
+
+def _q8_kv_reference(cfg, weights) -> Runtime:
+    """The numpy reference with its caches stored as the engine's int8 KV cache stores them."""
+    rt = Runtime(cfg, weights, engine="numpy")
+    plain = rt.new_cache
+
+    def new_cache(capacity):
+        cache = plain(capacity)
+        cache.k = [_Q8Rows(a) for a in cache.k]
+        cache.v = [_Q8Rows(a) for a in cache.v]
+        return cache
+
+    rt.new_cache = new_cache
+    return rt
 
 
 def _rel_err(ours, ref) -> float:
@@ -783,11 +825,11 @@ def test_batch_larger_than_one_block():
         assert _rel_err(got[i], ref.forward([toks[i]], c)) <= bound
 
 
-@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("kv", ["f32", "f16", "q8"])
 def test_copy_prefix_reuses_a_computed_prompt(kv):
     cfg = torch_ref.tiny_config("gemma3")
     w = _weights(cfg, 24, True)
-    for rt in _runtimes(cfg, w, "f32" if kv == "f32" else "f32-kv16")[:2]:
+    for rt in _runtimes(cfg, w, {"f32": "f32", "f16": "f32-kv16", "q8": "q8-kv8"}[kv])[:2]:
         shared = rt.new_cache(40)
         rt.forward(IDS[:10], shared)  # e.g. a system prompt, computed once
         fresh = rt.forward(IDS, rt.new_cache(40), all_logits=True)
@@ -874,10 +916,105 @@ def test_a_row_does_not_depend_on_the_rest_of_its_batch(mode):
     np.testing.assert_array_equal(run(list(range(20)))[2], alone)
 
 
-@pytest.mark.parametrize("mode", ["f32", "f32-kv16"])
+@pytest.mark.parametrize("mode", ["f32", "f32-kv16", "q8-kv8"])
 def test_cache_nbytes_is_what_new_cache_allocates(mode):
     cfg = torch_ref.tiny_config("qwen2")
     w = _weights(cfg, 27, True)
     for rt in _runtimes(cfg, w, mode)[:2]:  # numpy reference, native engine
         for cap in (1, 15, 16, 17, 100):
             assert rt.cache_nbytes(cap) == rt.new_cache(cap).nbytes > 0
+
+
+# -- the int8 KV cache (POCKET_KV=q8) --------------------------------------------------------
+
+def test_q8_kv_twin_rounds_as_specified():
+    x = np.zeros((2, 1, 48), np.float32)
+    x[0, 0, :16] = np.linspace(-7.5, 3.2, 16)  # amax 7.5: d = float16(7.5 / 127), not exact
+    x[0, 0, 16] = 1e-30  # one tiny value: d underflows to 0, the block to 0
+    x[1, 0, :4] = [15.875, 0.0625, 0.1875, -0.0625]  # amax 127 / 8: d = 1/8, ties to even
+    x[1, 0, 32:] = np.float32(65.0)  # all at amax: 127 steps of float16(65 / 127)
+    y = _q8_kv_twin(x)
+    d = np.float32(np.float16(np.float32(7.5) / 127))
+    assert np.abs(y[0, 0, :16] - x[0, 0, :16]).max() <= d / 2 * 1.001
+    assert not y[0, 0, 16:].any()
+    np.testing.assert_array_equal(y[1, 0, :4], [15.875, 0, 0.25, 0])
+    d = np.float32(np.float16(np.float32(65) / 127))
+    np.testing.assert_array_equal(y[1, 0, 32:], np.float32(127) * d)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("level", LEVELS)
+def test_q8_kv_cache_matches_its_numpy_twin(arch, level):
+    # float activations, int8 cache: the engine must compute what the reference computes over
+    # the same rounded keys and values (prefill, decode, and a prefill after decode steps):
+    # measured 1e-6, except where a key computed in another order lands on the other side of a
+    # rounding boundary, one step apart (gemma3: 2e-4); the cache's rounding itself is ~1e-2
+    cfg = torch_ref.tiny_config(arch)
+    w = _weights(cfg, 31, True)
+    ids = IDS + IDS[::-1]
+    expected = _run(_q8_kv_reference(cfg, w), ids, len(ids))
+    plain = _run(Runtime(cfg, w, engine="numpy"), ids, len(ids))
+    assert _rel_err(expected, plain) > 1e-3  # the cache's rounding shows
+    nat = Runtime(cfg, w, engine="numpy")
+    nat.native = native.NativeEngine(cfg, w, act="f32", kv="q8", level=level, threads=2)
+    for split in (len(ids), 0, 5):
+        assert _rel_err(_run(nat, ids, split), expected) <= 5e-4
+    cache = nat.new_cache(len(ids))
+    nat.forward(ids[:3], cache)
+    nat.forward([ids[3]], cache)
+    got = nat.forward(ids[4:], cache, all_logits=True)
+    assert _rel_err(got, expected[4:]) <= 5e-4
+
+
+@pytest.mark.parametrize("shape", ["hd48-gqa6-vocab333", "hd128-gqa2", "hd256-gqa4"])
+def test_q8_kv_cache_odd_head_dims(shape):
+    over = dict(ODD_SHAPES[shape])
+    arch = over.pop("arch")
+    cfg = torch_ref.tiny_config(arch, max_context=256, **over)
+    w = _weights(cfg, 32, True)
+    ids = (IDS * 12)[:140]  # past one block of 128 tokens and one attention chunk
+    expected = _run(_q8_kv_reference(cfg, w), ids, 130, capacity=160)
+    for level in LEVELS:
+        nat = Runtime(cfg, w, engine="numpy")
+        nat.native = native.NativeEngine(cfg, w, act="f32", kv="q8", level=level, threads=2)
+        # 140 positions: more keys land one rounding step apart than above (measured
+        # 1e-4..9e-4), against 6e-3..1e-2 for the cache's rounding itself
+        assert _rel_err(_run(nat, ids, 130, capacity=160), expected) <= 2e-3
+
+
+@needs_amx
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_q8_kv_cache_under_amx_attention(arch):
+    # prefill attention on the tile unit converts the int8 keys and values with their scales
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
+                                max_context=700, **extra)
+    w = _weights(cfg, 33, True)
+    ids = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 600)]
+    ref = _q8_kv_reference(cfg, w)
+    cache = ref.new_cache(len(ids))
+    expected = np.concatenate([ref.forward(ids[:37], cache, all_logits=True),
+                               ref.forward(ids[37:], cache, all_logits=True)])
+    nat = Runtime(cfg, w, engine="numpy")
+    nat.native = native.NativeEngine(cfg, w, act="q8", kv="q8", amx=True, threads=2)
+    cache = nat.new_cache(len(ids))
+    got = np.concatenate([nat.forward(ids[:37], cache, all_logits=True),
+                          nat.forward(ids[37:], cache, all_logits=True)])
+    # int8 activations move the keys a little, so more of them land one rounding step apart
+    # than with float activations: measured 2.3e-3 here, as much as without AMX (2.4e-3),
+    # against 9e-3..1.1e-2 for the cache's rounding itself
+    assert _rel_err(got, expected) <= 4e-3
+
+
+def test_q8_kv_cache_bad_settings():
+    from pocketlm import _native
+
+    cfg = torch_ref.tiny_config("llama", head_dim=40, n_heads=4, n_kv_heads=1, d_model=64)
+    w = _weights(cfg, 34, True)
+    with pytest.raises(KernelError, match="multiple of 16"):
+        native.NativeEngine(cfg, w, act="q8", kv="q8")
+    model = native.NativeEngine(cfg, w, act="q8", kv="f16").model
+    with pytest.raises(ValueError, match="'f32', 'f16' or 'q8'"):
+        _native.NativeKV(model, 8, format="int8")
+    with pytest.raises(ValueError):  # head_dim 40: no int8 cache
+        _native.NativeKV(model, 8, format="q8")

@@ -77,15 +77,15 @@ def machine_info() -> dict[str, Any]:
         pass
     from ..runtime.kernels import native
 
-    level, act, amx = None, None, False
+    level, act, amx, kv = None, None, False, None
     if native.available():
         try:  # what pocketlm's engine runs on with this environment's settings
             setting = native.engine_setting()
-            level, act, amx = setting["level"], setting["act"], setting["amx"]
+            level, act, amx, kv = setting["level"], setting["act"], setting["amx"], setting["kv"]
         except KernelError:
             pass
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
-            "kernel_level": level, "activations": act, "amx_prefill": amx,
+            "kernel_level": level, "activations": act, "amx_prefill": amx, "kv_cache": kv,
             "python": platform.python_version(), "os": platform.system()}
 
 
@@ -284,7 +284,8 @@ def format_table(results: list[EngineResult]) -> str:
         f"{r0.machine.get('kernel_level')}"
         + (f", {r0.machine['activations']} activations" if r0.machine.get("activations")
            else "")
-        + (", AMX-BF16 prefill" if r0.machine.get("amx_prefill") else ""),
+        + (", AMX-BF16 prefill" if r0.machine.get("amx_prefill") else "")
+        + (f", {r0.machine['kv_cache']} KV cache" if r0.machine.get("kv_cache") else ""),
         "",
         f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak MB':>8} "
         f"{'file MB':>8} {'load s':>7} {'energy J':>9}",

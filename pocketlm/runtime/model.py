@@ -11,9 +11,9 @@ Two engines run the same math:
   is native (``POCKET_KERNELS``, default when built) and every weight is in a layout it
   supports (INT4 / INT5 / INT8 QuantTensors, float32 arrays, C-contiguous). ``POCKET_ACT``
   picks float (``f32``, default) or int8 (``q8``) activations for the quantized products,
-  ``POCKET_KV`` the KV cache format (``f32`` | ``f16``; default ``f32`` with f32 activations,
-  ``f16`` with q8), ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs). Its caches are
-  :class:`NativeKVCache` objects.
+  ``POCKET_KV`` the KV cache format (``f32`` | ``f16`` | ``q8``; default ``f32`` with f32
+  activations, ``f16`` with q8), ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs).
+  Its caches are :class:`NativeKVCache` objects.
 * the numpy reference below (``POCKET_KERNELS=numpy``; also the fallback), which computes
   layer by layer through :mod:`pocketlm.runtime.kernels` and is the specification the native
   engine is tested against.
@@ -57,7 +57,8 @@ class KVCache:
 
 
 class NativeKVCache(KVCache):
-    """A KV cache of the native engine (keys and values live in C memory, float32 or float16).
+    """A KV cache of the native engine (keys and values live in C memory: float32, float16 or
+    int8).
 
     Same interface as :class:`KVCache` (``capacity``, ``length``, ``reset``, ``truncate``,
     ``nbytes``); usable only with the runtime that created it."""
@@ -122,13 +123,16 @@ class Runtime:
 
     def cache_nbytes(self, capacity: int) -> int:
         """Bytes of keys and values that :meth:`new_cache` allocates for ``capacity``
-        positions (the native engine rounds positions up to 16 and may store float16)."""
+        positions (the native engine rounds positions up to 16 and may store float16, or int8
+        with a float16 scale per 16 values)."""
         c = self.config
         if self.native is None:
             return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * 4
         positions = -(-capacity // 16) * 16
-        per = 2 if self.native.kv_format == "f16" else 4
-        return 2 * c.n_layers * c.n_kv_heads * positions * c.head_dim * per
+        fmt = self.native.kv_format
+        per_head = c.head_dim * 4 if fmt == "f32" else c.head_dim * 2 if fmt == "f16" \
+            else c.head_dim + c.head_dim // 16 * 2
+        return 2 * c.n_layers * c.n_kv_heads * positions * per_head
 
     def forward_batch(self, ids, caches: list[KVCache]) -> np.ndarray:
         """One token for each of several sequences (continuous batching): ``ids[i]`` runs at

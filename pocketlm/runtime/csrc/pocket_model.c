@@ -494,23 +494,37 @@ int pm_ensure_amx_attn(pocket_model *m, int tasks) {
  * KV cache
  * ========================================================================================= */
 
-int pocket_kv_create(const pocket_model *m, int capacity, int kv_f16, pocket_kv **out) {
+_Static_assert((int)POCKET_KV_F32 == (int)PM_KV_F32 && (int)POCKET_KV_F16 == (int)PM_KV_F16 &&
+                   (int)POCKET_KV_Q8 == (int)PM_KV_Q8,
+               "the KV formats of pocket_model.h and pocket_model_ops.h");
+
+
+int pocket_kv_create(const pocket_model *m, int capacity, int kv_format, pocket_kv **out) {
     if (!out) return POCKET_EINVAL;
     *out = NULL;
-    if (!m || capacity <= 0 || capacity > m->c.max_positions || (kv_f16 != 0 && kv_f16 != 1))
+    if (!m || capacity <= 0 || capacity > m->c.max_positions ||
+        (kv_format != POCKET_KV_F32 && kv_format != POCKET_KV_F16 && kv_format != POCKET_KV_Q8))
         return POCKET_EINVAL;
+    if (kv_format == POCKET_KV_Q8 && m->c.head_dim % PM_KV_QBLOCK) return POCKET_EUNSUPPORTED;
     pocket_kv *kv = (pocket_kv *)calloc(1, sizeof *kv);
     if (!kv) return POCKET_ENOMEM;
     kv->model = m;
     kv->capacity = capacity;
-    kv->f16 = kv_f16;
+    kv->fmt = kv_format;
     kv->head_stride = pocket_round_up((size_t)capacity, 16) * (size_t)m->c.head_dim;
     kv->layer_stride = (size_t)m->c.n_kv_heads * kv->head_stride;
     const size_t total = kv->layer_stride * (size_t)m->c.n_layers;
-    const size_t es = kv_f16 ? 2 : 4;
+    const size_t es = pm_kv_es(kv_format);
     kv->k = pm_zalloc(total, es);
     kv->v = pm_zalloc(total, es);
-    if (!kv->k || !kv->v) {
+    int ok = kv->k && kv->v;
+    if (ok && kv_format == POCKET_KV_Q8) {
+        const size_t ns = total / PM_KV_QBLOCK;
+        kv->ks = (uint16_t *)pm_zalloc(ns, sizeof(uint16_t));
+        kv->vs = (uint16_t *)pm_zalloc(ns, sizeof(uint16_t));
+        ok = kv->ks && kv->vs;
+    }
+    if (!ok) {
         pocket_kv_destroy(kv);
         return POCKET_ENOMEM;
     }
@@ -522,6 +536,8 @@ void pocket_kv_destroy(pocket_kv *kv) {
     if (!kv) return;
     free(kv->k);
     free(kv->v);
+    free(kv->ks);
+    free(kv->vs);
     free(kv);
 }
 
@@ -533,5 +549,8 @@ const char *pocket_model_ops_name(const pocket_model *model) {
 
 size_t pocket_kv_nbytes(const pocket_kv *kv) {
     if (!kv) return 0;
-    return 2 * kv->layer_stride * (size_t)kv->model->c.n_layers * (kv->f16 ? 2 : 4);
+    const size_t layers = (size_t)kv->model->c.n_layers;
+    size_t n = 2 * kv->layer_stride * layers * pm_kv_es(kv->fmt);
+    if (kv->fmt == POCKET_KV_Q8) n += 2 * kv->layer_stride * layers / PM_KV_QBLOCK * 2;
+    return n;
 }

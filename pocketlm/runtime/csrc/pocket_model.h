@@ -131,14 +131,24 @@ void pocket_model_destroy(pocket_model *model);
 const char *pocket_model_ops_name(const pocket_model *model);
 const char *pocket_level_ops_name(const pocket_kernel_table *kernels);
 
-/* A KV cache of `capacity` positions for `model`: float32 (kv_f16 = 0) or float16 (kv_f16 = 1)
- * keys and values, per layer and KV head; values [position][head_dim], keys transposed in
- * blocks of 16 positions (see pm_k_index in pocket_model_ops.h). float16 halves the memory and
- * the attention's memory traffic (at 512 positions, smollm2-135m reads 13 MB of keys and values
- * per token in float16, 26 MB in float32, next to 90 MB of weights); keys and values are then
- * rounded to float16 (relative error <= 2^-11), which moves the logits by ~5e-4 of their
- * largest value relative to the float32 reference (greedy tokens unchanged on smollm2-135m). */
-int pocket_kv_create(const pocket_model *model, int capacity, int kv_f16, pocket_kv **out);
+/* KV cache formats. */
+enum {
+    POCKET_KV_F32 = 0, /* float32 keys and values */
+    POCKET_KV_F16 = 1, /* float16: half the memory and the attention's memory traffic (at 512
+                        * positions, smollm2-135m reads 13 MB of keys and values per token in
+                        * float16, 26 MB in float32, next to 90 MB of weights); values rounded
+                        * to float16 (relative error <= 2^-11) move the logits by ~5e-4 of
+                        * their largest value relative to the float32 reference */
+    POCKET_KV_Q8 = 2   /* int8, one float16 scale (absmax / 127; values rounded to nearest
+                        * even) per 16 keys or values of a position and KV head (head_dim a
+                        * multiple of 16): 1.125 bytes per value, 0.56 of float16; each value
+                        * moves by at most half a step, ~1/254 of its block's largest */
+};
+
+/* A KV cache of `capacity` positions for `model` in format kv_format (POCKET_KV_*): per layer
+ * and KV head, values [position][head_dim], keys transposed in blocks of 16 positions (see
+ * pm_k_index in pocket_model_ops.h). */
+int pocket_kv_create(const pocket_model *model, int capacity, int kv_format, pocket_kv **out);
 void pocket_kv_destroy(pocket_kv *kv);
 int pocket_kv_capacity(const pocket_kv *kv);
 size_t pocket_kv_nbytes(const pocket_kv *kv);

@@ -267,39 +267,55 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
  * cache values, exact for float16), float32 softmax between them (the pieces of attn_avx512:
  * the same exponential, a running maximum and sum per query row over chunks of keys). */
 
-static inline TGTA __m512 load16(const void *base, int f16, size_t idx) {
-    if (f16)
+/* 16 cache values from element idx (format fmt: PM_KV_*, int8 unscaled) as float32 */
+static inline TGTA __m512 load16(const void *base, int fmt, size_t idx) {
+    if (fmt == PM_KV_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
+    if (fmt == PM_KV_Q8)
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + idx))));
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
-void TGTA pm_amx_attn_kv(const void *K, const void *V, int f16, int hd, int k0, int end, int c0,
-                         int c1, uint16_t *kh, uint16_t *kl, uint16_t *vh, uint16_t *vl) {
-    const int ndc = hd / 32, ndt = hd / 16;
-    const __m512 zero = _mm512_setzero_ps();
+void TGTA pm_amx_attn_kv(const void *K, const void *V, const uint16_t *ks, const uint16_t *vs,
+                         int fmt, int hd, int k0, int end, int c0, int c1, uint16_t *kh, uint16_t *kl,
+                         uint16_t *vh, uint16_t *vl) {
+    const int ndc = hd / 32, ndt = hd / 16, q8 = fmt == PM_KV_Q8;
+    const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     for (int kc = c0; kc < c1; kc++) {
         for (int half = 0; half < 2; half++) { /* K: the two blocks of 16 keys */
             const int kb = 2 * kc + half, p0 = k0 + 16 * kb, left = end - p0;
             const __mmask16 mk =
                 (__mmask16)(left >= 16 ? 0xFFFFu : left > 0 ? (1u << left) - 1u : 0u);
             const size_t base = pm_k_index(p0, 0, hd);
-            for (int c = 0; c < ndc; c++)
+            for (int c = 0; c < ndc; c++) {
+                /* int8 keys: the 16 positions' scales of scale blocks 2c, 2c + 1 (rows e of
+                 * block c below and from 16; the products are exact in float32, the two
+                 * bfloat16 terms keep ~16 bits of them) */
+                __m512 sc[2] = {one, one};
+                for (int t = 0; q8 && mk && t < 2; t++)
+                    sc[t] = _mm512_cvtph_ps(
+                        _mm256_maskz_loadu_epi16(mk, ks + pm_k_index(p0, 2 * c + t, ndt)));
                 for (int r = 0; r < 16; r++) {
                     const size_t e = (size_t)(32 * c + 2 * r);
+                    const __m512 s = sc[r / 8];
                     const __m512 ev =
-                        mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * e)) : zero;
+                        mk ? _mm512_maskz_mul_ps(mk, load16(K, fmt, base + 16 * e), s) : zero;
                     const __m512 dv =
-                        mk ? _mm512_maskz_mov_ps(mk, load16(K, f16, base + 16 * (e + 1))) : zero;
+                        mk ? _mm512_maskz_mul_ps(mk, load16(K, fmt, base + 16 * (e + 1)), s) : zero;
                     const size_t o = ((size_t)kb * ndc + c) * 512 + 32 * r;
                     store_pair_row(ev, dv, kh + o, kl + o);
                 }
+            }
         }
         for (int r = 0; r < 16; r++) { /* V: keys in pairs, 16 columns per tile */
             const int p = k0 + 32 * kc + 2 * r;
-            for (int c = 0; c < ndt; c++) {
-                const __m512 ev = p < end ? load16(V, f16, (size_t)p * hd + 16 * c) : zero;
-                const __m512 dv =
-                    p + 1 < end ? load16(V, f16, (size_t)(p + 1) * hd + 16 * c) : zero;
+            for (int c = 0; c < ndt; c++) { /* int8: the scales of block c */
+                const size_t ie = (size_t)p * hd + 16 * c, id = ie + (size_t)hd;
+                const __m512 se = q8 && p < end ? _mm512_set1_ps(_cvtsh_ss(vs[ie / 16])) : one;
+                const __m512 sd = q8 && p + 1 < end ? _mm512_set1_ps(_cvtsh_ss(vs[id / 16])) : one;
+                const __m512 ev = p < end ? _mm512_mul_ps(load16(V, fmt, ie), se) : zero;
+                const __m512 dv = p + 1 < end ? _mm512_mul_ps(load16(V, fmt, id), sd) : zero;
                 const size_t o = ((size_t)kc * ndt + c) * 512 + 32 * r;
                 store_pair_row(ev, dv, vh + o, vl + o);
             }

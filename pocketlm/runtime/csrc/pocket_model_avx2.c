@@ -330,9 +330,14 @@ static inline TGT AI float hsum8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-static inline TGT AI __m256 load8(const void *base, int f16, size_t idx) {
-    if (f16)
+/* 8 cache values from element idx (format fmt: PM_KV_*; int8 times the scale vector sc) */
+static inline TGT AI __m256 load8(const void *base, int fmt, size_t idx, __m256 sc) {
+    if (fmt == PM_KV_F16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx)));
+    if (fmt == PM_KV_Q8)
+        return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                 _mm_loadl_epi64((const __m128i *)((const int8_t *)base + idx)))),
+                             sc);
     return _mm256_loadu_ps((const float *)base + idx);
 }
 
@@ -344,9 +349,18 @@ static inline TGT AI void scores_block(const int GH, const pm_attn_args *A, int 
     const size_t kbase = (size_t)kb * 16 * (size_t)hd;
     __m256 s[4][2];
     for (int g = 0; g < GH; g++) s[g][0] = s[g][1] = _mm256_setzero_ps();
+    const int q8 = A->fmt == PM_KV_Q8;
+    /* int8: the key block's scales, 16 per block of PM_KV_QBLOCK rows e */
+    const uint16_t *ksb = q8 ? A->ks + kbase / PM_KV_QBLOCK : NULL;
+    __m256 ks0 = _mm256_setzero_ps(), ks1 = ks0;
     for (int e = 0; e < hd; e++) {
-        const __m256 k0 = load8(A->K, A->f16, kbase + (size_t)e * 16);
-        const __m256 k1 = load8(A->K, A->f16, kbase + (size_t)e * 16 + 8);
+        if (q8 && e % PM_KV_QBLOCK == 0) {
+            const uint16_t *sb = ksb + 16 * (e / PM_KV_QBLOCK);
+            ks0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+            ks1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 8)));
+        }
+        const __m256 k0 = load8(A->K, A->fmt, kbase + (size_t)e * 16, ks0);
+        const __m256 k1 = load8(A->K, A->fmt, kbase + (size_t)e * 16 + 8, ks1);
         for (int g = 0; g < GH; g++) {
             const __m256 q = _mm256_set1_ps(A->q[(size_t)(g0 + g) * hd + e]);
             s[g][0] = _mm256_fmadd_ps(q, k0, s[g][0]);
@@ -377,7 +391,10 @@ static inline TGT AI void values_block(const int GH, const pm_attn_args *A, int 
             acc[g][h] = _mm256_loadu_ps(A->acc + (size_t)(g0 + g) * hd + col0 + 8 * h);
     for (int j = c; j < cend; j++) {
         const size_t vb = (size_t)j * hd + (size_t)col0;
-        const __m256 v0 = load8(A->V, A->f16, vb), v1 = load8(A->V, A->f16, vb + 8);
+        /* int8: the scale of the block holding these 16 columns */
+        const __m256 vs = A->fmt == PM_KV_Q8 ? _mm256_set1_ps(_cvtsh_ss(A->vs[vb / PM_KV_QBLOCK]))
+                                             : _mm256_setzero_ps();
+        const __m256 v0 = load8(A->V, A->fmt, vb, vs), v1 = load8(A->V, A->fmt, vb + 8, vs);
         for (int g = 0; g < GH; g++) {
             const __m256 p = _mm256_set1_ps(A->s[(size_t)(g0 + g) * PM_SPAN + j - base]);
             acc[g][0] = _mm256_fmadd_ps(p, v0, acc[g][0]);
@@ -434,6 +451,7 @@ static TGT void attn_avx2(const pm_attn_args *A) {
             }
             A->l[g] = A->l[g] * corr + hsum8(sum);
             A->m[g] = nm;
+
             if (corr != 1.0f) {
                 const __m256 vc = _mm256_set1_ps(corr);
                 float *ag = A->acc + (size_t)g * hd;

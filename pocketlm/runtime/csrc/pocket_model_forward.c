@@ -93,7 +93,6 @@ typedef struct pm_job {
     const pocket_kv *kv; /* decode */
     const pm_seq *seq;   /* block */
     int layer, lo, hi, nspans, units;
-    const void *K, *V; /* decode: the layer's cache; amx attention: the layer's in seq->kv */
     int end, last;     /* amx attention: keys < end exist; the last chunk of keys */
     const pm_rows *rows; /* PM_JOB_ROWS */
     const pm_act *post;  /* PM_JOB_GLU: the output prepared for W_down by each task, or NULL */
@@ -211,10 +210,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
             A.G = G;
             A.hd = hd;
             A.scale = m->c.attn_scale;
-            A.f16 = j->kv->f16;
-            const size_t off = (size_t)kvh * j->kv->head_stride * (A.f16 ? 2 : 4);
-            A.K = (const char *)j->K + off;
-            A.V = (const char *)j->V + off;
+            pm_kv_head(j->kv, j->layer, kvh, &A);
             const int s0 = (j->lo / PM_SPAN + s) * PM_SPAN; /* aligned span */
             A.a = s0 > j->lo ? s0 : j->lo;
             A.b = s0 + PM_SPAN < j->hi ? s0 + PM_SPAN : j->hi;
@@ -241,11 +237,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
             A.G = G;
             A.hd = hd;
             A.scale = m->c.attn_scale;
-            A.f16 = kv->f16;
-            const size_t es = A.f16 ? 2 : 4;
-            const size_t off = ((size_t)j->layer * kv->layer_stride + (size_t)kvh * kv->head_stride) * es;
-            A.K = (const char *)kv->k + off;
-            A.V = (const char *)kv->v + off;
+            pm_kv_head(kv, j->layer, kvh, &A);
             A.a = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
             A.b = pos + 1;
             A.s = scr;
@@ -264,15 +256,16 @@ static void pm_task(void *ctx, int task, int ntasks) {
 #if PM_HAVE_AMX
     case PM_JOB_AMX_KV: {
         /* units u = kvh * chunks + c: 32 keys from j->lo of KV head kvh */
-        const int hd = m->c.head_dim, nc = (j->hi - j->lo) / 32, f16 = j->seq->kv->f16;
-        const size_t es = f16 ? 2 : 4, hs = j->seq->kv->head_stride * es;
+        const int hd = m->c.head_dim, nc = (j->hi - j->lo) / 32;
         const size_t buf = (size_t)PM_AMX_KCHUNK * hd;
         split_range(j->units, 1, task, ntasks, &b, &e);
         for (int u = b; u < e;) {
             const int kvh = u / nc, c0 = u % nc, c1 = e - u < nc - c0 ? c0 + (e - u) : nc;
             uint16_t *kh = m->akv + (size_t)kvh * 4 * buf;
-            pm_amx_attn_kv((const char *)j->K + kvh * hs, (const char *)j->V + kvh * hs, f16, hd,
-                           j->lo, j->end, c0, c1, kh, kh + buf, kh + 2 * buf, kh + 3 * buf);
+            pm_attn_args H;
+            pm_kv_head(j->seq->kv, j->layer, kvh, &H);
+            pm_amx_attn_kv(H.K, H.V, H.ks, H.vs, H.fmt, hd, j->lo, j->end, c0, c1, kh, kh + buf,
+                           kh + 2 * buf, kh + 3 * buf);
             u += c1 - c0;
         }
         break;
@@ -505,6 +498,27 @@ static void rope_heads(float *x, int heads, int hd, const float *cs, const float
     }
 }
 
+/* x [PM_KV_QBLOCK] -> int8 q[i * stride] = round(x[i] / d) (to nearest even, within +-127),
+ * d = float16(max |x| / 127); returns d's float16 bits (0 for all zeros; NaN when x holds a
+ * NaN or an infinity, which the logits then show). */
+static uint16_t kv_quant(const pocket_model *m, const float *x, int8_t *q, size_t stride) {
+    float amax = 0.0f, bad = 0.0f;
+    for (int i = 0; i < PM_KV_QBLOCK; i++) {
+        const float a = fabsf(x[i]);
+        amax = a > amax ? a : amax;
+        bad += x[i] * 0.0f; /* NaN for a NaN or an infinity */
+    }
+    const float d0 = bad == 0.0f ? amax / 127.0f : NAN;
+    uint16_t dh;
+    m->ops->to_f16(&d0, &dh, 1);
+    const float d = pocket_f16_to_f32(dh);
+    for (int i = 0; i < PM_KV_QBLOCK; i++) {
+        const float r = d > 0.0f ? nearbyintf(x[i] / d) : 0.0f; /* d NaN: 0 */
+        q[(size_t)i * stride] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+    }
+    return dh;
+}
+
 /* Biases, q/k norms, RoPE for the block's q and k; k and v into the cache. */
 static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int i1) {
     const pocket_layer_weights *L = &m->layers[layer];
@@ -533,7 +547,17 @@ static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int 
             const size_t vdst = head + pos * (size_t)hd;
             const size_t kdst = head + pm_k_index((int)pos, 0, hd); /* then stride 16 */
             const float *kh = k + (size_t)h * hd;
-            if (kv->f16) {
+            if (kv->fmt == PM_KV_Q8) {
+                pm_attn_args A;
+                pm_kv_head(kv, layer, h, &A);
+                const int nb = hd / PM_KV_QBLOCK, B = PM_KV_QBLOCK;
+                for (int b = 0; b < nb; b++) {
+                    ((uint16_t *)A.ks)[pm_k_index((int)pos, b, nb)] =
+                        kv_quant(m, kh + B * b, (int8_t *)kv->k + kdst + (size_t)16 * B * b, 16);
+                    ((uint16_t *)A.vs)[pos * nb + b] = kv_quant(
+                        m, v + (size_t)h * hd + B * b, (int8_t *)kv->v + vdst + B * b, 1);
+                }
+            } else if (kv->fmt == PM_KV_F16) {
                 uint16_t tmp[4096];
                 m->ops->to_f16(kh, tmp, (size_t)hd);
                 for (int e = 0; e < hd; e++) ((uint16_t *)kv->k)[kdst + (size_t)e * 16] = tmp[e];
@@ -625,7 +649,7 @@ static void step_post_mlp(const pm_rows *r, int i0, int i1) { /* x += [norm](o) 
  * chunks of PM_AMX_KCHUNK, each converted once (one parallel region) and then attended to by
  * every 16 query rows of every head (a second one). */
 static int attn_amx(pm_job *jp, pocket_pool *pool, int nthreads) {
-    pm_job j = *jp; /* m, seq, layer, n, kv and the layer's K, V set by layer_forward */
+    pm_job j = *jp; /* m, seq, layer, n and kv set by layer_forward */
     pocket_model *m = j.m;
     const pm_seq *seq = j.seq;
     const int l = j.layer, n = j.n;
@@ -683,13 +707,7 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
     j.seq = seq;
     j.layer = l;
     j.n = n;
-    if (!seq->kvs) { /* one sequence: this layer's keys and values */
-        const pocket_kv *kv = seq->kv;
-        const size_t es = kv->f16 ? 2 : 4;
-        j.kv = kv;
-        j.K = (const char *)kv->k + (size_t)l * kv->layer_stride * es;
-        j.V = (const char *)kv->v + (size_t)l * kv->layer_stride * es;
-    }
+    if (!seq->kvs) j.kv = seq->kv; /* one sequence */
     const int nkv = m->c.n_kv_heads;
     if (n == 1 && !seq->kvs) { /* one token: its keys split into spans over the threads */
         const int pos0 = seq_pos(seq, 0);
@@ -822,20 +840,25 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
 }
 
 int pocket_kv_copy(pocket_kv *dst, const pocket_kv *src, int n) {
-    if (!dst || !src || dst == src || dst->model != src->model || dst->f16 != src->f16 || n < 0 ||
+    if (!dst || !src || dst == src || dst->model != src->model || dst->fmt != src->fmt || n < 0 ||
         n > src->capacity || n > dst->capacity)
         return POCKET_EINVAL;
     if (n == 0) return POCKET_OK;
     const pocket_model *m = src->model;
-    const size_t es = src->f16 ? 2 : 4, hd = (size_t)m->c.head_dim;
+    const size_t es = pm_kv_es(src->fmt), hd = (size_t)m->c.head_dim;
     /* keys: whole blocks of 16 positions (the tail of the last block is never read) */
     const size_t kbytes = pocket_round_up((size_t)n, 16) * hd * es, vbytes = (size_t)n * hd * es;
     for (int l = 0; l < m->c.n_layers; l++)
         for (int h = 0; h < m->c.n_kv_heads; h++) {
-            const size_t so = ((size_t)l * src->layer_stride + (size_t)h * src->head_stride) * es;
-            const size_t d = ((size_t)l * dst->layer_stride + (size_t)h * dst->head_stride) * es;
-            memcpy((char *)dst->k + d, (const char *)src->k + so, kbytes);
-            memcpy((char *)dst->v + d, (const char *)src->v + so, vbytes);
+            pm_attn_args S, D;
+            pm_kv_head(src, l, h, &S);
+            pm_kv_head(dst, l, h, &D);
+            memcpy((void *)D.K, S.K, kbytes);
+            memcpy((void *)D.V, S.V, vbytes);
+            if (S.ks) { /* float16 scales, laid out as the keys and values */
+                memcpy((uint16_t *)D.ks, S.ks, kbytes / PM_KV_QBLOCK * 2);
+                memcpy((uint16_t *)D.vs, S.vs, vbytes / PM_KV_QBLOCK * 2);
+            }
         }
     return POCKET_OK;
 }

@@ -71,11 +71,30 @@ struct pocket_model {
 
 struct pocket_kv {
     const pocket_model *model;
-    int capacity, f16;
+    int capacity, fmt;   /* fmt: POCKET_KV_* */
     size_t head_stride;  /* elements between KV heads: capacity (rounded up to 16) * head_dim */
     size_t layer_stride; /* elements between layers: n_kv_heads * head_stride */
     void *k, *v;
+    /* POCKET_KV_Q8: the float16 scales of keys and values [layer][kv head][head_stride /
+     * PM_KV_QBLOCK] (layout in pocket_model_ops.h); NULL otherwise */
+    uint16_t *ks, *vs;
 };
+
+/* Keys, values (and int8 scales) of KV head h of layer l of kv, as attention arguments. */
+static inline void pm_kv_head(const pocket_kv *kv, int l, int h, pm_attn_args *A) {
+    const size_t es = pm_kv_es(kv->fmt);
+    const size_t off = (size_t)l * kv->layer_stride + (size_t)h * kv->head_stride;
+    A->fmt = kv->fmt;
+    A->K = (const char *)kv->k + off * es;
+    A->V = (const char *)kv->v + off * es;
+    A->ks = A->vs = NULL;
+    if (kv->ks) { /* int8 scales: one per PM_KV_QBLOCK values */
+        const size_t so = ((size_t)l * kv->model->c.n_kv_heads + (size_t)h) *
+                          (kv->head_stride / PM_KV_QBLOCK);
+        A->ks = kv->ks + so;
+        A->vs = kv->vs + so;
+    }
+}
 
 /* ---- pocket_model.c ---------------------------------------------------------------------- */
 
@@ -136,13 +155,15 @@ typedef struct pm_amx_attn_args {
     void *scratch;  /* PM_AMX_ATTN_SCRATCH(hd) bytes, 64-byte aligned */
 } pm_amx_attn_args;
 #if PM_HAVE_AMX
-/* K and V of one KV head's cache (pocket_model_ops.h layout; float16 or float32), key chunks
+/* K and V of one KV head's cache (pocket_model_ops.h layout and formats; ks, vs the int8
+ * scales), key chunks
  * [c0, c1) of 32 from key k0, in B-tile form with two bfloat16 terms (keys >= end: zero):
  *   kh[(kb * hd/32 + c) * 512 + 32 r + 2 j + t] = K[k0 + 16 kb + j][32 c + 2 r + t]
  *   vh[(kc * hd/16 + c) * 512 + 32 r + 2 j + t] = V[k0 + 32 kc + 2 r + t][16 c + j]
  * (kl, vl the remainders), each buffer PM_AMX_KCHUNK * hd values. */
-void pm_amx_attn_kv(const void *K, const void *V, int f16, int hd, int k0, int end, int c0,
-                    int c1, uint16_t *kh, uint16_t *kl, uint16_t *vh, uint16_t *vl);
+void pm_amx_attn_kv(const void *K, const void *V, const uint16_t *ks, const uint16_t *vs, int fmt,
+                    int hd, int k0, int end, int c0, int c1, uint16_t *kh, uint16_t *kl,
+                    uint16_t *vh, uint16_t *vl);
 /* One chunk of keys for 16 query rows of one head: causal (row i sees keys <= pos0 + i, and
  * > pos0 + i - win with a window), scores (q . k) * scale. */
 void pm_amx_attn(const pm_amx_attn_args *a);

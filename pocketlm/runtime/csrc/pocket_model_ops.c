@@ -30,8 +30,27 @@ void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps
     }
 }
 
-static inline float kv_load(const void *base, int f16, size_t idx) {
-    return f16 ? pocket_f16_to_f32(((const uint16_t *)base)[idx]) : ((const float *)base)[idx];
+/* Key e of position pos / value idx = pos * hd + c of one KV head, as float32 (int8 scaled) */
+static inline float key_at(const pm_attn_args *A, int pos, int e) {
+    const size_t i = pm_k_index(pos, e, A->hd);
+    switch (A->fmt) {
+    case PM_KV_F16: return pocket_f16_to_f32(((const uint16_t *)A->K)[i]);
+    case PM_KV_Q8: {
+        const int B = PM_KV_QBLOCK;
+        return (float)((const int8_t *)A->K)[i] *
+               pocket_f16_to_f32(A->ks[pm_k_index(pos, e / B, A->hd / B)]);
+    }
+    default: return ((const float *)A->K)[i];
+    }
+}
+
+static inline float value_at(const pm_attn_args *A, size_t idx) {
+    switch (A->fmt) {
+    case PM_KV_F16: return pocket_f16_to_f32(((const uint16_t *)A->V)[idx]);
+    case PM_KV_Q8:
+        return (float)((const int8_t *)A->V)[idx] * pocket_f16_to_f32(A->vs[idx / PM_KV_QBLOCK]);
+    default: return ((const float *)A->V)[idx];
+    }
 }
 
 void pm_attn_portable(const pm_attn_args *A) {
@@ -45,11 +64,10 @@ void pm_attn_portable(const pm_attn_args *A) {
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 int e = 0;
                 for (; e + 8 <= hd; e += 8)
-                    for (int l = 0; l < 8; l++)
-                        acc[l] += qg[e + l] * kv_load(A->K, A->f16, pm_k_index(c + j, e + l, hd));
+                    for (int l = 0; l < 8; l++) acc[l] += qg[e + l] * key_at(A, c + j, e + l);
                 float sc = ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
                            ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-                for (; e < hd; e++) sc += qg[e] * kv_load(A->K, A->f16, pm_k_index(c + j, e, hd));
+                for (; e < hd; e++) sc += qg[e] * key_at(A, c + j, e);
                 A->s[g * PM_SPAN + j] = sc * A->scale;
             }
         for (int g = 0; g < G; g++) {
@@ -73,7 +91,7 @@ void pm_attn_portable(const pm_attn_args *A) {
             for (int g = 0; g < G; g++) {
                 const float p = A->s[g * PM_SPAN + j];
                 float *ag = A->acc + (size_t)g * hd;
-                for (int e = 0; e < hd; e++) ag[e] += p * kv_load(A->V, A->f16, vb + e);
+                for (int e = 0; e < hd; e++) ag[e] += p * value_at(A, vb + e);
             }
         }
         c = cend;

@@ -15,16 +15,26 @@
  * of threads). A multiple of 16. */
 #define PM_SPAN 128
 
-/* KV cache layout of one KV head (float32 or float16 values):
+/* KV cache formats (the values of POCKET_KV_* in pocket_model.h) and their element sizes. */
+enum { PM_KV_F32 = 0, PM_KV_F16 = 1, PM_KV_Q8 = 2 };
+#define PM_KV_QBLOCK 16 /* int8 keys / values per scale */
+static inline size_t pm_kv_es(int fmt) { return fmt == PM_KV_F32 ? 4 : fmt == PM_KV_F16 ? 2 : 1; }
+
+/* KV cache layout of one KV head (float32, float16 or int8 values):
  *   K: blocks of 16 positions, each [head_dim][16] (transposed: key e of positions 16k..16k+15
  *      is 16 consecutive values), i.e. element (pos, e) at (pos / 16) * 16 * hd + e * 16 + pos % 16
- *   V: [position][head_dim] */
+ *   V: [position][head_dim]
+ * int8 (PM_KV_Q8, head_dim a multiple of 16): a float16 scale per block of PM_KV_QBLOCK of a
+ * position's keys and one per block of its values (nb = hd / 16 blocks):
+ *   key e of pos   = ks[pm_k_index(pos, e / 16, nb)] * K(pos, e)  (scales laid out as keys)
+ *   value c of pos = vs[pos * nb + c / 16] * V(pos, c) */
 static inline size_t pm_k_index(int pos, int e, int hd) {
     return (size_t)(pos / 16) * 16 * (size_t)hd + (size_t)e * 16 + (size_t)(pos % 16);
 }
 
 /* Online-softmax attention of G query heads (q: G rows of hd floats, consecutive) over the
- * keys [a, b) of one KV head (K, V: that head's cache, layout above). m, l, acc (G, G, G * hd)
+ * keys [a, b) of one KV head (K, V: that head's cache in format fmt, layout above; ks, vs: its
+ * int8 scales). m, l, acc (G, G, G * hd)
  * hold the running maximum, sum of exponentials and weighted sum of values; the caller
  * initializes them to -inf, 0, 0 and divides acc by l at the end. s: scratch of
  * G * PM_SPAN floats. Scores are (q . k) * scale, as in the reference. */
@@ -33,7 +43,8 @@ typedef struct pm_attn_args {
     int G, hd;
     float scale;
     const void *K, *V;
-    int f16;
+    const uint16_t *ks, *vs; /* PM_KV_Q8 only: the head's float16 scales (layout above) */
+    int fmt;              /* PM_KV_* */
     int a, b;
     float *s;
     float *m, *l, *acc;

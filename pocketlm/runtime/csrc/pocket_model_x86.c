@@ -38,9 +38,16 @@ static inline TGT AI __mmask16 tail_mask(int left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
-static inline TGT AI __m512 load_kv(const void *base, int f16, size_t idx, __mmask16 mk) {
-    if (f16)
+/* 16 values of a KV head's V from element idx = pos * hd + c (format fmt: PM_KV_*; int8 times
+ * its block's scale vs[idx / 16]) as float32 */
+static inline TGT AI __m512 load_kv(const void *base, const uint16_t *vs, int fmt, size_t idx,
+                                    __mmask16 mk) {
+    if (fmt == PM_KV_F16)
         return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + idx));
+    if (fmt == PM_KV_Q8)
+        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                 _mm_maskz_loadu_epi8(mk, (const int8_t *)base + idx))),
+                             _mm512_set1_ps(_cvtsh_ss(vs[idx / PM_KV_QBLOCK])));
     return _mm512_maskz_loadu_ps(mk, (const float *)base + idx);
 }
 
@@ -65,21 +72,27 @@ static TGT void rmsnorm_avx512(const float *x, const float *w, int n, int d, flo
     }
 }
 
-/* 16 positions of K^T row e (see pm_k_index), as float32 */
-static inline TGT AI __m512 load_k16(const void *kblk, int f16, int e) {
-    if (f16)
+/* 16 positions of K^T row e (see pm_k_index) of one K block, as float32 (int8: times the
+ * positions' scales of e's block, ksblk the block's scales) */
+static inline TGT AI __m512 load_k16(const void *kblk, const uint16_t *ksblk, int fmt, int e) {
+    if (fmt == PM_KV_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kblk + 16 * e)));
+    if (fmt == PM_KV_Q8)
+        return _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(
+                (const int8_t *)kblk + 16 * e)))),
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ksblk + 16 * (e / PM_KV_QBLOCK)))));
     return _mm512_loadu_ps((const float *)kblk + 16 * e);
 }
 
 /* Scores of GH (<= 4) query heads against the 16 positions of one K block: out[g] lane j =
  * q_g . k_j (two partial sums over even / odd e, for independent FMA chains). */
 static inline TGT AI void scores_block(const int GH, const float *q, int hd, const void *kblk,
-                                       int f16, __m512 out[4]) {
+                                       const uint16_t *ksblk, int fmt, __m512 out[4]) {
     __m512 a0[4], a1[4];
     for (int g = 0; g < GH; g++) a0[g] = a1[g] = _mm512_setzero_ps();
     for (int e = 0; e < hd; e += 2) {
-        const __m512 k0 = load_k16(kblk, f16, e), k1 = load_k16(kblk, f16, e + 1);
+        const __m512 k0 = load_k16(kblk, ksblk, fmt, e), k1 = load_k16(kblk, ksblk, fmt, e + 1);
         for (int g = 0; g < GH; g++) {
             a0[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[(size_t)g * hd + e]), k0, a0[g]);
             a1[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[(size_t)g * hd + e + 1]), k1, a1[g]);
@@ -92,7 +105,7 @@ static inline TGT AI void scores_block(const int GH, const float *q, int hd, con
  * the 16 * NV columns c from col0 (acc rows and V rows hd apart), accumulators in registers
  * (G * NV <= 16): each value vector is loaded once for the G heads. */
 static inline TGT AI void values_regs(const int G, const int NV, const float *p, size_t pstride,
-                                      const void *V, int f16, int pos0, int len,
+                                      const void *V, const uint16_t *vs, int fmt, int pos0, int len,
                                       const float *corr, float *acc, int hd, int col0) {
     __m512 av[4][8];
     for (int g = 0; g < G; g++) {
@@ -103,7 +116,7 @@ static inline TGT AI void values_regs(const int G, const int NV, const float *p,
     for (int j = 0; j < len; j++) {
         const size_t vb = (size_t)(pos0 + j) * hd + col0;
         __m512 v[8];
-        for (int t = 0; t < NV; t++) v[t] = load_kv(V, f16, vb + 16 * t, (__mmask16)0xFFFF);
+        for (int t = 0; t < NV; t++) v[t] = load_kv(V, vs, fmt, vb + 16 * t, (__mmask16)0xFFFF);
         for (int g = 0; g < G; g++) {
             const __m512 pg = _mm512_set1_ps(p[(size_t)g * pstride + j]);
             for (int t = 0; t < NV; t++) av[g][t] = _mm512_fmadd_ps(pg, v[t], av[g][t]);
@@ -114,7 +127,8 @@ static inline TGT AI void values_regs(const int G, const int NV, const float *p,
 }
 
 /* The same for any G and head_dim, head by head (accumulators of one head in registers). */
-static TGT void values_any(int G, int hd, const float *p, size_t pstride, const void *V, int f16,
+static TGT void values_any(int G, int hd, const float *p, size_t pstride, const void *V,
+                           const uint16_t *vs, int fmt,
                            int pos0, int len, const float *corr, float *acc) {
     const int nv = (hd + 15) / 16;
     for (int g = 0; g < G; g++) {
@@ -129,9 +143,11 @@ static TGT void values_any(int G, int hd, const float *p, size_t pstride, const 
             for (int j = 0; j < len; j++) {
                 const __m512 pg = _mm512_set1_ps(p[(size_t)g * pstride + j]);
                 const size_t vb = (size_t)(pos0 + j) * hd;
-                for (int t = 0; t < tn; t++)
-                    av[t] = _mm512_fmadd_ps(
-                        pg, load_kv(V, f16, vb + 16 * (t0 + t), tail_mask(hd - 16 * (t0 + t))), av[t]);
+                for (int t = 0; t < tn; t++) {
+                    const int col = 16 * (t0 + t);
+                    av[t] = _mm512_fmadd_ps(pg, load_kv(V, vs, fmt, vb + col, tail_mask(hd - col)),
+                                            av[t]);
+                }
             }
             for (int t = 0; t < tn; t++)
                 _mm512_mask_storeu_ps(ag + 16 * (t0 + t), tail_mask(hd - 16 * (t0 + t)), av[t]);
@@ -140,9 +156,11 @@ static TGT void values_any(int G, int hd, const float *p, size_t pstride, const 
 }
 
 static TGT void attn_avx512(const pm_attn_args *A) {
-    const int G = A->G, hd = A->hd, f16 = A->f16;
+    const int G = A->G, hd = A->hd, fmt = A->fmt;
+    const void *V = A->V;
+    const uint16_t *vs = A->vs;
     const size_t kblock = (size_t)16 * hd; /* elements per K block */
-    const size_t es = f16 ? 2 : 4;
+    const size_t es = pm_kv_es(fmt);
     const __m512 vscale = _mm512_set1_ps(A->scale), ninf = _mm512_set1_ps(-INFINITY);
     float corr[64];
     if (G > 64) {
@@ -158,15 +176,16 @@ static TGT void attn_avx512(const pm_attn_args *A) {
             const int lo = c > p0 ? c - p0 : 0, hi = cend < p0 + 16 ? cend - p0 : 16;
             const __mmask16 valid = (__mmask16)(((1u << hi) - 1u) & ~((1u << lo) - 1u));
             const char *kblk = (const char *)A->K + (size_t)kb * kblock * es;
+            const uint16_t *ksblk = A->ks ? A->ks + (size_t)kb * kblock / PM_KV_QBLOCK : NULL;
             for (int g0 = 0; g0 < G; g0 += 4) {
                 const int gh = G - g0 < 4 ? G - g0 : 4;
                 __m512 sc[4];
                 const float *q = A->q + (size_t)g0 * hd;
                 switch (gh) {
-                case 1: scores_block(1, q, hd, kblk, f16, sc); break;
-                case 2: scores_block(2, q, hd, kblk, f16, sc); break;
-                case 3: scores_block(3, q, hd, kblk, f16, sc); break;
-                default: scores_block(4, q, hd, kblk, f16, sc); break;
+                case 1: scores_block(1, q, hd, kblk, ksblk, fmt, sc); break;
+                case 2: scores_block(2, q, hd, kblk, ksblk, fmt, sc); break;
+                case 3: scores_block(3, q, hd, kblk, ksblk, fmt, sc); break;
+                default: scores_block(4, q, hd, kblk, ksblk, fmt, sc); break;
                 }
                 for (int g = 0; g < gh; g++)
                     _mm512_storeu_ps(A->s + (size_t)(g0 + g) * PM_SPAN + (p0 - base),
@@ -181,7 +200,7 @@ static TGT void attn_avx512(const pm_attn_args *A) {
         const float *p = A->s + (c - base);
         const int len = cend - c;
         if (hd % 64) {
-            values_any(G, hd, p, PM_SPAN, A->V, f16, c, len, corr, A->acc);
+            values_any(G, hd, p, PM_SPAN, V, vs, fmt, c, len, corr, A->acc);
         } else {
             /* heads in groups of <= 4, columns in blocks of 128 (<= 2 heads) or 64 */
             for (int g0 = 0; g0 < G; g0 += 4) {
@@ -190,12 +209,12 @@ static TGT void attn_avx512(const pm_attn_args *A) {
                 float *ag = A->acc + (size_t)g0 * hd;
                 for (int col0 = 0; col0 < hd; col0 += wide ? 128 : 64) {
                     switch (wide ? 10 + gh : gh) {
-                    case 1: values_regs(1, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
-                    case 2: values_regs(2, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
-                    case 3: values_regs(3, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
-                    case 4: values_regs(4, 4, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
-                    case 11: values_regs(1, 8, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
-                    default: values_regs(2, 8, pg, PM_SPAN, A->V, f16, c, len, cg, ag, hd, col0); break;
+                    case 1: values_regs(1, 4, pg, PM_SPAN, V, vs, fmt, c, len, cg, ag, hd, col0); break;
+                    case 2: values_regs(2, 4, pg, PM_SPAN, V, vs, fmt, c, len, cg, ag, hd, col0); break;
+                    case 3: values_regs(3, 4, pg, PM_SPAN, V, vs, fmt, c, len, cg, ag, hd, col0); break;
+                    case 4: values_regs(4, 4, pg, PM_SPAN, V, vs, fmt, c, len, cg, ag, hd, col0); break;
+                    case 11: values_regs(1, 8, pg, PM_SPAN, V, vs, fmt, c, len, cg, ag, hd, col0); break;
+                    default: values_regs(2, 8, pg, PM_SPAN, V, vs, fmt, c, len, cg, ag, hd, col0); break;
                     }
                 }
             }

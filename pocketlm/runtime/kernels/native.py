@@ -32,7 +32,9 @@ complete forward pass in one native call; the runtime uses it by default (see
 * ``POCKET_AMX`` (with q8): ``1`` runs the products of 16 or more tokens (prefill) on the
   AMX-BF16 tile unit, bfloat16 weights and activations (an error where the CPU or OS lacks
   it); ``0`` keeps them on the int8 products; unset: AMX where available.
-* ``POCKET_KV``: ``f32`` | ``f16`` KV cache (default f32 with f32 activations, f16 with q8).
+* ``POCKET_KV``: ``f32`` | ``f16`` | ``q8`` KV cache (default f32 with f32 activations, f16
+  with q8); ``q8`` is int8 with a float16 scale per 16 values of a position and KV head
+  (0.56 of the f16 cache's bytes; it moves logits ~100x more than f16 does, see docs/engine.md).
 * ``POCKET_THREADS``: threads of the engine (default: the usable CPUs, at most 8).
 """
 
@@ -117,7 +119,8 @@ def cpu_features() -> dict:
 def engine_setting() -> dict:
     """What a NativeEngine created with the defaults here runs on: ``level`` (kernel level,
     ``+avxvnni`` where the avx2 level's int8 products use it), ``act``, ``amx`` (prefill on
-    AMX-BF16). Raises KernelError for invalid POCKET_* settings."""
+    AMX-BF16), ``kv`` (the KV cache format). Raises KernelError for invalid POCKET_*
+    settings."""
     from . import activation_format
 
     level_id = _level_id(None)
@@ -126,7 +129,7 @@ def engine_setting() -> dict:
     amx = level == "avx512" and amx_setting(act)
     if level == "avx2" and act == "q8":  # the engine's own choice of products
         level = _native.ops_name(level_id)
-    return {"level": level, "act": act, "amx": amx}
+    return {"level": level, "act": act, "amx": amx, "kv": kv_format(act)}
 
 
 def default_threads() -> int:
@@ -238,7 +241,7 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None, *, act: str = "f32"
 # it when the native backend is in force and every weight is in a layout it supports.
 
 _MODEL_API = 1
-KV_FORMATS = ("f32", "f16")
+KV_FORMATS = ("f32", "f16", "q8")
 MAX_DEFAULT_ENGINE_THREADS = 2
 Q8_ALL = 31  # every product class (q|k|v, o, gate|up, down, head) of the engine
 Q8_ONE_DIGIT_SHIFT = 5
@@ -266,7 +269,7 @@ def default_activation(level: str) -> str:
 
 
 def kv_format(act: str) -> str:
-    """POCKET_KV (``f32`` | ``f16``), else ``f32`` with float activations and ``f16`` with
+    """POCKET_KV (``f32`` | ``f16`` | ``q8``), else ``f32`` with float activations and ``f16`` with
     int8 activations (the fast setting)."""
     kv = os.environ.get("POCKET_KV", "").strip().lower()
     if not kv:
@@ -372,6 +375,9 @@ class NativeEngine:
             raise KernelError(f"digits must be 1 or 2, got {digits!r}")
         if self.kv_format not in KV_FORMATS:
             raise KernelError(f"kv must be one of {', '.join(KV_FORMATS)}, got {kv!r}")
+        if self.kv_format == "q8" and config.head_dim % 16:
+            raise KernelError(f"the int8 KV cache (q8) needs a head_dim that is a multiple of "
+                              f"16; this model's is {config.head_dim}: use f16")
         self.threads = engine_threads() if threads is None else int(threads)
         if not 1 <= self.threads <= 1024:
             raise KernelError(f"threads must be in 1..1024, got {self.threads}")
@@ -402,7 +408,7 @@ class NativeEngine:
         return Q8_ALL | ((Q8_ALL << Q8_ONE_DIGIT_SHIFT) if self.digits == 1 else 0)
 
     def new_kv(self, capacity: int):
-        return _call(_native.NativeKV, self.model, int(capacity), f16=self.kv_format == "f16")
+        return _call(_native.NativeKV, self.model, int(capacity), format=self.kv_format)
 
     def forward(self, kv, ids: np.ndarray, start_pos: int, all_logits: bool) -> np.ndarray:
         """Logits float32 ``[n, vocab]`` (all_logits) or ``[vocab]``; ids int32 ``[n]``."""
