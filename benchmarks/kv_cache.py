@@ -75,7 +75,8 @@ def run(name: str, runs: int, threads: int, n_prompt: int, n_gen: int) -> dict:
     engines = {kv: _engine(m, kv, threads) for kv in FORMATS}
     row = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(), "model": name,
            "threads": threads, "kernel_level": native.cpu_features()["selected"],
-           "amx": engines["q8"].native.amx, "date": time.strftime("%Y-%m-%d %H:%M")}
+           "amx": engines["q8"].native.amx, "k_smooth": bool(engines["q8"].native.k_smooth),
+           "date": time.strftime("%Y-%m-%d %H:%M")}
     for text in ("english", "chinese"):
         ids = m.tokenize((ROOT / "tests" / "data" / f"{text}.txt").read_text("utf-8"))[:256]
         ref = Runtime(m.config, m.runtime.w, engine="numpy")

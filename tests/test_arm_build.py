@@ -295,7 +295,7 @@ def _wrapper_runtime(cfg, w, act_q8, kv_fmt):
     rt = Runtime(cfg, w, engine="numpy")
     rt.native = native.NativeEngine(cfg, w, act="q8" if act_q8 else "f32",
                                     kv=("f32", "f16", "q8")[kv_fmt], digits=2, level="scalar",
-                                    threads=2)
+                                    threads=2, smooth_keys=False)  # the harness has none
     assert rt.native.q8_mask() == act_q8
     return rt
 

@@ -65,6 +65,12 @@ typedef struct pocket_layer_weights {
     const float *post_attn_norm, *post_mlp_norm;       /* sandwich_norms: [d_model] */
     pocket_weight wq, wk, wv, wo, wgate, wup, wdown;
     int sliding; /* 1: sliding-window layer (window and local RoPE base) */
+    /* Optional [kv_dim], positive, equal on each RoPE pair (c, c + head_dim / 2) of a head:
+     * before a key goes into an int8 (POCKET_KV_Q8) cache it is divided by these, and the
+     * query heads reading it are multiplied by them, so that q . k is unchanged while the
+     * keys' channels of large range (e.g. from a key bias) no longer set the quantization
+     * step of the others. Not copied: the caller keeps it alive (NULL: none). */
+    const float *k_smooth;
 } pocket_layer_weights;
 
 typedef struct pocket_model_config {

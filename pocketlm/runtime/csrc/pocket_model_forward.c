@@ -551,6 +551,13 @@ static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int 
                 pm_attn_args A;
                 pm_kv_head(kv, layer, h, &A);
                 const int nb = hd / PM_KV_QBLOCK, B = PM_KV_QBLOCK;
+                if (L->k_smooth) { /* the key's channels evened out, its queries scaled back */
+                    const float *sm = L->k_smooth + (size_t)h * hd;
+                    float *kw = (float *)kh, *qg = q + (size_t)h * m->group * hd;
+                    for (int e = 0; e < hd; e++) kw[e] /= sm[e];
+                    for (int g = 0; g < m->group; g++)
+                        for (int e = 0; e < hd; e++) qg[(size_t)g * hd + e] *= sm[e];
+                }
                 for (int b = 0; b < nb; b++) {
                     ((uint16_t *)A.ks)[pm_k_index((int)pos, b, nb)] =
                         kv_quant(m, kh + B * b, (int8_t *)kv->k + kdst + (size_t)16 * B * b, 16);

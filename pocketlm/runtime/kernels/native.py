@@ -349,16 +349,51 @@ def engine_weights(config, weights: dict) -> tuple[dict | None, str]:
     return out, ""
 
 
+def key_smoothing(config, weights: dict) -> dict[str, np.ndarray]:
+    """Per layer, ``layers.N.attn.k_smooth``: float32 ``[kv_dim]`` by which the int8 KV cache
+    divides keys (and multiplies the queries reading them), so that channels of large range do
+    not set the quantization step of a whole block (SmoothQuant's idea, static, from the
+    weights). A key channel c of the normalized input x (unit RMS) through W_k, with the norm
+    weight g, has a spread of about sqrt(|W_k[c] * g|^2 + bias_c^2) (times |k_norm_c| under
+    QK-norm); RoPE mixes channels c and c + head_dim / 2, so both get the pair's root sum of
+    squares; the cache uses its square root (half the evening out), scaled to mean 1 per head.
+    On 256 tokens of english / chinese text, qwen2.5-0.5b's mean KL to the float reference goes
+    from 5.6e-3 / 6.3e-3 to 7.5e-4 / 6.5e-4 with it (benchmarks/kv_cache.jsonl)."""
+    nkv, hd = config.n_kv_heads, config.head_dim
+    out = {}
+    for i in range(config.n_layers):
+        wk = weights[f"layers.{i}.attn.w_k.weight"]
+        wk = wk.dequantize() if isinstance(wk, QuantTensor) else np.asarray(wk, np.float32)
+        g = np.asarray(weights[f"layers.{i}.attn_norm.weight"], np.float32)
+        s2 = np.square(wk.astype(np.float64) * g).sum(1)
+        bias = weights.get(f"layers.{i}.attn.w_k.bias")
+        if bias is not None:
+            s2 = s2 + np.square(np.asarray(bias, np.float64))
+        s = np.sqrt(s2).reshape(nkv, hd)
+        k_norm = weights.get(f"layers.{i}.attn.k_norm.weight")
+        if k_norm is not None:
+            s = s / np.sqrt(np.mean(np.square(s), 1, keepdims=True)) * np.abs(
+                np.asarray(k_norm, np.float64))
+        pair = np.sqrt(np.square(s[:, :hd // 2]) + np.square(s[:, hd // 2:]))
+        s = np.sqrt(np.concatenate([pair, pair], 1))
+        s = np.maximum(s / s.mean(1, keepdims=True), 1e-2)
+        out[f"layers.{i}.attn.k_smooth"] = np.ascontiguousarray(s.reshape(-1), np.float32)
+    return out
+
+
 class NativeEngine:
     """The whole forward pass in C over the runtime's weights (kept alive by the model)."""
 
     def __init__(self, config, weights: dict, *, act: str | None = None, kv: str | None = None,
                  threads: int | None = None, level: str | None = None,
                  capacity: int | None = None, digits: int | None = None,
-                 release_source: bool = False, amx: bool | None = None):
+                 release_source: bool = False, amx: bool | None = None,
+                 smooth_keys: bool = True):
         """``release_source``: every weight is a view of a read-only file mapping, whose pages
         the engine may hand back once it has repacked (or copied) them. ``amx``: prefill
-        products on AMX-BF16 (None: ``POCKET_AMX``; only with q8 at the avx512 level)."""
+        products on AMX-BF16 (None: ``POCKET_AMX``; only with q8 at the avx512 level).
+        ``smooth_keys``: with the int8 KV cache, even out the keys' channels before rounding
+        (:func:`key_smoothing`; False: round them as they are)."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
@@ -384,6 +419,9 @@ class NativeEngine:
         tensors, reason = engine_weights(config, weights)
         if tensors is None:
             raise KernelError(reason)
+        self.k_smooth = (key_smoothing(config, weights)
+                         if self.kv_format == "q8" and smooth_keys else {})
+        tensors.update(self.k_smooth)
         self.capacity = int(config.max_context if capacity is None else capacity)
         self.vocab_size = config.vocab_size
         if amx is None:  # POCKET_AMX, at the avx512 level (the one it extends)
