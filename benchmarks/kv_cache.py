@@ -31,6 +31,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from amx_prefill import _log_softmax  # noqa: E402
+
 import pocketlm  # noqa: E402
 from pocketlm.bench import machine_info  # noqa: E402
 from pocketlm.runtime import Runtime  # noqa: E402
@@ -38,12 +40,6 @@ from pocketlm.runtime.kernels import native  # noqa: E402
 
 FORMATS = ("f16", "q8")
 GGML_TYPE_F16, GGML_TYPE_Q8_0 = 1, 8
-
-
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z.astype(np.float64)
-    z = z - z.max(-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
 def _engine(m, kv: str, threads: int) -> Runtime:
