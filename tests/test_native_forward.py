@@ -1026,7 +1026,7 @@ def test_q8_kv_cache_bad_settings():
     model = native.NativeEngine(cfg, w, act="q8", kv="f16").model
     with pytest.raises(ValueError, match="'f32', 'f16' or 'q8'"):
         _native.NativeKV(model, 8, format="int8")
-    with pytest.raises(ValueError):  # head_dim 40: no int8 cache
+    with pytest.raises(ValueError, match="multiple of 16"):  # head_dim 40: no int8 cache
         _native.NativeKV(model, 8, format="q8")
 
 
