@@ -1067,3 +1067,29 @@ def test_q8_kv_key_smoothing(arch):
     with pytest.raises((TypeError, ValueError)):  # wrong length
         _native.NativeModel(cfg.to_dict(), {**tensors, "layers.0.attn.k_smooth":
                                             np.ones(hd + 1, np.float32)}, 16)
+
+
+def test_a_batch_may_mix_cache_formats():
+    # float16, int8 and float32 caches in one batched step: each row as it is alone
+    from pocketlm import _native
+
+    cfg = torch_ref.tiny_config("qwen2")
+    w = _weights(cfg, 40, True)
+    eng = native.NativeEngine(cfg, w, act="q8", kv="q8")
+    V, ids, tok = cfg.vocab_size, np.array(IDS[:5], np.int32), np.array([7], np.int32)
+
+    def filled(fmt):
+        kv = _native.NativeKV(eng.model, 32, format=fmt)
+        eng.model.forward(kv, ids, 0, np.empty(V, np.float32))
+        return kv
+
+    kvs = [filled(f) for f in ("f16", "q8", "f32")]
+    assert [kv.format for kv in kvs] == ["f16", "q8", "f32"]
+    out = np.empty((3, V), np.float32)
+    eng.model.forward_batch(kvs, np.repeat(tok, 3), np.full(3, 5, np.int32), out)
+    for i, kv in enumerate(kvs):
+        alone = np.empty((1, V), np.float32)
+        eng.model.forward_batch([filled(kv.format)], tok, np.array([5], np.int32), alone)
+        np.testing.assert_array_equal(out[i], alone[0])
+    with pytest.raises(ValueError, match="same format"):
+        eng.model.kv_copy(kvs[0], kvs[1], 3)
