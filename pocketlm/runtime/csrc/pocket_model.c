@@ -494,10 +494,6 @@ int pm_ensure_amx_attn(pocket_model *m, int tasks) {
  * KV cache
  * ========================================================================================= */
 
-_Static_assert((int)POCKET_KV_F32 == (int)PM_KV_F32 && (int)POCKET_KV_F16 == (int)PM_KV_F16 &&
-                   (int)POCKET_KV_Q8 == (int)PM_KV_Q8,
-               "the KV formats of pocket_model.h and pocket_model_ops.h");
-
 
 int pocket_kv_create(const pocket_model *m, int capacity, int kv_format, pocket_kv **out) {
     if (!out) return POCKET_EINVAL;

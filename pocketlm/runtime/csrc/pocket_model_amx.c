@@ -267,20 +267,20 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
  * cache values, exact for float16), float32 softmax between them (the pieces of attn_avx512:
  * the same exponential, a running maximum and sum per query row over chunks of keys). */
 
-/* 16 cache values from element idx (format fmt: PM_KV_*, int8 unscaled) as float32 */
+/* 16 cache values from element idx (format fmt: POCKET_KV_*, int8 unscaled) as float32 */
 static inline TGTA __m512 load16(const void *base, int fmt, size_t idx) {
-    if (fmt == PM_KV_F16)
+    if (fmt == POCKET_KV_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + idx)));
-    if (fmt == PM_KV_Q8)
+    if (fmt == POCKET_KV_Q8)
         return _mm512_cvtepi32_ps(
             _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + idx))));
     return _mm512_loadu_ps((const float *)base + idx);
 }
 
 void TGTA pm_amx_attn_kv(const void *K, const void *V, const uint16_t *ks, const uint16_t *vs,
-                         int fmt, int hd, int k0, int end, int c0, int c1, uint16_t *kh, uint16_t *kl,
-                         uint16_t *vh, uint16_t *vl) {
-    const int ndc = hd / 32, ndt = hd / 16, q8 = fmt == PM_KV_Q8;
+                         int fmt, int hd, int k0, int end, int c0, int c1, uint16_t *kh,
+                         uint16_t *kl, uint16_t *vh, uint16_t *vl) {
+    const int ndc = hd / 32, ndt = hd / 16, q8 = fmt == POCKET_KV_Q8;
     const __m512 zero = _mm512_setzero_ps(), one = _mm512_set1_ps(1.0f);
     for (int kc = c0; kc < c1; kc++) {
         for (int half = 0; half < 2; half++) { /* K: the two blocks of 16 keys */

@@ -330,11 +330,11 @@ static inline TGT AI float hsum8(__m256 v) {
     return _mm_cvtss_f32(m);
 }
 
-/* 8 cache values from element idx (format fmt: PM_KV_*; int8 times the scale vector sc) */
+/* 8 cache values from element idx (format fmt: POCKET_KV_*; int8 times the scale vector sc) */
 static inline TGT AI __m256 load8(const void *base, int fmt, size_t idx, __m256 sc) {
-    if (fmt == PM_KV_F16)
+    if (fmt == POCKET_KV_F16)
         return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + idx)));
-    if (fmt == PM_KV_Q8)
+    if (fmt == POCKET_KV_Q8)
         return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                  _mm_loadl_epi64((const __m128i *)((const int8_t *)base + idx)))),
                              sc);
@@ -349,7 +349,7 @@ static inline TGT AI void scores_block(const int GH, const pm_attn_args *A, int 
     const size_t kbase = (size_t)kb * 16 * (size_t)hd;
     __m256 s[4][2];
     for (int g = 0; g < GH; g++) s[g][0] = s[g][1] = _mm256_setzero_ps();
-    const int q8 = A->fmt == PM_KV_Q8;
+    const int q8 = A->fmt == POCKET_KV_Q8;
     /* int8: the key block's scales, 16 per block of PM_KV_QBLOCK rows e */
     const uint16_t *ksb = q8 ? A->ks + kbase / PM_KV_QBLOCK : NULL;
     __m256 ks0 = _mm256_setzero_ps(), ks1 = ks0;
@@ -392,8 +392,9 @@ static inline TGT AI void values_block(const int GH, const pm_attn_args *A, int 
     for (int j = c; j < cend; j++) {
         const size_t vb = (size_t)j * hd + (size_t)col0;
         /* int8: the scale of the block holding these 16 columns */
-        const __m256 vs = A->fmt == PM_KV_Q8 ? _mm256_set1_ps(_cvtsh_ss(A->vs[vb / PM_KV_QBLOCK]))
-                                             : _mm256_setzero_ps();
+        const __m256 vs = A->fmt == POCKET_KV_Q8
+                              ? _mm256_set1_ps(_cvtsh_ss(A->vs[vb / PM_KV_QBLOCK]))
+                              : _mm256_setzero_ps();
         const __m256 v0 = load8(A->V, A->fmt, vb, vs), v1 = load8(A->V, A->fmt, vb + 8, vs);
         for (int g = 0; g < GH; g++) {
             const __m256 p = _mm256_set1_ps(A->s[(size_t)(g0 + g) * PM_SPAN + j - base]);

@@ -547,7 +547,7 @@ static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int 
             const size_t vdst = head + pos * (size_t)hd;
             const size_t kdst = head + pm_k_index((int)pos, 0, hd); /* then stride 16 */
             const float *kh = k + (size_t)h * hd;
-            if (kv->fmt == PM_KV_Q8) {
+            if (kv->fmt == POCKET_KV_Q8) {
                 pm_attn_args A;
                 pm_kv_head(kv, layer, h, &A);
                 const int nb = hd / PM_KV_QBLOCK, B = PM_KV_QBLOCK;
@@ -564,7 +564,7 @@ static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int 
                     ((uint16_t *)A.vs)[pos * nb + b] = kv_quant(
                         m, v + (size_t)h * hd + B * b, (int8_t *)kv->v + vdst + B * b, 1);
                 }
-            } else if (kv->fmt == PM_KV_F16) {
+            } else if (kv->fmt == POCKET_KV_F16) {
                 uint16_t tmp[4096];
                 m->ops->to_f16(kh, tmp, (size_t)hd);
                 for (int e = 0; e < hd; e++) ((uint16_t *)kv->k)[kdst + (size_t)e * 16] = tmp[e];

@@ -34,8 +34,8 @@ void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps
 static inline float key_at(const pm_attn_args *A, int pos, int e) {
     const size_t i = pm_k_index(pos, e, A->hd);
     switch (A->fmt) {
-    case PM_KV_F16: return pocket_f16_to_f32(((const uint16_t *)A->K)[i]);
-    case PM_KV_Q8: {
+    case POCKET_KV_F16: return pocket_f16_to_f32(((const uint16_t *)A->K)[i]);
+    case POCKET_KV_Q8: {
         const int B = PM_KV_QBLOCK;
         return (float)((const int8_t *)A->K)[i] *
                pocket_f16_to_f32(A->ks[pm_k_index(pos, e / B, A->hd / B)]);
@@ -46,8 +46,8 @@ static inline float key_at(const pm_attn_args *A, int pos, int e) {
 
 static inline float value_at(const pm_attn_args *A, size_t idx) {
     switch (A->fmt) {
-    case PM_KV_F16: return pocket_f16_to_f32(((const uint16_t *)A->V)[idx]);
-    case PM_KV_Q8:
+    case POCKET_KV_F16: return pocket_f16_to_f32(((const uint16_t *)A->V)[idx]);
+    case POCKET_KV_Q8:
         return (float)((const int8_t *)A->V)[idx] * pocket_f16_to_f32(A->vs[idx / PM_KV_QBLOCK]);
     default: return ((const float *)A->V)[idx];
     }

@@ -9,22 +9,25 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "pocket_model.h" /* POCKET_KV_* */
+
 /* Keys per attention chunk: the online softmax rescales once per chunk, and decode splits the
  * keys of every KV head into units of this many positions. Chunks and units are aligned to
  * multiples of PM_SPAN absolute positions (a fixed rule, so results do not depend on the number
  * of threads). A multiple of 16. */
 #define PM_SPAN 128
 
-/* KV cache formats (the values of POCKET_KV_* in pocket_model.h) and their element sizes. */
-enum { PM_KV_F32 = 0, PM_KV_F16 = 1, PM_KV_Q8 = 2 };
+/* Element sizes of the KV cache formats (POCKET_KV_* in pocket_model.h). */
 #define PM_KV_QBLOCK 16 /* int8 keys / values per scale */
-static inline size_t pm_kv_es(int fmt) { return fmt == PM_KV_F32 ? 4 : fmt == PM_KV_F16 ? 2 : 1; }
+static inline size_t pm_kv_es(int fmt) {
+    return fmt == POCKET_KV_F32 ? 4 : fmt == POCKET_KV_F16 ? 2 : 1;
+}
 
 /* KV cache layout of one KV head (float32, float16 or int8 values):
  *   K: blocks of 16 positions, each [head_dim][16] (transposed: key e of positions 16k..16k+15
  *      is 16 consecutive values), i.e. element (pos, e) at (pos / 16) * 16 * hd + e * 16 + pos % 16
  *   V: [position][head_dim]
- * int8 (PM_KV_Q8, head_dim a multiple of 16): a float16 scale per block of PM_KV_QBLOCK of a
+ * int8 (POCKET_KV_Q8, head_dim a multiple of 16): a float16 scale per block of PM_KV_QBLOCK of a
  * position's keys and one per block of its values (nb = hd / 16 blocks):
  *   key e of pos   = ks[pm_k_index(pos, e / 16, nb)] * K(pos, e)  (scales laid out as keys)
  *   value c of pos = vs[pos * nb + c / 16] * V(pos, c) */
@@ -43,8 +46,8 @@ typedef struct pm_attn_args {
     int G, hd;
     float scale;
     const void *K, *V;
-    const uint16_t *ks, *vs; /* PM_KV_Q8 only: the head's float16 scales (layout above) */
-    int fmt;              /* PM_KV_* */
+    const uint16_t *ks, *vs; /* POCKET_KV_Q8 only: the head's float16 scales (layout above) */
+    int fmt;              /* POCKET_KV_* */
     int a, b;
     float *s;
     float *m, *l, *acc;

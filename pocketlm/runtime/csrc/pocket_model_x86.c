@@ -38,13 +38,13 @@ static inline TGT AI __mmask16 tail_mask(int left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
-/* 16 values of a KV head's V from element idx = pos * hd + c (format fmt: PM_KV_*; int8 times
+/* 16 values of a KV head's V from element idx = pos * hd + c (format fmt: POCKET_KV_*; int8 times
  * its block's scale vs[idx / 16]) as float32 */
 static inline TGT AI __m512 load_kv(const void *base, const uint16_t *vs, int fmt, size_t idx,
                                     __mmask16 mk) {
-    if (fmt == PM_KV_F16)
+    if (fmt == POCKET_KV_F16)
         return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, (const uint16_t *)base + idx));
-    if (fmt == PM_KV_Q8)
+    if (fmt == POCKET_KV_Q8)
         return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                  _mm_maskz_loadu_epi8(mk, (const int8_t *)base + idx))),
                              _mm512_set1_ps(_cvtsh_ss(vs[idx / PM_KV_QBLOCK])));
@@ -75,13 +75,14 @@ static TGT void rmsnorm_avx512(const float *x, const float *w, int n, int d, flo
 /* 16 positions of K^T row e (see pm_k_index) of one K block, as float32 (int8: times the
  * positions' scales of e's block, ksblk the block's scales) */
 static inline TGT AI __m512 load_k16(const void *kblk, const uint16_t *ksblk, int fmt, int e) {
-    if (fmt == PM_KV_F16)
+    if (fmt == POCKET_KV_F16)
         return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)kblk + 16 * e)));
-    if (fmt == PM_KV_Q8)
+    if (fmt == POCKET_KV_Q8)
         return _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(
                 (const int8_t *)kblk + 16 * e)))),
-            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(ksblk + 16 * (e / PM_KV_QBLOCK)))));
+            _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(ksblk + 16 * (e / PM_KV_QBLOCK)))));
     return _mm512_loadu_ps((const float *)kblk + 16 * e);
 }
 
