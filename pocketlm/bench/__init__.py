@@ -77,16 +77,17 @@ def machine_info() -> dict[str, Any]:
         pass
     from ..runtime.kernels import native
 
-    level, act, amx, kv = None, None, False, None
+    setting = {"level": None, "act": None, "amx": False, "amx_weights": None, "kv": None}
     if native.available():
         try:  # what pocketlm's engine runs on with this environment's settings
             setting = native.engine_setting()
-            level, act, amx, kv = setting["level"], setting["act"], setting["amx"], setting["kv"]
         except KernelError:
             pass
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
-            "kernel_level": level, "activations": act, "amx_prefill": amx, "kv_cache": kv,
-            "python": platform.python_version(), "os": platform.system()}
+            "kernel_level": setting["level"], "activations": setting["act"],
+            "amx_prefill": setting["amx"], "amx_weights": setting["amx_weights"],
+            "kv_cache": setting["kv"], "python": platform.python_version(),
+            "os": platform.system()}
 
 
 class _Worker:
@@ -284,7 +285,10 @@ def format_table(results: list[EngineResult]) -> str:
         f"{r0.machine.get('kernel_level')}"
         + (f", {r0.machine['activations']} activations" if r0.machine.get("activations")
            else "")
-        + (", AMX-BF16 prefill" if r0.machine.get("amx_prefill") else "")
+        + ((", AMX-BF16 prefill"
+            + (f" ({r0.machine['amx_weights']} weights)" if r0.machine.get("amx_weights")
+               else ""))
+           if r0.machine.get("amx_prefill") else "")
         + (f", {r0.machine['kv_cache']} KV cache" if r0.machine.get("kv_cache") else ""),
         "",
         f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak MB':>8} "

@@ -297,6 +297,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         return POCKET_EINVAL;
     if (act_q8 < 0 || act_q8 >= 1 << (2 * POCKET_Q8_ONE_DIGIT_SHIFT)) return POCKET_EINVAL;
     if (c.amx != 0 && c.amx != 1) return POCKET_EINVAL;
+    if (c.amx_one_term & ~POCKET_Q8_ALL) return POCKET_EINVAL;
 #if PM_HAVE_AMX
     if (c.amx && (kernels->level != POCKET_LEVEL_AVX512 || !pm_amx_enable()))
         return POCKET_EUNSUPPORTED;
@@ -389,6 +390,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             (c.amx && !(m->axb[k] = (uint16_t *)pm_zalloc(2 * B * m->max_in, sizeof(uint16_t)))))
             goto nomem;
     m->amx = c.amx;
+    m->amx_one_term = c.amx ? c.amx_one_term : 0;
     m->tiled = (pm_tiled *)calloc((size_t)7 * c.n_layers + 1, sizeof(pm_tiled));
     if (!m->tiled) goto nomem;
     {

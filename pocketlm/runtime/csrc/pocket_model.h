@@ -88,6 +88,10 @@ typedef struct pocket_model_config {
     int amx;            /* 1: products over 16 or more tokens run on AMX-BF16 tiles, bfloat16
                          * weights and activations (pocket_model_amx.c); needs the avx512 level
                          * and a CPU (and OS) with AMX-BF16, else POCKET_EUNSUPPORTED */
+    int amx_one_term;   /* with amx: the POCKET_Q8_* classes whose AMX products take the weights
+                         * as one bfloat16 term, bf16(w): two products per block instead of
+                         * three (x_hi w + x_lo w); the others take w as hi + lo, exact to ~16
+                         * bits (pocket_model_amx.c). Ignored without amx. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;

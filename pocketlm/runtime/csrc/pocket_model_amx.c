@@ -4,6 +4,9 @@
  * runs on the tile unit with both operands as two bfloat16 terms, hi = bf16(v) and
  * lo = bf16(v - hi) (~16 significant bits together):
  *   Y = X_hi W_hi + X_lo W_hi + X_hi W_lo    (X_lo W_lo is below float32 rounding)
+ * or, for the product classes in pocket_model_config.amx_one_term, with the weights as one
+ * term (bf16(W), a relative error of at most 2^-9 per weight, ~1/100 of the INT4 rounding):
+ *   Y = X_hi W_hi + X_lo W_hi                (two products instead of three)
  * summed in float32 tiles (TDPBF16PS: C[16 tokens, 16 rows] += A . B). X's terms are the A
  * tiles (16 tokens x 32 features, each tile's 1 KB in a row, as pm_amx_act writes them); W is
  * widened from its 16-row tiles (INT4, INT5 or INT8, pocket_model_ops.h: q * scale + min in
@@ -15,8 +18,9 @@
  * Accuracy, smollm2-135m and gemma3-270m, 256 tokens of english and chinese text, against the
  * float-activation reference: top-1 agreement 100 %, KL ~3e-7 to 5e-7 (the two-digit int8
  * products: 100 %, 4e-7 to 1e-6). One term per operand was measured too: bfloat16 weights
- * alone cost gemma3-270m 1.5-2 % of top-1 agreement, bfloat16 activations smollm2-135m up to
- * 2 %; hence the three products.
+ * everywhere cost gemma3-270m 1-2 % of top-1 agreement, bfloat16 activations smollm2-135m up
+ * to 2 %. One weight term for q/k/v, W_o and W_down only (the engine's default, half the
+ * weights) keeps >= 99.6 % on all three registry models (docs/engine.md).
  *
  * Prefill attention (pm_amx_attn_kv, pm_amx_attn) uses the same three products for Q K^T and
  * P V, see below.
@@ -148,7 +152,8 @@ static inline TGTA void block_weights(const pm_tiled *w, const uint8_t *rec, int
 }
 
 /* Two float32 vectors (lane i: the values of features 2r and 2r + 1 for column i) as one row of
- * a B tile in two bfloat16 terms: hi[2 i + j] = bf16(v_j[i]), lo the same for v_j - hi. */
+ * a B tile in two bfloat16 terms: hi[2 i + j] = bf16(v_j[i]), lo the same for v_j - hi (lo
+ * NULL: hi alone). */
 static inline TGTA void store_pair_row(__m512 e, __m512 d, uint16_t *hi, uint16_t *lo) {
     /* cvtne2ps gives [e x 16, d x 16]: interleave to column pairs */
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
@@ -156,6 +161,7 @@ static inline TGTA void store_pair_row(__m512 e, __m512 d, uint16_t *hi, uint16_
                                            1, 16, 0);
     const __m512i two = (__m512i)_mm512_cvtne2ps_pbh(d, e);
     _mm512_store_si512((void *)hi, _mm512_permutexvar_epi16(pairs, two));
+    if (!lo) return;
     /* the bfloat16 terms back in float32 (low half: e, high half: d), remainders */
     const __m512 eh = bf16_float(_mm512_castsi512_si256(two));
     const __m512 dh = bf16_float(_mm512_extracti64x4_epi64(two, 1));
@@ -165,7 +171,7 @@ static inline TGTA void store_pair_row(__m512 e, __m512 d, uint16_t *hi, uint16_
 
 /* Tile `tile` of w widened into B-tile blocks of two bfloat16 terms, block b at b * stride:
  * hi[b * stride + 32 r + 2 i + j] = bf16(W[16 tile + i][32 b + 2 r + j]), lo the same for
- * W - hi. */
+ * W - hi (lo NULL: hi alone). */
 static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *hi, uint16_t *lo,
                            size_t stride) {
     const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
@@ -174,13 +180,13 @@ static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *hi, uint16_t 
         block_weights(w, rec, b, wv);
         for (int r = 0; r < 16; r++)
             store_pair_row(wv[2 * r], wv[2 * r + 1], hi + (size_t)b * stride + 32 * r,
-                           lo + (size_t)b * stride + 32 * r);
+                           lo ? lo + (size_t)b * stride + 32 * r : NULL);
     }
 }
 
 /* Accumulator tile k += A_hi B_hi + A_lo B_hi + A_hi B_lo: the A terms in tiles 4 (hi) and 5
- * (lo), the B terms loaded from h and l (64-byte rows). Tile numbers are immediates, hence a
- * macro with one expansion per accumulator. */
+ * (lo), the B terms loaded from h and l (64-byte rows); PM_AMX_TWO: k += A_hi B + A_lo B. Tile
+ * numbers are immediates, hence macros with one expansion per accumulator. */
 #define PM_AMX_THREE(k, h, l)                                                                    \
     do {                                                                                        \
         _tile_loadd(6, h, 64);                                                                  \
@@ -188,6 +194,13 @@ static TGTA void widen_tile(const pm_tiled *w, int tile, uint16_t *hi, uint16_t 
         _tile_dpbf16ps(k, 4, 6);                                                                \
         _tile_dpbf16ps(k, 5, 6);                                                                \
         _tile_dpbf16ps(k, 4, 7);                                                                \
+    } while (0)
+
+#define PM_AMX_TWO(k, h)                                                                        \
+    do {                                                                                        \
+        _tile_loadd(6, h, 64);                                                                  \
+        _tile_dpbf16ps(k, 4, 6);                                                                \
+        _tile_dpbf16ps(k, 5, 6);                                                                \
     } while (0)
 
 static inline TGTA void zero_accumulators(void) {
@@ -217,35 +230,49 @@ void TGTA pm_amx_act(const float *x, int cols, int i0, int i1, int c0, int c1, u
 }
 
 void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *xl, int n,
-                        float *y, size_t ystride, int tb, int te, uint16_t *wbuf) {
+                        float *y, size_t ystride, int tb, int te, uint16_t *wbuf, int one_term) {
     tiles_configure();
     const int nb = w->nb, ntt = (n + 15) / 16;
-    /* the widened weights, block-major: block b of tile k at (4 b + k) * 1024, hi then lo, so
-     * that one step of the loop below reads 8 KB in a row */
-    const size_t bs = (size_t)PM_AMX_TILES * 1024;
+    /* the widened weights, block-major: block b of tile k at (4 b + k) * ts, hi then lo (ts =
+     * 1024; one term: hi alone, ts = 512), so that one step of the loop below reads 8 (4) KB
+     * in a row */
+    const size_t ts = one_term ? 512 : 1024, bs = (size_t)PM_AMX_TILES * ts;
     float c[4][256] __attribute__((aligned(64)));
     for (int tile = tb; tile < te; tile += PM_AMX_TILES) {
         /* up to 4 weight tiles at a time; a missing one repeats the last (results dropped) */
         const int nw = te - tile < PM_AMX_TILES ? te - tile : PM_AMX_TILES;
         size_t ko[PM_AMX_TILES];
         for (int k = 0; k < PM_AMX_TILES; k++) {
-            if (k < nw) widen_tile(w, tile + k, wbuf + 1024 * k, wbuf + 1024 * k + 512, bs);
-            ko[k] = (size_t)1024 * (k < nw ? k : nw - 1);
+            if (k < nw)
+                widen_tile(w, tile + k, wbuf + ts * k, one_term ? NULL : wbuf + ts * k + 512, bs);
+            ko[k] = ts * (size_t)(k < nw ? k : nw - 1);
         }
         for (int tt = 0; tt < ntt; tt++) {
             const size_t o = (size_t)tt * nb * 512;
             const uint16_t *a = xb + o, *l = xl + o;
             zero_accumulators();
+            /* C_k += x_hi w_hi + x_lo w_hi (one term: w = w_hi) */
+            if (one_term)
+                for (int b = 0; b < nb; b++) {
+                    const uint16_t *q = wbuf + (size_t)b * bs;
+                    _tile_loadd(4, a + 512 * b, 64);
+                    _tile_loadd(5, l + 512 * b, 64);
+                    PM_AMX_TWO(0, q + ko[0]);
+                    PM_AMX_TWO(1, q + ko[1]);
+                    PM_AMX_TWO(2, q + ko[2]);
+                    PM_AMX_TWO(3, q + ko[3]);
+                }
             /* C_k += x_hi w_hi + x_lo w_hi + x_hi w_lo (x_lo w_lo is below float32 rounding) */
-            for (int b = 0; b < nb; b++) {
-                const uint16_t *q = wbuf + (size_t)b * bs;
-                _tile_loadd(4, a + 512 * b, 64);
-                _tile_loadd(5, l + 512 * b, 64);
-                PM_AMX_THREE(0, q + ko[0], q + ko[0] + 512);
-                PM_AMX_THREE(1, q + ko[1], q + ko[1] + 512);
-                PM_AMX_THREE(2, q + ko[2], q + ko[2] + 512);
-                PM_AMX_THREE(3, q + ko[3], q + ko[3] + 512);
-            }
+            else
+                for (int b = 0; b < nb; b++) {
+                    const uint16_t *q = wbuf + (size_t)b * bs;
+                    _tile_loadd(4, a + 512 * b, 64);
+                    _tile_loadd(5, l + 512 * b, 64);
+                    PM_AMX_THREE(0, q + ko[0], q + ko[0] + 512);
+                    PM_AMX_THREE(1, q + ko[1], q + ko[1] + 512);
+                    PM_AMX_THREE(2, q + ko[2], q + ko[2] + 512);
+                    PM_AMX_THREE(3, q + ko[3], q + ko[3] + 512);
+                }
             _tile_stored(0, c[0], 64);
             _tile_stored(1, c[1], 64);
             _tile_stored(2, c[2], 64);

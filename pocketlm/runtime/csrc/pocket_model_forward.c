@@ -136,7 +136,8 @@ static int product_rows(const pocket_model *m, const pocket_weight *w, const pm_
 #if PM_HAVE_AMX
         if (j->act.xb) {
             pm_amx_matmul(t, j->act.xb, j->act.xl, j->act.n, y, (size_t)w->rows, rb / 16,
-                          (re + 15) / 16, m->awbuf + (size_t)task * m->awbuf_stride);
+                          (re + 15) / 16, m->awbuf + (size_t)task * m->awbuf_stride,
+                          j->act.one_term);
             return POCKET_OK;
         }
 #endif
@@ -342,6 +343,7 @@ static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int n
     if (m->amx_call && n >= PM_AMX_MIN_TOKENS) {
         act->xb = m->axb[slot];
         act->xl = m->axb[slot] + (size_t)PM_BLOCK * (size_t)m->max_in;
+        act->one_term = (m->amx_one_term & cls) != 0;
     }
     act->q1 = m->a1[slot];
     act->q2 = m->a2[slot];

@@ -31,6 +31,7 @@ struct pocket_model {
     const pocket_kernel_table *kt;
     const pm_ops *ops;
     int act_q8;       /* POCKET_Q8_* classes with int8 activations */
+    int amx_one_term; /* POCKET_Q8_* classes whose AMX products take one bfloat16 weight term */
     int one_digit;    /* POCKET_Q8_* classes with one int8 digit per activation (else two) */
     int tiled_f32;    /* float-activation products on the tiled weights too (AVX-512, INT5) */
     int amx;          /* products of PM_AMX_MIN_TOKENS or more tokens on AMX-BF16 */
@@ -128,10 +129,11 @@ void pm_amx_act(const float *x, int cols, int i0, int i1, int c0, int c1, uint16
                 uint16_t *lo);
 /* y[i * ystride + r] = (hi[i] + lo[i]) . W~[r] for the rows of tiles [tb, te), tokens i < n:
  * xb, xl the activation terms by pm_amx_act, ceil16(n) tokens (rows past n are read, their
- * results dropped); wbuf: 8 * (cols / 32) * 512 bfloat16 of scratch (four weight tiles
- * widened), 64-byte aligned. */
+ * results dropped); W~ = W_hi + W_lo, or W_hi alone with one_term (W_hi = bf16(W));
+ * wbuf: 8 * (cols / 32) * 512 bfloat16 of scratch (four weight tiles widened), 64-byte
+ * aligned. */
 void pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *xl, int n, float *y,
-                   size_t ystride, int tb, int te, uint16_t *wbuf);
+                   size_t ystride, int tb, int te, uint16_t *wbuf, int one_term);
 #endif
 
 /* Prefill attention on the tile unit (one sequence, head_dim a multiple of 32): keys in chunks

@@ -104,6 +104,7 @@ static inline int pm_tiled_value(const pm_tiled *w, const uint8_t *rec, int b, i
 typedef struct pm_act {
     int n, cols, digits; /* digits 0: float activations x (bsum: sums of x per block) */
     uint16_t *xb, *xl;   /* non-NULL: the AMX-BF16 path, x = xb + xl in bfloat16 [n, cols] */
+    int one_term;        /* AMX-BF16 path: the weights as one bfloat16 term (else two) */
     const float *x;      /* [n, cols] */
     const int8_t *q1, *q2; /* [n, cols] */
     const float *dd, *bsum; /* [n, cols / 32] */

@@ -32,6 +32,12 @@ complete forward pass in one native call; the runtime uses it by default (see
 * ``POCKET_AMX`` (with q8): ``1`` runs the products of 16 or more tokens (prefill) on the
   AMX-BF16 tile unit, bfloat16 weights and activations (an error where the CPU or OS lacks
   it); ``0`` keeps them on the int8 products; unset: AMX where available.
+* ``POCKET_AMX_WEIGHTS`` (with AMX): how many bfloat16 terms carry a weight in those products.
+  ``two-term``: ``hi + lo`` everywhere (three tile products per block, logits as close to the
+  reference as the int8 path's); ``one-term``: ``bf16(w)`` everywhere (two products, prefill
+  ~1.3x faster, top-1 agreement ~99-99.9 %); ``mixed`` (default): one term for q/k/v, W_o and
+  W_down, two for gate/up (half the weights; prefill ~1.13x, agreement >= 99.6 % on the registry
+  models, see docs/engine.md).
 * ``POCKET_KV``: ``f32`` | ``f16`` | ``q8`` KV cache (default f32 with f32 activations, f16
   with q8); ``q8`` is int8 with a float16 scale per 16 values of a position and KV head
   (0.56 of the f16 cache's bytes; it moves logits ~100x more than f16 does, see docs/engine.md).
@@ -119,17 +125,19 @@ def cpu_features() -> dict:
 def engine_setting() -> dict:
     """What a NativeEngine created with the defaults here runs on: ``level`` (kernel level,
     ``+avxvnni`` where the avx2 level's int8 products use it), ``act``, ``amx`` (prefill on
-    AMX-BF16), ``kv`` (the KV cache format). Raises KernelError for invalid POCKET_*
-    settings."""
+    AMX-BF16), ``amx_weights`` (their weight terms, None without AMX), ``kv`` (the KV cache
+    format). Raises KernelError for invalid POCKET_* settings."""
     from . import activation_format
 
     level_id = _level_id(None)
     level = LEVELS[level_id]
     act = activation_format(default_activation(level))
     amx = level == "avx512" and amx_setting(act)
+    amx_weights = amx_weights_setting()
     if level == "avx2" and act == "q8":  # the engine's own choice of products
         level = _native.ops_name(level_id)
-    return {"level": level, "act": act, "amx": amx, "kv": kv_format(act)}
+    return {"level": level, "act": act, "amx": amx, "amx_weights": amx_weights if amx else None,
+            "kv": kv_format(act)}
 
 
 def default_threads() -> int:
@@ -244,7 +252,11 @@ _MODEL_API = 1
 KV_FORMATS = ("f32", "f16", "q8")
 MAX_DEFAULT_ENGINE_THREADS = 2
 Q8_ALL = 31  # every product class (q|k|v, o, gate|up, down, head) of the engine
+Q8_QKV, Q8_WO, Q8_GATE_UP, Q8_DOWN, Q8_HEAD = 1, 2, 4, 8, 16
 Q8_ONE_DIGIT_SHIFT = 5
+# POCKET_AMX_WEIGHTS: the product classes whose AMX products take one bfloat16 weight term
+AMX_WEIGHTS = {"two-term": 0, "mixed": Q8_QKV | Q8_WO | Q8_DOWN, "one-term": Q8_ALL}
+DEFAULT_AMX_WEIGHTS = "mixed"
 
 
 def engine_available() -> bool:
@@ -309,6 +321,16 @@ def amx_setting(act: str) -> bool:
             raise KernelError("POCKET_AMX=1, but this build, CPU or OS has no AMX-BF16")
         return True
     return amx_available()
+
+
+def amx_weights_setting() -> str:
+    """POCKET_AMX_WEIGHTS: ``two-term`` | ``mixed`` | ``one-term`` (unset: ``mixed``)."""
+    env = os.environ.get("POCKET_AMX_WEIGHTS", "").strip().lower()
+    if not env:
+        return DEFAULT_AMX_WEIGHTS
+    if env not in AMX_WEIGHTS:
+        raise KernelError(f"POCKET_AMX_WEIGHTS={env!r}; choose one of {', '.join(AMX_WEIGHTS)}")
+    return env
 
 
 def _engine_tensor(w):
@@ -388,10 +410,12 @@ class NativeEngine:
                  threads: int | None = None, level: str | None = None,
                  capacity: int | None = None, digits: int | None = None,
                  release_source: bool = False, amx: bool | None = None,
-                 smooth_keys: bool = True):
+                 amx_weights: str | None = None, smooth_keys: bool = True):
         """``release_source``: every weight is a view of a read-only file mapping, whose pages
         the engine may hand back once it has repacked (or copied) them. ``amx``: prefill
         products on AMX-BF16 (None: ``POCKET_AMX``; only with q8 at the avx512 level).
+        ``amx_weights``: ``two-term`` | ``mixed`` | ``one-term``, the bfloat16 terms of a
+        weight in those products (None: ``POCKET_AMX_WEIGHTS``; see the module docstring).
         ``smooth_keys``: with the int8 KV cache, even out the keys' channels before rounding
         (:func:`key_smoothing`; False: round them as they are)."""
         if not engine_available():
@@ -430,9 +454,16 @@ class NativeEngine:
             self.amx = bool(amx)
             if self.amx and (self.act != "q8" or not amx_available()):
                 raise KernelError("amx needs act='q8' and a build, CPU and OS with AMX-BF16")
+        if amx_weights is None:
+            amx_weights = amx_weights_setting()
+        if amx_weights not in AMX_WEIGHTS:
+            raise KernelError(f"amx_weights must be one of {', '.join(AMX_WEIGHTS)}, "
+                              f"got {amx_weights!r}")
+        self.amx_weights = amx_weights if self.amx else None
         cfg = config.to_dict()
         cfg["release_source"] = bool(release_source)
         cfg["amx"] = self.amx
+        cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
         self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
                            act_q8=self.q8_mask(), level=level_id, threads=self.threads,
                            pool=_get_pool(self.threads))
