@@ -389,8 +389,8 @@ def test_amx_prefill_matches_reference(arch, quantized, weights):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_amx_attention_over_long_prompts_matches_reference(arch, kv):
     # prefill attention on the tile unit (head_dim a multiple of 32; the products' weights in
-    # two terms, near float32 too): a prompt that starts off the 16/32-key grid, then blocks of 128 tokens over more than two chunks of 512 keys, then
-    # decode steps (the int8 path) reading the keys those blocks wrote; gemma3's sliding window
+    # two terms, near float32 too): a prompt that starts off the 16/32-key grid, then blocks
+    # of 128 tokens over more than two chunks of 512 keys, then decode steps (the int8 path) reading the keys those blocks wrote; gemma3's sliding window
     # of 40 cuts across the 32-key grid. Prefill is near float32 (measured: 2e-5 with a float32
     # cache, 6e-4 with float16).
     extra = {"sliding_window": 40} if arch == "gemma3" else {}

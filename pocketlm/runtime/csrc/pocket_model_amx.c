@@ -22,7 +22,7 @@
  * to 2 %. One weight term for q/k/v, W_o and W_down only (the engine's default, half the
  * weights) keeps >= 99.6 % on all three registry models (docs/engine.md).
  *
- * Prefill attention (pm_amx_attn_kv, pm_amx_attn) uses the same three products for Q K^T and
+ * Prefill attention (pm_amx_attn_kv, pm_amx_attn) uses the three products for Q K^T and
  * P V, see below.
  *
  * Work is split by weight tiles (16 rows), like the other products, and attention by 16 query
