@@ -128,3 +128,16 @@ def test_vs_llama_cpp_needs_a_gguf(gguf, tmp_path, capsys):
     code = cli.main(["bench", "-m", str(out), "--vs", "llama.cpp", "--runs", "1",
                      "--n-prompt", "8", "--n-gen", "1"])
     assert code == 1 and "GGUF" in capsys.readouterr().err
+
+
+def test_budget_line_states_measurement_and_budget():
+    from pocketlm.bench import EngineResult, budget_line
+
+    r = EngineResult(model="m", engine="pocketlm", threads=2, n_prompt=512, n_gen=128, runs=5,
+                     prefill_tps=900.0, prefill_tps_min=800.0, prefill_tps_max=1000.0,
+                     decode_tps=99.4, decode_tps_min=90.0, decode_tps_max=110.0,
+                     peak_rss_delta_mb=131.2, file_mb=98.6, load_s=0.4, energy_j_est=5.0,
+                     energy_method="estimate", prompt_hash="0")
+    assert budget_line(r) == ("decode: MISS (99 tok/s; budget > 200)  "
+                              "memory: PASS (131 MB; budget < 300)  "
+                              "energy: PASS (5.00 J; budget <= 5.0)")
