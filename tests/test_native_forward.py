@@ -489,6 +489,15 @@ def test_amx_one_term_weights_match_their_numpy_twin(arch):
                     >= 1e-3, (weights, other)
 
 
+def test_product_class_bits_match_the_extension():
+    from pocketlm import _native
+
+    for name in ("Q8_QKV", "Q8_WO", "Q8_GATE_UP", "Q8_DOWN", "Q8_HEAD", "Q8_ONE_DIGIT_SHIFT"):
+        assert getattr(native, name) == getattr(_native, name), name
+    assert native.Q8_ALL == (native.Q8_QKV | native.Q8_WO | native.Q8_GATE_UP | native.Q8_DOWN
+                             | native.Q8_HEAD)
+
+
 def test_amx_setting_and_its_errors(monkeypatch):
     cfg = torch_ref.tiny_config("llama")
     w = _weights(cfg, 23, True)
