@@ -635,6 +635,15 @@ def test_runtime_picks_the_engine(monkeypatch):
     with pytest.raises(KernelError):
         Runtime(cfg, w, engine="native")
     monkeypatch.setenv("POCKET_KV", "f16")
+    # a bad setting is an error with the default engine choice too, not a quiet fallback to
+    # the numpy path
+    for name, value in (("POCKET_KV", "f64"), ("POCKET_Q8_DIGITS", "3"),
+                        ("POCKET_AMX_WEIGHTS", "half"), ("POCKET_AMX", "yes"),
+                        ("POCKET_THREADS", "zero"), ("POCKET_CPU_LEVEL", "avx9")):
+        with monkeypatch.context() as mp:
+            mp.setenv(name, value)
+            with pytest.raises(KernelError, match=name):
+                Runtime(cfg, w)
     monkeypatch.setenv("POCKET_ACT", "f32")
     assert Runtime(cfg, w).native.kv_format == "f16"
     monkeypatch.delenv("POCKET_KV")

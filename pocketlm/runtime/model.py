@@ -99,6 +99,8 @@ class Runtime:
         if engine not in (None, "native", "numpy"):
             raise ValueError(f"engine must be 'native', 'numpy' or None, got {engine!r}")
         if engine == "native" or (engine is None and K.backend_name() == "native"):
+            # a bad POCKET_* setting is the user's error, not a model the engine cannot run
+            _native_kernels.check_settings()
             try:
                 self.native = _native_kernels.NativeEngine(config, weights,
                                                            release_source=file_backed)

@@ -140,6 +140,15 @@ def engine_setting() -> dict:
             "kv": kv_format(act)}
 
 
+def check_settings() -> None:
+    """Raise KernelError for an invalid engine setting in the environment (POCKET_CPU_LEVEL,
+    POCKET_ACT, POCKET_AMX, POCKET_AMX_WEIGHTS, POCKET_KV, POCKET_Q8_DIGITS, POCKET_THREADS),
+    so that a typo is an error rather than a reason to run without the engine."""
+    engine_setting()
+    q8_digits()
+    engine_threads()
+
+
 def default_threads() -> int:
     env = os.environ.get("POCKET_THREADS", "").strip()
     if env:
