@@ -76,7 +76,7 @@ def run(name: str, runs: int, threads: int, keep: bool, corpus: bool) -> dict:
     engines = {s: _engine(m, s, threads) for s in SETTINGS}
     row = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(), "model": name,
            "keep_precision": keep, "threads": threads, "amx_attention": True,
-           "amx_weights": {k: v for k, v in native.AMX_WEIGHTS.items()},
+           "amx_weights": dict(native.AMX_WEIGHTS),
            "date": time.strftime("%Y-%m-%d %H:%M")}
     ref = Runtime(m.config, m.runtime.w, engine="numpy")
     agree = {s: [0, 0] for s in SETTINGS}
