@@ -535,16 +535,38 @@ def test_amx_setting_and_its_errors(monkeypatch):
     assert native.NativeEngine(cfg, w, act="q8", amx=False).amx_weights is None
 
 
+@pytest.mark.parametrize("setting", ["f32", "q8", "q8-amx"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_last_logits_only(arch):
-    cfg = torch_ref.tiny_config(arch)
+def test_last_logits_only(arch, setting):
+    # Without all_logits the last layer runs attention and the MLP on the block's last row
+    # alone (after storing every row's keys and values), on the paths of the whole block: the
+    # logits are bit for bit those of all_logits' last row, and the caches continue alike.
+    # Lengths: one token, short blocks (int8 products), one and two AMX tiles, a second block
+    # of one token, three blocks; gemma3's window of 40 ends inside the prompt, its head_dim
+    # of 32 takes the AMX attention. The head stays in float32 here: a quantized head's path
+    # depends on its own row count (all_logits: the block's), the layers' must not.
+    if setting == "q8-amx" and not AMX:
+        pytest.skip("this CPU (or OS) has no AMX-BF16 tile unit")
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, max_context=512, **extra)
     w = _weights(cfg, 12, True)
+    sd = torch_ref.random_state_dict(cfg, seed=12)
+    w.update({k: sd[k] for k in ("embed.weight", "lm_head.weight") if k in w})
     ref, nat, bound = _runtimes(cfg, w)
-    full = nat.forward(IDS, nat.new_cache(len(IDS)), all_logits=True)
-    last = nat.forward(IDS, nat.new_cache(len(IDS)))
-    assert last.shape == (cfg.vocab_size,)
-    assert _rel_err(last, full[-1]) <= 1e-6  # the head runs as a one-token product here: other rounding
-    assert _rel_err(last, ref.forward(IDS, ref.new_cache(len(IDS)))) <= bound
+    nat.native = native.NativeEngine(cfg, w, act=setting.split("-")[0], amx=setting == "q8-amx",
+                                     threads=2)
+    ids = [int(t) for t in np.random.default_rng(8).integers(0, cfg.vocab_size, 303)]
+    for n in (1, 2, 15, 16, 17, 40, 129, 300):
+        caches = nat.new_cache(n + 3), nat.new_cache(n + 3)
+        full = nat.forward(ids[:n], caches[0], all_logits=True)
+        last = nat.forward(ids[:n], caches[1])
+        assert last.shape == (cfg.vocab_size,)
+        np.testing.assert_array_equal(last, full[-1], err_msg=f"{n} tokens")
+        for t in ids[n:n + 3]:
+            np.testing.assert_array_equal(nat.forward([t], caches[1]), nat.forward([t], caches[0]),
+                                          err_msg=f"decode after {n} tokens")
+    if setting == "f32":
+        assert _rel_err(last, ref.forward(ids[:300], ref.new_cache(300))) <= bound
 
 
 @pytest.mark.parametrize("mode", list(MODES))

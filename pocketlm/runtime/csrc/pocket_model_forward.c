@@ -22,7 +22,9 @@
  *
  * i.e. four fork-join points per layer in decode (plus one for the output head), eight with
  * the per-token steps of a long block. Longer inputs run in blocks of PM_BLOCK tokens (batched
- * products: the weights are streamed once per block).
+ * products: the weights are streamed once per block). When only the last token's logits are
+ * asked for, the last layer stops after the keys and values for all rows but that token (for
+ * every row of the blocks before it): layer_forward's out0.
  *
  * The products run on the repacked weights (pm_tiled, pocket_model_tiles.c) where the model has
  * them, on the kernels of pocket_kernels.h otherwise; the other operations through the model's
@@ -66,6 +68,11 @@ typedef struct pm_seq {
 
 static inline pocket_kv *seq_kv(const pm_seq *s, int i) { return s->kvs ? s->kvs[i] : s->kv; }
 static inline int seq_pos(const pm_seq *s, int i) { return s->pos ? s->pos[i] : s->pos0 + i; }
+
+/* Whether a block of n tokens runs its products on the tile unit. */
+static inline int pm_amx_path(const pocket_model *m, int n) {
+    return PM_HAVE_AMX && m->amx_call && n >= PM_AMX_MIN_TOKENS;
+}
 
 /* Per-token steps of a layer: fn(r, i0, i1) processes tokens [i0, i1) of the block. */
 struct pm_rows;
@@ -327,9 +334,10 @@ static int row_tasks(int total, int nthreads) {
 
 /* How the products of class `cls` over the weights tiled[0..nmat) take their input x [n, cols]:
  * fills *act (digits 1-2: int8 digits; 0: float with block sums) and returns 1 when the tiled
- * kernels run them, 0 when the original-layout kernels do (act unused). */
+ * kernels run them, 0 when the original-layout kernels do (act unused). amx: on the tile unit
+ * (pm_amx_path). */
 static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int nmat,
-                    const float *x, int n, int cols, int slot, pm_act *act) {
+                    const float *x, int n, int cols, int slot, int amx, pm_act *act) {
     memset(act, 0, sizeof *act);
     if (!tiled) return 0;
     int any = 0;
@@ -340,7 +348,7 @@ static int plan_act(const pocket_model *m, int cls, const pm_tiled *tiled, int n
     act->cols = cols;
     act->x = x;
     act->digits = q8 ? ((m->one_digit & cls) ? 1 : 2) : 0;
-    if (m->amx_call && n >= PM_AMX_MIN_TOKENS) {
+    if (amx) {
         act->xb = m->axb[slot];
         act->xl = m->axb[slot] + (size_t)PM_BLOCK * (size_t)m->max_in;
         act->one_term = (m->amx_one_term & cls) != 0;
@@ -657,14 +665,18 @@ static void step_post_mlp(const pm_rows *r, int i0, int i1) { /* x += [norm](o) 
 /* Attention of a prefill block on the tile unit (pm_amx_attn): the keys the block sees in
  * chunks of PM_AMX_KCHUNK, each converted once (one parallel region) and then attended to by
  * every 16 query rows of every head (a second one). */
-static int attn_amx(pm_job *jp, pocket_pool *pool, int nthreads) {
+static int attn_amx(pm_job *jp, int block_pos0, pocket_pool *pool, int nthreads) {
     pm_job j = *jp; /* m, seq, layer, n and kv set by layer_forward */
     pocket_model *m = j.m;
     const pm_seq *seq = j.seq;
     const int l = j.layer, n = j.n;
     const int win = m->layers[l].sliding ? m->c.sliding_window : 0;
     const int nh = m->c.n_heads, ntiles = (n + 15) / 16;
-    const int end = seq->pos0 + n, first = win && seq->pos0 - win + 1 > 0 ? seq->pos0 - win + 1 : 0;
+    /* the key chunks start from the window of the block's first token (block_pos0), also when
+     * only its last rows are attended (layer_forward's out0), so that every row sees the same
+     * chunks of keys */
+    const int end = seq->pos0 + n,
+              first = win && block_pos0 - win + 1 > 0 ? block_pos0 - win + 1 : 0;
     const int tasks = nthreads < ntiles * nh ? nthreads : ntiles * nh;
     int rc = pm_ensure_amx_attn(m, tasks);
     if (rc) return rc;
@@ -689,17 +701,24 @@ static int attn_amx(pm_job *jp, pocket_pool *pool, int nthreads) {
     return POCKET_OK;
 }
 
-static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocket_pool *pool,
-                         int nthreads) {
+/* Layer l over the block's n tokens (its input and output in m->x). Rows [0, out0) are needed
+ * no further than their keys and values (the last layer of a prefill that returns the logits
+ * of its last token): after the keys and values of all n rows are stored, attention and the
+ * MLP run on rows [out0, n) alone, moved to the front of m->x, on the paths the whole block
+ * takes (tile unit or not, block attention rather than one token's), so their numbers are those
+ * of the whole block. out0 = n: no rows go on. */
+static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int out0,
+                         pocket_pool *pool, int nthreads) {
     const pocket_layer_weights *L = &m->layers[l];
     const int d = m->c.d_model, qd = m->q_dim, ff = m->c.d_ff;
     const pm_tiled *T = m->tiled + (size_t)7 * l;
+    const int amx = pm_amx_path(m, n), one = n == 1 && !seq->kvs, block_pos0 = seq->pos0;
     pm_rows r = {m, seq, l, NULL, NULL};
     pm_act act;
     int rc;
 
     /* attention */
-    const int tq = plan_act(m, POCKET_Q8_QKV, T, 3, m->h, n, d, 0, &act);
+    const int tq = plan_act(m, POCKET_Q8_QKV, T, 3, m->h, n, d, 0, amx, &act);
     r.act = tq ? &act : NULL;
     r.fn = step_pre_attn;
     if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
@@ -710,6 +729,18 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
     r.fn = step_post_qkv;
     if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
 
+    pm_seq rest;
+    if (out0 > 0 && !seq->kvs) {
+        if (out0 >= n) return POCKET_OK;
+        n -= out0;
+        memmove(m->x, m->x + (size_t)out0 * d, (size_t)n * d * sizeof(float));
+        memmove(m->q, m->q + (size_t)out0 * qd, (size_t)n * qd * sizeof(float));
+        rest = *seq;
+        rest.pos0 += out0;
+        seq = &rest;
+        r.seq = seq;
+    }
+
     pm_job j;
     memset(&j, 0, sizeof j);
     j.m = m;
@@ -718,7 +749,7 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
     j.n = n;
     if (!seq->kvs) j.kv = seq->kv; /* one sequence */
     const int nkv = m->c.n_kv_heads;
-    if (n == 1 && !seq->kvs) { /* one token: its keys split into spans over the threads */
+    if (one) { /* one token: its keys split into spans over the threads */
         const int pos0 = seq_pos(seq, 0);
         const int win = L->sliding ? m->c.sliding_window : 0;
         j.kind = PM_JOB_ATTN_DECODE;
@@ -730,9 +761,8 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
         if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
         if ((rc = run_job(&j, pool, tasks))) return rc;
         merge_partials(m, j.nspans);
-    } else if (PM_HAVE_AMX && m->amx_call && !seq->kvs && n >= PM_AMX_MIN_TOKENS &&
-               m->c.head_dim % 32 == 0) {
-        if ((rc = attn_amx(&j, pool, nthreads))) return rc;
+    } else if (amx && !seq->kvs && m->c.head_dim % 32 == 0) {
+        if ((rc = attn_amx(&j, block_pos0, pool, nthreads))) return rc;
     } else {
         j.kind = PM_JOB_ATTN_BLOCK;
         j.units = n * nkv;
@@ -740,7 +770,7 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
         if ((rc = pm_ensure_attn_scratch(m, tasks, 0))) return rc;
         if ((rc = run_job(&j, pool, tasks))) return rc;
     }
-    const int to = plan_act(m, POCKET_Q8_WO, T + 3, 1, m->att, n, qd, 0, &act);
+    const int to = plan_act(m, POCKET_Q8_WO, T + 3, 1, m->att, n, qd, 0, amx, &act);
     r.act = to ? &act : NULL;
     r.fn = step_prepare;
     if (r.act && (rc = run_rows(m, pool, nthreads, n, &r))) return rc;
@@ -749,12 +779,12 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, pocke
     if (rc) return rc;
 
     /* MLP */
-    const int tg = plan_act(m, POCKET_Q8_GATE_UP, T + 4, 2, m->h, n, d, 0, &act);
+    const int tg = plan_act(m, POCKET_Q8_GATE_UP, T + 4, 2, m->h, n, d, 0, amx, &act);
     r.act = tg ? &act : NULL;
     r.fn = step_post_attn;
     if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
     pm_act act_dn; /* the GLU tasks prepare their own columns of W_down's input */
-    const int tdn = plan_act(m, POCKET_Q8_DOWN, T + 6, 1, m->gate, n, ff, 1, &act_dn);
+    const int tdn = plan_act(m, POCKET_Q8_DOWN, T + 6, 1, m->gate, n, ff, 1, amx, &act_dn);
     rc = run_products(m, pool, nthreads, PM_JOB_GLU, 2, &L->wgate, &L->wup, NULL, T + 4, r.act,
                       m->gate, m->up, NULL, m->h, n, tdn ? &act_dn : NULL);
     if (rc) return rc;
@@ -773,7 +803,8 @@ static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_poo
     m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
     const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
     pm_act act;
-    const int use = plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, &act);
+    const int use =
+        plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, pm_amx_path(m, nrows), &act);
     if (use) prepare_act(m, &act, 0, nrows);
     return run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
                         use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
@@ -803,14 +834,17 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
         const pm_seq seq = {kv, start_pos + b0, NULL, NULL};
         embed_rows(m, ids + b0, nb, m->x);
+        /* without all_logits the last layer goes on with the block's last row (the last
+         * block) or none (the others): out0 */
+        const int last = m->c.n_layers - 1, out0 = all_logits ? 0 : b0 + nb == n ? nb - 1 : nb;
         for (int l = 0; l < m->c.n_layers; l++) {
-            rc = layer_forward(m, &seq, l, nb, pool, nthreads);
+            rc = layer_forward(m, &seq, l, nb, l == last ? out0 : 0, pool, nthreads);
             if (rc) return rc;
         }
         if (all_logits)
             rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads);
-        else if (b0 + nb == n)
-            rc = head_rows(m, nb - 1, 1, logits, pool, nthreads);
+        else if (b0 + nb == n) /* the last row, now at the front */
+            rc = head_rows(m, 0, 1, logits, pool, nthreads);
         if (rc) return rc;
     }
     return POCKET_OK;
@@ -840,7 +874,7 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
         const pm_seq seq = {NULL, 0, kvs + b0, pos + b0};
         embed_rows(m, ids + b0, nb, m->x);
         for (int l = 0; l < m->c.n_layers; l++) {
-            rc = layer_forward(m, &seq, l, nb, pool, nthreads);
+            rc = layer_forward(m, &seq, l, nb, 0, pool, nthreads);
             if (rc) return rc;
         }
         if ((rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads))) return rc;
