@@ -26,9 +26,11 @@ If the extension is not built these tests fail (they do not skip): run ``pip ins
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -785,6 +787,119 @@ def test_native_model_checks_its_arguments():
             _native.NativeModel(d, tensors, 16)
     with pytest.raises(ValueError):
         _native.NativeModel(cfg.to_dict(), tensors, 0)
+
+
+_MUTATIONS = r"""
+import random
+import sys
+
+import numpy as np
+
+sys.path.insert(0, sys.argv[1])
+import torch_ref  # noqa: E402
+from test_native_forward import _weights  # noqa: E402
+
+from pocketlm import _native  # noqa: E402
+from pocketlm.runtime.kernels import native  # noqa: E402
+
+arch, seed, rounds = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+cfg = torch_ref.tiny_config(arch)
+tensors, _ = native.engine_weights(cfg, _weights(cfg, 3, True))
+rng = random.Random(seed)
+ODD = [0, -1, 1, 3, 16, 33, 256, 1 << 20, 1 << 31, -(1 << 31), 2**62, 0.5, float("nan"),
+       float("inf"), None, "x", "int4", True, [], [1, 2]]
+
+
+def array(a):
+    op = rng.randrange(7)
+    if op == 0:
+        return a.ravel()[: max(0, a.size - 1)]  # too short
+    if op == 1:
+        return a.astype(np.float64 if a.dtype != np.float64 else np.float32)
+    if op == 2:
+        return a.T
+    if op == 3:
+        return np.concatenate([a, a])
+    if op == 4:
+        return a[..., ::2]  # strided
+    if op == 5:
+        return a.view(np.uint8) if a.dtype != np.uint8 else a.view(np.int8)
+    return np.full_like(a, np.iinfo(a.dtype).max if a.dtype.kind in "ui" else np.inf)
+
+
+def attempt(d, t):
+    try:
+        model = _native.NativeModel(d, t, 16)
+        kv = _native.NativeKV(model, 8)
+        model.forward(kv, np.array([1, 2, 3], np.int32), 0, np.empty(model.vocab_size, np.float32))
+        model.forward(kv, np.array([4], np.int32), 3, np.empty(model.vocab_size, np.float32))
+        outcome = "ran"
+    except (TypeError, ValueError) as e:
+        outcome = type(e).__name__
+    outcomes[outcome] = outcomes.get(outcome, 0) + 1
+
+
+outcomes = {}
+# every config field and every scalar of a quantized weight (its kind, its group size) set to
+# each odd value, one at a time
+for k in sorted(cfg.to_dict()):
+    for v in ODD:
+        d = cfg.to_dict()
+        d[k] = v
+        attempt(d, tensors)
+for name in ("layers.0.attn.w_q.weight", "embed.weight"):
+    for i, part in enumerate(tensors[name]):
+        if not isinstance(part, np.ndarray):
+            for v in ODD:
+                t = dict(tensors)
+                t[name] = tensors[name][:i] + (v,) + tensors[name][i + 1:]
+                attempt(cfg.to_dict(), t)
+# then random combinations of one to three changes, arrays included
+for _ in range(rounds):
+    d, t = cfg.to_dict(), dict(tensors)
+    for _ in range(rng.randint(1, 3)):
+        if rng.random() < 0.5:
+            k = rng.choice(sorted(d))
+            v = d[k]
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and rng.random() < 0.5:
+                d[k] = type(v)(v * rng.choice([0, 2, -1]))
+            else:
+                d[k] = rng.choice(ODD)
+        else:
+            k = rng.choice(sorted(t))
+            v = t[k]
+            if isinstance(v, np.ndarray):
+                t[k] = array(v)
+            elif isinstance(v, tuple) and rng.random() < 0.85:
+                parts = list(v)
+                i = rng.randrange(len(parts))
+                parts[i] = array(parts[i]) if isinstance(parts[i], np.ndarray) else rng.choice(ODD)
+                t[k] = tuple(parts)
+            else:
+                t[k] = rng.choice(ODD)
+    attempt(d, t)
+print(outcomes)
+"""
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_native_model_survives_random_bad_input(arch, tmp_path):
+    """A valid config and weight set changed: every config field and quantized-weight scalar
+    set to each of a list of odd values (zero, negative, huge, NaN, of the wrong type), then
+    seeded random combinations of one to three changes, arrays included (truncated,
+    transposed, strided, retyped, doubled, filled with extremes). Each is refused with
+    TypeError / ValueError or the model runs. In a subprocess, so that a crash fails the test
+    rather than the run."""
+    script = tmp_path / "mutate.py"
+    script.write_text(_MUTATIONS)
+    tests_dir = str(Path(__file__).parent)
+    out = subprocess.run([sys.executable, str(script), tests_dir, arch, "7", "300"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    outcomes = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    assert sum(outcomes.values()) >= 300
+    # the mutations reach both sides: refused ones and ones the model accepts and runs
+    assert outcomes.get("ran", 0) >= 20 and outcomes.get("ValueError", 0) >= 50, outcomes
 
 
 # -- the real model -------------------------------------------------------------------------
