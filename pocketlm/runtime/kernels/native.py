@@ -260,8 +260,8 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None, *, act: str = "f32"
 _MODEL_API = 1
 KV_FORMATS = ("f32", "f16", "q8")
 MAX_DEFAULT_ENGINE_THREADS = 2
-Q8_ALL = 31  # every product class (q|k|v, o, gate|up, down, head) of the engine
 Q8_QKV, Q8_WO, Q8_GATE_UP, Q8_DOWN, Q8_HEAD = 1, 2, 4, 8, 16
+Q8_ALL = Q8_QKV | Q8_WO | Q8_GATE_UP | Q8_DOWN | Q8_HEAD  # every product class of the engine
 Q8_ONE_DIGIT_SHIFT = 5
 # POCKET_AMX_WEIGHTS: the product classes whose AMX products take one bfloat16 weight term
 AMX_WEIGHTS = {"two-term": 0, "mixed": Q8_QKV | Q8_WO | Q8_DOWN, "one-term": Q8_ALL}
