@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -217,18 +219,36 @@ PACK_REVISION = 3
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
                       keep_precision: bool = False, *, name: str | None = None) -> Path:
+    """Where ``load`` caches the deploy file packed from ``src`` with these options.
+
+    The name is ``{name}-{options}-{source}-{state}.pocket``: ``source`` digests the source's
+    path and the options, ``state`` also its size, modification time and PACK_REVISION, so a
+    source that changes (a training run saved again, a file replaced) gets a new entry, and
+    :func:`load` removes the entries it replaces (same ``source``, another ``state``).
+    """
     from .registry import pocket_home
 
     st = src.stat()
-    key = (f"{src.resolve()}|{st.st_size}|{st.st_mtime_ns}|g{group_size}|e{embed_bits}"
-           f"|r{PACK_REVISION}")
     # keep-precision packs store Q5_0/Q5_1 weights in INT5 (older ones: INT8): a new tag, so
     # that those older caches are not reused
     tag = f"g{group_size}-e{embed_bits}" + ("-keep5" if keep_precision else "")
-    if keep_precision:
-        key += "|keep5"
-    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    return pocket_home() / "packed" / f"{name or src.stem}-{tag}-{digest}.pocket"
+    source = hashlib.sha256(f"{src.resolve()}|{tag}".encode()).hexdigest()[:8]
+    state = hashlib.sha256(
+        f"{source}|{st.st_size}|{st.st_mtime_ns}|r{PACK_REVISION}".encode()).hexdigest()[:12]
+    return pocket_home() / "packed" / f"{name or src.stem}-{tag}-{source}-{state}.pocket"
+
+
+def _drop_replaced_packs(cached: Path) -> None:
+    """Remove the cache entries that ``cached`` replaces: the same source and options packed
+    from an earlier state of the source (a process still reading one keeps its mapping)."""
+    prefix = cached.name.rsplit("-", 1)[0]
+    pattern = re.compile(re.escape(prefix) + r"-[0-9a-f]{12}\.pocket")
+    for old in cached.parent.glob(glob.escape(prefix) + "-*.pocket"):
+        if old.name != cached.name and pattern.fullmatch(old.name):
+            try:
+                old.unlink()
+            except OSError:
+                pass
 
 
 def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
@@ -267,4 +287,5 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
     if not cached.is_file():
         pack(path, cached, group_size=group_size, embed_bits=embed_bits,
              keep_precision=keep_precision, progress=not quiet)
+        _drop_replaced_packs(cached)
     return load_pocket(cached, verify=verify, n_ctx=n_ctx)

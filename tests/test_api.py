@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -70,6 +71,28 @@ def test_second_load_reuses_the_packed_file(env, monkeypatch):
     assert packed.stat().st_mtime_ns == mtime
     ids = again.tokenize(PROMPT)
     np.testing.assert_array_equal(again.logits(ids), env["model"].logits(ids))
+
+
+def test_a_changed_source_replaces_its_packed_file(tmp_path, monkeypatch):
+    """One cache entry per source and options: a source saved again is packed again and its
+    old entry removed; another source's entry and another option's stay."""
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    packed = tmp_path / "home" / "packed"
+    src, other = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=3, weight_type="Q4_0")
+    tiny_gguf.write_tiny_gguf(other, "llama", seed=4, weight_type="Q4_0")
+    first = pocketlm.load(src).path
+    kept = {pocketlm.load(other).path, pocketlm.load(src, embed_bits=4).path}
+    assert len(list(packed.glob("*.pocket"))) == 3
+    st = src.stat()
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the source saved again
+    second = pocketlm.load(src)
+    assert second.path != first and not first.exists()
+    assert set(packed.glob("*.pocket")) == kept | {second.path}
+    again = pocketlm.load(src)
+    assert again.path == second.path
+    ids = again.tokenize(PROMPT)
+    np.testing.assert_array_equal(again.logits(ids), second.logits(ids))
 
 
 def test_float_precision_loads_the_source(env, m):

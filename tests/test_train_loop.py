@@ -69,6 +69,15 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def own_pocket_home(tmp_path_factory):
+    """A POCKET_HOME of this module's own: runs loaded as models are packed into its cache, not
+    into the user's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(tmp_path_factory.mktemp("home")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
     """A tiny model pre-trained from a text file with the shortest command."""
