@@ -116,6 +116,8 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     (dict(n_prompt=-1), "n-prompt"),
     (dict(n_prompt=300), "context"),
     (dict(vs=["mlc"]), "llama.cpp, mnn"),
+    (dict(threads=0), "--threads must be a positive integer"),
+    (dict(threads=99999), "--threads must be at most 1024, got 99999"),
 ])
 def test_bench_bad_arguments(gguf, kwargs, match):
     with pytest.raises(PocketError, match=match):

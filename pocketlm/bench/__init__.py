@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import KernelError, PocketError, UnsupportedError
+from ..runtime.kernels.native import MAX_THREADS
 from .prompt import benchmark_ids, ids_hash
 
 BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0, "energy_j": 5.0}
@@ -172,6 +173,8 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         if not isinstance(value, int) or value < 1:
             raise PocketError(f"--{name.replace('_', '-')} must be a positive integer, got "
                               f"{value!r}")
+    if threads > MAX_THREADS:
+        raise PocketError(f"--threads must be at most {MAX_THREADS}, got {threads}")
     vs = list(dict.fromkeys(vs or []))  # in order, once each
     unknown = [e for e in vs if e not in VS_ENGINES]
     if unknown:

@@ -65,6 +65,7 @@ else:
 
 LEVELS = ("scalar", "avx2", "avx512", "neon")  # indices: the LEVEL_* values of _native
 MAX_DEFAULT_THREADS = 8
+MAX_THREADS = 1024  # the most threads an engine or a kernel call takes
 _API = 1
 
 _pool_lock = threading.Lock()
@@ -156,8 +157,8 @@ def default_threads() -> int:
             n = int(env)
         except ValueError:
             raise KernelError(f"POCKET_THREADS={env!r} is not an integer") from None
-        if not 1 <= n <= 1024:
-            raise KernelError(f"POCKET_THREADS={n} is out of range 1..1024")
+        if not 1 <= n <= MAX_THREADS:
+            raise KernelError(f"POCKET_THREADS={n} is out of range 1..{MAX_THREADS}")
         return n
     return max(1, min(_usable_cpus(), MAX_DEFAULT_THREADS))
 
@@ -208,8 +209,8 @@ def matmul(x: np.ndarray, w: QuantTensor, *, act: str = "f32", level: str | None
         raise KernelError(f"matmul: expected an int4/int8 QuantTensor, got {type(w).__name__}")
     lid = _level_id(level)
     nthreads = default_threads() if threads is None else int(threads)
-    if not 1 <= nthreads <= 1024:
-        raise KernelError(f"threads must be in 1..1024, got {nthreads}")
+    if not 1 <= nthreads <= MAX_THREADS:
+        raise KernelError(f"threads must be in 1..{MAX_THREADS}, got {nthreads}")
     rows = w.shape[0]
     n = x.shape[0] if isinstance(x, np.ndarray) and x.ndim == 2 else None
     if out is None:
@@ -447,8 +448,8 @@ class NativeEngine:
             raise KernelError(f"the int8 KV cache (q8) needs a head_dim that is a multiple of "
                               f"16; this model's is {config.head_dim}: use f16")
         self.threads = engine_threads() if threads is None else int(threads)
-        if not 1 <= self.threads <= 1024:
-            raise KernelError(f"threads must be in 1..1024, got {self.threads}")
+        if not 1 <= self.threads <= MAX_THREADS:
+            raise KernelError(f"threads must be in 1..{MAX_THREADS}, got {self.threads}")
         tensors, reason = engine_weights(config, weights)
         if tensors is None:
             raise KernelError(reason)
