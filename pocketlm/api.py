@@ -181,6 +181,12 @@ def _check_n_ctx(n_ctx):
     return n_ctx
 
 
+def file_config_and_tokenizer(pf: PocketFile) -> tuple[ModelConfig, Tokenizer]:
+    """A deploy file's model config and tokenizer (no weights read)."""
+    config = ModelConfig.from_dict(pf.json("config"))
+    return config, Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8"))
+
+
 def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = None,
                 on_stage=None) -> PocketModel:
     """Load a deploy file. ``on_stage(name)`` is called after each step (the benchmark uses
@@ -188,8 +194,7 @@ def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = No
     stage = on_stage or (lambda name: None)
     pf = PocketFile(path, verify=verify)
     stage("file mapped" + (" + checksums read" if verify else ""))
-    config = ModelConfig.from_dict(pf.json("config"))
-    tokenizer = Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8"))
+    config, tokenizer = file_config_and_tokenizer(pf)
     stage("tokenizer")
     model = PocketModel(
         config, pf.weights(), tokenizer,
@@ -251,32 +256,18 @@ def _drop_replaced_packs(cached: Path) -> None:
                 pass
 
 
-def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
-         group_size: int = 32, embed_bits: int = 8, keep_precision: bool = False,
-         n_ctx: int | None = None, verify: bool = True, quiet: bool = True) -> PocketModel:
-    """Load a model by registry name, ``.pocket`` file, ``.gguf`` file or Hugging Face folder.
-
-    GGUF files, Hugging Face folders and training runs are packed to INT4 on first use and the
-    deploy file is cached under
-    ``$POCKET_HOME/packed``. ``precision="float"`` instead runs the source's dequantized float32
-    weights (the reference path, for checking an import). ``group_size``, ``embed_bits`` and
-    ``keep_precision`` are the packing options of :func:`pocketlm.pack.pack`.
-    """
+def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
+                embed_bits: int = 8, keep_precision: bool = False, quiet: bool = True) -> Path:
+    """The deploy file :func:`load` runs for ``model`` (its arguments): a ``.pocket`` file as it
+    is; a GGUF file, Hugging Face folder or training run packed into ``$POCKET_HOME/packed`` on
+    first use."""
     from .pack import pack
     from .registry import DEFAULT_MODEL, resolve
 
-    _check_n_ctx(n_ctx)
-    if precision not in ("int4", "float"):
-        raise PocketError(f"precision must be 'int4' or 'float', got {precision!r}")
     path = resolve(str(model) if model is not None else DEFAULT_MODEL, quiet=quiet)
     kind = sniff(path)
     if kind == "pocket":
-        if precision == "float":
-            raise PocketError(f"{path}: a deploy file is already quantized; "
-                              "precision='float' needs the GGUF or Hugging Face source")
-        return load_pocket(path, verify=verify, n_ctx=n_ctx)
-    if precision == "float":
-        return from_source(open_source(path), n_ctx=n_ctx)
+        return Path(path)
     key = Path(path)
     if kind == "run":
         from .formats import run_checkpoint
@@ -288,4 +279,32 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
         pack(path, cached, group_size=group_size, embed_bits=embed_bits,
              keep_precision=keep_precision, progress=not quiet)
         _drop_replaced_packs(cached)
-    return load_pocket(cached, verify=verify, n_ctx=n_ctx)
+    return cached
+
+
+def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
+         group_size: int = 32, embed_bits: int = 8, keep_precision: bool = False,
+         n_ctx: int | None = None, verify: bool = True, quiet: bool = True) -> PocketModel:
+    """Load a model by registry name, ``.pocket`` file, ``.gguf`` file or Hugging Face folder.
+
+    GGUF files, Hugging Face folders and training runs are packed to INT4 on first use and the
+    deploy file is cached under
+    ``$POCKET_HOME/packed`` (:func:`deploy_file`). ``precision="float"`` instead runs the
+    source's dequantized float32 weights (the reference path, for checking an import).
+    ``group_size``, ``embed_bits`` and ``keep_precision`` are the packing options of
+    :func:`pocketlm.pack.pack`.
+    """
+    from .registry import DEFAULT_MODEL, resolve
+
+    _check_n_ctx(n_ctx)
+    if precision not in ("int4", "float"):
+        raise PocketError(f"precision must be 'int4' or 'float', got {precision!r}")
+    if precision == "float":
+        path = resolve(str(model) if model is not None else DEFAULT_MODEL, quiet=quiet)
+        if sniff(path) == "pocket":
+            raise PocketError(f"{path}: a deploy file is already quantized; "
+                              "precision='float' needs the GGUF or Hugging Face source")
+        return from_source(open_source(path), n_ctx=n_ctx)
+    path = deploy_file(model, group_size=group_size, embed_bits=embed_bits,
+                       keep_precision=keep_precision, quiet=quiet)
+    return load_pocket(path, verify=verify, n_ctx=n_ctx)

@@ -220,7 +220,14 @@ def cmd_bench(args) -> int:
             print(f"[{engine} run {run + 1}: prefill {args.n_prompt / sample['prefill_s']:.1f} "
                   f"tok/s, decode {args.n_gen / sample['decode_s']:.1f} tok/s]", file=sys.stderr)
 
-    results = bench(args.model or default_model(), threads=args.threads, n_prompt=args.n_prompt,
+    threads = args.threads
+    if threads is None:
+        env = os.environ.get("POCKET_THREADS", "").strip()
+        try:
+            threads = int(env) if env else 2
+        except ValueError:
+            raise PocketError(f"POCKET_THREADS={env!r} is not an integer") from None
+    results = bench(args.model or default_model(), threads=threads, n_prompt=args.n_prompt,
                     n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
                     watts_per_core=args.watts_per_core, progress=progress)
     if args.json:
@@ -303,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "own process for its peak-memory delta, engines alternating run by run.")
     p.add_argument("-m", "--model", help="registry name, .pocket, .gguf, HF folder or "
                    "training run")
-    p.add_argument("--threads", type=int, default=int(os.environ.get("POCKET_THREADS", 2)),
-                   help="CPU threads (default 2, or $POCKET_THREADS)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default $POCKET_THREADS, else 2)")
     p.add_argument("--n-prompt", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--n-gen", type=int, default=128, help="generated tokens (default 128)")
     p.add_argument("--runs", type=int, default=5, help="measured runs (default 5)")

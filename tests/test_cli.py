@@ -334,6 +334,20 @@ def test_bad_ctx_flag(files, capsys):
     assert_one_line_error(code, err, "n_ctx")
 
 
+def test_bad_threads_variable_is_a_one_line_error(files, capsys, monkeypatch):
+    """A malformed POCKET_THREADS is reported by the command that uses it, not raised while
+    the argument parser is built (which broke every command)."""
+    monkeypatch.setenv("POCKET_THREADS", "two")
+    code, _, err = run_cli(capsys, "bench", "-m", files["pocket"], "--n-prompt", 8)
+    assert_one_line_error(code, err, "POCKET_THREADS='two' is not an integer")
+    code, _, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 2)
+    if code:  # the native engine reads it; the numpy one has no threads
+        assert_one_line_error(code, err, "POCKET_THREADS='two' is not an integer")
+    code, stdout, _ = run_cli(capsys, "bench", "-m", files["pocket"], "--threads", "1",
+                              "--n-prompt", 8, "--n-gen", 2, "--runs", 1, "--json")
+    assert code == 0 and '"threads": 1' in stdout
+
+
 def test_chat_session(files, capsys, monkeypatch):
     lines = iter(["hi", "", "/help", "/reset", "hello there", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))

@@ -164,8 +164,9 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
           progress=None) -> list[EngineResult]:
     """Benchmark pocketlm (and ``vs`` engines: llama.cpp on the GGUF, MNN on the export ``mnn``)
     on one model; one result per engine."""
-    from ..api import load
+    from ..api import deploy_file, file_config_and_tokenizer
     from ..formats import sniff
+    from ..formats.pocketfile import PocketFile
     from ..registry import DEFAULT_MODEL, resolve
 
     for name, value in (("threads", threads), ("n_prompt", n_prompt), ("n_gen", n_gen),
@@ -185,13 +186,13 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     name = model or DEFAULT_MODEL
     files = {"mnn": mnn_export(name, mnn)} if "mnn" in vs else {}
     src = resolve(name)
-    m = load(src, quiet=False)  # packs a GGUF / HF source once; the cached file is benchmarked
-    deploy = Path(m.path)
-    ids = benchmark_ids(m.tokenizer, n_prompt)
-    if len(ids) + n_gen > m.config.max_context:
+    deploy = deploy_file(src, quiet=False)  # a GGUF / HF source packed once, then cached
+    config, tokenizer = file_config_and_tokenizer(PocketFile(deploy))  # checksums verified
+    ids = benchmark_ids(tokenizer, n_prompt)
+    if len(ids) + n_gen > config.max_context:
         raise PocketError(f"n_prompt + n_gen = {len(ids) + n_gen} exceeds the model's context "
-                          f"of {m.config.max_context}")
-    del m
+                          f"of {config.max_context}")
+    del tokenizer
     files["pocketlm"] = deploy
     if "llama.cpp" in vs:
         gguf_path = Path(gguf) if gguf else Path(src)
