@@ -24,7 +24,7 @@ import numpy as np
 from . import __version__
 from .errors import UnsupportedError
 from .formats import SourceModel, open_source
-from .formats.pocketfile import TOKENIZER_TENSOR, write_pocket
+from .formats.pocketfile import TOKENIZER_TENSOR, check_writable, write_pocket
 from .quant import GROUP_SIZES, QuantTensor, check_quantizable, quantize, relative_error
 
 QUANT_SUFFIXES = ("attn.w_q.weight", "attn.w_k.weight", "attn.w_v.weight", "attn.w_o.weight",
@@ -112,6 +112,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
                                f"{', '.join(map(str, GROUP_SIZES))}")
     if embed_bits not in (4, 8):
         raise UnsupportedError(f"--embed-bits must be 4 or 8, got {embed_bits}")
+    check_writable(out)  # before the quantization, not after it
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     arrays: list[tuple[str, np.ndarray]] = []

@@ -86,6 +86,25 @@ def test_pack_group_size_that_does_not_divide_a_tensor(files, tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("where", ["folder", "under-a-file", "unwritable"])
+def test_pack_to_a_place_it_cannot_write_fails_first(files, tmp_path, capsys, monkeypatch,
+                                                     where):
+    """The output is checked before the source is read and quantized; nothing is left behind."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    out = {"folder": tmp_path, "under-a-file": blocker / "x.pocket",
+           "unwritable": Path("/proc/x.pocket")}[where]
+
+    def no_source(*args, **kwargs):
+        raise AssertionError("the source was opened")
+
+    monkeypatch.setattr("pocketlm.pack.open_source", no_source)
+    before = sorted(tmp_path.rglob("*"))
+    code, _, err = run_cli(capsys, "pack", files["gguf"], "-o", out, "--force")
+    assert_one_line_error(code, err, f"cannot write {out}")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
 def test_pack_bad_group_size_is_a_one_line_usage_error(files, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["pack", str(files["gguf"]), "-o", str(tmp_path / "x.pocket"),

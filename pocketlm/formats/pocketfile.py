@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ChecksumError, FormatError
+from ..errors import ChecksumError, FormatError, PocketError
 from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, QuantTensor
 
 FORMAT_NAME = "pocket"
@@ -125,6 +125,30 @@ def map_file(path: str | Path):
 
 
 # -- writing ---------------------------------------------------------------------------------
+def _new_temp(path: Path) -> tuple[int, str]:
+    """A temporary file beside ``path`` (which is replaced by it once written); an error that
+    names ``path`` if its folder cannot hold one."""
+    if path.is_dir():
+        raise PocketError(f"cannot write {path}: it is a folder")
+    for folder in path.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise PocketError(f"cannot write {path}: {folder} is not a folder")
+            break
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        raise PocketError(f"cannot write {path} ({e.strerror or e})") from None
+
+
+def check_writable(path: str | Path) -> None:
+    """Fail now if :func:`write_pocket` could not write ``path``, before the work that fills it."""
+    fd, tmp = _new_temp(Path(path))
+    os.close(fd)
+    os.unlink(tmp)
+
+
 def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
                  metadata: dict[str, Any]) -> int:
     """Write named arrays and metadata as a .pocket file, atomically. Returns the file size."""
@@ -167,8 +191,7 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     total = 8 + len(header)
     header += b" " * ((ALIGN - total % ALIGN) % ALIGN)
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temp(path)
     try:
         if hasattr(os, "fchmod"):  # mkstemp creates 0600; give the mode a new file would get
             os.fchmod(fd, 0o666 & ~_umask())
