@@ -321,6 +321,12 @@ def test_bad_requests_get_openai_errors(server, body, status, code, param):
     assert err["code"] == code and err["param"] == param and err["message"]
 
 
+def test_unsupported_values_are_shown_as_json(server):
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True})
+    assert r.status_code == 400
+    assert "'logprobs' = true is not supported" in r.json()["error"]["message"]
+
+
 def test_bad_chat_requests(server):
     for body, param in [
         ({"model": MODEL, "messages": []}, "messages"),

@@ -7,6 +7,7 @@ object of OpenAI's API: ``{"error": {"message", "type", "param", "code"}}``).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -95,7 +96,8 @@ def _stop(v, name):
 def _only(value, what: str):
     def check(v, name):
         if v != value:
-            raise _bad(f"'{name}' = {v!r} is not supported by this server ({what})", name,
+            shown = json.dumps(v)[:80]  # as the client wrote it (true, not True)
+            raise _bad(f"'{name}' = {shown} is not supported by this server ({what})", name,
                        "unsupported_value")
         return v
     return check
