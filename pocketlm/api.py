@@ -229,7 +229,7 @@ def packed_cache_path(src: Path, group_size: int, embed_bits: int,
     The name is ``{name}-{options}-{source}-{state}.pocket``: ``source`` digests the source's
     path and the options, ``state`` also its size, modification time and PACK_REVISION, so a
     source that changes (a training run saved again, a file replaced) gets a new entry, and
-    :func:`load` removes the entries it replaces (same ``source``, another ``state``).
+    :func:`deploy_file` removes the entries it replaces (same ``source``, another ``state``).
     """
     from .registry import pocket_home
 
