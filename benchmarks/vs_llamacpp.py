@@ -1,7 +1,7 @@
 """pocketlm against llama.cpp on the three registry models (JSON lines, one per engine).
 
     python benchmarks/vs_llamacpp.py [--models ...] [--threads 2] >> benchmarks/vs_llamacpp.jsonl
-    python benchmarks/vs_llamacpp.py --keep-precision ...   # the quality-parity deploy files
+    python benchmarks/vs_llamacpp.py --all-int4 ...   # the packs with every matrix in INT4
     python benchmarks/vs_llamacpp.py --calls 3 ...   # three bench calls per model (noisy VMs)
     python benchmarks/vs_llamacpp.py --table benchmarks/vs_llamacpp.jsonl   # markdown table
 
@@ -13,11 +13,10 @@ llama.cpp is llama-cpp-python, built for the machine's CPU features (see the REA
 benchmark section); both engines get the same prompt ids, alternate run by run, and run in
 their own processes (`pocket bench --vs llama.cpp`).
 
-The default deploy file stores every matrix in INT4. gemma3-270m's and qwen2.5-0.5b's GGUFs keep
-most matrices at 5-8 bits, so their default packs are smaller and less accurate than what
-llama.cpp runs (docs/accuracy.md); `--keep-precision` benchmarks the packs that keep those
-tensors (Q5_0 in INT5, Q6_K/Q8_0 in INT8: top-1 agreement with the float model 97-99 %), i.e.
-at quality parity or above.
+gemma3-270m's and qwen2.5-0.5b's GGUFs keep most matrices at 5-8 bits; the default deploy file
+keeps them too (Q5_0 in INT5, Q6_K/Q8_0 in INT8: top-1 agreement with the float model 99-100 %),
+i.e. llama.cpp and pocketlm run the model at the same quality. `--all-int4` benchmarks the
+packs that requantize them to INT4 (smaller, top-1 agreement 69-89 %: docs/accuracy.md).
 """
 
 from __future__ import annotations
@@ -30,23 +29,31 @@ import time
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
 
 
-def run(models: list[str], threads: int, runs: int, keep_precision: bool, calls: int = 1) -> None:
+def pack_label(path) -> str:
+    """The deploy file's weights, as the results name them."""
+    from pocketlm.formats.pocketfile import PocketFile
+
+    quant = PocketFile(path, verify=False).json("quant")
+    label = f"int4 g{quant['group_size']}, embed int{quant['embed_bits']}"
+    if "+" in quant["scheme"]:  # tensors kept above 4 bits
+        label += ", keep-precision (q5_0 int5, q6_k/q8_0 int8)"
+    return label
+
+
+def run(models: list[str], threads: int, runs: int, keep_precision: bool | None,
+        calls: int = 1) -> None:
     import llama_cpp
 
-    import pocketlm
+    from pocketlm.api import deploy_file
     from pocketlm.bench import bench
     from pocketlm.registry import resolve
     from pocketlm.runtime.kernels import native
 
-    pack = "int4 g32, embed int8" + (", keep-precision (q5_0 int5, q6_k/q8_0 int8)"
-                                      if keep_precision else "")
     for name, call in ((n, c) for n in models for c in range(calls)):
-        if keep_precision:  # the pack's path, its GGUF for llama.cpp
-            target = pocketlm.load(name, keep_precision=True, quiet=False).path
-            results = bench(str(target), threads=threads, runs=runs, vs=["llama.cpp"],
-                            gguf=str(resolve(name)))
-        else:
-            results = bench(name, threads=threads, runs=runs, vs=["llama.cpp"])
+        target = deploy_file(name, keep_precision=keep_precision, quiet=False)
+        pack = pack_label(target)
+        results = bench(str(target), threads=threads, runs=runs, vs=["llama.cpp"],
+                        gguf=str(resolve(name)))
         ours = native.engine_setting()
         for r in results:
             row = json.loads(r.to_json())
@@ -130,14 +137,14 @@ def table(path: str) -> None:
 
 
 def main() -> None:
+    from pocketlm.pack import add_precision_options
+
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--keep-precision", action="store_true",
-                    help="benchmark the packs that keep the source's 5-8-bit tensors (Q5_0 in "
-                    "INT5, wider types in INT8)")
+    add_precision_options(ap)
     ap.add_argument("--calls", type=int, default=1,
                     help="bench calls per model (each: --runs runs per engine, alternating)")
     ap.add_argument("--table", metavar="JSONL", help="print the markdown table of a results file")

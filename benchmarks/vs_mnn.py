@@ -22,8 +22,7 @@ import time
 from importlib.metadata import version
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
-PACKS = {"pocketlm": "int4 g32, embed int8", "mnn": "int4 b64 asym, head and embed int8",
-         "llama.cpp": "gguf as published"}
+PACKS = {"mnn": "int4 b64 asym, head and embed int8", "llama.cpp": "gguf as published"}
 
 
 def engine_versions() -> dict[str, str]:
@@ -38,14 +37,18 @@ def engine_versions() -> dict[str, str]:
 
 
 def run(models: list[str], threads: int, runs: int) -> None:
+    from vs_llamacpp import pack_label
+
+    from pocketlm.api import deploy_file
     from pocketlm.bench import bench
 
     versions = engine_versions()
     vs = ["mnn", *(["llama.cpp"] if "llama.cpp" in versions else [])]
     for name in models:
+        packs = {**PACKS, "pocketlm": pack_label(deploy_file(name))}  # the file bench runs
         for r in bench(name, threads=threads, runs=runs, vs=vs):
             row = json.loads(r.to_json())
-            row["pack"] = PACKS[r.engine]
+            row["pack"] = packs[r.engine]
             row["date"] = time.strftime("%Y-%m-%d %H:%M")
             row["engine_version"] = versions[r.engine]
             row["command"] = " ".join(sys.argv)

@@ -219,11 +219,11 @@ def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel
 
 # Bumped when packing writes something better for the same source (a leaner tokenizer, a new
 # layout), so that cached deploy files are rebuilt once instead of being used forever.
-PACK_REVISION = 3
+PACK_REVISION = 4  # 4: the default keeps a GGUF's 5-8-bit tensors (keep_precision=None)
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
-                      keep_precision: bool = False, *, name: str | None = None) -> Path:
+                      keep_precision: bool | None = None, *, name: str | None = None) -> Path:
     """Where ``load`` caches the deploy file packed from ``src`` with these options.
 
     The name is ``{name}-{options}-{source}-{state}.pocket``: ``source`` digests the source's
@@ -236,7 +236,8 @@ def packed_cache_path(src: Path, group_size: int, embed_bits: int,
     st = src.stat()
     # keep-precision packs store Q5_0/Q5_1 weights in INT5 (older ones: INT8): a new tag, so
     # that those older caches are not reused
-    tag = f"g{group_size}-e{embed_bits}" + ("-keep5" if keep_precision else "")
+    tag = f"g{group_size}-e{embed_bits}" + {None: "", True: "-keep5", False: "-int4"}[
+        keep_precision]
     source = hashlib.sha256(f"{src.resolve()}|{tag}".encode()).hexdigest()[:8]
     state = hashlib.sha256(
         f"{source}|{st.st_size}|{st.st_mtime_ns}|r{PACK_REVISION}".encode()).hexdigest()[:12]
@@ -257,7 +258,8 @@ def _drop_replaced_packs(cached: Path) -> None:
 
 
 def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
-                embed_bits: int = 8, keep_precision: bool = False, quiet: bool = True) -> Path:
+                embed_bits: int = 8, keep_precision: bool | None = None,
+                quiet: bool = True) -> Path:
     """The deploy file :func:`load` runs for ``model`` (its arguments): a ``.pocket`` file as it
     is; a GGUF file, Hugging Face folder or training run packed into ``$POCKET_HOME/packed`` on
     first use."""
@@ -286,16 +288,16 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
 
 
 def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
-         group_size: int = 32, embed_bits: int = 8, keep_precision: bool = False,
+         group_size: int = 32, embed_bits: int = 8, keep_precision: bool | None = None,
          n_ctx: int | None = None, verify: bool = True, quiet: bool = True) -> PocketModel:
     """Load a model by registry name, ``.pocket`` file, ``.gguf`` file or Hugging Face folder.
 
-    GGUF files, Hugging Face folders and training runs are packed to INT4 on first use and the
-    deploy file is cached under
-    ``$POCKET_HOME/packed`` (:func:`deploy_file`). ``precision="float"`` instead runs the
-    source's dequantized float32 weights (the reference path, for checking an import).
-    ``group_size``, ``embed_bits`` and ``keep_precision`` are the packing options of
-    :func:`pocketlm.pack.pack`.
+    GGUF files, Hugging Face folders and training runs are packed on first use (INT4, with the
+    tensors a GGUF holds quantized above 4 bits kept at their precision) and the deploy file is
+    cached under ``$POCKET_HOME/packed`` (:func:`deploy_file`). ``precision="float"`` instead
+    runs the source's dequantized float32 weights (the reference path, for checking an import).
+    ``group_size``, ``embed_bits`` and ``keep_precision`` (``False``: every linear weight in
+    INT4) are the packing options of :func:`pocketlm.pack.pack`.
     """
     from .registry import DEFAULT_MODEL, resolve
 

@@ -274,6 +274,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import VS_ENGINES
+    from .pack import add_precision_options
 
     parser = _Parser(
         prog="pocket", description="Run, pack, inspect, benchmark and train app-native small language models.",
@@ -338,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.set_defaults(func=cmd_list)
 
-    p = sub.add_parser("pack", help="quantize a GGUF/HF model into one INT4 .pocket file")
+    p = sub.add_parser("pack", help="quantize a GGUF/HF model into one .pocket file (INT4; a "
+                       "GGUF's 5-8-bit tensors kept)")
     p.add_argument("src", help="GGUF file, Hugging Face folder or registry name")
     p.add_argument("-o", "--output", required=True, help="the .pocket file to write")
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
@@ -346,10 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8),
                    help="bits of the token embedding and output head (default 8; a source "
                    "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, losslessly)")
-    p.add_argument("--keep-precision", action="store_true",
-                   help="do not requantize weights that the source holds above 4 bits to "
-                   "INT4: Q5_0/Q5_1 are stored in INT5 (losslessly), the other types (Q5_K, "
-                   "Q6_K, Q8_0, F16...) in INT8: larger file, source quality")
+    add_precision_options(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_pack)
 

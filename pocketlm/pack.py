@@ -1,14 +1,20 @@
 """Turn a source model (GGUF, Hugging Face folder, or a :class:`SourceModel`) into a deploy file.
 
-The scheme: every linear weight in group-wise INT4; the token embedding and an untied output
-head in INT8 or INT4 (``embed_bits``); norms and biases in float32. With ``keep_precision`` a
-linear weight that the source stores above 4 bits is not requantized to INT4: GGUF Q5_0/Q5_1
-weights are stored in INT5 and wider ones (Q5_K, Q6_K, Q8_0, float...) in INT8, a larger file
-with the source's quality (small models such as Gemma 3 270M lose several percent of
-perplexity when their 5-bit tensors are forced to 4 bits by plain rounding). A source block
-whose grid the target layout can hold (GGUF Q4_0/Q4_1/Q4_K for INT4, Q5_0/Q5_1 for INT5 and
-Q8_0 for INT8, at group size 32) is imported without requantizing; everything else is
-requantized from its float values.
+The scheme: linear weights in group-wise INT4; the token embedding and an untied output head in
+INT8 or INT4 (``embed_bits``); norms and biases in float32. ``keep_precision`` says what happens
+to a linear weight that the source already holds quantized above 4 bits:
+
+* ``None`` (the default, ``source``): it keeps its precision. GGUF Q5_0/Q5_1 weights are stored
+  in INT5 and the wider quantized types (Q5_K, Q6_K, Q8_0) in INT8, so a GGUF runs as its
+  publisher quantized it (small models such as Gemma 3 270M lose 12-25 % of perplexity when
+  their 5-bit tensors are forced to 4 bits by plain rounding); float weights (a Hugging Face
+  folder, an F16 GGUF) are quantized to INT4.
+* ``False`` (``pocket pack --all-int4``): every linear weight in INT4, the smallest file.
+* ``True`` (``pocket pack --keep-precision``): float weights too are kept above 4 bits, in INT8.
+
+A source block whose grid the target layout can hold (GGUF Q4_0/Q4_1/Q4_K for INT4, Q5_0/Q5_1
+for INT5 and Q8_0 for INT8, at group size 32) is imported without requantizing; everything else
+is requantized from its float values.
 """
 
 from __future__ import annotations
@@ -83,28 +89,47 @@ _LOW_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "I
 _INT4_IMPORTABLE = {"Q4_0", "Q4_1", "Q4_K"}
 # 5-bit GGUF types that import into the INT5 layout without requantizing (keep_precision).
 _INT5_IMPORTABLE = {"Q5_0", "Q5_1"}
+# Unquantized source types: INT4 by default, INT8 only with keep_precision=True.
+_FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
+
+
+def add_precision_options(parser) -> None:
+    """``--all-int4`` / ``--keep-precision`` on an argparse parser, into ``keep_precision``
+    (None when neither is given: the default policy of the module docstring)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--all-int4", dest="keep_precision", action="store_const", const=False,
+                       help="requantize every linear weight to INT4, also those a GGUF holds "
+                       "above 4 bits (by default Q5_0/Q5_1 stay exact in INT5 and Q5_K/Q6_K/"
+                       "Q8_0 go to INT8): the smallest file, below the source's quality")
+    group.add_argument("--keep-precision", dest="keep_precision", action="store_const",
+                       const=True, help="also keep float weights (F16, BF16, F32) above 4 "
+                       "bits, in INT8: a larger file")
 
 
 def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
-                keep_precision: bool = False) -> int | None:
+                keep_precision: bool | None = None) -> int | None:
     """Bits to store a tensor with (None: keep it in float32). The embedding and output head
     take ``embed_bits``, except that a source holding them in a 4-bit type that imports
     losslessly stays in 4 bits: widening it to 8 would only requantize the same values and
-    double their memory. Linear weights take 4 bits; with ``keep_precision`` a Q5_0/Q5_1
-    source takes 5 (a lossless import) and any other type above 4 bits takes 8."""
+    double their memory. Linear weights take 4 bits, unless ``keep_precision`` (module
+    docstring) keeps the source's: 5 for Q5_0/Q5_1 (a lossless import), 8 for the rest."""
     if name in EMBED_NAMES:
         return 4 if source_dtype in _INT4_IMPORTABLE else embed_bits
     if name.endswith(QUANT_SUFFIXES):
-        if not keep_precision or source_dtype in _LOW_BIT_TYPES:
+        if keep_precision is False or source_dtype in _LOW_BIT_TYPES:
+            return 4
+        if keep_precision is None and source_dtype in _FLOAT_TYPES:
             return 4
         return 5 if source_dtype in _INT5_IMPORTABLE else 8
     return None
 
 
 def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int = 32,
-         embed_bits: int = 8, keep_precision: bool = False, measure_error: bool = True,
+         embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
+    ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
+    INT4) or True (also float weights in INT8), as in the module docstring.
     ``int4_search=False`` rounds requantized INT4 (and INT5) groups to their min-max grid (for
     weights trained against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`)."""
     if group_size not in GROUP_SIZES:
@@ -112,6 +137,9 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
                                f"{', '.join(map(str, GROUP_SIZES))}")
     if embed_bits not in (4, 8):
         raise UnsupportedError(f"--embed-bits must be 4 or 8, got {embed_bits}")
+    if keep_precision not in (None, False, True):
+        raise UnsupportedError(f"keep_precision must be None, False or True, got "
+                               f"{keep_precision!r}")
     check_writable(out)  # before the quantization, not after it
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
@@ -170,7 +198,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         "quant": {"scheme": f"int4-g{group_size}" + "".join(
                       f"+{k}" for k in ("int5", "int8") if k in linear_kinds),
                   "group_size": group_size, "embed_bits": stored_embed_bits or embed_bits,
-                  "keep_precision": keep_precision, "tensors": layouts},
+                  "keep_precision": "source" if keep_precision is None else keep_precision,
+                  "tensors": layouts},
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }

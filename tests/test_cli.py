@@ -105,6 +105,28 @@ def test_pack_to_a_place_it_cannot_write_fails_first(files, tmp_path, capsys, mo
     assert sorted(tmp_path.rglob("*")) == before
 
 
+def test_pack_precision_flags(tmp_path, capsys):
+    """A Q5_0 GGUF: the default keeps it (INT5), --all-int4 requantizes; both flags at once is a
+    usage error."""
+    from pocketlm.formats.pocketfile import PocketFile
+
+    src = tmp_path / "q5.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=4, weight_type="Q5_0")
+    schemes = {}
+    for flags in ([], ["--all-int4"]):
+        out = tmp_path / f"q5{len(flags)}.pocket"
+        code, stdout, _ = run_cli(capsys, "pack", src, "-o", out, *flags)
+        assert code == 0, stdout
+        schemes[tuple(flags)] = PocketFile(out).json("quant")["scheme"]
+    assert schemes == {(): "int4-g32+int5", ("--all-int4",): "int4-g32"}
+    with pytest.raises(SystemExit) as exc:  # a usage error
+        cli.main(["pack", str(src), "-o", str(tmp_path / "x.pocket"), "--all-int4",
+                  "--keep-precision"])
+    assert exc.value.code == 1
+    assert_one_line_error(1, capsys.readouterr().err, "not allowed with argument")
+    assert not (tmp_path / "x.pocket").exists()
+
+
 def test_pack_bad_group_size_is_a_one_line_usage_error(files, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["pack", str(files["gguf"]), "-o", str(tmp_path / "x.pocket"),

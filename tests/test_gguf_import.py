@@ -142,14 +142,16 @@ def test_pack_of_4bit_gguf_is_lossless(tmp_path, arch, weight_type):
     np.testing.assert_allclose(packed, ref, rtol=0, atol=_tol(ref))
 
 
-@pytest.mark.parametrize("arch,weight_type", [("llama", "Q8_0"), ("qwen2", "F32"),
-                                              ("gemma3", "Q8_0")])
-def test_pack_of_8bit_or_float_gguf_requantizes(tmp_path, arch, weight_type):
+@pytest.mark.parametrize("arch,weight_type,keep", [("llama", "Q8_0", False),
+                                                   ("qwen2", "F32", None),
+                                                   ("gemma3", "Q8_0", False)])
+def test_pack_of_8bit_or_float_gguf_requantizes(tmp_path, arch, weight_type, keep):
+    """--all-int4 requantizes Q8_0 weights to INT4; the default does so for float ones."""
     from pocketlm.quant import QuantTensor
 
     src = tmp_path / "m.gguf"
     config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=3, weight_type=weight_type)
-    report = pack(src, tmp_path / "m.pocket", progress=False)
+    report = pack(src, tmp_path / "m.pocket", keep_precision=keep, progress=False)
     for t in report.tensors:
         if t.name.endswith(QUANT_SUFFIXES):
             assert (t.how, t.stored) == ("requantized", "int4"), t
@@ -204,10 +206,25 @@ def test_keep_precision_pack_of_5bit_gguf_is_lossless_int5(tmp_path, arch, weigh
     np.testing.assert_allclose(packed, ref, rtol=0, atol=_tol(ref))
 
 
-def test_default_pack_of_5bit_gguf_stays_int4(tmp_path):
+@pytest.mark.parametrize("weight_type,stored", [("Q5_0", "int5"), ("Q8_0", "int8")])
+def test_default_pack_keeps_the_gguf_precision(tmp_path, weight_type, stored):
+    """By default a GGUF runs as its publisher quantized it: Q5_0 exact in INT5, Q8_0 exact in
+    INT8 (the file records the policy as "source")."""
+    src = tmp_path / "m.gguf"
+    config, _ = tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type=weight_type)
+    report = pack(src, tmp_path / "m.pocket", progress=False)
+    _assert_lossless(report, config, stored, weight_type)
+    quant = PocketFile(tmp_path / "m.pocket").json("quant")
+    assert quant["scheme"] == f"int4-g32+{stored}" and quant["keep_precision"] == "source"
+    packed = load_pocket(tmp_path / "m.pocket").logits(IDS)
+    floats = from_source(open_source(src)).logits(IDS)
+    np.testing.assert_allclose(packed, floats, rtol=0, atol=_tol(floats))
+
+
+def test_all_int4_pack_of_5bit_gguf_requantizes(tmp_path):
     src = tmp_path / "m.gguf"
     tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="Q5_0")
-    report = pack(src, tmp_path / "m.pocket", progress=False)
+    report = pack(src, tmp_path / "m.pocket", keep_precision=False, progress=False)
     for t in report.tensors:
         if t.name.endswith(QUANT_SUFFIXES):
             assert (t.how, t.stored, t.source_dtype) == ("requantized", "int4", "Q5_0"), t
@@ -216,6 +233,14 @@ def test_default_pack_of_5bit_gguf_stays_int4(tmp_path):
     assert quant["scheme"] == "int4-g32" and quant["keep_precision"] is False
     assert {q["kind"] for n, q in quant["tensors"].items() if n.endswith(QUANT_SUFFIXES)} == {
         "int4"}
+
+
+def test_bad_keep_precision_value(tmp_path):
+    src = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="Q5_0")
+    with pytest.raises(UnsupportedError, match="keep_precision must be None, False or True"):
+        pack(src, tmp_path / "m.pocket", keep_precision="yes", progress=False)
+    assert not (tmp_path / "m.pocket").exists()
 
 
 def test_keep_precision_at_another_group_size_requantizes_int5(tmp_path):
@@ -238,13 +263,17 @@ def test_choose_bits_policy(name):
         for t in ("Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL"):
             assert choose_bits(name, 8, t, keep) == 4, t
     for t in ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"):
-        assert choose_bits(name, 8, t, False) == 4, t  # default packs: INT4 throughout
-    assert choose_bits(name, 8, "Q5_0", True) == 5
-    assert choose_bits(name, 8, "Q5_1", True) == 5
-    for t in ("Q5_K", "Q6_K", "Q8_0", "F16", "BF16", "F32"):
+        assert choose_bits(name, 8, t, False) == 4, t  # --all-int4: INT4 throughout
+    for keep in (None, True):  # the default and --keep-precision keep quantized types
+        assert choose_bits(name, 8, "Q5_0", keep) == 5
+        assert choose_bits(name, 8, "Q5_1", keep) == 5
+        for t in ("Q5_K", "Q6_K", "Q8_0"):
+            assert choose_bits(name, 8, t, keep) == 8, t
+    for t in ("F16", "BF16", "F32"):  # float weights: INT4 unless --keep-precision
+        assert choose_bits(name, 8, t, None) == 4, t
         assert choose_bits(name, 8, t, True) == 8, t
     # the embedding, head and float tensors do not depend on keep_precision
-    for keep in (False, True):
+    for keep in (False, None, True):
         assert choose_bits("embed.weight", 8, "Q5_0", keep) == 8
         assert choose_bits("lm_head.weight", 4, "Q5_1", keep) == 4
         assert choose_bits("embed.weight", 8, "Q4_K", keep) == 4
@@ -257,8 +286,9 @@ def test_keep_precision_cache_is_not_an_older_int8_pack(tmp_path, monkeypatch):
     src.write_bytes(b"GGUF")
     keep = packed_cache_path(src, 32, 8, True)
     plain = packed_cache_path(src, 32, 8, False)
-    assert keep != plain and keep.parent == plain.parent
-    assert "-keep5-" in keep.name and "-keep" not in plain.name
+    default = packed_cache_path(src, 32, 8)
+    assert len({keep, plain, default}) == 3 and keep.parent == plain.parent == default.parent
+    assert "-keep5-" in keep.name and "-int4-" in plain.name and "-keep" not in default.name
     assert "-keep-" not in keep.name  # the name older (INT8) keep-precision packs were cached as
 
 

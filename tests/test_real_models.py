@@ -7,11 +7,12 @@ tokenized by llama.cpp so that every engine sees the same ids):
   copy of the GGUF) on the top-1 next token at >= 99 % of positions, with close distributions;
 * against llama.cpp on the original quantized GGUF (where llama.cpp also rounds activations to
   8 bits) agreement is reported and held to a looser bound;
-* the deploy file keeps top-1 agreement >= 95 % with the float path and perplexity within 3 % of
-  it. smollm2-135m (Q4_1) imports losslessly into INT4. gemma3-270m and qwen2.5-0.5b store most
-  weights as Q5_0/Q6_K/Q8_0, which plain INT4 rounding cannot hold: they meet the bounds packed
-  with ``keep_precision`` (Q5_0 tensors in INT5, the wider ones in INT8), and their strict-INT4
-  figures are checked against looser regression bounds (see docs/accuracy.md for how far and why);
+* the default deploy file keeps top-1 agreement >= 95 % with the float path and perplexity
+  within 3 % of it. smollm2-135m (Q4_1) imports losslessly into INT4. gemma3-270m and
+  qwen2.5-0.5b store most weights as Q5_0/Q6_K/Q8_0, which the default pack keeps (Q5_0 tensors
+  in INT5, the wider ones in INT8) and plain INT4 rounding cannot hold: their strict-INT4 figures
+  (``keep_precision=False``, ``pack --all-int4``) are checked against looser regression bounds
+  (see docs/accuracy.md for how far and why);
 * greedy decoding from the INT4 deploy file follows llama.cpp's greedy tokens.
 
 smollm2-135m runs in CI; gemma3-270m and qwen2.5-0.5b are marked slow (`make test-all`).
@@ -43,7 +44,7 @@ TEXTS = ["english", "chinese"]
 _TMP = tempfile.TemporaryDirectory(prefix="pocketlm-oracle-")
 
 
-# name -> keep_precision for the quality bounds
+# name -> whether its default pack keeps tensors above 4 bits (else it is strict INT4 already)
 KEEP = {"smollm2-135m": False, "gemma3-270m": True, "qwen2.5-0.5b": True}
 
 
@@ -54,8 +55,8 @@ def _models(name: str):
     for old in Path(_TMP.name).glob("*.gguf"):
         old.unlink()  # one model's F32 copy at a time (they are large)
     oracle.write_f32_gguf(path, f32)
-    strict = pocketlm.load(path)
-    kept = pocketlm.load(path, keep_precision=True) if KEEP[name] else strict
+    kept = pocketlm.load(path)  # the default: a GGUF's 5-8-bit tensors keep their precision
+    strict = pocketlm.load(path, keep_precision=False) if KEEP[name] else kept
     return path, f32, from_source(open_source(path)), strict, kept
 
 
