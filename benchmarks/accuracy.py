@@ -7,7 +7,8 @@ tokenizes them): top-1 agreement, KL divergence and perplexity of
   int4   (the .pocket deploy file) vs float.
 
     python benchmarks/accuracy.py [--models smollm2-135m gemma3-270m qwen2.5-0.5b]
-        [--group-size 32] [--embed-bits 8] >> benchmarks/accuracy.jsonl
+        [--group-size 32] [--embed-bits 8] [--all-int4 | --keep-precision]
+        >> benchmarks/accuracy.jsonl
 """
 
 from __future__ import annotations
