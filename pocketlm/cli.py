@@ -347,7 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="INT4 group size (default 32)")
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8),
                    help="bits of the token embedding and output head (default 8; a source "
-                   "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, losslessly)")
+                   "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, and one in Q5_0/Q5_1 "
+                   "its 5 unless --all-int4, losslessly)")
     add_precision_options(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_pack)

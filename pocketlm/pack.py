@@ -110,11 +110,16 @@ def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
                 keep_precision: bool | None = None) -> int | None:
     """Bits to store a tensor with (None: keep it in float32). The embedding and output head
     take ``embed_bits``, except that a source holding them in a 4-bit type that imports
-    losslessly stays in 4 bits: widening it to 8 would only requantize the same values and
-    double their memory. Linear weights take 4 bits, unless ``keep_precision`` (module
+    losslessly stays in 4 bits (widening it to 8 would only requantize the same values and
+    double their memory), and one holding them in Q5_0/Q5_1 stays in 5 (INT5, exact) unless
+    ``keep_precision`` is False. Linear weights take 4 bits, unless ``keep_precision`` (module
     docstring) keeps the source's: 5 for Q5_0/Q5_1 (a lossless import), 8 for the rest."""
     if name in EMBED_NAMES:
-        return 4 if source_dtype in _INT4_IMPORTABLE else embed_bits
+        if source_dtype in _INT4_IMPORTABLE:
+            return 4
+        if embed_bits == 8 and keep_precision is not False and source_dtype in _INT5_IMPORTABLE:
+            return 5  # imported exactly, in 6 bits a weight instead of INT8's 8.5
+        return embed_bits
     if name.endswith(QUANT_SUFFIXES):
         if keep_precision is False or source_dtype in _LOW_BIT_TYPES:
             return 4

@@ -221,6 +221,22 @@ def test_default_pack_keeps_the_gguf_precision(tmp_path, weight_type, stored):
     np.testing.assert_allclose(packed, floats, rtol=0, atol=_tol(floats))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied head (llama), untied (qwen2)
+def test_default_pack_keeps_a_5bit_embedding_in_int5(tmp_path, arch):
+    src = tmp_path / "m.gguf"
+    config, _ = tiny_gguf.write_tiny_gguf(src, arch, seed=7, weight_type="Q4_0",
+                                          embed_type="Q5_0")
+    report = pack(src, tmp_path / "m.pocket", progress=False)
+    embeds = [t for t in report.tensors if t.name in ("embed.weight", "lm_head.weight")]
+    assert embeds and all((t.how, t.stored) == ("lossless", "int5") for t in embeds), embeds
+    packed = load_pocket(tmp_path / "m.pocket").logits(IDS)
+    floats = from_source(open_source(src)).logits(IDS)
+    np.testing.assert_allclose(packed, floats, rtol=0, atol=_tol(floats))
+    strict = pack(src, tmp_path / "s.pocket", keep_precision=False, progress=False)
+    assert {t.stored for t in strict.tensors if t.name in ("embed.weight", "lm_head.weight")} \
+        == {"int8"}
+
+
 def test_all_int4_pack_of_5bit_gguf_requantizes(tmp_path):
     src = tmp_path / "m.gguf"
     tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="Q5_0")
@@ -272,9 +288,14 @@ def test_choose_bits_policy(name):
     for t in ("F16", "BF16", "F32"):  # float weights: INT4 unless --keep-precision
         assert choose_bits(name, 8, t, None) == 4, t
         assert choose_bits(name, 8, t, True) == 8, t
-    # the embedding, head and float tensors do not depend on keep_precision
+    # a Q5_0/Q5_1 embedding or head stays INT5 (exact) unless --all-int4 or --embed-bits 4
+    assert choose_bits("embed.weight", 8, "Q5_0", False) == 8
+    for keep in (None, True):
+        assert choose_bits("embed.weight", 8, "Q5_0", keep) == 5
+        assert choose_bits("lm_head.weight", 8, "Q5_1", keep) == 5
+    # the rest of the embedding, head and float tensors do not depend on keep_precision
     for keep in (False, None, True):
-        assert choose_bits("embed.weight", 8, "Q5_0", keep) == 8
+        assert choose_bits("embed.weight", 8, "Q6_K", keep) == 8
         assert choose_bits("lm_head.weight", 4, "Q5_1", keep) == 4
         assert choose_bits("embed.weight", 8, "Q4_K", keep) == 4
         assert choose_bits("layers.0.attn_norm.weight", 8, "F32", keep) is None
