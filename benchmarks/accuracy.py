@@ -49,6 +49,7 @@ def main() -> None:
                         keep_precision=args.keep_precision)
             qm = pocketlm.load(path, **opts)
             packed = packed_cache_path(path, *opts.values())
+            quant = json.loads(qm.metadata.get("quant") or "{}")
             for text in ("english", "chinese"):
                 ids = oracle.text_ids(path, text, add_bos=fm.tokenizer.add_bos)
                 ref32 = oracle.oracle_logits(f32, ids)
@@ -60,7 +61,8 @@ def main() -> None:
                     "keep_precision": ("source" if args.keep_precision is None
                                        else args.keep_precision),
                     "pocket_file_mb": round(packed.stat().st_size / 1e6, 1),
-                    "scheme": qm.metadata.get("quant", {}).get("scheme", ""),
+                    "scheme": quant.get("scheme", ""),
+                    "embed_kind": quant.get("tensors", {}).get("embed.weight", {}).get("kind"),
                     "float_vs_llama_f32": oracle.compare(ref32, fl),
                     "float_vs_llama_quant": oracle.compare(refq, fl),
                     "int4_vs_float": oracle.compare(fl, q),

@@ -16,7 +16,8 @@ def main(path: str) -> None:
           "ppl packed | Δppl |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        pack = f"INT4 g{r['group_size']}, embed INT{r['embed_bits']}"
+        embed = (r.get("embed_kind") or f"int{r['embed_bits']}").upper()  # recorded since 12-01
+        pack = f"INT4 g{r['group_size']}, embed {embed}"
         scheme = r.get("scheme", "")
         if "+" in scheme or r.get("keep_precision") is True:  # tensors kept above 4 bits
             # INT5 for Q5_0 since 2026-12-01 (scheme ...+int5); the default since 2026-12-01
