@@ -28,7 +28,7 @@ import oracle  # noqa: E402
 import pocketlm  # noqa: E402
 from pocketlm.api import from_source, packed_cache_path  # noqa: E402
 from pocketlm.formats import open_source  # noqa: E402
-from pocketlm.pack import add_precision_options  # noqa: E402
+from pocketlm.pack import add_precision_options, precision_record  # noqa: E402
 from pocketlm.registry import pull  # noqa: E402
 
 
@@ -58,8 +58,7 @@ def main() -> None:
                 row = {
                     "model": name, "text": text, "n_tokens": len(ids),
                     "group_size": args.group_size, "embed_bits": args.embed_bits,
-                    "keep_precision": ("source" if args.keep_precision is None
-                                       else args.keep_precision),
+                    "keep_precision": precision_record(args.keep_precision),
                     "pocket_file_mb": round(packed.stat().st_size / 1e6, 1),
                     "scheme": quant.get("scheme", ""),
                     "embed_kind": quant.get("tensors", {}).get("embed.weight", {}).get("kind"),

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import pocketlm  # noqa: E402
 from pocketlm.bench import machine_info  # noqa: E402
-from pocketlm.pack import add_precision_options  # noqa: E402
+from pocketlm.pack import add_precision_options, precision_record  # noqa: E402
 from pocketlm.runtime import Runtime  # noqa: E402
 from pocketlm.runtime.kernels import native  # noqa: E402
 
@@ -76,7 +76,7 @@ def run(name: str, runs: int, threads: int, keep: bool | None, corpus: bool) -> 
     m = pocketlm.load(name, keep_precision=keep, quiet=True)
     engines = {s: _engine(m, s, threads) for s in SETTINGS}
     row = {"command": " ".join(["python"] + sys.argv), "machine": machine_info(), "model": name,
-           "keep_precision": "source" if keep is None else keep, "threads": threads, "amx_attention": True,
+           "keep_precision": precision_record(keep), "threads": threads, "amx_attention": True,
            "amx_weights": dict(native.AMX_WEIGHTS),
            "date": time.strftime("%Y-%m-%d %H:%M")}
     ref = Runtime(m.config, m.runtime.w, engine="numpy")

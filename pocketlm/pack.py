@@ -106,6 +106,11 @@ def add_precision_options(parser) -> None:
                        "bits, in INT8: a larger file")
 
 
+def precision_record(keep_precision: bool | None) -> bool | str:
+    """``keep_precision`` as deploy files and benchmark rows record it ("source" for None)."""
+    return "source" if keep_precision is None else keep_precision
+
+
 def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
                 keep_precision: bool | None = None) -> int | None:
     """Bits to store a tensor with (None: keep it in float32). The embedding and output head
@@ -203,7 +208,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         "quant": {"scheme": f"int4-g{group_size}" + "".join(
                       f"+{k}" for k in ("int5", "int8") if k in linear_kinds),
                   "group_size": group_size, "embed_bits": stored_embed_bits or embed_bits,
-                  "keep_precision": "source" if keep_precision is None else keep_precision,
+                  "keep_precision": precision_record(keep_precision),
                   "tensors": layouts},
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
