@@ -20,13 +20,20 @@ import numpy as np
 
 from .chat import FAMILY_TEMPLATES, render
 from .config import GenerationDefaults, ModelConfig
-from .errors import ContextLengthError, PocketError, SamplingError
+from .errors import (
+    ContextLengthError,
+    ModelNotFoundError,
+    PocketError,
+    SamplingError,
+    TokenIdError,
+    UnsupportedError,
+)
 from .formats import SourceModel, open_source, sniff
 from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
 from .generate import GenerationState, stream_text, stream_tokens
 from .runtime import Runtime
 from .sampling import Sampler, SamplingParams
-from .tokenizer import Tokenizer, release_free_heap
+from .tokenizer import Tokenizer, check_text, release_free_heap
 
 DEFAULT_CONTEXT = 4096  # KV cache capacity when the caller does not ask for one
 
@@ -51,12 +58,12 @@ class PocketModel:
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``, with a BOS token if the model adds one."""
-        if not isinstance(text, str):
-            raise PocketError(f"tokenize() takes a str, got {type(text).__name__}")
+        check_text(text)
         return self.tokenizer.encode(text, add_bos=add_bos, special=special)
 
     def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        """The text of token ids (invalid UTF-8 between tokens becomes U+FFFD)."""
+        return self.tokenizer.decode(self._check_ids(ids, allow_empty=True))
 
     # -- logits ------------------------------------------------------------------------------
     def logits(self, ids: list[int]) -> np.ndarray:
@@ -68,14 +75,26 @@ class PocketModel:
         cache = self.runtime.new_cache(len(ids))
         return self.runtime.forward(ids, cache, all_logits=True)
 
-    def _check_ids(self, ids) -> list[int]:
-        ids = [int(i) for i in ids]
-        if not ids:
-            raise PocketError("need at least one token")
-        bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
-        if bad:
-            raise PocketError(f"token id {bad[0]} is out of range 0..{self.config.vocab_size - 1}")
-        return ids
+    def _check_ids(self, ids, *, allow_empty: bool = False) -> list[int]:
+        """``ids`` as a list of Python ints in the vocabulary; a :class:`TokenIdError` for
+        anything else (floats, strings, bools, complex numbers, a bare number)."""
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TokenIdError(f"token ids must be a list of integers, got "
+                               f"{type(ids).__name__}")
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise TokenIdError(f"token ids must be one-dimensional, got shape {ids.shape}")
+        out = []
+        for i in ids:
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                raise TokenIdError(f"token ids must be integers, got {i!r} "
+                                   f"({type(i).__name__})")
+            if not 0 <= i < self.config.vocab_size:
+                raise TokenIdError(f"token id {i} is out of range "
+                                   f"0..{self.config.vocab_size - 1}")
+            out.append(int(i))
+        if not out and not allow_empty:
+            raise TokenIdError("need at least one token")
+        return out
 
     # -- generation --------------------------------------------------------------------------
     def _params(self, temperature, top_k, top_p, min_p, repetition_penalty, seed):
@@ -122,9 +141,8 @@ class PocketModel:
                min_p: float | None = None, repetition_penalty: float | None = None,
                add_bos: bool | None = None) -> Iterator[str]:
         """Text pieces of the continuation of ``prompt`` as they are generated."""
-        if not isinstance(prompt, str):
-            raise PocketError(f"prompt must be a str, got {type(prompt).__name__}")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        check_text(prompt, "prompt")
+        stops = _check_stop(stop)
         ids = self.tokenize(prompt, add_bos=add_bos)
         state = GenerationState()
         tokens = self.stream_ids(ids, max_tokens=max_tokens, temperature=temperature,
@@ -159,8 +177,8 @@ class PocketModel:
              seed: int | None = None, stop: list[str] | str | None = None,
              stream: bool = False, **kwargs: Any):
         """The assistant's reply to ``messages`` (an iterator of pieces when ``stream``)."""
+        stops = _check_stop(stop)
         ids = self.chat_ids(messages)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
         state = GenerationState()
         tokens = self.stream_ids(ids, max_tokens=max_tokens, temperature=temperature,
                                  top_p=top_p, seed=seed, state=state, **kwargs)
@@ -173,7 +191,34 @@ class PocketModel:
                 f"vocab {c.vocab_size}, path={str(self.path)!r})")
 
 
+def _check_stop(stop) -> list[str]:
+    """``stop`` (None, a string or a list of strings) as a list of strings."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [check_text(stop, "stop")]
+    if not isinstance(stop, (list, tuple)):
+        raise SamplingError(f"stop must be a string or a list of strings, got "
+                            f"{type(stop).__name__}")
+    return [check_text(s, "each stop string") for s in stop]
+
+
 # -- loading ---------------------------------------------------------------------------------
+def _check_pack_options(group_size, embed_bits, keep_precision) -> None:
+    """The packing options of :func:`load` and :func:`deploy_file`, checked before they name
+    a cache entry (the same rules as :func:`pocketlm.pack.pack`)."""
+    from .quant import GROUP_SIZES
+
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise UnsupportedError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                               f"got {group_size!r}")
+    if isinstance(embed_bits, bool) or embed_bits not in (4, 8):
+        raise UnsupportedError(f"embed_bits must be 4 or 8, got {embed_bits!r}")
+    if keep_precision is not None and not isinstance(keep_precision, bool):
+        raise UnsupportedError(f"keep_precision must be None, False or True, got "
+                               f"{keep_precision!r}")
+
+
 def _check_n_ctx(n_ctx):
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int)
                               or n_ctx < 1):
@@ -264,9 +309,10 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
     is; a GGUF file, Hugging Face folder or training run packed into ``$POCKET_HOME/packed`` on
     first use."""
     from .pack import pack
-    from .registry import DEFAULT_MODEL, resolve
+    from .registry import resolve
 
-    path = resolve(str(model) if model is not None else DEFAULT_MODEL, quiet=quiet)
+    _check_pack_options(group_size, embed_bits, keep_precision)
+    path = resolve(_model_name(model), quiet=quiet)
     kind = sniff(path)
     if kind == "pocket":
         return Path(path)
@@ -287,6 +333,18 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
     return cached
 
 
+def _model_name(model) -> str:
+    """``model`` (a name, a path or None for the default) as the string ``resolve`` takes."""
+    from .registry import DEFAULT_MODEL
+
+    if model is None:
+        return DEFAULT_MODEL
+    if not isinstance(model, (str, os.PathLike)):
+        raise ModelNotFoundError(f"model must be a registry name or a path, got "
+                                 f"{type(model).__name__}")
+    return check_text(os.fspath(model) if not isinstance(model, str) else model, "model")
+
+
 def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
          group_size: int = 32, embed_bits: int = 8, keep_precision: bool | None = None,
          n_ctx: int | None = None, verify: bool = True, quiet: bool = True) -> PocketModel:
@@ -299,13 +357,15 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
     ``group_size``, ``embed_bits`` and ``keep_precision`` (``False``: every linear weight in
     INT4) are the packing options of :func:`pocketlm.pack.pack`.
     """
-    from .registry import DEFAULT_MODEL, resolve
+    from .registry import resolve
 
     _check_n_ctx(n_ctx)
     if precision not in ("int4", "float"):
         raise PocketError(f"precision must be 'int4' or 'float', got {precision!r}")
+    if not isinstance(verify, bool):
+        raise PocketError(f"verify must be True or False, got {verify!r}")
     if precision == "float":
-        path = resolve(str(model) if model is not None else DEFAULT_MODEL, quiet=quiet)
+        path = resolve(_model_name(model), quiet=quiet)
         if sniff(path) == "pocket":
             raise PocketError(f"{path}: a deploy file is already quantized; "
                               "precision='float' needs the GGUF or Hugging Face source")

@@ -139,7 +139,9 @@ def _sampling(args) -> dict:
 def cmd_run(args) -> int:
     prompt = args.prompt
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        prompt = sys.stdin.read()
+        prompt = _read_stdin_text()
+    elif prompt is not None:
+        prompt = _argv_text(prompt, "the prompt")
     if not prompt:
         raise PocketError("no prompt given: pocket run \"your prompt\" (or pipe text on stdin)")
     m = _load(args)
@@ -169,11 +171,36 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _read_stdin_text() -> str:
+    """All of stdin as text; undecodable bytes are an error that says where."""
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        return _argv_text(data, "stdin")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PocketError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start}; convert it first (e.g. iconv -t UTF-8)") from None
+
+
+def _argv_text(text: str, what: str) -> str:
+    """A command-line argument (or a line read from the terminal) as valid text.
+
+    Python reads undecodable bytes in argv and stdin as lone surrogates (surrogateescape);
+    they are named here, instead of failing deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PocketError(f"{what} is not UTF-8 text: an undecodable byte at character "
+                          f"{exc.start}; use UTF-8") from None
+    return text
+
+
 def cmd_chat(args) -> int:
     m = _load(args)
     history: list[dict] = []
     if args.system:
-        history.append({"role": "system", "content": args.system})
+        history.append({"role": "system", "content": _argv_text(args.system, "--system")})
     base = list(history)
     print(f"pocket chat: {args.model or default_model()}  (/reset clears the conversation, "
           "/quit or Ctrl-D leaves)", file=sys.stderr)
@@ -183,6 +210,10 @@ def cmd_chat(args) -> int:
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
+        except UnicodeDecodeError as exc:
+            print(f"pocket: error: that line is not UTF-8 text (byte 0x{exc.object[exc.start]:02x}"
+                  f" at offset {exc.start}); use UTF-8", file=sys.stderr)
+            continue
         text = line.strip()
         if not text:
             continue
@@ -194,6 +225,11 @@ def cmd_chat(args) -> int:
             continue
         if text.startswith("/"):
             print("[commands: /reset, /quit]", file=sys.stderr)
+            continue
+        try:
+            line = _argv_text(line, "that line")
+        except PocketError as exc:
+            print(f"pocket: error: {exc}", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
         reply = []

@@ -42,3 +42,11 @@ class FetchError(PocketError):
 
 class KernelError(PocketError, ValueError):
     """A kernel was handed arrays of the wrong dtype, shape, layout or alignment."""
+
+
+class TextError(PocketError, ValueError):
+    """Text that is not valid Unicode (a lone surrogate, undecodable bytes) or not text at all."""
+
+
+class TokenIdError(PocketError, ValueError):
+    """A token id that is not an integer in the model's vocabulary."""

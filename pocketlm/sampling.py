@@ -72,20 +72,25 @@ class Sampler:
         if p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))
             vals = x[seen]
-            x[seen] = np.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            with np.errstate(over="ignore"):  # a tiny penalty may push a logit to +inf
+                x[seen] = np.where(vals > 0, vals / p.repetition_penalty,
+                                   vals * p.repetition_penalty)
         if p.temperature == 0:
             return int(np.argmax(x))
-        x /= p.temperature
+        x = _finite_scores(x)
+        # Shift before scaling: every score is then <= 0 with the best exactly 0, so dividing
+        # by any positive temperature (1e-308 included) gives values in [-inf, 0], exp() gives
+        # [0, 1] with at least one 1, and the normalising sum is >= 1: no inf, no NaN.
+        with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+            x = (x - x.max()) / p.temperature
         if p.top_k and p.top_k < x.size:
             kth = np.partition(x, -p.top_k)[-p.top_k]
             x[x < kth] = -np.inf
-        x -= x.max()
         probs = np.exp(x)
-        probs /= probs.sum()
         if p.top_p < 1.0:
             order = np.argsort(-probs, kind="stable")
             cum = np.cumsum(probs[order])
-            keep = cum - probs[order] < p.top_p  # the smallest prefix reaching top_p
+            keep = cum - probs[order] < p.top_p * cum[-1]  # the smallest prefix reaching top_p
             mask = np.zeros_like(probs, dtype=bool)
             mask[order[keep]] = True
             probs = np.where(mask, probs, 0.0)
@@ -93,3 +98,22 @@ class Sampler:
             probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
         return int(self.rng.choice(probs.size, p=probs))
+
+
+def _finite_scores(x: np.ndarray) -> np.ndarray:
+    """Scores with no NaN and no +inf, so that sampling from them is well defined.
+
+    NaN scores (a broken model) can never be drawn. +inf scores (a repetition penalty of 1e-300
+    on a positive logit) are the most likely by definition: the draw is among them alone,
+    uniformly.
+    """
+    if np.isfinite(x).all():
+        return x
+    best = np.isposinf(x)
+    if best.any():
+        return np.where(best, 0.0, -np.inf)
+    x = np.where(np.isnan(x), -np.inf, x)
+    if np.isneginf(x).all():
+        raise SamplingError("every next-token score is NaN or -inf: the model produced no "
+                            "usable logits")
+    return x

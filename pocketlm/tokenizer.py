@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from .errors import FormatError, UnsupportedError
+from .errors import FormatError, TextError, TokenIdError, UnsupportedError
 
 __all__ = [
     "SpmTokenizer",
@@ -280,8 +280,7 @@ class Tokenizer:
         tokens; ``special=False`` tokenizes them as plain text. ``add_bos=None`` follows the
         model's convention.
         """
-        if not isinstance(text, str):
-            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        check_text(text)
         # encode_special_tokens is a switch on the shared tokenizer: hold the lock while set
         with self._lock:
             if special:
@@ -307,7 +306,7 @@ class Tokenizer:
         if cached is not None:
             return cached
         if not 0 <= id < self._vocab_size:
-            raise ValueError(f"token id {id} is out of range (vocabulary size {self._vocab_size})")
+            raise TokenIdError(f"token id {id} is out of range 0..{self._vocab_size - 1}")
         if id in self._added:
             out = self._added[id].encode("utf-8")
         else:
@@ -518,8 +517,7 @@ class SpmTokenizer(Tokenizer):
         return parts
 
     def encode(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"encode() takes a str, not {type(text).__name__}")
+        check_text(text)
         ids: list[int] = []
         after_token = True  # the text's start counts as following a token
         for part in self._partition(text, special):
@@ -601,6 +599,28 @@ def release_free_heap() -> None:
 
 
 _MALLOC_TRIM = None
+
+
+def check_text(text: Any, what: str = "text") -> str:
+    """``text`` if it is a str that encodes as UTF-8; else a :class:`TextError` saying where not.
+
+    Python strings can hold lone surrogates (U+D800-U+DFFF): what undecodable bytes become
+    when read with ``surrogateescape`` (argv, a non-UTF-8 stdin) or a JSON ``"\\ud800"``.
+    No tokenizer can encode them.
+    """
+    if not isinstance(text, str):
+        raise TextError(f"{what} must be a str, got {type(text).__name__}")
+    if text.isascii():
+        return text
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start]
+        raise TextError(
+            f"{what} is not valid Unicode: a lone surrogate U+{ord(bad):04X} at character "
+            f"{exc.start} (undecodable bytes in the input?); send UTF-8 text"
+        ) from None
+    return text
 
 
 class StreamingDetokenizer:

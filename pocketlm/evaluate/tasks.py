@@ -393,12 +393,16 @@ def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], N
             header = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise PocketError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        except (ValueError, RecursionError) as e:
+            raise PocketError(f"{path}: not valid YAML: {_json_problem(e)}") from None
         return _task_from_header(header, path, strict=strict, warn=warn)
     if path.suffix == ".json":
         try:
             header = json.loads(text)
         except json.JSONDecodeError as e:
             raise PocketError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+        except (ValueError, RecursionError) as e:  # a 5,000-digit integer, deep nesting
+            raise PocketError(f"{path}: not valid JSON: {_json_problem(e)}") from None
         return _task_from_header(header, path, strict=strict, warn=warn)
     records, skipped = read_jsonl(path, text, strict=strict)
     if not records or not (isinstance(records[0][1], dict) and set(records[0][1]) == {"task"}):
@@ -433,14 +437,39 @@ def read_jsonl(path: Path, text: str, *, strict: bool = False
             value = json.loads(line)
             if not isinstance(value, dict):
                 raise ValueError(f"expected a JSON object, got {type(value).__name__}")
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             if strict:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else _json_problem(e)
                 raise PocketError(f"{path}:{no}: malformed line ({msg})") from None
             skipped += 1
             continue
         out.append((no, value))
     return out, skipped
+
+
+def _json_problem(exc: BaseException) -> str:
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string ..."
+
+
+def _check_unicode(value: Any, where: str) -> None:
+    """Refuse strings that hold lone surrogates (a JSON "\\ud800"): no tokenizer encodes them."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise PocketError(f"{where}: a string holds a lone surrogate "
+                                  f"U+{ord(v[exc.start]):04X}, which is not text; use UTF-8 "
+                                  "text") from None
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
 
 
 def _task_from_header(header: Any, path: Path, *, strict: bool, warn, skipped: int = 0,
@@ -471,6 +500,10 @@ def _task_from_header(header: Any, path: Path, *, strict: bool, warn, skipped: i
                 out.append((f"{path}: {key}[{i}]", r))
         else:
             raise PocketError(f"{path}: {key!r} must be a list of examples or a JSONL path")
+    _check_unicode({k: v for k, v in header.items() if k not in ("examples", "fewshot")},
+                   str(path))
+    for where, r in (*examples, *fewshot):
+        _check_unicode(r, where)
     task = Task(
         name=str(header.get("name") or path.stem),
         type=header.get("type"),

@@ -1,0 +1,215 @@
+"""Misuse of the Python API, the sampler and the text inputs: every bad value is a typed
+:class:`PocketError` that names it, never a NaN, a builtin exception or a silent coercion."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tiny_gguf
+
+import pocketlm
+from pocketlm.errors import PocketError, SamplingError, TextError, TokenIdError
+from pocketlm.evaluate.tasks import load_task
+from pocketlm.sampling import Sampler, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("misuse")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(root / "home"))
+        src = root / "tiny.gguf"
+        tiny_gguf.write_tiny_gguf(src, "llama", seed=3, weight_type="Q4_0")
+        model = pocketlm.load(src)
+        yield {"root": root, "gguf": src, "model": model}
+
+
+@pytest.fixture
+def m(env):
+    return env["model"]
+
+
+# -- the sampler -----------------------------------------------------------------------------
+LOGITS = np.random.default_rng(0).normal(size=500).astype(np.float32) * 8
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-308, 1.7e-307, 1e-30, 1e-3, 0.7, 1e300])
+@pytest.mark.parametrize("penalty", [1.0, 1e-300, 1e300])
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.0), (5, 0.9, 0.05), (1, 1e-9, 1.0)])
+def test_no_accepted_parameter_makes_the_sampler_fail(temperature, penalty, top_k, top_p,
+                                                      min_p):
+    """Dividing the logits by a tiny temperature overflowed to inf and inf - inf made the
+    probabilities NaN; a tiny or huge repetition penalty did the same to the seen tokens."""
+    params = SamplingParams(temperature=temperature, repetition_penalty=penalty, top_k=top_k,
+                            top_p=top_p, min_p=min_p, seed=1)
+    sampler = Sampler(params)
+    for _ in range(3):
+        token = sampler(LOGITS, history=[1, 2, 3, int(np.argmax(LOGITS))])
+        assert 0 <= token < LOGITS.size
+
+
+def test_a_vanishing_temperature_samples_the_greedy_token():
+    # every other token is exp(-gap / 1e-308) = 0 times as likely
+    assert Sampler(SamplingParams(temperature=1e-308, seed=0))(LOGITS) == int(np.argmax(LOGITS))
+
+
+def test_non_finite_logits_are_sampled_sensibly():
+    x = np.array([0.0, np.nan, 1.0, -np.inf], np.float32)
+    s = Sampler(SamplingParams(temperature=1.0, seed=0))
+    assert all(s(x) in (0, 2) for _ in range(20))  # NaN and -inf are never drawn
+    x = np.array([0.0, np.inf, 1.0, np.inf], np.float32)
+    assert {s(x) for _ in range(40)} == {1, 3}  # +inf is the most likely: only those
+    with pytest.raises(SamplingError, match="NaN or -inf"):
+        s(np.array([np.nan, -np.inf], np.float32))
+
+
+def test_generate_with_a_vanishing_temperature_is_greedy(m):
+    greedy = m.generate("hello", max_tokens=6, temperature=0)
+    assert m.generate("hello", max_tokens=6, temperature=1e-308, seed=3) == greedy
+
+
+# -- the API misuse table --------------------------------------------------------------------
+MISUSE = [
+    ("logits([1.9])", lambda m: m.logits([1.9]), TokenIdError, "integers"),
+    ("logits(['5'])", lambda m: m.logits(["5"]), TokenIdError, "integers"),
+    ("logits(complex)", lambda m: m.logits(np.array([1 + 2j])), TokenIdError, "integers"),
+    ("logits(True)", lambda m: m.logits([True]), TokenIdError, "integers"),
+    ("logits(5)", lambda m: m.logits(5), TokenIdError, "list of integers"),
+    ("logits('5')", lambda m: m.logits("5"), TokenIdError, "list of integers"),
+    ("logits(2-D)", lambda m: m.logits(np.zeros((2, 2), np.int64)), TokenIdError,
+     "one-dimensional"),
+    ("logits(-1)", lambda m: m.logits([-1]), TokenIdError, "out of range"),
+    ("logits([])", lambda m: m.logits([]), TokenIdError, "at least one"),
+    ("detokenize(huge)", lambda m: m.detokenize([10**9]), TokenIdError, "out of range"),
+    ("detokenize(['a'])", lambda m: m.detokenize(["a"]), TokenIdError, "integers"),
+    ("detokenize(None)", lambda m: m.detokenize(None), TokenIdError, "list of integers"),
+    ("tokenize(None)", lambda m: m.tokenize(None), TextError, "str"),
+    ("tokenize(bytes)", lambda m: m.tokenize(b"hi"), TextError, "str"),
+    ("tokenize(surrogate)", lambda m: m.tokenize("a\ud800"), TextError, "U+D800"),
+    ("generate(surrogate)", lambda m: m.generate("a\ud800", max_tokens=2), TextError,
+     "U+D800"),
+    ("generate(escaped byte)", lambda m: m.generate("hi \udcff", max_tokens=2), TextError,
+     "U+DCFF"),
+    ("generate(stop=5)", lambda m: m.generate("hi", max_tokens=2, stop=5), SamplingError,
+     "stop"),
+    ("generate(stop=[5])", lambda m: m.generate("hi", max_tokens=2, stop=[5]), TextError,
+     "stop"),
+    ("generate(max_tokens=-1)", lambda m: m.generate("hi", max_tokens=-1), SamplingError,
+     "max_tokens"),
+    ("generate(max_tokens=2.5)", lambda m: m.generate("hi", max_tokens=2.5), SamplingError,
+     "max_tokens"),
+    ("generate(temperature='hot')", lambda m: m.generate("hi", temperature="hot"),
+     SamplingError, "temperature"),
+    ("generate(temperature=nan)", lambda m: m.generate("hi", temperature=float("nan")),
+     SamplingError, "temperature"),
+    ("generate(top_k=1.5)", lambda m: m.generate("hi", top_k=1.5, temperature=1),
+     SamplingError, "top_k"),
+    ("generate(seed=-1)", lambda m: m.generate("hi", seed=-1, temperature=1), SamplingError,
+     "seed"),
+    ("chat(surrogate)", lambda m: m.chat([{"role": "user", "content": "a\ud800b"}]), TextError,
+     "U+D800"),
+    ("chat(not a list)", lambda m: m.chat("hello"), PocketError, "messages"),
+    ("stream_ids(floats)", lambda m: list(m.stream_ids([1.5])), TokenIdError, "integers"),
+]
+
+
+@pytest.mark.parametrize("call,error,words", [(c, e, w) for _, c, e, w in MISUSE],
+                         ids=[n for n, *_ in MISUSE])
+def test_model_misuse_is_a_typed_error(m, call, error, words):
+    with pytest.raises(error) as info:
+        call(m)
+    assert words in str(info.value)
+
+
+LOAD_MISUSE = [
+    ("keep_precision='yes'", dict(keep_precision="yes"), "keep_precision"),
+    ("keep_precision=2", dict(keep_precision=2), "keep_precision"),
+    ("group_size=33", dict(group_size=33), "group_size"),
+    ("group_size=True", dict(group_size=True), "group_size"),
+    ("embed_bits=5", dict(embed_bits=5), "embed_bits"),
+    ("n_ctx=0", dict(n_ctx=0), "n_ctx"),
+    ("n_ctx=1.5", dict(n_ctx=1.5), "n_ctx"),
+    ("verify='no'", dict(verify="no"), "verify"),
+    ("precision='int3'", dict(precision="int3"), "precision"),
+]
+
+
+@pytest.mark.parametrize("kwargs,words", [(k, w) for _, k, w in LOAD_MISUSE],
+                         ids=[n for n, *_ in LOAD_MISUSE])
+def test_load_misuse_is_a_typed_error(env, kwargs, words):
+    with pytest.raises(PocketError, match=words):
+        pocketlm.load(env["gguf"], **kwargs)
+
+
+@pytest.mark.parametrize("model", [123, ["a"], "a\ud800"])
+def test_a_model_that_is_not_a_name_or_path_is_a_typed_error(env, model):
+    with pytest.raises(PocketError):
+        pocketlm.load(model)
+
+
+# -- text from the command line --------------------------------------------------------------
+def pocket(env, args: list, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "POCKET_HOME": str(env["root"] / "home"), "LC_ALL": "C.UTF-8"}
+    return subprocess.run([sys.executable, "-m", "pocketlm.cli", *args], input=stdin,
+                          capture_output=True, env=environ, cwd=REPO, timeout=300)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, *words: str) -> None:
+    err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
+    assert proc.returncode == 1, proc.stderr
+    assert len(err) == 1 and err[0].startswith("pocket: error: "), proc.stderr
+    for w in words:
+        assert w in err[0], (w, err)
+
+
+def test_non_utf8_stdin_is_one_line(env):
+    proc = pocket(env, ["run", "-m", str(env["gguf"]), "-n", "4"], stdin=b"hi \xff\xfe")
+    assert_one_line(proc, "stdin is not UTF-8", "0xff", "offset 3")
+
+
+def test_non_utf8_argument_is_one_line(env):
+    proc = pocket(env, ["run", "-m", str(env["gguf"]), "-n", "4", os.fsdecode(b"hi \xff")])
+    assert_one_line(proc, "the prompt is not UTF-8")
+
+
+def test_chat_names_a_non_utf8_line_and_goes_on(env):
+    proc = pocket(env, ["chat", "-m", str(env["gguf"]), "-n", "2"],
+                  stdin=b"hi \xff\nhello\n/quit\n")
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr.decode("utf-8", "replace")
+    assert "not UTF-8" in err and "Traceback" not in err
+
+
+# -- evaluation task files -------------------------------------------------------------------
+def task_header(**extra) -> dict:
+    return {"type": "generation", "template": "Q: {question}\nA:", "extract": "last_number",
+            **extra}
+
+
+@pytest.mark.parametrize("case", ["huge int", "deep nesting", "surrogate", "huge int jsonl",
+                                  "deep jsonl"])
+def test_hostile_task_files_are_one_clear_error(tmp_path, case):
+    path = tmp_path / "task.json"
+    if case == "huge int":
+        path.write_text('{"type": "generation", "template": "x", "shots": 1' + "0" * 5000 + "}")
+    elif case == "deep nesting":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif case == "surrogate":
+        path.write_text(json.dumps(task_header(examples=[{"question": "a\ud800",
+                                                          "answer": "1"}])))
+    else:
+        path = tmp_path / "task.jsonl"
+        bad = ('{"question": "x", "answer": 1' + "0" * 5000 + "}" if case == "huge int jsonl"
+               else "[" * 100_000 + "]" * 100_000)
+        path.write_text(json.dumps({"task": task_header()}) + "\n" + bad + "\n")
+    with pytest.raises(PocketError) as info:
+        load_task(path, strict=True)
+    assert str(path) in str(info.value)
