@@ -227,25 +227,41 @@ def _check_n_ctx(n_ctx):
 
 
 def file_config_and_tokenizer(pf: PocketFile) -> tuple[ModelConfig, Tokenizer]:
-    """A deploy file's model config and tokenizer (no weights read)."""
-    config = ModelConfig.from_dict(pf.json("config"))
-    return config, Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8"))
+    """A deploy file's model config and tokenizer (no weights read). The config is validated
+    and checked against the file's tensor table first, so that nothing is sized from a header
+    the file does not back."""
+    config = pf.config()
+    pf.check_model(config)
+    try:
+        tokenizer = Tokenizer.from_json(pf.tokenizer_json())
+    except PocketError as exc:
+        if str(pf.path) in str(exc):
+            raise
+        raise type(exc)(f"{pf.path}: tensor {TOKENIZER_TENSOR!r}: {exc}") from None
+    return config, tokenizer
 
 
 def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = None,
                 on_stage=None) -> PocketModel:
     """Load a deploy file. ``on_stage(name)`` is called after each step (the benchmark uses
-    it to say where memory goes)."""
+    it to say where memory goes). The model's ``metadata`` is the file's, plus
+    ``header_verified`` (False for a format version 1 file, whose header has no checksum)."""
     stage = on_stage or (lambda name: None)
     pf = PocketFile(path, verify=verify)
     stage("file mapped" + (" + checksums read" if verify else ""))
     config, tokenizer = file_config_and_tokenizer(pf)
     stage("tokenizer")
+    try:
+        generation = GenerationDefaults.from_dict(pf.json_object("generation", {}))
+    except PocketError as exc:
+        if str(pf.path) in str(exc):
+            raise
+        raise type(exc)(f"{pf.path}: metadata field 'generation': {exc}") from None
     model = PocketModel(
         config, pf.weights(), tokenizer,
-        chat_template=pf.metadata.get("chat_template") or None,
-        generation=GenerationDefaults.from_dict(pf.json("generation", {})),
-        path=Path(path), metadata=pf.metadata, n_ctx=n_ctx, file_backed=True,
+        chat_template=pf.text("chat_template") or None, generation=generation,
+        path=Path(path), metadata={**pf.metadata, "header_verified": pf.header_verified},
+        n_ctx=n_ctx, file_backed=True,
     )
     if model.runtime.native is not None:
         pf.drop_resident()  # the engine holds its own copy; mapped pages come back on demand

@@ -45,7 +45,6 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
         for m in messages
     ):
         raise PocketError("messages must be a list of {'role': str, 'content': str} objects")
-    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -53,9 +52,14 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
                                                               indent=indent)
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    if not isinstance(template, str):
+        raise PocketError(f"chat template must be a string, got {type(template).__name__}")
     try:
         return env.from_string(template).render(
             messages=messages, bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, **extra)
-    except TemplateError as exc:
-        raise PocketError(f"chat template failed to render: {exc}") from None
+    except PocketError:
+        raise  # raise_exception() in the template: its own message
+    except Exception as exc:  # the template is code from the model file: any failure is its own
+        raise PocketError(f"the model's chat template failed to render ({type(exc).__name__}: "
+                          f"{exc}); fix the template or pass a plain prompt") from None

@@ -82,7 +82,7 @@ def cmd_pack(args) -> int:
 
 def cmd_inspect(args) -> int:
     from .formats import sniff
-    from .formats.pocketfile import PocketFile
+    from .formats.pocketfile import FORMAT_NAME, PocketFile
 
     path = Path(args.file)
     if sniff(path) != "pocket":
@@ -90,28 +90,36 @@ def cmd_inspect(args) -> int:
                           "pack a GGUF or Hugging Face model with `pocket pack` first)")
     pf = PocketFile(path, verify=args.verify)
     meta = pf.metadata
+    config = pf.config()  # validated: a malformed config is a one-line error, not a KeyError
+    pf.check_model(config)
+    quant = pf.json_object("quant", {})
+    prov = pf.json_object("provenance", {})
+    generation = pf.json_object("generation", {})
+    layouts = pf.quant_layouts()
     if args.json:
-        out = {k: (json.loads(v) if k in ("config", "generation", "quant", "provenance") else v)
-               for k, v in meta.items() if k != "checksums"}
-        out["quant"]["tensors"] = len(out["quant"].get("tensors", {}))
-        out["file_bytes"] = pf.nbytes
+        out = {k: v for k, v in meta.items() if k not in ("checksums", "header_checksum")}
+        out.update(config=config.to_dict(), generation=generation, provenance=prov,
+                   quant={**quant, "tensors": len(layouts)}, file_bytes=pf.nbytes,
+                   header_verified=pf.header_verified)
         print(json.dumps(out, ensure_ascii=False))
         return 0
-    cfg = json.loads(meta["config"])
-    quant = json.loads(meta["quant"])
-    prov = json.loads(meta["provenance"])
-    print(f"file:        {path} ({pf.nbytes / 1e6:.1f} MB, format {meta['format']} "
-          f"v{meta['format_version']})")
-    print(f"model:       {cfg['arch']}, {cfg['n_layers']} layers, d_model {cfg['d_model']}, "
-          f"{cfg['n_heads']} heads / {cfg['n_kv_heads']} KV heads of {cfg['head_dim']}, "
-          f"d_ff {cfg['d_ff']}, vocab {cfg['vocab_size']}, context {cfg['max_context']}")
-    print(f"quant:       {quant['scheme']}, embeddings INT{quant['embed_bits']}, "
-          f"{len(quant['tensors'])} quantized tensors")
-    print(f"source:      {prov.get('source_file')} ({prov.get('source_format')}, sha256 "
-          f"{str(prov.get('source_sha256'))[:16]}...)")
-    print(f"packed:      {prov.get('packed_at')} by pocketlm {prov.get('pocketlm_version')}")
-    print(f"template:    {'yes' if meta.get('chat_template') else 'none'}")
-    print(f"generation:  {meta.get('generation')}")
+    c = config
+    print(f"file:        {path} ({pf.nbytes / 1e6:.1f} MB, format {FORMAT_NAME} "
+          f"v{pf.format_version})")
+    print(f"model:       {c.arch}, {c.n_layers} layers, d_model {c.d_model}, "
+          f"{c.n_heads} heads / {c.n_kv_heads} KV heads of {c.head_dim}, "
+          f"d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.max_context}")
+    print(f"quant:       {quant.get('scheme', 'none')}, embeddings INT"
+          f"{quant.get('embed_bits', '?')}, {len(layouts)} quantized tensors")
+    known = {k: prov.get(k, "unknown") for k in ("source_file", "source_format",
+                                                   "source_sha256", "packed_at",
+                                                   "pocketlm_version")}
+    print(f"source:      {known['source_file']} ({known['source_format']}, sha256 "
+          f"{str(known['source_sha256'])[:16]}...)")
+    print(f"packed:      {known['packed_at']} by pocketlm {known['pocketlm_version']}")
+    print(f"template:    {'yes' if pf.text('chat_template') else 'none'}")
+    print(f"generation:  {json.dumps(generation, sort_keys=True)}")
+    print(f"header:      {pf.header_status}")
     print(f"checksums:   {'verified' if args.verify else 'not verified (--no-verify)'}")
     if args.tensors:
         for name, info in pf.infos.items():

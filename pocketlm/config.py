@@ -36,6 +36,33 @@ Tensor names (the training model's state-dict keys, used unchanged in ``.pocket`
 Conventions: every norm is ``x / rms(x) * weight`` (Gemma's ``1 + weight`` is folded into the
 stored weight at import); RoPE rotates the two halves of each head (``rotate_half``); linear
 layers compute ``x @ weight.T (+ bias)``.
+
+Bounds (:meth:`ModelConfig.validate`). A config comes from a file header, so every field is
+checked before anything is sized from it; the maxima are far beyond any model this runtime
+targets and keep every size the config implies within reach of the native engine's limits:
+
+===================  ===========================  ============================================
+field                accepted                     why the limit
+===================  ===========================  ============================================
+vocab_size           1 .. 2**22 (4,194,304)       largest published vocabularies: 262,144
+d_model              1 .. 65,536
+n_layers             1 .. 1,024
+n_heads              1 .. 1,024; n_heads * head_dim <= 2**20 (the engine's widest product)
+n_kv_heads           1 .. n_heads, dividing n_heads
+head_dim             2 .. 4,096, even (RoPE rotates halves)
+d_ff                 1 .. 2**20 (1,048,576)
+max_context          1 .. 2**20 (1,048,576)
+sliding_window       None or 1 .. 2**20           required when a layer is "sliding"
+norm_eps             0 < eps <= 1                 a zero or negative epsilon divides by zero
+rope_theta           1 .. 1e12                    smaller bases overflow the angle tables
+rope_theta_local     None or 1 .. 1e12
+embed_scale          0 < scale <= 1e4             Gemma's is sqrt(d_model) <= 256
+attn_scale           None or 0 < scale <= 1e3     None: 1 / sqrt(head_dim)
+tie_embeddings, qkv_bias, qk_norm, sandwich_norms: bools (not 0 / 1 or strings)
+===================  ===========================  ============================================
+
+Integers must be ``int`` (not ``bool``), floats finite real numbers; anything else is a
+:class:`~pocketlm.errors.FormatError` naming the field, the value and the accepted range.
 """
 
 from __future__ import annotations
@@ -43,6 +70,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +79,31 @@ from .errors import FormatError, UnsupportedError
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma3", "pocket")
 ACTIVATIONS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("global", "sliding")
+
+# field -> (minimum, maximum) of the integers that size memory (see the module docstring)
+INT_BOUNDS = {
+    "vocab_size": (1, 1 << 22),
+    "d_model": (1, 65536),
+    "n_layers": (1, 1024),
+    "n_heads": (1, 1024),
+    "n_kv_heads": (1, 1024),
+    "head_dim": (2, 4096),
+    "d_ff": (1, 1 << 20),
+    "max_context": (1, 1 << 20),
+}
+MAX_Q_DIM = 1 << 20  # n_heads * head_dim
+MAX_SLIDING_WINDOW = 1 << 20
+# field -> (lowest, highest, lowest included); None-able fields are listed in OPTIONAL_FLOATS
+FLOAT_BOUNDS = {
+    "norm_eps": (0.0, 1.0, False),
+    "rope_theta": (1.0, 1e12, True),
+    "rope_theta_local": (1.0, 1e12, True),
+    "embed_scale": (0.0, 1e4, False),
+    "attn_scale": (0.0, 1e3, False),
+}
+OPTIONAL_FLOATS = ("rope_theta_local", "attn_scale")
+BOOL_FIELDS = ("tie_embeddings", "qkv_bias", "qk_norm", "sandwich_norms")
 
 
 @dataclass
@@ -77,7 +131,8 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)  # "global" | "sliding" per layer
 
     def __post_init__(self) -> None:
-        if not self.layer_types:
+        self._validate_fields()  # before n_layers sizes anything (the default layer_types)
+        if isinstance(self.layer_types, list) and not self.layer_types:
             self.layer_types = ["global"] * self.n_layers
         self.validate()
 
@@ -146,6 +201,26 @@ class ModelConfig:
 
     # -- checks and (de)serialisation --------------------------------------------------------
     def validate(self) -> None:
+        """Raise FormatError (UnsupportedError for an unknown family or activation) unless every
+        field is of its type and within the bounds of the module docstring."""
+        self._validate_fields()
+        if not isinstance(self.layer_types, list) or len(self.layer_types) != self.n_layers or \
+                not all(isinstance(t, str) and t in LAYER_TYPES for t in self.layer_types):
+            raise FormatError(
+                "model config: layer_types must list 'global' or 'sliding' for each of the "
+                f"{self.n_layers} layers, got {short_repr(self.layer_types)}"
+            )
+        if "sliding" in self.layer_types and self.sliding_window is None:
+            raise FormatError("model config: sliding layers need a positive sliding_window, "
+                              "got None")
+
+    def _validate_fields(self) -> None:
+        """The checks of every scalar field (layer_types aside): cheap, and nothing is sized
+        from a field before it passes."""
+        for name in ("arch", "activation"):
+            if not isinstance(getattr(self, name), str):
+                raise FormatError(f"model config: {name} must be a string, got "
+                                  f"{short_repr(getattr(self, name))}")
         if self.arch not in FAMILIES:
             raise UnsupportedError(
                 f"unsupported architecture {self.arch!r}; supported: {', '.join(FAMILIES)}"
@@ -154,11 +229,8 @@ class ModelConfig:
             raise UnsupportedError(
                 f"unsupported activation {self.activation!r}; supported: {', '.join(ACTIVATIONS)}"
             )
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "d_ff", "max_context"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise FormatError(f"model config: {name} must be a positive integer, got {value!r}")
+        for name, (lo, hi) in INT_BOUNDS.items():
+            _check_int(name, getattr(self, name), lo, hi)
         if self.n_heads % self.n_kv_heads:
             raise FormatError(
                 f"model config: n_heads ({self.n_heads}) must be a multiple of "
@@ -166,15 +238,22 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise FormatError(f"model config: head_dim must be even, got {self.head_dim}")
-        if len(self.layer_types) != self.n_layers or not set(self.layer_types) <= {
-            "global", "sliding"
-        }:
-            raise FormatError(
-                "model config: layer_types must list 'global' or 'sliding' for each of the "
-                f"{self.n_layers} layers"
-            )
-        if "sliding" in self.layer_types and not self.sliding_window:
-            raise FormatError("model config: sliding layers need a positive sliding_window")
+        if self.q_dim > MAX_Q_DIM:
+            raise FormatError(f"model config: n_heads * head_dim must be at most {MAX_Q_DIM}, "
+                              f"got {self.n_heads} * {self.head_dim} = {self.q_dim}")
+        if self.sliding_window is not None:
+            _check_int("sliding_window", self.sliding_window, 1, MAX_SLIDING_WINDOW)
+        for name, (lo, hi, lo_included) in FLOAT_BOUNDS.items():
+            value = getattr(self, name)
+            if value is None and name in OPTIONAL_FLOATS:
+                continue
+            setattr(self, name, _check_float(name, value, lo, hi, lo_included,
+                                             name in OPTIONAL_FLOATS))
+        for name in BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise FormatError(f"model config: {name} must be true or false, got "
+                                  f"{short_repr(value)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -184,6 +263,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        if not isinstance(data, dict):
+            raise FormatError(f"model config must be a JSON object of fields, got "
+                              f"{short_repr(data)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -211,7 +293,62 @@ class GenerationDefaults:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """FormatError unless every default is a value generation accepts (finite numbers in
+        their ranges, non-negative integers)."""
+        def number(name: str, lo: float, hi: float, lo_included: bool) -> None:
+            setattr(self, name, _check_float(name, getattr(self, name), lo, hi, lo_included,
+                                             False, what="generation defaults"))
+
+        number("temperature", 0.0, 1e4, True)
+        number("top_p", 0.0, 1.0, False)
+        number("min_p", 0.0, 1.0, True)
+        number("repetition_penalty", 0.0, 1e4, False)
+        _check_int("top_k", self.top_k, 0, INT_BOUNDS["vocab_size"][1],
+                   what="generation defaults")
+        _check_int("max_tokens", self.max_tokens, 0, INT_BOUNDS["max_context"][1],
+                   what="generation defaults")
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationDefaults:
+        """The defaults in ``data``; fields this version does not know are ignored."""
+        if not isinstance(data, dict):
+            raise FormatError(f"generation defaults must be a JSON object, got {short_repr(data)}")
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def short_repr(value: Any) -> str:
+    """A short repr of a value read from a file or given by a caller, for an error message
+    (never huge, never raises: integers past Python's str conversion limit are described)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = reprlib.repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int, *, what: str = "model config") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FormatError(f"{what}: {name} must be an integer in {lo}..{hi}, got "
+                          f"{short_repr(value)}")
+    if not lo <= value <= hi:
+        raise FormatError(f"{what}: {name} must be in {lo}..{hi}, got {short_repr(value)}")
+
+
+def _check_float(name: str, value: Any, lo: float, hi: float, lo_included: bool,
+                 optional: bool, *, what: str = "model config") -> float:
+    """``value`` as a float if it is a finite real number in the range, else FormatError."""
+    bounds = f"{'[' if lo_included else '('}{lo:g}, {hi:g}]"
+    expected = f"a finite number in {bounds}" + (" or null" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise FormatError(f"{what}: {name} must be {expected}, got {short_repr(value)}")
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond float range
+        v = math.inf
+    if not math.isfinite(v) or v > hi or v < lo or (v == lo and not lo_included):
+        raise FormatError(f"{what}: {name} must be {expected}, got {short_repr(value)}")
+    return v

@@ -1030,7 +1030,11 @@ def _int_array(fields: dict, key: str, n: int, *, default: int) -> np.ndarray:
     value = fields.get(key)
     if value is None:
         return np.full(n, default, dtype=np.int32)
-    arr = np.asarray(value, dtype=np.int32).copy()
+    try:
+        arr = np.asarray(value, dtype=np.int32).copy()
+    except (TypeError, ValueError, OverflowError):
+        raise FormatError(f"{key} should be an array of {n} integers, found "
+                          f"{type(value).__name__}") from None
     if arr.shape != (n,):
         raise FormatError(f"{key} has {arr.size} entries but the vocabulary has {n} tokens")
     return arr
@@ -1042,7 +1046,7 @@ def _opt_id(fields: dict, key: str, n: int) -> int | None:
         return None
     try:
         i = int(value)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:
         raise FormatError(f"{key} should be a token id, found {value!r}") from e
     if not 0 <= i < n:
         return None  # out of range: llama.cpp ignores it too

@@ -7,6 +7,9 @@ reference decoder run on them.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import numpy as np
 import pytest
 import tiny_gguf
@@ -391,3 +394,128 @@ def test_unsupported_tokenizer(tmp_path, model, pre, word):
     with pytest.raises(PocketError) as exc:
         open_source(path)
     assert word in str(exc.value)
+
+
+@contextlib.contextmanager
+def _address_space_limit(extra: int):
+    """Let this process map at most ``extra`` more bytes meanwhile (Linux): a MemoryError
+    instead of the machine's memory when a reader allocates what a header says."""
+    import resource
+
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    with open("/proc/self/status") as f:
+        size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (size + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _write_with_field(monkeypatch, path, key_suffix, value, vtype=None, sub_type=None,
+                      arch="llama"):
+    """A tiny GGUF whose metadata key ending in ``key_suffix`` holds ``value`` (of GGUF type
+    ``vtype``: a hand-edited or corrupt file); value None drops the key."""
+    import gguf
+
+    real = gguf.GGUFWriter.add_key_value
+
+    def substitute(self, key, val, vt, sub=None):
+        if not key.endswith(key_suffix):
+            return real(self, key, val, vt, sub)
+        if value is not None:
+            return real(self, key, value, vtype or vt, sub_type)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_key_value", substitute)
+    tiny_gguf.write_tiny_gguf(path, arch)
+    monkeypatch.undo()
+    return path
+
+
+_F32, _F64, _U32, _I32, _U64, _STR, _ARR, _BOOL = (
+    "FLOAT32", "FLOAT64", "UINT32", "INT32", "UINT64", "STRING", "ARRAY", "BOOL")
+
+
+@pytest.mark.parametrize("arch,key,value,vtype,sub", [
+    ("llama", "rope.freq_base", float("nan"), _F32, None),
+    ("llama", "rope.freq_base", 0.0, _F32, None),
+    ("llama", "rope.freq_base", float("-inf"), _F64, None),
+    ("llama", "attention.layer_norm_rms_epsilon", -1.0, _F32, None),
+    ("llama", "attention.layer_norm_rms_epsilon", "1e-5", _STR, None),
+    ("llama", "attention.head_count", 0, _U32, None),  # d_model // 0
+    ("llama", "attention.head_count", -4, _I32, None),
+    ("llama", "attention.head_count", "four", _STR, None),
+    ("llama", "attention.head_count", 4.0, _F32, None),
+    ("llama", "embedding_length", [64, 64], _ARR, _U32),
+    ("llama", "embedding_length", True, _BOOL, None),
+    ("llama", "block_count", 2**64 - 1, _U64, None),
+    ("llama", "block_count", 10**6, _U32, None),
+    ("llama", "context_length", 2**40, _U64, None),
+    ("llama", "feed_forward_length", 0, _U32, None),
+    ("llama", "attention.head_count_kv", ["2"], _ARR, _STR),
+    ("gemma3", "block_count", 10**8, _U32, None),  # no 10**8-entry layer list is built
+    ("gemma3", "embedding_length", -64, _I32, None),  # sqrt(-64)
+    ("gemma3", "attention.sliding_window", 0, _U32, None),
+    ("gemma3", "attention.sliding_window", "512", _STR, None),
+])
+def test_malformed_gguf_metadata_is_a_format_error(tmp_path, monkeypatch, arch, key, value,
+                                                   vtype, sub):
+    import gguf
+
+    vt = gguf.GGUFValueType[vtype]
+    st = gguf.GGUFValueType[sub] if sub else None
+    path = _write_with_field(monkeypatch, tmp_path / "bad.gguf", key, value, vt, st, arch=arch)
+    with _address_space_limit(1 << 30), pytest.raises(FormatError) as info:
+        open_source(path)  # a reader that sizes memory from block_count fails here, alone
+    msg = str(info.value)
+    assert str(path) in msg and "\n" not in msg, msg
+    field = {"embedding_length": "d_model", "block_count": "n_layers", "head_count": "n_heads",
+             "context_length": "max_context", "feed_forward_length": "d_ff",
+             "freq_base": "rope_theta", "epsilon": "norm_eps", "key_length": "head_dim",
+             "sliding_window": "sliding_window", "head_count_kv": "n_kv_heads"}
+    assert key in msg or any(k in key and v in msg for k, v in field.items()), msg
+
+
+def test_chat_template_that_is_not_text(tmp_path, monkeypatch):
+    import gguf
+
+    path = _write_with_field(monkeypatch, tmp_path / "t.gguf", "chat_template", 7,
+                             gguf.GGUFValueType.UINT32)
+    with pytest.raises(FormatError, match="tokenizer.chat_template must be a string"):
+        open_source(path)
+
+
+def test_gguf_that_is_a_fifo_or_unreadable(tmp_path, monkeypatch):
+    import builtins
+    import os
+
+    from pocketlm.formats import pocketfile
+
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "pipe.gguf"
+        os.mkfifo(fifo)
+        with pytest.raises(FormatError, match="not a regular file"):
+            open_source(fifo)
+        from pocketlm.formats.gguf import read_gguf
+
+        with pytest.raises(FormatError, match="not a regular file"):
+            read_gguf(fifo)  # never opened: a FIFO would block the reader
+    path = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama")
+    real = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real(file, *args, **kwargs)
+
+    import pocketlm.formats as formats
+
+    for module in (pocketfile, formats):
+        monkeypatch.setattr(module, "open", guarded, raising=False)
+    with pytest.raises(PocketError, match="permission denied") as info:
+        open_source(path)
+    assert f"cannot read {path}" in str(info.value)

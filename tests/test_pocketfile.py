@@ -1,8 +1,11 @@
 """Tests of the ``.pocket`` container: round trip, alignment, compatibility with the standard
-safetensors reader, atomic writes, and a clean :class:`FormatError` for every kind of bad file."""
+safetensors reader, atomic writes, the header checksum and its version rule, the validation of
+every header field before anything is sized from it, and a clean :class:`PocketError` for every
+kind of bad file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
@@ -58,12 +61,26 @@ def craft(path: Path, header, data: bytes = b"") -> Path:
     return path
 
 
-def rewrite_header(path: Path, edit) -> Path:
-    """Re-serialize a good file's header after ``edit(header)``; the data stays as it is."""
+def spec_digest(header: dict) -> str:
+    """The header checksum as the format spec (pocketfile's docstring) defines it, computed
+    here independently of the writer."""
+    meta = {k: v for k, v in header["__metadata__"].items() if k != "header_checksum"}
+    tensors = {k: [e["dtype"], e["shape"], e["data_offsets"]] for k, e in header.items()
+               if k != "__metadata__"}
+    text = json.dumps({"metadata": meta, "tensors": tensors}, sort_keys=True,
+                      separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def rewrite_header(path: Path, edit, *, reseal: bool = False) -> Path:
+    """Re-serialize a good file's header after ``edit(header)``; the data stays as it is.
+    ``reseal``: record the header checksum of the edited header, as a crafted file would."""
     buf = path.read_bytes()
     (n,) = struct.unpack("<Q", buf[:8])
     header = json.loads(buf[8:8 + n])
     edit(header)
+    if reseal:
+        header["__metadata__"]["header_checksum"] = spec_digest(header)
     h = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(h)) + h + buf[8 + n:])
     return path
@@ -83,7 +100,8 @@ def test_round_trip_metadata_and_values(good):
     tensors = sample_tensors()
     pf = PocketFile(good)
     assert pf.metadata["format"] == "pocket"
-    assert pf.metadata["format_version"] == "1"
+    assert pf.metadata["format_version"] == "2"
+    assert pf.header_verified
     assert pf.json("config") == METADATA["config"]
     assert pf.json("generation") == METADATA["generation"]
     assert pf.metadata["chat_template"] == "{{ messages }}"  # strings are stored as they are
@@ -259,7 +277,7 @@ def test_overwrite_replaces_the_file(good):
 # -- bad files -------------------------------------------------------------------------------
 def test_missing_and_empty_files(tmp_path):
     assert "no such file" in format_error(tmp_path / "nothing.pocket")
-    assert "no such file" in format_error(tmp_path)  # a folder
+    assert "not a regular file (a folder)" in format_error(tmp_path)
     empty = tmp_path / "empty.pocket"
     empty.write_bytes(b"")
     assert "empty" in format_error(empty)
@@ -360,7 +378,7 @@ def test_padding_without_recorded_checksums_loads(good):
         sums = json.loads(h["__metadata__"]["checksums"])
         h["__metadata__"]["checksums"] = json.dumps(
             {k: v for k, v in sums.items() if not k.startswith("_pad.")})
-    rewrite_header(good, edit)
+    rewrite_header(good, edit, reseal=True)
     pf = PocketFile(good)
     assert np.array_equal(pf.tensor("a.f32"), sample_tensors()["a.f32"])
 
@@ -373,7 +391,7 @@ def test_plain_safetensors_file(tmp_path):
     assert "pocket pack" in format_error(path)
 
 
-@pytest.mark.parametrize("version", ["2", "0", "x", "1.0", None, 2, [1], {"v": 1}])
+@pytest.mark.parametrize("version", ["3", "0", "x", "1.0", "02", None, 2, [1], {"v": 1}])
 def test_wrong_format_version(good, version):
     def edit(h):
         if version is None:
@@ -635,8 +653,487 @@ def test_int5_needs_uint8_values_and_mins(tmp_path):
 
 @pytest.mark.parametrize("quant", ["[1, 2]", "{not json", '{"tensors": [1]}'])
 def test_weights_malformed_quant_metadata(good, quant):
-    rewrite_header(good, lambda h: h["__metadata__"].__setitem__("quant", quant))
+    rewrite_header(good, lambda h: h["__metadata__"].__setitem__("quant", quant), reseal=True)
     pf = PocketFile(good)
     with pytest.raises(FormatError, match="quant") as info:
         pf.weights()
     assert str(good) in str(info.value)
+
+
+# -- the header checksum (format version 2) --------------------------------------------------
+def test_header_checksum_follows_the_spec(good):
+    _, header = read_raw_header(good)
+    meta = header["__metadata__"]
+    assert meta["format_version"] == str(pocketfile.FORMAT_VERSION) == "2"
+    assert meta["header_checksum"] == spec_digest(header)
+    pf = PocketFile(good)
+    assert pf.header_verified and pf.format_version == 2
+    assert pf.header_status == "verified (sha256)"
+    with pytest.raises(FormatError, match="header_checksum"):  # the writer's own field
+        write_pocket(good.parent / "x.pocket", [], {"header_checksum": "sha256:0"})
+
+
+def _set_meta(key, value):
+    return lambda h: h["__metadata__"].__setitem__(key, value)
+
+
+def _set_json(key, field, value):
+    def edit(h):
+        data = json.loads(h["__metadata__"][key])
+        data[field] = value
+        h["__metadata__"][key] = json.dumps(data)
+    return edit
+
+
+def _swap_entry(name, **changes):
+    return lambda h: h[name].update(changes)
+
+
+def _rename(old, new):
+    return lambda h: h.__setitem__(new, h.pop(old))
+
+
+def _drop_meta(key):
+    return lambda h: h["__metadata__"].pop(key)
+
+
+HEADER_EDITS = {
+    "config value": _set_json("config", "hidden", 9),
+    "generation default": _set_json("generation", "temperature", 0.1),
+    "chat template": _set_meta("chat_template", "{{ other }}"),
+    "a tensor CRC": _set_json("checksums", "a.f32", 1),
+    "a new field": _set_meta("note", "hello"),
+    "a shape of the same size": _swap_entry("a.f32", shape=[5, 3]),
+    "a dtype of the same size": _swap_entry("c.u8", dtype="I8"),
+    "a tensor name": _rename("b.f16", "b.f16x"),
+    "checksum removed": _drop_meta("header_checksum"),
+    "checksum of another header": _set_meta("header_checksum", "sha256:" + "0" * 64),
+    "checksum not a string": _set_meta("header_checksum", 5),
+}
+
+
+@pytest.mark.parametrize("edit", HEADER_EDITS.values(), ids=HEADER_EDITS.keys())
+def test_an_edited_header_is_a_checksum_error(good, edit):
+    rewrite_header(good, edit)
+    for verify in (True, False):  # the header check is cheap: --no-verify does it too
+        msg = format_error(good, cls=ChecksumError, verify=verify)
+        assert "header" in msg and "edited or is corrupt" in msg and "pocket pack" in msg
+
+
+def test_names_swapped_with_their_crcs_are_a_checksum_error(good):
+    """Swap two tensors' table entries and CRCs: every CRC still matches the bytes it names,
+    only the header checksum sees that the names now point at other values."""
+    def swap(h):
+        sums = json.loads(h["__metadata__"]["checksums"])
+        h["a.f32"], h["d.i8"] = h["d.i8"], h["a.f32"]
+        sums["a.f32"], sums["d.i8"] = sums["d.i8"], sums["a.f32"]
+        h["__metadata__"]["checksums"] = json.dumps(sums)
+    rewrite_header(good, swap)
+    assert "header" in format_error(good, cls=ChecksumError)
+    rewrite_header(good, lambda h: None, reseal=True)  # what an unchecked reader would see
+    assert PocketFile(good).tensor("a.f32").dtype == np.int8
+
+
+def _make_v1(h):
+    h["__metadata__"]["format_version"] = "1"
+    del h["__metadata__"]["header_checksum"]
+
+
+def test_version_1_file_loads_with_its_header_unverified(good):
+    rewrite_header(good, _make_v1)
+    pf = PocketFile(good)
+    assert pf.format_version == 1 and pf.header_verified is False
+    assert pf.header_status == "unverified (format v1; repack to protect it)"
+    for name, a in sample_tensors().items():
+        assert np.array_equal(pf.tensor(name), a)
+    # a version 2 file stripped of its checksum is not a version 1 file
+    rewrite_header(good, lambda h: h["__metadata__"].__setitem__("format_version", "2"))
+    assert "without a header checksum" in format_error(good, cls=ChecksumError)
+
+
+def test_repeated_key_in_the_header(good):
+    n, header = read_raw_header(good)
+    raw = good.read_bytes()
+    text = raw[8:8 + n].decode().rstrip()
+    entry = json.dumps({"dtype": "U8", "shape": [13], "data_offsets": header["c.u8"]
+                        ["data_offsets"]})
+    text = text[:-1] + ', "c.u8": ' + entry + "}"
+    h = text.encode()
+    good.write_bytes(struct.pack("<Q", len(h)) + h + raw[8 + n:])
+    assert "'c.u8' twice" in format_error(good)
+
+
+# -- files that are not regular or not readable ----------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="POSIX named pipes")
+def test_fifo_is_not_a_regular_file(tmp_path):
+    from pocketlm.formats import open_source, sniff
+
+    fifo = tmp_path / "model.pocket"
+    os.mkfifo(fifo)  # opening it for reading would block: it must not be opened at all
+    assert "not a regular file (a named pipe (FIFO))" in format_error(fifo)
+    for fn in (sniff, open_source):
+        with pytest.raises(FormatError, match="not a regular file") as info:
+            fn(fifo)
+        assert str(fifo) in str(info.value)
+
+
+def _deny(monkeypatch, target: Path):
+    """Reading ``target`` fails with EACCES, as it does for a user without read permission
+    (tests may run as root, who reads everything)."""
+    import builtins
+
+    from pocketlm import formats
+
+    real = builtins.open
+
+    def guarded(file, *args, **kwargs):
+        if Path(str(file)) == target:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real(file, *args, **kwargs)
+
+    for module in (pocketfile, formats):
+        monkeypatch.setattr(module, "open", guarded, raising=False)
+
+
+def test_unreadable_file_is_a_pocket_error(good, tmp_path, monkeypatch):
+    from pocketlm.errors import PocketError
+    from pocketlm.formats import sniff
+
+    _deny(monkeypatch, good)
+    for fn in (PocketFile, sniff):
+        with pytest.raises(PocketError) as info:
+            fn(good)
+        assert f"cannot read {good} (permission denied)" in str(info.value)
+
+
+@pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0,
+                    reason="POSIX permissions; root reads every file")
+def test_unreadable_file_for_real(good):
+    from pocketlm.errors import PocketError
+
+    good.chmod(0)
+    try:
+        with pytest.raises(PocketError, match="permission denied"):
+            PocketFile(good)
+    finally:
+        good.chmod(0o644)
+
+
+# -- a real deploy file: every header field validated before it sizes anything --------------
+@pytest.fixture(scope="module")
+def tiny_pocket(tmp_path_factory) -> Path:
+    """A tiny llama deploy file packed from a tiny GGUF (3 layers x 64)."""
+    import tiny_gguf
+
+    from pocketlm.pack import pack
+
+    root = tmp_path_factory.mktemp("tiny")
+    tiny_gguf.write_tiny_gguf(root / "tiny.gguf", "llama", seed=3, weight_type="Q4_0")
+    pack(root / "tiny.gguf", root / "tiny.pocket")
+    return root / "tiny.pocket"
+
+
+def edited(tiny_pocket: Path, tmp_path: Path, edit, *, reseal: bool = True,
+           name: str = "edited.pocket") -> Path:
+    """A copy of the tiny deploy file whose header went through ``edit`` (resealed by
+    default, as a crafted file would be: these checks must not rely on the checksum)."""
+    path = tmp_path / name
+    path.write_bytes(tiny_pocket.read_bytes())
+    return rewrite_header(path, edit, reseal=reseal)
+
+
+def set_config(field, value):
+    return _set_json("config", field, value)
+
+
+def load_error(path: Path, cls=FormatError) -> str:
+    from pocketlm.api import load_pocket
+
+    with pytest.raises(cls) as info:
+        load_pocket(path)
+    msg = str(info.value)
+    assert str(path) in msg and "\n" not in msg, msg
+    return msg
+
+
+def test_edited_rope_theta_is_caught_by_load_and_inspect(tiny_pocket, tmp_path, capsys):
+    from pocketlm import cli
+
+    assert cli.main(["inspect", str(tiny_pocket)]) == 0
+    out = capsys.readouterr().out
+    assert "header:      verified (sha256)" in out and "checksums:   verified" in out
+    path = edited(tiny_pocket, tmp_path, set_config("rope_theta", 12345.0), reseal=False)
+    assert "header" in load_error(path, ChecksumError)
+    assert cli.main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pocket: error:") and "\n" not in err
+    assert str(path) in err and "edited or is corrupt" in err
+
+
+def test_version_1_deploy_file_loads_and_says_so(tiny_pocket, tmp_path, capsys):
+    from pocketlm import cli
+    from pocketlm.api import load_pocket
+
+    path = edited(tiny_pocket, tmp_path, _make_v1, reseal=False)
+    m1, m2 = load_pocket(path), load_pocket(tiny_pocket)
+    assert m1.metadata["header_verified"] is False and m2.metadata["header_verified"] is True
+    np.testing.assert_array_equal(m1.logits([1, 2, 3]), m2.logits([1, 2, 3]))
+    assert cli.main(["inspect", str(path)]) == 0
+    assert "header:      unverified (format v1; repack to protect it)" in capsys.readouterr().out
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["header_verified"] is False and data["format_version"] == "1"
+
+
+# Crafted headers that would size memory from the config: each must be refused before anything
+# big is allocated. They run in a child process with an address-space limit, so that a reader
+# that does allocate fails there (MemoryError) instead of taking the machine's memory.
+OVERSIZED = [
+    {"n_layers": 100_000_000}, {"n_layers": 100_000_000, "layer_types": []},
+    {"n_layers": 10**20, "layer_types": []}, {"n_layers": 10**20}, {"n_layers": 1025},
+    {"max_context": 10**12}, {"max_context": 2**20 + 1}, {"vocab_size": 2**40},
+    {"d_model": 10**9}, {"d_ff": 2**31}, {"n_heads": 10**6}, {"head_dim": 2**20},
+    {"n_kv_heads": 10**7}, {"sliding_window": 10**15}, {"layer_types": ["global"] * 1000},
+    {"n_heads": 1024, "head_dim": 4096},
+    # within the bounds, but more than the file holds: refused from the tensor table
+    {"n_layers": 1024, "layer_types": ["global"] * 1024}, {"vocab_size": 2**22},
+    {"d_model": 65536}, {"d_ff": 2**20}, {"n_heads": 1024, "n_kv_heads": 1024},
+]
+
+
+def set_config_fields(fields: dict):
+    def edit(h):
+        for field, value in fields.items():
+            set_config(field, value)(h)
+    return edit
+
+_CHILD = """
+import json, resource, sys
+from pocketlm.api import load_pocket
+from pocketlm.errors import PocketError
+
+def vm(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+
+load_pocket(sys.argv[1]).logits([1, 2])  # imports, thread pool, allocator: warmed up
+size = vm("VmSize:")
+resource.setrlimit(resource.RLIMIT_AS, (size + (512 << 20), resource.RLIM_INFINITY))
+before = vm("VmHWM:")
+for path in sys.argv[2:]:
+    try:
+        load_pocket(path)
+        outcome = "loaded"
+    except PocketError as exc:
+        outcome = type(exc).__name__ + ": " + str(exc)
+    except BaseException as exc:
+        outcome = "UNTYPED " + type(exc).__name__ + ": " + str(exc)[:200]
+    print(json.dumps({"path": path, "outcome": outcome, "grown": vm("VmHWM:") - before}),
+          flush=True)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and RLIMIT_AS")
+def test_oversized_config_is_refused_before_allocation(tiny_pocket, tmp_path):
+    import subprocess
+
+    paths = [edited(tiny_pocket, tmp_path, set_config_fields(fields), name=f"{i}.pocket")
+             for i, fields in enumerate(OVERSIZED)]
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_pocket), *map(str, paths)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(OVERSIZED)
+    for fields, r in zip(OVERSIZED, results, strict=True):
+        assert r["outcome"].startswith("FormatError: "), (fields, r["outcome"])
+        assert r["path"] in r["outcome"], r["outcome"]
+        assert any(f in r["outcome"] for f in fields) or "calls for" in r["outcome"], r
+        assert r["grown"] < 32 << 20, (fields, r["grown"])  # peak RSS: a few MB at most
+
+
+BAD_FIELDS = [
+    # NaN-producing values
+    ("rope_theta", 0), ("rope_theta", -1), ("rope_theta", float("nan")),
+    ("rope_theta", float("inf")), ("rope_theta", 1e-300), ("norm_eps", -1),
+    ("norm_eps", float("nan")), ("norm_eps", 0), ("norm_eps", 2.0), ("embed_scale", float("inf")),
+    ("embed_scale", 0), ("embed_scale", -1.0), ("attn_scale", float("nan")), ("attn_scale", 0),
+    ("attn_scale", -0.5), ("attn_scale", 1e300), ("sliding_window", -5), ("sliding_window", 0),
+    ("rope_theta_local", -1), ("rope_theta_local", float("nan")),
+    # wrong types
+    ("n_layers", True), ("n_layers", 3.0), ("n_layers", "3"), ("n_layers", None),
+    ("vocab_size", [320]), ("d_model", {"v": 64}), ("max_context", -128), ("head_dim", 15),
+    ("n_kv_heads", 3), ("sliding_window", 2.5), ("sliding_window", "5"),
+    ("rope_theta", "10000"), ("rope_theta", True), ("norm_eps", None), ("norm_eps", [1e-5]),
+    ("tie_embeddings", 1), ("tie_embeddings", "yes"), ("qk_norm", None), ("qkv_bias", 0),
+    ("sandwich_norms", "false"), ("arch", ["llama"]), ("arch", None), ("activation", 5),
+    ("layer_types", "global"), ("layer_types", [["global"]] * 3), ("layer_types", [1, 2, 3]),
+    ("layer_types", ["sliding"] * 3),  # sliding layers without a window
+]
+
+
+@pytest.mark.parametrize("field,value", BAD_FIELDS)
+def test_config_field_out_of_range_is_a_format_error(tiny_pocket, tmp_path, field, value):
+    msg = load_error(edited(tiny_pocket, tmp_path, set_config(field, value)))
+    assert field in msg or (field == "layer_types" and "sliding_window" in msg), msg
+
+
+def test_config_messages_say_what_is_expected():
+    from pocketlm.config import ModelConfig
+
+    base = dict(arch="llama", vocab_size=320, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                head_dim=16, d_ff=96)
+    cases = {
+        ("rope_theta", float("nan")): "rope_theta must be a finite number in [1, 1e+12], got nan",
+        ("norm_eps", -1): "norm_eps must be a finite number in (0, 1], got -1",
+        ("attn_scale", 0.0): "attn_scale must be a finite number in (0, 1000] or null, got 0.0",
+        ("n_layers", 10**20): "n_layers must be in 1..1024, got 100000000000000000000",
+        ("n_layers", 10**400): "n_layers must be in 1..1024, got an integer of about 401 digits",
+        ("vocab_size", True): "vocab_size must be an integer in 1..4194304, got True",
+        ("qk_norm", 1): "qk_norm must be true or false, got 1",
+        ("sliding_window", -5): "sliding_window must be in 1..1048576, got -5",
+    }
+    for (field, value), expected in cases.items():
+        with pytest.raises(FormatError) as info:
+            ModelConfig(**{**base, field: value})
+        assert str(info.value) == f"model config: {expected}"
+    # the bounds themselves are accepted, and integral floats become floats
+    top = ModelConfig(**{**base, "n_layers": 1024, "max_context": 2**20, "rope_theta": 10**12,
+                         "vocab_size": 2**22, "norm_eps": 1})
+    assert top.rope_theta == 1e12 and isinstance(top.rope_theta, float)
+    with pytest.raises(FormatError, match="JSON object"):
+        ModelConfig.from_dict([1])
+
+
+@pytest.mark.parametrize("value", ["5", "null", "[1]", '"text"', "{not json", '{"arch": "llama"}',
+                                   '{"arch": "llama", "surprise": 1}'])
+def test_malformed_config_field(tiny_pocket, tmp_path, value):
+    assert "config" in load_error(edited(tiny_pocket, tmp_path, _set_meta("config", value)))
+
+
+@pytest.mark.parametrize("value", [
+    "[1]", "5", "null", "{not json", '{"temperature": NaN}', '{"temperature": -1}',
+    '{"top_k": -1}', '{"top_k": 1.5}', '{"top_p": "x"}', '{"top_p": 0}', '{"min_p": 2}',
+    '{"repetition_penalty": 0}', '{"repetition_penalty": Infinity}', '{"max_tokens": 1.5}',
+    '{"max_tokens": true}', '{"temperature": [0.5]}',
+])
+def test_malformed_generation_defaults(tiny_pocket, tmp_path, value):
+    assert "generation" in load_error(edited(tiny_pocket, tmp_path,
+                                             _set_meta("generation", value)))
+
+
+def test_generation_defaults_are_validated():
+    from pocketlm.config import GenerationDefaults
+
+    d = GenerationDefaults.from_dict({"temperature": 1, "top_k": 40, "newer_field": "x"})
+    assert d.temperature == 1.0 and isinstance(d.temperature, float) and d.top_k == 40
+    for bad in ({"temperature": float("nan")}, {"top_k": True}, {"max_tokens": -1},
+                {"top_p": 1.5}, {"min_p": None}):
+        with pytest.raises(FormatError, match=next(iter(bad))):
+            GenerationDefaults.from_dict(bad)
+    with pytest.raises(FormatError, match="JSON object"):
+        GenerationDefaults.from_dict([1])
+
+
+def _set_tokenizer_bytes(tiny_pocket: Path, tmp_path: Path, fill) -> Path:
+    """A copy whose tokenizer tensor holds ``fill(n)`` (same length) with a matching CRC and
+    header checksum: only the bytes themselves are wrong."""
+    pf = PocketFile(tiny_pocket)
+    info = pf.infos["pocket.tokenizer"]
+    del pf
+    data = bytearray(tiny_pocket.read_bytes())
+    new = fill(info.end - info.start)
+    data[info.start:info.end] = new
+    path = tmp_path / "tok.pocket"
+    path.write_bytes(bytes(data))
+    return rewrite_header(path, _set_json("checksums", "pocket.tokenizer", zlib.crc32(new)),
+                          reseal=True)
+
+
+@pytest.mark.parametrize("fill", [lambda n: b"\xff" * n, lambda n: b"[" + b" " * (n - 1),
+                                  lambda n: b"{}" + b" " * (n - 2)],
+                         ids=["not-utf8", "not-json", "not-a-tokenizer"])
+def test_malformed_tokenizer_bytes(tiny_pocket, tmp_path, fill):
+    assert "pocket.tokenizer" in load_error(_set_tokenizer_bytes(tiny_pocket, tmp_path, fill))
+
+
+def _set_raw_meta(key, value):
+    return lambda h: h["__metadata__"].__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (_set_raw_meta("chat_template", 5), "chat_template"),
+    (_set_raw_meta("chat_template", ["{{ x }}"]), "chat_template"),
+    (_set_raw_meta("config", {"arch": "llama"}), "config"),
+    (_set_json("quant", "tensors", 5), "quant"),
+    (_set_json("quant", "tensors", {"embed.weight": {"kind": "int4"}}), "quant"),
+    (_set_json("quant", "tensors", {"embed.weight": {"kind": "int4", "shape": [320, 64],
+                                                      "group_size": True}}), "quant"),
+    (lambda h: h.pop("norm.weight"), "norm.weight"),
+    (lambda h: h["norm.weight"].update(dtype="I32"), "norm.weight"),
+    (lambda h: h["pocket.tokenizer"].update(dtype="I8"), "pocket.tokenizer"),
+    (lambda h: h.pop("pocket.tokenizer"), "pocket.tokenizer"),
+    (lambda h: h.__setitem__("lm_head.weight", h["norm.weight"]), "lm_head.weight"),
+])
+def test_malformed_metadata_and_tensor_table(tiny_pocket, tmp_path, edit, field):
+    assert field in load_error(edited(tiny_pocket, tmp_path, edit))
+
+
+@pytest.mark.parametrize("edit,ok", [
+    (_drop_meta("provenance"), True), (_drop_meta("quant"), False), (_drop_meta("config"), False),
+    (_drop_meta("generation"), True), (_drop_meta("chat_template"), True),
+    (lambda h: h["__metadata__"].__setitem__("quant", json.dumps({"tensors": {}})), False),
+    (_set_json("quant", "scheme", None), True), (_set_meta("provenance", "[1]"), False),
+    (_set_meta("provenance", "{bad"), False), (_set_meta("config", "5"), False),
+    (_set_meta("config", "null"), False), (_set_meta("quant", "{bad"), False),
+    (_set_meta("generation", "[1]"), False), (_set_meta("checksums", "[]"), False),
+])
+def test_inspect_of_malformed_metadata_is_one_line(tiny_pocket, tmp_path, capsys, edit, ok):
+    """Missing descriptive fields are shown as unknown; anything the model cannot be read
+    without is a one-line error naming the file; never a traceback."""
+    from pocketlm import cli
+
+    path = edited(tiny_pocket, tmp_path, edit)
+    for flags in ([], ["--json"]):
+        code = cli.main(["inspect", str(path), *flags])
+        out, err = capsys.readouterr()
+        if ok:
+            assert code == 0, err
+        else:
+            assert code == 1 and err.count("\n") == 1 and str(path) in err, err
+
+
+def test_chat_template_errors_are_pocket_errors():
+    from pocketlm.chat import render
+    from pocketlm.errors import PocketError
+
+    messages = [{"role": "user", "content": "hi"}]
+    for template, word in (("{{ 1/0 }}", "ZeroDivisionError"), ("{% for %}", "Syntax"),
+                           ("{{ raise_exception('no system role') }}", "no system role"),
+                           ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "Recursion"),
+                           ("{{ messages.__class__ }}x{{ ''.join(1) }}", "TypeError")):
+        with pytest.raises(PocketError, match=word) as info:
+            render(template, messages)
+        assert "\n" not in str(info.value)
+
+
+def test_a_model_the_native_engine_refuses_is_an_error(tiny_pocket, monkeypatch):
+    """The engine refusing a model is an error; only POCKET_KERNELS=numpy selects numpy."""
+    from pocketlm.api import load_pocket
+    from pocketlm.errors import KernelError
+    from pocketlm.runtime.kernels import native
+
+    if not native.engine_available():
+        pytest.skip("the native engine is not built")
+
+    class Refusing:
+        def __init__(self, *args, **kwargs):
+            raise KernelError("native engine: config refused")
+
+    monkeypatch.delenv("POCKET_KERNELS", raising=False)
+    monkeypatch.setattr(native, "NativeEngine", Refusing)
+    with pytest.raises(KernelError, match="config refused"):
+        load_pocket(tiny_pocket)
+    monkeypatch.setenv("POCKET_KERNELS", "numpy")
+    m = load_pocket(tiny_pocket)
+    assert m.runtime.engine == "numpy" and m.logits([1, 2]).shape == (2, 320)

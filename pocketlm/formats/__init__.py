@@ -18,6 +18,7 @@ import numpy as np
 from ..config import GenerationDefaults, ModelConfig
 from ..errors import FormatError, ModelNotFoundError, PocketError, UnsupportedError
 from ..quant import QuantTensor
+from .pocketfile import open_regular, os_error
 
 
 @dataclass
@@ -63,9 +64,12 @@ class SourceModel:
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
+    with open_regular(path, missing=ModelNotFoundError) as f:
+        try:
+            while block := f.read(chunk):
+                h.update(block)
+        except OSError as e:
+            raise os_error(Path(path), e) from None
     return h.hexdigest()
 
 
@@ -73,17 +77,25 @@ def sniff(path: str | Path) -> str:
     """'gguf', 'hf', 'pocket', 'run' (a pocketlm training run) or raise: which importer
     handles this path."""
     p = Path(path)
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            return "hf"
-        if (p / "checkpoint.pt").is_file():
-            return "run"
+    try:
+        is_dir = p.is_dir()
+        if is_dir:
+            if (p / "config.json").is_file():
+                return "hf"
+            if (p / "checkpoint.pt").is_file():
+                return "run"
+        elif not p.exists():
+            raise ModelNotFoundError(f"{p}: no such file or folder")
+    except OSError as e:  # a folder on the way that this process may not search
+        raise os_error(p, e) from None
+    if is_dir:
         raise FormatError(f"{p}: a folder without config.json is not a Hugging Face model "
                           "folder (nor a training run: no checkpoint.pt)")
-    if not p.is_file():
-        raise ModelNotFoundError(f"{p}: no such file or folder")
-    with open(p, "rb") as f:
-        head = f.read(16)
+    with open_regular(p, missing=ModelNotFoundError) as f:
+        try:
+            head = f.read(16)
+        except OSError as e:
+            raise os_error(p, e) from None
     if head[:4] == b"GGUF":
         return "gguf"
     if len(head) >= 9 and head[8:9] == b"{":

@@ -7,17 +7,20 @@ and 8-bit blocks whose grid pocketlm's layouts can hold are imported without req
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import FormatError, UnsupportedError
+from ..config import ModelConfig, short_repr
+from ..errors import FormatError, ModelNotFoundError, PocketError, UnsupportedError
 from ..quant import int4_from_gguf_blocks, int5_from_gguf_blocks, int8_from_gguf_blocks
 from . import SourceModel, SourceTensor, sha256_file
+from .pocketfile import open_regular
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
@@ -62,13 +65,14 @@ def map_name(gguf_name: str) -> str | None:
     return None
 
 
-def read_fields(reader) -> dict[str, Any]:
+def read_fields(reader, origin: str = "GGUF file") -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for key, f in reader.fields.items():
         try:
             fields[key] = f.contents()
         except Exception as exc:  # a field the library cannot decode is a corrupt file
-            raise FormatError(f"GGUF field {key!r} cannot be read: {exc}") from None
+            raise FormatError(f"{origin}: GGUF field {short_repr(key)} cannot be read "
+                              f"({type(exc).__name__}: {exc}); the file is corrupt") from None
     return fields
 
 
@@ -88,59 +92,81 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
             raise FormatError(f"{origin}: GGUF metadata lacks {full!r}")
         return default
 
-    d_model = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
+    def number(key: str, value: Any, kind: type) -> Any:
+        """A metadata value that must be an integer (kind int) or a real number (float)."""
+        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(
+            value, bool)
+        if not ok:
+            raise FormatError(f"{origin}: GGUF field {arch}.{key} must be "
+                              f"{'an integer' if kind is int else 'a number'}, got "
+                              f"{short_repr(value)}")
+        return kind(value)
+
+    def get_int(key: str, default: Any = None, required: bool = True) -> int:
+        return number(key, get(key, default, required), int)
+
+    def get_float(key: str, default: float) -> float:
+        return number(key, get(key, default, required=False), float)
+
+    d_model = get_int("embedding_length")
+    n_heads = get_int("attention.head_count")
     n_kv = get("attention.head_count_kv", n_heads)
     if isinstance(n_kv, list):  # per-layer head counts
-        if len(set(n_kv)) != 1:
+        if len(set(map(repr, n_kv))) != 1:
             raise UnsupportedError(f"{origin}: per-layer KV head counts are not supported")
         n_kv = n_kv[0]
-    head_dim = int(get("attention.key_length", d_model // n_heads))
-    if int(get("attention.value_length", head_dim)) != head_dim:
+    n_kv = number("attention.head_count_kv", n_kv, int)
+    head_dim = get_int("attention.key_length", d_model // n_heads if n_heads > 0 else 0)
+    if get_int("attention.value_length", head_dim) != head_dim:
         raise UnsupportedError(f"{origin}: key and value head sizes differ")
-    rope_dim = int(get("rope.dimension_count", head_dim))
+    rope_dim = get_int("rope.dimension_count", head_dim)
     if rope_dim != head_dim:
         raise UnsupportedError(f"{origin}: partial rotary embeddings ({rope_dim} of {head_dim} "
                                "dimensions) are not supported")
     scaling = get("rope.scaling.type", "none", required=False)
     if scaling not in ("none", None):
-        raise UnsupportedError(f"{origin}: RoPE scaling {scaling!r} is not supported yet")
+        raise UnsupportedError(f"{origin}: RoPE scaling {short_repr(scaling)} is not supported yet")
     tokens = fields.get("tokenizer.ggml.tokens")
-    vocab = int(get("vocab_size", len(tokens) if tokens else 0, required=False) or 0)
+    n_tokens = len(tokens) if isinstance(tokens, list) else 0
+    vocab = get_int("vocab_size", n_tokens, required=False)
     if not vocab:
         raise FormatError(f"{origin}: cannot tell the vocabulary size (no tokenizer.ggml.tokens)")
-    n_layers = int(get("block_count"))
     cfg: dict[str, Any] = dict(
         arch=arch,
         vocab_size=vocab,
         d_model=d_model,
-        n_layers=n_layers,
+        n_layers=get_int("block_count"),
         n_heads=n_heads,
-        n_kv_heads=int(n_kv),
+        n_kv_heads=n_kv,
         head_dim=head_dim,
-        d_ff=int(get("feed_forward_length")),
-        norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5, required=False)),
-        rope_theta=float(get("rope.freq_base", 10000.0, required=False)),
-        max_context=int(get("context_length", 2048, required=False)),
+        d_ff=get_int("feed_forward_length"),
+        norm_eps=get_float("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=get_float("rope.freq_base", 10000.0),
+        max_context=get_int("context_length", 2048, required=False),
         tie_embeddings="output.weight" not in tensor_names,
         qkv_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     )
-    if arch == "gemma3":
-        window = int(get("attention.sliding_window", 512, required=False))
-        cfg.update(
-            sandwich_norms=True,
-            activation="gelu_tanh",
-            embed_scale=math.sqrt(d_model),
-            attn_scale=1.0 / math.sqrt(head_dim),
-            sliding_window=window,
-            rope_theta_local=GEMMA3_ROPE_LOCAL,
-            layer_types=[
-                "global" if (i % GEMMA3_SWA_PATTERN) == GEMMA3_SWA_PATTERN - 1 else "sliding"
-                for i in range(n_layers)
-            ],
-        )
-    return ModelConfig(**cfg)
+    try:
+        # the sizes are validated before anything (Gemma's layer list) is built from them
+        config = ModelConfig(**cfg)
+        if arch == "gemma3":
+            config = dataclasses.replace(
+                config,
+                sandwich_norms=True,
+                activation="gelu_tanh",
+                embed_scale=math.sqrt(config.d_model),
+                attn_scale=1.0 / math.sqrt(config.head_dim),
+                sliding_window=get_int("attention.sliding_window", 512, required=False),
+                rope_theta_local=GEMMA3_ROPE_LOCAL,
+                layer_types=[
+                    "global" if (i % GEMMA3_SWA_PATTERN) == GEMMA3_SWA_PATTERN - 1 else "sliding"
+                    for i in range(config.n_layers)
+                ],
+            )
+    except PocketError as exc:
+        raise type(exc)(f"{origin}: {exc}") from None
+    return config
 
 
 def _unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
@@ -164,15 +190,16 @@ def read_gguf(path: str | Path) -> SourceModel:
 
     path = Path(path)
     origin = str(path)
+    with open_regular(path, missing=ModelNotFoundError) as f:  # a FIFO, no permission: say so
+        file_size = os.fstat(f.fileno()).st_size
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except Exception as exc:
         raise FormatError(f"{origin}: not a readable GGUF file (truncated or corrupt?): "
                           f"{type(exc).__name__}: {exc}") from None
-    fields = read_fields(reader)
+    fields = read_fields(reader, origin)
     by_name = {t.name: t for t in reader.tensors}
     # A truncated file can still parse its header; every tensor must lie inside the file.
-    file_size = path.stat().st_size
     for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > file_size:
             raise FormatError(f"{origin}: truncated: tensor {t.name} runs past the end of the file")
@@ -198,10 +225,21 @@ def read_gguf(path: str | Path) -> SourceModel:
                                f"{' ...' if len(unmapped) > 5 else ''}")
     if "lm_head.weight" in tensors and config.tie_embeddings:
         raise FormatError(f"{origin}: inconsistent output head")
+    template = fields.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise FormatError(f"{origin}: GGUF field tokenizer.chat_template must be a string, got "
+                          f"{short_repr(template)}")
+    try:
+        tokenizer = tokenizer_from_gguf_fields(fields)
+    except PocketError as exc:
+        raise type(exc)(f"{origin}: {exc}") from None
+    except (TypeError, ValueError, OverflowError) as exc:  # a value of the wrong GGUF type
+        raise FormatError(f"{origin}: the tokenizer metadata (tokenizer.ggml.*) is malformed "
+                          f"({type(exc).__name__}: {exc}); the file is corrupt") from None
     source_model = SourceModel(
         config=config,
-        tokenizer=tokenizer_from_gguf_fields(fields),
-        chat_template=fields.get("tokenizer.chat_template"),
+        tokenizer=tokenizer,
+        chat_template=template,
         tensors=tensors,
         provenance={
             "source_format": "gguf",

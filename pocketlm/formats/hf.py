@@ -3,6 +3,7 @@ chat template from ``tokenizer_config.json`` (or ``chat_template.jinja``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -11,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import FormatError, UnsupportedError
+from ..config import ModelConfig, short_repr
+from ..errors import FormatError, PocketError, UnsupportedError
 from . import SourceModel, SourceTensor
-from .pocketfile import map_file, read_header, tensor_view
+from .pocketfile import map_file, open_regular, os_error, read_header, tensor_view
 
 # model_type -> pocketlm family
 FAMILY_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
@@ -53,12 +54,14 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
-    if "text_config" in hf and hf.get("model_type") == "gemma3":
+    if not isinstance(hf, dict):
+        raise FormatError(f"{origin}: config.json must hold a JSON object, got {short_repr(hf)}")
+    if isinstance(hf.get("text_config"), dict) and hf.get("model_type") == "gemma3":
         hf = {**hf["text_config"], "model_type": "gemma3_text"}
     model_type = hf.get("model_type")
-    family = FAMILY_OF.get(model_type)
+    family = FAMILY_OF.get(model_type) if isinstance(model_type, str) else None
     if family is None:
-        raise UnsupportedError(f"{origin}: model_type {model_type!r} is not supported; "
+        raise UnsupportedError(f"{origin}: model_type {short_repr(model_type)} is not supported; "
                                f"supported: {', '.join(sorted(FAMILY_OF))}")
 
     def req(key: str) -> Any:
@@ -66,27 +69,39 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
             raise FormatError(f"{origin}: config.json lacks {key!r}")
         return hf[key]
 
+    def number(key: str, value: Any, kind: type) -> Any:
+        """A config.json value that must be an integer (kind int) or a real number (float)."""
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float
+                                                     else int):
+            raise FormatError(f"{origin}: config.json {key} must be "
+                              f"{'an integer' if kind is int else 'a number'}, got "
+                              f"{short_repr(value)}")
+        return kind(value)
+
+    def opt(key: str, default: Any, kind: type) -> Any:
+        value = hf.get(key)
+        return default if value is None else number(key, value, kind)
+
     if hf.get("rope_scaling") not in (None, {}):
-        raise UnsupportedError(f"{origin}: rope_scaling {hf['rope_scaling']!r} is not supported "
-                               "yet")
+        raise UnsupportedError(f"{origin}: rope_scaling {short_repr(hf['rope_scaling'])} is not "
+                               "supported yet")
     if hf.get("mlp_bias"):
         raise UnsupportedError(f"{origin}: MLP biases are not supported")
-    d_model = int(req("hidden_size"))
-    n_heads = int(req("num_attention_heads"))
-    head_dim = int(hf.get("head_dim") or d_model // n_heads)
-    n_layers = int(req("num_hidden_layers"))
+    d_model = number("hidden_size", req("hidden_size"), int)
+    n_heads = number("num_attention_heads", req("num_attention_heads"), int)
+    head_dim = opt("head_dim", 0, int) or (d_model // n_heads if n_heads > 0 else 0)
     cfg: dict[str, Any] = dict(
         arch=family,
-        vocab_size=int(req("vocab_size")),
+        vocab_size=number("vocab_size", req("vocab_size"), int),
         d_model=d_model,
-        n_layers=n_layers,
+        n_layers=number("num_hidden_layers", req("num_hidden_layers"), int),
         n_heads=n_heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+        n_kv_heads=opt("num_key_value_heads", 0, int) or n_heads,
         head_dim=head_dim,
-        d_ff=int(req("intermediate_size")),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
-        max_context=int(hf.get("max_position_embeddings", 2048)),
+        d_ff=number("intermediate_size", req("intermediate_size"), int),
+        norm_eps=opt("rms_norm_eps", 1e-6, float),
+        rope_theta=opt("rope_theta", 10000.0, float),
+        max_context=opt("max_position_embeddings", 2048, int),
         tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3")),
         qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         qk_norm=family in ("qwen3", "gemma3", "pocket"),
@@ -94,28 +109,53 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
     act = hf.get("hidden_act") or hf.get("hidden_activation") or "silu"
     if family == "gemma3":
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-            raise UnsupportedError(f"{origin}: activation {act!r} is not supported for gemma3")
-        types = hf.get("layer_types")
-        if not types:
-            pattern = int(hf.get("sliding_window_pattern", 6))
-            types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                     for i in range(n_layers)]
-        cfg.update(
-            sandwich_norms=True,
-            activation="gelu_tanh",
-            embed_scale=math.sqrt(d_model),
-            attn_scale=float(hf.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            sliding_window=int(hf.get("sliding_window", 512)),
-            rope_theta_local=float(hf.get("rope_local_base_freq", 10000.0)),
-            layer_types=["sliding" if t == "sliding_attention" else "global" for t in types],
-        )
+            raise UnsupportedError(f"{origin}: activation {short_repr(act)} is not supported "
+                                   "for gemma3")
         if hf.get("final_logit_softcapping") or hf.get("attn_logit_softcapping"):
             raise UnsupportedError(f"{origin}: logit soft-capping is not supported")
     elif act != "silu":
-        raise UnsupportedError(f"{origin}: activation {act!r} is not supported for {family}")
+        raise UnsupportedError(f"{origin}: activation {short_repr(act)} is not supported for "
+                               f"{family}")
     elif hf.get("use_sliding_window") and hf.get("sliding_window"):
         raise UnsupportedError(f"{origin}: sliding-window attention is only supported for gemma3")
-    return ModelConfig(**cfg)
+    try:
+        # the sizes are validated before anything (Gemma's layer list) is built from them
+        config = ModelConfig(**cfg)
+        if family == "gemma3":
+            config = _gemma3(config, hf, number, opt, origin)
+    except PocketError as exc:
+        raise type(exc)(f"{origin}: {exc}") from None
+    return config
+
+
+def _gemma3(config: ModelConfig, hf: dict[str, Any], number, opt, origin: str) -> ModelConfig:
+    """Gemma 3's switches on a validated base config."""
+    types = hf.get("layer_types")
+    if types:
+        if not isinstance(types, list) or len(types) != config.n_layers:
+            raise FormatError(f"config.json layer_types must list one entry for each of the "
+                              f"{config.n_layers} layers, got {short_repr(types)}")
+    else:
+        pattern = opt("sliding_window_pattern", 6, int)
+        if pattern < 1:
+            raise FormatError(f"config.json sliding_window_pattern must be a positive integer, "
+                              f"got {pattern}")
+        types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(config.n_layers)]
+    query_scalar = opt("query_pre_attn_scalar", config.head_dim, float)
+    if not query_scalar > 0:
+        raise FormatError(f"config.json query_pre_attn_scalar must be positive, got "
+                          f"{query_scalar}")
+    return dataclasses.replace(
+        config,
+        sandwich_norms=True,
+        activation="gelu_tanh",
+        embed_scale=math.sqrt(config.d_model),
+        attn_scale=query_scalar ** -0.5,
+        sliding_window=opt("sliding_window", 512, int),
+        rope_theta_local=opt("rope_local_base_freq", 10000.0, float),
+        layer_types=["sliding" if t == "sliding_attention" else "global" for t in types],
+    )
 
 
 def read_hf(path: str | Path) -> SourceModel:
@@ -123,10 +163,7 @@ def read_hf(path: str | Path) -> SourceModel:
 
     root = Path(path)
     origin = str(root)
-    try:
-        hf_config = json.loads((root / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FormatError(f"{origin}/config.json: cannot be read: {exc}") from None
+    hf_config = _read_json(root / "config.json")
     config = config_from_hf(hf_config, origin)
     gemma = config.arch == "gemma3"
     layer_names = LAYER_NAMES_GEMMA if gemma else LAYER_NAMES_STD
@@ -160,19 +197,43 @@ def read_hf(path: str | Path) -> SourceModel:
         raise FormatError(f"{origin}: no tokenizer.json (pocketlm needs the fast-tokenizer file)")
     tok_config: dict[str, Any] = {}
     if (root / "tokenizer_config.json").is_file():
-        tok_config = json.loads((root / "tokenizer_config.json").read_text(encoding="utf-8"))
+        tok_config = _read_json(root / "tokenizer_config.json")
+        if not isinstance(tok_config, dict):
+            raise FormatError(f"{root / 'tokenizer_config.json'}: must hold a JSON object, got "
+                              f"{short_repr(tok_config)}")
     tokenizer = Tokenizer.from_hf_file(tok_file, tok_config)
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # named templates: take the default one
-        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        template = next((t.get("template") for t in template
+                         if isinstance(t, dict) and t.get("name") == "default"), None)
     if (root / "chat_template.jinja").is_file():
-        template = (root / "chat_template.jinja").read_text(encoding="utf-8")
+        template = _read_text(root / "chat_template.jinja")
+    if template is not None and not isinstance(template, str):
+        raise FormatError(f"{root / 'tokenizer_config.json'}: chat_template must be a string, "
+                          f"got {short_repr(template)}")
     model = SourceModel(config=config, tokenizer=tokenizer, chat_template=template,
                         tensors=tensors,
                         provenance={"source_format": "hf", "source_file": root.name,
                                     "source_files": [f.name for f in files]})
     model.check_tensors(origin)
     return model
+
+
+def _read_text(path: Path) -> str:
+    with open_regular(path) as f:
+        try:
+            return f.read().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+        except OSError as e:
+            raise os_error(path, e) from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(_read_text(path))
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"{path}: not valid JSON ({exc})") from None
 
 
 def _map(hf_name: str, layer_names: dict[str, str]) -> str | None:

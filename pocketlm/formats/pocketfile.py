@@ -8,8 +8,8 @@ that format)::
 * ``__metadata__`` (string values, as safetensors requires) holds ``format: "pocket"``,
   ``format_version``, ``config`` (JSON of :class:`pocketlm.config.ModelConfig`), ``generation``
   (defaults), ``chat_template``, ``quant`` (scheme and the layout of every quantized tensor),
-  ``provenance`` (source file, its sha256, pocketlm version, time) and ``checksums`` (CRC-32 of
-  every tensor's bytes).
+  ``provenance`` (source file, its sha256, pocketlm version, time), ``checksums`` (CRC-32 of
+  every tensor's bytes) and ``header_checksum`` (below).
 * The tokenizer (its JSON) is the uint8 tensor ``pocket.tokenizer``.
 * Quantized weights use the layouts of :mod:`pocketlm.quant`: the packed values under the
   weight's own name (uint8 for INT4 and INT5, int8 for INT8), the float16 scales under
@@ -18,16 +18,36 @@ that format)::
   can read it in place; the gaps are filled with small ``_pad.<n>`` tensors because safetensors
   allows no holes.
 
+Header checksum (format version 2). ``header_checksum`` is ``"sha256:"`` and the hex SHA-256
+of the UTF-8 bytes of this canonical JSON::
+
+    {"metadata": {every __metadata__ field but header_checksum},
+     "tensors": {name: [dtype, shape, [begin, end]] for every tensor, padding included}}
+
+serialised with sorted keys, separators ``","`` and ``":"``, ASCII escapes (``ensure_ascii``),
+offsets relative to the data start as the header stores them. It covers the config, the
+tokenizer's place, the quant layouts and the tensor CRCs, so no header edit goes unnoticed;
+the tensor CRCs cover the bytes.
+
+Versions. Version 2 files must carry a matching ``header_checksum``
+(:class:`~pocketlm.errors.ChecksumError` otherwise). Version 1 files (written before the
+header checksum) still load; :attr:`PocketFile.header_verified` is False for them and
+``pocket inspect`` reports their header as unverified; repacking makes a version 2 file. Every
+other version is refused. Whatever the version, the header is also validated field by field
+(config bounds, tensor table against the config) before anything is sized from it.
+
 Files are written to a temporary name in the destination folder and renamed into place, so an
 interrupted write never leaves a partial ``.pocket`` file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
 import os
+import stat
 import struct
 import tempfile
 import zlib
@@ -39,11 +59,14 @@ from typing import Any
 
 import numpy as np
 
+from ..config import ModelConfig, short_repr
 from ..errors import ChecksumError, FormatError, PocketError
 from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, QuantTensor
 
 FORMAT_NAME = "pocket"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: header_checksum
+READ_VERSIONS = (1, 2)
+HEADER_CHECKSUM = "header_checksum"
 CHECKSUM_CHUNK = 8 << 20  # bytes summed before their pages are dropped: bounds the resident set
 ALIGN = 64
 TOKENIZER_TENSOR = "pocket.tokenizer"
@@ -78,9 +101,12 @@ def read_header(path: str | Path, buf) -> tuple[dict[str, str], dict[str, Tensor
         raise FormatError(f"{path}: header length {n} does not fit a {size}-byte file "
                           "(truncated, or not a safetensors/.pocket file)")
     try:
-        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
+        header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_repeats)
     except (ValueError, RecursionError) as exc:  # bad UTF-8/JSON, huge numbers, deep nesting
         raise FormatError(f"{path}: header is not valid JSON ({exc}): file corrupt") from None
+    except _RepeatedKey as exc:
+        raise FormatError(f"{path}: header lists {exc.args[0]!r} twice: file corrupt or "
+                          "hand-edited; repack the model") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -110,6 +136,32 @@ def read_header(path: str | Path, buf) -> tuple[dict[str, str], dict[str, Tensor
     return {str(k): v for k, v in metadata.items()}, infos
 
 
+class _RepeatedKey(Exception):
+    pass
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names no key twice (Python's parser would keep the last silently)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _RepeatedKey(key)
+            seen.add(key)
+    return out
+
+
+def header_digest(metadata: dict[str, Any], table: dict[str, tuple[str, list, list]]) -> str:
+    """``"sha256:<hex>"`` of the canonical header (module docstring): ``metadata`` without
+    ``header_checksum``, ``table`` maps each tensor to ``(dtype, shape, [begin, end])`` with
+    offsets relative to the data start."""
+    canonical = {"metadata": {k: v for k, v in metadata.items() if k != HEADER_CHECKSUM},
+                 "tensors": {name: [d, list(sh), list(r)] for name, (d, sh, r) in table.items()}}
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def tensor_view(buf, info: TensorInfo) -> np.ndarray:
     """A zero-copy numpy view of one tensor in a mapped buffer."""
     dt = np.dtype(DTYPES[info.dtype])
@@ -117,11 +169,50 @@ def tensor_view(buf, info: TensorInfo) -> np.ndarray:
     return np.frombuffer(buf, dtype=dt, count=count, offset=info.start).reshape(info.shape)
 
 
+_FILE_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"))
+
+
+def open_regular(path: str | Path, missing: type[PocketError] = FormatError):
+    """``path`` opened for binary reading, if it is a regular file this process may read.
+
+    Otherwise a PocketError that says why: ``missing`` (no such file), FormatError (a folder,
+    a FIFO, a device: not a regular file, checked before opening so that a FIFO never blocks)
+    or PocketError (permission denied, another OS error)."""
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except (FileNotFoundError, NotADirectoryError):
+        raise missing(f"{p}: no such file") from None
+    except OSError as e:
+        raise os_error(p, e) from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _FILE_KINDS if test(st.st_mode)), "not a file")
+        raise FormatError(f"{p}: not a regular file ({kind}); give the path of a model file")
+    try:
+        return open(p, "rb")
+    except OSError as e:
+        raise os_error(p, e) from None
+
+
+def os_error(path: Path, e: OSError) -> PocketError:
+    """The PocketError for an OS error reading ``path`` (permission denied named as such)."""
+    if isinstance(e, PermissionError):
+        return PocketError(f"cannot read {path} (permission denied); check its permissions "
+                           "(chmod u+r) and those of its folders")
+    return PocketError(f"cannot read {path} ({e.strerror or e})")
+
+
 def map_file(path: str | Path):
-    with open(path, "rb") as f:
+    """A read-only mapping of a regular, non-empty file (PocketError when it is not one)."""
+    with open_regular(path) as f:
         if os.fstat(f.fileno()).st_size == 0:
             raise FormatError(f"{path}: empty file")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except OSError as e:
+            raise os_error(Path(path), e) from None
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -163,6 +254,8 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
         seen.add(name)
     meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
     for k, v in metadata.items():
+        if k == HEADER_CHECKSUM:
+            raise FormatError(f"cannot store metadata field {k!r}: reserved for the writer")
         meta[k] = v if isinstance(v, str) else json.dumps(v, sort_keys=True)
 
     # Plan offsets (relative to the data start), inserting padding so that every tensor is
@@ -187,6 +280,9 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     # every tensor in the file, padding included, has its checksum (the reader requires them)
     meta["checksums"] = json.dumps({name: zlib.crc32(_raw_bytes(a)) for name, a in layout},
                                    sort_keys=True)
+    meta[HEADER_CHECKSUM] = header_digest(meta, {
+        name: (e["dtype"], e["shape"], e["data_offsets"]) for name, e in entries.items()
+        if name != "__metadata__"})
     header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     total = 8 + len(header)
     header += b" " * ((ALIGN - total % ALIGN) % ALIGN)
@@ -234,22 +330,23 @@ class PocketFile:
     """A mapped ``.pocket`` file: metadata plus zero-copy tensor views."""
 
     def __init__(self, path: str | Path, *, verify: bool = True):
+        """Map ``path`` and check its header (always: the header checksum of a version 2 file,
+        the tensor table) and, when ``verify``, the CRC-32 of every tensor."""
         self.path = Path(path)
-        if not self.path.is_file():
-            raise FormatError(f"{self.path}: no such file")
         self._buf = map_file(self.path)
         self.metadata, self.infos = read_header(self.path, self._buf)
         if self.metadata.get("format") != FORMAT_NAME:
             raise FormatError(f"{self.path}: a safetensors file, but not a pocketlm deploy file "
                               "(no 'format: pocket' metadata); convert it with `pocket pack`")
-        try:
-            version = int(self.metadata.get("format_version", "0"))
-        except (TypeError, ValueError):
-            version = -1
-        if version != FORMAT_VERSION:
-            raise FormatError(f"{self.path}: deploy file format version {version} is not "
-                              f"supported (this pocketlm reads version {FORMAT_VERSION}); "
-                              "repack the model with this version's `pocket pack`")
+        raw = self.metadata.get("format_version")
+        if raw not in [str(v) for v in READ_VERSIONS]:
+            raise FormatError(f"{self.path}: deploy file format version {short_repr(raw)} is not "
+                              f"supported (this pocketlm reads versions "
+                              f"{', '.join(map(str, READ_VERSIONS))}); repack the model with "
+                              "this version's `pocket pack`")
+        self.format_version = int(raw)
+        #: the header checksum was recorded and matches (False for version 1 files)
+        self.header_verified = self._check_header()
         self.checksums = self._json("checksums")
         if not isinstance(self.checksums, dict):
             raise FormatError(f"{self.path}: metadata field 'checksums' is not an object")
@@ -259,6 +356,27 @@ class PocketFile:
             raise FormatError(f"{self.path}: no checksum recorded for tensors {missing[:3]}")
         if verify:
             self.verify()
+
+    def _check_header(self) -> bool:
+        recorded = self.metadata.get(HEADER_CHECKSUM)
+        if recorded is None:
+            if self.format_version >= 2:
+                raise ChecksumError(f"{self.path}: format version {self.format_version} file "
+                                    "without a header checksum: the header was edited or is "
+                                    "corrupt; re-download the file or repack the model with "
+                                    "`pocket pack`")
+            return False
+        (n,) = struct.unpack("<Q", self._buf[:8])
+        base = 8 + n
+        computed = header_digest(self.metadata, {
+            name: (i.dtype, list(i.shape), [i.start - base, i.end - base])
+            for name, i in self.infos.items()})
+        if recorded != computed:
+            raise ChecksumError(f"{self.path}: the header does not match its checksum "
+                                f"(recorded {short_repr(recorded)}, computed {computed[:23]}...): "
+                                "the header was edited or is corrupt; re-download the file or "
+                                "repack the model with `pocket pack`")
+        return True
 
     def _json(self, key: str, default: Any = None) -> Any:
         raw = self.metadata.get(key)
@@ -333,25 +451,112 @@ class PocketFile:
     def json(self, key: str, default: Any = None) -> Any:
         return self._json(key, default)
 
-    def weights(self) -> dict[str, np.ndarray | QuantTensor]:
-        """Every model tensor, quantized ones as :class:`QuantTensor` (views, no copies)."""
+    def json_object(self, key: str, default: dict | None = None) -> dict[str, Any]:
+        """Metadata field ``key`` parsed as a JSON object (``default`` when absent)."""
+        value = self._json(key, default)
+        if not isinstance(value, dict):
+            raise FormatError(f"{self.path}: metadata field {key!r} must be a JSON object, got "
+                              f"{short_repr(value)}; the file is corrupt: repack the model")
+        return value
+
+    def text(self, key: str) -> str | None:
+        """Metadata field ``key`` as the string it is stored as (None when absent)."""
+        value = self.metadata.get(key)
+        if value is not None and not isinstance(value, str):
+            raise FormatError(f"{self.path}: metadata field {key!r} must be a string, got "
+                              f"{short_repr(value)}; the file is corrupt: repack the model")
+        return value
+
+    def config(self) -> ModelConfig:
+        """The model config of the ``config`` field, validated (bounds included); errors name
+        the file."""
+        try:
+            return ModelConfig.from_dict(self._json("config"))
+        except PocketError as exc:
+            if str(self.path) in str(exc):
+                raise
+            raise type(exc)(f"{self.path}: {exc}") from None
+
+    def quant_layouts(self) -> dict[str, tuple[str, tuple[int, int], int]]:
+        """``name -> (kind, (rows, cols), group_size)`` of every quantized tensor, as the
+        ``quant`` field records them (each layout checked for form, not yet against the
+        tensors)."""
         quant = self._json("quant", {})
         quant = quant.get("tensors", {}) if isinstance(quant, dict) else None
         if not isinstance(quant, dict):
             raise FormatError(f"{self.path}: metadata field 'quant' is malformed")
-        out: dict[str, np.ndarray | QuantTensor] = {}
-        companions = set()
+        out = {}
         for name, q in quant.items():
             try:
-                kind, shape, gs = q["kind"], tuple(q["shape"]), int(q["group_size"])
-                rows, cols = (int(n) for n in shape)
-                ok = kind in KINDS and gs in GROUP_SIZES and rows >= 0 and cols % gs == 0
+                kind, shape, gs = q["kind"], q["shape"], q["group_size"]
+                rows, cols = shape
+                ok = (isinstance(kind, str) and kind in KINDS and _is_int(gs)
+                      and gs in GROUP_SIZES and isinstance(shape, list) and _is_int(rows)
+                      and _is_int(cols) and rows >= 0 and cols >= 0 and cols % gs == 0)
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
                 raise FormatError(f"{self.path}: tensor {name!r} has a malformed quant layout "
-                                  f"{q!r}")
-            shape = (rows, cols)
+                                  f"{short_repr(q)}")
+            out[name] = (kind, (rows, cols), gs)
+        return out
+
+    def tokenizer_json(self) -> str:
+        """The serialised tokenizer the file carries (tensor ``pocket.tokenizer``)."""
+        try:
+            return bytes(self.tensor(TOKENIZER_TENSOR)).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise FormatError(f"{self.path}: tensor {TOKENIZER_TENSOR!r} is not UTF-8 text "
+                              f"(byte {exc.start}); the file is corrupt: repack the model"
+                              ) from None
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Every tensor ``config`` calls for is in the file with its shape (its logical shape
+        when quantized) and a dtype the runtime reads, and the tokenizer is a byte string:
+        checked on the header alone, before any weight is touched."""
+        layouts = self.quant_layouts()
+
+        def found(name: str) -> str:
+            if name in layouts:
+                kind, shape, _ = layouts[name]
+                return f"{kind} {list(shape)}"
+            info = self.infos[name]
+            return f"{info.dtype} {list(info.shape)}"
+
+        expected = config.tensor_shapes()
+        missing = [n for n in expected if n not in layouts and n not in self.infos]
+        if missing:
+            raise FormatError(f"{self.path}: the config calls for tensors the file lacks: "
+                              f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; the file is "
+                              "corrupt or its config was edited: repack the model")
+        for name, shape in expected.items():
+            if name in layouts:
+                ok = layouts[name][1] == tuple(shape)
+            else:
+                info = self.infos[name]
+                ok = info.shape == tuple(shape) and info.dtype == "F32"
+            if not ok:
+                raise FormatError(f"{self.path}: tensor {name!r} is {found(name)}, the config "
+                                  f"calls for {list(shape)}"
+                                  f"{'' if name in layouts else ' float32 (F32)'}; the file is "
+                                  "corrupt or its config was edited: repack the model")
+        head = "lm_head.weight"
+        if config.tie_embeddings and (head in layouts or head in self.infos):
+            raise FormatError(f"{self.path}: the config ties the output head to the embedding "
+                              f"(tie_embeddings) but the file has {head!r}; repack the model")
+        tok = self.infos.get(TOKENIZER_TENSOR)
+        if tok is None or tok.dtype != "U8" or len(tok.shape) != 1:
+            shown = "none" if tok is None else f"{tok.dtype} {list(tok.shape)}"
+            raise FormatError(f"{self.path}: tensor {TOKENIZER_TENSOR!r} must hold the "
+                              f"tokenizer as bytes (U8, one dimension), found {shown}; repack "
+                              "the model")
+
+    def weights(self) -> dict[str, np.ndarray | QuantTensor]:
+        """Every model tensor, quantized ones as :class:`QuantTensor` (views, no copies)."""
+        out: dict[str, np.ndarray | QuantTensor] = {}
+        companions = set()
+        for name, (kind, shape, gs) in self.quant_layouts().items():
+            rows, cols = shape
             qweight = self.tensor(name)
             scales = self.tensor(name + ".scales")
             mins = self.tensor(name + ".mins") if kind != "int8" else None
@@ -363,7 +568,13 @@ class PocketFile:
             ) or qweight.dtype != qdtype or scales.dtype != np.float16 or (
                 mins is not None and mins.dtype != np.float16
             ):
-                raise FormatError(f"{self.path}: tensor {name!r} does not match its quant layout")
+                found = ", ".join(f"{np.dtype(a.dtype).name} {list(a.shape)}"
+                                  for a in (qweight, scales, mins) if a is not None)
+                raise FormatError(
+                    f"{self.path}: tensor {name!r} does not match its quant layout ({kind} "
+                    f"{list(shape)}, groups of {gs}: expects values {np.dtype(qdtype).name} "
+                    f"{list(expect)} and float16 scales{' and mins' if mins is not None else ''}"
+                    f" {[rows, cols // gs]}; found {found}); repack the model")
             out[name] = QuantTensor(kind, shape, gs, qweight, scales, mins)
             companions.update({name + ".scales", name + ".mins"})
         for name in self.infos:
@@ -378,5 +589,17 @@ class PocketFile:
     def nbytes(self) -> int:
         return len(self._buf)
 
+    @property
+    def header_status(self) -> str:
+        """One line for people: whether the header checksum was verified."""
+        if self.header_verified:
+            return "verified (sha256)"
+        return f"unverified (format v{self.format_version}; repack to protect it)"
+
     def close(self) -> None:
         self._buf = None  # views keep the mapping alive until they are gone
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+

@@ -14,9 +14,10 @@ Two engines run the same math:
   ``POCKET_KV`` the KV cache format (``f32`` | ``f16`` | ``q8``; default ``f32`` with f32
   activations, ``f16`` with q8), ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs).
   Its caches are :class:`NativeKVCache` objects.
-* the numpy reference below (``POCKET_KERNELS=numpy``; also the fallback), which computes
-  layer by layer through :mod:`pocketlm.runtime.kernels` and is the specification the native
-  engine is tested against.
+* the numpy reference below (``POCKET_KERNELS=numpy``; also for weights handed in a layout the
+  engine does not take, see :class:`Runtime`), which computes layer by layer through
+  :mod:`pocketlm.runtime.kernels` and is the specification the native engine is tested
+  against. A model the native engine refuses is an error, not a reason to switch engines.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ContextLengthError, FormatError, KernelError
+from ..errors import ContextLengthError, FormatError
 from ..quant import QuantTensor
 from . import kernels as K
 from .kernels import native as _native_kernels
@@ -80,9 +81,11 @@ class Runtime:
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], *,
                  engine: str | None = None, file_backed: bool = False):
         """``engine``: ``"native"`` (required: raises if it cannot be used), ``"numpy"`` (the
-        reference) or None (native when the native backend is in force and supports every
-        weight, else numpy). ``file_backed``: the quantized weights are views of a read-only
-        file mapping (a deploy file), so the native engine may drop their pages once copied."""
+        reference) or None (native when the native backend is in force, ``POCKET_KERNELS``;
+        numpy only when a weight is in a layout the engine does not take, with the reason in
+        ``engine_note``: a model the engine refuses is a KernelError, never a quiet switch to
+        numpy). ``file_backed``: the quantized weights are views of a read-only file mapping
+        (a deploy file), so the native engine may drop their pages once copied."""
         self.config = config
         expected = config.tensor_shapes()
         for name, shape in expected.items():
@@ -101,13 +104,19 @@ class Runtime:
         if engine == "native" or (engine is None and K.backend_name() == "native"):
             # a bad POCKET_* setting is the user's error, not a model the engine cannot run
             _native_kernels.check_settings()
-            try:
+            if not _native_kernels.engine_available():
+                reason = _native_kernels.unavailable_reason() or "the native engine is not built"
+            else:
+                reason = _native_kernels.engine_weights(config, weights)[1]
+            if reason and engine is None:
+                # weights handed in a layout only the reference reads (or no engine built):
+                # the numpy path, and the reason is kept; nothing else falls back
+                self.engine_note = reason
+            else:
+                # a model the engine refuses is an error: running it anyway on the numpy path
+                # would hide the problem (POCKET_KERNELS=numpy is the way to ask for numpy)
                 self.native = _native_kernels.NativeEngine(config, weights,
                                                            release_source=file_backed)
-            except KernelError as e:
-                if engine == "native":
-                    raise
-                self.engine_note = str(e)
 
     @property
     def engine(self) -> str:
