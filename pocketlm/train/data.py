@@ -11,8 +11,14 @@ A shard set is a folder::
 
 A document goes to the held-out ``val`` split when a keyed hash of its text falls below
 ``holdout``: the split of a document depends only on its text and the seed, never on the order
-documents arrive in. A set is written into a temporary sibling folder and renamed into place when
-complete, so an error or Ctrl-C never leaves a half-written set behind.
+documents arrive in; copies of one text therefore all land in the same split, and each split
+records its ``distinct_documents`` as well as its ``documents``
+(:func:`check_trainable_splits` uses both to say why a split is too small).
+
+A set is written into a temporary sibling folder (``.{name}.tmp-{pid}-{hex}``) and renamed into
+place when complete, so an error or Ctrl-C never leaves a half-written set behind; the temp
+folders of writers killed outright (their pid no longer alive) are removed by the next write of
+the same set.
 
 :class:`TokenShards` reads a split back through read-only memory maps. Its batches are a pure
 function of ``(seed, step)``, so a resumed run sees the same batches, and data-parallel ranks
@@ -27,6 +33,7 @@ import os
 import re
 import shutil
 import uuid
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -80,6 +87,7 @@ def prepare_shards(
 
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_dead_writers(out_dir)
     tmp.mkdir()
     try:
         writers = {s: _SplitWriter(tmp, s, dtype, int(shard_tokens)) for s in SPLITS}
@@ -88,8 +96,9 @@ def prepare_shards(
 
         def flush() -> None:
             for doc, ids in zip(batch, _encode_many(tokenizer, batch), strict=True):
-                split = "val" if _holdout_hash(doc, seed) < holdout else "train"
-                writers[split].add(ids, eos_id, vocab_size)
+                digest = _doc_digest(doc, seed)
+                split = "val" if digest / 2.0**64 < holdout else "train"
+                writers[split].add(ids, eos_id, vocab_size, digest)
             if bar is not None:
                 bar.update(len(batch))
                 bar.set_postfix(tokens=sum(w.tokens for w in writers.values()), refresh=False)
@@ -183,6 +192,62 @@ def read_text_documents(path: Path) -> list[str]:
     return documents
 
 
+def check_trainable_splits(shards: Path, seq_len: int, *, data: str | Path | None = None) -> None:
+    """Refuse a shard set whose training or held-out split is shorter than one sequence of
+    ``seq_len + 1`` tokens, naming the reason: no held-out split asked for (holdout 0), one
+    document (a text file without blank lines between documents), copies of few distinct
+    documents (all copies of a text take the same split), or too little text. ``data`` names
+    the source in the message (default: the shard folder). A folder without a readable
+    ``meta.json`` is left to :class:`TokenShards` to refuse."""
+    shards = Path(shards)
+    try:
+        meta = json.loads((shards / "meta.json").read_text(encoding="utf-8"))
+        splits = meta["splits"]
+        tokens = {s: int(splits[s]["tokens"]) for s in SPLITS}
+        docs = {s: int(splits[s]["documents"]) for s in SPLITS}
+    except (OSError, ValueError, KeyError, TypeError):
+        return
+    need = int(seq_len) + 1
+    short = [s for s in SPLITS if tokens[s] < need]
+    if not short:
+        return
+    split = min(short, key=lambda s: docs[s])  # an empty split is the cause to name
+    label = {"train": "training", "val": "held-out"}[split]
+    other = {"train": "held-out", "val": "training"}[split]
+    where = data if data is not None else shards
+    holdout = meta.get("holdout")
+    n = docs["train"] + docs["val"]
+    try:
+        distinct = sum(int(splits[s]["distinct_documents"]) for s in SPLITS)
+    except (KeyError, TypeError, ValueError):
+        distinct = None  # a set written before the distinct count was recorded
+    counted = f"{n} document{'s' * (n != 1)}" + (f", {distinct} distinct" if distinct is not None
+                                                  else "")
+    lead = (f"{where}: the {label} split has {tokens[split]} tokens, fewer than one sequence of "
+            f"--seq-len {seq_len} + 1")
+    by_hash = "the held-out split takes whole documents by hash"
+    holdout_fix = "a larger --holdout" if split == "val" else "a smaller --holdout"
+    if split == "val" and holdout == 0:
+        raise PocketError(f"{lead}: --holdout 0 means no held-out split, but pocket train "
+                          "measures the held-out loss every --eval-every steps and needs one; "
+                          "prepare the data with a --holdout above 0 (the default is 0.01)")
+    if n == 1 or distinct == 1:
+        one = ("it is one document: a text file's documents are separated by blank lines, and "
+               "it has none between them" if n == 1 else
+               f"all {n} documents are the same text")
+        raise PocketError(f"{lead} ({counted}): {by_hash}, so the {other} split got all of "
+                          f"it; {one}. Separate documents with blank lines (in JSONL: one "
+                          '{"text": ...} object per line)')
+    if docs[split] == 0:
+        copies = (f", and copies of a text all go to the same split, so {distinct} distinct "
+                  f"texts are what is split" if distinct is not None and distinct < n else "")
+        raise PocketError(f"{lead} ({counted}): {by_hash} (--holdout {holdout}){copies}, and "
+                          f"the {label} split got none; use more distinct documents, separated "
+                          f"by blank lines, or {holdout_fix}")
+    raise PocketError(f"{lead} ({counted}; {docs[split]} in the {label} split): use more text, "
+                      f"{holdout_fix} or a shorter --seq-len")
+
+
 def _jsonl_documents(path: Path, text: str) -> list[str]:
     documents = []
     for lineno, line in enumerate(text.split("\n"), 1):
@@ -210,12 +275,17 @@ def tokenizer_sha256(tokenizer: Any) -> str | None:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def _holdout_hash(doc: str, seed: int) -> float:
-    """A number in [0, 1) that depends only on the document's text and ``seed``."""
+def _doc_digest(doc: str, seed: int) -> int:
+    """A 64-bit number that depends only on the document's text and ``seed``."""
     digest = hashlib.blake2b(
         doc.encode("utf-8"), digest_size=8, key=int(seed).to_bytes(8, "little", signed=True)
     ).digest()
-    return int.from_bytes(digest, "little") / 2.0**64
+    return int.from_bytes(digest, "little")
+
+
+def _holdout_hash(doc: str, seed: int) -> float:
+    """A number in [0, 1) that depends only on the document's text and ``seed``."""
+    return _doc_digest(doc, seed) / 2.0**64
 
 
 def _encode_many(tokenizer: Any, docs: list[str]) -> list[list[int]]:
@@ -246,10 +316,11 @@ class _SplitWriter:
         self.files: list[str] = []
         self.tokens = 0
         self.documents = 0
+        self._digests = array("Q")  # one per document (8 bytes each), for the distinct count
         self._fh = None
         self._in_file = 0
 
-    def add(self, ids: list[int], eos_id: int, vocab_size: int) -> None:
+    def add(self, ids: list[int], eos_id: int, vocab_size: int, digest: int = 0) -> None:
         arr = np.empty(len(ids) + 1, dtype=np.int64)
         arr[:-1] = ids
         arr[-1] = eos_id
@@ -260,6 +331,7 @@ class _SplitWriter:
             )
         arr = arr.astype(self.dtype)
         self.documents += 1
+        self._digests.append(digest)
         pos = 0
         while pos < arr.size:
             if self._fh is None or self._in_file >= self.shard_tokens:
@@ -284,7 +356,9 @@ class _SplitWriter:
             self._fh = None
 
     def summary(self) -> dict:
-        return {"files": list(self.files), "tokens": self.tokens, "documents": self.documents}
+        distinct = int(np.unique(np.frombuffer(self._digests, dtype=np.uint64)).size)
+        return {"files": list(self.files), "tokens": self.tokens, "documents": self.documents,
+                "distinct_documents": distinct}
 
 
 def _is_shard_set(folder: Path) -> bool:
@@ -304,6 +378,30 @@ def _check_replaceable(out_dir: Path) -> None:
                 f"{out_dir}: the folder is not empty and holds no shard set; "
                 "choose an empty or new folder"
             )
+
+
+def _sweep_dead_writers(out_dir: Path) -> None:
+    """Remove the temp folders (``.{name}.tmp-{pid}-{hex}``) that writers of ``out_dir`` killed
+    by a signal left behind: those whose process is gone (a reused pid keeps its folder)."""
+    pattern = re.compile(re.escape(f".{out_dir.name}.tmp-") + r"(\d+)-[0-9a-f]{8}")
+    try:
+        entries = list(out_dir.parent.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        m = pattern.fullmatch(entry.name)
+        if m and int(m.group(1)) != os.getpid() and not _process_alive(int(m.group(1))):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (OSError, OverflowError, ValueError):
+        return True  # another user's process (EPERM), or a pid we cannot ask about: keep it
+    return True
 
 
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:
