@@ -7,10 +7,14 @@
     POST /v1/chat/completions   chat with the model's own template (idem)
 
 Built on Starlette (ASGI) and run by uvicorn. Requests are batched by
-:class:`~pocketlm.server.scheduler.Scheduler`; this module checks the wire (auth, body size,
-JSON, fields, context) and turns scheduler events into OpenAI responses. Every error is
-OpenAI's error object with a fitting status; a client that disconnects has its request
-cancelled and its KV cache freed.
+:class:`~pocketlm.server.scheduler.Scheduler`; this module checks the wire (origin, auth,
+content type, body size and arrival time, JSON, fields, context) and turns scheduler events
+into OpenAI responses. Every error is OpenAI's error object with a fitting status; a client
+that disconnects, streaming or not, has its request cancelled and its KV cache freed.
+
+A server without an API key answers only its own page and clients that send no ``Origin``
+(or an origin of ``allow_origins``): browsers send cross-origin "simple" POSTs without asking
+first, so without this check any web page could make a local server generate.
 """
 
 from __future__ import annotations
@@ -18,21 +22,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import json
 import time
+from collections.abc import Iterable
 from importlib import resources
+from typing import Any
+from urllib.parse import urlsplit
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..api import PocketModel
-from ..errors import PocketError
+from ..errors import ContextLengthError, PocketError, SamplingError, TextError
 from ..sampling import Sampler
 from . import protocol as P
-from .scheduler import MB, QueueFullError, Request, Scheduler, ShuttingDownError, TooLargeError
+from .scheduler import (
+    MB,
+    GenerationError,
+    QueueFullError,
+    Request,
+    Scheduler,
+    ShuttingDownError,
+    TooLargeError,
+)
 
 
 def current_rss() -> int:
@@ -57,10 +76,88 @@ def step_headroom(model: PocketModel, max_batch: int) -> int:
     return max_batch * vocab * 4 + vocab * 8 * 4 + 56 * MB
 
 
+# -- origins --------------------------------------------------------------------------------
+def _parse_origin(text: str) -> tuple[str, str, int] | None:
+    """(scheme, host, port) of an origin ``scheme://host[:port]``; None if it is not one."""
+    try:
+        parts = urlsplit(text.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.username
+            or parts.path not in ("", "/") or parts.query or parts.fragment):
+        return None
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def normalize_origin(text: str) -> str:
+    """``text`` as browsers write an origin (lower case, a default port left out), the form
+    origins are compared in; ``*`` stays ``*``. Raises :class:`PocketError` for what is not
+    an origin."""
+    if text.strip() == "*":
+        return "*"
+    parsed = _parse_origin(text)
+    if parsed is None:
+        raise PocketError(f"--allow-origin {text!r} is not an origin: give scheme://host[:port] "
+                          "as a browser sends it, e.g. http://localhost:3000 (or '*' for any)")
+    scheme, host, port = parsed
+    default = port == (443 if scheme == "https" else 80)
+    return f"{scheme}://{f'[{host}]' if ':' in host else host}{'' if default else f':{port}'}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_own_origin(origin: str, scope: dict[str, Any]) -> bool:
+    """Whether ``origin`` is this server's own: same scheme and port as the connection, and the
+    host the connection came in on (by address; ``localhost`` and any loopback address count as
+    one). The Host header is not trusted: a page that rebinds its DNS name to this machine sends
+    its own name as both Host and Origin."""
+    parsed = _parse_origin(origin)
+    server = scope.get("server")
+    if parsed is None or not server:
+        return False
+    scheme, host, port = parsed
+    own = str(server[0]).lower()
+    if scheme != scope.get("scheme", "http") or port != server[1]:
+        return False
+    return host == own or (_is_loopback(host) and _is_loopback(own))
+
+
+class ErrorResponse(JSONResponse):
+    """An error object, written in ASCII so that no message can fail to encode."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+def error_response(exc: P.APIError) -> Response:
+    return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def generation_failure(error: Exception) -> P.APIError:
+    """The API error a request that failed in the scheduler gets."""
+    if isinstance(error, ShuttingDownError):
+        return P.APIError(503, str(error), code="shutting_down", headers={"Retry-After": "5"})
+    cause = error.cause if isinstance(error, GenerationError) else error
+    if isinstance(cause, (SamplingError, ContextLengthError, TextError)):
+        return P.APIError(400, f"this request cannot be generated: {cause}",
+                          code="generation_failed")
+    return P.APIError(500, f"internal error while generating this request: {error}",
+                      code="internal_error")
+
+
 class ServerConfig:
     def __init__(self, *, model_name: str, api_key: str | None = None, max_batch: int = 16,
                  max_queue: int = 64, max_memory_mb: float | None = None,
-                 max_body_kb: int = 1024, prefix_cache_mb: float = 64.0):
+                 max_body_kb: int = 1024, prefix_cache_mb: float = 64.0,
+                 allow_origins: Iterable[str] = (), body_timeout_s: float = 30.0):
         if not 1 <= max_batch <= 256:
             raise PocketError(f"--max-batch must be in 1..256, got {max_batch}")
         if max_queue < 0:
@@ -71,6 +168,14 @@ class ServerConfig:
             raise PocketError(f"--max-memory-mb must be positive, got {max_memory_mb}")
         if prefix_cache_mb < 0:
             raise PocketError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}")
+        if not 0 < body_timeout_s < float("inf"):
+            raise PocketError(f"--body-timeout must be a positive number of seconds, got "
+                              f"{body_timeout_s}")
+        try:
+            model_name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PocketError(f"--model-name {model_name!r} is not valid Unicode text; name the "
+                              "model with --model-name NAME") from None
         self.model_name = model_name
         self.api_key = api_key or None
         self.max_batch = max_batch
@@ -78,6 +183,15 @@ class ServerConfig:
         self.max_memory_mb = max_memory_mb
         self.max_body = max_body_kb * 1024
         self.prefix_cache_mb = prefix_cache_mb
+        self.allow_origins = frozenset(normalize_origin(o) for o in allow_origins)
+        self.body_timeout = body_timeout_s
+
+    def origin_allowed(self, origin: str) -> bool:
+        """Whether ``origin`` is one the user allowed with ``--allow-origin``."""
+        if "*" in self.allow_origins:
+            return True
+        return (_parse_origin(origin) is not None
+                and normalize_origin(origin) in self.allow_origins)
 
 
 def kv_budget_for(model: PocketModel, cfg: ServerConfig) -> tuple[int | None, int]:
@@ -105,6 +219,16 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
     started = int(time.time())
 
     # -- wire checks ---------------------------------------------------------------------
+    def check_origin(request: HTTPRequest) -> None:
+        origin = request.headers.get("origin")
+        if (cfg.api_key is not None or origin is None or cfg.origin_allowed(origin)
+                or is_own_origin(origin, request.scope)):
+            return
+        raise P.APIError(403, f"requests from the web origin '{P.shown(origin)}' are refused: "
+                         "this server has no API key, so only its own page may call it from a "
+                         "browser; start it with --allow-origin ORIGIN to allow that site, or "
+                         "with an API key", code="origin_not_allowed")
+
     def check_auth(request: HTTPRequest) -> None:
         if cfg.api_key is None:
             return
@@ -116,14 +240,36 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              code="invalid_api_key",
                              headers={"WWW-Authenticate": "Bearer"})
 
-    async def read_json(request: HTTPRequest):
+    def check_json_type(request: HTTPRequest) -> None:
+        got = request.headers.get("content-type", "")
+        if got.partition(";")[0].strip().lower() != "application/json":
+            raise P.APIError(415, "the request body must be JSON sent with 'Content-Type: "
+                             "application/json'; got " + (f"'{P.shown(got)}'" if got else
+                                                           "no Content-Type"),
+                             code="unsupported_media_type")
+
+    async def read_body(request: HTTPRequest) -> bytes:
+        """The body, within ``max_body`` bytes and ``body_timeout`` seconds (a client that
+        sends it slowly, or never finishes it, is cut off with 408)."""
+        try:
+            return await asyncio.wait_for(read_limited(request), cfg.body_timeout)
+        except asyncio.TimeoutError:
+            raise P.APIError(408, f"the request body did not arrive within "
+                             f"{cfg.body_timeout:g} s", code="request_timeout",
+                             headers={"Connection": "close"}) from None
+        except ClientDisconnect:
+            raise P.APIError(400, "the client disconnected before the whole body arrived",
+                             code="incomplete_body") from None
+
+    async def read_limited(request: HTTPRequest) -> bytes:
         length = request.headers.get("content-length")
         too_big = P.APIError(413, f"the request body exceeds {cfg.max_body // 1024} KB",
-                             code="request_too_large")
+                             code="request_too_large", headers={"Connection": "close"})
         if length is not None:
-            if not length.isdigit():
-                raise P.APIError(400, "invalid Content-Length header", code="invalid_request")
-            if int(length) > cfg.max_body:
+            if not (length.isascii() and length.isdigit()):
+                raise P.APIError(400, "invalid Content-Length header", code="invalid_request",
+                                 headers={"Connection": "close"})
+            if len(length) > 20 or int(length) > cfg.max_body:
                 raise too_big
         chunks, size = [], 0
         async for chunk in request.stream():
@@ -131,23 +277,13 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             if size > cfg.max_body:
                 raise too_big
             chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            return json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise P.APIError(400, "the request body is not UTF-8 text",
-                             code="invalid_json") from None
-        except json.JSONDecodeError as e:
-            raise P.APIError(400, f"the request body is not valid JSON: {e.msg} at line "
-                             f"{e.lineno} column {e.colno}", code="invalid_json") from None
-        except RecursionError:
-            raise P.APIError(400, "the request body nests too deeply",
-                             code="invalid_json") from None
+        return b"".join(chunks)
 
     def check_model(name: str) -> None:
         if name != cfg.model_name:
-            raise P.APIError(404, f"The model '{name}' does not exist; this server serves "
-                             f"'{cfg.model_name}'", param="model", code="model_not_found")
+            raise P.APIError(404, f"The model '{P.shown(name)}' does not exist; this server "
+                             f"serves '{cfg.model_name}'", param="model",
+                             code="model_not_found")
 
     def prompt_ids(g: P.GenerationRequest) -> list[int]:
         try:
@@ -204,14 +340,17 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              "max_memory_mb": cfg.max_memory_mb, **scheduler.snapshot()})
 
     async def models(request: HTTPRequest) -> Response:
+        check_origin(request)
         check_auth(request)
         return JSONResponse({"object": "list", "data": [
             {"id": cfg.model_name, "object": "model", "created": started,
              "owned_by": "pocketlm", "context_length": model.n_ctx}]})
 
     async def generate(request: HTTPRequest, chat: bool) -> Response:
+        check_origin(request)
         check_auth(request)
-        g = P.parse_request(await read_json(request), chat=chat)
+        check_json_type(request)
+        g = P.parse_request(P.decode_json(await read_body(request)), chat=chat)
         check_model(g.model)
         ids = prompt_ids(g)
         req = build(g, ids, asyncio.get_running_loop())
@@ -223,28 +362,35 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                                               "X-Accel-Buffering": "no"})
         return await collect(request, req, rid, chat)
 
+    async def cancel_on_disconnect(request: HTTPRequest, req: Request) -> None:
+        """Wait for the client to hang up (the body is read: what comes next is ASGI's
+        ``http.disconnect``), then cancel ``req``."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scheduler.cancel(req)
+        req.events.put_nowait(("gone",))
+
     async def collect(request: HTTPRequest, req: Request, rid: str, chat: bool) -> Response:
+        watcher = asyncio.create_task(cancel_on_disconnect(request, req))
         pieces = []
         try:
             while True:
-                try:
-                    ev = await asyncio.wait_for(req.events.get(), timeout=0.5)
-                except asyncio.TimeoutError:  # (not the builtin before Python 3.11)
-                    if await request.is_disconnected():
-                        scheduler.cancel(req)
-                        return Response(status_code=499)
-                    continue
+                ev = await req.events.get()
                 if ev[0] == "text":
                     pieces.append(ev[1])
                 elif ev[0] == "done":
                     use = P.usage(len(req.prompt_ids), req.completion_tokens)
                     return JSONResponse(P.completion_body(rid, cfg.model_name, "".join(pieces),
                                                           ev[1], use, chat=chat))
+                elif ev[0] == "gone":
+                    return Response(status_code=499)  # nobody reads it
                 else:
-                    raise P.APIError(500, ev[1], code="internal_error")
+                    raise generation_failure(ev[1])
         except asyncio.CancelledError:
             scheduler.cancel(req)
             raise
+        finally:
+            watcher.cancel()
 
     async def stream(req: Request, rid: str, g: P.GenerationRequest, chat: bool):
         def sse(obj) -> str:
@@ -268,7 +414,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                     return
                 else:
                     done = True
-                    yield sse(P.APIError(500, ev[1], code="internal_error").body())
+                    err = generation_failure(ev[1]).body()
+                    yield f"data: {json.dumps(err, ensure_ascii=True)}\n\n"
                     return
         finally:
             if not done:  # the client went away (or the response was torn down)
@@ -282,24 +429,30 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
 
     # -- errors --------------------------------------------------------------------------
     async def api_error(request: HTTPRequest, exc: P.APIError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return error_response(exc)
 
     async def http_error(request: HTTPRequest, exc: HTTPException) -> Response:
-        msg = {404: f"no route {request.method} {request.url.path}",
-               405: f"method {request.method} is not allowed on {request.url.path}"}.get(
+        path = P.shown(request.url.path)
+        msg = {404: f"no route {request.method} {path}",
+               405: f"method {request.method} is not allowed on {path}"}.get(
             exc.status_code, str(exc.detail))
-        return JSONResponse(P.APIError(exc.status_code, msg).body(), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return error_response(P.APIError(exc.status_code, msg,
+                                         headers=getattr(exc, "headers", None)))
 
     async def server_error(request: HTTPRequest, exc: Exception) -> Response:
-        return JSONResponse(P.APIError(500, f"internal error: {exc}").body(), status_code=500)
+        return error_response(P.APIError(500, f"internal error: {exc}"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         scheduler.close()
 
+    cors = [Middleware(CORSMiddleware, allow_origins=sorted(cfg.allow_origins),
+                       allow_methods=["GET", "POST"],
+                       allow_headers=["Authorization", "Content-Type"])] \
+        if cfg.allow_origins else []
     app = Starlette(
+        middleware=cors,
         routes=[Route("/", index), Route("/health", health), Route("/v1/models", models),
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"])],

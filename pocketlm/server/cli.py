@@ -5,22 +5,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
+import socket
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import PocketError
 
 SERVE_EPILOG = """examples:
   pocket serve                                   # default model on http://127.0.0.1:8000
-  pocket serve -m qwen2.5-0.5b --max-memory-mb 900 --api-key "$KEY"
+  pocket serve -m qwen2.5-0.5b --max-memory-mb 900 --api-key-file ~/.config/pocket/key
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
        -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}]}'
 
-Any OpenAI client works: base_url="http://127.0.0.1:8000/v1" (api_key: the --api-key, or any
-string when none is set). Sampling defaults (temperature, top_p, ...) are the model's own
-generation settings when a request leaves them out; temperature 0 is greedy.
+Any OpenAI client works: base_url="http://127.0.0.1:8000/v1" (api_key: the server's key, or any
+string when none is set). Give the key as $POCKET_API_KEY or --api-key-file FILE: an --api-key
+on the command line is visible to every user of the machine (ps).
+
+Sampling defaults (temperature, top_p, ...) are the model's own generation settings when a
+request leaves them out; temperature 0 is greedy. Without an API key, web pages from other
+origins are refused (403) unless --allow-origin names them.
 
 memory: --max-memory-mb bounds the whole process (weights, tokenizer, step buffers and every
 KV cache). A request reserves the KV cache of its prompt + max_tokens before it starts;
@@ -44,9 +51,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: "
                    "this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
-    p.add_argument("--api-key", default=os.environ.get("POCKET_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1 (default: $POCKET_API_KEY; "
-                   "none: no auth)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (visible in "
+                   "ps: prefer $POCKET_API_KEY or --api-key-file; default: $POCKET_API_KEY, "
+                   "else no auth)")
+    p.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE (its "
+                   "first line)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN (scheme://host[:port]; '*': any) call a "
+                   "server without an API key, with CORS; repeatable (default: only the "
+                   "server's own page)")
     p.add_argument("--ctx", type=int, default=None, help="context per request, prompt + "
                    "answer (default 4096, or the model's if smaller)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at "
@@ -59,6 +72,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "prefixes, e.g. a shared system prompt (default 64; 0: off)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body "
                    "(default 1024 KB)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request body that takes longer to arrive gets 408 (default 30)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
@@ -95,6 +110,57 @@ def _require_stack() -> None:
         raise PocketError(f"pocket serve needs {e.name}: pip install 'pocketlm[serve]'") from None
 
 
+def api_key_from(args, environ: Mapping[str, str]) -> str | None:
+    """The API key: ``--api-key``, else the first line of ``--api-key-file``, else
+    ``$POCKET_API_KEY``; None for none."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise PocketError("give the API key once: --api-key or --api-key-file, not both")
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise PocketError("--api-key is empty; give a key or leave the option out")
+        return args.api_key
+    if args.api_key_file is not None:
+        return _read_key_file(args.api_key_file)
+    return environ.get("POCKET_API_KEY") or None
+
+
+def _read_key_file(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise PocketError(f"--api-key-file {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise PocketError(f"--api-key-file {path}: not UTF-8 text; the file should hold the "
+                          "key on its first line") from None
+    lines = text.strip().splitlines()
+    if not lines:
+        raise PocketError(f"--api-key-file {path} is empty; write the key on its first line")
+    return lines[0].strip()
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for uvicorn to listen on; a port already taken (or an
+    address this machine does not have) is a one-line error before anything loads."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PocketError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    # IPv4 first: "localhost" should listen where browsers and clients try first
+    family, kind, proto, _, address = min(infos, key=lambda i: i[0] != socket.AF_INET)
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise PocketError(f"port {port} on {host} is in use ({e.strerror}); pass --port "
+                              "with a free port (--port 0: any free one)") from None
+        raise PocketError(f"cannot listen on {host} port {port} ({e.strerror}); pass another "
+                          "--host or --port") from None
+    return sock
+
+
 def cmd_serve(args) -> int:
     _require_stack()
     import uvicorn
@@ -108,12 +174,18 @@ def cmd_serve(args) -> int:
         raise PocketError(f"--port must be in 0..65535, got {args.port}")
     model_arg = args.model or default_model()
     cfg = ServerConfig(model_name=args.model_name or served_name(model_arg),
-                       api_key=args.api_key, max_batch=args.max_batch, max_queue=args.max_queue,
-                       max_memory_mb=args.max_memory_mb, max_body_kb=args.max_body_kb,
-                       prefix_cache_mb=args.prefix_cache_mb)
-    t0 = time.time()
-    model = pocketlm.load(model_arg, n_ctx=args.ctx, quiet=False)
-    app = create_app(model, cfg)
+                       api_key=api_key_from(args, os.environ), max_batch=args.max_batch,
+                       max_queue=args.max_queue, max_memory_mb=args.max_memory_mb,
+                       max_body_kb=args.max_body_kb, prefix_cache_mb=args.prefix_cache_mb,
+                       allow_origins=args.allow_origin, body_timeout_s=args.body_timeout)
+    sock = bind_socket(args.host, args.port)
+    try:
+        t0 = time.time()
+        model = pocketlm.load(model_arg, n_ctx=args.ctx, quiet=False)
+        app = create_app(model, cfg)
+    except BaseException:
+        sock.close()
+        raise
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = _uvicorn_server()(config)
@@ -137,7 +209,7 @@ def cmd_serve(args) -> int:
 
     async def main():
         task = asyncio.create_task(announce())
-        await server.serve()
+        await server.serve(sockets=[sock])
         task.cancel()
 
     asyncio.run(main())

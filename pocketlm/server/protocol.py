@@ -14,6 +14,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+MAX_INT_DIGITS = 100  # no field takes more than 19; longer integers are refused while parsing
+INT64_MAX = 2**63 - 1
+
 
 class APIError(Exception):
     """An error answered as OpenAI's error object with an HTTP status."""
@@ -26,7 +29,8 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or {401: "authentication_error", 404: "not_found_error",
+        self.type = type or {401: "authentication_error", 403: "permission_error",
+                             404: "not_found_error",
                              429: "rate_limit_error", 503: "server_error",
                              500: "server_error"}.get(status, "invalid_request_error")
         self.headers = headers or {}
@@ -40,6 +44,86 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> APIErr
     return APIError(400, message, param=param, code=code)
 
 
+def shown(text: str, limit: int = 80) -> str:
+    """``text`` as an error message quotes it: cut to ``limit`` characters, lone surrogates
+    written as ``\\udXXX`` (so that the message is always encodable)."""
+    cut = text if len(text) <= limit else text[:limit] + "..."
+    return cut.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# -- the body's JSON ------------------------------------------------------------------------
+def _bad_json(message: str) -> APIError:
+    return APIError(400, f"the request body is not valid JSON: {message}", code="invalid_json")
+
+
+def _json_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise _bad_json(f"an integer of {len(digits.lstrip('-'))} digits; integers here have "
+                        f"at most {MAX_INT_DIGITS}")
+    return int(digits)
+
+
+def _json_constant(name: str):
+    raise _bad_json(f"{name} is not a JSON value; send a finite number")
+
+
+def decode_json(raw: bytes) -> Any:
+    """The request body as JSON, or a 400 saying what is wrong with it: not UTF-8, not JSON,
+    NaN/Infinity, an integer too long to read, nesting too deep for the parser."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not UTF-8 text (byte {e.start} is "
+                       f"0x{raw[e.start]:02x})", code="invalid_json") from None
+    try:
+        return json.loads(text, parse_int=_json_int, parse_constant=_json_constant)
+    except json.JSONDecodeError as e:
+        raise _bad_json(f"{e.msg} at line {e.lineno} column {e.colno}") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests arrays or objects too deeply for this "
+                       "server", code="invalid_json") from None
+    except ValueError as e:  # what the parser itself refuses beyond the checks above
+        raise _bad_json(str(e)) from None
+
+
+def _first_lone_surrogate(body: Any) -> tuple[str, str] | None:
+    """(where, the string) of the first string in ``body`` (keys too) that is not valid
+    Unicode: JSON's ``\\ud800`` escapes decode to lone surrogates, which no tokenizer or
+    UTF-8 encoder takes. Iterative, so a deep body cannot exhaust the stack."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        where, v = todo.pop()
+        if isinstance(v, str):
+            items: list[tuple[str, Any]] = []
+            strings = [v]
+        elif isinstance(v, dict):
+            strings = list(v)
+            items = [(f"{where}.{k}" if where else k, x) for k, x in v.items()]
+        elif isinstance(v, list):
+            strings = []
+            items = [(f"{where}[{i}]", x) for i, x in enumerate(v)]
+        else:
+            continue
+        for s in strings:
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "body", s
+        todo.extend(reversed(items))
+    return None
+
+
+def _check_unicode(body: Any) -> None:
+    found = _first_lone_surrogate(body)
+    if found is None:
+        return
+    where, s = found
+    at = next(i for i, c in enumerate(s) if 0xD800 <= ord(c) <= 0xDFFF)
+    raise _bad(f"'{shown(where)}' holds a lone surrogate ({ord(s[at]):#06x} at character "
+               f"{at}) and is not valid Unicode; send UTF-8 text (surrogate escapes only in "
+               "pairs)", shown(where), "invalid_text")
+
+
 # -- field checkers: (value, name) -> the value to use ------------------------------------------
 def _type_name(v: Any) -> str:
     return {type(None): "null", bool: "boolean", int: "integer", float: "number", str: "string",
@@ -50,7 +134,10 @@ def _number(lo: float | None = None, hi: float | None = None, *, lo_open: bool =
     def check(v, name):
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise _bad(f"'{name}' must be a number, got {_type_name(v)}", name, "invalid_type")
-        v = float(v)
+        try:
+            v = float(v)
+        except OverflowError:  # an integer beyond float's range
+            v = math.copysign(math.inf, v)
         if not math.isfinite(v):
             raise _bad(f"'{name}' must be a finite number", name)
         if lo is not None and (v <= lo if lo_open else v < lo):
@@ -61,12 +148,14 @@ def _number(lo: float | None = None, hi: float | None = None, *, lo_open: bool =
     return check
 
 
-def _integer(lo: int | None = None):
+def _integer(lo: int | None = None, hi: int = INT64_MAX):
     def check(v, name):
         if isinstance(v, bool) or not isinstance(v, int):
             raise _bad(f"'{name}' must be an integer, got {_type_name(v)}", name, "invalid_type")
         if lo is not None and v < lo:
             raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
+        if v > hi:
+            raise _bad(f"'{name}' must be <= {hi}, got {v}", name)
         return v
     return check
 
@@ -93,12 +182,16 @@ def _stop(v, name):
     raise _bad(f"'{name}' must be a string or an array of strings", name, "invalid_type")
 
 
+def _as_written(v: Any) -> str:
+    """``v`` as the client wrote it (true, not True), cut short."""
+    return shown(json.dumps(v, ensure_ascii=False))
+
+
 def _only(value, what: str):
     def check(v, name):
         if v != value:
-            shown = json.dumps(v)[:80]  # as the client wrote it (true, not True)
-            raise _bad(f"'{name}' = {shown} is not supported by this server ({what})", name,
-                       "unsupported_value")
+            raise _bad(f"'{name}' = {_as_written(v)} is not supported by this server ({what})",
+                       name, "unsupported_value")
         return v
     return check
 
@@ -108,7 +201,7 @@ def _stream_options(v, name):
         raise _bad(f"'{name}' must be an object, got {_type_name(v)}", name, "invalid_type")
     unknown = set(v) - {"include_usage"}
     if unknown:
-        raise _bad(f"unrecognized field '{name}.{sorted(unknown)[0]}'", name,
+        raise _bad(f"unrecognized field '{name}.{shown(sorted(unknown)[0])}'", name,
                    "unknown_parameter")
     return {"include_usage": _boolean(v.get("include_usage", False), f"{name}.include_usage")}
 
@@ -125,12 +218,12 @@ def _messages(v, name):
                        "invalid_type")
         unknown = set(m) - {"role", "content", "name"}
         if unknown:
-            raise _bad(f"unrecognized field '{where}.{sorted(unknown)[0]}'", where,
+            raise _bad(f"unrecognized field '{where}.{shown(sorted(unknown)[0])}'", where,
                        "unknown_parameter")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant"):
             raise _bad(f"'{where}.role' must be one of system, developer, user, assistant; "
-                       f"got {role!r}", f"{where}.role")
+                       f"got {_as_written(role)}", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -211,14 +304,17 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         raise _bad(f"the request body must be a JSON object, got {_type_name(body)}", None,
                    "invalid_type")
     fields = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    _check_unicode(body)
     unknown = [k for k in body if k not in fields]
     if unknown:
-        raise _bad(f"Unrecognized request argument supplied: {unknown[0]}", unknown[0],
-                   "unknown_parameter")
+        raise _bad(f"Unrecognized request argument supplied: {shown(unknown[0])}",
+                   shown(unknown[0]), "unknown_parameter")
     required = "messages" if chat else "prompt"
     for name in ("model", required):
         if name not in body:
             raise _bad(f"missing required field '{name}'", name, "missing_required_parameter")
+        if body[name] is None:
+            raise _bad(f"'{name}' is required and cannot be null", name, "invalid_type")
     v = {k: (fields[k](x, k) if x is not None else None) for k, x in body.items()}
     max_tokens = v.get("max_completion_tokens") if chat else None
     if max_tokens is None:

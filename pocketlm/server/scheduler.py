@@ -15,11 +15,18 @@ Finished and cancelled requests leave between steps; their caches are freed at o
 result does not depend on the other rows of its batch, so an answer does not change with the
 server's load. Events go to each request through ``loop.call_soon_threadsafe``; the HTTP
 side never touches the model.
+
+A failure belongs to the request that caused it: an exception in one request's prefill,
+sampling, detokenizing or stop handling ends that request alone with a
+:class:`GenerationError` (its cache freed) while the others go on. When the batched engine
+call itself fails, its rows are run again one at a time, so that only a row that fails on its
+own is ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -51,6 +58,25 @@ class TooLargeError(Exception):
 
 class ShuttingDownError(Exception):
     """The server is stopping and takes no new requests (HTTP 503)."""
+
+
+class GenerationError(Exception):
+    """One request failed while it was generated (``stage``: prefill, decode step, sampling,
+    detokenizing, finishing: the held-back text and stop strings at the end); ``cause`` is what
+    was raised. Only that request ends."""
+
+    def __init__(self, stage: str, cause: BaseException):
+        super().__init__(f"{stage} failed: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.cause = cause
+
+
+def _in_stage(stage: str, fn, *args):
+    """``fn(*args)``, with an exception it raises labelled by ``stage``."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - re-raised with the stage that failed
+        raise GenerationError(stage, e) from e
 
 
 @dataclass(eq=False)
@@ -85,8 +111,9 @@ class Request:
 
     def emit(self, *event) -> None:
         """Hand an event to the HTTP side: ("text", str), ("done", finish_reason) or
-        ("error", message)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        ("error", exception)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
 @dataclass(eq=False)
@@ -132,7 +159,8 @@ class Scheduler:
         self._ids = itertools.count()
         self._reserved = 0  # bytes: running caches + prefixes
         self._stopping = False
-        self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "rejected": 0,
+        self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
+                      "rejected": 0,
                       "prefix_hits": 0, "prefix_tokens_reused": 0, "steps": 0,
                       "max_batch_seen": 0}
         self._thread = threading.Thread(target=self._run, name="pocket-scheduler", daemon=True)
@@ -197,34 +225,50 @@ class Scheduler:
                 while not self._stopping and not self._waiting and not self._running:
                     self._lock.wait()
                 if self._stopping:
-                    for req in list(self._waiting) + self._running:
-                        req.emit("error", "the server is shutting down")
-                    self._waiting.clear()
-                    for req in list(self._running):
-                        self._release(req)
-                    self._running.clear()
+                    self._shut_down()
                     return
-                self._drop_cancelled()
-                self._admit()
-                prefilling = [r for r in self._running if r.text is None or
-                              r.prefilled < len(r.prompt_ids)]
-            budget = self.prefill_chunk
-            for req in prefilling:  # oldest first, up to prefill_chunk tokens this loop
-                if budget <= 0:
-                    break
-                try:
-                    budget -= self._prefill(req, budget)
-                except Exception as e:  # noqa: BLE001 - one bad request must not stop the rest
-                    with self._lock:
-                        req.emit("error", f"internal error: {e}")
-                        self._finish(req, None)
             try:
-                self._decode_step()
-            except Exception as e:  # noqa: BLE001 - the server must go on: fail the requests
+                self._loop_once()
+            except Exception as e:  # noqa: BLE001 - a fault of no one request: the server goes on
+                self._fail_all(GenerationError("scheduling", e))
+
+    def _fail_all(self, error: GenerationError) -> None:
+        """End every request in flight with ``error`` (so that a fault that would recur does
+        not spin); new requests are served afresh."""
+        with self._lock:
+            for req in list(self._running):
+                self._fail(req, error)
+            for req in [r for r in self._waiting if not r.cancelled]:
+                self._waiting.remove(req)
+                req.emit("error", error)
+                self.stats["failed"] += 1
+
+    def _shut_down(self) -> None:
+        """(Lock held.) Tell everyone still waiting or running, and free every cache."""
+        for req in list(self._waiting) + self._running:
+            req.emit("error", ShuttingDownError("the server is shutting down"))
+        self._waiting.clear()
+        for req in list(self._running):
+            self._release(req)
+        self._running.clear()
+
+    def _loop_once(self) -> None:
+        with self._lock:
+            self._drop_cancelled()
+            self._admit()
+            prefilling = [r for r in self._running if r.text is None or
+                          r.prefilled < len(r.prompt_ids)]
+        budget = self.prefill_chunk
+        for req in prefilling:  # oldest first, up to prefill_chunk tokens this loop
+            if budget <= 0:
+                break
+            try:
+                budget -= self._prefill(req, budget)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
                 with self._lock:
-                    for req in list(self._running):
-                        req.emit("error", f"internal error: {e}")
-                        self._finish(req, None)
+                    self._fail(req, e if isinstance(e, GenerationError)
+                               else GenerationError("prefill", e))
+        self._decode_step()
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self._waiting if r.cancelled]:
@@ -259,6 +303,15 @@ class Scheduler:
         req.cache = None  # the native cache is freed with its last reference
         self._reserved -= req.reserved
         req.reserved = 0
+
+    def _fail(self, req: Request, error: GenerationError) -> None:
+        """(Lock held.) End ``req`` alone with ``error`` and free its cache (a cancelled request
+        is left to :meth:`_drop_cancelled`, which counts it)."""
+        if req.cancelled:
+            return
+        req.emit("error", error)
+        self.stats["failed"] += 1
+        self._finish(req, None)
 
     def _finish(self, req: Request, reason: str | None) -> None:
         """(Lock held.) Flush the held-back text, report, and free the cache."""
@@ -303,8 +356,11 @@ class Scheduler:
             self._reserved -= old.nbytes
         if self.kv_budget is not None and self._reserved + nbytes > self.kv_budget:
             return  # running requests come first
-        cache = self.runtime.new_cache(len(ids))
-        self.runtime.copy_prefix(cache, req.cache, len(ids))
+        try:
+            cache = self.runtime.new_cache(len(ids))
+            self.runtime.copy_prefix(cache, req.cache, len(ids))
+        except Exception:  # noqa: BLE001 - a prefix that cannot be kept is not kept
+            return
         self._prefixes[next(self._ids)] = _Prefix(tuple(ids), cache, nbytes)
         self._reserved += nbytes
 
@@ -343,34 +399,66 @@ class Scheduler:
             batch = [r for r in self._running if r.next_token is not None and not r.cancelled]
         if not batch:
             return
-        logits = self.runtime.forward_batch([r.next_token for r in batch],
-                                            [r.cache for r in batch])
+        rows = self._forward_rows(batch)
         self.stats["steps"] += 1
         with self._lock:
-            for req, row in zip(batch, logits, strict=True):
+            for req, row in rows:
                 req.next_token = None
                 if not req.cancelled:
                     self._take(req, row)
 
+    def _forward_rows(self, batch: list[Request]) -> list[tuple[Request, np.ndarray]]:
+        """One decode step for ``batch`` in one engine call: (request, logits) for each row.
+        If the call fails, the rows run again one at a time (a batch of one computes what its
+        row computes in any batch), and a row that fails alone ends its request."""
+        lengths = [r.cache.length for r in batch]
+        try:
+            logits = self.runtime.forward_batch([r.next_token for r in batch],
+                                                [r.cache for r in batch])
+            return list(zip(batch, logits, strict=True))
+        except Exception as e:  # noqa: BLE001 - whose fault it is, the rows alone tell
+            if len(batch) == 1:
+                with self._lock:
+                    self._fail(batch[0], GenerationError("decode step", e))
+                return []
+        for req, n in zip(batch, lengths):
+            req.cache.length = n  # what the failed call may have advanced, it did not compute
+        rows = []
+        for req in batch:
+            try:
+                rows.append((req, self.runtime.forward_batch([req.next_token], [req.cache])[0]))
+            except Exception as e:  # noqa: BLE001 - this row alone fails
+                with self._lock:
+                    self._fail(req, GenerationError("decode step", e))
+        return rows
+
     def _take(self, req: Request, logits: np.ndarray) -> None:
-        """(Lock held.) Sample the next token from ``logits`` and pass its text on."""
+        """(Lock held.) Sample the next token from ``logits`` and pass its text on; whatever
+        goes wrong in doing so ends ``req`` alone."""
+        try:
+            self._advance(req, logits)
+        except Exception as e:  # noqa: BLE001 - this request alone fails
+            self._fail(req, e if isinstance(e, GenerationError)
+                       else GenerationError("token handling", e))
+
+    def _advance(self, req: Request, logits: np.ndarray) -> None:
         if req.max_tokens == 0:
             self._finish(req, "length")
             return
-        token = req.sampler(logits, req.history)
+        token = _in_stage("sampling", req.sampler, logits, req.history)
         if req.first_token is None:
             req.first_token = time.perf_counter()
         if token in self.stop_ids and not req.ignore_eos:
-            self._finish(req, "stop")
+            _in_stage("finishing", self._finish, req, "stop")
             return
         req.completion_tokens += 1
         req.history.append(token)
-        piece = req.text.add(token)
+        piece = _in_stage("detokenizing", req.text.add, token)
         if piece:
             req.emit("text", piece)
         if req.text.stopped:
             self._finish(req, "stop")
         elif req.completion_tokens >= req.max_tokens or req.cache.length >= req.cache.capacity:
-            self._finish(req, "length")
+            _in_stage("finishing", self._finish, req, "length")
         else:
             req.next_token = token

@@ -1,0 +1,828 @@
+"""The server under hostile and careless use, on a tiny model in this process.
+
+One request's failure must end that request alone; clients that hang up, send slowly or send
+garbage must cost nothing and get an OpenAI-shaped error, never a 5xx; the wire checks
+(Content-Type, Origin) stop web pages from driving a keyless server; the command line gives
+one-line errors. The app runs under httpx's ASGI transport (which re-raises any exception the
+app lets out, so an unhandled one fails the test), under a hand-written ASGI caller where a
+client must hang up, and under uvicorn on a loopback port where sockets matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from argparse import Namespace
+
+import httpx
+import pytest
+import tiny_gguf
+
+import pocketlm
+from pocketlm.sampling import Sampler, SamplingParams
+from pocketlm.server import app as app_module
+from pocketlm.server import scheduler as scheduler_module
+from pocketlm.server.app import ServerConfig, create_app
+from pocketlm.server.cli import api_key_from, bind_socket
+from pocketlm.server.scheduler import GenerationError, Request, Scheduler
+
+NAME = "tiny"
+BASE = "http://127.0.0.1:8000"  # what the in-process transport presents as the server
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny llama GGUF (2048-token context), loaded, with a POCKET_HOME of its own."""
+    root = tmp_path_factory.mktemp("serve")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(root / "home"))
+        path = root / "tiny.gguf"
+        tiny_gguf.write_tiny_gguf(path, "llama", seed=2, weight_type="Q4_0", max_context=2048)
+        yield {"path": path, "model": pocketlm.load(path), "root": root}
+
+
+@pytest.fixture
+def model(env):
+    return env["model"]
+
+
+@pytest.fixture
+def make_app(model):
+    """``make_app(**config)``: the app over the tiny model; its scheduler stops afterwards."""
+    apps = []
+
+    def make(m=None, **kw):
+        app = create_app(m or model, ServerConfig(model_name=NAME, **kw))
+        apps.append(app)
+        return app
+
+    yield make
+    for app in apps:
+        app.state.scheduler.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url=BASE,
+                             timeout=60)
+
+
+def stats(app) -> dict:
+    return app.state.scheduler.snapshot()
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert r.status_code == status, (r.status_code, r.text[:500])
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"] and isinstance(err["type"], str)
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def completion(prompt: str, **kw) -> dict:
+    return {"model": NAME, "prompt": prompt, "max_tokens": 40, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+EIGHT = [completion(f"hello world, the {w}", **({"temperature": 0.9, "seed": i} if i % 2
+                                                  else {}))
+         for i, w in enumerate(["cat", "and", "of", "is", "it", "on", "was", "for"])]
+
+
+async def answers_alone(app, bodies) -> list[str]:
+    async with client(app) as c:
+        return [(await c.post("/v1/completions", json=b)).json()["choices"][0]["text"]
+                for b in bodies]
+
+
+# -- one request's failure is its own --------------------------------------------------------
+
+class PoisonedSampler(Sampler):
+    """Raises at its third token, as a sampler handed an impossible distribution would."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.calls = 0
+
+    def __call__(self, logits, history=None):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("poisoned row")
+        return super().__call__(logits, history)
+
+
+def test_one_poisoned_request_among_eight_running_leaves_the_eight_unharmed(make_app,
+                                                                             monkeypatch):
+    app = make_app(prefix_cache_mb=0)
+    alone = run(answers_alone(app, EIGHT))
+    monkeypatch.setattr(app_module, "Sampler", lambda params: PoisonedSampler(params)
+                        if params.seed == 666 else Sampler(params))
+    poisoned = completion("hello world, the poisoned one", seed=666, max_tokens=60)
+
+    async def together():
+        async with client(app) as c:
+            calls = [c.post("/v1/completions", json=b) for b in EIGHT[:4]]
+            calls += [c.post("/v1/completions", json=poisoned)]
+            calls += [c.post("/v1/completions", json=b) for b in EIGHT[4:]]
+            return await asyncio.gather(*calls)
+
+    rs = run(together())
+    bad = rs.pop(4)
+    assert [r.status_code for r in rs] == [200] * 8
+    assert [r.json()["choices"][0]["text"] for r in rs] == alone
+    err = assert_openai_error(bad, 500, "internal_error")
+    assert "sampling failed: RuntimeError: poisoned row" in err["message"]
+    assert all(r.json()["usage"]["completion_tokens"] == 40 for r in rs)
+    s = stats(app)
+    assert s["failed"] == 1 and s["completed"] == 16 and s["max_batch_seen"] > 4
+    assert s["running"] == 0 and s["kv_reserved_mb"] == 0
+
+
+@pytest.mark.parametrize("temperature", [1.7e-307, 5e-324])
+def test_a_tiny_temperature_fails_no_other_request(make_app, temperature):
+    app = make_app()
+    alone = run(answers_alone(app, EIGHT))
+    tiny = completion("hello world, the", temperature=temperature, max_tokens=20)
+
+    async def together():
+        async with client(app) as c:
+            return await asyncio.gather(c.post("/v1/completions", json=tiny),
+                                        *[c.post("/v1/completions", json=b) for b in EIGHT])
+
+    first, *rs = run(together())
+    assert first.status_code in (200, 400), first.text
+    if first.status_code == 400:
+        assert_openai_error(first, 400)
+    assert [r.json()["choices"][0]["text"] for r in rs] == alone
+
+
+class PoisonedRuntime:
+    """The model's runtime, failing in ``method`` whenever ``victim``'s cache takes part (a
+    failed batched call first advances every cache, as a partial failure might)."""
+
+    def __init__(self, runtime, method: str):
+        self._runtime = runtime
+        self.method = method
+        self.victim: Request | None = None
+
+    def __getattr__(self, name):
+        return getattr(self._runtime, name)
+
+    def _hit(self, method: str, caches) -> bool:
+        return method == self.method and any(c is self.victim.cache for c in caches)
+
+    def forward(self, ids, cache, **kw):
+        if self._hit("forward", [cache]):
+            raise RuntimeError("poisoned prefill")
+        return self._runtime.forward(ids, cache, **kw)
+
+    def forward_batch(self, ids, caches):
+        if self._hit("forward_batch", caches):
+            for c in caches:
+                c.length += 1
+            raise RuntimeError("poisoned row")
+        return self._runtime.forward_batch(ids, caches)
+
+
+POISON_MARK = "\x00poison"  # a stop string no answer contains: it marks the victim
+
+
+class PoisonedText(scheduler_module.TextStream):
+    """Detokenizing fails at the victim's third token ("add") or when it ends ("finish")."""
+
+    where = "add"
+
+    def __init__(self, tokenizer, stop=None):
+        super().__init__(tokenizer, stop)
+        self.victim = POISON_MARK in (stop or [])
+        self.tokens = 0
+
+    def add(self, token):
+        self.tokens += 1
+        if self.victim and self.where == "add" and self.tokens == 3:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "poisoned bytes")
+        return super().add(token)
+
+    def finish(self):
+        if self.victim and self.where == "finish":
+            raise RuntimeError("poisoned stop handling")
+        return super().finish()
+
+
+async def _outcome(req: Request) -> tuple[str, object]:
+    pieces = []
+    while True:
+        ev = await asyncio.wait_for(req.events.get(), 60)
+        if ev[0] == "text":
+            pieces.append(ev[1])
+        else:
+            return "".join(pieces), ev[1]
+
+
+def _request(model, prompt: str, loop, *, seed: int | None = None, stop=(),
+             sampler=None) -> Request:
+    params = SamplingParams(temperature=0.9 if seed is not None else 0.0, seed=seed)
+    return Request(prompt_ids=model.tokenize(prompt), max_tokens=40,
+                   sampler=sampler or Sampler(params), stop=list(stop), loop=loop,
+                   ignore_eos=True)
+
+
+PROMPTS = [f"hello world, the {w}" for w in ["cat", "and", "of", "is", "it", "on", "was", "for"]]
+
+
+@pytest.mark.parametrize("stage", ["sampling", "detokenizing", "finishing", "prefill",
+                                   "decode step"])
+def test_a_failure_in_one_request_ends_it_alone(model, monkeypatch, stage):
+    def seed(i):
+        return i if i % 2 else None
+
+    async def alone() -> list[tuple[str, object]]:
+        sched = Scheduler(model, prefix_cache_mb=0)
+        try:
+            loop = asyncio.get_running_loop()
+            out = []
+            for i, p in enumerate(PROMPTS):
+                req = _request(model, p, loop, seed=seed(i))
+                sched.submit(req)
+                out.append(await _outcome(req))
+            return out
+        finally:
+            sched.close()
+
+    expected = run(alone())
+    assert all(reason == "length" for _, reason in expected)
+
+    if stage in ("detokenizing", "finishing"):
+        monkeypatch.setattr(PoisonedText, "where", "add" if stage == "detokenizing"
+                            else "finish")
+        monkeypatch.setattr(scheduler_module, "TextStream", PoisonedText)
+
+    async def together():
+        sched = Scheduler(model, prefix_cache_mb=0)
+        try:
+            loop = asyncio.get_running_loop()
+            reqs = [_request(model, p, loop, seed=seed(i)) for i, p in enumerate(PROMPTS)]
+            victim = _request(model, "hello world, the victim", loop, stop=[POISON_MARK],
+                              sampler=PoisonedSampler(SamplingParams()) if stage == "sampling"
+                              else None)
+            if stage in ("prefill", "decode step"):
+                sched.runtime = PoisonedRuntime(model.runtime, "forward" if stage == "prefill"
+                                                else "forward_batch")
+                sched.runtime.victim = victim
+            reqs.insert(3, victim)
+            with sched._lock:  # all admitted at once: they run as one batch
+                for r in reqs:
+                    sched.submit(r)
+            out = await asyncio.gather(*[_outcome(r) for r in reqs])
+            return out, sched.snapshot()
+        finally:
+            sched.close()
+
+    got, snap = run(together())
+    _, error = got.pop(3)
+    assert got == expected
+    assert isinstance(error, GenerationError) and error.stage == stage, error
+    assert snap["failed"] == 1 and snap["completed"] == 8 and snap["max_batch_seen"] == 9
+    assert snap["running"] == 0 and snap["kv_reserved_mb"] == 0
+
+
+def test_a_fault_of_the_scheduler_itself_ends_what_is_in_flight_and_it_goes_on(model,
+                                                                              monkeypatch):
+    real_admit = Scheduler._admit
+    faults = iter([RuntimeError("bookkeeping")])
+
+    def admit_once_wrong(self):
+        fault = next(faults, None)
+        if fault is not None:
+            raise fault
+        real_admit(self)
+
+    monkeypatch.setattr(Scheduler, "_admit", admit_once_wrong)
+
+    async def go():
+        sched = Scheduler(model)
+        try:
+            loop = asyncio.get_running_loop()
+            first = _request(model, PROMPTS[0], loop)
+            sched.submit(first)
+            failed = await _outcome(first)
+            after = _request(model, PROMPTS[1], loop)
+            sched.submit(after)
+            return failed, await _outcome(after), sched.snapshot()
+        finally:
+            sched.close()
+
+    (_, error), (_, reason), snap = run(go())
+    assert isinstance(error, GenerationError) and error.stage == "scheduling", error
+    assert reason == "length" and snap["failed"] == 1 and snap["completed"] == 1
+    assert snap["waiting"] == 0 and snap["running"] == 0
+
+
+# -- clients that hang up ---------------------------------------------------------------------
+
+async def call_and_hang_up(app, body: dict, after: float) -> list[dict]:
+    """POST ``body`` as an ASGI server would, the client hanging up ``after`` seconds in;
+    returns the messages the app sent (to nobody)."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(raw)).encode())],
+             "client": ("127.0.0.1", 40000), "server": ("127.0.0.1", 8000)}
+    gone_at = time.monotonic() + after
+    body_sent = False
+    sent: list[dict] = []
+
+    async def receive():
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        await asyncio.sleep(max(0.0, gone_at - time.monotonic()))
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), 30)
+    return sent
+
+
+class SlowSampler(Sampler):
+    """A sampler that takes 2 ms a token: long answers stay running while the test looks."""
+
+    def __call__(self, logits, history=None):
+        time.sleep(0.002)
+        return super().__call__(logits, history)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_abandoned_requests_are_cancelled_and_free_their_cache(make_app, monkeypatch, stream):
+    monkeypatch.setattr(app_module, "Sampler", SlowSampler)
+    app = make_app(prefix_cache_mb=0)
+    bodies = [completion(f"hello world, the {i}", max_tokens=1500, stream=stream)
+              for i in range(10)]
+
+    async def abandon():
+        t0 = time.monotonic()
+        await asyncio.gather(*[call_and_hang_up(app, b, after=0.3) for b in bodies])
+        return time.monotonic() - t0
+
+    took = run(abandon())
+    deadline = time.monotonic() + 5
+    while stats(app)["running"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    s = stats(app)
+    assert took < 5  # the handlers returned at the hang-up, not at the 1500th token
+    assert s["cancelled"] == 10 and s["completed"] == 0, s
+    assert s["running"] == 0 and s["waiting"] == 0 and s["kv_reserved_mb"] == 0
+
+
+@contextlib.contextmanager
+def live_server(app):
+    """``app`` under uvicorn on a loopback port, in a thread; yields (host, port)."""
+    import uvicorn
+
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        yield sock.getsockname()[:2]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_real_client_hanging_up_on_a_plain_request_cancels_it(make_app, monkeypatch):
+    monkeypatch.setattr(app_module, "Sampler", SlowSampler)
+    app = make_app(prefix_cache_mb=0)
+    with live_server(app) as (host, port):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"http://{host}:{port}/v1/completions", timeout=0.5,
+                       json=completion("hello world, the", max_tokens=1500))
+        deadline = time.monotonic() + 5
+        while stats(app)["cancelled"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    s = stats(app)
+    assert s["cancelled"] == 1 and s["completed"] == 0 and s["running"] == 0, s
+
+
+def _raw_exchange(host, port, head: bytes, body_parts, pause: float) -> tuple[bytes, bool]:
+    """Send ``head``, then ``body_parts`` ``pause`` s apart (while the server listens); return
+    what came back and whether the server closed the connection."""
+    s = socket.create_connection((host, port), timeout=5)
+    s.sendall(head)
+
+    def dribble():
+        with contextlib.suppress(OSError):
+            for part in body_parts:
+                time.sleep(pause)
+                s.sendall(part)
+
+    threading.Thread(target=dribble, daemon=True).start()
+    got, closed = b"", False
+    try:
+        while not closed:
+            data = s.recv(65536)
+            got += data
+            closed = not data
+    except ConnectionResetError:
+        closed = True
+    except TimeoutError:
+        pass
+    finally:
+        s.close()
+    return got, closed
+
+
+@pytest.mark.parametrize("how", ["stalls", "dribbles"])
+def test_a_slow_body_is_cut_off_with_408(make_app, how):
+    app = make_app(body_timeout_s=0.5)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 300\r\n\r\n{\"model\": ")
+    parts = [b" "] * 100 if how == "dribbles" else []
+    with live_server(app) as (host, port):
+        t0 = time.monotonic()
+        got, closed = _raw_exchange(host, port, head, parts, pause=0.05)
+        took = time.monotonic() - t0
+        assert got.startswith(b"HTTP/1.1 408"), got[:200]
+        assert closed and took < 3
+        err = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+        assert err["code"] == "request_timeout" and "0.5 s" in err["message"]
+        s = stats(app)
+        assert s["requests"] == 0 and s["running"] == 0 and s["waiting"] == 0
+        # the server goes on serving
+        r = httpx.post(f"http://{host}:{port}/v1/completions", timeout=10,
+                       json=completion("hello", max_tokens=2))
+        assert r.status_code == 200
+
+
+# -- what the body holds -------------------------------------------------------------------
+
+def _post_raw(app, raw: bytes, path="/v1/completions", headers=None):
+    async def go():
+        async with client(app) as c:
+            return await c.post(path, content=raw, headers={"Content-Type": "application/json",
+                                                            **(headers or {})})
+    return run(go())
+
+
+SURROGATES = [  # (raw JSON, path, param)
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+     "/v1/chat/completions", "messages[0].content"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+     b'"text": "\\udfff"}]}]}', "/v1/chat/completions", "messages[0].content[0].text"),
+    (b'{"model": "tiny\\ud800", "prompt": "hi"}', "/v1/completions", "model"),
+    (b'{"model": "tiny", "prompt": "hi \\udc80"}', "/v1/completions", "prompt"),
+    (b'{"model": "tiny", "prompt": "hi", "stop": ["\\ud83d"]}', "/v1/completions", "stop[0]"),
+    (b'{"model": "tiny", "prompt": "hi", "x\\ud800": 1}', "/v1/completions", "body"),
+]
+
+
+@pytest.mark.parametrize("raw,path,param", SURROGATES, ids=[s[2] for s in SURROGATES])
+def test_lone_surrogates_get_a_400_naming_the_field(make_app, raw, path, param):
+    r = _post_raw(make_app(), raw, path)
+    err = assert_openai_error(r, 400, "invalid_text")
+    assert err["param"] == param and "lone surrogate" in err["message"]
+    r.content.decode("ascii")  # escaped, whatever the message quotes
+
+
+def test_a_pair_of_surrogate_escapes_is_text(make_app):
+    r = _post_raw(make_app(), b'{"model": "tiny", "prompt": "hi \\ud83d\\ude00", '
+                              b'"max_tokens": 2}')
+    assert r.status_code == 200, r.text
+
+
+NUMBERS_AND_NESTING = [  # (raw JSON, param)
+    b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+    b'{"model": "tiny", "prompt": "hi", "seed": -' + b"9" * 4400 + b"}",
+    b'{"model": "tiny", "prompt": "hi", "temperature": 1' + b"0" * 4000 + b"}",
+    b'{"model": "tiny", "prompt": "hi", "temperature": NaN}',
+    b'{"model": "tiny", "prompt": "hi", "top_p": -Infinity}',
+    b"[" * 100_000 + b"]" * 100_000,
+    b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
+    b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+]
+
+
+@pytest.mark.parametrize("raw", NUMBERS_AND_NESTING,
+                         ids=["int-5000", "int-4400", "int-4000", "nan", "-inf", "array-deep",
+                              "object-deep", "field-deep"])
+def test_huge_numbers_and_deep_nesting_get_a_400(make_app, raw):
+    err = assert_openai_error(_post_raw(make_app(), raw), 400, "invalid_json")
+    assert len(err["message"]) < 300
+
+
+@pytest.mark.parametrize("raw,param,code", [
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 1e400}', "temperature",
+     "invalid_value"),
+    (b'{"model": "tiny", "prompt": "hi", "seed": 99999999999999999999999}', "seed",
+     "invalid_value"),
+    (b'{"model": "tiny", "prompt": ' + b"[" * 500 + b"]" * 500 + b"}", "prompt",
+     "invalid_type"),
+])
+def test_numbers_and_nesting_the_parser_reads_are_checked_by_field(make_app, raw, param, code):
+    err = assert_openai_error(_post_raw(make_app(), raw), 400, code)
+    assert err["param"] == param
+
+
+def test_a_long_unknown_model_name_is_a_short_404(make_app):
+    raw = json.dumps({"model": "m" * 100_000, "prompt": "hi"}).encode()
+    err = assert_openai_error(_post_raw(make_app(), raw), 404, "model_not_found")
+    assert len(err["message"]) < 300
+
+
+# -- who may call ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_that_is_not_declared_json_gets_415(make_app, content_type):
+    app = make_app()
+    body = json.dumps(completion("hi", max_tokens=2)).encode()
+
+    async def go():
+        async with client(app) as c:
+            headers = {} if content_type is None else {"Content-Type": content_type}
+            return await c.post("/v1/completions", content=body, headers=headers)
+
+    err = assert_openai_error(run(go()), 415, "unsupported_media_type")
+    assert "application/json" in err["message"]
+    assert stats(app)["requests"] == 0
+
+
+def test_json_with_a_charset_is_json(make_app):
+    r = _post_raw(make_app(), json.dumps(completion("hi", max_tokens=2)).encode(),
+                  headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
+def _with_origin(app, origin: str | None, *, method="POST", path="/v1/completions",
+                 headers=None):
+    async def go():
+        async with client(app) as c:
+            h = {**({"Origin": origin} if origin else {}), **(headers or {})}
+            if method == "POST":
+                return await c.post(path, json=completion("hi", max_tokens=2), headers=h)
+            return await c.request(method, path, headers=h)
+    return run(go())
+
+
+@pytest.mark.parametrize("origin", ["http://evil.example", "http://evil.example:8000",
+                                    "https://127.0.0.1:8000", "http://127.0.0.1:9999", "null",
+                                    "http://192.168.1.20:8000"])
+def test_a_keyless_server_refuses_other_web_origins(make_app, origin):
+    app = make_app()
+    err = assert_openai_error(_with_origin(app, origin), 403, "origin_not_allowed")
+    assert "--allow-origin" in err["message"]
+    assert_openai_error(_with_origin(app, origin, method="GET", path="/v1/models"), 403)
+    assert stats(app)["requests"] == 0
+
+
+@pytest.mark.parametrize("origin", [None, "http://127.0.0.1:8000", "http://localhost:8000",
+                                    "http://[::1]:8000", "HTTP://LOCALHOST:8000"])
+def test_the_servers_own_origin_and_originless_clients_are_served(make_app, origin):
+    assert _with_origin(make_app(), origin).status_code == 200
+
+
+def test_allowed_origins_and_api_keys(make_app):
+    keyed = make_app(api_key="k")
+    r = _with_origin(keyed, "http://evil.example", headers={"Authorization": "Bearer k"})
+    assert r.status_code == 200  # the key is the protection: a page cannot send it
+    allowed = make_app(allow_origins=["http://app.example:3000", "https://web.example:443/"])
+    assert _with_origin(allowed, "http://app.example:3000").status_code == 200
+    assert _with_origin(allowed, "https://web.example").status_code == 200
+    assert_openai_error(_with_origin(allowed, "http://app.example:3001"), 403)
+    pre = _with_origin(allowed, "https://web.example", method="OPTIONS",
+                       headers={"Access-Control-Request-Method": "POST",
+                                "Access-Control-Request-Headers": "content-type"})
+    assert pre.status_code == 200
+    assert pre.headers["access-control-allow-origin"] == "https://web.example"
+    anyone = make_app(allow_origins=["*"])
+    assert _with_origin(anyone, "http://evil.example").status_code == 200
+
+
+@pytest.mark.parametrize("bad", ["localhost:3000", "ftp://x", "http://x/path", "http://x:99999"])
+def test_an_allow_origin_that_is_not_an_origin_is_refused(model, bad):
+    with pytest.raises(pocketlm.errors.PocketError, match="--allow-origin"):
+        ServerConfig(model_name=NAME, allow_origins=[bad])
+
+
+# -- the command line ------------------------------------------------------------------------
+
+def _serve(env, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    e = {**os.environ, "POCKET_HOME": str(env["root"] / "home"), **(extra_env or {})}
+    return subprocess.run([sys.executable, "-m", "pocketlm.cli", "serve", "-m",
+                           str(env["path"]), *args], capture_output=True, text=True,
+                          timeout=60, env=e)
+
+
+def test_a_busy_port_is_a_one_line_error(env):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = _serve(env, "--port", str(port))
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"pocket: error: port {port} on 127.0.0.1 is in use (")
+    assert "pass --port" in lines[0]
+
+
+def _key_args(**kw) -> Namespace:
+    from pocketlm.cli import build_parser
+
+    argv = ["serve"]
+    for flag, value in kw.items():
+        argv += [f"--{flag.replace('_', '-')}", value]
+    return build_parser().parse_args(argv)
+
+
+def test_the_api_key_comes_from_the_environment_or_a_file(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("s3cret\n")
+    assert api_key_from(_key_args(), {"POCKET_API_KEY": "from-env"}) == "from-env"
+    assert api_key_from(_key_args(), {}) is None
+    assert api_key_from(_key_args(api_key_file=str(key_file)), {"POCKET_API_KEY": "e"}) \
+        == "s3cret"
+    assert api_key_from(_key_args(api_key="flag"), {"POCKET_API_KEY": "e"}) == "flag"
+    empty = tmp_path / "empty"
+    empty.write_text("\n  \n")
+    for args, message in [
+        (_key_args(api_key_file=str(tmp_path / "nothing")), "cannot read it"),
+        (_key_args(api_key_file=str(empty)), "is empty"),
+        (_key_args(api_key_file=str(tmp_path)), "cannot read it"),
+        (_key_args(api_key="a", api_key_file=str(key_file)), "not both"),
+    ]:
+        with pytest.raises(pocketlm.errors.PocketError, match=message):
+            api_key_from(args, {})
+
+
+def test_an_unreadable_key_file_is_a_one_line_error(env, tmp_path):
+    r = _serve(env, "--api-key-file", str(tmp_path / "missing"), "--port", "0")
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        f"pocket: error: --api-key-file {tmp_path / 'missing'}: cannot read it (No such file "
+        "or directory)"]
+
+
+def test_a_key_file_protects_the_app(make_app, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("k3y\n")
+    app = make_app(api_key=api_key_from(_key_args(api_key_file=str(key_file)), {}))
+    assert_openai_error(_with_origin(app, None), 401, "invalid_api_key")
+    assert _with_origin(app, None, headers={"Authorization": "Bearer k3y"}).status_code == 200
+
+
+# -- fuzz ------------------------------------------------------------------------------------
+
+FIELDS = {
+    "/v1/completions": ["model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream",
+                        "stream_options", "stop", "seed", "user", "presence_penalty",
+                        "frequency_penalty", "top_k", "min_p", "repetition_penalty",
+                        "ignore_eos", "echo", "logprobs", "best_of", "suffix"],
+    "/v1/chat/completions": ["model", "messages", "max_tokens", "max_completion_tokens",
+                             "temperature", "top_p", "n", "stream", "stream_options", "stop",
+                             "seed", "user", "presence_penalty", "frequency_penalty", "top_k",
+                             "min_p", "repetition_penalty", "ignore_eos", "logprobs"],
+}
+# placeholders replaced in the JSON text: what json.dumps cannot (or will not) write
+HUGE_INT, DEEP = "\x01huge", "\x01deep"
+ODD = [None, True, False, 0, -1, 1, 3, 2**31, 2**64, -(2**63), 0.5, -0.0, 1e308, 2.0000001,
+       "", "x", "tiny", "\ud800", "a\udfffb", "\u4f60\u597d", [], [1], ["a"], [None], {},
+       {"a": 1}, {"include_usage": "yes"}, [[[]]], float("nan"), float("inf"),
+       float("-inf"), HUGE_INT, DEEP]
+
+
+def _valid(path: str, rng: random.Random) -> dict:
+    body: dict = {"model": NAME, "max_tokens": rng.randint(0, 6)}
+    if path == "/v1/completions":
+        body["prompt"] = rng.choice(["hello world", "the", "你好", "a" * 50])
+    else:
+        body["messages"] = [{"role": rng.choice(["system", "user", "assistant", "developer"]),
+                             "content": rng.choice(["hi", "", "你好", "the end"])}
+                            for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.5:
+        body["temperature"] = rng.choice([0, 0.7, 2])
+        body["seed"] = rng.randint(0, 2**32)
+    if rng.random() < 0.3:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": rng.random() < 0.5}
+    if rng.random() < 0.3:
+        body["stop"] = rng.choice(["\n", ["a", "b"], []])
+    if rng.random() < 0.3:
+        body.update(top_p=rng.uniform(0.01, 1), top_k=rng.randint(0, 50),
+                    min_p=rng.uniform(0, 1), repetition_penalty=rng.uniform(0.5, 2))
+    return body
+
+
+def _dumps(body) -> bytes:
+    text = json.dumps(body)  # lone surrogates come out as \ud800 escapes, NaN as NaN
+    text = text.replace(json.dumps(HUGE_INT), "7" * 5000)
+    text = text.replace(json.dumps(DEEP), "[" * 50_000 + "]" * 50_000)
+    return text.encode()
+
+
+def _mutant(rng: random.Random) -> tuple[str, bytes, str]:
+    """(path, body, content type) of one fuzz case."""
+    path = rng.choice(list(FIELDS))
+    body = _valid(path, rng)
+    kind = rng.choices(["valid", "field", "drop", "message", "bytes", "truncated", "giant",
+                        "shape", "type"], weights=[8, 30, 8, 14, 10, 10, 3, 10, 2])[0]
+    ctype = "application/json"
+    if kind == "field":
+        body[rng.choice(FIELDS[path] + ["bogus"])] = rng.choice(ODD)
+    elif kind == "drop":
+        body.pop(rng.choice(list(body)))
+    elif kind == "message" and path == "/v1/chat/completions":
+        m = body["messages"][0]
+        m[rng.choice(["role", "content", "name", "tool_calls"])] = rng.choice(
+            ODD + [[{"type": "text", "text": "x"}], [{"type": "image_url"}], [{"text": 5}]])
+    elif kind == "message":
+        body["prompt"] = rng.choice(ODD + [["a", "b"], [1, 2]])
+    elif kind == "bytes":
+        return path, rng.randbytes(rng.randint(0, 300)), ctype
+    elif kind == "truncated":
+        raw = _dumps(body)
+        return path, raw[:rng.randint(0, len(raw) - 1)], ctype
+    elif kind == "giant":
+        field = rng.choice(["prompt", "model", "stop", "user", "k" * 200_000])
+        body[field] = rng.choice("ab你") * rng.randint(100_000, 300_000)
+    elif kind == "shape":
+        body = rng.choice(ODD + [[body], "x" * 1000])
+    else:
+        ctype = rng.choice(["text/plain", "", "application/jsonx", "application/json; x=y"])
+    return path, _dumps(body), ctype
+
+
+def _check_answer(i: int, case, r: httpx.Response) -> None:
+    where = f"case {i}: {case[0]} {case[2]!r} {case[1][:200]!r}"
+    assert r.status_code < 500, f"{where} -> {r.status_code} {r.text[:300]}"
+    if r.status_code == 200:
+        if r.headers["content-type"].startswith("text/event-stream"):
+            events = [e for e in r.text.split("\n\n") if e]
+            assert events[-1] == "data: [DONE]", where
+            for e in events[:-1]:
+                assert "choices" in json.loads(e.removeprefix("data: ")), where
+        else:
+            body = r.json()
+            assert body["choices"] and "usage" in body, where
+        return
+    assert 400 <= r.status_code < 500, where
+    err = r.json()["error"]
+    assert isinstance(err["message"], str) and err["message"], where
+    assert isinstance(err["type"], str) and "param" in err and "code" in err, where
+
+
+def _fuzz(make_app, env, n: int, seed: int) -> dict[int, int]:
+    small = pocketlm.load(env["path"], n_ctx=96)  # answers stay short
+    app = make_app(small, max_body_kb=1024)
+    rng = random.Random(seed)
+    cases = [_mutant(rng) for _ in range(n)]
+    seen: dict[int, int] = {}
+
+    async def go():
+        async with client(app) as c:
+            for i, case in enumerate(cases):
+                path, raw, ctype = case
+                headers = {"Content-Type": ctype} if ctype else {}
+                r = await asyncio.wait_for(c.post(path, content=raw, headers=headers), 20)
+                _check_answer(i, case, r)
+                seen[r.status_code] = seen.get(r.status_code, 0) + 1
+
+    run(go())
+    s = stats(app)
+    assert s["running"] == 0 and s["waiting"] == 0 and s["failed"] == 0
+    return seen
+
+
+def test_fuzzed_bodies_get_4xx_errors_or_answers(make_app, env):
+    seen = _fuzz(make_app, env, n=1000, seed=1234)
+    assert sum(seen.values()) == 1000
+    assert seen.get(200, 0) > 30 and seen.get(400, 0) > 300 and 415 in seen, seen
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_long_run(make_app, env):
+    seen = _fuzz(make_app, env, n=20_000, seed=99)
+    assert sum(seen.values()) == 20_000
+
