@@ -4,9 +4,9 @@ The report this project follows asks for "continuous calls and multitask concurr
 measured for latency and power over time, not only one call at a time. This script runs two
 phases, one after the other, in one invocation:
 
-* ``api``: one process loads the model with ``pocketlm.load`` and calls ``generate`` back to
-  back (``--api-callers`` threads sharing the model, distinct prompts, greedy, ``--gen`` tokens
-  at most) for ``--minutes`` minutes;
+* ``api``: one process loads the model with ``pocketlm.load`` and generates back to back
+  (``--api-callers`` threads sharing the model, distinct chat prompts, greedy, ``--gen`` tokens
+  with EOS ignored, through :func:`pocketlm.generate.stream_tokens`) for ``--minutes`` minutes;
 * ``server``: `pocket serve` in a subprocess (its default engine settings) gets
   ``--clients`` concurrent streaming clients sending /v1/completions back to back
   (EOS ignored, ``--gen`` tokens) for ``--minutes`` minutes.
@@ -130,7 +130,7 @@ def summarize(windows: list[dict], warmup: int) -> dict:
         "windows": len(windows), "warmup_windows": warmup, "calls": sum(w["calls"] for w in
                                                                      windows),
         "tok_s_first": first, "tok_s_last": last,
-        "tok_s_drift_pct": round(100 * (last - first) / first, 2),
+        "tok_s_drift_pct": round(100 * (last - first) / first, 2) if first else None,
         "rss_first_mb": rss[0], "rss_last_mb": rss[-1], "rss_max_mb": max(rss),
         "rss_growth_mb": round(rss[-1] - rss[0], 1),
         "latency_p50_s": statistics.median(w["latency_p50_s"] for w in steady),
@@ -147,6 +147,8 @@ def prompt(i: int) -> str:
 
 def api_phase(args) -> tuple[Recorder, dict]:
     import pocketlm
+    from pocketlm.generate import stream_tokens
+    from pocketlm.sampling import Sampler, SamplingParams
 
     m = pocketlm.load(args.model)
     rec = Recorder(os.getpid(), args.window, args.watts_per_core)
@@ -161,7 +163,10 @@ def api_phase(args) -> tuple[Recorder, dict]:
             t0 = time.perf_counter()
             first = None
             n = 0
-            for _ in m.stream_ids(m.tokenize(prompt(i)), max_tokens=args.gen):
+            ids = m.chat_ids([{"role": "user", "content": prompt(i)}])
+            cache = m.runtime.new_cache(len(ids) + args.gen)
+            for _ in stream_tokens(m.runtime, cache, ids, max_tokens=args.gen,
+                                   sampler=Sampler(SamplingParams()), stop_ids=()):
                 n += 1
                 if first is None:
                     first = time.perf_counter()
