@@ -71,6 +71,15 @@ JSON_VALUES = [0, -1, 1, 2, 3, 7, 63, 1.5, -0.0, 1e-300, 1e300, 2**31, 2**32 + 1
 
 
 # -- .pocket mutants -------------------------------------------------------------------------
+def bit_flips(base: bytes, rng: random.Random, lo: int, hi: int, count: int, where: str):
+    """``count`` copies of ``base`` with one random bit of ``[lo, hi)`` flipped each."""
+    for _ in range(count):
+        data = bytearray(base)
+        at, bit = rng.randrange(lo, hi), rng.randrange(8)
+        data[at] ^= 1 << bit
+        yield f"{where} byte {at} bit {bit} flipped", bytes(data)
+
+
 class PocketMutator:
     """Mutants of a valid deploy file, as ``(label, bytes)``."""
 
@@ -159,11 +168,7 @@ class PocketMutator:
             yield f"length prefix {value}", struct.pack("<Q", value) + self.base[8:]
 
     def flips(self, lo: int, hi: int, count: int, where: str):
-        for _ in range(count):
-            data = bytearray(self.base)
-            at, bit = self.rng.randrange(lo, hi), self.rng.randrange(8)
-            data[at] ^= 1 << bit
-            yield f"{where} byte {at} bit {bit} flipped", bytes(data)
+        return bit_flips(self.base, self.rng, lo, hi, count, where)
 
     def overwrites(self, lo: int, hi: int, count: int, where: str):
         alphabet = b'{}[]":,0123456789-+.eE \\\x00\x7f\x80\xff'
@@ -521,11 +526,7 @@ class GGUFMutator:
             yield f"GGUF truncated to {cut} bytes", self.base[:cut]
 
     def flips(self, lo: int, hi: int, count: int, where: str):
-        for _ in range(count):
-            data = bytearray(self.base)
-            at, bit = self.rng.randrange(lo, hi), self.rng.randrange(8)
-            data[at] ^= 1 << bit
-            yield f"GGUF {where} byte {at} bit {bit} flipped", bytes(data)
+        return bit_flips(self.base, self.rng, lo, hi, count, f"GGUF {where}")
 
     def overwrites(self, lo: int, hi: int, count: int, where: str):
         for _ in range(count):

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import tiny_gguf
+from test_cli import assert_one_line_error
 from test_registry import make_wheel
 
 import pocketlm
@@ -71,16 +72,6 @@ def run_cli(capsys, *argv) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
-def one_line_error(code: int, err: str, *words: str) -> str:
-    assert code == 1, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("pocket: error: "), err
-    for w in words:
-        assert w in lines[0], (w, err)
-    return lines[0]
-
-
 def temps(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith((".tmp", ".partial")))
 
@@ -120,15 +111,17 @@ def test_flipped_bytes_in_a_pulled_gguf_are_refused_and_listed(tiny_entry, tmp_p
     assert "changed" in row.split()
     # using it by name (pack, load) refuses it, naming the file and the fix
     code, _, err = run_cli(capsys, "pack", tiny_entry.name, "-o", tmp_path / "x.pocket")
-    one_line_error(code, err, str(target), "sha256", f"pocket pull {tiny_entry.name} --force")
+    assert_one_line_error(code, err, str(target), "sha256",
+                          f"pocket pull {tiny_entry.name} --force")
     assert not (tmp_path / "x.pocket").exists()
     with pytest.raises(ChecksumError, match="--force"):
         pocketlm.load(tiny_entry.name)
     # so does its path inside POCKET_HOME/models
     code, _, err = run_cli(capsys, "pack", target, "-o", tmp_path / "x.pocket")
-    one_line_error(code, err, str(target), "--force")
+    assert_one_line_error(code, err, str(target), "--force")
     code, _, err = run_cli(capsys, "pull", tiny_entry.name, "--verify")
-    one_line_error(code, err, str(target), tiny_entry.sha256, f"pocket pull {tiny_entry.name} --force")
+    assert_one_line_error(code, err, str(target), tiny_entry.sha256,
+                          f"pocket pull {tiny_entry.name} --force")
 
     code, _, _ = run_cli(capsys, "pull", tiny_entry.name, "--force")
     assert code == 0 and list_states(capsys)[tiny_entry.name] == "yes"
@@ -301,7 +294,7 @@ def test_full_disk_during_pack_names_the_file(gguf_file, tmp_path, capsys, monke
     monkeypatch.setattr(pocketfile.os, "fdopen", lambda *a, **k: FullDisk(real_fdopen(*a, **k)))
     out = tmp_path / "out" / "model.pocket"
     code, _, err = run_cli(capsys, "pack", gguf_file, "-o", out)
-    one_line_error(code, err, str(out), "disk is full")
+    assert_one_line_error(code, err, str(out), "disk is full")
     assert not out.exists() and temps(out.parent) == []
 
 
@@ -315,16 +308,16 @@ def test_full_disk_during_pull_names_the_file(tiny_entry, capsys, monkeypatch):
     monkeypatch.setattr(registry, "open", full_open, raising=False)
     target = registry.model_path(tiny_entry.name)
     code, _, err = run_cli(capsys, "pull", tiny_entry.name)
-    one_line_error(code, err, str(target), "disk is full")
+    assert_one_line_error(code, err, str(target), "disk is full")
     assert not target.exists() and temps(target.parent) == []
 
 
 def test_pocket_home_of_an_unknown_user_is_one_line(capsys, monkeypatch):
     monkeypatch.setenv("POCKET_HOME", "~pocketlm-no-such-user-7f3a/x")
     code, _, err = run_cli(capsys, "list")
-    one_line_error(code, err, "~pocketlm-no-such-user-7f3a/x", "POCKET_HOME")
+    assert_one_line_error(code, err, "~pocketlm-no-such-user-7f3a/x", "POCKET_HOME")
     code, _, err = run_cli(capsys, "pull", "smollm2-135m")
-    one_line_error(code, err, "~pocketlm-no-such-user-7f3a/x")
+    assert_one_line_error(code, err, "~pocketlm-no-such-user-7f3a/x")
 
 
 def test_pocket_home_that_cannot_be_created_is_one_line(tiny_entry, tmp_path, capsys,
@@ -333,7 +326,7 @@ def test_pocket_home_that_cannot_be_created_is_one_line(tiny_entry, tmp_path, ca
     blocker.write_text("")
     monkeypatch.setenv("POCKET_HOME", str(blocker / "home"))
     code, _, err = run_cli(capsys, "pull", tiny_entry.name)
-    one_line_error(code, err, str(blocker / "home"), "POCKET_HOME")
+    assert_one_line_error(code, err, str(blocker / "home"), "POCKET_HOME")
 
 
 # -- 5. never a half-written file under the final name ----------------------------------------
