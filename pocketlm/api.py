@@ -280,7 +280,9 @@ def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel
 
 # Bumped when packing writes something better for the same source (a leaner tokenizer, a new
 # layout), so that cached deploy files are rebuilt once instead of being used forever.
-PACK_REVISION = 5  # 4-5: the default keeps a GGUF's 5-8-bit tensors (a Q5_0 embedding in INT5)
+# 4-5: the default keeps a GGUF's 5-8-bit tensors (a Q5_0 embedding in INT5); 6: format version 2
+# (the header checksum), so that cached packs get a protected header once
+PACK_REVISION = 6
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
