@@ -18,7 +18,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from pocketlm.errors import ChecksumError, FormatError
+from pocketlm.errors import ChecksumError, FormatError, UnsupportedError
 from pocketlm.formats import pocketfile
 from pocketlm.formats.pocketfile import ALIGN, PocketFile, write_pocket
 from pocketlm.quant import QuantTensor, quantize_int4, quantize_int5, quantize_int8
@@ -391,7 +391,7 @@ def test_plain_safetensors_file(tmp_path):
     assert "pocket pack" in format_error(path)
 
 
-@pytest.mark.parametrize("version", ["3", "0", "x", "1.0", "02", None, 2, [1], {"v": 1}])
+@pytest.mark.parametrize("version", ["0", "x", "1.0", "02", "-3", None, 2, [1], {"v": 1}])
 def test_wrong_format_version(good, version):
     def edit(h):
         if version is None:
@@ -400,6 +400,14 @@ def test_wrong_format_version(good, version):
             h["__metadata__"]["format_version"] = version
     rewrite_header(good, edit)
     assert "format version" in format_error(good)
+
+
+@pytest.mark.parametrize("version", ["3", "17", "999999999"])
+def test_a_newer_format_version_asks_for_a_newer_pocketlm(good, version):
+    rewrite_header(good, lambda h: h["__metadata__"].__setitem__("format_version", version))
+    with pytest.raises(UnsupportedError, match=f"version {version} was written by a newer "
+                       "pocketlm.*pip install -U pocketlm"):
+        PocketFile(good)
 
 
 def test_random_bytes(tmp_path):

@@ -1,5 +1,7 @@
 """The ``.pocket`` deploy file: one memory-mappable file with everything needed to run a model.
 
+(docs/format.md gathers this specification with the weight layouts of :mod:`pocketlm.quant`.)
+
 The container is safetensors (readable by ``safetensors.safe_open`` and any tool that reads
 that format)::
 
@@ -60,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ModelConfig, short_repr
-from ..errors import ChecksumError, FormatError, PocketError
+from ..errors import ChecksumError, FormatError, PocketError, UnsupportedError
 from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, QuantTensor
 
 FORMAT_NAME = "pocket"
@@ -339,6 +341,11 @@ class PocketFile:
             raise FormatError(f"{self.path}: a safetensors file, but not a pocketlm deploy file "
                               "(no 'format: pocket' metadata); convert it with `pocket pack`")
         raw = self.metadata.get("format_version")
+        if isinstance(raw, str) and raw.isdigit() and len(raw) < 10 and int(
+                raw) > FORMAT_VERSION:
+            raise UnsupportedError(f"{self.path}: deploy file format version {raw} was written "
+                                   f"by a newer pocketlm (this one reads versions up to "
+                                   f"{FORMAT_VERSION}); upgrade with `pip install -U pocketlm`")
         if raw not in [str(v) for v in READ_VERSIONS]:
             raise FormatError(f"{self.path}: deploy file format version {short_repr(raw)} is not "
                               f"supported (this pocketlm reads versions "
