@@ -32,7 +32,7 @@ environment:
   POCKET_HOME     cache for pulled and packed models (default ~/.cache/pocketlm)
   POCKET_MODEL    default model for run/chat (default smollm2-135m)
   POCKET_KERNELS  kernel backend: native (default when built) or numpy
-  POCKET_THREADS  engine threads (default: the usable CPUs, at most 8)
+  POCKET_THREADS  engine threads (default: 2, or the usable CPUs if fewer)
 """
 
 

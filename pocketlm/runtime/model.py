@@ -10,7 +10,8 @@ Two engines run the same math:
   and the output head, in one C call per :meth:`Runtime.forward`. Used when the kernel backend
   is native (``POCKET_KERNELS``, default when built) and every weight is in a layout it
   supports (INT4 / INT5 / INT8 QuantTensors, float32 arrays, C-contiguous). ``POCKET_ACT``
-  picks float (``f32``, default) or int8 (``q8``) activations for the quantized products,
+  picks float (``f32``) or int8 (``q8``) activations for the quantized products (default
+  ``q8`` where the CPU level has SIMD int8 products, ``f32`` at the portable scalar level),
   ``POCKET_KV`` the KV cache format (``f32`` | ``f16`` | ``q8``; default ``f32`` with f32
   activations, ``f16`` with q8), ``POCKET_THREADS`` the threads (default: 2, or fewer CPUs).
   Its caches are :class:`NativeKVCache` objects.

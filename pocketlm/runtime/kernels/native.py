@@ -10,9 +10,10 @@ Same semantics as :func:`pocketlm.runtime.kernels.numpy_ref.linear_ref`. Two act
   quantized activation, so ``|y - y_ref| <= ||W_r|| * ||x - x~||`` with
   ``||x - x~|| <= sqrt(32) / 254 * ||x||``.
 
-Environment: ``POCKET_THREADS`` (threads; default: usable CPUs, at most 8) and
-``POCKET_CPU_LEVEL`` (``scalar`` | ``avx2`` | ``avx512`` on x86-64, ``scalar`` | ``neon`` on ARM64:
-force a kernel level, default the best the CPU supports). The kernel level and threads can also
+Environment: ``POCKET_THREADS`` (threads; default for a kernel call: usable CPUs, at most 8;
+for the engine: 2, or fewer CPUs) and ``POCKET_CPU_LEVEL`` (``scalar`` | ``avx2`` | ``avx512``
+on x86-64, ``scalar`` | ``neon`` on ARM64: force a kernel level, default the best the CPU
+supports). The kernel level and threads can also
 be passed per call. ``neon`` (ARM64 with the dot-product extension) changes the whole-model
 engine's int8-activation products only; its per-call kernels are the scalar ones.
 
@@ -41,7 +42,8 @@ complete forward pass in one native call; the runtime uses it by default (see
 * ``POCKET_KV``: ``f32`` | ``f16`` | ``q8`` KV cache (default f32 with f32 activations, f16
   with q8); ``q8`` is int8 with a float16 scale per 16 values of a position and KV head
   (0.56 of the f16 cache's bytes; it moves logits ~100x more than f16 does, see docs/engine.md).
-* ``POCKET_THREADS``: threads of the engine (default: the usable CPUs, at most 8).
+* ``POCKET_THREADS``: threads of the engine (default: 2, or the usable CPUs if fewer; a
+  standalone kernel call defaults to the usable CPUs, at most 8).
 """
 
 from __future__ import annotations
