@@ -97,7 +97,10 @@ class PocketModel:
         return out
 
     # -- generation --------------------------------------------------------------------------
-    def _params(self, temperature, top_k, top_p, min_p, repetition_penalty, seed):
+    def sampling_params(self, temperature=None, top_k=None, top_p=None, min_p=None,
+                        repetition_penalty=None, seed=None) -> SamplingParams:
+        """Validated sampling parameters: the arguments given, the model's generation defaults
+        (from its deploy file) for those left None."""
         d = self.generation_defaults
         return SamplingParams(
             temperature=d.temperature if temperature is None else temperature,
@@ -118,8 +121,8 @@ class PocketModel:
         prompt_ids = self._check_ids(prompt_ids)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise SamplingError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
-        sampler = Sampler(self._params(temperature, top_k, top_p, min_p, repetition_penalty,
-                                       seed))
+        sampler = Sampler(self.sampling_params(temperature, top_k, top_p, min_p,
+                                               repetition_penalty, seed))
         if len(prompt_ids) >= self.n_ctx:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx}; "

@@ -37,9 +37,9 @@ environment:
 
 
 def default_model() -> str:
-    from .registry import DEFAULT_MODEL
+    from .registry import default_model
 
-    return os.environ.get("POCKET_MODEL") or DEFAULT_MODEL
+    return default_model()
 
 
 # -- verbs -----------------------------------------------------------------------------------

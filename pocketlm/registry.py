@@ -188,6 +188,12 @@ REGISTRY: dict[str, RegistryEntry] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
+def default_model() -> str:
+    """The model the CLI and the server run when none is named: ``$POCKET_MODEL``, else
+    :data:`DEFAULT_MODEL`."""
+    return os.environ.get("POCKET_MODEL") or DEFAULT_MODEL
+
+
 # --------------------------------------------------------------------------------------- paths
 
 

@@ -8,6 +8,7 @@ tables at this boundary; an importer that ends with a tensor it did not map rais
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,11 +125,9 @@ def open_source(path: str | Path) -> SourceModel:
 
         return read_hf(path)
     if kind == "run":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("torch") is None:  # the training package imports it
             raise PocketError(f"{path}: reading a training run needs PyTorch: pip install "
-                              "'pocketlm[train]'") from None
+                              "'pocketlm[train]'")
         from ..train.export import checkpoint_source
 
         return checkpoint_source(path)

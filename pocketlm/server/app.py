@@ -309,8 +309,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              f"more ({len(ids) + max_tokens})", param="max_tokens",
                              code="context_length_exceeded")
         try:
-            params = model._params(g.temperature, g.top_k, g.top_p, g.min_p,
-                                   g.repetition_penalty, g.seed)
+            params = model.sampling_params(g.temperature, g.top_k, g.top_p, g.min_p,
+                                           g.repetition_penalty, g.seed)
         except PocketError as e:
             raise P.APIError(400, str(e)) from None
         return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=Sampler(params),

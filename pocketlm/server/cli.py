@@ -167,7 +167,7 @@ def cmd_serve(args) -> int:
 
     import pocketlm
 
-    from ..cli import default_model
+    from ..registry import default_model
     from .app import ServerConfig, create_app
 
     if not 0 <= args.port <= 65535:
