@@ -88,6 +88,18 @@ class Recorder:
         with self.lock:
             self.calls.append(call)
 
+    def record_while(self, workers: list) -> None:
+        """Run ``workers[k](k)`` in threads of their own, sampling until all have returned."""
+        sampler = threading.Thread(target=self.run, daemon=True)
+        sampler.start()
+        threads = [threading.Thread(target=w, args=(k,)) for k, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self.stop.set()
+        sampler.join()
+
     def run(self) -> None:
         """Sample until ``stop`` is set (in its own thread)."""
         cpu_prev, rapl_prev = self._cpu0, self._energy0
@@ -174,15 +186,7 @@ def api_phase(args) -> tuple[Recorder, dict]:
             rec.add({"latency": end - t0, "tokens": n,
                      "tok_s": (n - 1) / (end - first) if first and n > 1 else 0.0})
 
-    sampler = threading.Thread(target=rec.run, daemon=True)
-    sampler.start()
-    callers = [threading.Thread(target=caller) for _ in range(args.api_callers)]
-    for t in callers:
-        t.start()
-    for t in callers:
-        t.join()
-    rec.stop.set()
-    sampler.join()
+    rec.record_while([lambda k: caller() for _ in range(args.api_callers)])
     return rec, {"callers": args.api_callers}
 
 
@@ -208,15 +212,7 @@ def server_phase(args) -> tuple[Recorder, dict]:
             except BaseException as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
-        sampler = threading.Thread(target=rec.run, daemon=True)
-        sampler.start()
-        clients = [threading.Thread(target=client, args=(k,)) for k in range(args.clients)]
-        for t in clients:
-            t.start()
-        for t in clients:
-            t.join()
-        rec.stop.set()
-        sampler.join()
+        rec.record_while([client] * args.clients)
         health = httpx.get(url + "/health").json()
         if errors:
             raise errors[0]

@@ -181,28 +181,22 @@ class PocketMutator:
                     self.rng.randrange(256)
             yield f"{where} bytes {at}..{at + width} overwritten", bytes(data)
 
-    def config_fields(self, values):
-        for field in sorted(self.config):
-            for value in values:
+    def json_fields(self, key: str, obj: dict, values, *, remove: bool):
+        """Each field of the JSON metadata ``key`` set to each of ``values`` (and removed)."""
+        for field in sorted(obj):
+            edits = [(f"= {value!r:.40}", {**obj, field: value}) for value in values]
+            if remove:
+                edits.append(("removed", {k: v for k, v in obj.items() if k != field}))
+            for what, edited in edits:
                 h = self.copy()
-                cfg = dict(self.config)
-                cfg[field] = value
-                h["__metadata__"]["config"] = json.dumps(cfg)
-                yield f"config.{field} = {value!r:.40}", self.build(h)
-            h = self.copy()
-            cfg = dict(self.config)
-            del cfg[field]
-            h["__metadata__"]["config"] = json.dumps(cfg)
-            yield f"config.{field} removed", self.build(h)
+                h["__metadata__"][key] = json.dumps(edited)
+                yield f"{key}.{field} {what}", self.build(h)
+
+    def config_fields(self, values):
+        return self.json_fields("config", self.config, values, remove=True)
 
     def generation_fields(self, values):
-        for field in sorted(self.generation):
-            for value in values:
-                h = self.copy()
-                gen = dict(self.generation)
-                gen[field] = value
-                h["__metadata__"]["generation"] = json.dumps(gen)
-                yield f"generation.{field} = {value!r:.40}", self.build(h)
+        return self.json_fields("generation", self.generation, values, remove=False)
 
     def metadata_fields(self):
         raw_values = [5, None, [1], {"a": 1}, "", "{bad", "null", "[]", "5", '"x"', "{}",
