@@ -9,6 +9,8 @@ shrink, never grow).
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +69,18 @@ def test_runtime_layers_import_training_only_where_listed():
 def test_the_import_reader_sees_relative_imports():
     assert "pocketlm.train.corpora" in imports(PACKAGE / "evaluate" / "recipes.py")
     assert "pocketlm.errors" in imports(PACKAGE / "server" / "app.py")
+
+
+TORCH_FREE_TESTS = ("test_api", "test_api_misuse", "test_cli", "test_pocketfile", "test_quant",
+                    "test_tokenizer", "test_registry", "test_fuzz_readers",
+                    "test_serve_reliability", "test_reliability_files", "test_evaluate")
+
+
+def test_the_runtime_tests_collect_without_torch():
+    """Their fixtures (tiny_gguf, tiny_hf, tiny_models) are numpy only, so the runtime's tests
+    run on a machine without the train extra."""
+    code = ("import importlib, sys; sys.modules['torch'] = None; "
+            f"[importlib.import_module(m) for m in {TORCH_FREE_TESTS!r}]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Tiny GGUF files written the way llama.cpp's converter writes them, for import tests.
 
-:func:`write_tiny_gguf` takes a tiny random model (``torch_ref.tiny_config`` sizes), writes it
+:func:`write_tiny_gguf` takes a tiny random model (``tiny_models.tiny_config`` sizes), writes it
 with ``gguf.GGUFWriter`` under GGUF names, in ggml dimension order, with llama's q/k rows
 permuted as ``convert_hf_to_gguf.py`` does, 2-D weights quantized with ``gguf.quants``, the
 architecture metadata and a small byte-level BPE tokenizer; it returns the config the file
@@ -14,7 +14,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
-import torch_ref
+import tiny_models
 
 from pocketlm.config import ModelConfig
 
@@ -124,9 +124,9 @@ def reference_config(arch: str, **overrides) -> ModelConfig:
             "global" if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else "sliding"
             for i in range(n_layers)
         ]
-        return torch_ref.tiny_config(arch, n_layers=n_layers, layer_types=layer_types,
+        return tiny_models.tiny_config(arch, n_layers=n_layers, layer_types=layer_types,
                                      **overrides)
-    return torch_ref.tiny_config(arch, **overrides)
+    return tiny_models.tiny_config(arch, **overrides)
 
 
 def _store(qtype_name: str, w: np.ndarray):
@@ -165,7 +165,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     if embed_type is None:
         embed_type = "Q8_0" if weight_type in ("Q4_0", "Q4_1", "Q5_0", "Q5_1") else weight_type
     config = reference_config(arch, **config_overrides)
-    weights = torch_ref.random_state_dict(config, seed=seed)
+    weights = tiny_models.random_state_dict(config, seed=seed)
 
     writer = gguf.GGUFWriter(str(path), gguf_arch or arch)  # writes general.architecture
     writer.add_name(f"tiny-{arch}")

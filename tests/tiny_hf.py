@@ -1,5 +1,5 @@
 """Write a tiny Hugging Face model folder (config.json, model.safetensors, tokenizer files) the
-way transformers saves one, from a torch_ref random state dict."""
+way transformers saves one, from a tiny_models random state dict."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
-import torch_ref
+import tiny_models
 from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -62,8 +62,8 @@ def byte_level_tokenizer(vocab_size: int) -> Tokenizer:
 
 def write_tiny_hf(root: Path, arch: str, *, seed: int = 0, dtype=np.float32, **overrides):
     """Returns (config, state_dict) of the model written to ``root``."""
-    cfg = torch_ref.tiny_config(arch, **overrides)
-    sd = torch_ref.random_state_dict(cfg, seed=seed)
+    cfg = tiny_models.tiny_config(arch, **overrides)
+    sd = tiny_models.random_state_dict(cfg, seed=seed)
     gemma = arch == "gemma3"
     root.mkdir(parents=True, exist_ok=True)
     tensors = {}
