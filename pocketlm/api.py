@@ -26,7 +26,6 @@ from .errors import (
     PocketError,
     SamplingError,
     TokenIdError,
-    UnsupportedError,
 )
 from .formats import SourceModel, open_source, sniff
 from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
@@ -207,21 +206,6 @@ def _check_stop(stop) -> list[str]:
 
 
 # -- loading ---------------------------------------------------------------------------------
-def _check_pack_options(group_size, embed_bits, keep_precision) -> None:
-    """The packing options of :func:`load` and :func:`deploy_file`, checked before they name
-    a cache entry (the same rules as :func:`pocketlm.pack.pack`)."""
-    from .quant import GROUP_SIZES
-
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
-        raise UnsupportedError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
-                               f"got {group_size!r}")
-    if isinstance(embed_bits, bool) or embed_bits not in (4, 8):
-        raise UnsupportedError(f"embed_bits must be 4 or 8, got {embed_bits!r}")
-    if keep_precision is not None and not isinstance(keep_precision, bool):
-        raise UnsupportedError(f"keep_precision must be None, False or True, got "
-                               f"{keep_precision!r}")
-
-
 def _check_n_ctx(n_ctx):
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int)
                               or n_ctx < 1):
@@ -329,10 +313,10 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
     """The deploy file :func:`load` runs for ``model`` (its arguments): a ``.pocket`` file as it
     is; a GGUF file, Hugging Face folder or training run packed into ``$POCKET_HOME/packed`` on
     first use."""
-    from .pack import pack
+    from .pack import check_pack_options, pack
     from .registry import resolve
 
-    _check_pack_options(group_size, embed_bits, keep_precision)
+    check_pack_options(group_size, embed_bits, keep_precision)
     path = resolve(_model_name(model), quiet=quiet)
     kind = sniff(path)
     if kind == "pocket":

@@ -112,6 +112,18 @@ def add_precision_options(parser) -> None:
                        "bits, in INT8: a larger file")
 
 
+def check_pack_options(group_size, embed_bits, keep_precision) -> None:
+    """The packing options, checked before any work (and before they name a cache entry)."""
+    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+        raise UnsupportedError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                               f"got {group_size!r}")
+    if isinstance(embed_bits, bool) or embed_bits not in (4, 8):
+        raise UnsupportedError(f"embed_bits (--embed-bits) must be 4 or 8, got {embed_bits!r}")
+    if keep_precision is not None and not isinstance(keep_precision, bool):
+        raise UnsupportedError(f"keep_precision must be None, False or True, got "
+                               f"{keep_precision!r}")
+
+
 def precision_record(keep_precision: bool | None) -> bool | str:
     """``keep_precision`` as deploy files and benchmark rows record it ("source" for None)."""
     return "source" if keep_precision is None else keep_precision
@@ -148,14 +160,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     INT4) or True (also float weights in INT8), as in the module docstring.
     ``int4_search=False`` rounds requantized INT4 (and INT5) groups to their min-max grid (for
     weights trained against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`)."""
-    if group_size not in GROUP_SIZES:
-        raise UnsupportedError(f"group size {group_size} is not supported; choose one of "
-                               f"{', '.join(map(str, GROUP_SIZES))}")
-    if embed_bits not in (4, 8):
-        raise UnsupportedError(f"--embed-bits must be 4 or 8, got {embed_bits}")
-    if keep_precision not in (None, False, True):
-        raise UnsupportedError(f"keep_precision must be None, False or True, got "
-                               f"{keep_precision!r}")
+    check_pack_options(group_size, embed_bits, keep_precision)
     out = Path(out)
     check_writable(out)  # before the quantization, not after it
     sweep_stale_temps(out.parent, out.name)  # what a killed pack to the same file left
