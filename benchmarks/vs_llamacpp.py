@@ -4,13 +4,22 @@
     python benchmarks/vs_llamacpp.py --all-int4 ...   # the packs with every matrix in INT4
     python benchmarks/vs_llamacpp.py --calls 3 ...   # three bench calls per model (noisy VMs)
     python benchmarks/vs_llamacpp.py --table benchmarks/vs_llamacpp.jsonl   # markdown table
+    python benchmarks/vs_llamacpp.py --write   # rewrite the tables in README.md, docs/benchmarks.md
+    python benchmarks/vs_llamacpp.py --write --check   # exit 1 if a table there is out of date
 
 Where a results file holds several calls for a model and pack, the table shows the call with
 the median prefill ratio (the lower middle one for an even count) and states the range of the
 ratios over all the calls.
 
-llama.cpp is llama-cpp-python, built for the machine's CPU features (see the README's
-benchmark section); both engines get the same prompt ids, alternate run by run, and run in
+`--write` regenerates every block of README.md and docs/benchmarks.md that opens with a marker
+line `<!-- generated: table benchmarks/FILE.jsonl -->` (the table above; `... call N -->`: the
+Nth call of every model) or `<!-- generated: details benchmarks/FILE.jsonl -->` (every run of
+the file, one row per engine per call, with its date, engine build and command) and closes with
+`<!-- end of generated block -->`; a results file that holds MNN rows gets vs_mnn.py's table.
+The text outside the markers is written by hand.
+
+llama.cpp is llama-cpp-python, built for the machine's CPU features (docs/benchmarks.md
+has the build flags); both engines get the same prompt ids, alternate run by run, and run in
 their own processes (`pocket bench --vs llama.cpp`).
 
 gemma3-270m's and qwen2.5-0.5b's GGUFs keep most matrices at 5-8 bits; the default deploy file
@@ -23,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from pathlib import Path
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b"]
 
@@ -102,8 +113,12 @@ def _pack(r: dict) -> str:
                  "gguf as published")
 
 
-def table(path: str) -> None:
-    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+def load_rows(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def table_text(path: str) -> str:
+    rows = load_rows(path)
     groups: dict[tuple, list] = {}  # (model, pocketlm pack) -> [(pocketlm row, llama.cpp row)]
     ours = None
     for r in rows:
@@ -121,19 +136,92 @@ def table(path: str) -> None:
             dec = [a["decode_tps"] / b["decode_tps"] for a, b in pairs]
             spread.append(f"{model} ({pack}): {len(pairs)} calls, prefill ×{min(pre):.2f}–"
                           f"×{max(pre):.2f}, decode ×{min(dec):.2f}–×{max(dec):.2f}")
-    print(ENGINE_HEADER)
+    out = [ENGINE_HEADER]
     for a, b in chosen:
-        print(engine_row(a, _pack(a)))
-        print(engine_row(b, _pack(b)))
-    print()
-    print("| model | pocketlm weights | prefill ratio | decode ratio | peak memory ratio |")
-    print("|---|---|---|---|---|")
-    for a, b in chosen:
-        print(ratio_row(a["model"], _pack(a), a, b))
-    print("\n" + machine_line(rows))
+        out += [engine_row(a, _pack(a)), engine_row(b, _pack(b))]
+    out += ["", "| model | pocketlm weights | prefill ratio | decode ratio | peak memory ratio |",
+            "|---|---|---|---|---|"]
+    out += [ratio_row(a["model"], _pack(a), a, b) for a, b in chosen]
+    out += ["", machine_line(rows)]
     if spread:
-        print("\nthe call with the median prefill ratio of each model; the ratios over all calls: "
-              + "; ".join(spread))
+        out += ["", "the call with the median prefill ratio of each model; the ratios over all "
+                "calls: " + "; ".join(spread)]
+    return "\n".join(out)
+
+
+def table(path: str) -> None:
+    print(table_text(path))
+
+
+def _settings(r: dict) -> str:
+    m = r["machine"]
+    parts = []
+    if "activations" in m:
+        parts.append(f"activations {m['activations']}")
+    if "amx_prefill" in m:
+        parts.append("amx prefill " + (m.get("amx_weights", "on") if m["amx_prefill"] else "off"))
+    if "kv_cache" in m:
+        parts.append(f"kv {m['kv_cache']}")
+    return ", ".join(parts)
+
+
+def details_text(path: str) -> str:
+    """Every run of a results file: one row per engine and call, oldest first."""
+    rows = load_rows(path)
+    out = ["| date | call | model | engine | build | weights | prefill tok/s (min–max) | "
+           "decode tok/s (min–max) | peak RSS Δ MB | load s | energy J (est.) |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        build = r.get("engine_version", r["engine"])
+        if r["engine"] == "pocketlm" and _settings(r):
+            build += f" ({_settings(r)})"
+        out.append(f"| {r.get('date', '')} | {r.get('call', '')} | {r['model']} | {r['engine']} | "
+                   f"{build} | {_pack(r)} | {r['prefill_tps']:.0f} ({r['prefill_tps_min']:.0f}–"
+                   f"{r['prefill_tps_max']:.0f}) | {r['decode_tps']:.0f} "
+                   f"({r['decode_tps_min']:.0f}–{r['decode_tps_max']:.0f}) | "
+                   f"{r['peak_rss_delta_mb']:.0f} | {r['load_s']:.2f} | {r['energy_j_est']:.2f} |")
+    commands = list(dict.fromkeys(r.get("command", "") for r in rows if r.get("command")))
+    out += ["", machine_line(rows), "", "commands: " + "; ".join(f"`{c}`" for c in commands)]
+    return "\n".join(out)
+
+
+# -- the generated blocks of README.md and docs/benchmarks.md ------------------------------------
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ("README.md", "docs/benchmarks.md")
+BLOCK = re.compile(r"^(<!-- generated: (table|details) (benchmarks/[\w.-]+\.jsonl)(?: call (\d+))? -->\n)"
+                   r"(.*?)^(<!-- end of generated block -->)$", re.M | re.S)
+
+
+def block_text(kind: str, path: str, call: str | None) -> str:
+    if kind == "details":
+        return details_text(path)
+    if any(r["engine"] == "mnn" for r in load_rows(path)):
+        sys.path.insert(0, str(Path(__file__).parent))
+        from vs_mnn import table_text as mnn_table_text
+
+        return mnn_table_text(path, int(call) if call else None)
+    if call:
+        sys.exit(f"vs_llamacpp.py: error: 'call {call}' is for MNN results, not {path}")
+    return table_text(path)
+
+
+def write(check: bool) -> None:
+    """Rewrite the generated blocks of DOCS from the results files they name."""
+    stale = []
+    for doc in DOCS:
+        target = ROOT / doc
+        text = target.read_text(encoding="utf-8")
+        new = BLOCK.sub(lambda m: m[1] + "\n" + block_text(m[2], str(ROOT / m[3]), m[4])
+                       + "\n\n" + m[6],
+                        text)
+        if new != text:
+            stale.append(doc)
+            if not check:
+                target.write_text(new, encoding="utf-8")
+    if stale:
+        print(("out of date: " if check else "rewrote: ") + ", ".join(stale))
+        if check:
+            sys.exit(1)
 
 
 def main() -> None:
@@ -148,8 +236,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1,
                     help="bench calls per model (each: --runs runs per engine, alternating)")
     ap.add_argument("--table", metavar="JSONL", help="print the markdown table of a results file")
+    ap.add_argument("--write", action="store_true",
+                    help="rewrite the generated tables of README.md and docs/benchmarks.md")
+    ap.add_argument("--check", action="store_true",
+                    help="with --write: change nothing, exit 1 if a generated table is out of date")
     args = ap.parse_args()
-    if args.table:
+    if args.write:
+        write(args.check)
+    elif args.table:
         table(args.table)
     else:
         run(args.models, args.threads, args.runs, args.keep_precision, args.calls)

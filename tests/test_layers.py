@@ -1,4 +1,4 @@
-"""The layers import downwards only (docs: the architecture in the README's layout section).
+"""The layers import downwards only (docs: the layout in docs/architecture.md).
 
 Read from the source with ``ast``, so that an import inside a function counts too: the runtime
 layers never import torch, nothing below the CLI imports the CLI, and the runtime layers
