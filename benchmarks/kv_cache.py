@@ -19,7 +19,6 @@ pocketlm's (``*_vs_f16_top1``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import sys
@@ -35,6 +34,8 @@ from amx_prefill import _log_softmax  # noqa: E402
 
 import pocketlm  # noqa: E402
 from pocketlm.bench import machine_info  # noqa: E402
+from pocketlm.llamacpp import LlamaCpp  # noqa: E402
+from pocketlm.llamacpp import available as llamacpp_available  # noqa: E402
 from pocketlm.runtime import Runtime  # noqa: E402
 from pocketlm.runtime.kernels import native  # noqa: E402
 
@@ -56,14 +57,11 @@ def _logits(rt: Runtime, ids: list[int], split: int) -> np.ndarray:
 
 
 def _llama_cpp_logits(name: str, ids: list[int], type_kv: int, threads: int) -> np.ndarray:
-    from llama_cpp import Llama
-
     from pocketlm.registry import pull
 
-    llm = Llama(str(pull(name, quiet=True)), n_ctx=512, n_threads=threads, logits_all=True,
-                flash_attn=True, type_k=type_kv, type_v=type_kv, verbose=False)
-    llm.eval(ids)
-    return np.array(llm.scores[:len(ids)], np.float32)
+    llm = LlamaCpp(pull(name, quiet=True), n_ctx=512, threads=threads, logits_all=True,
+                   flash_attn=True, kv_type=type_kv)
+    return llm.logits(ids)
 
 
 def run(name: str, runs: int, threads: int, n_prompt: int, n_gen: int) -> dict:
@@ -89,7 +87,7 @@ def run(name: str, runs: int, threads: int, n_prompt: int, n_gen: int) -> dict:
                     (np.exp(lp_ref) * (lp_ref - _log_softmax(got))).sum(-1).mean())
         row[f"{text}_pocketlm_q8_vs_f16_top1"] = float(
             (top["prefill", "q8"] == top["prefill", "f16"]).mean())
-        if importlib.util.find_spec("llama_cpp"):
+        if llamacpp_available():
             f16, q8 = (_llama_cpp_logits(name, ids, t, threads).argmax(-1)
                        for t in (GGML_TYPE_F16, GGML_TYPE_Q8_0))
             row[f"{text}_llama_cpp_q8_0_vs_f16_top1"] = float((q8 == f16).mean())

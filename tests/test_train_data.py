@@ -12,10 +12,8 @@ import numpy as np
 import pytest
 from test_tokenizer import byte_bpe_fields
 
-from pocketlm.errors import FormatError, PocketError
-from pocketlm.tokenizer import tokenizer_from_gguf_fields
-from pocketlm.train import corpora
-from pocketlm.train.corpora import (
+from pocketlm.data import corpora
+from pocketlm.data.corpora import (
     ReadReport,
     clean_and_dedup,
     clean_text,
@@ -30,6 +28,8 @@ from pocketlm.train.corpora import (
     sharegpt_to_chat,
     strip_pos_tags,
 )
+from pocketlm.errors import FormatError, PocketError
+from pocketlm.tokenizer import tokenizer_from_gguf_fields
 from pocketlm.train.data import (
     TokenShards,
     check_trainable_splits,

@@ -77,20 +77,19 @@ class LlamaCppEngine:
     name = "llama.cpp"
 
     def __init__(self, path: str, threads: int, n_ctx: int):
-        import llama_cpp
         import numpy as np
 
-        self.llama_cpp, self.np = llama_cpp, np
+        from pocketlm.llamacpp import import_llama_cpp
+
+        import_llama_cpp()  # the library is in the baseline, as the other engines' are
+        self.np = np
         self.path, self.threads, self.n_ctx = path, threads, n_ctx
 
     def load(self, stages: list) -> None:
-        self.llm = self.llama_cpp.Llama(model_path=self.path, n_ctx=self.n_ctx, n_batch=512,
-                                        n_ubatch=512, n_threads=self.threads,
-                                        n_threads_batch=self.threads, verbose=False)
+        from pocketlm.llamacpp import LlamaCpp
 
-    def _last_logits(self):
-        ptr = self.llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return self.np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),))
+        self.llm = LlamaCpp(self.path, n_ctx=self.n_ctx, n_batch=512, n_ubatch=512,
+                            threads=self.threads, batch_threads=self.threads)
 
     def run(self, ids: list[int], n_gen: int) -> tuple[float, float]:
         llm, np = self.llm, self.np
@@ -99,7 +98,7 @@ class LlamaCppEngine:
         llm.eval(ids)
         t1 = time.perf_counter()
         for _ in range(n_gen):  # greedy, end-of-sequence ignored
-            llm.eval([int(np.argmax(self._last_logits()))])
+            llm.eval([int(np.argmax(llm.last_logits()))])
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 

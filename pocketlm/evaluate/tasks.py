@@ -120,49 +120,36 @@ class LlamaCppEngine(Engine):
     name = "llama.cpp"
 
     def __init__(self, path: str | Path, *, n_ctx: int | None = None, threads: int | None = None):
-        try:
-            import llama_cpp
-        except ImportError:
-            raise PocketError("--engine llama.cpp needs llama-cpp-python: "
-                              "pip install llama-cpp-python") from None
+        from ..llamacpp import LlamaCpp, import_llama_cpp
+
+        import_llama_cpp("--engine llama.cpp")
         path = Path(path)
         if path.suffix != ".gguf":
             raise PocketError(f"{path}: the llama.cpp engine needs a .gguf file")
         # logits_all keeps n_ctx x vocab float32 scores: a modest default context
-        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx or 2048, n_batch=512,
-                                   logits_all=True, n_threads=threads,
-                                   n_threads_batch=threads, verbose=False)
-        meta = self.llm.metadata
-        trained = meta.get(f"{meta.get('general.architecture')}.context_length")
-        self.max_context = min(self.llm.n_ctx(), int(trained) if trained else self.llm.n_ctx())
-        with_bos = self.llm.tokenize(b"a", add_bos=True, special=False)
-        without = self.llm.tokenize(b"a", add_bos=False, special=False)
-        self.bos_ids = [self.llm.token_bos()] if len(with_bos) > len(without) else []
+        self.llm = LlamaCpp(path, n_ctx=n_ctx or 2048, n_batch=512, logits_all=True,
+                            threads=threads, batch_threads=threads)
+        self.max_context = self.llm.max_context()
+        self.bos_ids = self.llm.bos_ids()
         self.chat_template = self.llm.metadata.get("tokenizer.chat_template")
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
+        return self.llm.tokenize(text, add_bos=False, special=special)
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         if len(ids) > self.max_context:
             raise PocketError(f"{len(ids)} tokens exceed the llama.cpp context of "
                               f"{self.max_context}")
-        self.llm.reset()
-        self.llm.eval(list(ids))
-        return np.array(self.llm.scores[: len(ids)], dtype=np.float32)
+        return self.llm.logits(ids)
 
     def generate(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> str:
-        self.llm.reset()
-        out = self.llm.create_completion(list(ids), max_tokens=max_tokens, temperature=0.0,
-                                         top_k=1, stop=list(stop) or None)
-        return out["choices"][0]["text"]
+        return self.llm.complete(ids, max_tokens, stop)
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         from ..chat import render
 
-        bos = self.llm.detokenize(self.bos_ids, special=True).decode("utf-8", "replace")
-        eos = self.llm.detokenize([self.llm.token_eos()], special=True).decode("utf-8",
-                                                                                "replace")
+        bos = self.llm.token_text(self.bos_ids)
+        eos = self.llm.token_text([self.llm.eos_id()])
         return render(self.chat_template, messages, bos_token=bos, eos_token=eos)
 
 

@@ -7,7 +7,7 @@ tables at this boundary; an importer that ends with a tensor it did not map rais
 
 from __future__ import annotations
 
-import hashlib
+import importlib.metadata
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..config import GenerationDefaults, ModelConfig
+from ..data.download import sha256_of
 from ..errors import FormatError, ModelNotFoundError, PocketError, UnsupportedError
 from ..quant import QuantTensor
 from .pocketfile import open_regular, os_error
@@ -64,14 +65,11 @@ class SourceModel:
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
     with open_regular(path, missing=ModelNotFoundError) as f:
         try:
-            while block := f.read(chunk):
-                h.update(block)
+            return sha256_of(f, chunk=chunk)
         except OSError as e:
             raise os_error(Path(path), e) from None
-    return h.hexdigest()
 
 
 def sniff(path: str | Path) -> str:
@@ -112,6 +110,27 @@ def run_checkpoint(run: str | Path) -> Path:
     return run / "best.pt" if (run / "best.pt").is_file() else run / "checkpoint.pt"
 
 
+# Openers of the source kinds that live in higher layers (a training run: the training package,
+# which imports torch), by kind. They are registered as entry points of this group in
+# pyproject.toml, so that this layer names none of them in an import; the defaults below stand
+# where the installed package's metadata predates an entry point (an older editable install) or
+# the package is run from a source tree without being installed.
+SOURCE_GROUP = "pocketlm.sources"
+DEFAULT_OPENERS = {"run": "pocketlm.train.export:checkpoint_source"}
+
+
+def source_opener(kind: str) -> Callable[[str | Path], SourceModel]:
+    """The function registered (entry point group :data:`SOURCE_GROUP`) to open a source of
+    ``kind``, loaded on first use."""
+    found = importlib.metadata.entry_points(group=SOURCE_GROUP).select(name=kind)
+    point = next(iter(found), None)
+    if point is None:
+        if kind not in DEFAULT_OPENERS:
+            raise UnsupportedError(f"no reader registered for {kind!r} sources")
+        point = importlib.metadata.EntryPoint(kind, DEFAULT_OPENERS[kind], SOURCE_GROUP)
+    return point.load()
+
+
 def open_source(path: str | Path) -> SourceModel:
     """Read a GGUF file, a Hugging Face folder or a training run (its best weights under early
     stopping, else the latest checkpoint; not a deploy file: those load directly)."""
@@ -128,7 +147,5 @@ def open_source(path: str | Path) -> SourceModel:
         if importlib.util.find_spec("torch") is None:  # the training package imports it
             raise PocketError(f"{path}: reading a training run needs PyTorch: pip install "
                               "'pocketlm[train]'")
-        from ..train.export import checkpoint_source
-
-        return checkpoint_source(path)
+        return source_opener("run")(path)
     raise FormatError(f"{path}: is already a pocketlm deploy file; nothing to import")

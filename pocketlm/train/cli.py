@@ -258,7 +258,7 @@ def cmd_data_prepare(args) -> int:
     if len(given) != 1:
         raise PocketError("give exactly one of --corpora NAME..., --mixture FILE or --text FILE")
     if args.chats_out:
-        from .corpora import export_chats
+        from ..data.corpora import export_chats
 
         info = export_chats(Path(args.chats_out))
         print(f"{args.chats_out}: {info['chats']} chats", file=sys.stderr)

@@ -593,10 +593,10 @@ def load_mixture(config: Path | str | dict) -> dict[str, float]:
     """Corpus weights from a mixture file (JSON, or YAML when PyYAML is installed) or a dict.
 
     Either ``{"chinese-poetry": 0.3, ...}`` or ``{"corpora": {...}}``. Names must be known
-    corpora (:data:`pocketlm.train.corpora.CORPORA`), weights positive numbers; the weights are
+    corpora (:data:`pocketlm.data.corpora.CORPORA`), weights positive numbers; the weights are
     normalised to sum to 1.
     """
-    from pocketlm.train.corpora import CORPORA
+    from pocketlm.data.corpora import CORPORA
 
     where = "mixture"
     if isinstance(config, (str, Path)):
@@ -747,7 +747,7 @@ def build_mixture(
 ) -> tuple[list[str], list[dict]]:
     """The mixture's documents (fetched, cleaned, deduplicated, sampled to the weights and
     shuffled) and, per corpus, its provenance, pipeline counts and selection."""
-    from pocketlm.train.corpora import clean_and_dedup, corpus_documents, read_manifest_entry
+    from pocketlm.data.corpora import clean_and_dedup, corpus_documents, read_manifest_entry
 
     weights = load_mixture(config)
     kept: dict[str, list[str]] = {}

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from ..config import ModelConfig
 from ..errors import FormatError
 from ..formats import SourceModel, SourceTensor, run_checkpoint
@@ -66,8 +64,3 @@ def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits
                           "it with --group-size 32")
     return pack(src, out, group_size=group_size, embed_bits=embed_bits, progress=progress,
                 int4_search=not qat)  # a QAT run is exported to the grid it trained against
-
-
-def float_weights(run: str | Path) -> dict[str, np.ndarray]:
-    """The checkpoint's weights as float32 arrays (for comparing runtimes with torch)."""
-    return {n: t.to_float() for n, t in checkpoint_source(run).tensors.items()}

