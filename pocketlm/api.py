@@ -29,8 +29,8 @@ from .errors import (
 )
 from .formats import SourceModel, open_source, sniff
 from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
-from .generate import GenerationState, stream_text, stream_tokens
-from .runtime import Runtime
+from .generate import GenerationState, Sequence, TextStream, run_sequence, stream_sequence
+from .runtime import KVCache, Runtime
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, check_text, release_free_heap
 
@@ -96,66 +96,88 @@ class PocketModel:
         return out
 
     # -- generation --------------------------------------------------------------------------
+    def settings(self, builtin_max_tokens: int | None = None, **explicit: Any) -> dict[str, Any]:
+        """The generation settings for a call: the arguments given, the model's generation
+        defaults (from its deploy file) for those left None, the built-in ones for the rest
+        (:meth:`GenerationDefaults.resolve`)."""
+        return self.generation_defaults.resolve(builtin_max_tokens, **explicit)
+
     def sampling_params(self, temperature=None, top_k=None, top_p=None, min_p=None,
                         repetition_penalty=None, seed=None) -> SamplingParams:
         """Validated sampling parameters: the arguments given, the model's generation defaults
         (from its deploy file) for those left None."""
-        d = self.generation_defaults
-        return SamplingParams(
-            temperature=d.temperature if temperature is None else temperature,
-            top_k=d.top_k if top_k is None else top_k,
-            top_p=d.top_p if top_p is None else top_p,
-            min_p=d.min_p if min_p is None else min_p,
-            repetition_penalty=(d.repetition_penalty if repetition_penalty is None
-                                else repetition_penalty),
-            seed=seed,
-        ).validate()
+        s = self.settings(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                          repetition_penalty=repetition_penalty)
+        return SamplingParams(temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"],
+                              min_p=s["min_p"], repetition_penalty=s["repetition_penalty"],
+                              seed=seed).validate()
 
-    def stream_ids(self, prompt_ids: list[int], *, max_tokens: int = 128,
-                   temperature: float | None = 0.0, top_k: int | None = None,
-                   top_p: float | None = 1.0, min_p: float | None = None,
-                   repetition_penalty: float | None = None, seed: int | None = None,
-                   state: GenerationState | None = None) -> Iterator[int]:
-        """Generated token ids after ``prompt_ids`` (EOS not included)."""
+    def _sequence(self, prompt_ids: list[int], builtin_max_tokens: int, max_tokens, sampling,
+                  state: GenerationState | None, stop: list[str] | None
+                  ) -> tuple[Sequence, KVCache | None]:
+        """A checked sequence for ``prompt_ids`` and the KV cache it runs in (None when it asks
+        for no tokens: nothing runs)."""
         prompt_ids = self._check_ids(prompt_ids)
+        max_tokens = self.settings(builtin_max_tokens, max_tokens=max_tokens)["max_tokens"]
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise SamplingError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
-        sampler = Sampler(self.sampling_params(temperature, top_k, top_p, min_p,
-                                               repetition_penalty, seed))
+        sampler = Sampler(self.sampling_params(**sampling))
         if len(prompt_ids) >= self.n_ctx:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx}; "
                 "shorten the prompt" + (" or load with a larger n_ctx"
                                         if self.n_ctx < self.config.max_context else ""))
-        capacity = min(self.n_ctx, len(prompt_ids) + max(max_tokens, 1))
-        cache = self.runtime.new_cache(capacity)
         state = state if state is not None else GenerationState()
         self.last_state = state
+        text = TextStream(self.tokenizer, stop) if stop is not None else None
+        seq = Sequence(prompt_ids, max_tokens=max_tokens, sampler=sampler,
+                       stop_ids=self.tokenizer.eos_ids, text=text, state=state)
         if max_tokens == 0:
-            state.prompt_tokens, state.finish_reason = len(prompt_ids), "length"
-            return iter(())
-        return stream_tokens(self.runtime, cache, prompt_ids, max_tokens=max_tokens,
-                             sampler=sampler, stop_ids=self.tokenizer.eos_ids, state=state)
+            return seq, None
+        capacity = min(self.n_ctx, len(prompt_ids) + max_tokens)
+        return seq, self.runtime.new_cache(capacity)
 
-    def stream(self, prompt: str, max_tokens: int = 128, temperature: float | None = 0.0,
-               top_p: float | None = 1.0, seed: int | None = None,
-               stop: list[str] | str | None = None, *, top_k: int | None = None,
-               min_p: float | None = None, repetition_penalty: float | None = None,
+    def stream_ids(self, prompt_ids: list[int], *, max_tokens: int | None = None,
+                   temperature: float | None = None, top_k: int | None = None,
+                   top_p: float | None = None, min_p: float | None = None,
+                   repetition_penalty: float | None = None, seed: int | None = None,
+                   state: GenerationState | None = None) -> Iterator[int]:
+        """Generated token ids after ``prompt_ids`` (EOS not included). Settings left None are
+        the model's generation defaults, else the built-in ones (greedy, 128 tokens)."""
+        seq, cache = self._sequence(
+            prompt_ids, 128, max_tokens, dict(temperature=temperature, top_k=top_k, top_p=top_p,
+                                              min_p=min_p, repetition_penalty=repetition_penalty,
+                                              seed=seed), state, None)
+        if cache is None:
+            return iter(())
+        return (token for token, _ in run_sequence(self.runtime, cache, seq))
+
+    def _stream_text(self, prompt_ids: list[int], builtin_max_tokens: int, stop: list[str],
+                     max_tokens, sampling) -> Iterator[str]:
+        seq, cache = self._sequence(prompt_ids, builtin_max_tokens, max_tokens, sampling, None,
+                                    stop)
+        return iter(()) if cache is None else stream_sequence(self.runtime, cache, seq)
+
+    def stream(self, prompt: str, max_tokens: int | None = None,
+               temperature: float | None = None, top_p: float | None = None,
+               seed: int | None = None, stop: list[str] | str | None = None, *,
+               top_k: int | None = None, min_p: float | None = None,
+               repetition_penalty: float | None = None,
                add_bos: bool | None = None) -> Iterator[str]:
-        """Text pieces of the continuation of ``prompt`` as they are generated."""
+        """Text pieces of the continuation of ``prompt`` as they are generated. Settings left
+        None are the model's generation defaults, else the built-in ones (greedy, 128 tokens)."""
         check_text(prompt, "prompt")
         stops = _check_stop(stop)
         ids = self.tokenize(prompt, add_bos=add_bos)
-        state = GenerationState()
-        tokens = self.stream_ids(ids, max_tokens=max_tokens, temperature=temperature,
-                                 top_k=top_k, top_p=top_p, min_p=min_p,
-                                 repetition_penalty=repetition_penalty, seed=seed, state=state)
-        return stream_text(self.tokenizer, tokens, stops, state)
+        return self._stream_text(ids, 128, stops, max_tokens, dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed))
 
-    def generate(self, prompt: str, max_tokens: int = 128, temperature: float | None = 0.0,
-                 top_p: float | None = 1.0, seed: int | None = None,
-                 stop: list[str] | str | None = None, **kwargs: Any) -> str:
-        """The continuation of ``prompt`` as one string."""
+    def generate(self, prompt: str, max_tokens: int | None = None,
+                 temperature: float | None = None, top_p: float | None = None,
+                 seed: int | None = None, stop: list[str] | str | None = None,
+                 **kwargs: Any) -> str:
+        """The continuation of ``prompt`` as one string (settings as in :meth:`stream`)."""
         return "".join(self.stream(prompt, max_tokens, temperature, top_p, seed, stop, **kwargs))
 
     # -- chat --------------------------------------------------------------------------------
@@ -174,17 +196,19 @@ class PocketModel:
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
         return tok.encode(text, add_bos=add_bos, special=True)
 
-    def chat(self, messages: list[dict[str, Any]], max_tokens: int = 256,
-             temperature: float | None = 0.0, top_p: float | None = 1.0,
+    def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
+             temperature: float | None = None, top_p: float | None = None,
              seed: int | None = None, stop: list[str] | str | None = None,
-             stream: bool = False, **kwargs: Any):
-        """The assistant's reply to ``messages`` (an iterator of pieces when ``stream``)."""
+             stream: bool = False, *, top_k: int | None = None, min_p: float | None = None,
+             repetition_penalty: float | None = None):
+        """The assistant's reply to ``messages`` (an iterator of pieces when ``stream``).
+        Settings left None are the model's generation defaults, else the built-in ones
+        (greedy, 256 tokens)."""
         stops = _check_stop(stop)
         ids = self.chat_ids(messages)
-        state = GenerationState()
-        tokens = self.stream_ids(ids, max_tokens=max_tokens, temperature=temperature,
-                                 top_p=top_p, seed=seed, state=state, **kwargs)
-        pieces = stream_text(self.tokenizer, tokens, stops, state)
+        pieces = self._stream_text(ids, 256, stops, max_tokens, dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repetition_penalty=repetition_penalty, seed=seed))
         return pieces if stream else "".join(pieces)
 
     def __repr__(self) -> str:

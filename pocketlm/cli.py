@@ -171,9 +171,12 @@ def _load(args):
     return m
 
 
-def _sampling(args) -> dict:
-    return dict(temperature=args.temp, top_p=args.top_p, seed=args.seed, top_k=args.top_k,
-                min_p=args.min_p, repetition_penalty=args.repeat_penalty)
+def _settings(args, m) -> dict:
+    """The generation arguments of ``m.chat``/``m.stream``: each flag given, else the model's
+    generation default, else the built-in one (``args.n_default`` tokens)."""
+    s = m.settings(args.n_default, max_tokens=args.n, temperature=args.temp, top_p=args.top_p,
+                   top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repeat_penalty)
+    return {**s, "seed": args.seed}
 
 
 def cmd_run(args) -> int:
@@ -193,11 +196,11 @@ def cmd_run(args) -> int:
     if use_chat:
         if args.echo:
             sys.stdout.write(prompt + "\n")
-        pieces = m.chat([{"role": "user", "content": prompt}], max_tokens=args.n,
-                        stream=True, stop=args.stop, **_sampling(args))
+        pieces = m.chat([{"role": "user", "content": prompt}], stream=True, stop=args.stop,
+                        **_settings(args, m))
     else:
         sys.stdout.write(prompt if args.echo else "")
-        pieces = m.stream(prompt, args.n, stop=args.stop, **_sampling(args))
+        pieces = m.stream(prompt, stop=args.stop, **_settings(args, m))
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -274,7 +277,7 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         reply = []
         try:
-            for piece in m.chat(history, max_tokens=args.n, stream=True, **_sampling(args)):
+            for piece in m.chat(history, stream=True, **_settings(args, m)):
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -324,17 +327,22 @@ def cmd_bench(args) -> int:
 
 # -- parser ----------------------------------------------------------------------------------
 def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
+    # generation flags left out take the model's own default (its deploy file's), else these
+    p.set_defaults(n_default=n_default)
     p.add_argument("-m", "--model", help="registry name, .pocket, .gguf, HF folder or training run "
                    "(default: $POCKET_MODEL or smollm2-135m)")
-    p.add_argument("-n", "--max-tokens", dest="n", type=int, default=n_default,
-                   help=f"tokens to generate at most (default {n_default})")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
-    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top "
-                   "probability (default 0)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="repetition penalty "
-                   "(1 = off)")
+    p.add_argument("-n", "--max-tokens", dest="n", type=int, default=None,
+                   help=f"tokens to generate at most (default: the model's, else {n_default})")
+    p.add_argument("--temp", type=float, default=None, help="temperature; 0 = greedy "
+                   "(default: the model's, else 0)")
+    p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = "
+                   "off (default: the model's, else 0)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass "
+                   "(default: the model's, else 1)")
+    p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top "
+                   "probability (default: the model's, else 0)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty, "
+                   "1 = off (default: the model's, else 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--ctx", type=int, default=None, help="context size (default 4096, or the "
                    "model's if smaller)")

@@ -281,17 +281,28 @@ class ModelConfig:
 
 @dataclass
 class GenerationDefaults:
-    """Sampling defaults stored in the deploy file; callers override any of them."""
+    """A model's own generation settings, stored in its deploy file (the ``generation``
+    metadata) as the importer found them in the source (a GGUF file's ``general.sampling.*``
+    keys, a Hugging Face folder's ``generation_config.json``).
+
+    A sampling field the source does not set holds the built-in value (greedy decoding, every
+    filter off); ``max_tokens`` None means the model names no length, and each caller's own
+    built-in length applies. :meth:`resolve` is the one rule every surface (API, CLI, server)
+    follows: an explicit argument wins, then the model's setting, then the built-in one.
+    """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int = 256
+    max_tokens: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if d["max_tokens"] is None:
+            del d["max_tokens"]
+        return d
 
     def __post_init__(self) -> None:
         self.validate()
@@ -309,8 +320,26 @@ class GenerationDefaults:
         number("repetition_penalty", 0.0, 1e4, False)
         _check_int("top_k", self.top_k, 0, INT_BOUNDS["vocab_size"][1],
                    what="generation defaults")
-        _check_int("max_tokens", self.max_tokens, 0, INT_BOUNDS["max_context"][1],
-                   what="generation defaults")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 0, INT_BOUNDS["max_context"][1],
+                       what="generation defaults")
+
+    def resolve(self, builtin_max_tokens: int | None = None, **explicit: Any) -> dict[str, Any]:
+        """The settings to generate with: each of ``explicit`` (temperature, top_k, top_p,
+        min_p, repetition_penalty, max_tokens) that is not None, else the model's, else the
+        built-in one (``builtin_max_tokens`` for the length, which each caller picks: None
+        when it has none either). Values are not checked here: the sampler checks them."""
+        names = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(explicit) - set(names))
+        if unknown:
+            raise TypeError(f"unknown generation setting {unknown[0]!r}")
+        out = {}
+        for name in names:
+            value = explicit.get(name)
+            out[name] = getattr(self, name) if value is None else value
+        if out["max_tokens"] is None:
+            out["max_tokens"] = builtin_max_tokens
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationDefaults:
@@ -318,7 +347,17 @@ class GenerationDefaults:
         if not isinstance(data, dict):
             raise FormatError(f"generation defaults must be a JSON object, got {short_repr(data)}")
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        values = {k: v for k, v in data.items() if k in known}
+        if values == _UNSET_BEFORE_IMPORT:
+            # what every deploy file held before the importers read the source's settings:
+            # the built-in values and a max_tokens of 256 that no model chose
+            del values["max_tokens"]
+        return cls(**values)
+
+
+# the generation metadata of deploy files packed before the importers filled it
+_UNSET_BEFORE_IMPORT = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+                        "repetition_penalty": 1.0, "max_tokens": 256}
 
 
 def short_repr(value: Any) -> str:

@@ -1,14 +1,20 @@
 """Generation: the token loop, stop conditions and streaming text.
 
-``stream_tokens`` yields token ids until EOS, ``max_tokens`` or a full context;
-``stream_text`` turns them into text pieces that never split a UTF-8 character and never show
-any part of a stop string.
+:class:`Sequence` is one sequence's decode step, the same for the Python API and the server:
+given each sampled token it updates the sequence, decides whether generation ends (an EOS /
+end-of-turn id, a stop string, ``max_tokens``, a full context) and says which text may be
+shown. The drivers around it make the forward calls: :func:`stream_tokens` and
+:func:`stream_sequence` one sequence at a time, the server's scheduler many rows in one batch.
+``stream_text`` turns any token stream into text pieces that never split a UTF-8 character
+and never show any part of a stop string.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from .runtime import KVCache, Runtime
 from .sampling import Sampler
@@ -24,26 +30,103 @@ class GenerationState:
     finish_reason: str | None = None  # "stop" | "length"
 
 
+class Sequence:
+    """One sequence's bookkeeping from one sampled token to the next.
+
+    ``sample(logits)`` draws the next token with the sequence's sampler (whose repetition
+    penalty sees the prompt and every token taken so far); ``add(token, cache_full=...)`` takes
+    it. An id in ``stop_ids`` (unless ``ignore_eos``) ends generation with "stop" and is not
+    part of the output; a stop string in the text ends it with "stop", ``max_tokens`` tokens
+    or a full KV cache (``cache_full``: the cache has no room for this token) with "length".
+    ``finish()``, once it ended, gives the text still held back (a stop string found there
+    makes the reason "stop"). ``text`` (a :class:`TextStream`) is None for a sequence of
+    tokens only. ``state`` records it all (prompt tokens, tokens taken, finish reason).
+    """
+
+    def __init__(self, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler,
+                 stop_ids: Iterable[int], text: TextStream | None = None,
+                 ignore_eos: bool = False, state: GenerationState | None = None):
+        self.state = state if state is not None else GenerationState()
+        self.state.prompt_tokens = len(prompt_ids)
+        self.prompt_ids = list(prompt_ids)
+        self.history = list(prompt_ids)  # what the repetition penalty sees
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.stop_ids = frozenset(()) if ignore_eos else frozenset(stop_ids)
+        self.text = text
+        if max_tokens == 0:
+            self.state.finish_reason = "length"
+
+    @property
+    def finished(self) -> bool:
+        return self.state.finish_reason is not None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.state.generated
+
+    def sample(self, logits: np.ndarray) -> int:
+        return self.sampler(logits, self.history)
+
+    def add(self, token: int, cache_full: bool = False) -> str | None:
+        """Take ``token``: the text that can be shown now ("" while it is held back), or None
+        when the token ends the sequence without being part of it (a stop id)."""
+        if token in self.stop_ids:
+            self.state.finish_reason = "stop"
+            return None
+        self.state.generated.append(token)
+        self.history.append(token)
+        piece = self.text.add(token) if self.text is not None else ""
+        if self.text is not None and self.text.stopped:
+            self.state.finish_reason = "stop"
+        elif len(self.state.generated) >= self.max_tokens or cache_full:
+            self.state.finish_reason = "length"
+        return piece
+
+    def finish(self) -> str:
+        """The text still held back, once no more tokens come."""
+        if self.text is None:
+            return ""
+        tail = self.text.finish()
+        if self.text.stopped:
+            self.state.finish_reason = "stop"
+        return tail
+
+
+def run_sequence(runtime: Runtime, cache: KVCache, seq: Sequence) -> Iterator[tuple[int, str]]:
+    """Prefill ``seq``'s prompt into ``cache``, then one decode step per token until ``seq``
+    ends: ``(token, text that can be shown now)`` for each token it takes."""
+    logits = runtime.forward(seq.prompt_ids, cache)
+    while not seq.finished:
+        token = seq.sample(logits)
+        # the last sampled token never runs through the model: it needs no room in the cache
+        piece = seq.add(token, cache_full=cache.length >= cache.capacity)
+        if piece is None:
+            return
+        yield token, piece
+        if seq.finished:
+            return
+        logits = runtime.forward([token], cache)
+
+
 def stream_tokens(runtime: Runtime, cache: KVCache, prompt_ids: list[int], *, max_tokens: int,
                   sampler: Sampler, stop_ids: Iterable[int],
                   state: GenerationState | None = None) -> Iterator[int]:
-    state = state if state is not None else GenerationState()
-    state.prompt_tokens = len(prompt_ids)
-    stop = set(stop_ids)
-    logits = runtime.forward(prompt_ids, cache)
-    history = list(prompt_ids)
-    for _ in range(max_tokens):
-        token = sampler(logits, history)
-        if token in stop:
-            state.finish_reason = "stop"
-            return
-        state.generated.append(token)
-        history.append(token)
+    """Token ids after ``prompt_ids`` until a stop id, ``max_tokens`` or a full ``cache``."""
+    seq = Sequence(prompt_ids, max_tokens=max_tokens, sampler=sampler, stop_ids=stop_ids,
+                   state=state)
+    for token, _ in run_sequence(runtime, cache, seq):
         yield token
-        if cache.length >= cache.capacity:
-            break
-        logits = runtime.forward([token], cache)
-    state.finish_reason = "length"
+
+
+def stream_sequence(runtime: Runtime, cache: KVCache, seq: Sequence) -> Iterator[str]:
+    """The text pieces of ``seq`` (which has a :class:`TextStream`) as they are generated."""
+    for _, piece in run_sequence(runtime, cache, seq):
+        if piece:
+            yield piece
+    tail = seq.finish()
+    if tail:
+        yield tail
 
 
 class TextStream:

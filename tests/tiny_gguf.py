@@ -147,6 +147,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
                     extra_tensors: dict[str, np.ndarray] | None = None,
                     drop_tensors: tuple[str, ...] = (), tokenizer_model: str = "gpt2",
                     tokenizer_pre: str | None = None, chat_template: str | None = CHATML_TEMPLATE,
+                    metadata: dict[str, int | float | str] | None = None,
                     **config_overrides) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Write a tiny ``arch`` model as a GGUF file at ``path``.
 
@@ -155,6 +156,8 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     imports the whole file without requantizing, else ``weight_type``). Norms and biases are F32.
     ``gguf_arch`` overrides ``general.architecture`` (the metadata keys keep ``arch``);
     ``extra_tensors`` (GGUF name -> array) and ``drop_tensors`` (GGUF names) make broken files.
+    ``metadata`` adds fields (key -> value: an int as int32, a float as float32, a string), as
+    the sampling defaults ``general.sampling.*``.
 
     Returns ``(config, state_dict)``: the config the file describes and the float32 weights
     under pocketlm names as the file holds them (after quantization, before any permutation).
@@ -199,6 +202,13 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     writer.add_bool("tokenizer.ggml.add_bos_token", False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            writer.add_string(key, value)
+        elif isinstance(value, int):
+            writer.add_int32(key, value)
+        else:
+            writer.add_float32(key, value)
 
     state: dict[str, np.ndarray] = {}
     for name, w in weights.items():

@@ -50,6 +50,16 @@ GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
+# GGUF sampling key (llama.cpp's converter writes them from generation_config.json) ->
+# pocketlm generation default
+SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature",
+    "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p",
+    "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repetition_penalty",
+}
+
 # Gemma 3 (as llama.cpp reads it): every 6th layer is global, the others use a sliding window
 # with RoPE base 10000.
 GEMMA3_SWA_PATTERN = 6
@@ -169,6 +179,28 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
     return config
 
 
+def generation_from_fields(fields: dict[str, Any], origin: str):
+    """The model's generation defaults from its ``general.sampling.*`` keys (the built-in
+    values for those it lacks). Floats are stored as float32: each is read back as the
+    shortest decimal that rounds to it (0.7, not 0.699999988)."""
+    from ..config import GenerationDefaults
+
+    values = {}
+    for key, name in SAMPLING_KEYS.items():
+        if key not in fields:
+            continue
+        value = fields[key]
+        if isinstance(value, float) and math.isfinite(value):
+            value = float(str(np.float32(value)))
+        try:
+            GenerationDefaults(**{name: value})
+        except FormatError:
+            raise FormatError(f"{origin}: GGUF field {key} is not a valid {name}: "
+                              f"{short_repr(value)}") from None
+        values[name] = value
+    return GenerationDefaults(**values)
+
+
 def _unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo the q/k row permutation of llama GGUF conversion.
 
@@ -241,6 +273,7 @@ def read_gguf(path: str | Path) -> SourceModel:
         tokenizer=tokenizer,
         chat_template=template,
         tensors=tensors,
+        generation=generation_from_fields(fields, origin),
         provenance={
             "source_format": "gguf",
             "source_file": path.name,

@@ -211,12 +211,51 @@ def read_hf(path: str | Path) -> SourceModel:
     if template is not None and not isinstance(template, str):
         raise FormatError(f"{root / 'tokenizer_config.json'}: chat_template must be a string, "
                           f"got {short_repr(template)}")
+    gen_file = root / "generation_config.json"
+    gen = _read_json(gen_file) if gen_file.is_file() else {}
     model = SourceModel(config=config, tokenizer=tokenizer, chat_template=template,
-                        tensors=tensors,
+                        tensors=tensors, generation=generation_from_hf(gen, str(gen_file)),
                         provenance={"source_format": "hf", "source_file": root.name,
                                     "source_files": [f.name for f in files]})
     model.check_tensors(origin)
     return model
+
+
+# generation_config.json key -> pocketlm generation default
+GENERATION_KEYS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                   "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                   "max_new_tokens": "max_tokens"}
+# what transformers samples with when do_sample is true and a key is left out
+HF_SAMPLING_DEFAULTS = {"temperature": 1.0, "top_k": 50}
+
+
+def generation_from_hf(gen: Any, origin: str):
+    """The model's generation defaults from ``generation_config.json`` as transformers reads
+    it: without ``do_sample: true`` decoding is greedy (temperature 0); with it, a temperature
+    or top_k left out is transformers' own (1.0, 50). A null is a key left out;
+    ``max_length`` (which counts the prompt) is not used."""
+    from ..config import GenerationDefaults
+
+    if not isinstance(gen, dict):
+        raise FormatError(f"{origin}: must hold a JSON object, got {short_repr(gen)}")
+    do_sample = gen.get("do_sample", False)
+    if not isinstance(do_sample, bool):
+        raise FormatError(f"{origin}: do_sample must be true or false, got "
+                          f"{short_repr(do_sample)}")
+    values = {name: gen[key] for key, name in GENERATION_KEYS.items()
+              if gen.get(key) is not None}
+    if do_sample:
+        values = {**HF_SAMPLING_DEFAULTS, **values}
+    else:
+        values["temperature"] = 0.0
+    for name, value in values.items():
+        try:
+            GenerationDefaults(**{name: value})
+        except FormatError:
+            key = next(k for k, n in GENERATION_KEYS.items() if n == name)
+            raise FormatError(f"{origin}: {key} is not a valid {name}: "
+                              f"{short_repr(value)}") from None
+    return GenerationDefaults(**values)
 
 
 def _read_text(path: Path) -> str:

@@ -302,7 +302,13 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              f"the prompt has {len(ids)} tokens", param="messages"
                              if g.messages is not None else "prompt",
                              code="context_length_exceeded")
-        max_tokens = n_ctx - len(ids) if g.max_tokens is None else g.max_tokens
+        # the request's length, else the model's (within the room the prompt leaves), else
+        # the endpoint's; none of them: the rest of the context
+        max_tokens = model.settings(g.builtin_max_tokens, max_tokens=g.max_tokens)["max_tokens"]
+        if max_tokens is None:
+            max_tokens = n_ctx - len(ids)
+        elif g.max_tokens is None and model.generation_defaults.max_tokens is not None:
+            max_tokens = min(max_tokens, n_ctx - len(ids))
         if len(ids) + max_tokens > n_ctx:
             raise P.APIError(400, f"This model's maximum context length is {n_ctx} tokens; "
                              f"the prompt has {len(ids)} and max_tokens asks for {max_tokens} "

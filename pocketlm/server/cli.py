@@ -25,9 +25,10 @@ Any OpenAI client works: base_url="http://127.0.0.1:8000/v1" (api_key: the serve
 string when none is set). Give the key as $POCKET_API_KEY or --api-key-file FILE: an --api-key
 on the command line is visible to every user of the machine (ps).
 
-Sampling defaults (temperature, top_p, ...) are the model's own generation settings when a
-request leaves them out; temperature 0 is greedy. Without an API key, web pages from other
-origins are refused (403) unless --allow-origin names them.
+Settings a request leaves out (temperature, top_p, max_tokens, ...) are the model's own
+generation settings, else greedy decoding with 16 tokens for a completion and the rest of the
+context for a chat. Without an API key, web pages from other origins are refused (403) unless
+--allow-origin names them.
 
 memory: --max-memory-mb bounds the whole process (weights, tokenizer, step buffers and every
 KV cache). A request reserves the KV cache of its prompt + max_tokens before it starts;

@@ -297,6 +297,9 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    # the length when neither the request nor the model names one (None: the rest of the
+    # context); max_tokens None leaves it to the model's generation defaults first
+    builtin_max_tokens: int | None = None
 
 
 def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
@@ -319,8 +322,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
     max_tokens = v.get("max_completion_tokens") if chat else None
     if max_tokens is None:
         max_tokens = v.get("max_tokens")
-    if not chat and max_tokens is None and "max_tokens" not in body:
-        max_tokens = 16  # OpenAI's default for /v1/completions
+    # OpenAI's default for /v1/completions (an explicit null: the rest of the context)
+    builtin = 16 if not chat and "max_tokens" not in body else None
     return GenerationRequest(
         model=v["model"], messages=v.get("messages") if chat else None,
         prompt=None if chat else v["prompt"], max_tokens=max_tokens,
@@ -328,7 +331,7 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         min_p=v.get("min_p"), repetition_penalty=v.get("repetition_penalty"),
         seed=v.get("seed"), stop=v.get("stop") or [], stream=bool(v.get("stream")),
         include_usage=bool((v.get("stream_options") or {}).get("include_usage")),
-        ignore_eos=bool(v.get("ignore_eos")))
+        ignore_eos=bool(v.get("ignore_eos")), builtin_max_tokens=builtin)
 
 
 # -- responses ------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..api import PocketModel
-from ..generate import TextStream
+from ..generate import Sequence, TextStream
 from ..runtime.model import KVCache
 from ..sampling import Sampler
 
@@ -94,15 +94,17 @@ class Request:
     cancelled: bool = False
     # scheduler-side state
     cache: KVCache | None = None
-    text: TextStream | None = None
-    history: list[int] = field(default_factory=list)
-    completion_tokens: int = 0
+    seq: Sequence | None = None  # the decode bookkeeping, from the first prefill on
     next_token: int | None = None  # sampled, not yet run through the model
     prefilled: int = 0  # prompt tokens in the cache so far
     reserved: int = 0  # bytes of KV cache held
     prefix_reused: int = 0  # prompt tokens taken from the prefix cache
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.seq.generated) if self.seq is not None else 0
 
     @property
     def capacity(self) -> int:
@@ -256,7 +258,7 @@ class Scheduler:
         with self._lock:
             self._drop_cancelled()
             self._admit()
-            prefilling = [r for r in self._running if r.text is None or
+            prefilling = [r for r in self._running if r.seq is None or
                           r.prefilled < len(r.prompt_ids)]
         budget = self.prefill_chunk
         for req in prefilling:  # oldest first, up to prefill_chunk tokens this loop
@@ -316,11 +318,11 @@ class Scheduler:
     def _finish(self, req: Request, reason: str | None) -> None:
         """(Lock held.) Flush the held-back text, report, and free the cache."""
         if reason is not None:
-            tail = req.text.finish() if req.text else ""
+            tail = req.seq.finish() if req.seq is not None else ""
             if tail:
                 req.emit("text", tail)
-            if req.text is not None and req.text.stopped:
-                reason = "stop"
+            if req.seq is not None:
+                reason = req.seq.state.finish_reason or reason
             req.emit("done", reason)
             self.stats["completed"] += 1
         if req in self._running:
@@ -370,10 +372,11 @@ class Scheduler:
         if req.cancelled:
             return 0
         ids = req.prompt_ids
-        if req.text is None:  # first visit: the cache, and a cached prefix if one fits
+        if req.seq is None:  # first visit: the cache, and a cached prefix if one fits
             req.cache = self.runtime.new_cache(req.capacity)
-            req.text = TextStream(self.model.tokenizer, req.stop)
-            req.history = list(ids)
+            req.seq = Sequence(ids, max_tokens=req.max_tokens, sampler=req.sampler,
+                               stop_ids=self.stop_ids, ignore_eos=req.ignore_eos,
+                               text=TextStream(self.model.tokenizer, req.stop))
             with self._lock:
                 key, n = self._best_prefix(ids)
                 n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
@@ -442,23 +445,19 @@ class Scheduler:
                        else GenerationError("token handling", e))
 
     def _advance(self, req: Request, logits: np.ndarray) -> None:
-        if req.max_tokens == 0:
-            self._finish(req, "length")
+        seq = req.seq
+        if seq.finished:  # max_tokens 0
+            self._finish(req, seq.state.finish_reason)
             return
-        token = _in_stage("sampling", req.sampler, logits, req.history)
+        token = _in_stage("sampling", seq.sample, logits)
         if req.first_token is None:
             req.first_token = time.perf_counter()
-        if token in self.stop_ids and not req.ignore_eos:
-            _in_stage("finishing", self._finish, req, "stop")
-            return
-        req.completion_tokens += 1
-        req.history.append(token)
-        piece = _in_stage("detokenizing", req.text.add, token)
+        # the last sampled token never runs through the model: it needs no room in the cache
+        piece = _in_stage("detokenizing", seq.add, token,
+                          req.cache.length >= req.cache.capacity)
         if piece:
             req.emit("text", piece)
-        if req.text.stopped:
-            self._finish(req, "stop")
-        elif req.completion_tokens >= req.max_tokens or req.cache.length >= req.cache.capacity:
-            _in_stage("finishing", self._finish, req, "length")
+        if seq.finished:
+            _in_stage("finishing", self._finish, req, seq.state.finish_reason)
         else:
             req.next_token = token
