@@ -2,14 +2,14 @@
 
 Each verb maps to a Python function of the same name with the same keyword arguments.
 Errors print one line (``pocket: error: ...``) and exit with code 1; ``--debug`` shows the
-traceback.
+traceback. ``pocket --version`` prints the version; ``pocket --version -v`` adds what
+``pocket doctor`` reports (the machine, the native extension and every engine setting).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +33,7 @@ environment:
   POCKET_MODEL    default model for run/chat (default smollm2-135m)
   POCKET_KERNELS  kernel backend: native (default when built) or numpy
   POCKET_THREADS  engine threads (default: 2, or the usable CPUs if fewer)
+  (`pocket doctor` lists every engine setting, POCKET_ACT, POCKET_KV, ..., and its source)
 """
 
 
@@ -300,12 +301,10 @@ def cmd_bench(args) -> int:
                   f"tok/s, decode {args.n_gen / sample['decode_s']:.1f} tok/s]", file=sys.stderr)
 
     threads = args.threads
-    if threads is None:
-        env = os.environ.get("POCKET_THREADS", "").strip()
-        try:
-            threads = int(env) if env else 2
-        except ValueError:
-            raise PocketError(f"POCKET_THREADS={env!r} is not an integer") from None
+    if threads is None:  # POCKET_THREADS (checked with the other engine settings), else 2
+        from .runtime.settings import EngineSettings
+
+        threads = EngineSettings.from_env().threads or 2
     results = bench(args.model or default_model(), threads=threads, n_prompt=args.n_prompt,
                     n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
                     watts_per_core=args.watts_per_core, progress=progress)
@@ -363,7 +362,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="pocket", description="Run, pack, inspect, benchmark and train app-native small language models.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--version", action="version", version=f"pocketlm {__version__}")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    parser.add_argument("-v", "--verbose", dest="version_verbose", action="store_true",
+                        help="with --version: also what `pocket doctor` reports")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -464,13 +465,29 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.cli import add_commands as add_serve_commands
 
     add_serve_commands(sub)
+    from .doctor import add_command as add_doctor_command
+
+    add_doctor_command(sub)
     return parser
+
+
+def cmd_version(args) -> int:
+    """``--version`` (``-v``: with the doctor's report); exits like argparse's version action."""
+    text = f"pocketlm {__version__}"
+    if args.version_verbose:
+        from .doctor import format_text, report
+
+        text = format_text(report())
+    print(text)
+    raise SystemExit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.command:
+    if args.version:
+        args.func = cmd_version
+    elif not args.command:
         parser.print_help()
         return 1
     try:

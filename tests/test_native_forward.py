@@ -524,12 +524,12 @@ def test_amx_setting_and_its_errors(monkeypatch):
         native.NativeEngine(cfg, w, act="q8")
     monkeypatch.delenv("POCKET_AMX")
     assert not native.NativeEngine(cfg, w, act="q8").amx
-    monkeypatch.setenv("POCKET_AMX_WEIGHTS", "half")
+    with pytest.raises(KernelError, match="amx_weights must be one of"):
+        native.NativeEngine(cfg, w, act="q8", amx=False, amx_weights="bf16")
+    monkeypatch.setenv("POCKET_AMX_WEIGHTS", "half")  # the settings are read whole, and checked
     with pytest.raises(KernelError, match="POCKET_AMX_WEIGHTS='half'; choose one of two-term, "
                                           "mixed, one-term"):
         native.engine_setting()
-    with pytest.raises(KernelError, match="amx_weights must be one of"):
-        native.NativeEngine(cfg, w, act="q8", amx=False, amx_weights="bf16")
     monkeypatch.setenv("POCKET_AMX_WEIGHTS", "One-Term")
     assert native.amx_weights_setting() == "one-term"
     monkeypatch.delenv("POCKET_AMX_WEIGHTS")

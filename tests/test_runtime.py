@@ -1,4 +1,10 @@
-"""The numpy runtime against an independent PyTorch implementation on tiny random models."""
+"""The runtime against an independent PyTorch implementation on tiny random models.
+
+The torch comparisons run twice: with float32 activations (the suite's POCKET_ACT=f32, bound
+2e-4 of max |logit|) and with the engine's default (POCKET_ACT unset: two-digit int8
+activations and a float16 KV cache where the kernel level has SIMD int8 products: bound 4e-3,
+observed <= 4e-4 at the avx512 level, about 10x; float32 at the scalar level).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,21 @@ FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "pocket"]
 IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]
 
 
+@pytest.fixture(params=["f32", "default"])
+def act(request, monkeypatch):
+    """POCKET_ACT: ``f32``, or unset (the engine's default activations)."""
+    if request.param == "default":
+        monkeypatch.delenv("POCKET_ACT", raising=False)
+    else:
+        monkeypatch.setenv("POCKET_ACT", "f32")
+    return request.param
+
+
+def _bound(rt: Runtime) -> float:
+    """The tolerance against torch, relative to max |logit|, of the engine ``rt`` runs."""
+    return 4e-3 if rt.native is not None and rt.native.act == "q8" else 2e-4
+
+
 def _logits_incremental(rt: Runtime, ids, split: int) -> np.ndarray:
     cache = rt.new_cache(len(ids))
     rows = []
@@ -26,28 +47,30 @@ def _logits_incremental(rt: Runtime, ids, split: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_prefill_matches_torch(arch):
+def test_prefill_matches_torch(arch, act):
     cfg = torch_ref.tiny_config(arch)
     sd = torch_ref.random_state_dict(cfg, seed=1)
     ref = torch_ref.TorchRefModel(cfg, sd).forward(IDS)
     rt = Runtime(cfg, sd)
     ours = rt.forward(IDS, rt.new_cache(len(IDS)), all_logits=True)
-    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
-    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=_bound(rt) * np.abs(ref).max())
+    if _bound(rt) == 2e-4:  # int8 activations may swap near-tied tokens (seen: pocket)
+        assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("split", [0, 1, 6])
-def test_incremental_decode_matches_torch(arch, split):
+def test_incremental_decode_matches_torch(arch, split, act):
     cfg = torch_ref.tiny_config(arch)
     sd = torch_ref.random_state_dict(cfg, seed=2)
     ref = torch_ref.TorchRefModel(cfg, sd).forward(IDS)
-    ours = _logits_incremental(Runtime(cfg, sd), IDS, split)
-    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    rt = Runtime(cfg, sd)
+    ours = _logits_incremental(rt, IDS, split)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=_bound(rt) * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_int4_runtime_matches_fake_quantized_torch(arch):
+def test_int4_runtime_matches_fake_quantized_torch(arch, act):
     """The INT4 path equals the float model whose weights went through the INT4 grid."""
     cfg = torch_ref.tiny_config(arch)
     sd = torch_ref.random_state_dict(cfg, seed=3)
@@ -63,12 +86,13 @@ def test_int4_runtime_matches_fake_quantized_torch(arch):
             packed[name] = qt
             fake[name] = qt.dequantize()
     ref = torch_ref.TorchRefModel(cfg, fake).forward(IDS)
-    ours = _logits_incremental(Runtime(cfg, packed), IDS, 4)
-    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    rt = Runtime(cfg, packed)
+    ours = _logits_incremental(rt, IDS, 4)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=_bound(rt) * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_int5_runtime_matches_dequantized_torch(arch):
+def test_int5_runtime_matches_dequantized_torch(arch, act):
     """INT5 matrices (keep-precision packs of Q5_0 GGUF files) give the dequantized model's
     logits in the engine in force (native when built, else numpy) and in the numpy reference."""
     cfg = torch_ref.tiny_config(arch)
@@ -81,8 +105,9 @@ def test_int5_runtime_matches_dequantized_torch(arch):
             packed[name], fake[name] = qt, qt.dequantize()
     ref = torch_ref.TorchRefModel(cfg, fake).forward(IDS)
     for engine in (None, "numpy"):
-        ours = _logits_incremental(Runtime(cfg, packed, engine=engine), IDS, 4)
-        np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+        rt = Runtime(cfg, packed, engine=engine)
+        ours = _logits_incremental(rt, IDS, 4)
+        np.testing.assert_allclose(ours, ref, rtol=0, atol=_bound(rt) * np.abs(ref).max())
 
 
 def _product_bound(x, qt) -> np.ndarray:
@@ -121,10 +146,11 @@ def test_linear_of_an_int5_weight_under_both_backends(monkeypatch, backend):
     assert (np.abs(y - ref) <= 1e-5 * _product_bound(x, qt) + 1e-6 * np.abs(bias)).all()
 
 
-def test_sliding_window_is_honoured_beyond_the_window():
+def test_sliding_window_is_honoured_beyond_the_window(act):
     cfg = torch_ref.tiny_config("gemma3", sliding_window=4)
     sd = torch_ref.random_state_dict(cfg, seed=4)
     ids = IDS + IDS
     ref = torch_ref.TorchRefModel(cfg, sd).forward(ids)
-    ours = _logits_incremental(Runtime(cfg, sd), ids, 3)
-    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+    rt = Runtime(cfg, sd)
+    ours = _logits_incremental(rt, ids, 3)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=_bound(rt) * np.abs(ref).max())

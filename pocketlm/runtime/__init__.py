@@ -1,5 +1,8 @@
 """The inference runtime: weights as loaded, a KV cache, and the forward pass."""
 
+from .engine import Engine, NativeModelEngine, NumpyEngine
 from .model import KVCache, NativeKVCache, Runtime
+from .settings import EngineSettings
 
-__all__ = ["KVCache", "NativeKVCache", "Runtime"]
+__all__ = ["Engine", "EngineSettings", "KVCache", "NativeKVCache", "NativeModelEngine",
+           "NumpyEngine", "Runtime"]

@@ -1,4 +1,4 @@
-"""The kernel interface the runtime calls, and the choice of implementation behind it.
+"""The kernel interface, and the choice of implementation behind it.
 
 ``POCKET_KERNELS`` selects the backend for quantized matrix products: ``native`` (the C
 extension ``pocketlm._native``, the default when it is built) or ``numpy`` (the reference,
@@ -7,50 +7,52 @@ single-matrix kernel: :func:`linear` computes them with the numpy reference unde
 backend. ``POCKET_ACT`` chooses the native activation format: ``f32`` (the same numbers as the
 reference up to float rounding) or ``q8`` (activations as INT8 for integer dot products:
 faster, slightly different). The wrapper functions here check what they are handed (dtype,
-shape, layout) before calling a backend, so a backend may trust its inputs.
+shape, layout) before calling a backend, so a backend may trust its inputs. The settings come
+as an :class:`~pocketlm.runtime.settings.EngineSettings` (default: read from the environment
+at the call).
 
-With the native backend the runtime normally runs the whole forward pass in the native engine
-(:class:`.native.NativeEngine`), whose default is ``q8``: each block of 32 activations is carried
-as two int8 digits (about 15 bits), which keeps top-1 agreement with the f32 path at 100 % on
-the real-text tests while using int8 dot products. Single matrix products outside the engine
-(:func:`linear`) default to ``f32``, because there ``q8`` means one digit (8 bits).
+With the native backend the runtime runs the whole forward pass in the native engine
+(:class:`.native.NativeEngine`), whose default is ``q8`` at the avx2, avx512 and neon levels
+(``f32`` at the scalar level): each block of 32 activations is carried as two int8 digits
+(about 15 bits), which keeps top-1 agreement with the f32 path at 100 % on the real-text tests
+while using int8 dot products. Single matrix products outside the engine (:func:`linear`)
+default to ``f32``, because there ``q8`` means one digit (8 bits). The runtime's numpy
+reference engine does not come through here: it calls :mod:`.numpy_ref` only.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 
 from ...errors import KernelError, UnsupportedError
 from ...quant import QuantTensor
+from ..settings import ACTIVATIONS, BACKENDS, EngineSettings
 from . import native, numpy_ref
 
-BACKENDS = ("native", "numpy")
-ACTIVATIONS = ("f32", "q8")
+__all__ = ["ACTIVATIONS", "BACKENDS", "NATIVE_MATMUL_KINDS", "activation_format",
+           "attention", "backend_name", "embedding", "gelu_tanh", "linear", "rmsnorm", "rope",
+           "rope_tables", "silu"]
 # QuantTensor kinds with a native single-matrix kernel; the others (INT5) take the numpy twin
 NATIVE_MATMUL_KINDS = ("int4", "int8")
 
 
-def backend_name() -> str:
-    """The backend in force: POCKET_KERNELS, else native when built, else numpy."""
-    name = os.environ.get("POCKET_KERNELS", "").strip().lower()
-    if not name:
+def backend_name(settings: EngineSettings | None = None) -> str:
+    """The backend in force: POCKET_KERNELS (``settings``, default the environment's), else
+    native when built, else numpy."""
+    name = (EngineSettings.from_env() if settings is None else settings).kernels
+    if name is None:
         return "native" if native.available() else "numpy"
-    if name not in BACKENDS:
-        raise UnsupportedError(f"POCKET_KERNELS={name!r} is not a kernel backend; choose one of "
-                               f"{', '.join(BACKENDS)}")
     if name == "native" and not native.available():
         raise UnsupportedError(f"POCKET_KERNELS=native, but {native.unavailable_reason()}")
     return name
 
 
-def activation_format(default: str = "q8") -> str:
-    """POCKET_ACT, else ``default`` (q8 for the engine; linear() asks for f32)."""
-    act = os.environ.get("POCKET_ACT", default).strip().lower() or default
-    if act not in ACTIVATIONS:
-        raise UnsupportedError(f"POCKET_ACT={act!r}; choose one of {', '.join(ACTIVATIONS)}")
-    return act
+def activation_format(default: str = "q8", settings: EngineSettings | None = None) -> str:
+    """POCKET_ACT (``settings``, default the environment's), else ``default`` (the engine's
+    default depends on the kernel level, see :func:`.native.default_activation`; linear()
+    asks for f32)."""
+    act = (EngineSettings.from_env() if settings is None else settings).act
+    return default if act is None else act
 
 
 def _check_activations(x: np.ndarray, features: int, what: str) -> None:
@@ -64,8 +66,11 @@ def _check_activations(x: np.ndarray, features: int, what: str) -> None:
         raise KernelError(f"{what}: activations must be C-contiguous")
 
 
-def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
-    """``x @ w.T (+ bias)``: x float32 [n, in]; w float32 [out, in] or a QuantTensor."""
+def linear(x: np.ndarray, w, bias: np.ndarray | None = None, *,
+           settings: EngineSettings | None = None) -> np.ndarray:
+    """``x @ w.T (+ bias)``: x float32 [n, in]; w float32 [out, in] or a QuantTensor. An INT4 /
+    INT8 weight runs on the backend in force (``settings``, default the environment's), with
+    POCKET_ACT's activations (default ``f32``)."""
     if isinstance(w, QuantTensor):
         out_f, in_f = w.shape
     elif isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32:
@@ -76,9 +81,12 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None) -> np.ndarray:
     _check_activations(x, in_f, "linear")
     if bias is not None and (bias.dtype != np.float32 or bias.shape != (out_f,)):
         raise KernelError(f"linear: bias must be float32 of shape ({out_f},)")
-    if isinstance(w, QuantTensor) and backend_name() == "native" and \
-            w.kind in NATIVE_MATMUL_KINDS:
-        return native.linear(x, w, bias, act=activation_format(default="f32"))
+    if isinstance(w, QuantTensor):
+        if settings is None:
+            settings = EngineSettings.from_env()
+        if backend_name(settings) == "native" and w.kind in NATIVE_MATMUL_KINDS:
+            return native.linear(x, w, bias, act=activation_format("f32", settings),
+                                 settings=settings)
     return numpy_ref.linear_ref(x, w, bias)
 
 

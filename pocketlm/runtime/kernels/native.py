@@ -10,12 +10,15 @@ Same semantics as :func:`pocketlm.runtime.kernels.numpy_ref.linear_ref`. Two act
   quantized activation, so ``|y - y_ref| <= ||W_r|| * ||x - x~||`` with
   ``||x - x~|| <= sqrt(32) / 254 * ||x||``.
 
-Environment: ``POCKET_THREADS`` (threads; default for a kernel call: usable CPUs, at most 8;
-for the engine: 2, or fewer CPUs) and ``POCKET_CPU_LEVEL`` (``scalar`` | ``avx2`` | ``avx512``
-on x86-64, ``scalar`` | ``neon`` on ARM64: force a kernel level, default the best the CPU
-supports). The kernel level and threads can also
-be passed per call. ``neon`` (ARM64 with the dot-product extension) changes the whole-model
-engine's int8-activation products only; its per-call kernels are the scalar ones.
+Settings (:class:`~pocketlm.runtime.settings.EngineSettings`, read from the environment once
+by whoever creates the engine or makes the call, and passed down): ``POCKET_THREADS`` (threads;
+default for a kernel call: the usable CPUs, at most 8; for the engine: 2, or the usable CPUs if
+fewer) and ``POCKET_CPU_LEVEL`` (``scalar`` | ``avx2`` | ``avx512`` on x86-64, ``scalar`` |
+``neon`` on ARM64: force a kernel level, default the best the CPU supports). The kernel level
+and threads can also be passed per call. ``neon`` (ARM64 with the dot-product extension)
+changes the whole-model engine's int8-activation products only; its per-call kernels are the
+scalar ones. A per-call product's activations are ``f32`` unless asked for (``act``;
+:func:`pocketlm.runtime.kernels.linear` passes ``POCKET_ACT``, default ``f32``).
 
 The whole-model engine (:class:`NativeEngine`, ``pocketlm._native.NativeModel``) runs the
 complete forward pass in one native call; the runtime uses it by default (see
@@ -29,7 +32,8 @@ complete forward pass in one native call; the runtime uses it by default (see
   Unset: q8 at the avx2, avx512 and neon levels, f32 at the scalar level
   (:func:`default_activation`).
 * ``POCKET_AVXVNNI=0`` (avx2 level): the int8 products on AVX2's multiply-add pairs even where
-  the CPU has AVX-VNNI (same results, for comparison).
+  the CPU has AVX-VNNI (same results, for comparison); ``1`` (default): AVX-VNNI where the CPU
+  has it.
 * ``POCKET_AMX`` (with q8): ``1`` runs the products of 16 or more tokens (prefill) on the
   AMX-BF16 tile unit, bfloat16 weights and activations (an error where the CPU or OS lacks
   it); ``0`` keeps them on the int8 products; unset: AMX where available.
@@ -54,8 +58,16 @@ import threading
 
 import numpy as np
 
-from ...errors import KernelError
+from ...errors import KernelError, PocketError
 from ...quant import QuantTensor
+from ..settings import (  # noqa: F401 (DEFAULT_AMX_WEIGHTS, KV_FORMATS, LEVELS: public here)
+    AMX_WEIGHT_TERMS,
+    DEFAULT_AMX_WEIGHTS,
+    KV_FORMATS,
+    LEVELS,
+    MAX_THREADS,
+    EngineSettings,
+)
 
 try:
     from ... import _native
@@ -65,9 +77,7 @@ except ImportError as e:  # not built: pip install -e .
 else:
     _IMPORT_ERROR = ""
 
-LEVELS = ("scalar", "avx2", "avx512", "neon")  # indices: the LEVEL_* values of _native
 MAX_DEFAULT_THREADS = 8
-MAX_THREADS = 1024  # the most threads an engine or a kernel call takes
 _API = 1
 
 _pool_lock = threading.Lock()
@@ -101,73 +111,76 @@ def _usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def _settings(settings: EngineSettings | None) -> EngineSettings:
+    """``settings``, or those of the environment now (for a caller that passes none)."""
+    return EngineSettings.from_env() if settings is None else settings
+
+
 def _require() -> None:
     if not available():
         raise KernelError(unavailable_reason())
 
 
-def cpu_features() -> dict:
+def cpu_features(settings: EngineSettings | None = None) -> dict:
     """Detected CPU features, the kernel levels this CPU supports, the best one and the one in
-    use (``POCKET_CPU_LEVEL`` applied). Empty dict when the extension is not built."""
+    use (``POCKET_CPU_LEVEL`` applied), and a kernel call's default threads. Empty dict when the
+    extension is not built. An invalid setting gives None for what it decides, and ``error``."""
     if not available():
         return {}
     info = dict(_info())
     try:
-        info["selected"] = LEVELS[_level_id(None)]
+        settings = _settings(settings)
+    except PocketError as e:
+        return {**info, "selected": None, "threads": None, "error": str(e)}
+    try:
+        info["selected"] = LEVELS[_level_id(None, settings)]
     except KernelError as e:
         info["selected"] = None
         info["error"] = str(e)
-    try:
-        info["threads"] = default_threads()
-    except KernelError as e:
-        info["threads"] = None
-        info["error"] = str(e)
+    info["threads"] = default_threads(settings)
     return info
 
 
-def engine_setting() -> dict:
-    """What a NativeEngine created with the defaults here runs on: ``level`` (kernel level,
-    ``+avxvnni`` where the avx2 level's int8 products use it), ``act``, ``amx`` (prefill on
-    AMX-BF16), ``amx_weights`` (their weight terms, None without AMX), ``kv`` (the KV cache
-    format). Raises KernelError for invalid POCKET_* settings."""
-    from . import activation_format
-
-    level_id = _level_id(None)
+def engine_setting(settings: EngineSettings | None = None) -> dict:
+    """What a NativeEngine created with ``settings`` (default: the environment's) runs on:
+    ``level`` (kernel level, ``+avxvnni`` where the avx2 level's int8 products use it), ``act``,
+    ``amx`` (prefill on AMX-BF16), ``amx_weights`` (their weight terms, None without AMX),
+    ``kv`` (the KV cache format). Raises KernelError (UnsupportedError for POCKET_ACT) for an
+    invalid setting, or one this machine cannot run (a kernel level it lacks, POCKET_AMX=1
+    without AMX)."""
+    settings = _settings(settings)
+    level_id = _level_id(None, settings)
     level = LEVELS[level_id]
-    act = activation_format(default_activation(level))
-    amx = level == "avx512" and amx_setting(act)
-    amx_weights = amx_weights_setting()
+    act = settings.act or default_activation(level)
+    amx = level == "avx512" and amx_setting(act, settings)
     if level == "avx2" and act == "q8":  # the engine's own choice of products
+        # (the extension reads POCKET_AVXVNNI itself here, as the engine does)
         level = _native.ops_name(level_id)
-    return {"level": level, "act": act, "amx": amx, "amx_weights": amx_weights if amx else None,
-            "kv": kv_format(act)}
+    return {"level": level, "act": act, "amx": amx,
+            "amx_weights": settings.amx_weights if amx else None, "kv": kv_format(act, settings)}
 
 
-def check_settings() -> None:
-    """Raise KernelError for an invalid engine setting in the environment (POCKET_CPU_LEVEL,
-    POCKET_ACT, POCKET_AMX, POCKET_AMX_WEIGHTS, POCKET_KV, POCKET_Q8_DIGITS, POCKET_THREADS),
-    so that a typo is an error rather than a reason to run without the engine."""
-    engine_setting()
-    q8_digits()
-    engine_threads()
+def check_settings(settings: EngineSettings | None = None) -> None:
+    """Raise KernelError for an engine setting this machine cannot run (a kernel level the CPU
+    lacks, POCKET_AMX=1 without AMX; the values themselves are checked by
+    :meth:`EngineSettings.from_env`), so that it is an error rather than a reason to run
+    without the engine."""
+    engine_setting(settings)
 
 
-def default_threads() -> int:
-    env = os.environ.get("POCKET_THREADS", "").strip()
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise KernelError(f"POCKET_THREADS={env!r} is not an integer") from None
-        if not 1 <= n <= MAX_THREADS:
-            raise KernelError(f"POCKET_THREADS={n} is out of range 1..{MAX_THREADS}")
-        return n
+def default_threads(settings: EngineSettings | None = None) -> int:
+    """Threads of a single kernel call: POCKET_THREADS, else the usable CPUs, at most 8."""
+    threads = _settings(settings).threads
+    if threads is not None:
+        return threads
     return max(1, min(_usable_cpus(), MAX_DEFAULT_THREADS))
 
 
-def _level_id(level: str | None) -> int:
+def _level_id(level: str | None, settings: EngineSettings | None = None) -> int:
+    """The LEVEL_* index of ``level``, else of POCKET_CPU_LEVEL (``settings``), else of the
+    best level the CPU supports."""
     if level is None:
-        level = os.environ.get("POCKET_CPU_LEVEL", "").strip().lower() or None
+        level = _settings(settings).cpu_level
         if level is None:
             return LEVELS.index(_info()["best"])
         source = f"POCKET_CPU_LEVEL={level!r}"
@@ -202,15 +215,21 @@ def _call(fn, *args, **kwargs):
 
 
 def matmul(x: np.ndarray, w: QuantTensor, *, act: str = "f32", level: str | None = None,
-           threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
-    """``x @ W.T`` for a quantized weight (no bias). x: float32 [n, cols], C order."""
+           threads: int | None = None, out: np.ndarray | None = None,
+           settings: EngineSettings | None = None) -> np.ndarray:
+    """``x @ W.T`` for a quantized weight (no bias). x: float32 [n, cols], C order. ``level``
+    and ``threads`` default to ``settings`` (default: the environment's)."""
     _require()
     if act not in ("f32", "q8"):
         raise KernelError(f"act must be 'f32' or 'q8', got {act!r}")
     if not isinstance(w, QuantTensor) or w.kind not in ("int4", "int8"):
         raise KernelError(f"matmul: expected an int4/int8 QuantTensor, got {type(w).__name__}")
-    lid = _level_id(level)
-    nthreads = default_threads() if threads is None else int(threads)
+    lid = None if level is None else _level_id(level)  # an explicit level is checked first
+    if settings is None and (level is None or threads is None):
+        settings = EngineSettings.from_env()
+    if lid is None:
+        lid = _level_id(None, settings)
+    nthreads = default_threads(settings) if threads is None else int(threads)
     if not 1 <= nthreads <= MAX_THREADS:
         raise KernelError(f"threads must be in 1..{MAX_THREADS}, got {nthreads}")
     rows = w.shape[0]
@@ -232,10 +251,11 @@ def matmul(x: np.ndarray, w: QuantTensor, *, act: str = "f32", level: str | None
 
 
 def linear(x: np.ndarray, w, bias: np.ndarray | None = None, *, act: str = "f32",
-           level: str | None = None, threads: int | None = None) -> np.ndarray:
+           level: str | None = None, threads: int | None = None,
+           settings: EngineSettings | None = None) -> np.ndarray:
     """``x @ w.T (+ bias)``: x float32 [n, in]; w float32 [out, in] or a QuantTensor."""
     if isinstance(w, QuantTensor):
-        y = matmul(x, w, act=act, level=level, threads=threads)
+        y = matmul(x, w, act=act, level=level, threads=threads, settings=settings)
         out_f = w.shape[0]
     elif isinstance(w, np.ndarray) and w.ndim == 2 and w.dtype == np.float32:
         if (not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 2
@@ -261,14 +281,13 @@ def linear(x: np.ndarray, w, bias: np.ndarray | None = None, *, act: str = "f32"
 # it when the native backend is in force and every weight is in a layout it supports.
 
 _MODEL_API = 1
-KV_FORMATS = ("f32", "f16", "q8")
 MAX_DEFAULT_ENGINE_THREADS = 2
 Q8_QKV, Q8_WO, Q8_GATE_UP, Q8_DOWN, Q8_HEAD = 1, 2, 4, 8, 16
 Q8_ALL = Q8_QKV | Q8_WO | Q8_GATE_UP | Q8_DOWN | Q8_HEAD  # every product class of the engine
 Q8_ONE_DIGIT_SHIFT = 5
 # POCKET_AMX_WEIGHTS: the product classes whose AMX products take one bfloat16 weight term
 AMX_WEIGHTS = {"two-term": 0, "mixed": Q8_QKV | Q8_WO | Q8_DOWN, "one-term": Q8_ALL}
-DEFAULT_AMX_WEIGHTS = "mixed"
+assert tuple(AMX_WEIGHTS) == AMX_WEIGHT_TERMS
 
 
 def engine_available() -> bool:
@@ -276,11 +295,12 @@ def engine_available() -> bool:
     return available() and getattr(_native, "MODEL_API", None) == _MODEL_API
 
 
-def engine_threads() -> int:
+def engine_threads(settings: EngineSettings | None = None) -> int:
     """Threads of the engine: POCKET_THREADS, else 2 or the usable CPUs if fewer (the
     products of a small model are memory bound; more threads mostly add synchronisation)."""
-    if os.environ.get("POCKET_THREADS", "").strip():
-        return default_threads()
+    threads = _settings(settings).threads
+    if threads is not None:
+        return threads
     return max(1, min(_usable_cpus(), MAX_DEFAULT_ENGINE_THREADS))
 
 
@@ -292,28 +312,21 @@ def default_activation(level: str) -> str:
     return "f32" if level == "scalar" else "q8"
 
 
-def kv_format(act: str) -> str:
+def kv_format(act: str, settings: EngineSettings | None = None) -> str:
     """POCKET_KV (``f32`` | ``f16`` | ``q8``), else ``f32`` with float activations and ``f16`` with
     int8 activations (the fast setting)."""
-    kv = os.environ.get("POCKET_KV", "").strip().lower()
-    if not kv:
+    kv = _settings(settings).kv
+    if kv is None:
         return "f16" if act == "q8" else "f32"
-    if kv not in KV_FORMATS:
-        raise KernelError(f"POCKET_KV={kv!r}; choose one of {', '.join(KV_FORMATS)}")
     return kv
 
 
-def q8_digits() -> int:
+def q8_digits(settings: EngineSettings | None = None) -> int:
     """POCKET_Q8_DIGITS: int8 digits per activation in the engine's q8 products. 2 (default):
     each activation block of 32 carries ``q1 + q2 / 128`` (~15 bits of its range), top-1
     agreement with the float reference ~100 % on smollm2-135m; 1: plain int8 (prefill ~1.5x
     faster, agreement ~97 %)."""
-    env = os.environ.get("POCKET_Q8_DIGITS", "").strip()
-    if not env:
-        return 2
-    if env not in ("1", "2"):
-        raise KernelError(f"POCKET_Q8_DIGITS={env!r}; choose 1 or 2")
-    return int(env)
+    return _settings(settings).q8_digits
 
 
 def amx_available() -> bool:
@@ -321,28 +334,21 @@ def amx_available() -> bool:
     return available() and bool(getattr(_native, "amx_available", lambda: False)())
 
 
-def amx_setting(act: str) -> bool:
+def amx_setting(act: str, settings: EngineSettings | None = None) -> bool:
     """POCKET_AMX: ``1`` (required), ``0`` (off), unset (where available); only with q8."""
-    env = os.environ.get("POCKET_AMX", "").strip()
-    if env not in ("", "0", "1"):
-        raise KernelError(f"POCKET_AMX={env!r}; choose 0 or 1")
-    if act != "q8" or env == "0":
+    amx = _settings(settings).amx
+    if act != "q8" or amx is False:
         return False
-    if env == "1":
+    if amx:
         if not amx_available():
             raise KernelError("POCKET_AMX=1, but this build, CPU or OS has no AMX-BF16")
         return True
     return amx_available()
 
 
-def amx_weights_setting() -> str:
+def amx_weights_setting(settings: EngineSettings | None = None) -> str:
     """POCKET_AMX_WEIGHTS: ``two-term`` | ``mixed`` | ``one-term`` (unset: ``mixed``)."""
-    env = os.environ.get("POCKET_AMX_WEIGHTS", "").strip().lower()
-    if not env:
-        return DEFAULT_AMX_WEIGHTS
-    if env not in AMX_WEIGHTS:
-        raise KernelError(f"POCKET_AMX_WEIGHTS={env!r}; choose one of {', '.join(AMX_WEIGHTS)}")
-    return env
+    return _settings(settings).amx_weights
 
 
 def _engine_tensor(w):
@@ -422,26 +428,29 @@ class NativeEngine:
                  threads: int | None = None, level: str | None = None,
                  capacity: int | None = None, digits: int | None = None,
                  release_source: bool = False, amx: bool | None = None,
-                 amx_weights: str | None = None, smooth_keys: bool = True):
-        """``release_source``: every weight is a view of a read-only file mapping, whose pages
-        the engine may hand back once it has repacked (or copied) them. ``amx``: prefill
-        products on AMX-BF16 (None: ``POCKET_AMX``; only with q8 at the avx512 level).
-        ``amx_weights``: ``two-term`` | ``mixed`` | ``one-term``, the bfloat16 terms of a
-        weight in those products (None: ``POCKET_AMX_WEIGHTS``; see the module docstring).
-        ``smooth_keys``: with the int8 KV cache, even out the keys' channels before rounding
-        (:func:`key_smoothing`; False: round them as they are)."""
+                 amx_weights: str | None = None, smooth_keys: bool = True,
+                 avxvnni: bool | None = None, settings: EngineSettings | None = None):
+        """Every argument left None takes its value from ``settings`` (default: read from the
+        environment now, :meth:`EngineSettings.from_env`; see the module docstring for the
+        defaults). ``release_source``: every weight is a view of a read-only file mapping,
+        whose pages the engine may hand back once it has repacked (or copied) them. ``amx``:
+        prefill products on AMX-BF16 (only with q8 at the avx512 level). ``amx_weights``:
+        ``two-term`` | ``mixed`` | ``one-term``, the bfloat16 terms of a weight in those
+        products. ``smooth_keys``: with the int8 KV cache, even out the keys' channels before
+        rounding (:func:`key_smoothing`; False: round them as they are). ``avxvnni``: the avx2
+        level's int8 products on AVX-VNNI where the CPU has it."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
-        from . import activation_format  # the package's POCKET_ACT parser
-        level_id = _level_id(level)
+        settings = _settings(settings)
+        level_id = _level_id(level, settings)
         if act is None:  # int8 activations where the level has SIMD int8 products
-            act = activation_format(default_activation(LEVELS[level_id]))
+            act = settings.act or default_activation(LEVELS[level_id])
         self.act = act
         if self.act not in ("f32", "q8"):
             raise KernelError(f"act must be 'f32' or 'q8', got {self.act!r}")
-        self.kv_format = kv_format(self.act) if kv is None else kv
-        self.digits = q8_digits() if digits is None else int(digits)
+        self.kv_format = kv_format(self.act, settings) if kv is None else kv
+        self.digits = settings.q8_digits if digits is None else int(digits)
         if self.digits not in (1, 2):
             raise KernelError(f"digits must be 1 or 2, got {digits!r}")
         if self.kv_format not in KV_FORMATS:
@@ -449,7 +458,7 @@ class NativeEngine:
         if self.kv_format == "q8" and config.head_dim % 16:
             raise KernelError(f"the int8 KV cache (q8) needs a head_dim that is a multiple of "
                               f"16; this model's is {config.head_dim}: use f16")
-        self.threads = engine_threads() if threads is None else int(threads)
+        self.threads = engine_threads(settings) if threads is None else int(threads)
         if not 1 <= self.threads <= MAX_THREADS:
             raise KernelError(f"threads must be in 1..{MAX_THREADS}, got {self.threads}")
         tensors, reason = engine_weights(config, weights)
@@ -461,17 +470,19 @@ class NativeEngine:
         self.capacity = int(config.max_context if capacity is None else capacity)
         self.vocab_size = config.vocab_size
         if amx is None:  # POCKET_AMX, at the avx512 level (the one it extends)
-            self.amx = amx_setting(self.act) and LEVELS[level_id] == "avx512"
+            self.amx = amx_setting(self.act, settings) and LEVELS[level_id] == "avx512"
         else:
             self.amx = bool(amx)
             if self.amx and (self.act != "q8" or not amx_available()):
                 raise KernelError("amx needs act='q8' and a build, CPU and OS with AMX-BF16")
         if amx_weights is None:
-            amx_weights = amx_weights_setting()
+            amx_weights = settings.amx_weights
         if amx_weights not in AMX_WEIGHTS:
             raise KernelError(f"amx_weights must be one of {', '.join(AMX_WEIGHTS)}, "
                               f"got {amx_weights!r}")
         self.amx_weights = amx_weights if self.amx else None
+        # passed to NativeModel(avxvnni=...)
+        self.avxvnni = int(settings.avxvnni if avxvnni is None else bool(avxvnni))
         cfg = config.to_dict()
         cfg["release_source"] = bool(release_source)
         cfg["amx"] = self.amx

@@ -1,0 +1,237 @@
+"""The engines behind :class:`~pocketlm.runtime.model.Runtime`, and their KV caches.
+
+An :class:`Engine` computes the forward pass over one model's weights and owns the caches it
+creates. Two implement it, with the same math:
+
+* :class:`NumpyEngine` (``"numpy"``): the reference, layer by layer in numpy only
+  (:mod:`pocketlm.runtime.kernels.numpy_ref`, for every weight kind); it never calls the
+  native extension, so it is the specification the native engine is tested against.
+* :class:`NativeModelEngine` (``"native"``): the whole forward pass in one C call
+  (:class:`pocketlm.runtime.kernels.native.NativeEngine`), keys and values in C memory.
+
+The engines trust their arguments: the runtime checks token ids, capacities and cache
+ownership once, before calling them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ContextLengthError
+from .kernels import numpy_ref as R
+
+
+class KVCache:
+    """Keys and values of every layer for up to ``capacity`` positions (float32)."""
+
+    def __init__(self, config: ModelConfig, capacity: int):
+        if capacity <= 0:
+            raise ContextLengthError(f"KV cache capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        shape = (capacity, config.n_kv_heads, config.head_dim)
+        self.k = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
+        self.v = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
+        self.length = 0  # positions filled
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget positions from ``length`` on (to reuse a shared prompt prefix)."""
+        self.length = max(0, min(length, self.length))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.k) + sum(a.nbytes for a in self.v)
+
+
+class NativeKVCache(KVCache):
+    """A KV cache of the native engine (keys and values live in C memory: float32, float16 or
+    int8).
+
+    Same interface as :class:`KVCache` (``capacity``, ``length``, ``reset``, ``truncate``,
+    ``nbytes``); usable only with the runtime that created it."""
+
+    def __init__(self, engine, capacity: int):  # not KVCache.__init__: no numpy arrays
+        if capacity <= 0:
+            raise ContextLengthError(f"KV cache capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        self.length = 0
+        self.engine = engine
+        self.kv = engine.new_kv(capacity)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
+class Engine(ABC):
+    """The forward pass of one model. ``ids``: int64 ``[n]`` token ids in the vocabulary; a
+    cache passed in was created by :meth:`new_cache` of this engine (:meth:`owns`) and has room
+    for the tokens."""
+
+    name: str
+    native = None  # the native engine (kernels.native.NativeEngine), where there is one
+
+    @abstractmethod
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty cache for ``capacity`` (> 0) positions."""
+
+    @abstractmethod
+    def owns(self, cache) -> bool:
+        """Whether ``cache`` is one of this engine's."""
+
+    @abstractmethod
+    def cache_nbytes(self, capacity: int) -> int:
+        """Bytes of keys and values of a cache of ``capacity`` positions."""
+
+    @abstractmethod
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+        """Run ``ids`` at the next positions of ``cache`` (its ``length`` grows by
+        ``len(ids)``); float32 logits ``[n, vocab]`` (all_logits) or ``[vocab]``."""
+
+    @abstractmethod
+    def forward_batch(self, ids: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        """One token per distinct cache: ``ids[i]`` at the next position of ``caches[i]``;
+        float32 logits ``[n, vocab]``."""
+
+    @abstractmethod
+    def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
+        """Positions ``[0, n)`` of ``src`` into ``dst``, and ``dst.length = n``."""
+
+
+class NumpyEngine(Engine):
+    """The reference: the forward pass layer by layer, in numpy only."""
+
+    name = "numpy"
+
+    def __init__(self, config: ModelConfig, weights: dict):
+        self.config = config
+        self.w = weights
+        self._head = weights.get("lm_head.weight", weights["embed.weight"])
+        self._rope_cache: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.config, capacity)
+
+    def owns(self, cache) -> bool:
+        return isinstance(cache, KVCache) and not isinstance(cache, NativeKVCache)
+
+    def cache_nbytes(self, capacity: int) -> int:
+        c = self.config
+        return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * 4
+
+    def forward_batch(self, ids: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        return np.stack([self.forward(ids[i:i + 1], c, False) for i, c in enumerate(caches)])
+
+    def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
+        for layer in range(self.config.n_layers):
+            dst.k[layer][:n] = src.k[layer][:n]
+            dst.v[layer][:n] = src.v[layer][:n]
+        dst.length = n
+
+    def _rope(self, theta: float, positions: np.ndarray):
+        end = int(positions.max()) + 1
+        cached = self._rope_cache.get(theta)
+        if cached is None or cached[0].shape[0] < end:
+            size = max(end, 256 if cached is None else 2 * cached[0].shape[0])
+            cached = R.rope_tables(np.arange(size), self.config.head_dim, theta)
+            self._rope_cache[theta] = cached
+        return cached[0][positions], cached[1][positions]
+
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+        cfg = self.config
+        n = ids.shape[0]
+        start = cache.length
+        positions = np.arange(start, start + n)
+        w = self.w
+        x = R.embedding_ref(w["embed.weight"], ids)  # [n, d_model]
+        if cfg.embed_scale != 1.0:
+            x *= np.float32(cfg.embed_scale)
+        for i in range(cfg.n_layers):
+            p = f"layers.{i}."
+            # attention
+            h = R.rmsnorm_ref(x, w[p + "attn_norm.weight"], cfg.norm_eps)
+            q = R.linear_ref(h, w[p + "attn.w_q.weight"], w.get(p + "attn.w_q.bias"))
+            k = R.linear_ref(h, w[p + "attn.w_k.weight"], w.get(p + "attn.w_k.bias"))
+            v = R.linear_ref(h, w[p + "attn.w_v.weight"], w.get(p + "attn.w_v.bias"))
+            q = q.reshape(n, cfg.n_heads, cfg.head_dim)
+            k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = R.rmsnorm_ref(q, w[p + "attn.q_norm.weight"], cfg.norm_eps)
+                k = R.rmsnorm_ref(k, w[p + "attn.k_norm.weight"], cfg.norm_eps)
+            cos, sin = self._rope(cfg.layer_rope_theta(i), positions)
+            q = R.rope_ref(q, cos, sin)
+            k = R.rope_ref(k, cos, sin)
+            cache.k[i][start:start + n] = k
+            cache.v[i][start:start + n] = v
+            a = R.attention_ref(q, cache.k[i][:start + n], cache.v[i][:start + n], positions,
+                                cfg.scale, cfg.layer_window(i))  # [n, H, hd]
+            o = R.linear_ref(np.ascontiguousarray(a.reshape(n, cfg.q_dim)),
+                             w[p + "attn.w_o.weight"])
+            if cfg.sandwich_norms:
+                o = R.rmsnorm_ref(o, w[p + "post_attn_norm.weight"], cfg.norm_eps)
+            x = x + o
+            # MLP
+            h = R.rmsnorm_ref(x, w[p + "mlp_norm.weight"], cfg.norm_eps)
+            gate = R.linear_ref(h, w[p + "mlp.w_gate.weight"])
+            up = R.linear_ref(h, w[p + "mlp.w_up.weight"])
+            act = R.silu_ref(gate) if cfg.activation == "silu" else R.gelu_tanh_ref(gate)
+            d = R.linear_ref(np.ascontiguousarray(act * up), w[p + "mlp.w_down.weight"])
+            if cfg.sandwich_norms:
+                d = R.rmsnorm_ref(d, w[p + "post_mlp_norm.weight"], cfg.norm_eps)
+            x = x + d
+        cache.length = start + n
+        if not all_logits:
+            x = x[-1:]
+        x = R.rmsnorm_ref(np.ascontiguousarray(x), w["norm.weight"], cfg.norm_eps)
+        logits = R.linear_ref(x, self._head)
+        return logits if all_logits else logits[0]
+
+
+class NativeModelEngine(Engine):
+    """The whole forward pass in C: ``native`` is the
+    :class:`~pocketlm.runtime.kernels.native.NativeEngine` holding the model."""
+
+    name = "native"
+
+    def __init__(self, config: ModelConfig, native):
+        self.config = config
+        self.native = native
+
+    def new_cache(self, capacity: int) -> NativeKVCache:
+        return NativeKVCache(self.native, capacity)
+
+    def owns(self, cache) -> bool:
+        return isinstance(cache, NativeKVCache) and cache.engine is self.native
+
+    def cache_nbytes(self, capacity: int) -> int:
+        """Positions rounded up to 16; float32, float16, or int8 with a float16 scale per 16
+        values."""
+        c = self.config
+        positions = -(-capacity // 16) * 16
+        fmt = self.native.kv_format
+        per_head = c.head_dim * 4 if fmt == "f32" else c.head_dim * 2 if fmt == "f16" \
+            else c.head_dim + c.head_dim // 16 * 2
+        return 2 * c.n_layers * c.n_kv_heads * positions * per_head
+
+    def forward(self, ids: np.ndarray, cache: NativeKVCache, all_logits: bool) -> np.ndarray:
+        start = cache.length
+        logits = self.native.forward(cache.kv, ids.astype(np.int32), start, all_logits)
+        cache.length = start + ids.shape[0]
+        return logits
+
+    def forward_batch(self, ids: np.ndarray, caches: list[NativeKVCache]) -> np.ndarray:
+        pos = np.array([c.length for c in caches], dtype=np.int32)
+        logits = self.native.forward_batch([c.kv for c in caches], ids.astype(np.int32), pos)
+        for c in caches:
+            c.length += 1
+        return logits
+
+    def copy_prefix(self, dst: NativeKVCache, src: NativeKVCache, n: int) -> None:
+        self.native.kv_copy(dst.kv, src.kv, n)
+        dst.length = n

@@ -1,0 +1,399 @@
+"""The engine settings (every POCKET_* variable read once, in one place), the Engine interface
+of the runtime's two engines, and ``pocket doctor``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tiny_models
+
+from pocketlm import cli
+from pocketlm.errors import KernelError, UnsupportedError
+from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
+from pocketlm.runtime import Engine, NativeModelEngine, NumpyEngine, Runtime, settings
+from pocketlm.runtime.kernels import native
+from pocketlm.runtime.settings import VARIABLES, EngineSettings
+
+IDS = [5, 17, 3, 250, 11, 9, 42]
+ENGINE_BUILT = native.engine_available()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No engine variable set (the test suite's own defaults removed too)."""
+    for var in VARIABLES.values():
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def _quantized(cfg, seed=3):
+    """INT4 / INT5 layers, an INT8 embedding: every quantized weight kind."""
+    sd = tiny_models.random_state_dict(cfg, seed=seed)
+    out = dict(sd)
+    for i, (name, w) in enumerate(sorted(sd.items())):
+        if w.ndim == 2:
+            out[name] = (quantize_int8(w) if name in ("embed.weight", "lm_head.weight")
+                         else quantize_int5(w, 32) if i % 2 else quantize_int4(w, 32))
+    return out
+
+
+# -- parsing ---------------------------------------------------------------------------------
+def test_defaults_when_nothing_is_set():
+    s = EngineSettings.from_env({})
+    assert s == EngineSettings()
+    assert (s.kernels, s.cpu_level, s.act, s.kv, s.threads) == (None,) * 5
+    assert (s.q8_digits, s.amx, s.amx_weights, s.avxvnni) == (2, None, "mixed", 1)
+    assert all(source == "default" for *_, source in s.items())
+    assert [var for _, var, _, _ in s.items()] == list(VARIABLES.values())
+
+
+@pytest.mark.parametrize("var, raw, field, value", [
+    ("POCKET_KERNELS", " Numpy ", "kernels", "numpy"),
+    ("POCKET_KERNELS", "native", "kernels", "native"),
+    ("POCKET_CPU_LEVEL", "SCALAR", "cpu_level", "scalar"),
+    ("POCKET_CPU_LEVEL", "neon", "cpu_level", "neon"),  # a known level; the CPU check is later
+    ("POCKET_ACT", "Q8", "act", "q8"),
+    ("POCKET_ACT", "f32", "act", "f32"),
+    ("POCKET_KV", "f16", "kv", "f16"),
+    ("POCKET_KV", "q8", "kv", "q8"),
+    ("POCKET_THREADS", " 3 ", "threads", 3),
+    ("POCKET_THREADS", "1024", "threads", 1024),
+    ("POCKET_Q8_DIGITS", "1", "q8_digits", 1),
+    ("POCKET_AMX", "0", "amx", False),
+    ("POCKET_AMX", "1", "amx", True),
+    ("POCKET_AMX_WEIGHTS", "One-Term", "amx_weights", "one-term"),
+    ("POCKET_AVXVNNI", "0", "avxvnni", 0),
+    ("POCKET_AVXVNNI", "1", "avxvnni", 1),
+])
+def test_each_variable_is_parsed(var, raw, field, value):
+    s = EngineSettings.from_env({var: raw})
+    assert getattr(s, field) == value
+    assert s.source(field) == "env"
+    assert all(src == "default" for name, _, _, src in s.items() if name != field)
+
+
+def test_an_empty_or_blank_variable_is_unset():
+    s = EngineSettings.from_env({var: " " for var in VARIABLES.values()})
+    assert s == EngineSettings() and not s.from_environment
+
+
+@pytest.mark.parametrize("var, raw, error, message", [
+    ("POCKET_KERNELS", "cuda", UnsupportedError,
+     "POCKET_KERNELS='cuda' is not a kernel backend; choose one of native, numpy"),
+    ("POCKET_CPU_LEVEL", "avx9", KernelError,
+     "POCKET_CPU_LEVEL='avx9': unknown kernel level; choose one of scalar, avx2, avx512, neon"),
+    ("POCKET_ACT", "int4", UnsupportedError, "POCKET_ACT='int4'; choose one of f32, q8"),
+    ("POCKET_KV", "f64", KernelError, "POCKET_KV='f64'; choose one of f32, f16, q8"),
+    ("POCKET_THREADS", "two", KernelError, "POCKET_THREADS='two' is not an integer"),
+    ("POCKET_THREADS", "0", KernelError, "POCKET_THREADS=0 is out of range 1..1024"),
+    ("POCKET_THREADS", "1025", KernelError, "POCKET_THREADS=1025 is out of range 1..1024"),
+    ("POCKET_Q8_DIGITS", "3", KernelError, "POCKET_Q8_DIGITS='3'; choose 1 or 2"),
+    ("POCKET_AMX", "yes", KernelError, "POCKET_AMX='yes'; choose 0 or 1"),
+    ("POCKET_AMX_WEIGHTS", "half", KernelError,
+     "POCKET_AMX_WEIGHTS='half'; choose one of two-term, mixed, one-term"),
+    ("POCKET_AVXVNNI", "on", KernelError, "POCKET_AVXVNNI='on'; choose 0 or 1"),
+])
+def test_bad_values_are_rejected_with_the_message(var, raw, error, message):
+    with pytest.raises(error) as info:
+        EngineSettings.from_env({var: raw})
+    assert str(info.value) == message and "\n" not in message
+
+
+def test_from_env_reads_os_environ_when_called(clean_env):
+    clean_env.setenv("POCKET_KV", "q8")
+    assert EngineSettings.from_env().kv == "q8"
+    clean_env.setenv("POCKET_KV", "f16")  # read at the call, never cached
+    assert EngineSettings.from_env().kv == "f16"
+
+
+def test_settings_are_frozen():
+    with pytest.raises(AttributeError):
+        EngineSettings().kv = "q8"
+
+
+# -- read once per runtime, passed down --------------------------------------------------------
+def _count_from_env(monkeypatch) -> list:
+    calls = []
+    original = EngineSettings.from_env.__func__
+
+    def counting(cls, environ=None):
+        calls.append(1)
+        return original(cls, environ)
+
+    monkeypatch.setattr(EngineSettings, "from_env", classmethod(counting))
+    return calls
+
+
+@pytest.mark.parametrize("engine", [None, "numpy"] + (["native"] if ENGINE_BUILT else []))
+def test_from_env_runs_once_per_runtime_not_per_forward(monkeypatch, engine):
+    cfg = tiny_models.tiny_config("llama")
+    w = _quantized(cfg)
+    calls = _count_from_env(monkeypatch)
+    rt = Runtime(cfg, w, engine=engine)
+    assert len(calls) == 1
+    caches = [rt.new_cache(16) for _ in range(3)]
+    rt.forward(IDS, caches[0], all_logits=True)
+    rt.forward([4], caches[0])
+    rt.forward_batch([1, 2], caches[1:])
+    rt.copy_prefix(caches[1], caches[0], 3)
+    rt.cache_nbytes(16)
+    assert len(calls) == 1
+
+
+def test_settings_given_to_the_runtime_are_used_not_the_environment(clean_env):
+    cfg = tiny_models.tiny_config("llama")
+    w = _quantized(cfg)
+    clean_env.setenv("POCKET_KV", "f64")  # would be an error if it were read
+    rt = Runtime(cfg, w, engine="numpy", settings=EngineSettings())
+    assert rt.settings == EngineSettings() and rt.engine == "numpy"
+    with pytest.raises(KernelError, match="POCKET_KV='f64'"):
+        Runtime(cfg, w, engine="numpy")
+    if ENGINE_BUILT:
+        rt = Runtime(cfg, w, settings=EngineSettings(kernels="native", act="f32", kv="q8",
+                                                     threads=1, q8_digits=1))
+        assert rt.engine == "native"
+        assert (rt.native.act, rt.native.kv_format, rt.native.threads) == ("f32", "q8", 1)
+        assert rt.native.digits == 1
+        rt = Runtime(cfg, w, settings=EngineSettings(kernels="numpy"))
+        assert rt.engine == "numpy" and rt.native is None
+
+
+@pytest.mark.skipif(not ENGINE_BUILT, reason="the native engine is not built")
+def test_avxvnni_setting_reaches_the_engine(clean_env):
+    cfg = tiny_models.tiny_config("llama")
+    w = _quantized(cfg)
+    assert native.NativeEngine(cfg, w).avxvnni == 1
+    clean_env.setenv("POCKET_AVXVNNI", "0")
+    assert native.NativeEngine(cfg, w).avxvnni == 0
+    assert Runtime(cfg, w, engine="native").native.avxvnni == 0
+    assert native.NativeEngine(cfg, w, avxvnni=True).avxvnni == 1
+    assert native.NativeEngine(cfg, w, settings=EngineSettings()).avxvnni == 1
+    clean_env.setenv("POCKET_AVXVNNI", "2")
+    with pytest.raises(KernelError, match="POCKET_AVXVNNI='2'; choose 0 or 1"):
+        Runtime(cfg, w)
+
+
+@pytest.mark.skipif(not ENGINE_BUILT, reason="the native engine is not built")
+def test_native_functions_take_their_choices_from_the_settings(clean_env):
+    clean_env.setenv("POCKET_THREADS", "zero")  # never read when settings are given
+    s = EngineSettings(cpu_level="scalar", kv="q8", threads=3, amx=False)
+    assert native.default_threads(s) == native.engine_threads(s) == 3
+    assert native.kv_format("f32", s) == "q8"
+    assert native.kv_format("q8", EngineSettings()) == "f16"
+    assert native.kv_format("f32", EngineSettings()) == "f32"
+    assert native.engine_setting(s) == {"level": "scalar", "act": "f32", "amx": False,
+                                        "amx_weights": None, "kv": "q8"}
+    assert native.cpu_features(s)["selected"] == "scalar"
+    assert native.engine_threads(EngineSettings()) <= 2
+    assert 1 <= native.default_threads(EngineSettings()) <= 8
+    with pytest.raises(KernelError, match="POCKET_THREADS='zero'"):
+        native.engine_threads()  # no settings: the environment's
+
+
+# -- the numpy engine is numpy only ---------------------------------------------------------------
+@pytest.mark.parametrize("how", ["engine=numpy", "POCKET_KERNELS=numpy"])
+def test_the_numpy_engine_never_calls_the_extension(monkeypatch, how):
+    cfg = tiny_models.tiny_config("qwen3")
+    w = _quantized(cfg)
+    expected = None
+    if ENGINE_BUILT:  # the same runtime before the extension is disabled
+        rt = Runtime(cfg, w, engine="numpy")
+        expected = rt.forward(IDS, rt.new_cache(16), all_logits=True)
+    from pocketlm import _native as ext
+
+    if ext is None:
+        pytest.skip("the native extension is not built")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the numpy engine called pocketlm._native")
+
+    for name in dir(ext):
+        if not name.startswith("_") and callable(getattr(ext, name)):
+            monkeypatch.setattr(ext, name, refuse)
+    if how == "engine=numpy":
+        rt = Runtime(cfg, w, engine="numpy")
+    else:
+        monkeypatch.setenv("POCKET_KERNELS", "numpy")
+        rt = Runtime(cfg, w)
+    assert rt.engine == "numpy" and rt.native is None
+    cache = rt.new_cache(16)
+    logits = rt.forward(IDS, cache, all_logits=True)
+    rt.forward([3], cache)
+    others = [rt.new_cache(16), rt.new_cache(16)]
+    rt.copy_prefix(others[0], cache, 4)
+    rt.forward_batch([1, 2], others)
+    assert np.isfinite(logits).all()
+    if expected is not None:
+        np.testing.assert_array_equal(logits, expected)
+
+
+def test_the_numpy_engine_is_the_numpy_reference_exactly():
+    """Every weight kind goes through numpy_ref.linear_ref: one layer's products by hand."""
+    from pocketlm.runtime.kernels import numpy_ref as R
+
+    cfg = tiny_models.tiny_config("llama", n_layers=1)
+    w = _quantized(cfg)
+    rt = Runtime(cfg, w, engine="numpy")
+    logits = rt.forward([7], rt.new_cache(4))
+    x = R.embedding_ref(w["embed.weight"], np.array([7]))
+    h = R.rmsnorm_ref(x, w["layers.0.attn_norm.weight"], cfg.norm_eps)
+    v = R.linear_ref(h, w["layers.0.attn.w_v.weight"])  # one position: attention returns v
+    a = np.repeat(v.reshape(1, cfg.n_kv_heads, cfg.head_dim), cfg.n_heads // cfg.n_kv_heads, 1)
+    x = x + R.linear_ref(np.ascontiguousarray(a.reshape(1, cfg.q_dim)),
+                         w["layers.0.attn.w_o.weight"])
+    h = R.rmsnorm_ref(x, w["layers.0.mlp_norm.weight"], cfg.norm_eps)
+    g = R.linear_ref(h, w["layers.0.mlp.w_gate.weight"])
+    u = R.linear_ref(h, w["layers.0.mlp.w_up.weight"])
+    x = x + R.linear_ref(np.ascontiguousarray(R.silu_ref(g) * u), w["layers.0.mlp.w_down.weight"])
+    head = w.get("lm_head.weight", w["embed.weight"])
+    expected = R.linear_ref(R.rmsnorm_ref(x, w["norm.weight"], cfg.norm_eps), head)[0]
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-5 * np.abs(expected).max())
+
+
+# -- the Engine interface -------------------------------------------------------------------------
+def _engines(cfg, w):
+    yield NumpyEngine(cfg, w)
+    if ENGINE_BUILT:
+        yield NativeModelEngine(cfg, native.NativeEngine(cfg, w, act="f32", kv="f32", threads=1))
+
+
+def test_both_engines_implement_the_interface():
+    cfg = tiny_models.tiny_config("gemma3")
+    w = tiny_models.random_state_dict(cfg, seed=4)
+    results = {}
+    for eng in _engines(cfg, w):
+        assert isinstance(eng, Engine) and eng.name in ("numpy", "native")
+        cache = eng.new_cache(16)
+        assert eng.owns(cache) and cache.length == 0 and cache.capacity == 16
+        assert eng.cache_nbytes(16) == cache.nbytes
+        ids = np.array(IDS, np.int64)
+        all_rows = eng.forward(ids, cache, True)
+        assert all_rows.shape == (len(IDS), cfg.vocab_size) and cache.length == len(IDS)
+        last = eng.forward(ids[:1], cache, False)
+        assert last.shape == (cfg.vocab_size,) and cache.length == len(IDS) + 1
+        others = [eng.new_cache(16), eng.new_cache(16)]
+        eng.copy_prefix(others[0], cache, 3)
+        assert others[0].length == 3
+        batch = eng.forward_batch(np.array([1, 2], np.int64), others)
+        assert batch.shape == (2, cfg.vocab_size)
+        assert [c.length for c in others] == [4, 1]
+        results[eng.name] = all_rows
+    if "native" in results:
+        ref = results["numpy"]
+        np.testing.assert_allclose(results["native"], ref, rtol=0,
+                                   atol=1e-4 * np.abs(ref).max())
+    with pytest.raises(TypeError):
+        Engine()
+
+
+def test_a_cache_of_another_engine_is_refused(clean_env):
+    cfg = tiny_models.tiny_config("llama")
+    w = tiny_models.random_state_dict(cfg, seed=5)
+    a, b = Runtime(cfg, w, engine="numpy"), Runtime(cfg, w, engine="numpy")
+    assert isinstance(a._engine, Engine)
+    if not ENGINE_BUILT:
+        return
+    b.native = native.NativeEngine(cfg, w, act="f32", threads=1)
+    assert b.engine == "native" and isinstance(b._engine, NativeModelEngine)
+    for rt, other in ((a, b), (b, a)):
+        theirs = other.new_cache(8)
+        with pytest.raises(ValueError, match="this KV cache belongs to another runtime"):
+            rt.forward([1], theirs)
+        with pytest.raises(ValueError, match="this KV cache belongs to another runtime"):
+            rt.forward_batch([1], [theirs])
+        with pytest.raises(ValueError, match="copy_prefix\\(\\) needs two caches of the same"):
+            rt.copy_prefix(rt.new_cache(8), theirs, 0)
+    b.native = None  # back to the reference
+    assert b.engine == "numpy" and b.native is None
+    b.forward([1], b.new_cache(8))
+
+
+# -- pocket doctor ----------------------------------------------------------------------------------
+def _cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_doctor_text(clean_env, capsys):
+    clean_env.setenv("POCKET_KV", "q8")
+    code, out, err = _cli(capsys, "doctor")
+    assert code == 0 and not err
+    import pocketlm
+
+    assert out.startswith(f"pocketlm {pocketlm.__version__}\n")
+    for word in ("python", "numpy", "platform", "native", "cpu", "features", "levels", "amx",
+                 "settings:"):
+        assert f"\n{word}" in out
+    lines = {line.split()[0]: line.split() for line in out.splitlines() if "POCKET_" in line}
+    assert set(lines) == set(VARIABLES.values())
+    assert lines["POCKET_KV"][1:] == ["q8", "env"]
+    assert lines["POCKET_Q8_DIGITS"][-1] == "default"
+    if ENGINE_BUILT:
+        assert lines["POCKET_KERNELS"][1:] == ["native", "default"]
+        assert "native    built" in out
+
+
+def test_doctor_json(clean_env, capsys):
+    clean_env.setenv("POCKET_THREADS", "3")
+    clean_env.setenv("POCKET_KERNELS", "numpy")
+    code, out, _ = _cli(capsys, "doctor", "--json")
+    assert code == 0 and len(out.strip().splitlines()) == 1
+    info = json.loads(out)
+    for key in ("pocketlm", "python", "numpy", "platform", "native", "cpu", "amx", "settings"):
+        assert key in info
+    assert set(info["native"]) == {"built", "engine", "reason"}
+    assert {"model", "features", "levels", "selected"} <= set(info["cpu"])
+    rows = info["settings"]
+    assert {r["variable"] for r in rows.values()} == set(VARIABLES.values())
+    assert rows["kernels"] == {"variable": "POCKET_KERNELS", "value": "numpy", "source": "env"}
+    assert rows["threads"]["source"] == "env"
+    assert rows["kv"]["source"] == "default"
+    if ENGINE_BUILT:
+        clean_env.delenv("POCKET_KERNELS")
+        info = json.loads(_cli(capsys, "doctor", "--json")[1])
+        assert info["settings"]["threads"]["value"] == 3
+        assert info["settings"]["kernel_threads"]["value"] == 3
+        assert info["cpu"]["selected"] == info["settings"]["cpu_level"]["value"]
+        assert info["native"] == {"built": True, "engine": True, "reason": None}
+
+
+@pytest.mark.parametrize("argv", [["doctor"], ["doctor", "--json"], ["--version", "-v"]])
+@pytest.mark.parametrize("var, raw, message", [
+    ("POCKET_KV", "f64", "POCKET_KV='f64'; choose one of f32, f16, q8"),
+    ("POCKET_KERNELS", "gpu", "POCKET_KERNELS='gpu' is not a kernel backend"),
+])
+def test_doctor_bad_setting_is_one_line_and_exit_1(clean_env, capsys, argv, var, raw, message):
+    clean_env.setenv(var, raw)
+    code, out, err = _cli(capsys, *argv)
+    assert code == 1 and not out
+    assert err.strip().splitlines() == [f"pocket: error: {err.strip()[15:]}"]
+    assert message in err
+
+
+def test_version_verbose(clean_env, capsys):
+    import pocketlm
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out == f"pocketlm {pocketlm.__version__}\n"
+    clean_env.setenv("POCKET_KV", "f64")  # plain --version reads no setting
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    capsys.readouterr()
+    clean_env.delenv("POCKET_KV")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version", "-v"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"pocketlm {pocketlm.__version__}\n") and "POCKET_AVXVNNI" in out
+    assert "settings:" in out
+
+
+def test_settings_module_lists_every_variable():
+    """The docstring's table names every variable the settings read."""
+    for var in VARIABLES.values():
+        assert f"``{var}``" in settings.__doc__
