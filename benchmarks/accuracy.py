@@ -26,9 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import oracle  # noqa: E402
 
 import pocketlm  # noqa: E402
-from pocketlm.api import from_source, packed_cache_path  # noqa: E402
+from pocketlm.api import from_source  # noqa: E402
+from pocketlm.cli import add_precision_options  # noqa: E402
 from pocketlm.formats import open_source  # noqa: E402
-from pocketlm.pack import add_precision_options, precision_record  # noqa: E402
+from pocketlm.pack import precision_record  # noqa: E402
+from pocketlm.packcache import packed_cache_path  # noqa: E402
 from pocketlm.registry import pull  # noqa: E402
 
 

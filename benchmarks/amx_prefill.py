@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 import pocketlm  # noqa: E402
 from pocketlm.bench import machine_info  # noqa: E402
-from pocketlm.pack import add_precision_options, precision_record  # noqa: E402
+from pocketlm.cli import add_precision_options  # noqa: E402
+from pocketlm.pack import precision_record  # noqa: E402
 from pocketlm.runtime import Runtime  # noqa: E402
 from pocketlm.runtime.kernels import native  # noqa: E402
 

@@ -225,7 +225,7 @@ def write(check: bool) -> None:
 
 
 def main() -> None:
-    from pocketlm.pack import add_precision_options
+    from pocketlm.cli import add_precision_options
 
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -8,10 +8,7 @@
 
 from __future__ import annotations
 
-import glob
-import hashlib
 import os
-import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -289,77 +286,19 @@ def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel
                        n_ctx=n_ctx)
 
 
-# Bumped when packing writes something better for the same source (a leaner tokenizer, a new
-# layout), so that cached deploy files are rebuilt once instead of being used forever.
-# 4-5: the default keeps a GGUF's 5-8-bit tensors (a Q5_0 embedding in INT5); 6: format version 2
-# (the header checksum), so that cached packs get a protected header once
-PACK_REVISION = 6
-
-
-def packed_cache_path(src: Path, group_size: int, embed_bits: int,
-                      keep_precision: bool | None = None, *, name: str | None = None) -> Path:
-    """Where ``load`` caches the deploy file packed from ``src`` with these options.
-
-    The name is ``{name}-{options}-{source}-{state}.pocket``: ``source`` digests the source's
-    path and the options, ``state`` also its size, modification time and PACK_REVISION, so a
-    source that changes (a training run saved again, a file replaced) gets a new entry, and
-    :func:`deploy_file` removes the entries it replaces (same ``source``, another ``state``).
-    """
-    from .registry import pocket_home
-
-    st = src.stat()
-    # keep-precision packs store Q5_0/Q5_1 weights in INT5 (older ones: INT8): a new tag, so
-    # that those older caches are not reused
-    tag = f"g{group_size}-e{embed_bits}" + {None: "", True: "-keep5", False: "-int4"}[
-        keep_precision]
-    source = hashlib.sha256(f"{src.resolve()}|{tag}".encode()).hexdigest()[:8]
-    state = hashlib.sha256(
-        f"{source}|{st.st_size}|{st.st_mtime_ns}|r{PACK_REVISION}".encode()).hexdigest()[:12]
-    return pocket_home() / "packed" / f"{name or src.stem}-{tag}-{source}-{state}.pocket"
-
-
-def _drop_replaced_packs(cached: Path) -> None:
-    """Remove the cache entries that ``cached`` replaces: the same source and options packed
-    from an earlier state of the source (a process still reading one keeps its mapping)."""
-    prefix = cached.name.rsplit("-", 1)[0]
-    pattern = re.compile(re.escape(prefix) + r"-[0-9a-f]{12}\.pocket")
-    for old in cached.parent.glob(glob.escape(prefix) + "-*.pocket"):
-        if old.name != cached.name and pattern.fullmatch(old.name):
-            try:
-                old.unlink()
-            except OSError:
-                pass
-
-
 def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
                 embed_bits: int = 8, keep_precision: bool | None = None,
                 quiet: bool = True) -> Path:
     """The deploy file :func:`load` runs for ``model`` (its arguments): a ``.pocket`` file as it
     is; a GGUF file, Hugging Face folder or training run packed into ``$POCKET_HOME/packed`` on
-    first use."""
-    from .pack import check_pack_options, pack
+    first use (:func:`pocketlm.packcache.ensure_packed`)."""
+    from .pack import check_pack_options
+    from .packcache import ensure_packed
     from .registry import resolve
 
-    check_pack_options(group_size, embed_bits, keep_precision)
-    path = resolve(_model_name(model), quiet=quiet)
-    kind = sniff(path)
-    if kind == "pocket":
-        return Path(path)
-    key = Path(path)
-    if kind == "run":
-        from .formats import run_checkpoint
-
-        key = run_checkpoint(key)
-    cached = packed_cache_path(key, group_size, embed_bits, keep_precision,
-                               name=Path(path).name if kind == "run" else None)
-    if not cached.is_file():
-        from .registry import make_home_dir
-
-        make_home_dir(cached.parent)
-        pack(path, cached, group_size=group_size, embed_bits=embed_bits,
-             keep_precision=keep_precision, progress=not quiet)
-        _drop_replaced_packs(cached)
-    return cached
+    check_pack_options(group_size, embed_bits, keep_precision)  # before a model is pulled
+    return ensure_packed(resolve(_model_name(model), quiet=quiet), group_size=group_size,
+                         embed_bits=embed_bits, keep_precision=keep_precision, quiet=quiet)
 
 
 def _model_name(model) -> str:

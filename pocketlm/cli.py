@@ -348,6 +348,19 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="print load time and speed")
 
 
+def add_precision_options(parser: argparse.ArgumentParser) -> None:
+    """``--all-int4`` / ``--keep-precision`` on an argparse parser, into ``keep_precision``
+    (None when neither is given: the default policy of :mod:`pocketlm.pack`)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--all-int4", dest="keep_precision", action="store_const", const=False,
+                       help="requantize every linear weight to INT4, also those a GGUF holds "
+                       "above 4 bits (by default Q5_0/Q5_1 stay exact in INT5 and Q5_K/Q6_K/"
+                       "Q8_0 go to INT8): the smallest file, below the source's quality")
+    group.add_argument("--keep-precision", dest="keep_precision", action="store_const",
+                       const=True, help="also keep float weights (F16, BF16, F32) above 4 "
+                       "bits, in INT8: a larger file")
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are user errors too: one line, exit code 1."""
 
@@ -357,7 +370,6 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from .bench import VS_ENGINES
-    from .pack import add_precision_options
 
     parser = _Parser(
         prog="pocket", description="Run, pack, inspect, benchmark and train app-native small language models.",

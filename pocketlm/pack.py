@@ -99,19 +99,6 @@ _INT5_IMPORTABLE = {"Q5_0", "Q5_1"}
 _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 
-def add_precision_options(parser) -> None:
-    """``--all-int4`` / ``--keep-precision`` on an argparse parser, into ``keep_precision``
-    (None when neither is given: the default policy of the module docstring)."""
-    group = parser.add_mutually_exclusive_group()
-    group.add_argument("--all-int4", dest="keep_precision", action="store_const", const=False,
-                       help="requantize every linear weight to INT4, also those a GGUF holds "
-                       "above 4 bits (by default Q5_0/Q5_1 stay exact in INT5 and Q5_K/Q6_K/"
-                       "Q8_0 go to INT8): the smallest file, below the source's quality")
-    group.add_argument("--keep-precision", dest="keep_precision", action="store_const",
-                       const=True, help="also keep float weights (F16, BF16, F32) above 4 "
-                       "bits, in INT8: a larger file")
-
-
 def check_pack_options(group_size, embed_bits, keep_precision) -> None:
     """The packing options, checked before any work (and before they name a cache entry)."""
     if isinstance(group_size, bool) or group_size not in GROUP_SIZES:

@@ -15,11 +15,12 @@ import pytest
 import tiny_gguf
 import torch_ref
 
-from pocketlm.api import from_source, load_pocket, packed_cache_path
+from pocketlm.api import from_source, load_pocket
 from pocketlm.errors import FormatError, PocketError, UnsupportedError
 from pocketlm.formats import open_source
 from pocketlm.formats.pocketfile import PocketFile
 from pocketlm.pack import QUANT_SUFFIXES, choose_bits, pack
+from pocketlm.packcache import packed_cache_path
 from pocketlm.quant import QuantTensor
 
 IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]  # longer than gemma3's window (5)

@@ -22,7 +22,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "pocketlm"
 RUNTIME_LAYERS = ("runtime", "formats", "server", "evaluate", "bench", "data")
 RUNTIME_MODULES = ("api.py", "generate.py", "sampling.py", "tokenizer.py", "config.py",
-                   "quant.py", "pack.py", "registry.py", "chat.py")
+                   "quant.py", "pack.py", "packcache.py", "registry.py", "chat.py")
 # (module, what it imports from pocketlm.train): none
 TRAIN_IMPORTS: set[tuple[str, str]] = set()
 

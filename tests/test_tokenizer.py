@@ -15,28 +15,24 @@ from pathlib import Path
 import pytest
 
 from pocketlm.errors import FormatError, UnsupportedError
-from pocketlm.tokenizer import (
-    _BYTE_TO_CHAR,
-    StreamingDetokenizer,
-    Tokenizer,
-    tokenizer_from_gguf_fields,
-)
+from pocketlm.formats.gguf_vocab import tokenizer_from_gguf_fields
+from pocketlm.tokenizer import BYTE_TO_CHAR, StreamingDetokenizer, Tokenizer
 
 # ---------------------------------------------------------------------------------------------
 # tiny vocabularies
 # ---------------------------------------------------------------------------------------------
 
 CONTROL, NORMAL, USER_DEFINED, BYTE, UNKNOWN = 3, 1, 4, 6, 2
-NI = "".join(_BYTE_TO_CHAR[b] for b in "你".encode())  # the byte-level spelling of 你
+NI = "".join(BYTE_TO_CHAR[b] for b in "你".encode())  # the byte-level spelling of 你
 
 
 def byte_bpe_fields(*, pre: str = "gpt-2", all_bytes: bool = True) -> dict:
     """A byte-level BPE vocabulary: 3 control tokens, the byte alphabet, a few merges."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    alphabet = [_BYTE_TO_CHAR[b] for b in range(256)]
+    alphabet = [BYTE_TO_CHAR[b] for b in range(256)]
     if not all_bytes:
-        alphabet.remove(_BYTE_TO_CHAR[0x04])
-    ni = [_BYTE_TO_CHAR[b] for b in "你".encode()]
+        alphabet.remove(BYTE_TO_CHAR[0x04])
+    ni = [BYTE_TO_CHAR[b] for b in "你".encode()]
     merges = [
         "h e",
         "l l",
@@ -197,7 +193,7 @@ def test_byte_bpe_token_bytes_and_roundtrip():
     assert tok.token_bytes(tok.token_to_id("Ġ")) == b" "
     assert tok.token_bytes(tok.token_to_id("Ġwor")) == b" wor"
     assert tok.token_bytes(tok.token_to_id(NI)) == "你".encode()
-    assert tok.token_bytes(tok.token_to_id(_BYTE_TO_CHAR[0xF0])) == b"\xf0"
+    assert tok.token_bytes(tok.token_to_id(BYTE_TO_CHAR[0xF0])) == b"\xf0"
     assert tok.token_bytes(1) == b"<|im_start|>"
     for text in ["hello world", "  x\n\n\ty  ", "你好 😀 12345 3.14159", "a\x00b"]:
         assert tok.decode(tok.encode(text)) == text
@@ -364,7 +360,7 @@ def test_spm_merge_build_is_fast_for_a_large_vocabulary():
 def test_streaming_never_splits_a_character():
     tok = tokenizer_from_gguf_fields(byte_bpe_fields())
     text = "a你b😀c"
-    ids = [tok.token_to_id(_BYTE_TO_CHAR[b]) for b in text.encode()]  # one token per byte
+    ids = [tok.token_to_id(BYTE_TO_CHAR[b]) for b in text.encode()]  # one token per byte
     s = StreamingDetokenizer(tok)
     pieces = [s.add(i) for i in ids]
     assert pieces == ["a", "", "", "你", "b", "", "", "", "😀", "c"]
@@ -386,7 +382,7 @@ def test_streaming_spm_bytes_and_space_prefix():
 def test_streaming_flush_replaces_incomplete_bytes():
     tok = tokenizer_from_gguf_fields(byte_bpe_fields())
     s = StreamingDetokenizer(tok)
-    assert s.add(tok.token_to_id(_BYTE_TO_CHAR[0xE4])) == ""
+    assert s.add(tok.token_to_id(BYTE_TO_CHAR[0xE4])) == ""
     assert s.flush() == "\ufffd"
 
 

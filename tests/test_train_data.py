@@ -29,7 +29,7 @@ from pocketlm.data.corpora import (
     strip_pos_tags,
 )
 from pocketlm.errors import FormatError, PocketError
-from pocketlm.tokenizer import tokenizer_from_gguf_fields
+from pocketlm.formats.gguf_vocab import tokenizer_from_gguf_fields
 from pocketlm.train.data import (
     TokenShards,
     check_trainable_splits,

@@ -218,7 +218,7 @@ def read_gguf(path: str | Path) -> SourceModel:
     import gguf
     from gguf.quants import dequantize
 
-    from ..tokenizer import tokenizer_from_gguf_fields
+    from .gguf_vocab import tokenizer_from_gguf_fields
 
     path = Path(path)
     origin = str(path)

@@ -44,6 +44,7 @@ interrupted write never leaves a partial ``.pocket`` file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -302,7 +303,7 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        with _suppress():
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
     return path.stat().st_size
@@ -317,14 +318,6 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-class _suppress:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return True
 
 
 # -- reading ---------------------------------------------------------------------------------

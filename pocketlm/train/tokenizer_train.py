@@ -467,8 +467,8 @@ def registry_tokenizer(name: str, *, quiet: bool = True) -> Tokenizer:
     """The tokenizer of registry model ``name`` (pulled first if needed), built from its GGUF."""
     import gguf
 
+    from ..formats.gguf_vocab import tokenizer_from_gguf_fields
     from ..registry import pull
-    from ..tokenizer import tokenizer_from_gguf_fields
 
     path = pull(name, quiet=quiet)
     reader = gguf.GGUFReader(str(path))
