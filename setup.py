@@ -17,6 +17,10 @@ import sys
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
+# build_flags.py sits next to this file; a PEP 517 build does not put this folder on sys.path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import build_flags  # noqa: E402  (the compiler flags, shared with tests/test_arm_build.py)
+
 CSRC = os.path.join("pocketlm", "runtime", "csrc")
 
 WARNING = """
@@ -37,11 +41,10 @@ class OptionalBuildExt(build_ext):
         ctype = self.compiler.compiler_type
         for ext in self.extensions:
             if ctype == "msvc":
-                ext.extra_compile_args = ["/O2"]
+                ext.extra_compile_args = list(build_flags.MSVC_CFLAGS)
             else:
-                ext.extra_compile_args = ["-O3", "-std=c11", "-fno-strict-aliasing",
-                                          "-Wall", "-Wno-unknown-pragmas", "-pthread"]
-                ext.extra_link_args = ["-pthread"]
+                ext.extra_compile_args = list(build_flags.CFLAGS)
+                ext.extra_link_args = list(build_flags.LDFLAGS)
         super().build_extensions()
 
     def run(self):

@@ -53,7 +53,7 @@
  * Output (little-endian): char[8] "PLMLOGIT", int32 rows, int32 vocab, float32 [rows, vocab]:
  * the rows of A (prefill rows, then one per decode step), the rows of B, the 2 batch rows.
  *
- * The model is filled exactly as the CPython wrapper (pocket_module_model.inc) fills it.
+ * The model is filled exactly as the CPython wrapper (pocket_module_model.c) fills it.
  * Build: cc -std=c11 -ffp-contract=off -pthread -I pocketlm/runtime/csrc native_harness.c
  * <every engine source in that folder but pocket_module.c> -lm; add
  * -Wl,--wrap=tanhf -Wl,--wrap=expf to pin the engine's float libm calls ("pinned libm" below).
@@ -333,6 +333,7 @@ int main(int argc, char **argv) {
     c.rope_theta = theta;
     c.rope_theta_local = theta_local;
     c.release_source = 0;
+    c.avxvnni = 1; /* NativeModel's default (the avx2 level only) */
     const int capacity = c.max_positions;
     if (na + 1 > capacity || nb + 1 > capacity)
         die("%d and %d tokens (+1 batch step) do not fit the capacity %d", na, nb, capacity);

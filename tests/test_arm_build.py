@@ -3,17 +3,17 @@
 ``tests/native_harness.c`` drives the engine (pocketlm/runtime/csrc, no Python) on a model dump
 written here: a prefill with every logit, decode steps, a second cache, and one batched step
 over both caches, with the portable kernels (``POCKET_LEVEL_SCALAR``) and a pool of 2 threads.
-It is compiled with the engine's sources (setup.py's, less the CPython module pocket_module.c)
+It is compiled with the engine's sources (setup.py's, less the CPython module pocket_module*.c)
 twice: ``gcc`` for this host and ``aarch64-linux-gnu-gcc`` for ARM64, run under
 ``qemu-aarch64 -L /usr/aarch64-linux-gnu``. Tiny random models of every family (INT4 layers,
 INT8 embedding / head, as test_native_forward quantizes them), each run with int8 activations
 on and off (act_q8 = 31 / 0) and float16 KV caches on and off.
 
-Flags: setup.py's (``-O3 -std=c11 -fno-strict-aliasing -Wall -Wno-unknown-pragmas -pthread``)
-plus ``-ffp-contract=off`` on both compilers. GCC already defaults to no contraction under
-``-std=c11`` (an ISO mode), so this is the real build; spelled out, it keeps AArch64's fused
-multiply-adds out of the float code whatever the compiler's default. The harness alone also
-gets ``-Werror``.
+Flags: setup.py's, from ``build_flags.py`` (``-O3 -std=c11 -fno-strict-aliasing -Wall
+-Wno-unknown-pragmas -pthread -ffp-contract=off``), on both compilers: this is the real build.
+GCC already defaults to no contraction under ``-std=c11`` (an ISO mode); spelled out, it keeps
+AArch64's fused multiply-adds out of the float code whatever the compiler's default. The
+harness alone also gets ``-Werror``.
 
 Each build is linked twice: against the C library as is (the real build) and "pinned", with
 ``-Wl,--wrap=tanhf -Wl,--wrap=expf`` routing the engine's only float libm calls to versions in
@@ -31,7 +31,7 @@ Checks, per family and mode (bounds relative to the largest |logit| of the refer
   <= 5e-4), q8 2e-2 (observed <= 5.4e-4; also used for q8 with a float32 KV cache, whose
   error is a part of it: observed <= 1.9e-4);
 * the host build == the CPython wrapper's engine (NativeEngine, level "scalar", 2 threads), bit
-  for bit: the harness fills the model exactly as pocket_module_model.inc does.
+  for bit: the harness fills the model exactly as pocket_module_model.c does.
 
 The neon level (pm_ops_neon, pocket_model_neon.c: SDOT products on the tiled weights) runs in
 the same ARM64 build under ``qemu-aarch64 -cpu max`` (a CPU with the dot-product extension;
@@ -52,6 +52,7 @@ If the cross compiler or qemu is missing, these tests fail (they do not skip): r
 from __future__ import annotations
 
 import platform
+import runpy
 import shutil
 import struct
 import subprocess
@@ -69,10 +70,9 @@ from pocketlm.runtime.kernels import native
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "pocketlm" / "runtime" / "csrc"
 HARNESS = Path(__file__).with_name("native_harness.c")
-# setup.py compiles every csrc/*.c; pocket_module.c is the CPython wrapper (needs Python.h)
-ENGINE_SOURCES = sorted(p for p in CSRC.glob("*.c") if p.name != "pocket_module.c")
-CFLAGS = ["-O3", "-std=c11", "-fno-strict-aliasing", "-Wall", "-Wno-unknown-pragmas",
-          "-pthread", "-ffp-contract=off"]
+# setup.py compiles every csrc/*.c; pocket_module*.c are the CPython wrapper (need Python.h)
+ENGINE_SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("pocket_module"))
+CFLAGS = runpy.run_path(str(ROOT / "build_flags.py"))["CFLAGS"]  # setup.py's, the one source
 HARNESS_CFLAGS = ["-Werror"]
 LIBS = ["-pthread", "-lm"]
 PIN_LIBM = ["-Wl,--wrap=tanhf", "-Wl,--wrap=expf"]  # see native_harness.c

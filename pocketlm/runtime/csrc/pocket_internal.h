@@ -16,9 +16,10 @@
 #define POCKET_X86_SIMD 0
 #endif
 
-/* The ARM64 neon level (dot-product kernels, see pocket_model_neon.c); the same condition as
- * PM_HAVE_NEON in pocket_model_ops.h: GCC >= 8 (target attributes), or Clang with the dot-product
- * extension in the target already. */
+/* The ARM64 neon level (dot-product kernels, see pocket_model_neon.c): GCC >= 8 compiles the
+ * SDOT code with a target attribute; Clang only when the target already has the extension
+ * (-march=...+dotprod), as its arm_neon.h before version 16 declares the dot-product intrinsics
+ * only then. */
 #if defined(__aarch64__) && !defined(POCKET_NO_SIMD) &&                                          \
     ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8) ||                             \
      (defined(__clang__) && defined(__ARM_FEATURE_DOTPROD)))
@@ -33,11 +34,6 @@
 #else
 #define POCKET_INLINE static inline
 #define POCKET_LIKELY(x) (x)
-#endif
-
-/* Bytes ahead of the weight stream that the decode (n == 1) kernels prefetch. */
-#ifndef POCKET_PREFETCH_DIST
-#define POCKET_PREFETCH_DIST 12288
 #endif
 
 /* Columns of a float32 weight tile (dequantized rows) in the batched float kernels. */
@@ -76,6 +72,23 @@ static inline int pocket_check_shape(int n, int cols, int rows, int group_size, 
 }
 
 static inline size_t pocket_round_up(size_t v, size_t m) { return (v + m - 1) / m * m; }
+
+/* Round to nearest, ties to even, for |v| <= 2^22 (the activation digits: |v| <= 127): no libm
+ * call. Both operations round in float32 (FLT_EVAL_METHOD 0 on x86-64 and ARM64). */
+static inline float pocket_round_even_small(float v) {
+    const float magic = 12582912.0f; /* 1.5 * 2^23 */
+    return (v + magic) - magic;
+}
+
+/* Part `task` of `ntasks` of [0, total), cut at multiples of `unit`: [*b, *e). The parts depend
+ * on total, unit and ntasks only (which thread runs one does not matter). */
+static inline void pocket_split_range(long long total, int unit, int task, int ntasks, int *b,
+                                      int *e) {
+    const long long units = (total + unit - 1) / unit;
+    const long long b0 = units * task / ntasks * unit, e0 = units * (task + 1) / ntasks * unit;
+    *b = (int)(b0 < total ? b0 : total);
+    *e = (int)(e0 < total ? e0 : total);
+}
 
 #if POCKET_X86_SIMD
 extern const pocket_kernel_table pocket_table_avx2;

@@ -116,13 +116,6 @@ static int q8_f32_scalar(const float *x, int n, int cols, const int8_t *qw, cons
     return POCKET_OK;
 }
 
-/* Round to nearest, ties to even, for |v| <= 2^22 (here |v| <= 127): no libm call. */
-static inline float round_even_small(float v) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23 */
-    float t = v + magic;
-    return t - magic;
-}
-
 static int quant_act_scalar(const float *x, int n, int cols, int8_t *qx, float *dx, float *sx) {
     if (n < 0 || cols <= 0 || cols % POCKET_QBLOCK) return POCKET_EINVAL;
     if (n == 0) return POCKET_OK;
@@ -142,7 +135,7 @@ static int quant_act_scalar(const float *x, int n, int cols, int8_t *qx, float *
             float v = p[k] * id;
             v = v > -127.0f ? v : -127.0f; /* NaN -> -127, like the SIMD max */
             v = v < 127.0f ? v : 127.0f;
-            int q = (int)round_even_small(v);
+            int q = (int)pocket_round_even_small(v);
             qx[32 * b + k] = (int8_t)q;
             sum += q;
         }
@@ -365,42 +358,6 @@ const pocket_kernel_table *pocket_kernels(int level) {
     }
 }
 
-int pocket_matmul_q4_f32(const float *x, int n, int cols, const uint8_t *qw,
-                         const uint16_t *scales_f16, const uint16_t *mins_f16, int rows,
-                         int group_size, float *y, int row_begin, int row_end) {
-    return pocket_kernels(POCKET_LEVEL_AUTO)
-        ->matmul_q4_f32(x, n, cols, qw, scales_f16, mins_f16, rows, group_size, y, row_begin,
-                        row_end);
-}
-
-int pocket_matmul_q8_f32(const float *x, int n, int cols, const int8_t *qw,
-                         const uint16_t *scales_f16, int rows, int group_size, float *y,
-                         int row_begin, int row_end) {
-    return pocket_kernels(POCKET_LEVEL_AUTO)
-        ->matmul_q8_f32(x, n, cols, qw, scales_f16, rows, group_size, y, row_begin, row_end);
-}
-
-int pocket_quantize_act_q8(const float *x, int n, int cols, int8_t *qx, float *dx, float *sx) {
-    return pocket_kernels(POCKET_LEVEL_AUTO)->quantize_act_q8(x, n, cols, qx, dx, sx);
-}
-
-int pocket_matmul_q4_q8(const int8_t *qx, const float *dx, const float *sx, int n, int cols,
-                        const uint8_t *qw, const uint16_t *scales_f16,
-                        const uint16_t *mins_f16, int rows, int group_size, float *y,
-                        int row_begin, int row_end) {
-    return pocket_kernels(POCKET_LEVEL_AUTO)
-        ->matmul_q4_q8(qx, dx, sx, n, cols, qw, scales_f16, mins_f16, rows, group_size, y,
-                       row_begin, row_end);
-}
-
-int pocket_matmul_q8_q8(const int8_t *qx, const float *dx, int n, int cols, const int8_t *qw,
-                        const uint16_t *scales_f16, int rows, int group_size, float *y,
-                        int row_begin, int row_end) {
-    return pocket_kernels(POCKET_LEVEL_AUTO)
-        ->matmul_q8_q8(qx, dx, n, cols, qw, scales_f16, rows, group_size, y, row_begin,
-                       row_end);
-}
-
 /* =========================================================================================
  * Thread pool. A job is ntasks tasks with fixed contents (the drivers split rows into fixed
  * ranges, so results do not depend on which thread runs a task). Threads claim tasks from one
@@ -613,13 +570,6 @@ typedef struct pk_job {
     int status;
 } pk_job;
 
-static void split_range(int total, int unit, int task, int ntasks, int *b, int *e) {
-    long long units = ((long long)total + unit - 1) / unit;
-    long long b0 = units * task / ntasks * unit, e0 = units * (task + 1) / ntasks * unit;
-    *b = (int)(b0 < total ? b0 : total);
-    *e = (int)(e0 < total ? e0 : total);
-}
-
 static void set_status(pk_job *j, int rc) {
     if (!rc) return;
 #if POCKET_HAVE_THREADS
@@ -634,7 +584,7 @@ static void pk_job_task(void *ctx, int task, int ntasks) {
     int rc = POCKET_OK, b, e;
     size_t C = (size_t)j->cols, nb = C / 32;
     if (j->phase == 0) { /* quantize the activations, split by tokens */
-        split_range(j->n, 1, task, ntasks, &b, &e);
+        pocket_split_range(j->n, 1, task, ntasks, &b, &e);
         if (e > b)
             rc = j->t->quantize_act_q8(j->x + (size_t)b * C, e - b, j->cols,
                                        j->qx + (size_t)b * C, j->dx + (size_t)b * nb,
@@ -642,7 +592,7 @@ static void pk_job_task(void *ctx, int task, int ntasks) {
         set_status(j, rc);
         return;
     }
-    split_range(j->rows, POCKET_ROW_UNIT, task, ntasks, &b, &e);
+    pocket_split_range(j->rows, POCKET_ROW_UNIT, task, ntasks, &b, &e);
     if (e <= b) return;
     if (j->bits == 4) {
         if (j->qx)
@@ -674,19 +624,8 @@ static int run_linear(const pocket_kernel_table *t, pocket_pool *pool, int nthre
 
     int avail = pool ? pocket_pool_size(pool) : 1;
     if (avail > nthreads) avail = nthreads;
-    pk_job j;
-    memset(&j, 0, sizeof j);
-    j.t = t;
-    j.bits = bits;
-    j.x = x;
-    j.n = n;
-    j.cols = cols;
-    j.rows = rows;
-    j.gs = gs;
-    j.qw = qw;
-    j.sc = sc;
-    j.mn = mn;
-    j.y = y;
+    pk_job j = {.t = t, .bits = bits, .x = x, .n = n, .cols = cols, .rows = rows, .gs = gs,
+                .qw = qw, .sc = sc, .mn = mn, .y = y};
     void *work = NULL;
     if (act_q8) {
         size_t N = (size_t)n, C = (size_t)cols, nb = C / 32;
@@ -730,18 +669,4 @@ int pocket_linear_q8_k(const pocket_kernel_table *kernels, pocket_pool *pool, in
                        const uint16_t *scales_f16, int rows, int group_size, float *y) {
     return run_linear(kernels, pool, nthreads, act_q8, 8, x, n, cols, qw, scales_f16, NULL,
                       rows, group_size, y);
-}
-
-int pocket_linear_q4(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
-                     int n, int cols, const uint8_t *qw, const uint16_t *scales_f16,
-                     const uint16_t *mins_f16, int rows, int group_size, float *y) {
-    return pocket_linear_q4_k(pocket_kernels(level), pool, nthreads, act_q8, x, n, cols, qw,
-                              scales_f16, mins_f16, rows, group_size, y);
-}
-
-int pocket_linear_q8(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
-                     int n, int cols, const int8_t *qw, const uint16_t *scales_f16, int rows,
-                     int group_size, float *y) {
-    return pocket_linear_q8_k(pocket_kernels(level), pool, nthreads, act_q8, x, n, cols, qw,
-                              scales_f16, rows, group_size, y);
 }

@@ -112,22 +112,6 @@ typedef struct pocket_kernel_table {
 /* The kernels of one level (POCKET_LEVEL_AUTO: the best one), or NULL if unsupported. */
 const pocket_kernel_table *pocket_kernels(int level);
 
-/* The best level's kernels, as plain functions. */
-int pocket_matmul_q4_f32(const float *x, int n, int cols, const uint8_t *qw,
-                         const uint16_t *scales_f16, const uint16_t *mins_f16, int rows,
-                         int group_size, float *y, int row_begin, int row_end);
-int pocket_matmul_q8_f32(const float *x, int n, int cols, const int8_t *qw,
-                         const uint16_t *scales_f16, int rows, int group_size, float *y,
-                         int row_begin, int row_end);
-int pocket_quantize_act_q8(const float *x, int n, int cols, int8_t *qx, float *dx, float *sx);
-int pocket_matmul_q4_q8(const int8_t *qx, const float *dx, const float *sx, int n, int cols,
-                        const uint8_t *qw, const uint16_t *scales_f16,
-                        const uint16_t *mins_f16, int rows, int group_size, float *y,
-                        int row_begin, int row_end);
-int pocket_matmul_q8_q8(const int8_t *qx, const float *dx, int n, int cols, const int8_t *qw,
-                        const uint16_t *scales_f16, int rows, int group_size, float *y,
-                        int row_begin, int row_end);
-
 /* ---- thread pool ------------------------------------------------------------------------ */
 
 /* A fixed set of worker threads. pocket_pool_run(pool, ntasks, fn, ctx) calls fn(ctx, t, ntasks)
@@ -145,17 +129,9 @@ int pocket_pool_size(const pocket_pool *pool);
 void pocket_pool_run(pocket_pool *pool, int ntasks, pocket_task_fn fn, void *ctx);
 
 /* ---- whole products, split over threads --------------------------------------------------
- * pool may be NULL (single-threaded); nthreads caps the number of tasks (and the pool size);
- * level is a POCKET_LEVEL_* value. act_q8 = 0: float activations; 1: int8 activations (x is
- * quantized internally). */
-int pocket_linear_q4(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
-                     int n, int cols, const uint8_t *qw, const uint16_t *scales_f16,
-                     const uint16_t *mins_f16, int rows, int group_size, float *y);
-int pocket_linear_q8(pocket_pool *pool, int nthreads, int level, int act_q8, const float *x,
-                     int n, int cols, const int8_t *qw, const uint16_t *scales_f16, int rows,
-                     int group_size, float *y);
-/* The same with the kernel table given (from pocket_kernels(), looked up once): no CPU check
- * per call. */
+ * kernels: a table from pocket_kernels() (looked up once: no CPU check per call). pool may be
+ * NULL (single-threaded); nthreads caps the number of tasks (and the pool size). act_q8 = 0:
+ * float activations; 1: int8 activations (x is quantized internally). */
 int pocket_linear_q4_k(const pocket_kernel_table *kernels, pocket_pool *pool, int nthreads,
                        int act_q8, const float *x, int n, int cols, const uint8_t *qw,
                        const uint16_t *scales_f16, const uint16_t *mins_f16, int rows,

@@ -236,18 +236,16 @@ int pocket_model_amx_available(void) {
 #endif
 }
 
-/* The operations of a kernel table's level: avx2 on AVX-VNNI where the compiler and the CPU
- * have it, unless POCKET_AVXVNNI is "0" (the plain AVX2 products, same results). */
-static const pm_ops *level_ops(const pocket_kernel_table *kernels) {
+/* The operations of a kernel table's level: at the avx2 level, the AVX-VNNI products where
+ * avxvnni is 1 and the build and the CPU have them (else the AVX2 pairs, the same results). */
+static const pm_ops *level_ops(const pocket_kernel_table *kernels, int avxvnni) {
 #if PM_HAVE_AVX512
     if (kernels->level == POCKET_LEVEL_AVX512) return &pm_ops_avx512;
 #endif
 #if PM_HAVE_AVX2
     if (kernels->level == POCKET_LEVEL_AVX2) {
 #if PM_HAVE_AVXVNNI
-        const char *vnni = getenv("POCKET_AVXVNNI");
-        if ((pocket_cpu_features() & POCKET_CPU_AVXVNNI) && !(vnni && !strcmp(vnni, "0")))
-            return &pm_ops_avxvnni;
+        if (avxvnni && (pocket_cpu_features() & POCKET_CPU_AVXVNNI)) return &pm_ops_avxvnni;
 #endif
         return &pm_ops_avx2;
     }
@@ -255,11 +253,12 @@ static const pm_ops *level_ops(const pocket_kernel_table *kernels) {
 #if PM_HAVE_NEON
     if (kernels->level == POCKET_LEVEL_NEON) return &pm_ops_neon;
 #endif
+    (void)avxvnni;
     return &pm_ops_portable;
 }
 
-const char *pocket_level_ops_name(const pocket_kernel_table *kernels) {
-    return kernels ? level_ops(kernels)->name : NULL;
+const char *pocket_level_ops_name(const pocket_kernel_table *kernels, int avxvnni) {
+    return kernels ? level_ops(kernels, avxvnni)->name : NULL;
 }
 
 int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, int n, int cols,
@@ -269,7 +268,8 @@ int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, 
     const size_t nblk = (size_t)n * (size_t)cols / 32;
     int32_t *corr = (int32_t *)malloc((nblk ? nblk : 1) * sizeof *corr);
     if (!corr) return POCKET_ENOMEM;
-    level_ops(kernels)->quant_act(x, n, cols, digits, q1, q2, dd, bsum, corr);
+    /* the same bits at every level, and for both avx2 products */
+    level_ops(kernels, 1)->quant_act(x, n, cols, digits, q1, q2, dd, bsum, corr);
     free(corr);
     return POCKET_OK;
 }
@@ -297,6 +297,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         return POCKET_EINVAL;
     if (act_q8 < 0 || act_q8 >= 1 << (2 * POCKET_Q8_ONE_DIGIT_SHIFT)) return POCKET_EINVAL;
     if (c.amx != 0 && c.amx != 1) return POCKET_EINVAL;
+    if (c.avxvnni != 0 && c.avxvnni != 1) return POCKET_EINVAL;
     if (c.amx_one_term & ~POCKET_Q8_ALL) return POCKET_EINVAL;
 #if PM_HAVE_AMX
     if (c.amx && (kernels->level != POCKET_LEVEL_AVX512 || !pm_amx_enable()))
@@ -335,7 +336,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     m->kt = kernels;
     m->act_q8 = act_q8 & POCKET_Q8_ALL;
     m->one_digit = (act_q8 >> POCKET_Q8_ONE_DIGIT_SHIFT) & POCKET_Q8_ALL;
-    m->ops = level_ops(kernels);
+    m->ops = level_ops(kernels, c.avxvnni);
 #if PM_HAVE_AVX512
     if (kernels->level == POCKET_LEVEL_AVX512) m->tiled_f32 = 1;
 #endif

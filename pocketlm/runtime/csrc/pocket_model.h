@@ -92,6 +92,9 @@ typedef struct pocket_model_config {
                          * as one bfloat16 term, bf16(w): two products per block instead of
                          * three (x_hi w + x_lo w); the others take w as hi + lo, exact to ~16
                          * bits (pocket_model_amx.c). Ignored without amx. */
+    int avxvnni;        /* the avx2 level's int8-activation products: 1 on AVX-VNNI where the
+                         * build and the CPU have it, 0 on AVX2's multiply-add pairs (the same
+                         * results; see pocket_model_avx2.c). Other levels ignore it. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;
@@ -136,10 +139,11 @@ int pocket_model_create(const pocket_model_config *config, const pocket_layer_we
                         pocket_pool *pool, int nthreads, pocket_model **out);
 void pocket_model_destroy(pocket_model *model);
 /* The name of the operations the model runs on ("portable", "avx2", "avx2+avxvnni", "avx512"
- * or "neon": see pocket_model_ops.h), chosen from the kernel table's level; NULL for a NULL
- * model. pocket_level_ops_name: the same choice for a model created now with `kernels`. */
+ * or "neon": see pocket_model_ops.h), chosen from the kernel table's level (and, at the avx2
+ * level, config.avxvnni); NULL for a NULL model. pocket_level_ops_name: the same choice for a
+ * model created now with `kernels` and config.avxvnni = avxvnni. */
 const char *pocket_model_ops_name(const pocket_model *model);
-const char *pocket_level_ops_name(const pocket_kernel_table *kernels);
+const char *pocket_level_ops_name(const pocket_kernel_table *kernels, int avxvnni);
 
 /* KV cache formats. */
 enum {

@@ -48,15 +48,13 @@
 #include <math.h>
 #include <string.h>
 
+#include "pocket_simd.h"
+
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #if PM_HAVE_AVXVNNI
 #define TGTV __attribute__((target("avx2,fma,f16c,avxvnni")))
 #endif
 #define AI __attribute__((always_inline))
-
-/* Prefetch of the weight stream into L2, bytes ahead (as the AVX-512 kernel: decode reads every
- * weight once per token, and the hardware prefetcher alone leaves the memory underused). */
-#define PM_AVX2_PREFETCH 16384
 
 /* One dot product of each lane's 4 bytes of w (u8) with the broadcast word x (s8): PAIRS adds
  * vpmaddubsw's two int16 pair sums per lane to J (widened by PM_AVX2_WIDEN), else DOT adds the
@@ -127,10 +125,9 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
                                     const pm_tiled *w, const pm_act *a, int i0, float *y,       \
                                     size_t ystride, int tile, int prefetch) {                   \
         const int Q4 = BITS != 8, RUN = PM_AVX2_RUN(BITS), HN = T == 1 ? 2 : 1;                 \
-        const size_t BB = BITS == 8 ? 512 : BITS == 5 ? 320 : 256;                              \
-        const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;                            \
-        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);                            \
-        const uint16_t *mn = sc + (size_t)w->ng * 16;                                           \
+        const size_t BB = PM_BLOCK_BYTES(BITS);                                                 \
+        const uint16_t *sc, *mn;                                                                \
+        const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);                                 \
         const int nb = w->nb, ng = w->ng, gpb = w->gpb;                                         \
         const __m256i m4 = _mm256_set1_epi8(0x0F), sgn = _mm256_set1_epi8((char)0x80);          \
         const int8_t *p1[2], *p2[2];                                                            \
@@ -143,8 +140,8 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
         }                                                                                       \
         if (prefetch)                                                                           \
             for (size_t o = w->scale_off; o < w->tile_bytes; o += 64)                           \
-                _mm_prefetch((const char *)rec + o + PM_AVX2_PREFETCH, _MM_HINT_T1);            \
-        const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;                   \
+                PM_PREFETCH(rec + o);                                                           \
+        const int r0 = 16 * tile, nr = pm_tile_rows(w, tile);                                   \
         for (int h0 = 0; h0 < 2 && 8 * h0 < nr; h0 += HN) {                                     \
             __m256 acc[2][2], macc[2][2];                                                       \
             for (int t = 0; t < T; t++)                                                         \
@@ -160,7 +157,7 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
                     const uint8_t *blk = rec + (size_t)b * BB;                                  \
                     if (prefetch && h0 == 0)                                                    \
                         for (size_t o = 0; o < BB; o += 64)                                     \
-                            _mm_prefetch((const char *)blk + o + PM_AVX2_PREFETCH, _MM_HINT_T1); \
+                            PM_PREFETCH(blk + o);                                       \
                     for (int hh = 0; hh < HN; hh++) {                                           \
                         const int h = h0 + hh;                                                  \
                         /* PAIRS: tot the block's int32 total, j1 / j2 the int16 pair sums not  \
@@ -294,42 +291,6 @@ PM_AVX2_MATMUL(matmul_tiled_avxvnni, range_vnni, TGTV)
  * and exponential); tests/test_native_forward.py bounds every level against the numpy
  * reference. */
 
-/* e^x for x <= 88; inputs below -87 give 0. */
-static inline TGT AI __m256 exp256(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.0f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    const __m256 y =
-        _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    const __m256i e =
-        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
-}
-
-static inline TGT AI float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
-static inline TGT AI float hsum8(__m256 v) {
-    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_add_ss(m, _mm_shuffle_ps(m, m, 1));
-    return _mm_cvtss_f32(m);
-}
-
 /* 8 cache values from element idx (format fmt: POCKET_KV_*; int8 times the scale vector sc) */
 static inline TGT AI __m256 load8(const void *base, int fmt, size_t idx, __m256 sc) {
     if (fmt == POCKET_KV_F16)
@@ -439,18 +400,18 @@ static TGT void attn_avx2(const pm_attn_args *A) {
             float *sg = A->s + (size_t)g * PM_SPAN;
             __m256 mx = ninf;
             for (int j = 0; j < nlen; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sg + j));
-            const float cm = hmax8(mx), old = A->m[g], nm = old > cm ? old : cm;
+            const float cm = pocket_hmax8(mx), old = A->m[g], nm = old > cm ? old : cm;
             const float corr = old == -INFINITY ? 0.0f : expf(old - nm);
             const __m256 vnm = _mm256_set1_ps(nm);
             __m256 sum = _mm256_setzero_ps();
             for (int j = 0; j < nlen; j += 8) {
                 const __m256 sv = _mm256_loadu_ps(sg + j);
                 const __m256 pv = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ),
-                                                   exp256(_mm256_sub_ps(sv, vnm)));
+                                                   pocket_exp256(_mm256_sub_ps(sv, vnm)));
                 _mm256_storeu_ps(sg + j, pv);
                 sum = _mm256_add_ps(sum, pv);
             }
-            A->l[g] = A->l[g] * corr + hsum8(sum);
+            A->l[g] = A->l[g] * corr + pocket_hsum8(sum);
             A->m[g] = nm;
 
             if (corr != 1.0f) {
@@ -478,7 +439,7 @@ static TGT void attn_avx2(const pm_attn_args *A) {
 static inline TGT AI __m256 sigmoid256(__m256 z) {
     const __m256 one = _mm256_set1_ps(1.0f);
     const __m256 az = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), z);
-    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), az)); /* e^-|z| */
+    const __m256 e = pocket_exp256(_mm256_sub_ps(_mm256_setzero_ps(), az)); /* e^-|z| */
     const __m256 pos = _mm256_div_ps(one, _mm256_add_ps(one, e));    /* sigmoid(|z|) */
     return _mm256_blendv_ps(pos, _mm256_sub_ps(one, pos), z);        /* z < 0: 1 - that */
 }
@@ -529,7 +490,7 @@ static TGT void quant_act_avx2(const float *x, int n, int cols, int digits, int8
             v[k] = _mm256_loadu_ps(p + 8 * k);
             m = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), m);
         }
-        const float amax = hmax8(m);
+        const float amax = pocket_hmax8(m);
         float d = amax / 127.0f, id = 1.0f / d;
         if (!(amax >= POCKET_ACT_TINY)) d = 0.0f, id = 0.0f;
         const __m256 vid = _mm256_set1_ps(id);
@@ -561,30 +522,10 @@ static TGT void quant_act_avx2(const float *x, int n, int cols, int digits, int8
     }
 }
 
-const pm_ops pm_ops_avx2 = {
-    "avx2",
-    pm_rmsnorm_portable,
-    attn_avx2,
-    glu_avx2,
-    pm_matmul_f32_portable,
-    pm_to_f16_portable,
-    quant_act_avx2,
-    matmul_tiled_avx2,
-    pm_block_sums_portable,
-};
-
+const pm_ops pm_ops_avx2 = PM_OPS("avx2", attn_avx2, glu_avx2, quant_act_avx2, matmul_tiled_avx2);
 #if PM_HAVE_AVXVNNI
-const pm_ops pm_ops_avxvnni = {
-    "avx2+avxvnni",
-    pm_rmsnorm_portable,
-    attn_avx2,
-    glu_avx2,
-    pm_matmul_f32_portable,
-    pm_to_f16_portable,
-    quant_act_avx2,
-    matmul_tiled_avxvnni,
-    pm_block_sums_portable,
-};
+const pm_ops pm_ops_avxvnni =
+    PM_OPS("avx2+avxvnni", attn_avx2, glu_avx2, quant_act_avx2, matmul_tiled_avxvnni);
 #endif
 
 #endif /* PM_HAVE_AVX2 */

@@ -106,13 +106,6 @@ typedef struct pm_job {
     int status;
 } pm_job;
 
-static void split_range(long long total, int unit, int task, int ntasks, int *b, int *e) {
-    long long units = (total + unit - 1) / unit;
-    long long b0 = units * task / ntasks * unit, e0 = units * (task + 1) / ntasks * unit;
-    *b = (int)(b0 < total ? b0 : total);
-    *e = (int)(e0 < total ? e0 : total);
-}
-
 /* Prepare columns [c0, c1) (whole blocks of 32) of token i of a planned input. */
 static void prepare_cols(const pocket_model *m, const pm_act *a, int i, int c0, int c1) {
     const size_t C = (size_t)a->cols, nb = C / 32, off = (size_t)i * C + (size_t)c0;
@@ -165,12 +158,30 @@ static int product_rows(const pocket_model *m, const pocket_weight *w, const pm_
     }
 }
 
-static void attn_unit_init(float *m, float *l, float *acc, int G, int hd) {
+/* The G query heads q of KV head kvh over the keys [a, b) of layer l of kv, from the start:
+ * running maximum pm, sum pl and weighted values pacc (G, G, G * head_dim); s: the scratch of
+ * pm_attn_args. */
+static void attend(const pocket_model *m, const pocket_kv *kv, int l, int kvh, const float *q,
+                   int a, int b, float *s, float *pm, float *pl, float *pacc) {
+    const int G = m->group, hd = m->c.head_dim;
     for (int g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
+        pm[g] = -INFINITY;
+        pl[g] = 0.0f;
     }
-    memset(acc, 0, (size_t)G * hd * sizeof(float));
+    memset(pacc, 0, (size_t)G * hd * sizeof(float));
+    pm_attn_args A;
+    A.q = q;
+    A.G = G;
+    A.hd = hd;
+    A.scale = m->c.attn_scale;
+    pm_kv_head(kv, l, kvh, &A);
+    A.a = a;
+    A.b = b;
+    A.s = s;
+    A.m = pm;
+    A.l = pl;
+    A.acc = pacc;
+    m->ops->attn(&A);
 }
 
 static void pm_task(void *ctx, int task, int ntasks) {
@@ -179,7 +190,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
     int b, e, rc = POCKET_OK;
     switch (j->kind) {
     case PM_JOB_CONCAT: {
-        split_range(j->total, PM_ROW_UNIT, task, ntasks, &b, &e);
+        pocket_split_range(j->total, PM_ROW_UNIT, task, ntasks, &b, &e);
         int off = 0; /* matrices start at multiples of 16 of the split space */
         for (int k = 0; k < j->nmat && rc == POCKET_OK; k++) {
             const int rows = j->w[k]->rows;
@@ -191,7 +202,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
     }
     case PM_JOB_GLU: {
         /* with j->post, whole blocks of 32 columns per task: each prepares its own */
-        split_range(j->total, j->post ? 32 : PM_ROW_UNIT, task, ntasks, &b, &e);
+        pocket_split_range(j->total, j->post ? 32 : PM_ROW_UNIT, task, ntasks, &b, &e);
         if (e <= b) break;
         rc = product_rows(m, j->w[0], j->t[0], j, j->y[0], b, e, task);
         if (rc == POCKET_OK) rc = product_rows(m, j->w[1], j->t[1], j, j->y[1], b, e, task);
@@ -206,27 +217,15 @@ static void pm_task(void *ctx, int task, int ntasks) {
     case PM_JOB_ATTN_DECODE: {
         /* units u = kvh * nspans + s: keys [lo + s * SPAN, ...) of KV head kvh */
         const int G = m->group, hd = m->c.head_dim;
-        split_range(j->units, 1, task, ntasks, &b, &e);
+        pocket_split_range(j->units, 1, task, ntasks, &b, &e);
         float *scr = m->tscr + (size_t)task * m->tscr_stride;
         for (int u = b; u < e; u++) {
             const int kvh = u / j->nspans, s = u % j->nspans;
             float *p = m->part + (size_t)u * G * (hd + 2);
             float *pm = p, *pl = p + G, *pacc = p + 2 * G;
-            attn_unit_init(pm, pl, pacc, G, hd);
-            pm_attn_args A;
-            A.q = m->q + (size_t)kvh * G * hd;
-            A.G = G;
-            A.hd = hd;
-            A.scale = m->c.attn_scale;
-            pm_kv_head(j->kv, j->layer, kvh, &A);
             const int s0 = (j->lo / PM_SPAN + s) * PM_SPAN; /* aligned span */
-            A.a = s0 > j->lo ? s0 : j->lo;
-            A.b = s0 + PM_SPAN < j->hi ? s0 + PM_SPAN : j->hi;
-            A.s = scr;
-            A.m = pm;
-            A.l = pl;
-            A.acc = pacc;
-            m->ops->attn(&A);
+            attend(m, j->kv, j->layer, kvh, m->q + (size_t)kvh * G * hd, s0 > j->lo ? s0 : j->lo,
+                   s0 + PM_SPAN < j->hi ? s0 + PM_SPAN : j->hi, scr, pm, pl, pacc);
         }
         break;
     }
@@ -239,20 +238,8 @@ static void pm_task(void *ctx, int task, int ntasks) {
         for (int u = task; u < j->units; u += ntasks) {
             const int i = u / nkv, kvh = u % nkv, pos = seq_pos(j->seq, i);
             const pocket_kv *kv = seq_kv(j->seq, i);
-            attn_unit_init(pm, pl, pacc, G, hd);
-            pm_attn_args A;
-            A.q = m->q + (size_t)i * m->q_dim + (size_t)kvh * G * hd;
-            A.G = G;
-            A.hd = hd;
-            A.scale = m->c.attn_scale;
-            pm_kv_head(kv, j->layer, kvh, &A);
-            A.a = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
-            A.b = pos + 1;
-            A.s = scr;
-            A.m = pm;
-            A.l = pl;
-            A.acc = pacc;
-            m->ops->attn(&A);
+            attend(m, kv, j->layer, kvh, m->q + (size_t)i * m->q_dim + (size_t)kvh * G * hd,
+                   win && pos - win + 1 > 0 ? pos - win + 1 : 0, pos + 1, scr, pm, pl, pacc);
             float *out = m->att + (size_t)i * m->q_dim + (size_t)kvh * G * hd;
             for (int g = 0; g < G; g++) {
                 const float l = pl[g];
@@ -266,7 +253,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
         /* units u = kvh * chunks + c: 32 keys from j->lo of KV head kvh */
         const int hd = m->c.head_dim, nc = (j->hi - j->lo) / 32;
         const size_t buf = (size_t)PM_AMX_KCHUNK * hd;
-        split_range(j->units, 1, task, ntasks, &b, &e);
+        pocket_split_range(j->units, 1, task, ntasks, &b, &e);
         for (int u = b; u < e;) {
             const int kvh = u / nc, c0 = u % nc, c1 = e - u < nc - c0 ? c0 + (e - u) : nc;
             uint16_t *kh = m->akv + (size_t)kvh * 4 * buf;
@@ -311,7 +298,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
     }
 #endif
     case PM_JOB_ROWS:
-        split_range(j->n, 1, task, ntasks, &b, &e);
+        pocket_split_range(j->n, 1, task, ntasks, &b, &e);
         if (e > b) j->rows->fn(j->rows, b, e);
         break;
     default: rc = POCKET_EINVAL;
@@ -388,20 +375,8 @@ static int run_products(pocket_model *m, pocket_pool *pool, int nthreads, int ki
                         const pocket_weight *w2, const pm_tiled *tiled, const pm_act *act,
                         float *y0, float *y1, float *y2, const float *x, int n,
                         const pm_act *post) {
-    pm_job j;
-    memset(&j, 0, sizeof j);
-    j.post = post;
-    j.m = m;
-    j.kind = kind;
-    j.n = n;
-    j.nmat = nmat;
-    j.w[0] = w0;
-    j.w[1] = w1;
-    j.w[2] = w2;
-    j.y[0] = y0;
-    j.y[1] = y1;
-    j.y[2] = y2;
-    j.x = x;
+    pm_job j = {.m = m, .kind = kind, .n = n, .nmat = nmat, .w = {w0, w1, w2}, .y = {y0, y1, y2},
+                .x = x, .post = post};
     if (act && act->n) {
         for (int k = 0; k < nmat; k++) j.t[k] = tiled[k].data ? &tiled[k] : NULL;
         j.quantized = 1;
@@ -432,12 +407,7 @@ static int run_rows(pocket_model *m, pocket_pool *pool, int nthreads, int n, con
         r->fn(r, 0, n);
         return POCKET_OK;
     }
-    pm_job j;
-    memset(&j, 0, sizeof j);
-    j.m = m;
-    j.kind = PM_JOB_ROWS;
-    j.n = n;
-    j.rows = r;
+    pm_job j = {.m = m, .kind = PM_JOB_ROWS, .n = n, .rows = r};
     return run_job(&j, pool, nthreads);
 }
 
@@ -741,13 +711,8 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
         r.seq = seq;
     }
 
-    pm_job j;
-    memset(&j, 0, sizeof j);
-    j.m = m;
-    j.seq = seq;
-    j.layer = l;
-    j.n = n;
-    if (!seq->kvs) j.kv = seq->kv; /* one sequence */
+    pm_job j = {.m = m, .n = n, .seq = seq, .layer = l,
+                .kv = seq->kvs ? NULL : seq->kv}; /* kv: one sequence */
     const int nkv = m->c.n_kv_heads;
     if (one) { /* one token: its keys split into spans over the threads */
         const int pos0 = seq_pos(seq, 0);

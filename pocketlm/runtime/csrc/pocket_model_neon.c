@@ -119,10 +119,9 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
                                      const pm_tiled *w, const pm_act *a, int i0, float *y,
                                      size_t ystride, int tile) {
     const int Q4 = BITS != 8;
-    const size_t BB = BITS == 8 ? 512 : BITS == 5 ? 320 : 256;
-    const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
-    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
-    const uint16_t *mn = sc + (size_t)w->ng * 16;
+    const size_t BB = PM_BLOCK_BYTES(BITS);
+    const uint16_t *sc, *mn;
+    const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
     const uint8x16_t m4 = vdupq_n_u8(0x0F), sgn = vdupq_n_u8(0x80);
     const int8_t *p1[2], *p2[2];
@@ -185,7 +184,7 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
                     macc[t][r] = vaddq_f32(macc[t][r], vmulq_n_f32(mv, xs[t]));
             }
     }
-    const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+    const int r0 = 16 * tile, nr = pm_tile_rows(w, tile);
     for (int t = 0; t < T; t++) {
         float *yt = y + (size_t)(i0 + t) * ystride + r0;
         if (nr == 16) {
@@ -225,16 +224,7 @@ static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, 
     }
 }
 
-const pm_ops pm_ops_neon = {
-    "neon",
-    pm_rmsnorm_portable,
-    pm_attn_portable,
-    pm_glu_portable,
-    pm_matmul_f32_portable,
-    pm_to_f16_portable,
-    pm_quant_act_portable,
-    matmul_tiled_neon,
-    pm_block_sums_portable,
-};
+const pm_ops pm_ops_neon =
+    PM_OPS("neon", pm_attn_portable, pm_glu_portable, pm_quant_act_portable, matmul_tiled_neon);
 
 #endif /* PM_HAVE_NEON */

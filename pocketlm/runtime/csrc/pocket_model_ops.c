@@ -142,12 +142,6 @@ void pm_to_f16_portable(const float *x, uint16_t *out, size_t len) {
     for (size_t k = 0; k < len; k++) out[k] = f32_to_f16_bits(x[k]);
 }
 
-/* Round to nearest, ties to even, for |v| <= 2^22: no libm call. */
-static inline float round_even_small(float v) {
-    const float magic = 12582912.0f; /* 1.5 * 2^23 */
-    return (v + magic) - magic;
-}
-
 void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
                            float *dd, float *bsum, int32_t *corr) {
     const size_t nblk = (size_t)n * (size_t)cols / 32;
@@ -165,11 +159,11 @@ void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *
             float t = p[k] * id;
             t = t > -127.0f ? t : -127.0f; /* NaN -> -127 */
             t = t < 127.0f ? t : 127.0f;
-            const float r1 = round_even_small(t);
+            const float r1 = pocket_round_even_small(t);
             q1[32 * b + k] = (int8_t)r1;
             s1 += (int32_t)r1;
             if (digits == 2) {
-                const float r2 = round_even_small((t - r1) * 128.0f);
+                const float r2 = pocket_round_even_small((t - r1) * 128.0f);
                 q2[32 * b + k] = (int8_t)r2;
                 s2 += (int32_t)r2;
             }
@@ -197,10 +191,9 @@ static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, siz
                                int tb, int te) {
     const int nb = w->nb, gpb = w->gpb, ng = w->ng;
     for (int t = tb; t < te; t++) {
-        const uint8_t *rec = w->data + (size_t)t * w->tile_bytes;
-        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
-        const uint16_t *mn = sc + (size_t)ng * 16;
-        const int r0 = 16 * t, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+        const uint16_t *sc, *mn;
+        const uint8_t *rec = pm_tile_record(w, t, &sc, &mn);
+        const int r0 = 16 * t, nr = pm_tile_rows(w, t);
         for (int i = 0; i < a->n; i++) {
             const float *x = a->x + (size_t)i * a->cols, *bs = a->bsum + (size_t)i * nb;
             for (int rr = 0; rr < nr; rr++) {
@@ -234,10 +227,9 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
     }
     const int nb = w->nb, gpb = w->gpb, ng = w->ng;
     for (int t = tb; t < te; t++) {
-        const uint8_t *rec = w->data + (size_t)t * w->tile_bytes;
-        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
-        const uint16_t *mn = sc + (size_t)ng * 16;
-        const int r0 = 16 * t, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+        const uint16_t *sc, *mn;
+        const uint8_t *rec = pm_tile_record(w, t, &sc, &mn);
+        const int r0 = 16 * t, nr = pm_tile_rows(w, t);
         for (int i = 0; i < a->n; i++) {
             const int8_t *x1 = a->q1 + (size_t)i * a->cols, *x2 = a->q2 + (size_t)i * a->cols;
             const float *dd = a->dd + (size_t)i * nb, *bs = a->bsum + (size_t)i * nb;
@@ -268,14 +260,5 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
     }
 }
 
-const pm_ops pm_ops_portable = {
-    "portable",
-    pm_rmsnorm_portable,
-    pm_attn_portable,
-    pm_glu_portable,
-    pm_matmul_f32_portable,
-    pm_to_f16_portable,
-    pm_quant_act_portable,
-    pm_matmul_tiled_portable,
-    pm_block_sums_portable,
-};
+const pm_ops pm_ops_portable = PM_OPS("portable", pm_attn_portable, pm_glu_portable,
+                                      pm_quant_act_portable, pm_matmul_tiled_portable);

@@ -9,7 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "pocket_model.h" /* POCKET_KV_* */
+#include "pocket_internal.h" /* POCKET_X86_SIMD, POCKET_ARM_NEON */
+#include "pocket_model.h"    /* POCKET_KV_* */
 
 /* Keys per attention chunk: the online softmax rescales once per chunk, and decode splits the
  * keys of every KV head into units of this many positions. Chunks and units are aligned to
@@ -79,6 +80,25 @@ typedef struct pm_tiled {
     uint8_t *data;
 } pm_tiled;
 
+/* Bytes of a block of 32 columns in a tile record for BITS-bit weights (pm_tiled.block_bytes),
+ * as a constant where BITS is one. */
+#define PM_BLOCK_BYTES(BITS) ((BITS) == 8 ? 512 : (BITS) == 5 ? 320 : 256)
+
+/* The record of tile t of w (its blocks of weights), its scales *sc and mins *mn (INT4, INT5:
+ * after the scales). */
+POCKET_INLINE const uint8_t *pm_tile_record(const pm_tiled *w, int t, const uint16_t **sc,
+                                            const uint16_t **mn) {
+    const uint8_t *rec = w->data + (size_t)t * w->tile_bytes;
+    *sc = (const uint16_t *)(rec + w->scale_off);
+    *mn = *sc + (size_t)w->ng * 16;
+    return rec;
+}
+
+/* The rows of tile t of w, 16 t + 0 .. count: 16, fewer in a partial last tile. */
+POCKET_INLINE int pm_tile_rows(const pm_tiled *w, int t) {
+    return w->rows - 16 * t < 16 ? w->rows - 16 * t : 16;
+}
+
 /* Weight value (u8 operand) of row lane `i`, column k of block b, in a tile record. */
 static inline int pm_tiled_value(const pm_tiled *w, const uint8_t *rec, int b, int k, int i) {
     const uint8_t *blk = rec + (size_t)b * w->block_bytes;
@@ -136,6 +156,14 @@ typedef struct pm_ops {
     void (*block_sums)(const float *x, int n, int cols, float *bsum);
 } pm_ops;
 
+/* An operations table named NAME (a string): the portable operations but for those the avx2
+ * and neon levels replace (attention, GLU, activation quantization, the tiled products). */
+#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED)                                        \
+    {                                                                                           \
+        NAME, pm_rmsnorm_portable, ATTN, GLU, pm_matmul_f32_portable, pm_to_f16_portable,       \
+            QUANT_ACT, MATMUL_TILED, pm_block_sums_portable                                     \
+    }
+
 /* The portable operations, also in the tables of the SIMD levels that do not replace them. */
 void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps, float *out);
 void pm_attn_portable(const pm_attn_args *a);
@@ -151,15 +179,15 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
                               int tb, int te);
 
 extern const pm_ops pm_ops_portable;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(POCKET_NO_SIMD)
+/* The x86-64 operations (pocket_model_x86.c: AVX-512; pocket_model_avx2.c: AVX2, and AVX-VNNI
+ * where the compiler has its intrinsics, GCC 11, Clang 12) are compiled wherever the kernels'
+ * SIMD levels are (POCKET_X86_SIMD: GCC / Clang target attributes); each is chosen only where
+ * the CPU has its instructions (checked at run time). */
+#define PM_HAVE_AVX512 POCKET_X86_SIMD
+#define PM_HAVE_AVX2 POCKET_X86_SIMD
+#if PM_HAVE_AVX512
 extern const pm_ops pm_ops_avx512;
-#define PM_HAVE_AVX512 1
-#else
-#define PM_HAVE_AVX512 0
 #endif
-/* The avx2 level's int8 products (pocket_model_avx2.c); with AVX-VNNI where the compiler has
- * its intrinsics (GCC 11, Clang 12) and the CPU the instruction (checked at run time). */
-#define PM_HAVE_AVX2 PM_HAVE_AVX512
 #if PM_HAVE_AVX2
 extern const pm_ops pm_ops_avx2;
 #endif
@@ -178,16 +206,11 @@ extern const pm_ops pm_ops_avxvnni;
 #else
 #define PM_HAVE_AMX 0
 #endif
-/* The condition of POCKET_ARM_NEON (pocket_internal.h): GCC >= 8 compiles the SDOT code with a
- * target attribute; Clang only when the target already has the extension (-march=...+dotprod),
- * as its arm_neon.h before version 16 declares the dot-product intrinsics only then. */
-#if defined(__aarch64__) && !defined(POCKET_NO_SIMD) &&                                          \
-    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8) ||                             \
-     (defined(__clang__) && defined(__ARM_FEATURE_DOTPROD)))
-extern const pm_ops pm_ops_neon; /* SDOT products: ARMv8.2-A +dotprod, checked at run time */
-#define PM_HAVE_NEON 1
-#else
-#define PM_HAVE_NEON 0
+/* SDOT products (pocket_model_neon.c): ARMv8.2-A +dotprod, checked at run time; compiled under
+ * POCKET_ARM_NEON's condition (pocket_internal.h). */
+#define PM_HAVE_NEON POCKET_ARM_NEON
+#if PM_HAVE_NEON
+extern const pm_ops pm_ops_neon;
 #endif
 
 #endif /* POCKET_MODEL_OPS_H */

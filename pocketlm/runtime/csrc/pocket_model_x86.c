@@ -20,17 +20,6 @@
 
 #define TGT __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl")))
 
-/* Software prefetch of the weight stream: bytes ahead, into L2. Measured on Zen 4 (2 vCPUs):
- * one thread streams ~20 GB/s with an L2 prefetch 12-16 KB ahead, ~10 GB/s with an L1 prefetch
- * (T0, whose few miss buffers fill up), ~8-9 GB/s with none; with two threads decoding,
- * 16 KB gave 5-15 % more tokens/s than 8-12 KB or 24 KB, and NTA 25 % fewer than T1. */
-#ifndef PM_PREFETCH_DIST
-#define PM_PREFETCH_DIST 16384
-#endif
-#ifndef PM_PREFETCH_HINT
-#define PM_PREFETCH_HINT _MM_HINT_T1
-#endif
-#define PM_PREFETCH(p) _mm_prefetch((const char *)(p) + PM_PREFETCH_DIST, PM_PREFETCH_HINT)
 #define AI __attribute__((always_inline))
 #define PM_RNE (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC) /* round to nearest even */
 
@@ -238,7 +227,7 @@ static TGT void glu_avx512(float *gate, const float *up, size_t len, int gelu) {
         } else {
             t = _mm512_sub_ps(_mm512_setzero_ps(), x);
         }
-        const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, pm_exp512(t)));
+        const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, pocket_exp512(t)));
         _mm512_mask_storeu_ps(gate + k, mk, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, up + k)));
     }
 }
@@ -327,10 +316,9 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
                                       const pm_tiled *w, const pm_act *a, int i0, float *y,
                                       size_t ystride, int tile, int prefetch) {
     const int Q4 = BITS != 8; /* nibbles and minimums */
-    const size_t BB = BITS == 4 ? 256 : BITS == 5 ? 320 : 512;
-    const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
-    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
-    const uint16_t *mn = sc + (size_t)w->ng * 16;
+    const size_t BB = PM_BLOCK_BYTES(BITS);
+    const uint16_t *sc, *mn;
+    const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
     const int8_t *x1[4], *x2[4];
     const float *dd[4], *bs[4];
@@ -418,7 +406,7 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
             }
         }
     }
-    const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+    const int r0 = 16 * tile, nr = pm_tile_rows(w, tile);
     const __mmask16 mk = tail_mask(nr);
     PM_UNROLL_T
     for (int t = 0; t < T; t++)
@@ -453,10 +441,9 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
                                        const pm_tiled *w, const pm_act *a, int i0, float *y,
                                        size_t ystride, int tile, int prefetch) {
     const int Q4 = BITS != 8; /* nibbles and minimums */
-    const size_t BB = BITS == 4 ? 256 : BITS == 5 ? 320 : 512;
-    const uint8_t *rec = w->data + (size_t)tile * w->tile_bytes;
-    const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
-    const uint16_t *mn = sc + (size_t)w->ng * 16;
+    const size_t BB = PM_BLOCK_BYTES(BITS);
+    const uint16_t *sc, *mn;
+    const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
     const int ng = w->ng, gpb = w->gpb, nb = w->nb;
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 lut16 = _mm512_add_ps(lut, _mm512_set1_ps(16.0f));
@@ -536,7 +523,7 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
             acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(Q4 ? xs : -128.0f * xs), acc[t]);
         }
     }
-    const int r0 = 16 * tile, nr = w->rows - r0 < 16 ? w->rows - r0 : 16;
+    const int r0 = 16 * tile, nr = pm_tile_rows(w, tile);
     const __mmask16 mk = tail_mask(nr);
     for (int t = 0; t < T; t++)
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);

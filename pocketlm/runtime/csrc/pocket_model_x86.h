@@ -9,6 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pocket_simd.h"
+
 /* The two operand vectors (columns 8m + j and 8m + 4 + j) of nibble vector m of an INT4 or
  * INT5 tile block (pocket_model_ops.h): INT5 adds 16 to the bytes whose bit is set in the
  * block's masks. Values 0..15 (INT4) or 0..31 (INT5), one byte each. */
@@ -28,25 +30,6 @@ pm_nibble_pair(const int bits, const uint8_t *blk, int m, __m512i *lo, __m512i *
     }
 }
 
-/* e^x, x <= 0 or moderate; inputs below -104 give 0 (or the smallest subnormal). */
-static inline __attribute__((always_inline, target("avx512f"))) __m512 pm_exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.5f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    const __m512 r2 = _mm512_mul_ps(r, r);
-    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(y, n);
-}
-
 /* One piece of an online softmax: s holds len (a multiple of 16) scaled scores, -inf where a
  * key is masked. In place: s = e^(s - max) (0 where masked), with max the running maximum *m
  * taken over these scores too; *l becomes *l * corr + the piece's sum. Returns corr, the factor
@@ -64,7 +47,7 @@ pm_softmax_piece(float *s, int len, float *m, float *l) {
     for (int j = 0; j < len; j += 16) {
         const __m512 sv = _mm512_loadu_ps(s + j);
         const __mmask16 ok = _mm512_cmp_ps_mask(sv, ninf, _CMP_NEQ_OQ);
-        const __m512 pv = _mm512_maskz_mov_ps(ok, pm_exp512(_mm512_sub_ps(sv, vnm)));
+        const __m512 pv = _mm512_maskz_mov_ps(ok, pocket_exp512(_mm512_sub_ps(sv, vnm)));
         _mm512_storeu_ps(s + j, pv);
         sum = _mm512_add_ps(sum, pv);
     }

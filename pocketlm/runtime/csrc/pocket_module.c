@@ -15,6 +15,7 @@
 
 #include "pocket_kernels.h"
 #include "pocket_model.h"
+#include "pocket_module_internal.h"
 
 #define KERNEL_API 1
 
@@ -24,11 +25,6 @@ static const pocket_kernel_table *level_tables[POCKET_LEVEL_COUNT];
 static int best_level = POCKET_LEVEL_SCALAR;
 
 /* ---- ThreadPool ------------------------------------------------------------------------- */
-
-typedef struct {
-    PyObject_HEAD pocket_pool *pool;
-    int size;
-} PoolObject;
 
 static void pool_dealloc(PoolObject *self) {
     if (self->pool) {
@@ -71,7 +67,7 @@ static PyGetSetDef pool_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
-static PyTypeObject PoolType = {
+PyTypeObject PocketPool_Type = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "pocketlm._native.ThreadPool",
     .tp_basicsize = sizeof(PoolObject),
     .tp_dealloc = (destructor)pool_dealloc,
@@ -82,47 +78,6 @@ static PyTypeObject PoolType = {
 };
 
 /* ---- argument checks -------------------------------------------------------------------- */
-
-typedef struct {
-    Py_buffer v;
-    int held;
-} Arr;
-
-static void arr_release(Arr *a) {
-    if (a->held) PyBuffer_Release(&a->v);
-    a->held = 0;
-}
-
-static const char *dtype_name(char code) {
-    switch (code) {
-    case 'f': return "float32";
-    case 'e': return "float16";
-    case 'B': return "uint8";
-    case 'b': return "int8";
-    default: return "?";
-    }
-}
-
-static int host_little_endian(void) {
-    const uint16_t one = 1;
-    return *(const unsigned char *)&one == 1;
-}
-
-/* The element type code of a buffer format ('f', 'e', 'B', ...), or 0 if it is not one
- * native scalar. */
-static char format_code(const char *fmt) {
-    if (!fmt) return 'B';
-    if (*fmt == '@' || *fmt == '=' || (*fmt == '<' && host_little_endian()) ||
-        ((*fmt == '>' || *fmt == '!') && !host_little_endian()))
-        fmt++;
-    if (fmt[0] == '\0' || fmt[1] != '\0') return 0;
-    return fmt[0];
-}
-
-/* Whether a buffer holds native scalars of element type `code` ('f', 'e', 'B' or 'b'). */
-static int has_dtype(const Py_buffer *v, char code) {
-    return format_code(v->format) == code && v->itemsize == (code == 'f' ? 4 : code == 'e' ? 2 : 1);
-}
 
 /* Take `obj` as a C-contiguous 2-D array of element type `code`. */
 static int get_array(PyObject *obj, const char *name, char code, int writable, Arr *a) {
@@ -181,14 +136,8 @@ static int check_shape(const Arr *a, const char *name, Py_ssize_t d0, Py_ssize_t
     return 0;
 }
 
-static int overlaps(const Arr *a, const Arr *b) {
-    if (!a->held || !b->held || a->v.len == 0 || b->v.len == 0) return 0;
-    const char *a0 = (const char *)a->v.buf, *b0 = (const char *)b->v.buf;
-    return a0 < b0 + b->v.len && b0 < a0 + a->v.len;
-}
-
 /* The kernel table for `level` (POCKET_LEVEL_AUTO: the best), or NULL with an exception. */
-static const pocket_kernel_table *check_level(int level) {
+const pocket_kernel_table *pocket_py_check_level(int level) {
     if (level == POCKET_LEVEL_AUTO) level = best_level;
     if (level < 0 || level >= POCKET_LEVEL_COUNT) {
         PyErr_Format(PyExc_ValueError, "unknown kernel level %d", level);
@@ -203,8 +152,8 @@ static const pocket_kernel_table *check_level(int level) {
     return level_tables[level];
 }
 
-static int check_pool(PyObject *pool, int threads) {
-    if (pool != Py_None && !PyObject_TypeCheck(pool, &PoolType)) {
+int pocket_py_check_pool(PyObject *pool, int threads) {
+    if (pool != Py_None && !PyObject_TypeCheck(pool, &PocketPool_Type)) {
         PyErr_Format(PyExc_TypeError, "pool must be a ThreadPool or None, got %s",
                      Py_TYPE(pool)->tp_name);
         return -1;
@@ -216,7 +165,7 @@ static int check_pool(PyObject *pool, int threads) {
     return 0;
 }
 
-static PyObject *raise_status(int rc) {
+PyObject *pocket_py_raise_status(int rc) {
     if (rc == POCKET_ENOMEM)
         PyErr_NoMemory();
     else if (rc == POCKET_EUNSUPPORTED)
@@ -224,6 +173,17 @@ static PyObject *raise_status(int rc) {
     else
         PyErr_Format(PyExc_ValueError, "native kernel rejected its arguments (status %d)", rc);
     return NULL;
+}
+
+int pocket_py_check_avxvnni(int avxvnni) {
+    if (avxvnni == 0 || avxvnni == 1) return 0;
+    PyErr_Format(PyExc_ValueError, "avxvnni must be 0 or 1, got %d", avxvnni);
+    return -1;
+}
+
+PyObject *pocket_py_status_result(int rc) {
+    if (rc != POCKET_OK) return pocket_py_raise_status(rc);
+    Py_RETURN_NONE;
 }
 
 /* ---- matmul_q4 / matmul_q8 -------------------------------------------------------------- */
@@ -256,8 +216,8 @@ static PyObject *do_matmul(int bits, PyObject *args, PyObject *kwds) {
         PyErr_Format(PyExc_ValueError, "group_size must be 32, 64 or 128, got %d", gs);
         return NULL;
     }
-    const pocket_kernel_table *kt = check_level(level);
-    if (!kt || check_pool(opool, threads) < 0) return NULL;
+    const pocket_kernel_table *kt = pocket_py_check_level(level);
+    if (!kt || pocket_py_check_pool(opool, threads) < 0) return NULL;
 
     Arr x = {0}, q = {0}, s = {0}, m = {0}, y = {0};
     PyObject *result = NULL;
@@ -303,7 +263,7 @@ static PyObject *do_matmul(int bits, PyObject *args, PyObject *kwds) {
     }
 
     {
-        pocket_pool *pool = opool == Py_None ? NULL : ((PoolObject *)opool)->pool;
+        pocket_pool *pool = pocket_py_pool(opool);
         int rc;
         Py_BEGIN_ALLOW_THREADS
         if (bits == 4)
@@ -316,13 +276,8 @@ static PyObject *do_matmul(int bits, PyObject *args, PyObject *kwds) {
                                     (int)cols, (const int8_t *)q.v.buf,
                                     (const uint16_t *)s.v.buf, (int)rows, gs, (float *)y.v.buf);
         Py_END_ALLOW_THREADS
-        if (rc != POCKET_OK) {
-            raise_status(rc);
-            goto done;
-        }
+        result = pocket_py_status_result(rc);
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
     arr_release(&x);
     arr_release(&q);
@@ -352,7 +307,7 @@ static PyObject *py_quantize_act_q8(PyObject *self, PyObject *args, PyObject *kw
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|i:quantize_act_q8", kw, &ox, &oq, &od,
                                      &os, &level))
         return NULL;
-    const pocket_kernel_table *t = check_level(level);
+    const pocket_kernel_table *t = pocket_py_check_level(level);
     if (!t) return NULL;
     Arr x = {0}, q = {0}, d = {0}, s = {0};
     PyObject *result = NULL;
@@ -385,13 +340,8 @@ static PyObject *py_quantize_act_q8(PyObject *self, PyObject *args, PyObject *kw
         rc = t->quantize_act_q8((const float *)x.v.buf, (int)n, (int)cols, (int8_t *)q.v.buf,
                                 (float *)d.v.buf, (float *)s.v.buf);
         Py_END_ALLOW_THREADS
-        if (rc != POCKET_OK) {
-            raise_status(rc);
-            goto done;
-        }
+        result = pocket_py_status_result(rc);
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
     arr_release(&x);
     arr_release(&q);
@@ -456,8 +406,6 @@ fail:
     return NULL;
 }
 
-#include "pocket_module_model.inc"
-
 static PyObject *py_amx_available(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -466,11 +414,13 @@ static PyObject *py_amx_available(PyObject *self, PyObject *unused) {
 
 static PyObject *py_ops_name(PyObject *self, PyObject *args, PyObject *kwds) {
     (void)self;
-    static char *kw[] = {"level", NULL};
-    int level = POCKET_LEVEL_AUTO;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|i:ops_name", kw, &level)) return NULL;
-    const pocket_kernel_table *t = check_level(level);
-    return t ? PyUnicode_FromString(pocket_level_ops_name(t)) : NULL;
+    static char *kw[] = {"level", "avxvnni", NULL};
+    int level = POCKET_LEVEL_AUTO, avxvnni = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|ii:ops_name", kw, &level, &avxvnni))
+        return NULL;
+    if (pocket_py_check_avxvnni(avxvnni) < 0) return NULL;
+    const pocket_kernel_table *t = pocket_py_check_level(level);
+    return t ? PyUnicode_FromString(pocket_level_ops_name(t, avxvnni)) : NULL;
 }
 
 /* ---- act_digits ------------------------------------------------------------------------- */
@@ -483,7 +433,7 @@ static PyObject *py_act_digits(PyObject *self, PyObject *args, PyObject *kwds) {
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOO|ii:act_digits", kw, &ox, &o1, &o2, &od,
                                      &ob, &digits, &level))
         return NULL;
-    const pocket_kernel_table *t = check_level(level);
+    const pocket_kernel_table *t = pocket_py_check_level(level);
     if (!t) return NULL;
     if (digits != 1 && digits != 2) {
         PyErr_Format(PyExc_ValueError, "digits must be 1 or 2, got %d", digits);
@@ -525,13 +475,8 @@ static PyObject *py_act_digits(PyObject *self, PyObject *args, PyObject *kwds) {
                                      (int8_t *)q1.v.buf, (int8_t *)q2.v.buf, (float *)d.v.buf,
                                      (float *)b.v.buf);
         Py_END_ALLOW_THREADS
-        if (rc != POCKET_OK) {
-            raise_status(rc);
-            goto done;
-        }
+        result = pocket_py_status_result(rc);
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
     arr_release(&x);
     arr_release(&q1);
@@ -542,6 +487,15 @@ done:
 }
 
 /* ---- module ----------------------------------------------------------------------------- */
+
+int pocket_py_add_type(PyObject *m, const char *name, PyTypeObject *type) {
+    Py_INCREF(type);
+    if (PyModule_AddObject(m, name, (PyObject *)type) < 0) {
+        Py_DECREF(type);
+        return -1;
+    }
+    return 0;
+}
 
 static PyMethodDef methods[] = {
     {"matmul_q4", (PyCFunction)(void (*)(void))py_matmul_q4, METH_VARARGS | METH_KEYWORDS,
@@ -557,8 +511,8 @@ static PyMethodDef methods[] = {
      "digits of x float32 [n, cols]: q1, q2 int8 [n, cols] (q2 untouched with digits=1),\n"
      "dd float32 [n, cols/32] (x ~ dd * (128 q1 + q2), or dd * q1), bsum float32 [n, cols/32]."},
     {"ops_name", (PyCFunction)(void (*)(void))py_ops_name, METH_VARARGS | METH_KEYWORDS,
-     "ops_name(level=-1) -> str: the operations a NativeModel created now at that kernel level\n"
-     "runs on ('portable', 'avx2', 'avx2+avxvnni', 'avx512', 'neon')."},
+     "ops_name(level=-1, avxvnni=1) -> str: the operations a NativeModel created now at that\n"
+     "kernel level (and avxvnni) runs on ('portable', 'avx2', 'avx2+avxvnni', 'avx512', 'neon')."},
     {"amx_available", py_amx_available, METH_NOARGS,
      "amx_available() -> bool: whether NativeModel can run prefill products on AMX-BF16\n"
      "(config 'amx'): built with it, the CPU has it, the OS granted the tile state."},
@@ -578,25 +532,11 @@ PyMODINIT_FUNC PyInit__native(void) {
         level_tables[l] = pocket_kernels(l);
         if (level_tables[l]) best_level = l;
     }
-    if (PyType_Ready(&PoolType) < 0 || PyType_Ready(&ModelType) < 0 || PyType_Ready(&KVType) < 0)
-        return NULL;
+    if (PyType_Ready(&PocketPool_Type) < 0) return NULL;
     PyObject *m = PyModule_Create(&moduledef);
     if (!m) return NULL;
-    Py_INCREF(&PoolType);
-    if (PyModule_AddObject(m, "ThreadPool", (PyObject *)&PoolType) < 0) {
-        Py_DECREF(&PoolType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&ModelType);
-    if (PyModule_AddObject(m, "NativeModel", (PyObject *)&ModelType) < 0) {
-        Py_DECREF(&ModelType);
-        Py_DECREF(m);
-        return NULL;
-    }
-    Py_INCREF(&KVType);
-    if (PyModule_AddObject(m, "NativeKV", (PyObject *)&KVType) < 0) {
-        Py_DECREF(&KVType);
+    if (pocket_py_add_type(m, "ThreadPool", &PocketPool_Type) < 0 ||
+        pocket_py_add_model_types(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }
@@ -606,7 +546,6 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "LEVEL_AVX512", POCKET_LEVEL_AVX512) ||
         PyModule_AddIntConstant(m, "LEVEL_NEON", POCKET_LEVEL_NEON) ||
         PyModule_AddIntConstant(m, "KERNEL_API", KERNEL_API) ||
-        PyModule_AddIntConstant(m, "MODEL_API", MODEL_API) ||
         PyModule_AddIntConstant(m, "Q8_QKV", POCKET_Q8_QKV) ||
         PyModule_AddIntConstant(m, "Q8_WO", POCKET_Q8_WO) ||
         PyModule_AddIntConstant(m, "Q8_GATE_UP", POCKET_Q8_GATE_UP) ||

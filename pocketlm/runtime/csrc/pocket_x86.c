@@ -8,6 +8,8 @@
 
 #include <immintrin.h>
 
+#include "pocket_simd.h"
+
 /* ---- AVX2 + FMA + F16C -------------------------------------------------------------------- */
 #define TGT __attribute__((target("avx2,fma,f16c")))
 #define SFX(name) name##_avx2
@@ -22,7 +24,7 @@
 #define vf_add(a, b) _mm256_add_ps((a), (b))
 #define vf_mul(a, b) _mm256_mul_ps((a), (b))
 #define vf_fma(a, b, c) _mm256_fmadd_ps((a), (b), (c))
-#define vf_hsum(v) hsum8_avx2(v)
+#define vf_hsum(v) pocket_hsum8(v)
 /* bytes 0..7 -> columns 0..7 (low nibbles) and 16..23 (high); bytes 8..15 -> 8..15, 24..31 */
 #define UNPACK_Q4F(p, q)                                                                        \
     do {                                                                                        \

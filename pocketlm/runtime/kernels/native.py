@@ -154,8 +154,7 @@ def engine_setting(settings: EngineSettings | None = None) -> dict:
     act = settings.act or default_activation(level)
     amx = level == "avx512" and amx_setting(act, settings)
     if level == "avx2" and act == "q8":  # the engine's own choice of products
-        # (the extension reads POCKET_AVXVNNI itself here, as the engine does)
-        level = _native.ops_name(level_id)
+        level = _native.ops_name(level_id, avxvnni=int(settings.avxvnni))
     return {"level": level, "act": act, "amx": amx,
             "amx_weights": settings.amx_weights if amx else None, "kv": kv_format(act, settings)}
 
@@ -481,7 +480,6 @@ class NativeEngine:
             raise KernelError(f"amx_weights must be one of {', '.join(AMX_WEIGHTS)}, "
                               f"got {amx_weights!r}")
         self.amx_weights = amx_weights if self.amx else None
-        # passed to NativeModel(avxvnni=...)
         self.avxvnni = int(settings.avxvnni if avxvnni is None else bool(avxvnni))
         cfg = config.to_dict()
         cfg["release_source"] = bool(release_source)
@@ -489,7 +487,7 @@ class NativeEngine:
         cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
         self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
                            act_q8=self.q8_mask(), level=level_id, threads=self.threads,
-                           pool=_get_pool(self.threads))
+                           pool=_get_pool(self.threads), avxvnni=self.avxvnni)
         self.level = self.model.level
 
     def q8_mask(self) -> int:

@@ -1,7 +1,8 @@
 /* pocketlm._native: NativeModel and NativeKV, the CPython wrapper of the inference engine
- * (pocket_model.h). Included by pocket_module.c (uses its ThreadPool type and level tables).
+ * (pocket_model.h). Uses pocket_module.c's ThreadPool and argument checks
+ * (pocket_module_internal.h); the module's initialization adds these types.
  *
- * NativeModel(config, weights, capacity, act_q8=0, level=-1)
+ * NativeModel(config, weights, capacity, act_q8=0, level=-1, threads=1, pool=None, avxvnni=1)
  *   config:  dict of pocketlm.config.ModelConfig fields (to_dict()).
  *   weights: dict name -> float32 numpy array (norms, biases, float weights), or a tuple
  *            ("int4", qweight uint8 [rows, cols/2], scales f16, mins f16, group_size),
@@ -11,6 +12,9 @@
  *            smoothing (pocket_layer_weights.k_smooth).
  *   capacity: the largest KV cache capacity (positions) the model will be asked for.
  *   act_q8: the products whose activations are quantized to int8 (Q8_* bits; 0: none).
+ *   threads, pool: the threads that repack the weights.
+ *   avxvnni: the avx2 level's int8 products; 1: on AVX-VNNI where the CPU has it, 0: on AVX2's
+ *            multiply-add pairs (the same results).
  * Every array is checked (dtype, C order, shape against the config) before its pointer is
  * stored; the model holds a buffer view of each, so the memory behind (e.g. a mmap'd deploy
  * file) stays alive and unresized for the model's lifetime.
@@ -24,7 +28,16 @@
  *   logits float32 [n, vocab].
  * model.kv_copy(dst, src, n): positions [0, n) of src into dst (a shared prompt prefix).
  */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
 
+#include <limits.h>
+#include <math.h>
+#include <string.h>
+
+#include "pocket_kernels.h"
+#include "pocket_model.h"
+#include "pocket_module_internal.h"
 #include "pythread.h"
 
 #define MODEL_API 1
@@ -245,15 +258,16 @@ static void model_dealloc(ModelObject *self) {
 
 static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"config", "weights", "capacity", "act_q8", "level", "threads",
-                             "pool", NULL};
+                             "pool", "avxvnni", NULL};
     PyObject *cfg, *weights, *opool = Py_None;
-    int capacity, act_q8 = 0, level = POCKET_LEVEL_AUTO, threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!i|iiiO:NativeModel", kwlist, &PyDict_Type,
+    int capacity, act_q8 = 0, level = POCKET_LEVEL_AUTO, threads = 1, avxvnni = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O!i|iiiOi:NativeModel", kwlist, &PyDict_Type,
                                      &cfg, &PyDict_Type, &weights, &capacity, &act_q8, &level,
-                                     &threads, &opool))
+                                     &threads, &opool, &avxvnni))
         return NULL;
-    if (check_pool(opool, threads) < 0) return NULL;
-    const pocket_kernel_table *kt = check_level(level);
+    if (pocket_py_check_pool(opool, threads) < 0 || pocket_py_check_avxvnni(avxvnni) < 0)
+        return NULL;
+    const pocket_kernel_table *kt = pocket_py_check_level(level);
     if (!kt) return NULL;
     if (act_q8 < 0 || act_q8 >= 1 << (2 * POCKET_Q8_ONE_DIGIT_SHIFT)) {
         PyErr_Format(PyExc_ValueError, "act_q8 must be a mask of Q8_* bits (0..1023), got %d",
@@ -302,6 +316,7 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     c.rope_theta = theta;
     c.rope_theta_local = theta_local;
     c.max_positions = capacity;
+    c.avxvnni = avxvnni;
     {
         PyObject *rs = cfg_item(cfg, "release_source", 0);
         int truth = rs ? PyObject_IsTrue(rs) : 0;
@@ -430,7 +445,7 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         }
 #undef LNAME
     }
-    pocket_pool *pool = opool == Py_None ? NULL : ((PoolObject *)opool)->pool;
+    pocket_pool *pool = pocket_py_pool(opool);
     rc = pocket_model_create(&c, layers, &embed, &head, final_norm, kt, act_q8, pool,
                              pool ? threads : 1, &self->model);
     if (rc != POCKET_OK) {
@@ -532,7 +547,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         return NULL;
     }
     KVObject *kvo = (KVObject *)okv;
-    if (check_pool(opool, threads) < 0) return NULL;
+    if (pocket_py_check_pool(opool, threads) < 0) return NULL;
     Arr ids = {0}, lg = {0};
     PyObject *result = NULL;
     if (get_ids(oids, &ids) < 0) goto done;
@@ -552,7 +567,7 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         if (check_token_ids(self, p, n) < 0 ||
             get_logits(self, ologits, &lg, all_logits ? n : 1, !all_logits, &ids, NULL) < 0)
             goto done;
-        pocket_pool *pool = opool == Py_None ? NULL : ((PoolObject *)opool)->pool;
+        pocket_pool *pool = pocket_py_pool(opool);
         int rc;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
@@ -560,13 +575,8 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
                                   (float *)lg.v.buf, all_logits, pool, pool ? threads : 1);
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
-        if (rc != POCKET_OK) {
-            raise_status(rc);
-            goto done;
-        }
+        result = pocket_py_status_result(rc);
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
     arr_release(&ids);
     arr_release(&lg);
@@ -617,7 +627,7 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|iO:forward_batch", kwlist, &okvs, &oids,
                                      &opos, &ologits, &threads, &opool))
         return NULL;
-    if (check_pool(opool, threads) < 0) return NULL;
+    if (pocket_py_check_pool(opool, threads) < 0) return NULL;
     Arr ids = {0}, pos = {0}, lg = {0};
     pocket_kv **kvs = NULL;
     PyObject *result = NULL;
@@ -639,7 +649,7 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
                 goto done;
             }
         if (get_logits(self, ologits, &lg, n, 0, &ids, &pos) < 0) goto done;
-        pocket_pool *pool = opool == Py_None ? NULL : ((PoolObject *)opool)->pool;
+        pocket_pool *pool = pocket_py_pool(opool);
         int rc;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
@@ -647,13 +657,8 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
                                         pool ? threads : 1);
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
-        if (rc != POCKET_OK) {
-            raise_status(rc);
-            goto done;
-        }
+        result = pocket_py_status_result(rc);
     }
-    Py_INCREF(Py_None);
-    result = Py_None;
 done:
     PyMem_Free(kvs);
     arr_release(&ids);
@@ -684,8 +689,7 @@ static PyObject *model_kv_copy(ModelObject *self, PyObject *args) {
     rc = pocket_kv_copy(dst->kv, src->kv, n);
     PyThread_release_lock(self->lock);
     Py_END_ALLOW_THREADS
-    if (rc != POCKET_OK) return raise_status(rc);
-    Py_RETURN_NONE;
+    return pocket_py_status_result(rc);
 }
 
 static PyObject *model_get_vocab(ModelObject *self, void *c) {
@@ -733,8 +737,8 @@ static PyTypeObject ModelType = {
     .tp_basicsize = sizeof(ModelObject),
     .tp_dealloc = (destructor)model_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "NativeModel(config, weights, capacity, act_q8=0, level=-1): the whole "
-              "forward pass in C.",
+    .tp_doc = "NativeModel(config, weights, capacity, act_q8=0, level=-1, threads=1, pool=None, "
+              "avxvnni=1): the whole forward pass in C.",
     .tp_new = model_new,
     .tp_methods = model_methods,
     .tp_getset = model_getset,
@@ -831,3 +835,13 @@ static PyTypeObject KVType = {
     .tp_new = kv_new,
     .tp_getset = kv_getset,
 };
+
+/* ---- registration ------------------------------------------------------------------------ */
+
+int pocket_py_add_model_types(PyObject *m) {
+    if (PyType_Ready(&ModelType) < 0 || PyType_Ready(&KVType) < 0) return -1;
+    if (pocket_py_add_type(m, "NativeModel", &ModelType) < 0 ||
+        pocket_py_add_type(m, "NativeKV", &KVType) < 0)
+        return -1;
+    return PyModule_AddIntConstant(m, "MODEL_API", MODEL_API);
+}
