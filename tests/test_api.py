@@ -18,13 +18,8 @@ PROMPT = "hello world, the"
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A tiny llama GGUF and a POCKET_HOME of its own (for the packed cache)."""
-    root = tmp_path_factory.mktemp("api")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POCKET_HOME", str(root / "home"))
-        gguf_path = root / "tiny.gguf"
-        config, _ = tiny_gguf.write_tiny_gguf(gguf_path, "llama", seed=2, weight_type="Q4_0")
-        model = pocketlm.load(gguf_path)
-        yield {"root": root, "gguf": gguf_path, "config": config, "model": model, "mp": mp}
+    with tiny_gguf.loaded_tiny_model(tmp_path_factory, "api", seed=2) as env:
+        yield env
 
 
 @pytest.fixture

@@ -23,13 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("misuse")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POCKET_HOME", str(root / "home"))
-        src = root / "tiny.gguf"
-        tiny_gguf.write_tiny_gguf(src, "llama", seed=3, weight_type="Q4_0")
-        model = pocketlm.load(src)
-        yield {"root": root, "gguf": src, "model": model}
+    with tiny_gguf.loaded_tiny_model(tmp_path_factory, "misuse", seed=3) as env:
+        yield env
 
 
 @pytest.fixture

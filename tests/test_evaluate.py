@@ -40,12 +40,8 @@ TEXT = ("hello world, the cat sat on the mat and it was good. The world is a big
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    root = tmp_path_factory.mktemp("eval")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POCKET_HOME", str(root / "home"))
-        gguf_path = root / "tiny.gguf"
-        tiny_gguf.write_tiny_gguf(gguf_path, "llama", seed=4, weight_type="Q4_0")
-        yield {"model": pocketlm.load(gguf_path), "gguf": gguf_path, "root": root}
+    with tiny_gguf.loaded_tiny_model(tmp_path_factory, "eval", seed=4) as env:
+        yield env
 
 
 def _direct_nll(model, ids: list[int]) -> float:

@@ -40,12 +40,9 @@ BASE = "http://127.0.0.1:8000"  # what the in-process transport presents as the 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A tiny llama GGUF (2048-token context), loaded, with a POCKET_HOME of its own."""
-    root = tmp_path_factory.mktemp("serve")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POCKET_HOME", str(root / "home"))
-        path = root / "tiny.gguf"
-        tiny_gguf.write_tiny_gguf(path, "llama", seed=2, weight_type="Q4_0", max_context=2048)
-        yield {"path": path, "model": pocketlm.load(path), "root": root}
+    with tiny_gguf.loaded_tiny_model(tmp_path_factory, "serve", seed=2,
+                                     max_context=2048) as env:
+        yield dict(env, path=env["gguf"])
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ so an independent reference sees exactly what the importer should read.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -242,3 +243,21 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     config = dataclasses.replace(config, norm_eps=float(np.float32(config.norm_eps)),
                                  rope_theta=float(np.float32(config.rope_theta)))
     return config, state
+
+
+@contextlib.contextmanager
+def loaded_tiny_model(tmp_path_factory, label: str, seed: int, **kwargs):
+    """A module fixture's model: a tiny llama GGUF (Q4_0; ``kwargs`` go to
+    :func:`write_tiny_gguf`) loaded through ``pocketlm.load`` under a POCKET_HOME of its own.
+    Yields ``{"root", "gguf", "config", "model", "mp"}``."""
+    import pytest
+
+    import pocketlm
+
+    root = tmp_path_factory.mktemp(label)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(root / "home"))
+        path = root / "tiny.gguf"
+        config, _ = write_tiny_gguf(path, "llama", seed=seed, weight_type="Q4_0", **kwargs)
+        yield {"root": root, "gguf": path, "config": config, "model": pocketlm.load(path),
+               "mp": mp}
