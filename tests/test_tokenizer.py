@@ -16,6 +16,7 @@ import pytest
 
 from pocketlm.errors import FormatError, UnsupportedError
 from pocketlm.formats.gguf_vocab import tokenizer_from_gguf_fields
+from pocketlm.llamacpp import LlamaCpp
 from pocketlm.tokenizer import BYTE_TO_CHAR, StreamingDetokenizer, Tokenizer
 
 # ---------------------------------------------------------------------------------------------
@@ -530,14 +531,13 @@ def real(request, _gguf):
 
 @pytest.fixture(scope="session")
 def oracle():
-    """``oracle(path)`` -> llama.cpp's vocabulary for that GGUF (skips without llama_cpp)."""
+    """``oracle(path)`` -> llama.cpp's vocabulary for that GGUF (through pocketlm.llamacpp)."""
     opened: dict[str, object] = {}
 
     def get(path: Path):
-        import llama_cpp
         key = str(path)
         if key not in opened:
-            opened[key] = llama_cpp.Llama(model_path=key, vocab_only=True, verbose=False)
+            opened[key] = LlamaCpp(key, vocab_only=True).llm
         return opened[key]
 
     yield get
