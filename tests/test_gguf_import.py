@@ -36,14 +36,8 @@ CASES = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def float_activations():
-    """These tests hold an import to a float reference at float32 rounding: the engine runs
-    with float activations here (its default int8 activations have their own bounds in
-    test_native_forward.py and test_runtime.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POCKET_ACT", "f32")
-        yield
+# an import held to a float reference at float32 rounding: float activations (conftest)
+FLOAT_ACTIVATIONS = True
 
 
 def _case_id(case) -> str:

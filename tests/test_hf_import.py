@@ -17,14 +17,8 @@ from pocketlm.formats import open_source  # noqa: E402
 IDS = [3, 70, 101, 33, 250, 12, 9, 64]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def float_activations():
-    """These tests hold an import to a float reference at float32 rounding: the engine runs
-    with float activations here (its default int8 activations have their own bounds in
-    test_native_forward.py and test_runtime.py)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("POCKET_ACT", "f32")
-        yield
+# an import held to a float reference at float32 rounding: float activations (conftest)
+FLOAT_ACTIVATIONS = True
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
