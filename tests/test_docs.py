@@ -45,3 +45,10 @@ def test_relative_links_resolve():
             elif anchor and f.suffix == ".md" and anchor not in _headings(f):
                 broken.append(f"{md.name}: {target} (no such heading)")
     assert not broken, broken
+
+
+def test_capability_report_is_current():
+    # docs/capability.md and docs/capability.svg are written from benchmarks/capability.jsonl
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "capability.py"), "write",
+                        "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -447,7 +447,7 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     from pocketlm.cli import main
 
     assert main(["eval", "-m", "x"]) == 1
-    assert "--ppl FILE or --task" in capsys.readouterr().err
+    assert "--ppl FILE, --task TASK" in capsys.readouterr().err
     empty = tmp_path / "e.txt"
     empty.write_text("  \n", encoding="utf-8")
     assert main(["eval", "-m", "x", "--ppl", str(empty)]) == 1

