@@ -262,3 +262,31 @@ def test_smollm2_suite_smoke_has_fixed_scores(tmp_path, capsys):
     again = json.loads(capsys.readouterr().out)
     assert [t["resumed"] for t in again["tasks"]] == [3] * len(SMOLLM2_LIMIT3)
     assert [t["correct"] for t in again["tasks"]] == [t["correct"] for t in out["tasks"]]
+
+
+@pytest.mark.real
+def test_ctrl_c_keeps_the_predictions_and_the_same_command_resumes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    preds = tmp_path / "p.jsonl"
+    cmd = [sys.executable, "-m", "pocketlm.cli", "eval", "-m", "smollm2-135m", "--suite",
+           "pocket", "--tasks", "mmlu-0shot", "--limit", "40", "--json", "--predictions",
+           str(preds)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not preds.exists()
+                                      or len(preds.read_text(encoding="utf-8").splitlines()) < 4):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "run the same command again to resume" in err
+    kept = [json.loads(x) for x in preds.read_text(encoding="utf-8").splitlines()]
+    assert "run" in kept[0] and 3 <= len(kept) - 1 < 40  # whole lines only
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (task,) = json.loads(done.stdout)["tasks"]
+    assert task["n"] == 40 and task["resumed"] == len(kept) - 1
