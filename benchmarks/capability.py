@@ -222,7 +222,7 @@ def mean_ability(r: dict) -> float:
 def svg_text(rows: list[dict]) -> str:
     """Two panels: mean ability against decode tok/s, and against peak memory; the budgets
     (decode 200 tok/s, memory 300 MB) drawn as dashed lines, the app-native quadrant shaded."""
-    points = [r for r in rows if r.get("speed") and r["limit"] is None]
+    points = [r for r in rows if r.get("speed")]
     w, h, pad = 860, 360, 55
     pw = (w - 3 * pad) / 2
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
@@ -230,7 +230,7 @@ def svg_text(rows: list[dict]) -> str:
            'fill="white"/>', f'<text x="{pad}" y="20" font-size="14">pocket suite: mean ability '
            'against speed and memory (deploy files)</text>']
     colors = ["#2f6fdf", "#e07b39", "#5aa469", "#a05195", "#d1495b", "#666666"]
-    top, bottom = 45, h - 45
+    top, bottom = 45, h - 62
     ymax = max([mean_ability(r) for r in points] + [0.5]) * 1.15
     for p, (field, title, budget, better_high) in enumerate((
             ("decode_tps", "decode tok/s", 200.0, True),
@@ -263,7 +263,8 @@ def svg_text(rows: list[dict]) -> str:
             cx, cy = sx(r["speed"][field]), sy(mean_ability(r))
             out.append(f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="5" '
                        f'fill="{colors[i % len(colors)]}"/>')
-            out.append(f'<text x="{cx + 7:.1f}" y="{cy + 4:.1f}">{escape(r["model"])}</text>')
+            name = r["model"] + ("" if r["limit"] is None else f" ({r['limit']}/task)")
+            out.append(f'<text x="{cx + 7:.1f}" y="{cy + 4:.1f}">{escape(name)}</text>')
     out.append(f'<text x="{pad}" y="{h - 6}" fill="#555">vertical: mean of the six ability '
                'accuracies; shaded: inside the budget</text>')
     out.append("</svg>")
