@@ -290,3 +290,30 @@ def test_ctrl_c_keeps_the_predictions_and_the_same_command_resumes(tmp_path):
     assert done.returncode == 0, done.stderr
     (task,) = json.loads(done.stdout)["tasks"]
     assert task["n"] == 40 and task["resumed"] == len(kept) - 1
+
+
+@pytest.mark.real
+def test_a_recipe_file_or_archive_that_fails_its_checksum_is_refused(tmp_path, monkeypatch,
+                                                                       capsys):
+    from pocketlm.cli import main
+    from pocketlm.evaluate import recipes
+
+    built = recipes.recipe_path("mmlu")
+    home = tmp_path / "home"
+    monkeypatch.setenv("POCKET_HOME", str(home))
+    copy = recipes.eval_dir() / built.name
+    copy.parent.mkdir(parents=True)
+    lines = built.read_text(encoding="utf-8").split("\n")
+    lines[5] = lines[5].replace('"answer": "', '"answer": "B", "x": "')  # one edited example
+    copy.write_text("\n".join(lines), encoding="utf-8")
+    assert main(["eval", "-m", "smollm2-135m", "--task", "mmlu", "--limit", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "fails its checksum" in err and err.count("\n") == 1
+    # a package file that is not the pinned one
+    wheel = home / "eval" / "downloads" / "lm_eval-0.4.13-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    wheel.write_bytes(b"PK\x03\x04 not the lm-eval wheel")  # a damaged download
+    copy.unlink()
+    assert main(["eval", "-m", "smollm2-135m", "--task", "mmlu", "--limit", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "fails its checksum" in err and "lm_eval-0.4.13" in err

