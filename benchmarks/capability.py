@@ -277,25 +277,15 @@ BLOCK = re.compile(r"^(<!-- generated: capability (abilities|tasks|published) "
 
 
 def write(check: bool) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from vs_llamacpp import update_files
+
     rows = load_rows()
     texts = {"abilities": abilities_text(rows), "tasks": tasks_text(rows),
              "published": published_text(rows)}
-    text = DOC.read_text(encoding="utf-8")
-    new = BLOCK.sub(lambda m: m[1] + "\n" + texts[m[2]] + "\n\n" + m[4], text)
-    stale = []
-    if new != text:
-        stale.append(str(DOC.relative_to(ROOT)))
-        if not check:
-            DOC.write_text(new, encoding="utf-8")
-    svg = svg_text(rows)
-    if not SVG.exists() or SVG.read_text(encoding="utf-8") != svg:
-        stale.append(str(SVG.relative_to(ROOT)))
-        if not check:
-            SVG.write_text(svg, encoding="utf-8")
-    if stale:
-        print(("out of date: " if check else "rewrote: ") + ", ".join(stale))
-        if check:
-            sys.exit(1)
+    doc = BLOCK.sub(lambda m: m[1] + "\n" + texts[m[2]] + "\n\n" + m[4],
+                    DOC.read_text(encoding="utf-8"))
+    update_files({DOC: doc, SVG: svg_text(rows)}, check)
 
 
 def main() -> None:

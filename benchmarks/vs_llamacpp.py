@@ -205,23 +205,31 @@ def block_text(kind: str, path: str, call: str | None) -> str:
     return table_text(path)
 
 
-def write(check: bool) -> None:
-    """Rewrite the generated blocks of DOCS from the results files they name."""
-    stale = []
-    for doc in DOCS:
-        target = ROOT / doc
-        text = target.read_text(encoding="utf-8")
-        new = BLOCK.sub(lambda m: m[1] + "\n" + block_text(m[2], str(ROOT / m[3]), m[4])
-                       + "\n\n" + m[6],
-                        text)
-        if new != text:
-            stale.append(doc)
-            if not check:
-                target.write_text(new, encoding="utf-8")
+def update_files(new_texts: dict[Path, str], check: bool) -> None:
+    """Write each file whose text differs from its new text (``check``: write nothing); say
+    which, and with ``check`` exit 1 when any is out of date. Shared by the scripts here that
+    generate docs."""
+    stale = [path for path, new in new_texts.items()
+             if not path.exists() or path.read_text(encoding="utf-8") != new]
+    if not check:
+        for path in stale:
+            path.write_text(new_texts[path], encoding="utf-8")
     if stale:
-        print(("out of date: " if check else "rewrote: ") + ", ".join(stale))
+        print(("out of date: " if check else "rewrote: ")
+              + ", ".join(str(p.relative_to(ROOT)) for p in stale))
         if check:
             sys.exit(1)
+
+
+def write(check: bool) -> None:
+    """Rewrite the generated blocks of DOCS from the results files they name."""
+    new_texts = {}
+    for doc in DOCS:
+        target = ROOT / doc
+        new_texts[target] = BLOCK.sub(
+            lambda m: m[1] + "\n" + block_text(m[2], str(ROOT / m[3]), m[4]) + "\n\n" + m[6],
+            target.read_text(encoding="utf-8"))
+    update_files(new_texts, check)
 
 
 def main() -> None:

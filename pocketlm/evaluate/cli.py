@@ -202,7 +202,6 @@ def _cmd_suite(args) -> int:
                            progress=not args.json, on_task=finished)
     except KeyboardInterrupt:
         if preds is not None:
-            preds.close()
             print(f"\npocket: interrupted; the predictions so far are in {preds.path}: run "
                   "the same command again to resume", file=sys.stderr)
         raise

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PocketError
-from .tasks import Engine, Task, evaluate_task, wilson_interval
+from .tasks import Engine, Task, evaluate_task, split_shots, wilson_interval
 
 SUITE_VERSION = 1
 
@@ -176,12 +176,6 @@ class Predictions:
 # -- running -----------------------------------------------------------------------------------
 
 
-def _todo(task: Task, limit: int) -> list[dict]:
-    """The examples evaluate_task scores (after few-shot examples are set aside)."""
-    pool = task.examples if task.fewshot or task.fewshot_group else task.examples[task.shots:]
-    return pool[:limit] if limit else pool
-
-
 def run_suite(engine: Engine, name: str = "pocket", *, limit: int | None = None,
               only: list[str] | None = None, predictions: Predictions | None = None,
               load: Callable[[str], Task] | None = None, progress: bool = True,
@@ -202,7 +196,8 @@ def run_suite(engine: Engine, name: str = "pocket", *, limit: int | None = None,
         n = st.limit if limit is None else limit
         shots = task.shots if st.shots is None else st.shots
         task.shots = shots
-        todo = _todo(task, n)
+        todo = split_shots(task, shots)[1]  # what evaluate_task scores, in its order
+        todo = todo[:n] if n else todo
         done = predictions.resumed(st.key, task, todo) if predictions else None
         record = None if predictions is None else (
             lambda i, ex, r, key=st.key: predictions.add(key, i, ex, r))
