@@ -108,8 +108,11 @@ def cmd_pack(args) -> int:
         if out.exists() and not args.force:
             raise PocketError(f"{out} exists; pass --force to overwrite it")
         report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                      keep_precision=args.keep_precision, progress=True)
+                      keep_precision=args.keep_precision, progress=True, calib=args.calib,
+                      bits_per_weight=args.bits_per_weight, quant_method=args.quant_method)
     print(report.summary())
+    if args.bits_per_weight is not None or args.list_tensors:
+        print(report.choices())
     return 0
 
 
@@ -457,6 +460,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, and one in Q5_0/Q5_1 "
                    "its 5 unless --all-int4, losslessly)")
     add_precision_options(p)
+    p.add_argument("--calib", metavar="FILE", help="calibrate the quantization on FILE (UTF-8 "
+                   "text from the app; 'default': the built-in zh + en + code set): activation "
+                   "statistics from the runtime, then GPTQ rounding of every requantized tensor")
+    p.add_argument("--bits-per-weight", metavar="B", help="choose each tensor's layout (INT4 / "
+                   "INT5 / INT8, group 32-128, or the source's own grid) by measured "
+                   "sensitivity to average B bits per weight over the quantized tensors, scales "
+                   "included (4.25-8; 'source': the bytes of the source GGUF's own types); "
+                   "calibrates on the default set unless --calib is given")
+    p.add_argument("--quant-method", choices=("rtn", "act", "gptq"), default=None,
+                   help="how calibrated tensors are rounded (default gptq; see "
+                   "docs/quantization.md)")
+    p.add_argument("--list-tensors", action="store_true",
+                   help="print every tensor's layout and errors (always with --bits-per-weight)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_pack)
 

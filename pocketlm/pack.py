@@ -36,7 +36,14 @@ from . import __version__
 from .errors import PocketError, UnsupportedError
 from .formats import SourceModel, open_source
 from .formats.pocketfile import TOKENIZER_TENSOR, check_writable, write_pocket
-from .quant import GROUP_SIZES, QuantTensor, check_quantizable, quantize, relative_error
+from .quant import (
+    GROUP_SIZES,
+    QuantTensor,
+    check_quantizable,
+    find_zero_point,
+    quantize,
+    relative_error,
+)
 from .registry import sweep_stale_temps, write_error_message, writer_lock
 
 QUANT_SUFFIXES = ("attn.w_q.weight", "attn.w_k.weight", "attn.w_v.weight", "attn.w_o.weight",
@@ -49,9 +56,13 @@ class TensorReport:
     name: str
     source_dtype: str
     stored: str  # "int4" | "int5" | "int8" | "f32"
-    how: str  # "lossless" | "requantized" | "float"
+    how: str  # "lossless" | "requantized" | "calibrated" | "float"
     rel_error: float
     n_params: int
+    group_size: int = 0
+    nbytes: int = 0
+    out_error: float | None = None  # relative output error on the calibration inputs
+    zero_point: int | None = None  # stored without minimums (see pocketlm.quant)
 
 
 @dataclass
@@ -63,6 +74,7 @@ class PackReport:
     file_bits_per_weight: float  # the whole file over all parameters
     seconds: float
     tensors: list[TensorReport] = field(default_factory=list)
+    calibration: dict | None = None  # what calibrate.plan did: set, method, budget, seconds
 
     def worst(self, n: int = 5) -> list[TensorReport]:
         quantized = [t for t in self.tensors if t.stored != "f32"]
@@ -70,7 +82,7 @@ class PackReport:
 
     def summary(self) -> str:
         lossless = sum(t.how == "lossless" for t in self.tensors)
-        requant = sum(t.how == "requantized" for t in self.tensors)
+        requant = sum(t.how in ("requantized", "calibrated") for t in self.tensors)
         lines = [
             f"wrote {self.path} ({self.file_bytes / 1e6:.1f} MB, {self.n_params / 1e6:.1f} M "
             f"parameters) in {self.seconds:.1f} s",
@@ -78,11 +90,33 @@ class PackReport:
             f"{self.file_bits_per_weight:.2f} for the whole file",
             f"tensors: {lossless} imported losslessly, {requant} requantized, "
             f"{len(self.tensors) - lossless - requant} kept in float",
-            "largest relative errors (||W_q - W|| / ||W||):",
         ]
+        cal = self.calibration
+        if cal:
+            lines.append(
+                f"calibration: {cal['method']} on {cal['set']['sequences']} sequences of "
+                f"{cal['set']['seq_len']} tokens ({cal['set']['source']}, sha256 "
+                f"{cal['set']['sha256'][:12]}), {cal['seconds']:.0f} s"
+                + (f"; bit budget {cal['bits_per_weight']:g}" if cal.get('bits_per_weight')
+                   else ""))
+        lines.append("largest relative errors (||W_q - W|| / ||W||):")
         for t in self.worst():
             lines.append(f"  {t.rel_error:8.5f}  {t.name}  ({t.source_dtype} -> {t.stored}, "
                          f"{t.how})")
+        return "\n".join(lines)
+
+    def choices(self) -> str:
+        """One line per quantized tensor: its layout, bits per weight, how it was made, its
+        weight error and (calibrated) relative output error."""
+        lines = ["tensor  source -> layout  bits/weight  how  weight-error  output-error"]
+        for t in self.tensors:
+            if t.stored == "f32":
+                continue
+            bpw = 8.0 * t.nbytes / max(t.n_params, 1)
+            out = "" if t.out_error is None else f"  {t.out_error:.2e}"
+            sym = "" if t.zero_point is None else f" zp{t.zero_point}"
+            lines.append(f"{t.name}  {t.source_dtype} -> {t.stored} g{t.group_size}{sym}  "
+                         f"{bpw:.2f}  {t.how}  {t.rel_error:.5f}{out}")
         return "\n".join(lines)
 
 
@@ -91,6 +125,7 @@ _LOW_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS", "I
                   "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M", "TQ1_0", "TQ2_0"}
 
 
+_KIND_BITS = {"int4": 4, "int5": 5, "int8": 8}
 # 4-bit GGUF types that import into pocketlm's INT4 layout without requantizing.
 _INT4_IMPORTABLE = {"Q4_0", "Q4_1", "Q4_K"}
 # 5-bit GGUF types that import into the INT5 layout without requantizing (keep_precision).
@@ -141,27 +176,66 @@ def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
 
 def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int = 32,
          embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
-         progress: bool = True, int4_search: bool = True) -> PackReport:
+         progress: bool = True, int4_search: bool = True, calib: str | Path | None = None,
+         bits_per_weight: float | None = None, quant_method: str | None = None) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
     ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
     INT4) or True (also float weights in INT8), as in the module docstring.
     ``int4_search=False`` rounds requantized INT4 (and INT5) groups to their min-max grid (for
-    weights trained against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`)."""
+    weights trained against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`).
+
+    Calibration (:mod:`pocketlm.calibrate`): ``calib`` (``"default"``: the zh + en + code set
+    of :mod:`pocketlm.calibdata`; or a UTF-8 text file) gathers activation statistics and
+    quantizes every requantized tensor by ``quant_method`` (default ``"gptq"``);
+    ``bits_per_weight`` (4.25-8, implies ``calib="default"`` when no ``calib`` is given)
+    chooses each tensor's layout (INT4 / INT5 / INT8, group 32-128, or the source's own grid)
+    to meet that average over all quantized tensors, scales included."""
     check_pack_options(group_size, embed_bits, keep_precision)
+    if bits_per_weight is not None:
+        from .calibrate import check_bits_per_weight
+
+        bits_per_weight = check_bits_per_weight(bits_per_weight)
+        calib = "default" if calib is None else calib
+    if quant_method is not None:
+        from .calibrate import METHODS
+
+        if quant_method not in METHODS:
+            raise UnsupportedError(f"quantization method {quant_method!r} is not supported; "
+                                   f"choose one of {', '.join(METHODS)}")
+        if calib is None:
+            raise UnsupportedError("a quantization method needs calibration: pass --calib "
+                                   "(or --bits-per-weight)")
+    if calib is not None and calib != "default":
+        calib = Path(calib)
+        if not calib.is_file():
+            raise PocketError(f"--calib {calib}: no such file")
     out = Path(out)
     check_writable(out)  # before the quantization, not after it
     sweep_stale_temps(out.parent, out.name)  # what a killed pack to the same file left
     with writer_lock(out.parent):
         return _pack(source, out, group_size=group_size, embed_bits=embed_bits,
                      keep_precision=keep_precision, measure_error=measure_error,
-                     progress=progress, int4_search=int4_search)
+                     progress=progress, int4_search=int4_search, calib=calib,
+                     bits_per_weight=bits_per_weight, quant_method=quant_method)
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
           keep_precision: bool | None, measure_error: bool, progress: bool,
-          int4_search: bool) -> PackReport:
+          int4_search: bool, calib=None, bits_per_weight=None,
+          quant_method=None) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
+    planned: dict[str, tuple[QuantTensor, str, float | None]] = {}
+    calibration = None
+    if calib is not None:
+        from .calibrate import DEFAULT_METHOD, plan
+
+        planned, calibration = plan(
+            model, calib=calib, method=quant_method or DEFAULT_METHOD,
+            bits_per_weight=bits_per_weight,
+            default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
+                                                      keep_precision),
+            group_size=group_size, progress=progress)
     arrays: list[tuple[str, np.ndarray]] = []
     layouts: dict[str, Any] = {}
     reports: list[TensorReport] = []
@@ -177,16 +251,18 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         count = int(np.prod(st.shape))
         n_params += count
         bits = choose_bits(name, embed_bits, st.dtype, keep_precision)
-        if name in EMBED_NAMES and bits is not None:
-            stored_embed_bits = max(stored_embed_bits or 0, bits)
         if bits is None:
             values = st.to_float()
             arrays.append((name, np.ascontiguousarray(values, dtype=np.float32)))
             reports.append(TensorReport(name, st.dtype, "f32", "float", 0.0, count))
             continue
-        qt = st.to_quant(bits, group_size)
-        how = "lossless"
         ref = None
+        out_err = None
+        if name in planned:
+            qt, how, out_err = planned.pop(name)
+        else:
+            qt = st.to_quant(bits, group_size)
+            how = "lossless"
         if qt is None:
             check_quantizable(tuple(st.shape), group_size, name)  # names the tensor on error
             ref = st.to_float()
@@ -197,16 +273,23 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
             ref = st.to_float() if ref is None else ref
             err = _chunked_rel_error(ref, qt)
         del ref
+        if name in EMBED_NAMES:
+            stored_embed_bits = max(stored_embed_bits or 0, _KIND_BITS[qt.kind])
+        zp = find_zero_point(qt)  # minimums that are -zp * scale need not be stored
+        if zp is not None:
+            qt.zero_point = zp
         arrays.append((name, qt.qweight))
         arrays.append((name + ".scales", qt.scales))
-        if qt.mins is not None:
+        if qt.mins is not None and zp is None:
             arrays.append((name + ".mins", qt.mins))
-        layouts[name] = {"kind": qt.kind, "shape": list(qt.shape), "group_size": qt.group_size}
+        layouts[name] = {"kind": qt.kind, "shape": list(qt.shape), "group_size": qt.group_size,
+                         **({"zero_point": zp} if zp is not None else {})}
         if name.endswith(QUANT_SUFFIXES):
             linear_kinds.add(qt.kind)
         q_bytes += qt.nbytes
         q_params += count
-        reports.append(TensorReport(name, st.dtype, qt.kind, how, err, count))
+        reports.append(TensorReport(name, st.dtype, qt.kind, how, err, count,
+                                    qt.group_size, qt.nbytes, out_err, zp))
 
     tok_json = model.tokenizer.to_json().encode("utf-8")
     arrays.append((TOKENIZER_TENSOR, np.frombuffer(tok_json, dtype=np.uint8)))
@@ -214,11 +297,12 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         "config": model.config.to_dict(),
         "generation": model.generation.to_dict(),
         "chat_template": model.chat_template or "",
-        "quant": {"scheme": f"int4-g{group_size}" + "".join(
+        "quant": {"scheme": ("budget" if bits_per_weight else f"int4-g{group_size}") + "".join(
                       f"+{k}" for k in ("int5", "int8") if k in linear_kinds),
                   "group_size": group_size, "embed_bits": stored_embed_bits or embed_bits,
                   "keep_precision": precision_record(keep_precision),
-                  "tensors": layouts},
+                  "tensors": layouts,
+                  **({"calibration": calibration} if calibration else {})},
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
@@ -231,7 +315,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         path=out, file_bytes=size, n_params=n_params,
         quant_bits_per_weight=8.0 * q_bytes / max(q_params, 1),
         file_bits_per_weight=8.0 * size / max(n_params, 1),
-        seconds=time.time() - t0, tensors=reports,
+        seconds=time.time() - t0, tensors=reports, calibration=calibration,
     )
 
 

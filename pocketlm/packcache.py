@@ -21,8 +21,10 @@ from .registry import make_home_dir, pocket_home
 # layout), so that cached deploy files are rebuilt once instead of being used forever.
 # 4-5: the default keeps a GGUF's 5-8-bit tensors (a Q5_0 embedding in INT5); 6: format version 2
 # (the header checksum), so that cached packs get a protected header once; 7: the generation
-# defaults a GGUF's general.sampling.* keys or a Hugging Face folder's generation_config.json carry
-PACK_REVISION = 7
+# defaults a GGUF's general.sampling.* keys or a Hugging Face folder's generation_config.json
+# carry; 8: INT4 / INT5 tensors whose minimums are -8 / -16 times the scale (GGUF Q4_0, Q5_0)
+# are stored without them
+PACK_REVISION = 8
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,

@@ -26,6 +26,12 @@ INT8 (symmetric, ``kind="int8"``): ``qweight`` int8 ``[rows, cols]``, ``scales``
 ``g = 32`` imports exactly).
 
 Group sizes are 32 (default), 64 or 128; ``cols`` must be a multiple of 32 and of the group size.
+
+Implicit minimums (``zero_point``): an INT4 or INT5 tensor whose every minimum is
+``-zero_point * scale`` exactly (8 for INT4, 16 for INT5: GGUF Q4_0's and Q5_0's grids) may be
+stored without its ``mins`` (4.5 and 5.5 bits per weight at group 32 instead of 5.0 and 6.0);
+readers compute ``mins = float16(-zero_point * scales)``, which is exact (a float16 times a power
+of two), and hold the tensor as the layout above.
 """
 
 from __future__ import annotations
@@ -52,11 +58,14 @@ class QuantTensor:
     qweight: np.ndarray
     scales: np.ndarray
     mins: np.ndarray | None = None
+    zero_point: int | None = None  # mins implicit: -zero_point * scales (not stored)
 
     @property
     def nbytes(self) -> int:
+        """Bytes as stored in a deploy file (implicit minimums are not stored)."""
         n = self.qweight.nbytes + self.scales.nbytes
-        return n + (self.mins.nbytes if self.mins is not None else 0)
+        stored = self.mins is not None and self.zero_point is None
+        return n + (self.mins.nbytes if stored else 0)
 
     @property
     def bits_per_weight(self) -> float:
@@ -75,6 +84,27 @@ class QuantTensor:
             return dequantize_int8(self.qweight[sel], self.scales[sel], self.group_size)
         raise UnsupportedError(f"quantized weight kind {self.kind!r} is not supported; "
                                f"choose one of {', '.join(KINDS)}")
+
+
+ZERO_POINTS = {"int4": 8, "int5": 16}
+
+
+def implicit_mins(scales: np.ndarray, zero_point: int) -> np.ndarray:
+    """The float16 minimums ``-zero_point * scales`` of a tensor stored without them."""
+    with np.errstate(over="ignore"):
+        return (-float(zero_point) * scales.astype(np.float32)).astype(np.float16)
+
+
+def find_zero_point(qt: QuantTensor) -> int | None:
+    """The zero point of ``qt`` if its minimums are all ``-zero_point * scale`` exactly
+    (so they need not be stored), else None."""
+    zp = ZERO_POINTS.get(qt.kind)
+    if zp is None or qt.mins is None:
+        return None
+    m = implicit_mins(qt.scales, zp)
+    if not np.isfinite(m.astype(np.float32)).all():
+        return None
+    return zp if np.array_equal(m.view(np.uint16), np.asarray(qt.mins).view(np.uint16)) else None
 
 
 def check_quantizable(shape: tuple[int, ...], group_size: int, name: str = "tensor") -> None:

@@ -52,3 +52,10 @@ def test_capability_report_is_current():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "capability.py"), "write",
                         "--check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_quantization_tables_are_current():
+    # docs/quantization.md's results table is written from benchmarks/quant_quality.jsonl
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_quality.py"), "write",
+                        "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -203,7 +203,10 @@ def test_keep_precision_pack_of_5bit_gguf_is_lossless_int5(tmp_path, arch, weigh
     for t in linear:
         w = weights[t.name]
         assert isinstance(w, QuantTensor) and w.kind == "int5" and w.group_size == 32
-        assert w.bits_per_weight == 6.0  # 5 bits + float16 scale and minimum per 32
+        # 5 bits + float16 scale and minimum per 32; Q5_0's minimum is -16 * scale, so the
+        # file stores no minimums (zero point 16)
+        assert w.bits_per_weight == (5.5 if weight_type == "Q5_0" else 6.0)
+        assert w.zero_point == (16 if weight_type == "Q5_0" else None)
         assert np.array_equal(w.dequantize(), source.tensors[t.name].to_float()), t.name
 
     model = load_pocket(tmp_path / "m.pocket")

@@ -64,7 +64,7 @@ import numpy as np
 
 from ..config import ModelConfig, short_repr
 from ..errors import ChecksumError, FormatError, PocketError, UnsupportedError
-from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, QuantTensor
+from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, ZERO_POINTS, QuantTensor, implicit_mins
 
 FORMAT_NAME = "pocket"
 FORMAT_VERSION = 2  # 2: header_checksum
@@ -501,6 +501,22 @@ class PocketFile:
             out[name] = (kind, (rows, cols), gs)
         return out
 
+    def zero_points(self) -> dict[str, int]:
+        """``name -> zero point`` of the tensors stored without minimums (see
+        :mod:`pocketlm.quant`); a zero point other than INT4's 8 or INT5's 16 is refused."""
+        quant = self._json("quant", {})
+        tensors = quant.get("tensors", {}) if isinstance(quant, dict) else {}
+        out = {}
+        for name, q in (tensors.items() if isinstance(tensors, dict) else ()):
+            if isinstance(q, dict) and "zero_point" in q:
+                zp = q["zero_point"]
+                if not _is_int(zp) or ZERO_POINTS.get(q.get("kind")) != zp:
+                    raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
+                                      f"(zero point {short_repr(zp)} for {q.get('kind')!r}); "
+                                      "this pocketlm cannot read it")
+                out[name] = zp
+        return out
+
     def tokenizer_json(self) -> str:
         """The serialised tokenizer the file carries (tensor ``pocket.tokenizer``)."""
         try:
@@ -555,11 +571,18 @@ class PocketFile:
         """Every model tensor, quantized ones as :class:`QuantTensor` (views, no copies)."""
         out: dict[str, np.ndarray | QuantTensor] = {}
         companions = set()
+        zero_points = self.zero_points()
         for name, (kind, shape, gs) in self.quant_layouts().items():
             rows, cols = shape
             qweight = self.tensor(name)
             scales = self.tensor(name + ".scales")
-            mins = self.tensor(name + ".mins") if kind != "int8" else None
+            zp = zero_points.get(name)
+            if zp is not None:
+                if scales.dtype != np.float16:
+                    raise FormatError(f"{self.path}: tensor {name!r}: scales must be float16")
+                mins = implicit_mins(scales, zp)
+            else:
+                mins = self.tensor(name + ".mins") if kind != "int8" else None
             expect = {"int4": (rows, cols // 2), "int5": (rows, cols // 32 * INT5_BLOCK_BYTES),
                       "int8": (rows, cols)}[kind]
             qdtype = np.int8 if kind == "int8" else np.uint8
@@ -575,7 +598,7 @@ class PocketFile:
                     f"{list(shape)}, groups of {gs}: expects values {np.dtype(qdtype).name} "
                     f"{list(expect)} and float16 scales{' and mins' if mins is not None else ''}"
                     f" {[rows, cols // gs]}; found {found}); repack the model")
-            out[name] = QuantTensor(kind, shape, gs, qweight, scales, mins)
+            out[name] = QuantTensor(kind, shape, gs, qweight, scales, mins, zp)
             companions.update({name + ".scales", name + ".mins"})
         for name in self.infos:
             if name in out or name in companions or name.startswith("_pad.") or name.startswith(

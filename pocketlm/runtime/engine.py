@@ -113,6 +113,10 @@ class NumpyEngine(Engine):
         self.w = weights
         self._head = weights.get("lm_head.weight", weights["embed.weight"])
         self._rope_cache: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        # observe(site, x): called with the input of each group of linear products (sites
+        # "layers.{i}.attn_in", ".o_in", ".mlp_in", ".down_in" and "head_in"); calibration
+        # gathers activation statistics through it
+        self.observe = None
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.config, capacity)
@@ -148,6 +152,7 @@ class NumpyEngine(Engine):
         start = cache.length
         positions = np.arange(start, start + n)
         w = self.w
+        obs = self.observe or (lambda site, a: None)
         x = R.embedding_ref(w["embed.weight"], ids)  # [n, d_model]
         if cfg.embed_scale != 1.0:
             x *= np.float32(cfg.embed_scale)
@@ -155,6 +160,7 @@ class NumpyEngine(Engine):
             p = f"layers.{i}."
             # attention
             h = R.rmsnorm_ref(x, w[p + "attn_norm.weight"], cfg.norm_eps)
+            obs(p + "attn_in", h)
             q = R.linear_ref(h, w[p + "attn.w_q.weight"], w.get(p + "attn.w_q.bias"))
             k = R.linear_ref(h, w[p + "attn.w_k.weight"], w.get(p + "attn.w_k.bias"))
             v = R.linear_ref(h, w[p + "attn.w_v.weight"], w.get(p + "attn.w_v.bias"))
@@ -171,17 +177,21 @@ class NumpyEngine(Engine):
             cache.v[i][start:start + n] = v
             a = R.attention_ref(q, cache.k[i][:start + n], cache.v[i][:start + n], positions,
                                 cfg.scale, cfg.layer_window(i))  # [n, H, hd]
-            o = R.linear_ref(np.ascontiguousarray(a.reshape(n, cfg.q_dim)),
-                             w[p + "attn.w_o.weight"])
+            a = np.ascontiguousarray(a.reshape(n, cfg.q_dim))
+            obs(p + "o_in", a)
+            o = R.linear_ref(a, w[p + "attn.w_o.weight"])
             if cfg.sandwich_norms:
                 o = R.rmsnorm_ref(o, w[p + "post_attn_norm.weight"], cfg.norm_eps)
             x = x + o
             # MLP
             h = R.rmsnorm_ref(x, w[p + "mlp_norm.weight"], cfg.norm_eps)
+            obs(p + "mlp_in", h)
             gate = R.linear_ref(h, w[p + "mlp.w_gate.weight"])
             up = R.linear_ref(h, w[p + "mlp.w_up.weight"])
             act = R.silu_ref(gate) if cfg.activation == "silu" else R.gelu_tanh_ref(gate)
-            d = R.linear_ref(np.ascontiguousarray(act * up), w[p + "mlp.w_down.weight"])
+            act = np.ascontiguousarray(act * up)
+            obs(p + "down_in", act)
+            d = R.linear_ref(act, w[p + "mlp.w_down.weight"])
             if cfg.sandwich_norms:
                 d = R.rmsnorm_ref(d, w[p + "post_mlp_norm.weight"], cfg.norm_eps)
             x = x + d
@@ -189,6 +199,7 @@ class NumpyEngine(Engine):
         if not all_logits:
             x = x[-1:]
         x = R.rmsnorm_ref(np.ascontiguousarray(x), w["norm.weight"], cfg.norm_eps)
+        obs("head_in", x)
         logits = R.linear_ref(x, self._head)
         return logits if all_logits else logits[0]
 

@@ -56,6 +56,8 @@ typedef struct pocket_weight {
     const void *data;       /* float32 | uint8 packed INT4 / INT5 | int8 */
     const uint16_t *scales; /* float16 [rows, cols / group_size] (Q4, Q5, Q8) */
     const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4, Q5) */
+    int mins_in_memory;     /* the mins were computed (implicit zero point), not mapped from the
+                             * file: release_source never hands their pages back */
 } pocket_weight;
 
 typedef struct pocket_layer_weights {

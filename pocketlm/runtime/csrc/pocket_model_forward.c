@@ -461,7 +461,8 @@ static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *
             const size_t rb = pm_row_bytes(w);
             pm_release_around((const uint8_t *)w->data + r * rb, rb);
             pm_release_around(w->scales + r * ng, ng * sizeof(uint16_t));
-            if (w->type != POCKET_WT_Q8) pm_release_around(w->mins + r * ng, ng * sizeof(uint16_t));
+            if (w->type != POCKET_WT_Q8 && !w->mins_in_memory)
+                pm_release_around(w->mins + r * ng, ng * sizeof(uint16_t));
         }
     }
 }

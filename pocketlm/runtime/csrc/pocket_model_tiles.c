@@ -82,7 +82,8 @@ static void release_rows(const pocket_weight *w, size_t r0, size_t r1) {
     const size_t n = r1 - r0;
     release_range((const uint8_t *)w->data + r0 * row_bytes, n * row_bytes);
     release_range(w->scales + r0 * ng, n * ng * sizeof(uint16_t));
-    if (w->type != POCKET_WT_Q8) release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
+    if (w->type != POCKET_WT_Q8 && !w->mins_in_memory)
+        release_range(w->mins + r0 * ng, n * ng * sizeof(uint16_t));
 }
 
 void pm_tiled_release_source(const pocket_weight *w) { release_rows(w, 0, (size_t)w->rows); }
@@ -95,7 +96,8 @@ void pm_advise_random_rows(const pocket_weight *w) {
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8) return;
     const size_t rows = (size_t)w->rows, cols = (size_t)w->cols, ng = cols / (size_t)w->group_size;
     const size_t row_bytes = pm_row_bytes(w);
-    const void *ranges[3] = {w->data, w->scales, w->type != POCKET_WT_Q8 ? w->mins : NULL};
+    const void *ranges[3] = {w->data, w->scales,
+                             w->type != POCKET_WT_Q8 && !w->mins_in_memory ? w->mins : NULL};
     const size_t sizes[3] = {rows * row_bytes, rows * ng * sizeof(uint16_t),
                              rows * ng * sizeof(uint16_t)};
     long page = sysconf(_SC_PAGESIZE);

@@ -192,14 +192,16 @@ static int model_matrix(ModelObject *self, PyObject *weights, const char *name, 
     int is4 = kind && PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "int4") == 0;
     int is5 = kind && PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "int5") == 0;
     int is8 = kind && PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "int8") == 0;
-    if (!((is4 || is5) && len == 5) && !(is8 && len == 4)) {
+    if (!((is4 || is5) && (len == 5 || len == 6)) && !(is8 && len == 4)) {
         PyErr_Format(PyExc_TypeError,
                      "weight '%s' must be a float32 array, ('int4' or 'int5', qweight, scales, "
-                     "mins, group_size) or ('int8', qweight, scales, group_size)",
+                     "mins, group_size[, mins_in_memory]) or ('int8', qweight, scales, "
+                     "group_size)",
                      name);
         return -1;
     }
-    PyObject *ogs = PyTuple_GET_ITEM(obj, len - 1);
+    PyObject *ogs = PyTuple_GET_ITEM(obj, is8 ? 3 : 4);
+    w->mins_in_memory = len == 6 && PyObject_IsTrue(PyTuple_GET_ITEM(obj, 5)) == 1;
     long gs = PyLong_Check(ogs) ? PyLong_AsLong(ogs) : -1;
     if (gs != 32 && gs != 64 && gs != 128) {
         PyErr_Clear();

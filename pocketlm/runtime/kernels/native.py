@@ -362,6 +362,8 @@ def _engine_tensor(w):
             if w.qweight.dtype != np.uint8 or w.scales.dtype != np.float16 or \
                     w.mins.dtype != np.float16:
                 return None
+            if w.zero_point is not None:  # mins computed, not mapped: never released
+                return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size), True)
             return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size))
         if w.qweight.dtype != np.int8 or w.scales.dtype != np.float16:
             return None

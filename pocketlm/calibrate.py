@@ -1,0 +1,777 @@
+"""Calibrated quantization: activation statistics from the runtime, and quantizers that use them.
+
+Statistics. :func:`gather` runs the float model on the calibration sequences
+(:mod:`pocketlm.calibdata`) in the runtime's numpy reference engine (torch-free) and
+accumulates, for the input ``X`` of every group of linear products, the second moment
+``H = X^T X / n`` (float64). Products that read the same input share one ``H``: q/k/v read
+``layers.{i}.attn_in``, W_o ``o_in``, gate/up ``mlp_in``, W_down ``down_in``, and the output
+head (tied or not) ``head_in``, the final normed hidden state.
+
+The output error of a quantized matrix ``W~`` on that input is
+``E(W~) = sum_t ||(W~ - W) x_t||^2 / n = tr((W~ - W) H (W~ - W)^T)``: what each method here
+minimizes instead of the weight error ``||W~ - W||^2``.
+
+Methods (``method=`` of :func:`quantize_calibrated`):
+
+* ``"rtn"``: no calibration: the weight-error range search of :mod:`pocketlm.quant`.
+* ``"act"``: the same search, but each group's candidate ranges are judged by the
+  activation-weighted error ``sum_c H_cc (w~_c - w_c)^2`` (the diagonal of ``E``), and the
+  scale and minimum are refitted by weighted least squares.
+* ``"gptq"``: error-compensating rounding (GPTQ: Frantar et al., 2022): columns are rounded one
+  at a time, in blocks of 128, and the rounding error of each column is spread over the columns
+  not yet rounded through the Cholesky factor of ``H^-1`` (damped by ``damp * mean(diag H)``),
+  which minimizes ``E`` greedily; each group's scale and minimum are chosen (as ``"act"`` does)
+  when its first column is reached, from the weights as updated so far.
+
+Everything is deterministic: float64 statistics summed in a fixed order, and no randomness.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PocketError, UnsupportedError
+from .quant import (
+    QuantTensor,
+    check_quantizable,
+    find_zero_point,
+    pack_int4,
+    pack_int5,
+    quantize,
+    quantize_int8,
+)
+
+METHODS = ("rtn", "act", "gptq")
+DEFAULT_METHOD = "gptq"
+DAMP = 0.01
+GPTQ_BLOCK = 128
+
+# the statistics site each quantized tensor reads
+_SITE = {"attn.w_q.weight": "attn_in", "attn.w_k.weight": "attn_in", "attn.w_v.weight": "attn_in",
+         "attn.w_o.weight": "o_in", "mlp.w_gate.weight": "mlp_in", "mlp.w_up.weight": "mlp_in",
+         "mlp.w_down.weight": "down_in"}
+
+
+def site_of(name: str) -> str:
+    """The statistics site whose input the tensor ``name`` multiplies."""
+    if name in ("embed.weight", "lm_head.weight"):
+        return "head_in"
+    for suffix, site in _SITE.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + site
+    raise UnsupportedError(f"{name}: not a tensor that calibration knows the input of")
+
+
+@dataclass
+class Stats:
+    """Second moments ``H = X^T X / n`` of the inputs of each site."""
+
+    h: dict[str, np.ndarray] = field(default_factory=dict)
+    n: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    seconds: float = 0.0
+
+    _pending: dict[str, list[np.ndarray]] = field(default_factory=dict, repr=False)
+    FLUSH_ROWS = 2048  # inputs are buffered and multiplied in blocks of this many rows
+
+    def add(self, site: str, x: np.ndarray) -> None:
+        x = np.array(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        buf = self._pending.setdefault(site, [])
+        buf.append(x)
+        self.n[site] = self.n.get(site, 0) + x.shape[0]
+        if sum(len(b) for b in buf) >= self.FLUSH_ROWS:
+            self._flush(site)
+
+    def _flush(self, site: str) -> None:
+        buf = self._pending.pop(site, [])
+        if not buf:
+            return
+        x = np.concatenate(buf) if len(buf) > 1 else buf[0]
+        xtx = (x.T @ x).astype(np.float64)
+        if site in self.h:
+            self.h[site] += xtx
+        else:
+            self.h[site] = xtx
+
+    def finish(self) -> None:
+        for site in list(self._pending):
+            self._flush(site)
+
+    def hessian(self, site: str) -> np.ndarray:
+        self.finish()
+        if site not in self.h:
+            raise PocketError(f"calibration gathered no statistics for {site!r}")
+        return self.h[site] / max(self.n[site], 1)
+
+
+def gather(config, weights: dict, sequences: list[list[int]], *, progress: bool = True) -> Stats:
+    """Statistics of every site over ``sequences`` (the float model ``weights``: float32
+    arrays or QuantTensors, run by the numpy reference engine)."""
+    import time
+
+    from .runtime.engine import KVCache, NumpyEngine
+
+    if not sequences:
+        raise PocketError("calibration needs at least one sequence")
+    t0 = time.time()
+    eng = NumpyEngine(config, weights)
+    eng._head = np.zeros((1, config.d_model), np.float32)  # statistics need no logits
+    stats = Stats()
+    eng.observe = stats.add
+    bar = _bar(len(sequences), "calibrating", "seq", progress)
+    try:
+        for seq in sequences:
+            ids = np.asarray(seq, dtype=np.int64)
+            eng.forward(ids, KVCache(config, len(ids)), True)
+            stats.tokens += len(ids)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    stats.seconds = time.time() - t0
+    return stats
+
+
+def _stats_path(model, cset):
+    """Where the statistics of ``model`` on ``cset`` are kept (None: a source without a
+    digest, not cached): ``pocket_home()/calib``, keyed by the source file's sha256, the
+    calibration texts' sha256 and the sequence shape."""
+    from .registry import pocket_home
+
+    sha = model.provenance.get("source_sha256")
+    if not isinstance(sha, str) or not cset.sequences:
+        return None
+    key = f"{sha[:16]}-{cset.digest[:16]}-{len(cset.sequences)}x{len(cset.sequences[0])}"
+    return pocket_home() / "calib" / f"stats-r{STATS_REVISION}-{key}.npz"
+
+
+STATS_REVISION = 1
+
+
+def cached_stats(model, cset) -> Stats | None:
+    """Statistics gathered before for the same source and calibration set, if any."""
+    path = _stats_path(model, cset)
+    if path is None or not path.is_file():
+        return None
+    try:
+        with np.load(path) as z:
+            sites = [str(s) for s in z["sites"]]
+            st = Stats(tokens=int(z["tokens"]))
+            for i, site in enumerate(sites):
+                st.h[site] = z[f"h{i}"]
+                st.n[site] = int(z["n"][i])
+            return st
+    except (OSError, ValueError, KeyError):
+        return None  # unreadable: gather again
+
+
+def save_stats(model, cset, stats: Stats) -> None:
+    """Keep ``stats`` for the next pack of the same source and set (atomically; a failure
+    to write only costs the next pack the gathering)."""
+    import os
+    import tempfile
+
+    path = _stats_path(model, cset)
+    if path is None:
+        return
+    stats.finish()
+    sites = sorted(stats.h)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".stats-", suffix=".npz")
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, sites=np.array(sites), tokens=stats.tokens,
+                     n=np.array([stats.n[s] for s in sites]),
+                     **{f"h{i}": stats.h[s] for i, s in enumerate(sites)})
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except (OSError, UnboundLocalError):
+            pass
+
+
+def _bar(total: int, desc: str, unit: str, enabled: bool):
+    if not enabled or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+
+
+# -- output error ------------------------------------------------------------------------------
+def output_error(w: np.ndarray, qt: QuantTensor, h: np.ndarray, rows: int = 16384) -> float:
+    """``tr((W~ - W) H (W~ - W)^T)``: the mean squared output error over the calibration
+    inputs, summed over output rows."""
+    h32 = h.astype(np.float32)
+    total = 0.0
+    for r0 in range(0, w.shape[0], rows):
+        d = qt.dequantize(slice(r0, r0 + rows)) - w[r0:r0 + rows]
+        total += float(np.einsum("ij,ij->", d @ h32, d, dtype=np.float64))
+    return total
+
+
+def output_energy(w: np.ndarray, h: np.ndarray, rows: int = 16384) -> float:
+    """``tr(W H W^T)``: the mean squared output of the float matrix."""
+    h32 = h.astype(np.float32)
+    total = 0.0
+    for r0 in range(0, w.shape[0], rows):
+        a = w[r0:r0 + rows]
+        total += float(np.einsum("ij,ij->", a @ h32, a, dtype=np.float64))
+    return total
+
+
+# -- group fitting with per-column importance --------------------------------------------------
+_QMAX = {"int4": 15, "int5": 31}
+_SHRINKS = (0.0, 0.02, 0.05, 0.08, 0.12, 0.16, 0.2, 0.25)
+
+
+def fit_groups(g: np.ndarray, imp: np.ndarray | None, qmax: int, zp: int | None = None):
+    """Groups ``[n, gs]`` (importance ``imp`` broadcastable to it, or None) -> (q uint8,
+    scale float16, min float16): the best of a few shrunken min-max ranges, each refitted by
+    (weighted) least squares, judged by the weighted squared error with the float16-rounded
+    scale and minimum that will be stored. ``zp``: the minimum is ``-zp * scale`` (a grid
+    stored without minimums), and only the scale is fitted."""
+    g = np.asarray(g, dtype=np.float32)
+    wgt = np.ones_like(g) if imp is None else np.broadcast_to(
+        np.asarray(imp, np.float32), g.shape)
+    lo, hi = g.min(axis=1), g.max(axis=1)
+    if zp is not None:
+        return _fit_groups_sym(g, wgt, qmax, zp, lo, hi)
+    best = None
+    sw0 = wgt.sum(axis=1)
+    for shrink in _SHRINKS:
+        span = (hi - lo) * (1.0 - shrink)
+        s = span / float(qmax)
+        m = lo + (hi - lo) * shrink / 2
+        cands = [(s, m)]
+        if shrink:
+            inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+            q = np.clip(np.rint((g - m[:, None]) * inv[:, None]), 0, qmax)
+            # weighted least squares of (s, m) given q
+            a11 = (wgt * q * q).sum(1)
+            a12 = (wgt * q).sum(1)
+            b1 = (wgt * q * g).sum(1)
+            b2 = (wgt * g).sum(1)
+            det = a11 * sw0 - a12 * a12
+            ok = det > 1e-20 * np.maximum(a11 * sw0, 1e-30)
+            dd = np.where(ok, det, 1.0)
+            s_fit = np.where(ok, (b1 * sw0 - a12 * b2) / dd, s)
+            m_fit = np.where(ok, (a11 * b2 - a12 * b1) / dd, m)
+            cands.append((np.maximum(s_fit, 0), m_fit))
+        for cs, cm in cands:
+            s16 = np.asarray(cs, np.float32).astype(np.float16)
+            m16 = np.asarray(cm, np.float32).astype(np.float16)
+            sf, mf = s16.astype(np.float32), m16.astype(np.float32)
+            inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf != 0)
+            q = np.clip(np.rint((g - mf[:, None]) * inv[:, None]), 0, qmax)
+            err = (wgt * (q * sf[:, None] + mf[:, None] - g) ** 2).sum(axis=1)
+            if best is None:
+                best = [q.astype(np.uint8), s16, m16, err]
+                continue
+            better = err < best[3]
+            best[0][better] = q[better].astype(np.uint8)
+            best[1] = np.where(better, s16, best[1])
+            best[2] = np.where(better, m16, best[2])
+            best[3] = np.where(better, err, best[3])
+    return best[0], best[1], best[2]
+
+
+def _fit_groups_sym(g, wgt, qmax, zp, lo, hi):
+    s0 = np.maximum(np.maximum(-lo, 0) / zp, np.maximum(hi, 0) / (qmax - zp))
+    best = None
+    for shrink in _SHRINKS:
+        s = s0 * (1.0 - shrink)
+        cands = [s]
+        if shrink:
+            inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+            q = np.clip(np.rint(g * inv[:, None]) + zp, 0, qmax) - zp
+            num = (wgt * q * g).sum(1)
+            den = (wgt * q * q).sum(1)
+            cands.append(np.where(den > 0, num / np.where(den > 0, den, 1), s))
+        for cs in cands:
+            s16 = np.maximum(np.asarray(cs, np.float32), 0).astype(np.float16)
+            sf = s16.astype(np.float32)
+            inv = np.divide(1.0, sf, out=np.zeros_like(sf), where=sf != 0)
+            q = np.clip(np.rint(g * inv[:, None]) + zp, 0, qmax)
+            err = (wgt * ((q - zp) * sf[:, None] - g) ** 2).sum(axis=1)
+            if best is None:
+                best = [q.astype(np.uint8), s16, err]
+                continue
+            better = err < best[2]
+            best[0][better] = q[better].astype(np.uint8)
+            best[1] = np.where(better, s16, best[1])
+            best[2] = np.where(better, err, best[2])
+    with np.errstate(over="ignore"):
+        m16 = (-float(zp) * best[1].astype(np.float32)).astype(np.float16)
+    return best[0], best[1], m16
+
+
+def _assemble(kind: str, shape, gs: int, q: np.ndarray, s: np.ndarray, m: np.ndarray):
+    packer = pack_int4 if kind == "int4" else pack_int5
+    return QuantTensor(kind, tuple(shape), gs, packer(q), s.astype(np.float16),
+                       m.astype(np.float16))
+
+
+def quantize_act(w: np.ndarray, kind: str, gs: int, hdiag: np.ndarray | None,
+                 zp: int | None = None) -> QuantTensor:
+    """Asymmetric INT4/INT5 with each group's range chosen by the activation-weighted error."""
+    rows, cols = w.shape
+    ng = cols // gs
+    imp = (np.ones(cols, np.float32) if hdiag is None
+           else np.maximum(hdiag.astype(np.float32), 0)).reshape(ng, gs)
+    q_all = np.empty((rows, cols), np.uint8)
+    s_all = np.empty((rows, ng), np.float16)
+    m_all = np.empty((rows, ng), np.float16)
+    step = max(1, (1 << 20) // cols)
+    for r0 in range(0, rows, step):
+        blk = w[r0:r0 + step].astype(np.float32)
+        n = blk.shape[0]
+        g = blk.reshape(n * ng, gs)
+        wi = np.broadcast_to(imp[None], (n, ng, gs)).reshape(n * ng, gs)
+        q, s, m = fit_groups(g, wi, _QMAX[kind], zp)
+        q_all[r0:r0 + n] = q.reshape(n, cols)
+        s_all[r0:r0 + n] = s.reshape(n, ng)
+        m_all[r0:r0 + n] = m.reshape(n, ng)
+    return _assemble(kind, w.shape, gs, q_all, s_all, m_all)
+
+
+def _gptq_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
+    """(upper Cholesky factor of the damped H^-1, mask of dead input columns)."""
+    h = np.array(h, dtype=np.float64, copy=True)
+    dead = np.diag(h) <= 0
+    h[dead, dead] = 1.0
+    mean = float(np.mean(np.diag(h)))
+    h[np.diag_indices_from(h)] += damp * mean
+    for extra in (0.0, 0.1, 1.0, 10.0):
+        try:
+            if extra:
+                h[np.diag_indices_from(h)] += extra * mean
+            lo = np.linalg.cholesky(h)
+            hinv = np.linalg.inv(lo).T @ np.linalg.inv(lo)  # H^-1 = L^-T L^-1
+            return np.linalg.cholesky(hinv).T, dead
+        except np.linalg.LinAlgError:
+            continue
+    raise PocketError("calibration statistics are degenerate (the input covariance has no "
+                      "Cholesky factor even with damping)")
+
+
+def quantize_gptq(w: np.ndarray, kind: str, gs: int, h: np.ndarray, *, damp: float = DAMP,
+                  block: int = GPTQ_BLOCK, row_chunk: int = 8192,
+                  zp: int | None = None) -> QuantTensor:
+    """GPTQ (module docstring) into an asymmetric INT4/INT5 layout of group size ``gs``."""
+    rows, cols = w.shape
+    qmax = _QMAX[kind]
+    u, dead = _gptq_factor(h, damp)
+    u = u.astype(np.float32)
+    hdiag = np.maximum(np.diag(h).astype(np.float32), 0)
+    ng = cols // gs
+    block = max(gs, block // gs * gs)
+    q_all = np.empty((rows, cols), np.uint8)
+    s_all = np.empty((rows, ng), np.float16)
+    m_all = np.empty((rows, ng), np.float16)
+    for r0 in range(0, rows, row_chunk):
+        W = np.array(w[r0:r0 + row_chunk], dtype=np.float32, copy=True)
+        W[:, dead] = 0.0
+        n = W.shape[0]
+        for i1 in range(0, cols, block):
+            i2 = min(i1 + block, cols)
+            W1 = W[:, i1:i2].copy()
+            E1 = np.zeros_like(W1)
+            U1 = u[i1:i2, i1:i2]
+            s = mn = None
+            for i in range(i2 - i1):
+                c = i1 + i
+                if c % gs == 0:
+                    gi = c // gs
+                    _, s16, m16 = fit_groups(W1[:, i:i + gs], hdiag[c:c + gs][None, :], qmax,
+                                             zp)
+                    s_all[r0:r0 + n, gi] = s16
+                    m_all[r0:r0 + n, gi] = m16
+                    s = s16.astype(np.float32)
+                    mn = m16.astype(np.float32)
+                    inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+                col = W1[:, i]
+                q = np.clip(np.rint((col - mn) * inv), 0, qmax)
+                q_all[r0:r0 + n, c] = q.astype(np.uint8)
+                err = (col - (q * s + mn)) / U1[i, i]
+                W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+                E1[:, i] = err
+            if i2 < cols:
+                W[:, i2:] -= E1 @ u[i1:i2, i2:]
+    return _assemble(kind, w.shape, gs, q_all, s_all, m_all)
+
+
+def quantize_calibrated(w: np.ndarray, kind: str, gs: int, h: np.ndarray | None,
+                        method: str = DEFAULT_METHOD, zp: int | None = None) -> QuantTensor:
+    """``w`` (float32 [rows, cols]) in ``kind`` / ``gs`` by ``method`` (``h``: the second
+    moment of its input; unused by ``"rtn"`` and by INT8, which is symmetric absmax)."""
+    check_quantizable(w.shape, gs)
+    if method not in METHODS:
+        raise UnsupportedError(f"quantization method {method!r} is not supported; choose one "
+                               f"of {', '.join(METHODS)}")
+    if kind == "int8":
+        return quantize_int8(w, gs)
+    if h is None or method == "rtn":
+        if zp is not None or method != "rtn":
+            return quantize_act(w, kind, gs, None, zp)
+        return quantize(w, 4 if kind == "int4" else 5, gs)
+    if method == "act":
+        return quantize_act(w, kind, gs, np.diag(h), zp)
+    return quantize_gptq(w, kind, gs, h, zp=zp)
+
+
+
+
+# -- the bit budget ----------------------------------------------------------------------------
+# Layouts a tensor may be stored in: (kind, group size). Bits per weight with the float16
+# scale (and minimum for INT4/INT5): 4.25, 4.5, 5.0, 5.5, 6.0, 8.25, 8.5.
+# (kind, group size, zero point or None); bits per weight 4.25, 4.5, 4.5 (no minimums), 5.0,
+# 5.5, 5.5 (no minimums), 6.0, 8.25, 8.5
+LAYOUTS = (("int4", 128, None), ("int4", 64, None), ("int4", 32, 8), ("int4", 32, None),
+           ("int5", 64, None), ("int5", 32, 16), ("int5", 32, None), ("int8", 64, None),
+           ("int8", 32, None))
+MIN_BITS = 4.25  # INT4 with group 128 everywhere
+MAX_BITS = 8.0
+
+
+def layout_bytes(kind: str, gs: int, shape, zp: int | None = None) -> int:
+    rows, cols = shape
+    per = {"int4": cols // 2, "int5": cols // 32 * 20, "int8": cols}[kind]
+    meta = (cols // gs) * 2 * (1 if kind == "int8" or zp is not None else 2)
+    return rows * (per + meta)
+
+
+# bits per weight of GGUF block types (scales included), for the "source" budget
+GGUF_BITS = {"Q4_0": 4.5, "Q4_1": 5.0, "Q4_K": 4.5, "Q5_0": 5.5, "Q5_1": 6.0, "Q5_K": 5.5,
+             "Q6_K": 6.5625, "Q8_0": 8.5, "Q3_K": 3.4375, "Q2_K": 2.625, "IQ4_NL": 4.5,
+             "IQ4_XS": 4.25}
+
+
+def check_bits_per_weight(b) -> float | str:
+    """A budget in bits per weight (MIN_BITS..MAX_BITS), or ``"source"``: the bytes the
+    source holds its quantized tensors in (a GGUF's own types; float tensors count as INT8,
+    8.5)."""
+    if b == "source":
+        return b
+    if isinstance(b, str):
+        try:
+            b = float(b)
+        except ValueError:
+            raise UnsupportedError(f"--bits-per-weight must be a number or 'source', got "
+                                   f"{b!r}") from None
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not np.isfinite(b):
+        raise UnsupportedError(f"--bits-per-weight must be a number, got {b!r}")
+    if b < MIN_BITS or b > MAX_BITS:
+        raise UnsupportedError(f"--bits-per-weight {b:g} is out of range: INT4 everywhere "
+                               f"(group 128) needs at least {MIN_BITS}, and above {MAX_BITS:g} "
+                               f"there is nothing to choose (INT8 is the widest layout)")
+    return float(b)
+
+
+@dataclass
+class Candidate:
+    kind: str
+    group_size: int
+    nbytes: int
+    error: float  # estimated relative output error E / tr(W H W^T), times its class weight
+    lossless: bool = False
+    zero_point: int | None = None
+
+
+PROBE_LAYOUT = ("int4", 64, None)
+PROBE_SEQUENCES = 8  # the layout whose end-to-end effect weighs each class of tensor
+
+
+def tensor_class(name: str) -> str:
+    """The class a tensor's sensitivity is measured for: its role, over all layers."""
+    if name in ("embed.weight", "lm_head.weight"):
+        return name.split(".")[0]
+    return name.split(".", 2)[-1].rsplit(".", 1)[0]  # layers.3.attn.w_q.weight -> attn.w_q
+
+
+def _diag_error(w: np.ndarray, qt: QuantTensor, hdiag: np.ndarray | None,
+                rows: int = 16384) -> float:
+    """Sum over columns of hdiag_c * ||column c of (W~ - W)||^2 (hdiag None: plain)."""
+    total = 0.0
+    for r0 in range(0, w.shape[0], rows):
+        d = qt.dequantize(slice(r0, r0 + rows)) - w[r0:r0 + rows]
+        col = np.einsum("ij,ij->j", d, d, dtype=np.float64)
+        total += float(col @ hdiag) if hdiag is not None else float(col.sum())
+    return total
+
+
+def candidates(w: np.ndarray, hdiag: np.ndarray | None, lossless: QuantTensor | None,
+               layouts=LAYOUTS, probe: dict | None = None, name: str = "") -> list[Candidate]:
+    """Every layout ``w`` fits, with its bytes and estimated relative output error (from the
+    activation-weighted range search: fast, and in proportion to what GPTQ reaches), plus the
+    source's own grid when it imports exactly (error 0)."""
+    col = np.einsum("ij,ij->j", w, w, dtype=np.float64)
+    energy = float(col @ hdiag) if hdiag is not None else float(col.sum())
+    energy = energy if energy > 0 else 1.0
+    out = []
+    if lossless is not None:
+        zp = find_zero_point(lossless)
+        nbytes = layout_bytes(lossless.kind, lossless.group_size, lossless.shape, zp)
+        out.append(Candidate(lossless.kind, lossless.group_size, nbytes, 0.0, True, zp))
+    for kind, gs, zp in layouts:
+        if w.shape[1] % gs:
+            continue
+        if kind == "int8":
+            qt = quantize_int8(w, gs)
+        else:
+            qt = quantize_act(w, kind, gs, hdiag, zp)
+        out.append(Candidate(kind, gs, layout_bytes(kind, gs, w.shape, zp),
+                             _diag_error(w, qt, hdiag) / energy, False, zp))
+        if probe is not None and (kind, gs, zp) == PROBE_LAYOUT:
+            probe[name] = qt
+    return out
+
+
+def class_weights(config, weights: dict, probe: dict[str, QuantTensor],
+                  cands: dict[str, list[Candidate]], sequences: list[list[int]],
+                  tokenizer=None) -> dict[str, float]:
+    """Measured sensitivity of each class of tensor: the mean KL divergence of the next-token
+    distributions from the float model's when every tensor of the class (alone) is stored in
+    :data:`PROBE_LAYOUT`, divided by the sum of their estimated errors in that layout. (The
+    estimated errors of different classes are in different units: a relative error of the
+    output head moves the logits directly, one of a query projection only through the layers
+    above it.)"""
+    from .runtime.model import Runtime
+
+    def logp(w):
+        rt = Runtime(config, w)
+        out = []
+        for seq in sequences:
+            lg = rt.forward(np.asarray(seq), rt.new_cache(len(seq)), all_logits=True)
+            lg = lg.astype(np.float64)
+            lg -= lg.max(-1, keepdims=True)
+            out.append(lg - np.log(np.exp(lg).sum(-1, keepdims=True)))
+        return out
+
+    ref = logp(weights)
+    classes: dict[str, list[str]] = {}
+    for n in probe:
+        classes.setdefault(tensor_class(n), []).append(n)
+    out = {}
+    for cls, names in classes.items():
+        w = dict(weights)
+        for n in names:
+            w[n] = probe[n]
+        if config.tie_embeddings and "embed.weight" in names:
+            pass  # the tied head is the same tensor
+        lp = logp(w)
+        kl = float(np.mean([(np.exp(r) * (r - q)).sum(-1).mean() for r, q in zip(ref, lp)]))
+        est = sum(next(c.error for c in cands[n]
+                       if (c.kind, c.group_size, c.zero_point) == PROBE_LAYOUT
+                       and not c.lossless) for n in names)
+        out[cls] = max(kl, 1e-12) / max(est, 1e-30)
+    return out
+
+
+def _hull(cs: list[Candidate]) -> list[Candidate]:
+    """The candidates on the lower convex hull of error against bytes, by bytes."""
+    cs = sorted(cs, key=lambda c: (c.nbytes, c.error))
+    hull: list[Candidate] = []
+    for c in cs:
+        if hull and c.error >= hull[-1].error:
+            continue  # more bytes, no less error
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b is not on the lower hull if a -> c is at least as steep as a -> b
+            if (a.error - c.error) * (b.nbytes - a.nbytes) >= \
+                    (a.error - b.error) * (c.nbytes - a.nbytes):
+                hull.pop()
+            else:
+                break
+        hull.append(c)
+    return hull
+
+
+def _greedy(hulls: dict[str, list[Candidate]], budget: float) -> dict[str, int] | None:
+    import heapq
+
+    pos = {name: 0 for name in hulls}
+    used = sum(h[0].nbytes for h in hulls.values())
+    if used > budget:
+        return None
+    order = {name: i for i, name in enumerate(hulls)}
+    heap = []
+
+    def push(name):
+        h, i = hulls[name], pos[name]
+        if i + 1 < len(h):
+            gain = (h[i].error - h[i + 1].error) / max(h[i + 1].nbytes - h[i].nbytes, 1)
+            heapq.heappush(heap, (-gain, order[name], name))
+
+    for name in hulls:
+        push(name)
+    while heap:
+        _, _, name = heapq.heappop(heap)
+        h, i = hulls[name], pos[name]
+        extra = h[i + 1].nbytes - h[i].nbytes
+        if used + extra > budget:
+            continue  # does not fit; a cheaper upgrade elsewhere still may
+        used += extra
+        pos[name] = i + 1
+        push(name)
+    return pos
+
+
+def allocate(cands: dict[str, list[Candidate]], budget_bytes: float) -> dict[str, Candidate]:
+    """One candidate per tensor, total bytes <= ``budget_bytes``, least total estimated error.
+
+    Greedy marginal analysis: from each tensor's smallest candidate, repeatedly take the
+    upgrade (along the lower convex hull of error against bytes) that removes the most error
+    per added byte, while it fits. The few tensors too large for that to be near optimal
+    (those whose smallest layout is over a tenth of the budget: the embedding and the output
+    head) have every point of their hulls tried, the greedy filling the rest each time, and the
+    least total error wins. Ties go to the order of ``cands``."""
+    import itertools
+
+    hulls = {name: _hull(cs) for name, cs in cands.items()}
+    smallest = sum(h[0].nbytes for h in hulls.values())
+    if smallest > budget_bytes:
+        raise UnsupportedError(f"the bit budget ({budget_bytes / 1e6:.1f} MB) is below what "
+                               f"the smallest layouts reach ({smallest / 1e6:.1f} MB)")
+    big = [n for n, h in hulls.items() if h[0].nbytes > budget_bytes / 10][:3]
+    rest = {n: h for n, h in hulls.items() if n not in big}
+    best = None
+    for combo in itertools.product(*(range(len(hulls[n])) for n in big)):
+        fixed = {n: hulls[n][i] for n, i in zip(big, combo)}
+        left = budget_bytes - sum(c.nbytes for c in fixed.values())
+        pos = _greedy(rest, left)
+        if pos is None:
+            continue
+        pick = dict(fixed, **{n: rest[n][i] for n, i in pos.items()})
+        total = sum(c.error for c in pick.values())
+        if best is None or total < best[0]:
+            best = (total, pick)
+    return {name: best[1][name] for name in cands}
+
+
+def source_budget(model, names: list[str]) -> float:
+    """Bytes for the quantized tensors so that the deploy file is no larger than the source:
+    a GGUF's file size less what the deploy file holds besides them (float tensors, the
+    tokenizer, a header allowance); else the source types' bits (float types as INT8)."""
+    by_types = sum(int(np.prod(model.tensors[n].shape)) *
+                   GGUF_BITS.get(model.tensors[n].dtype, 8.5) / 8.0 for n in names)
+    size = model.provenance.get("source_size")
+    if model.provenance.get("source_format") != "gguf" or not isinstance(size, int):
+        return by_types
+    quantized = set(names)
+    floats = sum(4 * int(np.prod(t.shape)) for n, t in model.tensors.items()
+                 if n not in quantized)
+    overhead = floats + len(model.tokenizer.to_json().encode("utf-8")) + HEADER_ALLOWANCE
+    return float(size - overhead)
+
+
+HEADER_ALLOWANCE = 256 * 1024  # the deploy file's JSON header and alignment padding
+
+
+# -- the pack plan -----------------------------------------------------------------------------
+_KINDS = {4: "int4", 5: "int5", 8: "int8"}
+
+
+def _lossless(st) -> QuantTensor | None:
+    """The source tensor in a pocketlm layout without requantizing, if its grid allows."""
+    for bits in (4, 5, 8):
+        qt = st.to_quant(bits, 32)
+        if qt is not None:
+            return qt
+    return None
+
+
+def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float | None = None,
+         default_bits, group_size: int = 32, progress: bool = True,
+         stats: Stats | None = None):
+    """Calibrate ``model`` (a SourceModel) and quantize its tensors.
+
+    ``default_bits(name, source_tensor)``: the pack's bits for a tensor (None: kept in float).
+    Without ``bits_per_weight`` each tensor keeps those bits and the pack's group size (a
+    source grid that imports exactly stays exact) and every requantized INT4 / INT5 tensor is
+    made by ``method``; with it, each tensor's layout is chosen by :func:`allocate`. Returns
+    ``({name: (QuantTensor, how, relative output error or None)}, calibration record)``."""
+    import time
+
+    from . import calibdata
+
+    t0 = time.time()
+    cset = (calibdata.default_set(model.tokenizer) if str(calib) == "default"
+            else calibdata.file_set(calib, model.tokenizer))
+    names = [n for n, st in model.tensors.items() if default_bits(n, st) is not None]
+    weights = {n: st.to_float() for n, st in model.tensors.items()}
+    if stats is None:
+        stats = cached_stats(model, cset)
+    if stats is None:
+        stats = gather(model.config, weights, cset.sequences, progress=progress)
+        save_stats(model, cset, stats)
+    tied = model.config.tie_embeddings
+
+    def hessian(name):
+        if name == "embed.weight" and not tied:
+            return None  # looked up, never multiplied: its weight error is what counts
+        return stats.hessian(site_of(name))
+
+    choice: dict[str, tuple] = {}  # name -> (kind, group size, lossless, zero point)
+    if bits_per_weight is None:
+        for n in names:
+            bits = default_bits(n, model.tensors[n])
+            exact = model.tensors[n].to_quant(bits, group_size) is not None
+            choice[n] = (_KINDS[bits], group_size, exact, None)
+    else:
+        bar = _bar(len(names), "measuring layouts", "tensor", progress)
+        cands = {}
+        probe: dict[str, QuantTensor] = {}
+        for n in names:
+            h = hessian(n)
+            cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
+                                  _lossless(model.tensors[n]), probe=probe, name=n)
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        kappa = class_weights(model.config, weights, probe, cands,
+                              cset.sequences[:PROBE_SEQUENCES])
+        del probe
+        for n, cs in cands.items():
+            k = kappa.get(tensor_class(n), max(kappa.values()))
+            for c in cs:
+                c.error *= k
+        if bits_per_weight == "source":
+            budget = source_budget(model, names)
+        else:
+            budget = bits_per_weight / 8.0 * sum(int(np.prod(model.tensors[n].shape))
+                                                 for n in names)
+        picked = allocate(cands, budget)
+        choice = {n: (c.kind, c.group_size, c.lossless, c.zero_point)
+                  for n, c in picked.items()}
+
+    out = {}
+    bar = _bar(len(names), "quantizing", "tensor", progress)
+    for n in names:
+        kind, gs, exact, zp = choice[n]
+        w = weights[n]
+        h = hessian(n)
+        if exact:
+            qt = _lossless(model.tensors[n]) if bits_per_weight is not None else \
+                model.tensors[n].to_quant({"int4": 4, "int5": 5, "int8": 8}[kind], gs)
+            how = "lossless"
+        else:
+            qt = quantize_calibrated(w, kind, gs, h, method, zp)
+            how = "calibrated" if h is not None and kind != "int8" else "requantized"
+        err = None
+        if h is not None:
+            err = output_error(w, qt, h) / max(output_energy(w, h), 1e-30)
+        out[n] = (qt, how, err)
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
+              "tokens": stats.tokens, "seconds": round(time.time() - t0, 1)}
+    return out, record

@@ -1,0 +1,231 @@
+"""Calibrated quantization: the statistics, the quantizers, the bit budget, the layouts stored
+without minimums, and the pack path's refusals (pocketlm.calibrate, pocketlm.calibdata)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tiny_gguf
+
+from pocketlm import calibdata, calibrate
+from pocketlm.errors import PocketError, UnsupportedError
+from pocketlm.formats import open_source
+from pocketlm.formats.pocketfile import PocketFile
+from pocketlm.pack import pack
+from pocketlm.quant import find_zero_point, implicit_mins, quantize
+from pocketlm.runtime.model import Runtime
+
+
+def _inputs(n=4096, d=128, seed=0):
+    """Inputs with a few loud channels and correlated ones, like a transformer's."""
+    rng = np.random.default_rng(seed)
+    mix = rng.standard_normal((d, d)) * 0.3 + np.eye(d)
+    x = rng.standard_normal((n, d)) @ mix
+    x[:, :4] *= 12.0
+    return x.astype(np.float32)
+
+
+def _hessian(x):
+    return (x.T.astype(np.float64) @ x) / len(x)
+
+
+def test_calibrated_methods_cut_the_output_error_that_rounding_leaves():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((96, 128)).astype(np.float32)
+    h = _hessian(_inputs())
+    err = {}
+    for m in calibrate.METHODS:
+        qt = calibrate.quantize_calibrated(w, "int4", 32, h, m)
+        err[m] = calibrate.output_error(w, qt, h)
+    assert err["rtn"] == pytest.approx(calibrate.output_error(w, quantize(w, 4, 32), h))
+    assert err["act"] < 0.9 * err["rtn"]
+    assert err["gptq"] < 0.7 * err["rtn"]
+    assert err["gptq"] < err["act"]
+
+
+@pytest.mark.parametrize("kind,zp,bpw", [("int4", 8, 4.5), ("int5", 16, 5.5), ("int4", None, 5.0)])
+def test_symmetric_grids_store_no_minimums(kind, zp, bpw):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    h = _hessian(_inputs())
+    qt = calibrate.quantize_calibrated(w, kind, 32, h, "gptq", zp)
+    assert find_zero_point(qt) == zp
+    qt.zero_point = find_zero_point(qt)
+    assert qt.bits_per_weight == bpw
+    if zp is not None:
+        assert np.array_equal(qt.mins.view(np.uint16), implicit_mins(qt.scales, zp).view(np.uint16))
+
+
+def test_quantizers_are_deterministic():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    h = _hessian(_inputs(d=256))
+    a = calibrate.quantize_calibrated(w, "int4", 64, h, "gptq")
+    b = calibrate.quantize_calibrated(w.copy(), "int4", 64, h.copy(), "gptq")
+    for x, y in ((a.qweight, b.qweight), (a.scales, b.scales), (a.mins, b.mins)):
+        assert x.tobytes() == y.tobytes()
+
+
+def test_allocate_meets_the_budget_and_spends_it_where_it_removes_most_error():
+    rng = np.random.default_rng(4)
+    h = _hessian(_inputs())
+    cands = {}
+    for i in range(6):
+        w = (rng.standard_normal((64, 128)) * (1 + i)).astype(np.float32)
+        cands[f"t{i}"] = calibrate.candidates(w, np.diag(h).copy(), None)
+    small = sum(min(c.nbytes for c in cs) for cs in cands.values())
+    large = sum(max(c.nbytes for c in cs) for cs in cands.values())
+    last = None
+    for budget in np.linspace(small, large, 6):
+        pick = calibrate.allocate(cands, budget)
+        used = sum(c.nbytes for c in pick.values())
+        assert used <= budget
+        total = sum(c.error for c in pick.values())
+        if last is not None:
+            assert total <= last + 1e-12  # more bytes never buy more error
+        last = total
+    assert last == pytest.approx(sum(min(c.error for c in cs) for cs in cands.values()))
+    with pytest.raises(UnsupportedError, match="below what the smallest layouts reach"):
+        calibrate.allocate(cands, small - 1)
+
+
+@pytest.mark.parametrize("value", [4.0, 8.5, -1, "many", float("nan"), True])
+def test_bits_per_weight_out_of_range_is_refused(value):
+    with pytest.raises(UnsupportedError, match="bits-per-weight"):
+        calibrate.check_bits_per_weight(value)
+
+
+class _Tok:
+    def encode(self, text, add_bos=False, special=False):
+        return list(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"", "empty"), (b"  \n", "empty"), (b"abc\0def" * 40, "binary"),
+    (b"caf\xe9 " * 100, "not UTF-8"), (b"short text", "shorter than one calibration"),
+])
+def test_bad_calibration_files_are_refused_by_name(tmp_path, content, message):
+    path = tmp_path / "calib.txt"
+    path.write_bytes(content)
+    with pytest.raises(PocketError, match=message) as e:
+        calibdata.file_set(path, _Tok(), seq_len=64)
+    assert str(path) in str(e.value)
+
+
+def test_calibration_file_is_cut_into_sequences(tmp_path):
+    path = tmp_path / "app.txt"
+    path.write_text("订单已发货，预计明天送达。Order shipped. " * 40, encoding="utf-8")
+    cs = calibdata.file_set(path, _Tok(), n_sequences=5, seq_len=64)
+    assert len(cs.sequences) == 5 and all(len(s) == 64 for s in cs.sequences)
+    assert cs.record()["source"] == str(path) and len(cs.digest) == 64
+
+
+def test_default_set_is_fixed_and_never_holds_heldout_text():
+    cs1 = calibdata.default_set(_Tok(), n_sequences=12, seq_len=64)
+    cs2 = calibdata.default_set(_Tok(), n_sequences=12, seq_len=64)
+    assert cs1.sequences == cs2.sequences and cs1.digest == cs2.digest
+    assert len(cs1.sequences) == 12
+    for kind in calibdata.KINDS:
+        calib, held = calibdata.split(kind)
+        assert held and calib and not set(calib) & set(held)
+        assert all(calibdata.is_heldout(d) for d in held)
+        assert calibdata.heldout_text(kind, 500) in "\n".join(held)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calib")
+    src = root / "m.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="F32", embed_type="F32")
+    text = root / "app.txt"
+    text.write_text(("The parcel left the depot this morning; it will arrive tomorrow. "
+                     "包裹今早已离开仓库，明天送达。 ") * 60, encoding="utf-8")
+    return {"src": src, "text": text, "root": root}
+
+
+def test_pack_with_a_bit_budget_meets_it_and_records_its_calibration(tiny, tmp_path):
+    out = tmp_path / "b.pocket"
+    rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
+    assert rep.quant_bits_per_weight <= 4.6
+    assert rep.calibration["bits_per_weight"] == 4.6
+    assert rep.calibration["set"]["source"] == str(tiny["text"])
+    assert "calibrated" in {t.how for t in rep.tensors}
+    listing = rep.choices()
+    assert all(t.name in listing for t in rep.tensors if t.stored != "f32")
+    pf = PocketFile(out)
+    assert pf.json("quant")["calibration"]["method"] == "gptq"
+    again = tmp_path / "c.pocket"
+    pack(tiny["src"], again, calib=tiny["text"], bits_per_weight=4.6, progress=False)
+    a, b = PocketFile(out).weights(), PocketFile(again).weights()
+    for name, w in a.items():  # same inputs, same bytes
+        x, y = w, b[name]
+        if hasattr(x, "qweight"):
+            assert x.qweight.tobytes() == y.qweight.tobytes() and \
+                x.scales.tobytes() == y.scales.tobytes(), name
+        else:
+            assert x.tobytes() == y.tobytes(), name
+
+
+def test_calibrated_pack_is_closer_to_float_than_rounding(tiny, tmp_path):
+    src = open_source(tiny["src"])
+    floats = {n: t.to_float() for n, t in src.tensors.items()}
+    ids = np.asarray(src.tokenizer.encode("The parcel left the depot; 包裹明天送达。")[:48])
+    rt0 = Runtime(src.config, floats)
+    ref = rt0.forward(ids, rt0.new_cache(64), all_logits=True)
+
+    def err(path):
+        rt = Runtime(src.config, PocketFile(path).weights())
+        lg = rt.forward(ids, rt.new_cache(64), all_logits=True)
+        return float(np.linalg.norm(lg - ref))
+
+    pack(tiny["src"], tmp_path / "rtn.pocket", progress=False)
+    pack(tiny["src"], tmp_path / "cal.pocket", calib=tiny["text"], progress=False)
+    assert err(tmp_path / "cal.pocket") < err(tmp_path / "rtn.pocket")
+
+
+def test_implicit_minimums_survive_the_engine_releasing_file_pages(tmp_path):
+    src = tmp_path / "q.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=6, weight_type="Q4_0")
+    out = tmp_path / "q.pocket"
+    pack(src, out, progress=False)
+    pf = PocketFile(out)
+    layouts = pf.json("quant")["tensors"]
+    assert any(v.get("zero_point") == 8 for v in layouts.values())
+    assert not any(n.endswith(".mins") for n in pf.infos
+                   if layouts.get(n[:-5], {}).get("zero_point"))
+    import pocketlm
+
+    model = pocketlm.load(out)
+    before = {n: w.mins.copy() for n, w in model.runtime.w.items() if getattr(w, "zero_point", 0)}
+    assert before
+    model.logits([1, 2, 3, 4])
+    for n, m in before.items():
+        assert np.array_equal(model.runtime.w[n].mins, m), n
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pocketlm.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--bits-per-weight", "3"], "bits-per-weight"),
+    (["--bits-per-weight", "9"], "bits-per-weight"),
+    (["--calib", "EMPTY"], "empty"),
+    (["--calib", "MISSING"], "no such file"),
+    (["--quant-method", "gptq"], "needs calibration"),
+])
+def test_cli_refuses_bad_calibration_flags_and_writes_nothing(tiny, tmp_path, flags, message):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    flags = [str(empty) if f == "EMPTY" else str(tmp_path / "nope.txt") if f == "MISSING"
+             else f for f in flags]
+    out = tmp_path / "x.pocket"
+    r = _cli("pack", tiny["src"], "-o", out, *flags)
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], r.stderr
+    assert not out.exists() and not list(tmp_path.glob("x.pocket*"))
