@@ -26,11 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import oracle  # noqa: E402
 
 import pocketlm  # noqa: E402
-from pocketlm.api import from_source  # noqa: E402
+from pocketlm.api import deploy_file, from_source  # noqa: E402
 from pocketlm.cli import add_precision_options  # noqa: E402
 from pocketlm.formats import open_source  # noqa: E402
 from pocketlm.pack import precision_record  # noqa: E402
-from pocketlm.packcache import packed_cache_path  # noqa: E402
 from pocketlm.registry import pull  # noqa: E402
 
 
@@ -50,7 +49,7 @@ def main() -> None:
             opts = dict(group_size=args.group_size, embed_bits=args.embed_bits,
                         keep_precision=args.keep_precision)
             qm = pocketlm.load(path, **opts)
-            packed = packed_cache_path(path, *opts.values())
+            packed = deploy_file(path, **opts)
             quant = json.loads(qm.metadata.get("quant") or "{}")
             for text in ("english", "chinese"):
                 ids = oracle.text_ids(path, text, add_bos=fm.tokenizer.add_bos)

@@ -148,11 +148,12 @@ def default_set(tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
     return CalibrationSet(seqs, "default", digest.hexdigest())
 
 
-def file_set(path: str | Path, tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
-             seq_len: int = DEFAULT_SEQ_LEN) -> CalibrationSet:
-    """An app's own text (``--calib FILE``), refused by name when it is missing, empty, binary,
-    not UTF-8, or shorter than one sequence of ``seq_len`` tokens."""
+def check_text_file(path: str | Path) -> tuple[str, bytes]:
+    """The text of a calibration file, refused by name when it is missing, empty, binary or
+    not UTF-8."""
     path = Path(path)
+    if not path.is_file():
+        raise PocketError(f"--calib {path}: no such file")
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -165,6 +166,15 @@ def file_set(path: str | Path, tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PocketError(f"--calib {path}: not UTF-8 text (byte {e.start})") from None
+    return text, data
+
+
+def file_set(path: str | Path, tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
+             seq_len: int = DEFAULT_SEQ_LEN) -> CalibrationSet:
+    """An app's own text (``--calib FILE``), refused by name when it is missing, empty, binary,
+    not UTF-8, or shorter than one sequence of ``seq_len`` tokens."""
+    path = Path(path)
+    text, data = check_text_file(path)
     ids = tokenizer.encode(text, add_bos=False, special=False)
     if len(ids) < seq_len:
         raise PocketError(f"--calib {path}: {len(ids)} tokens, shorter than one calibration "

@@ -100,16 +100,20 @@ def cmd_list(args) -> int:
 
 def cmd_pack(args) -> int:
     from .pack import pack
-    from .registry import resolve
+    from .registry import default_pack_bits, resolve
 
+    calibration = calibration_kwargs(args)  # a bad flag is refused before any work
     with _exit_on_sigterm():
         src = resolve(args.src)
         out = Path(args.output)
         if out.exists() and not args.force:
             raise PocketError(f"{out} exists; pass --force to overwrite it")
+        if (calibration["bits_per_weight"] is None and calibration["calib"] is None
+                and (args.group_size, args.embed_bits, args.keep_precision) == (32, 8, None)):
+            # a registry model's default pack is its registry bit budget (see pocket list)
+            calibration["bits_per_weight"] = default_pack_bits(src)
         report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                      keep_precision=args.keep_precision, progress=True, calib=args.calib,
-                      bits_per_weight=args.bits_per_weight, quant_method=args.quant_method)
+                      keep_precision=args.keep_precision, progress=True, **calibration)
     print(report.summary())
     if args.bits_per_weight is not None or args.list_tensors:
         print(report.choices())
@@ -364,6 +368,37 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
                        "bits, in INT8: a larger file")
 
 
+def add_calibration_options(parser: argparse.ArgumentParser) -> None:
+    """``--calib``, ``--bits-per-weight`` and ``--quant-method`` (see docs/quantization.md),
+    shared by pack, export and finetune --export."""
+    parser.add_argument("--calib", metavar="FILE", help="calibrate the quantization on FILE "
+                        "(UTF-8 text from the app; 'default': the built-in zh + en + code set): "
+                        "activation statistics from the runtime, then GPTQ rounding of every "
+                        "requantized tensor")
+    parser.add_argument("--bits-per-weight", metavar="B", help="choose each tensor's layout "
+                        "(INT4 / INT5 / INT8, group 32-128, or the source's own grid) by "
+                        "measured sensitivity to average B bits per weight over the quantized "
+                        "tensors, scales included (4.25-8; 'source': no larger than the source "
+                        "GGUF); calibrates on the default set unless --calib is given")
+    parser.add_argument("--quant-method", choices=("rtn", "act", "gptq"), default=None,
+                        help="how calibrated tensors are rounded (default gptq)")
+
+
+def calibration_kwargs(args) -> dict:
+    """The pack() arguments of :func:`add_calibration_options`' flags, checked first (a bad
+    budget, or a calibration file that is missing, empty, binary or not UTF-8, is refused
+    before any work: before training, for finetune --export)."""
+    from .calibdata import check_text_file
+    from .calibrate import check_bits_per_weight
+
+    if args.bits_per_weight is not None:
+        check_bits_per_weight(args.bits_per_weight)
+    if args.calib is not None and args.calib != "default":
+        check_text_file(args.calib)
+    return {"calib": args.calib, "bits_per_weight": args.bits_per_weight,
+            "quant_method": args.quant_method}
+
+
 class _Parser(argparse.ArgumentParser):
     """Usage errors are user errors too: one line, exit code 1."""
 
@@ -460,17 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "that holds them in Q4_0/Q4_1/Q4_K keeps its 4 bits, and one in Q5_0/Q5_1 "
                    "its 5 unless --all-int4, losslessly)")
     add_precision_options(p)
-    p.add_argument("--calib", metavar="FILE", help="calibrate the quantization on FILE (UTF-8 "
-                   "text from the app; 'default': the built-in zh + en + code set): activation "
-                   "statistics from the runtime, then GPTQ rounding of every requantized tensor")
-    p.add_argument("--bits-per-weight", metavar="B", help="choose each tensor's layout (INT4 / "
-                   "INT5 / INT8, group 32-128, or the source's own grid) by measured "
-                   "sensitivity to average B bits per weight over the quantized tensors, scales "
-                   "included (4.25-8; 'source': the bytes of the source GGUF's own types); "
-                   "calibrates on the default set unless --calib is given")
-    p.add_argument("--quant-method", choices=("rtn", "act", "gptq"), default=None,
-                   help="how calibrated tensors are rounded (default gptq; see "
-                   "docs/quantization.md)")
+    add_calibration_options(p)
     p.add_argument("--list-tensors", action="store_true",
                    help="print every tensor's layout and errors (always with --bits-per-weight)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")

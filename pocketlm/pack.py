@@ -97,8 +97,14 @@ class PackReport:
                 f"calibration: {cal['method']} on {cal['set']['sequences']} sequences of "
                 f"{cal['set']['seq_len']} tokens ({cal['set']['source']}, sha256 "
                 f"{cal['set']['sha256'][:12]}), {cal['seconds']:.0f} s"
-                + (f"; bit budget {cal['bits_per_weight']:g}" if cal.get('bits_per_weight')
+                + (f"; bit budget {cal['bits_per_weight']}" if cal.get('bits_per_weight')
                    else ""))
+            head = cal.get("head")
+            if head:
+                agree = ", ".join(f"{k} {100 * v:.1f} %" for k, v in
+                                  head["top1_vs_float"].items())
+                lines.append(f"output head {head['layout']}: top-1 agreement with the float "
+                             f"head on held-out text {agree}")
         lines.append("largest relative errors (||W_q - W|| / ||W||):")
         for t in self.worst():
             lines.append(f"  {t.rel_error:8.5f}  {t.name}  ({t.source_dtype} -> {t.stored}, "

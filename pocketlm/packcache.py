@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import pack
 from .formats import sniff
-from .registry import make_home_dir, pocket_home
+from .registry import default_pack_bits, make_home_dir, pocket_home
 
 # Bumped when packing writes something better for the same source (a leaner tokenizer, a new
 # layout), so that cached deploy files are rebuilt once instead of being used forever.
@@ -28,7 +28,8 @@ PACK_REVISION = 8
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
-                      keep_precision: bool | None = None, *, name: str | None = None) -> Path:
+                      keep_precision: bool | None = None, *, name: str | None = None,
+                      bits_per_weight: str | None = None) -> Path:
     """Where ``load`` caches the deploy file packed from ``src`` with these options.
 
     The name is ``{name}-{options}-{source}-{state}.pocket``: ``source`` digests the source's
@@ -40,7 +41,7 @@ def packed_cache_path(src: Path, group_size: int, embed_bits: int,
     # keep-precision packs store Q5_0/Q5_1 weights in INT5 (older ones: INT8): a new tag, so
     # that those older caches are not reused
     tag = f"g{group_size}-e{embed_bits}" + {None: "", True: "-keep5", False: "-int4"}[
-        keep_precision]
+        keep_precision] + (f"-b{bits_per_weight}" if bits_per_weight else "")
     source = hashlib.sha256(f"{src.resolve()}|{tag}".encode()).hexdigest()[:8]
     state = hashlib.sha256(
         f"{source}|{st.st_size}|{st.st_mtime_ns}|r{PACK_REVISION}".encode()).hexdigest()[:12]
@@ -51,7 +52,9 @@ def ensure_packed(path: str | Path, *, group_size: int = 32, embed_bits: int = 8
                   keep_precision: bool | None = None, quiet: bool = True) -> Path:
     """The deploy file for the local model at ``path``: a ``.pocket`` file as it is; a GGUF
     file, Hugging Face folder or training run packed with these options into the cache on
-    first use (progress shown unless ``quiet``)."""
+    first use (progress shown unless ``quiet``). A registry model packed with the default
+    options takes its registry bit budget (:func:`pocketlm.registry.default_pack_bits`: a
+    calibrated pack, minutes the first time)."""
     pack.check_pack_options(group_size, embed_bits, keep_precision)
     path = Path(path)
     kind = sniff(path)
@@ -62,12 +65,15 @@ def ensure_packed(path: str | Path, *, group_size: int = 32, embed_bits: int = 8
         from .formats import run_checkpoint
 
         key = run_checkpoint(key)
+    bits = None
+    if (group_size, embed_bits, keep_precision) == (32, 8, None) and kind == "gguf":
+        bits = default_pack_bits(path)
     cached = packed_cache_path(key, group_size, embed_bits, keep_precision,
-                               name=path.name if kind == "run" else None)
+                               name=path.name if kind == "run" else None, bits_per_weight=bits)
     if not cached.is_file():
         make_home_dir(cached.parent)
         pack.pack(path, cached, group_size=group_size, embed_bits=embed_bits,
-                  keep_precision=keep_precision, progress=not quiet)
+                  keep_precision=keep_precision, progress=not quiet, bits_per_weight=bits)
         _drop_replaced_packs(cached)
     return cached
 

@@ -120,6 +120,10 @@ class RegistryEntry:
     hf_repo: str
     hf_file: str
     license: str
+    # the bit budget of the default pack (pocket pack --bits-per-weight): "source" where the
+    # calibrated budget that keeps the deploy file no larger than the GGUF measured at least as
+    # close to float as the source's own grids (docs/quantization.md); None: the pack policy
+    pack_bits: str | None = None
 
     @property
     def hf_url(self) -> str:
@@ -165,6 +169,7 @@ REGISTRY: dict[str, RegistryEntry] = {
             hf_repo="unsloth/gemma-3-270m-it-GGUF",
             hf_file="gemma-3-270m-it-Q4_K_M.gguf",
             license="gemma",
+            pack_bits="source",
         ),
         RegistryEntry(
             name="qwen2.5-0.5b",
@@ -541,6 +546,13 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
     raise ModelNotFoundError(
         _unknown_message(text, f"'{text}' is neither an existing file or directory nor a registry model")
     )
+
+
+def default_pack_bits(path: Path) -> str | None:
+    """The bit budget of the default pack of ``path`` if it is a registry model's file (see
+    :attr:`RegistryEntry.pack_bits`), else None."""
+    name = _registry_name_of(Path(path))
+    return REGISTRY[name].pack_bits if name else None
 
 
 def _registry_name_of(path: Path) -> str | None:

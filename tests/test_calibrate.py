@@ -229,3 +229,16 @@ def test_cli_refuses_bad_calibration_flags_and_writes_nothing(tiny, tmp_path, fl
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], r.stderr
     assert not out.exists() and not list(tmp_path.glob("x.pocket*"))
+
+
+def test_registry_default_packs_take_their_bit_budget(tmp_path):
+    from pocketlm import registry
+    from pocketlm.packcache import packed_cache_path
+
+    assert registry.REGISTRY["gemma3-270m"].pack_bits == "source"
+    assert registry.default_pack_bits(tmp_path / "gemma3-270m.gguf") is None  # not the pulled file
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"x")
+    budgeted = packed_cache_path(src, 32, 8, None, bits_per_weight="source")
+    plain = packed_cache_path(src, 32, 8, None)
+    assert "-bsource-" in budgeted.name and budgeted != plain

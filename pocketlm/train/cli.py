@@ -199,8 +199,10 @@ def cmd_train(args) -> int:
 
 def cmd_finetune(args) -> int:
     _need_torch("finetune")
+    from ..cli import calibration_kwargs
     from .trainer import TrainConfig, train
 
+    calibration = calibration_kwargs(args)  # checked before the training, not after it
     out = Path(args.out)
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
@@ -222,7 +224,7 @@ def cmd_finetune(args) -> int:
         from .export import export
 
         report = export(out, args.export, group_size=args.group_size,
-                        embed_bits=args.embed_bits)
+                        embed_bits=args.embed_bits, **calibration)
         print(report.summary())
     return 0
 
@@ -234,8 +236,10 @@ def cmd_export(args) -> int:
     out = Path(args.output)
     if out.exists() and not args.force:
         raise PocketError(f"{out} exists; pass --force to overwrite it")
+    from ..cli import calibration_kwargs
+
     report = export(args.run, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                    best=False if args.last else None)
+                    best=False if args.last else None, **calibration_kwargs(args))
     print(report.summary())
     return 0
 
@@ -331,6 +335,7 @@ def cmd_distill_data(args) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
+    from ..cli import add_calibration_options
     from .presets import PRESETS
 
     p = sub.add_parser("train", help="pre-train or fine-tune (SFT) a Pocket model",
@@ -385,6 +390,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
     p.add_argument("--last", action="store_true",
                    help="export the latest checkpoint even when the run kept best.pt")
+    add_calibration_options(p)
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_export)
 
@@ -432,6 +438,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "this deploy file when done")
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
+    add_calibration_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_finetune)
 

@@ -52,9 +52,10 @@ def checkpoint_source(run: str | Path, *, best: bool | None = None) -> SourceMod
 
 
 def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits: int = 8,
-           best: bool | None = None, progress: bool = True):
+           best: bool | None = None, progress: bool = True, **calibration):
     """Quantize the run (its best weights under early stopping, else the latest checkpoint)
-    into the deploy file ``out``; returns the packing report."""
+    into the deploy file ``out``; returns the packing report. ``calibration``: pack()'s
+    ``calib``, ``bits_per_weight`` and ``quant_method``."""
     from ..pack import pack
 
     src = checkpoint_source(run, best=best)
@@ -63,4 +64,4 @@ def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits
         raise FormatError(f"{run} was trained against the INT4 grid of group size 32; export "
                           "it with --group-size 32")
     return pack(src, out, group_size=group_size, embed_bits=embed_bits, progress=progress,
-                int4_search=not qat)  # a QAT run is exported to the grid it trained against
+                int4_search=not qat, **calibration)  # a QAT run is exported to the grid it trained against
