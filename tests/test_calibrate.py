@@ -19,6 +19,13 @@ from pocketlm.quant import find_zero_point, implicit_mins, quantize
 from pocketlm.runtime.model import Runtime
 
 
+@pytest.fixture(autouse=True)
+def _stats_cache_in_tmp(tmp_path, monkeypatch):
+    # the statistics cache lives in the test's folder, not in the shared POCKET_HOME
+    monkeypatch.setattr(calibrate, "_stats_path",
+                        lambda model, cset: tmp_path / "calib" / f"{cset.digest[:16]}.npz")
+
+
 def _inputs(n=4096, d=128, seed=0):
     """Inputs with a few loud channels and correlated ones, like a transformer's."""
     rng = np.random.default_rng(seed)
@@ -146,6 +153,19 @@ def tiny(tmp_path_factory):
     return {"src": src, "text": text, "root": root}
 
 
+def test_statistics_are_kept_and_reused(tiny, tmp_path):
+    src = open_source(tiny["src"])
+    cs = calibdata.file_set(tiny["text"], src.tokenizer, n_sequences=4, seq_len=64)
+    assert calibrate.cached_stats(src, cs) is None
+    floats = {n: t.to_float() for n, t in src.tensors.items()}
+    st = calibrate.gather(src.config, floats, cs.sequences, progress=False)
+    calibrate.save_stats(src, cs, st)
+    again = calibrate.cached_stats(src, cs)
+    assert again is not None and sorted(again.h) == sorted(st.h) and again.tokens == 256
+    for site in st.h:
+        np.testing.assert_allclose(again.hessian(site), st.hessian(site), rtol=1e-6)
+
+
 def test_pack_with_a_bit_budget_meets_it_and_records_its_calibration(tiny, tmp_path):
     out = tmp_path / "b.pocket"
     rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
@@ -242,3 +262,27 @@ def test_registry_default_packs_take_their_bit_budget(tmp_path):
     budgeted = packed_cache_path(src, 32, 8, None, bits_per_weight="source")
     plain = packed_cache_path(src, 32, 8, None)
     assert "-bsource-" in budgeted.name and budgeted != plain
+
+
+def test_budgeted_pack_greedy_tokens_agree_native_and_numpy(tiny, tmp_path, monkeypatch):
+    # the per-tensor layouts of a bit budget (mixed kinds, group sizes, implicit minimums) run
+    # the same in the native engine as in the numpy reference
+    out = tmp_path / "g.pocket"
+    pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=5.2, progress=False)
+    layouts = PocketFile(out).json("quant")["tensors"].values()
+    assert len({(v["kind"], v["group_size"], v.get("zero_point")) for v in layouts}) >= 2
+    monkeypatch.setenv("POCKET_ACT", "f32")
+    src = open_source(tiny["src"])
+    prompt = src.tokenizer.encode("The parcel left the depot")
+    runs = []
+    for engine in ("native", "numpy"):
+        rt = Runtime(src.config, PocketFile(out).weights(), engine=engine)
+        cache = rt.new_cache(64)
+        ids, nxt = list(prompt), None
+        logits = rt.forward(np.asarray(ids), cache)
+        for _ in range(24):
+            nxt = int(np.argmax(logits))
+            ids.append(nxt)
+            logits = rt.forward(np.asarray([nxt]), cache)
+        runs.append(ids)
+    assert runs[0] == runs[1]
