@@ -151,6 +151,20 @@ def cmd_inspect(args) -> int:
           f"d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.max_context}")
     print(f"quant:       {quant.get('scheme', 'none')}, embeddings INT"
           f"{quant.get('embed_bits', '?')}, {len(layouts)} quantized tensors")
+    cal = quant.get("calibration")
+    if isinstance(cal, dict):
+        cset = cal.get("set") if isinstance(cal.get("set"), dict) else {}
+        head = cal.get("head") if isinstance(cal.get("head"), dict) else {}
+        agree = head.get("top1_vs_float")
+        line = (f"{cal.get('method', '?')} on {cset.get('sequences', '?')} x "
+                f"{cset.get('seq_len', '?')} tokens ({cset.get('source', '?')}, sha256 "
+                f"{str(cset.get('sha256', ''))[:12]})")
+        if cal.get("bits_per_weight") is not None:
+            line += f", bit budget {cal['bits_per_weight']}"
+        if isinstance(agree, dict):
+            line += f"; head {head.get('layout', '?')} top-1 " + ", ".join(
+                f"{k} {v:.1%}" for k, v in agree.items() if isinstance(v, (int, float)))
+        print(f"calibration: {line}")
     known = {k: prov.get(k, "unknown") for k in ("source_file", "source_format",
                                                    "source_sha256", "packed_at",
                                                    "pocketlm_version")}

@@ -177,6 +177,8 @@ def test_pack_with_a_bit_budget_meets_it_and_records_its_calibration(tiny, tmp_p
     assert all(t.name in listing for t in rep.tensors if t.stored != "f32")
     pf = PocketFile(out)
     assert pf.json("quant")["calibration"]["method"] == "gptq"
+    shown = _cli("inspect", out).stdout
+    assert "calibration: gptq on" in shown and "bit budget 4.6" in shown
     again = tmp_path / "c.pocket"
     pack(tiny["src"], again, calib=tiny["text"], bits_per_weight=4.6, progress=False)
     a, b = PocketFile(out).weights(), PocketFile(again).weights()
