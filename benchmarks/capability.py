@@ -52,6 +52,12 @@ def _pack_label(model: str, precision: str) -> tuple[str, str | None]:
 
     path = deploy_file(model, quiet=True) if not str(model).endswith(".pocket") else model
     quant = PocketFile(path, verify=False).json("quant")
+    cal = quant.get("calibration")
+    if isinstance(cal, dict) and cal.get("bits_per_weight") is not None:
+        label = f"bit budget {cal['bits_per_weight']} ({cal.get('method', '?')})"
+        if cal.get("channel_scaling"):
+            label += " + awq"
+        return label, str(path)
     label = f"int4 g{quant['group_size']}, embed int{quant['embed_bits']}"
     if "+" in quant["scheme"]:
         label += ", keep-precision"

@@ -52,6 +52,9 @@ POCKET_METHODS: dict[str, dict] = {
     "pocket-gptq-int4": {"keep_precision": False, "calib": "default"},
     "pocket-budget-source": {"bits_per_weight": "source"},
     "pocket-bpw-4.6": {"bits_per_weight": 4.6},
+    "pocket-awq-int4": {"keep_precision": False, "calib": "default", "awq": True},
+    "pocket-awq-bpw-4.6": {"bits_per_weight": 4.6, "awq": True},
+    "pocket-awq-budget-source": {"bits_per_weight": "source", "awq": True},
 }
 OUT = ROOT / "benchmarks" / "quant_quality.jsonl"
 DOC = ROOT / "docs" / "quantization.md"
@@ -150,7 +153,9 @@ def run_model(name: str, args) -> None:
                 logits = {t: qm.logits(i) for t, i in ids.items()}
                 emit(method, "pocketlm", out.stat().st_size, logits,
                      {"options": POCKET_METHODS[method], "pack_seconds": round(secs, 1),
-                      "quant_bits_per_weight": round(rep.quant_bits_per_weight, 3)})
+                      "quant_bits_per_weight": round(rep.quant_bits_per_weight, 3),
+                      **({"channel_scaling": rep.calibration["channel_scaling"]}
+                         if rep.calibration and "channel_scaling" in rep.calibration else {})})
                 del qm
                 out.unlink()
             else:
@@ -166,6 +171,9 @@ METHOD_LABELS = {
     "pocket-gptq-int4": "pocketlm `--all-int4 --calib default` (GPTQ)",
     "pocket-budget-source": "pocketlm `--bits-per-weight source`",
     "pocket-bpw-4.6": "pocketlm `--bits-per-weight 4.6`",
+    "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
+    "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
+    "pocket-awq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --awq`",
 }
 BLOCK = re.compile(r"^(<!-- generated: quant_quality benchmarks/quant_quality\.jsonl -->\n)"
                    r"(.*?)^(<!-- end of generated block -->)$", re.S | re.M)

@@ -100,6 +100,13 @@ class Stats:
         for site in list(self._pending):
             self._flush(site)
 
+    def round_as_stored(self) -> None:
+        """Round the sums to float32, as :func:`save_stats` keeps them, so that a pack that
+        gathered the statistics and one that read them back quantize byte for byte alike."""
+        self.finish()
+        for site in self.h:
+            self.h[site] = self.h[site].astype(np.float32)
+
     def hessian(self, site: str) -> np.ndarray:
         self.finish()
         if site not in self.h:
@@ -725,14 +732,20 @@ def _lossless(st) -> QuantTensor | None:
 
 def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float | None = None,
          default_bits, group_size: int = 32, progress: bool = True,
-         stats: Stats | None = None):
+         stats: Stats | None = None, awq: bool = False):
     """Calibrate ``model`` (a SourceModel) and quantize its tensors.
 
     ``default_bits(name, source_tensor)``: the pack's bits for a tensor (None: kept in float).
     Without ``bits_per_weight`` each tensor keeps those bits and the pack's group size (a
     source grid that imports exactly stays exact) and every requantized INT4 / INT5 tensor is
     made by ``method``; with it, each tensor's layout is chosen by :func:`allocate`. Returns
-    ``({name: (QuantTensor, how, relative output error or None)}, calibration record)``."""
+    ``({name: (QuantTensor, how, relative output error or None)}, calibration record,
+    {name: float32 array}``: the float tensors that channel scaling changed).
+
+    ``awq``: activation-aware channel scaling (:mod:`pocketlm.awq`) before rounding, on the
+    sites whose tensors are all requantized (a tensor that imports exactly keeps its grid:
+    without a budget, one that the pack keeps exact; with one, one whose exact layout fits the
+    budget's bits per weight)."""
     import time
 
     from . import calibdata
@@ -747,12 +760,16 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     if stats is None:
         stats = gather(model.config, weights, cset.sequences, progress=progress)
         save_stats(model, cset, stats)
+        stats.round_as_stored()  # the first pack sees what later packs read from the cache
     tied = model.config.tie_embeddings
+    scales: dict[str, np.ndarray] = {}  # site -> channel scale (awq)
 
     def hessian(name):
         if name == "embed.weight" and not tied:
             return None  # looked up, never multiplied: its weight error is what counts
-        return stats.hessian(site_of(name))
+        site = site_of(name)
+        h = stats.hessian(site)
+        return h if site not in scales else h / np.outer(scales[site], scales[site])
 
     choice: dict[str, tuple] = {}  # name -> (kind, group size, lossless, zero point)
     if bits_per_weight is None:
@@ -760,14 +777,34 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             bits = default_bits(n, model.tensors[n])
             exact = model.tensors[n].to_quant(bits, group_size) is not None
             choice[n] = (_KINDS[bits], group_size, exact, None)
-    else:
+    scaled_record = None
+    changed: set[str] = set()
+    if awq:
+        if bits_per_weight is None:
+            keep = {n for n, c in choice.items() if c[2]}
+            layout = {n: c[:2] + (c[3],) for n, c in choice.items()}
+        else:
+            bpw = (bits_per_weight if bits_per_weight != "source" else 8.0 * source_budget(
+                model, names) / sum(int(np.prod(model.tensors[n].shape)) for n in names))
+            keep = set()
+            for n in names:
+                qt = _lossless(model.tensors[n])
+                if qt is not None and qt.bits_per_weight <= bpw:
+                    keep.add(n)
+            layout = dict.fromkeys(names, PROBE_LAYOUT)
+        from .awq import scale_model
+
+        scaled_record, changed = scale_model(model.config, weights, stats, names, keep, layout,
+                                             scales, progress)
+    if bits_per_weight is not None:
         bar = _bar(len(names), "measuring layouts", "tensor", progress)
         cands = {}
         probe: dict[str, QuantTensor] = {}
         for n in names:
             h = hessian(n)
             cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
-                                  _lossless(model.tensors[n]), probe=probe, name=n)
+                                  None if n in changed else _lossless(model.tensors[n]),
+                                  probe=probe, name=n)
             if bar is not None:
                 bar.update(1)
         if bar is not None:
@@ -812,10 +849,14 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     head_name = "embed.weight" if tied else "lm_head.weight"
     record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
               "tokens": stats.tokens}
+    if scaled_record is not None:
+        record["channel_scaling"] = scaled_record
     if head_name in out:
         qt = out[head_name][0]
         record["head"] = {"layout": f"{qt.kind} g{qt.group_size}",
                           "top1_vs_float": head_agreement(model.config, weights, qt,
                                                           model.tokenizer)}
     record["seconds"] = round(time.time() - t0, 1)
-    return out, record
+    floats = {n: weights[n] for n in changed if n not in out}
+    return out, record, floats
+

@@ -161,6 +161,10 @@ def cmd_inspect(args) -> int:
                 f"{str(cset.get('sha256', ''))[:12]})")
         if cal.get("bits_per_weight") is not None:
             line += f", bit budget {cal['bits_per_weight']}"
+        cs = cal.get("channel_scaling")
+        if isinstance(cs, dict):
+            line += (f"; channel scaling on {cs.get('scaled', '?')} of {cs.get('sites', '?')} "
+                     f"sites (mean alpha {cs.get('mean_alpha', '?')})")
         if isinstance(agree, dict):
             line += f"; head {head.get('layout', '?')} top-1 " + ", ".join(
                 f"{k} {v:.1%}" for k, v in agree.items() if isinstance(v, (int, float)))
@@ -383,7 +387,7 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_calibration_options(parser: argparse.ArgumentParser) -> None:
-    """``--calib``, ``--bits-per-weight`` and ``--quant-method`` (see docs/quantization.md),
+    """``--calib``, ``--bits-per-weight``, ``--quant-method`` and ``--awq`` (docs/quantization.md),
     shared by pack, export and finetune --export."""
     parser.add_argument("--calib", metavar="FILE", help="calibrate the quantization on FILE "
                         "(UTF-8 text from the app; 'default': the built-in zh + en + code set): "
@@ -396,6 +400,11 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
                         "GGUF); calibrates on the default set unless --calib is given")
     parser.add_argument("--quant-method", choices=("rtn", "act", "gptq"), default=None,
                         help="how calibrated tensors are rounded (default gptq)")
+    parser.add_argument("--awq", action="store_true",
+                        help="activation-aware channel scaling before rounding: each input "
+                        "channel's scale is searched on the calibration statistics and folded "
+                        "into the norm or matrix before it (docs/quantization.md); calibrates "
+                        "on the default set unless --calib is given")
 
 
 def calibration_kwargs(args) -> dict:
@@ -410,7 +419,7 @@ def calibration_kwargs(args) -> dict:
     if args.calib is not None and args.calib != "default":
         check_text_file(args.calib)
     return {"calib": args.calib, "bits_per_weight": args.bits_per_weight,
-            "quant_method": args.quant_method}
+            "quant_method": args.quant_method, "awq": args.awq}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -99,6 +99,11 @@ class PackReport:
                 f"{cal['set']['sha256'][:12]}), {cal['seconds']:.0f} s"
                 + (f"; bit budget {cal['bits_per_weight']}" if cal.get('bits_per_weight')
                    else ""))
+            cs = cal.get("channel_scaling")
+            if cs:
+                lines.append(f"channel scaling: {cs['scaled']} of {cs['sites']} sites scaled "
+                             f"(mean alpha {cs['mean_alpha']}), estimated output error "
+                             f"-{100 * cs['error_removed']:.1f} % before rounding")
             head = cal.get("head")
             if head:
                 agree = ", ".join(f"{k} {100 * v:.1f} %" for k, v in
@@ -183,7 +188,8 @@ def choose_bits(name: str, embed_bits: int, source_dtype: str = "F32",
 def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int = 32,
          embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True, calib: str | Path | None = None,
-         bits_per_weight: float | None = None, quant_method: str | None = None) -> PackReport:
+         bits_per_weight: float | None = None, quant_method: str | None = None,
+         awq: bool = False) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
     ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
     INT4) or True (also float weights in INT8), as in the module docstring.
@@ -195,8 +201,13 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     quantizes every requantized tensor by ``quant_method`` (default ``"gptq"``);
     ``bits_per_weight`` (4.25-8, implies ``calib="default"`` when no ``calib`` is given)
     chooses each tensor's layout (INT4 / INT5 / INT8, group 32-128, or the source's own grid)
-    to meet that average over all quantized tensors, scales included."""
+    to meet that average over all quantized tensors, scales included. ``awq``: activation-aware
+    channel scaling before rounding (:mod:`pocketlm.awq`; implies ``calib="default"`` too)."""
     check_pack_options(group_size, embed_bits, keep_precision)
+    if not isinstance(awq, bool):
+        raise PocketError(f"awq must be True or False, got {awq!r}")
+    if awq and calib is None:
+        calib = "default"
     if bits_per_weight is not None:
         from .calibrate import check_bits_per_weight
 
@@ -222,26 +233,27 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         return _pack(source, out, group_size=group_size, embed_bits=embed_bits,
                      keep_precision=keep_precision, measure_error=measure_error,
                      progress=progress, int4_search=int4_search, calib=calib,
-                     bits_per_weight=bits_per_weight, quant_method=quant_method)
+                     bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq)
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
           keep_precision: bool | None, measure_error: bool, progress: bool,
           int4_search: bool, calib=None, bits_per_weight=None,
-          quant_method=None) -> PackReport:
+          quant_method=None, awq: bool = False) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     planned: dict[str, tuple[QuantTensor, str, float | None]] = {}
+    scaled: dict[str, np.ndarray] = {}  # float tensors that channel scaling changed
     calibration = None
     if calib is not None:
         from .calibrate import DEFAULT_METHOD, plan
 
-        planned, calibration = plan(
+        planned, calibration, scaled = plan(
             model, calib=calib, method=quant_method or DEFAULT_METHOD,
             bits_per_weight=bits_per_weight,
             default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
                                                       keep_precision),
-            group_size=group_size, progress=progress)
+            group_size=group_size, progress=progress, awq=awq)
     arrays: list[tuple[str, np.ndarray]] = []
     layouts: dict[str, Any] = {}
     reports: list[TensorReport] = []
@@ -258,7 +270,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         n_params += count
         bits = choose_bits(name, embed_bits, st.dtype, keep_precision)
         if bits is None:
-            values = st.to_float()
+            values = scaled.pop(name) if name in scaled else st.to_float()
             arrays.append((name, np.ascontiguousarray(values, dtype=np.float32)))
             reports.append(TensorReport(name, st.dtype, "f32", "float", 0.0, count))
             continue
