@@ -4,6 +4,7 @@ llama.cpp's, on held-out text (JSON lines).
     python benchmarks/quant_quality.py run [--models M ...] [--methods NAME ...] [--tokens 512]
         >> benchmarks/quant_quality.jsonl
     python benchmarks/quant_quality.py write [--check]     # docs/quantization.md's tables
+                                  # (and the channel-scaling table of benchmarks/awq_sites.jsonl)
 
 Texts (none is in any calibration set, see pocketlm.calibdata): tests/data/english.txt and
 chinese.txt, and the held-out slices of the calibration corpora's code and Chinese news; the
@@ -202,13 +203,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+AWQ_SITES = ROOT / "benchmarks" / "awq_sites.jsonl"
+AWQ_BLOCK = re.compile(r"^(<!-- generated: awq_sites benchmarks/awq_sites\.jsonl -->\n)"
+                       r"(.*?)^(<!-- end of generated block -->)$", re.S | re.M)
+
+
+def awq_table(rows: list[dict]) -> str:
+    """The latest row of each (model, site), by model then layer."""
+    latest: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        latest[(r["model"], r["site"])] = r
+    out = ["| model | input | alpha | error ratio, range search | error ratio, GPTQ | "
+           "channel RMS max / median |", "|---|---|---|---|---|---|"]
+    for model in MODELS:
+        for (mo, _), r in latest.items():
+            if mo == model:
+                out.append(f"| {model} | {r['site']} | {r['alpha']:.1f} | {r['act_ratio']:.3f} "
+                           f"| {r['gptq_ratio']:.3f} | {r['d_max_over_median']:.1f} |")
+    return "\n".join(out)
+
+
 def write(check: bool) -> None:
     from vs_llamacpp import update_files
 
     rows = [json.loads(line) for line in OUT.read_text(encoding="utf-8").splitlines()
             if line.strip()]
+    sites = [json.loads(line) for line in AWQ_SITES.read_text(encoding="utf-8").splitlines()
+             if line.strip()]
     text = DOC.read_text(encoding="utf-8")
     new = BLOCK.sub(lambda m: m[1] + table(rows) + "\n" + m[3], text)
+    new = AWQ_BLOCK.sub(lambda m: m[1] + awq_table(sites) + "\n" + m[3], new)
     update_files({DOC: new}, check)
 
 
