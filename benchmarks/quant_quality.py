@@ -176,15 +176,35 @@ METHOD_LABELS = {
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
     "pocket-awq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --awq`",
 }
-BLOCK = re.compile(r"^(<!-- generated: quant_quality benchmarks/quant_quality\.jsonl -->\n)"
-                   r"(.*?)^(<!-- end of generated block -->)$", re.S | re.M)
+AWQ_SITES = ROOT / "benchmarks" / "awq_sites.jsonl"
+
+
+def _block(kind: str, path: str) -> re.Pattern:
+    """A generated block of the doc: ``<!-- generated: KIND PATH -->`` ... its end marker."""
+    return re.compile(rf"^(<!-- generated: {kind} {re.escape(path)} -->\n)"
+                      r"(.*?)^(<!-- end of generated block -->)$", re.S | re.M)
+
+
+BLOCK = _block("quant_quality", "benchmarks/quant_quality.jsonl")
+AWQ_BLOCK = _block("awq_sites", "benchmarks/awq_sites.jsonl")
+
+
+def _latest(rows: list[dict], field: str) -> dict[tuple[str, str], dict]:
+    """The latest row of each (model, ``field``), in first-seen order."""
+    latest: dict[tuple[str, str], dict] = {}
+    for r in rows:
+        latest[(r["model"], r[field])] = r
+    return latest
+
+
+def _read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip()]
 
 
 def table(rows: list[dict]) -> str:
     """The latest row of each (model, method), grouped by model, llama.cpp first."""
-    latest: dict[tuple[str, str], dict] = {}
-    for r in rows:
-        latest[(r["model"], r["method"])] = r
+    latest = _latest(rows, "method")
     order = list(METHOD_LABELS)
     out = ["| model | method | file MB | bits/weight (file) | Δppl english | Δppl chinese | "
            "Δppl code | Δppl news | top-1 vs float (en / zh) | date |",
@@ -203,16 +223,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-AWQ_SITES = ROOT / "benchmarks" / "awq_sites.jsonl"
-AWQ_BLOCK = re.compile(r"^(<!-- generated: awq_sites benchmarks/awq_sites\.jsonl -->\n)"
-                       r"(.*?)^(<!-- end of generated block -->)$", re.S | re.M)
-
-
 def awq_table(rows: list[dict]) -> str:
     """The latest row of each (model, site), by model then layer."""
-    latest: dict[tuple[str, str], dict] = {}
-    for r in rows:
-        latest[(r["model"], r["site"])] = r
+    latest = _latest(rows, "site")
     out = ["| model | input | alpha | error ratio, range search | error ratio, GPTQ | "
            "channel RMS max / median |", "|---|---|---|---|---|---|"]
     for model in MODELS:
@@ -226,13 +239,9 @@ def awq_table(rows: list[dict]) -> str:
 def write(check: bool) -> None:
     from vs_llamacpp import update_files
 
-    rows = [json.loads(line) for line in OUT.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
-    sites = [json.loads(line) for line in AWQ_SITES.read_text(encoding="utf-8").splitlines()
-             if line.strip()]
     text = DOC.read_text(encoding="utf-8")
-    new = BLOCK.sub(lambda m: m[1] + table(rows) + "\n" + m[3], text)
-    new = AWQ_BLOCK.sub(lambda m: m[1] + awq_table(sites) + "\n" + m[3], new)
+    new = BLOCK.sub(lambda m: m[1] + table(_read(OUT)) + "\n" + m[3], text)
+    new = AWQ_BLOCK.sub(lambda m: m[1] + awq_table(_read(AWQ_SITES)) + "\n" + m[3], new)
     update_files({DOC: new}, check)
 
 

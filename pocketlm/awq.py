@@ -81,6 +81,11 @@ def sites(config, names) -> list[Site]:
     return out
 
 
+def _query_groups(config) -> tuple[int, int, int]:
+    """W_o's input channels as ``[key-value head, query head of its group, dim]``."""
+    return (config.n_kv_heads, config.n_heads // config.n_kv_heads, config.head_dim)
+
+
 def _normalised(d: np.ndarray, alpha: float) -> np.ndarray:
     s = np.power(d, alpha)
     return (s / np.sqrt(s.max() * s.min())).astype(np.float32)
@@ -92,9 +97,9 @@ def channel_rms(h: np.ndarray, config=None, site: str = "") -> np.ndarray:
     that every query head of a group gets its key-value channel's value."""
     msq = np.maximum(np.diag(h).astype(np.float64), 0.0)
     if site.endswith("o_in") and config is not None:
-        hd, nq, nkv = config.head_dim, config.n_heads, config.n_kv_heads
-        per = msq.reshape(nkv, nq // nkv, hd).mean(axis=1)  # [kv head, dim]
-        msq = np.repeat(per[:, None, :], nq // nkv, axis=1).reshape(-1)
+        shape = _query_groups(config)
+        per = msq.reshape(shape).mean(axis=1)  # [kv head, dim]
+        msq = np.repeat(per[:, None, :], shape[1], axis=1).reshape(-1)
     floor = max(float(msq.mean()) * 1e-6, 1e-12)
     return np.sqrt(np.maximum(msq, floor))
 
@@ -136,8 +141,7 @@ def apply(site: Site, s: np.ndarray, weights: dict, config) -> None:
     inv = (1.0 / s).astype(np.float32)
     if site.name.endswith("o_in"):
         # one scale per key-value channel: the first query head of each group carries it
-        hd, nq, nkv = config.head_dim, config.n_heads, config.n_kv_heads
-        inv = inv.reshape(nkv, nq // nkv, hd)[:, 0, :].reshape(-1)
+        inv = inv.reshape(_query_groups(config))[:, 0, :].reshape(-1)
     if site.fold_rows:
         weights[site.fold] = (weights[site.fold] * inv[:, None]).astype(np.float32)
     else:

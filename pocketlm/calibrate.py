@@ -859,4 +859,3 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     record["seconds"] = round(time.time() - t0, 1)
     floats = {n: weights[n] for n in changed if n not in out}
     return out, record, floats
-
