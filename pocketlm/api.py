@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,11 +87,25 @@ class PocketModel:
                                    f"({type(i).__name__})")
             if not 0 <= i < self.config.vocab_size:
                 raise TokenIdError(f"token id {i} is out of range "
-                                   f"0..{self.config.vocab_size - 1}")
+                                   f"0..{self.config.vocab_size - 1}" + self._trimmed_note())
             out.append(int(i))
         if not out and not allow_empty:
             raise TokenIdError("need at least one token")
         return out
+
+    def _trimmed_note(self) -> str:
+        """For a model with a trimmed vocabulary: what its ids are."""
+        vocab = (getattr(self, "metadata", None) or {}).get("vocab")
+        try:
+            vocab = json.loads(vocab) if isinstance(vocab, str) else vocab
+        except ValueError:
+            vocab = None
+        if not isinstance(vocab, dict):
+            return ""
+        source = vocab.get("source_vocab")
+        source = f"{source:,}" if isinstance(source, int) else "more"
+        return (f" (this model's vocabulary is trimmed to {self.config.vocab_size:,} of its "
+                f"source's {source} pieces and renumbered: take ids from its own tokenizer)")
 
     # -- generation --------------------------------------------------------------------------
     def settings(self, builtin_max_tokens: int | None = None, **explicit: Any) -> dict[str, Any]:

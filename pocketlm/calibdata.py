@@ -148,24 +148,24 @@ def default_set(tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
     return CalibrationSet(seqs, "default", digest.hexdigest())
 
 
-def check_text_file(path: str | Path) -> tuple[str, bytes]:
-    """The text of a calibration file, refused by name when it is missing, empty, binary or
-    not UTF-8."""
+def check_text_file(path: str | Path, flag: str = "--calib") -> tuple[str, bytes]:
+    """The text of an app's text file (``flag`` names the option it came from), refused by
+    name when it is missing, empty, binary or not UTF-8."""
     path = Path(path)
     if not path.is_file():
-        raise PocketError(f"--calib {path}: no such file")
+        raise PocketError(f"{flag} {path}: no such file")
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise PocketError(f"--calib {path}: cannot read it ({e.strerror or e})") from None
+        raise PocketError(f"{flag} {path}: cannot read it ({e.strerror or e})") from None
     if not data.strip():
-        raise PocketError(f"--calib {path}: the file is empty")
+        raise PocketError(f"{flag} {path}: the file is empty")
     if b"\0" in data:
-        raise PocketError(f"--calib {path}: a binary file, not text")
+        raise PocketError(f"{flag} {path}: a binary file, not text")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PocketError(f"--calib {path}: not UTF-8 text (byte {e.start})") from None
+        raise PocketError(f"{flag} {path}: not UTF-8 text (byte {e.start})") from None
     return text, data
 
 

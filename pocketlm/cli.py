@@ -88,9 +88,9 @@ def cmd_list(args) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"{'name':<15} {'size':>9}  {'pulled':<10}  description")
+    print(f"{'name':<18} {'size':>9}  {'pulled':<10}  description")
     for r in rows:
-        print(f"{r['name']:<15} {r['size'] / 1e6:7.0f}MB  {r['state']:<10}  {r['description']}")
+        print(f"{r['name']:<18} {r['size'] / 1e6:7.0f}MB  {r['state']:<10}  {r['description']}")
     doubtful = [r["name"] for r in rows if r["state"] in ("changed", "unverified")]
     if doubtful:
         print(f"(changed / unverified: the file is not known to match the registry; check it "
@@ -103,6 +103,7 @@ def cmd_pack(args) -> int:
     from .registry import default_pack_bits, resolve
 
     calibration = calibration_kwargs(args)  # a bad flag is refused before any work
+    vocab = vocab_spec(args)
     with _exit_on_sigterm():
         src = resolve(args.src)
         out = Path(args.output)
@@ -113,7 +114,8 @@ def cmd_pack(args) -> int:
             # a registry model's default pack is its registry bit budget (see pocket list)
             calibration["bits_per_weight"] = default_pack_bits(src)
         report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                      keep_precision=args.keep_precision, progress=True, **calibration)
+                      keep_precision=args.keep_precision, progress=True, vocab=vocab,
+                      **calibration)
     print(report.summary())
     if args.bits_per_weight is not None or args.list_tensors:
         print(report.choices())
@@ -169,6 +171,14 @@ def cmd_inspect(args) -> int:
             line += f"; head {head.get('layout', '?')} top-1 " + ", ".join(
                 f"{k} {v:.1%}" for k, v in agree.items() if isinstance(v, (int, float)))
         print(f"calibration: {line}")
+    vocab = pf.json_object("vocab", None) if "vocab" in meta else None
+    if isinstance(vocab, dict):
+        from .pack import vocab_summary
+
+        try:
+            print(f"vocabulary:  {vocab_summary(vocab).split(': ', 1)[1]}")
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            print("vocabulary:  trimmed (record unreadable)")
     known = {k: prov.get(k, "unknown") for k in ("source_file", "source_format",
                                                    "source_sha256", "packed_at",
                                                    "pocketlm_version")}
@@ -332,7 +342,8 @@ def cmd_bench(args) -> int:
         threads = EngineSettings.from_env().threads or 2
     results = bench(args.model or default_model(), threads=threads, n_prompt=args.n_prompt,
                     n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
-                    watts_per_core=args.watts_per_core, progress=progress)
+                    watts_per_core=args.watts_per_core, progress=progress,
+                    compare=args.compare)
     if args.json:
         for r in results:
             print(r.to_json())
@@ -407,6 +418,39 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
                         "on the default set unless --calib is given")
 
 
+def add_vocab_options(parser: argparse.ArgumentParser) -> None:
+    """``--vocab``, ``--vocab-corpus``, ``--vocab-rule`` and ``--vocab-size``
+    (docs/vocabulary.md)."""
+    parser.add_argument("--vocab", metavar="LANGS", help="trim the vocabulary to these "
+                        "languages (comma-separated: en, zh): text in them tokenizes exactly as "
+                        "before, the embedding and head shrink; other text still encodes, in "
+                        "smaller pieces or bytes")
+    parser.add_argument("--vocab-corpus", metavar="FILE", help="also keep every piece the "
+                        "model's tokenizer produces on FILE (UTF-8 text from the app)")
+    parser.add_argument("--vocab-rule", choices=("corpus", "script"), default=None,
+                        help="corpus (default): the pieces produced on the languages' "
+                        "built-in corpora (smaller); script: every piece written only in the "
+                        "languages' scripts, digits and punctuation (exact on any such text)")
+    parser.add_argument("--vocab-size", metavar="N", type=int, default=None,
+                        help="keep at most N pieces, the most frequent on the corpus first "
+                        "(the pieces tokenization needs are always kept)")
+
+
+def vocab_spec(args):
+    """The :class:`pocketlm.vocab.VocabSpec` of :func:`add_vocab_options`' flags (None: no
+    trimming), checked before any work."""
+    if args.vocab is None and args.vocab_corpus is None:
+        for flag, value in (("--vocab-rule", args.vocab_rule), ("--vocab-size", args.vocab_size)):
+            if value is not None:
+                raise PocketError(f"{flag} needs --vocab LANGS (or --vocab-corpus FILE)")
+        return None
+    from .vocab import VocabSpec, parse_languages
+
+    return VocabSpec(languages=parse_languages(args.vocab) if args.vocab is not None else (),
+                     rule=args.vocab_rule or "corpus", corpus=args.vocab_corpus,
+                     size=args.vocab_size)
+
+
 def calibration_kwargs(args) -> dict:
     """The pack() arguments of :func:`add_calibration_options`' flags, checked first (a bad
     budget, or a calibration file that is missing, empty, binary or not UTF-8, is refused
@@ -477,6 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", action="extend", nargs="+", choices=VS_ENGINES, metavar="ENGINE",
                    help="also run these engines on the same model, alternating: llama.cpp (the "
                    "GGUF), mnn (an MNN export, see --mnn)")
+    p.add_argument("--compare", action="append", metavar="MODEL",
+                   help="also run pocketlm on MODEL in the same run, alternating (a trimmed "
+                   "variant against its source, another pack of the same model); repeatable")
     p.add_argument("--gguf", help="the GGUF for --vs llama.cpp when -m is a .pocket file")
     p.add_argument("--mnn", metavar="DIR", help="the MNN export for --vs mnn (default: "
                    "$POCKET_HOME/mnn/NAME, written by scripts/export-mnn NAME)")
@@ -519,6 +566,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "its 5 unless --all-int4, losslessly)")
     add_precision_options(p)
     add_calibration_options(p)
+    add_vocab_options(p)
     p.add_argument("--list-tensors", action="store_true",
                    help="print every tensor's layout and errors (always with --bits-per-weight)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")

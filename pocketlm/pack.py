@@ -75,6 +75,7 @@ class PackReport:
     seconds: float
     tensors: list[TensorReport] = field(default_factory=list)
     calibration: dict | None = None  # what calibrate.plan did: set, method, budget, seconds
+    vocab: dict | None = None  # how the vocabulary was trimmed (pocketlm.vocab)
 
     def worst(self, n: int = 5) -> list[TensorReport]:
         quantized = [t for t in self.tensors if t.stored != "f32"]
@@ -91,6 +92,8 @@ class PackReport:
             f"tensors: {lossless} imported losslessly, {requant} requantized, "
             f"{len(self.tensors) - lossless - requant} kept in float",
         ]
+        if self.vocab:
+            lines.append(vocab_summary(self.vocab))
         cal = self.calibration
         if cal:
             lines.append(
@@ -189,7 +192,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
          embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True, calib: str | Path | None = None,
          bits_per_weight: float | None = None, quant_method: str | None = None,
-         awq: bool = False) -> PackReport:
+         awq: bool = False, vocab=None) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
     ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
     INT4) or True (also float weights in INT8), as in the module docstring.
@@ -202,8 +205,16 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     ``bits_per_weight`` (4.25-8, implies ``calib="default"`` when no ``calib`` is given)
     chooses each tensor's layout (INT4 / INT5 / INT8, group 32-128, or the source's own grid)
     to meet that average over all quantized tensors, scales included. ``awq``: activation-aware
-    channel scaling before rounding (:mod:`pocketlm.awq`; implies ``calib="default"`` too)."""
+    channel scaling before rounding (:mod:`pocketlm.awq`; implies ``calib="default"`` too).
+
+    ``vocab`` (a :class:`pocketlm.vocab.VocabSpec`) trims the vocabulary to an app's languages
+    before anything else (:mod:`pocketlm.vocab`: the kept pieces tokenize exactly as before)."""
     check_pack_options(group_size, embed_bits, keep_precision)
+    if vocab is not None:
+        from .vocab import VocabSpec
+
+        if not isinstance(vocab, VocabSpec):
+            raise PocketError(f"vocab must be a VocabSpec, got {type(vocab).__name__}")
     if not isinstance(awq, bool):
         raise PocketError(f"awq must be True or False, got {awq!r}")
     if awq and calib is None:
@@ -233,15 +244,20 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         return _pack(source, out, group_size=group_size, embed_bits=embed_bits,
                      keep_precision=keep_precision, measure_error=measure_error,
                      progress=progress, int4_search=int4_search, calib=calib,
-                     bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq)
+                     bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq,
+                     vocab=vocab)
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
           keep_precision: bool | None, measure_error: bool, progress: bool,
           int4_search: bool, calib=None, bits_per_weight=None,
-          quant_method=None, awq: bool = False) -> PackReport:
+          quant_method=None, awq: bool = False, vocab=None) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
+    if vocab is not None:
+        from .vocab import trim_source
+
+        model = trim_source(model, vocab, progress=progress)
     planned: dict[str, tuple[QuantTensor, str, float | None]] = {}
     scaled: dict[str, np.ndarray] = {}  # float tensors that channel scaling changed
     calibration = None
@@ -311,6 +327,10 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
 
     tok_json = model.tokenizer.to_json().encode("utf-8")
     arrays.append((TOKENIZER_TENSOR, np.frombuffer(tok_json, dtype=np.uint8)))
+    if model.vocab_source_ids is not None:
+        from .vocab import SOURCE_IDS_TENSOR
+
+        arrays.append((SOURCE_IDS_TENSOR, np.asarray(model.vocab_source_ids, dtype=np.int32)))
     metadata = {
         "config": model.config.to_dict(),
         "generation": model.generation.to_dict(),
@@ -321,6 +341,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
                   "keep_precision": precision_record(keep_precision),
                   "tensors": layouts,
                   **({"calibration": calibration} if calibration else {})},
+        **({"vocab": model.vocab} if model.vocab is not None else {}),
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
@@ -334,7 +355,27 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         quant_bits_per_weight=8.0 * q_bytes / max(q_params, 1),
         file_bits_per_weight=8.0 * size / max(n_params, 1),
         seconds=time.time() - t0, tensors=reports, calibration=calibration,
+        vocab=model.vocab,
     )
+
+
+def vocab_summary(v: dict) -> str:
+    """One line on a trimmed vocabulary (pack report, ``pocket inspect``)."""
+    langs = ",".join(v.get("languages") or []) or "-"
+    line = (f"vocabulary: {v['kept']:,} of {v['source_vocab']:,} pieces kept "
+            f"({100 * v['kept'] / max(v['source_vocab'], 1):.1f} %; {v['rule']} rule, "
+            f"languages {langs}")
+    if v.get("size"):
+        line += f", capped at {v['size']:,}"
+    if v.get("corpus"):
+        line += f", app text {v['corpus']}"
+    line += ")"
+    costs = v.get("reference_cost")
+    if costs:
+        line += ("; a reference multilingual text: "
+                 f"{100 * costs['lines_costlier']:.0f} % of lines cost more tokens "
+                 f"(+{100 * costs['extra_tokens']:.1f} % tokens)")
+    return line
 
 
 def _chunked_rel_error(ref: np.ndarray, qt: QuantTensor, rows: int = 8192) -> float:

@@ -66,7 +66,7 @@ def ensure_packed(path: str | Path, *, group_size: int = 32, embed_bits: int = 8
 
         key = run_checkpoint(key)
     bits = None
-    if (group_size, embed_bits, keep_precision) == (32, 8, None) and kind == "gguf":
+    if (group_size, embed_bits, keep_precision) == (32, 8, None) and kind in ("gguf", "trimmed"):
         bits = default_pack_bits(path)
     cached = packed_cache_path(key, group_size, embed_bits, keep_precision,
                                name=path.name if kind == "run" else None, bits_per_weight=bits)

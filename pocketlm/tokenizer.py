@@ -200,6 +200,21 @@ class Tokenizer:
             return [self.bos_id, *ids]
         return list(ids)
 
+    def encode_batch(self, texts: list[str], *, special: bool = True) -> list[list[int]]:
+        """:meth:`encode` of each text, without BOS, on all cores."""
+        for t in texts:
+            check_text(t)
+        with self._lock:
+            if not special:
+                self.hf.encode_special_tokens = True
+            try:
+                encs = self.hf.encode_batch(texts, add_special_tokens=False)
+            finally:
+                self.hf.encode_special_tokens = False
+        drop = self._dropped_id
+        return [[i for i in e.ids if i != drop] if drop is not None else list(e.ids)
+                for e in encs]
+
     # -- decoding -----------------------------------------------------------------------------
 
     def token_bytes(self, id: int) -> bytes:
@@ -440,6 +455,9 @@ class SpmTokenizer(Tokenizer):
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             return [self.bos_id, *ids]
         return ids
+
+    def encode_batch(self, texts: list[str], *, special: bool = True) -> list[list[int]]:
+        return [self.encode(t, add_bos=False, special=special) for t in texts]
 
     def to_json(self) -> str:
         proto = base64.b64encode(self.sp.serialized_model_proto()).decode("ascii")

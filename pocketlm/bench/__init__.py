@@ -161,9 +161,11 @@ def _file_mb(path: Path) -> float:
 def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_gen: int = 128,
           runs: int = 5, vs: list[str] | None = None, gguf: str | None = None,
           mnn: str | None = None, watts_per_core: float = WATTS_PER_CORE,
-          progress=None) -> list[EngineResult]:
+          progress=None, compare: list[str] | None = None) -> list[EngineResult]:
     """Benchmark pocketlm (and ``vs`` engines: llama.cpp on the GGUF, MNN on the export ``mnn``)
-    on one model; one result per engine."""
+    on one model; one result per engine. ``compare``: other models pocketlm runs in the same
+    run, alternating with the first (a trimmed variant against its source, say); each is
+    prompted with the benchmark text as its own tokenizer reads it."""
     from ..api import deploy_file, file_config_and_tokenizer
     from ..formats import sniff
     from ..formats.pocketfile import PocketFile
@@ -194,6 +196,17 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
                           f"of {config.max_context}")
     del tokenizer
     files["pocketlm"] = deploy
+    prompts = {"pocketlm": ids}
+    models = {"pocketlm": name}
+    for other in dict.fromkeys(compare or []):
+        label = f"pocketlm:{other}"
+        files[label] = deploy_file(resolve(other), quiet=False)
+        cfg, tok = file_config_and_tokenizer(PocketFile(files[label]))
+        prompts[label] = benchmark_ids(tok, n_prompt)
+        models[label] = other
+        if len(prompts[label]) + n_gen > cfg.max_context:
+            raise PocketError(f"{other}: n_prompt + n_gen exceeds the model's context of "
+                              f"{cfg.max_context}")
     if "llama.cpp" in vs:
         gguf_path = Path(gguf) if gguf else Path(src)
         if sniff(gguf_path) != "gguf":
@@ -206,18 +219,18 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
                               "llama-cpp-python") from None
         files["llama.cpp"] = gguf_path
     n_ctx = n_prompt + n_gen + 8
-    order = ["pocketlm", *vs]
+    order = ["pocketlm", *(k for k in files if k.startswith("pocketlm:")), *vs]
     workers: dict[str, _Worker] = {}
     samples: dict[str, list[dict]] = {e: [] for e in order}
     rapl: dict[str, list[float]] = {e: [] for e in order}
     try:
         for engine in order:
-            workers[engine] = _Worker(engine, files[engine], threads, n_ctx)
-            workers[engine].ask(cmd="run", ids=ids, n_gen=n_gen)  # warm-up
+            workers[engine] = _Worker(engine.split(":")[0], files[engine], threads, n_ctx)
+            workers[engine].ask(cmd="run", ids=prompts.get(engine, ids), n_gen=n_gen)  # warm-up
         for r in range(runs):
             for engine in (order if r % 2 == 0 else order[::-1]):  # alternate
                 e0 = _read_rapl()
-                sample = workers[engine].ask(cmd="run", ids=ids, n_gen=n_gen)
+                sample = workers[engine].ask(cmd="run", ids=prompts.get(engine, ids), n_gen=n_gen)
                 e1 = _read_rapl()
                 if e0 is not None and e1 is not None and e1 >= e0:
                     rapl[engine].append((e1 - e0) / 1e6)
@@ -243,13 +256,15 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             method = f"estimate: CPU-seconds x {watts_per_core:g} W per busy core"
         st = stats[engine]
         results.append(EngineResult(
-            model=name, engine=engine, threads=threads, n_prompt=n_prompt, n_gen=n_gen,
+            model=models.get(engine, name), engine=engine.split(":")[0], threads=threads,
+            n_prompt=n_prompt, n_gen=n_gen,
             runs=runs, prefill_tps=statistics.median(prefill), prefill_tps_min=min(prefill),
             prefill_tps_max=max(prefill), decode_tps=statistics.median(decode),
             decode_tps_min=min(decode), decode_tps_max=max(decode),
             peak_rss_delta_mb=st["peak_rss_mb"] - st["baseline_rss_mb"],
             file_mb=_file_mb(files[engine]), load_s=st["load_s"],
-            energy_j_est=energy, energy_method=method, prompt_hash=ids_hash(ids),
+            energy_j_est=energy, energy_method=method,
+            prompt_hash=ids_hash(prompts.get(engine, ids)),
             machine=machine_info(), command=command,
             memory_stages=[[name, rss - st["baseline_rss_mb"], hwm - st["baseline_rss_mb"]]
                            for name, rss, hwm in st.get("stages", [])],
@@ -300,9 +315,12 @@ def format_table(results: list[EngineResult]) -> str:
         f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak MB':>8} "
         f"{'file MB':>8} {'load s':>7} {'energy J':>9}",
     ]
+    def label(r: EngineResult) -> str:
+        return r.engine if r.model == r0.model else f"{r.engine} {r.model}"
+
     for r in results:
         lines.append(
-            f"{r.engine:<10} {r.prefill_tps:>8.1f} [{r.prefill_tps_min:.0f}-{r.prefill_tps_max:.0f}]"
+            f"{label(r):<10} {r.prefill_tps:>8.1f} [{r.prefill_tps_min:.0f}-{r.prefill_tps_max:.0f}]"
             f"{'':>3} {r.decode_tps:>8.1f} [{r.decode_tps_min:.0f}-{r.decode_tps_max:.0f}]"
             f"{'':>3} {r.peak_rss_delta_mb:>8.0f} {r.file_mb:>8.1f} {r.load_s:>7.2f} "
             f"{r.energy_j_est:>9.2f}")
@@ -310,11 +328,18 @@ def format_table(results: list[EngineResult]) -> str:
         base = results[0]
         for other in results[1:]:
             lines.append(
+                f"{label(other)} / pocketlm: prefill x{other.prefill_tps / base.prefill_tps:.2f}, "
+                f"decode x{other.decode_tps / base.decode_tps:.2f}, peak memory "
+                f"x{other.peak_rss_delta_mb / max(base.peak_rss_delta_mb, 1e-9):.2f}"
+                if other.engine == "pocketlm" else
                 f"pocketlm / {other.engine}: prefill x{base.prefill_tps / other.prefill_tps:.2f}, "
                 f"decode x{base.decode_tps / other.decode_tps:.2f}, peak memory "
                 f"x{base.peak_rss_delta_mb / max(other.peak_rss_delta_mb, 1e-9):.2f}")
     lines.append("")
     lines.append(f"budgets (pocketlm): {budget_line(results[0])}")
+    for r in results[1:]:
+        if r.engine == "pocketlm":
+            lines.append(f"budgets ({r.model}): {budget_line(r)}")
     lines.append(f"energy: {results[0].energy_method}; budget = 1/10000 of a "
                  f"{PHONE_BATTERY_WH} Wh phone battery")
     return "\n".join(lines)

@@ -46,6 +46,9 @@ class SourceModel:
     tensors: dict[str, SourceTensor]
     provenance: dict[str, Any] = field(default_factory=dict)
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    # a trimmed vocabulary (pocketlm.vocab): how it was chosen, and each kept piece's source id
+    vocab: dict[str, Any] | None = None
+    vocab_source_ids: np.ndarray | None = None
 
     def check_tensors(self, origin: str) -> None:
         """The tensors must be exactly the ones the config calls for, with the right shapes."""
@@ -73,8 +76,8 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 
 
 def sniff(path: str | Path) -> str:
-    """'gguf', 'hf', 'pocket', 'run' (a pocketlm training run) or raise: which importer
-    handles this path."""
+    """'gguf', 'hf', 'pocket', 'run' (a pocketlm training run), 'trimmed' (a trimmed registry
+    model's ``.trim.json``) or raise: which importer handles this path."""
     p = Path(path)
     try:
         is_dir = p.is_dir()
@@ -97,6 +100,8 @@ def sniff(path: str | Path) -> str:
             raise os_error(p, e) from None
     if head[:4] == b"GGUF":
         return "gguf"
+    if head[:1] == b"{" and p.name.endswith(".trim.json"):
+        return "trimmed"
     if len(head) >= 9 and head[8:9] == b"{":
         return "pocket"
     raise FormatError(f"{p}: not a model file pocketlm reads (expected a .pocket deploy file, a "
@@ -143,6 +148,10 @@ def open_source(path: str | Path) -> SourceModel:
         from .hf import read_hf
 
         return read_hf(path)
+    if kind == "trimmed":
+        from ..vocab import open_trimmed
+
+        return open_trimmed(path)
     if kind == "run":
         if importlib.util.find_spec("torch") is None:  # the training package imports it
             raise PocketError(f"{path}: reading a training run needs PyTorch: pip install "
