@@ -87,15 +87,26 @@ def _pack(model: str, variant: str, work: Path, force: bool) -> tuple[Path, dict
     return out, rec
 
 
-def _heldout(langs: tuple[str, ...], lines_per_lang: int = 4000) -> dict[str, list[str]]:
-    from pocketlm.vocab import corpus_documents
+def _heldout(langs: tuple[str, ...], lines_per_lang: int = 4000
+             ) -> tuple[dict[str, list[str]], dict[str, float]]:
+    """Held-out corpus lines per language written in the languages' scripts (a ShareGPT line in
+    Korean is not an English line), and the share of lines that were not."""
+    from pocketlm.vocab import _Script, corpus_documents
 
+    script = _Script(langs)
     out: dict[str, list[str]] = {}
+    seen: dict[str, int] = {}
     for lang, doc in corpus_documents(langs, heldout=True):
         bucket = out.setdefault(lang, [])
-        if len(bucket) < lines_per_lang:
-            bucket.extend(ln for ln in doc.splitlines() if ln.strip())
-    return {k: v[:lines_per_lang] for k, v in out.items()}
+        if len(bucket) >= lines_per_lang:
+            continue
+        for ln in doc.splitlines():
+            if ln.strip():
+                seen[lang] = seen.get(lang, 0) + 1
+                if script.text_ok(ln):
+                    bucket.append(ln)
+    return ({k: v[:lines_per_lang] for k, v in out.items()},
+            {k: round(1 - len(out[k]) / max(seen[k], 1), 4) for k in out})
 
 
 def _identity(src_tok, tok, source_ids, lines: list[str]) -> dict:
@@ -171,7 +182,7 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
     work.mkdir(parents=True, exist_ok=True)
     for model in models:
         langs = parse_languages(LANGS[model])
-        held = _heldout(langs)
+        held, outside = _heldout(langs)
         texts = {k: "\n".join(v)[:12000 if k == "zh" else 24000] for k, v in held.items()}
         todo = [v for v in variants if not (model == "smollm2-135m" and "65536" in v)]
         packs = {v: _pack(model, v, work, force) for v in todo}
@@ -188,12 +199,15 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
                    "kept": m.config.vocab_size, "source_vocab": full.config.vocab_size,
                    "file_mb": rec["file_mb"],
                    "reference_cost": (rec["vocab"] or {}).get("reference_cost"),
+                   "heldout_lines_outside_scripts": outside,
                    "tokenization": {k: _identity(full.tokenizer, m.tokenizer, ids, lines)
                                     for k, lines in held.items()} if ids is not None else None,
                    "bpc": {k: round(_bpc(m, t) if ids is not None else base_bpc[k], 4)
                            for k, t in texts.items()},
                    "bpc_untrimmed": {k: round(b, 4) for k, b in base_bpc.items()},
-                   "greedy": _greedy(full, m, ids, langs) if ids is not None else None}
+                   # against the untrimmed pack: meaningful where only the vocabulary differs
+                   "greedy": _greedy(full, m, ids, langs)
+                   if ids is not None and not v.endswith("calibrated") else None}
             rows.append(row)
             print(json.dumps({k: row[k] for k in ("model", "variant", "kept", "file_mb", "bpc")}),
                   file=sys.stderr, flush=True)
@@ -249,7 +263,7 @@ def table(rows: list[dict]) -> str:
         bpc = " / ".join(
             f"{r['bpc'][k]:.3f} ({r['bpc_untrimmed'][k]:.3f})" if k in r["bpc"] else "-"
             for k in ("zh", "en"))
-        greedy = r.get("greedy")
+        greedy = r.get("greedy") if not variant.endswith("calibrated") else None
         g = (f"{100 * greedy['choice_not_kept']:.1f} % ({greedy['answers_identical']}/"
              f"{greedy['prompts']} answers identical)") if greedy else "-"
         ref = r.get("reference_cost")
@@ -266,22 +280,33 @@ def table(rows: list[dict]) -> str:
         out.append(f"Measured {first['date']} on {m.get('cpu')} ({m.get('cores')} CPUs), "
                    f"{first['threads']} threads, prompt {first['n_prompt']} / decode "
                    f"{first['n_gen']} tokens, median of {first['runs']} alternating runs "
-                   f"(`{first['command']}`); x: against the untrimmed pack in the same run.")
+                   "(" + ", ".join(f"`{c}`" for c in dict.fromkeys(
+                       r["command"] for r in latest.values())) + "); x: against the "
+                   "untrimmed pack of the same model in the same run.")
     return "\n".join(out)
 
 
 BLOCK = re.compile(r"(<!-- vocab_trim:start -->\n)(.*?)(<!-- vocab_trim:end -->)", re.S)
 
 
-def write() -> None:
+def write(check: bool = False) -> None:
+    """Write the table into the docs (``check``: only say whether they are current)."""
     text = table(_read())
+    stale = []
     for path in (DOC, README):
         doc = path.read_text(encoding="utf-8")
         if not BLOCK.search(doc):
             raise SystemExit(f"{path}: no <!-- vocab_trim:start --> block")
-        path.write_text(BLOCK.sub(lambda m: m.group(1) + text + "\n" + m.group(3), doc),
-                        encoding="utf-8")
+        new = BLOCK.sub(lambda m: m.group(1) + text + "\n" + m.group(3), doc)
+        if check:
+            if new != doc:
+                stale.append(str(path))
+            continue
+        path.write_text(new, encoding="utf-8")
         print(f"wrote the table into {path}")
+    if stale:
+        raise SystemExit(f"stale vocab_trim tables in {', '.join(stale)}: run "
+                         "python benchmarks/vocab_trim.py write")
 
 
 def main() -> None:
@@ -292,13 +317,14 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--force", action="store_true", help="pack again even when cached")
-    sub.add_parser("write", help="regenerate the tables from the JSON lines")
+    w = sub.add_parser("write", help="regenerate the tables from the JSON lines")
+    w.add_argument("--check", action="store_true", help="fail if the tables are not current")
     args = ap.parse_args()
     if args.cmd == "run":
         variants = list(dict.fromkeys(["untrimmed", *args.variants]))
         run(args.models, variants, args.runs, args.force)
     else:
-        write()
+        write(args.check)
 
 
 if __name__ == "__main__":

@@ -452,7 +452,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     """
     if isinstance(name, str) and name in TRIMMED:
         t = TRIMMED[name]
-        pull(t.base, quiet=quiet, force=force)
+        pull(t.base, quiet=quiet)
         target = model_path(name)
         if not force and verification_state(name) == "yes":
             return target

@@ -7,10 +7,11 @@ same pieces as the source's (renumbered), and whose logits over those pieces are
 
 **The kept set** (:func:`choose_kept`) is chosen by one of two rules:
 
-* ``corpus`` (the default): every piece the source tokenizer produces on a zh / en corpus the
-  project already fetches (:data:`LANGUAGES`: People's Daily for zh, ShareGPT chats for en;
-  one document in eight is held out by a hash of its text, never used to choose) and on an
-  app's own text (``--vocab-corpus``); ``--vocab-size N`` keeps the most frequent of them.
+* ``corpus`` (the default): every piece the source tokenizer produces on the zh / en corpora
+  the project already fetches (:data:`LANGUAGES`: People's Daily and the idiom and character
+  dictionaries for zh, ShareGPT chats for en; one document in eight is held out by a hash of
+  its text, never used to choose) and on an app's own text (``--vocab-corpus``);
+  ``--vocab-size N`` keeps the most frequent of them (by rate per character in each text).
 * ``script``: every piece made only of the languages' scripts, digits, punctuation and
   whitespace (for byte-level pieces: any byte string that can occur inside such text).
 
@@ -78,6 +79,11 @@ COMMON = (
     (0xA0, 0xBF), (0xD7, 0xD7), (0xF7, 0xF7),
     (0x2000, 0x206F),  # general punctuation: dashes, quotes, ellipsis
     (0x20A0, 0x20CF),  # currency signs
+    (0x2100, 0x21FF),  # letterlike symbols (℃, №), number forms (Ⅳ), arrows
+    (0x2200, 0x22FF),  # mathematical operators (≤, ∶ as newspapers write scores)
+    (0x2460, 0x24FF),  # enclosed numbers (①)
+    (0x25A0, 0x25FF),  # geometric shapes (○ as a zero in dates, ●, ■, △)
+    (0x2605, 0x2606),  # ★ ☆
 )
 
 
@@ -96,8 +102,10 @@ LANGUAGES: dict[str, Language] = {
                  ((0x41, 0x5A), (0x61, 0x7A), (0xC0, 0xD6), (0xD8, 0xF6), (0xF8, 0xFF)),
                  ("sharegpt",)),
         Language("zh", "Chinese: CJK ideographs (basic, extension A, compatibility), radicals, "
-                 "bopomofo, CJK and fullwidth punctuation",
-                 ((0x2E80, 0x2FDF), (0x3000, 0x303F), (0x3100, 0x312F), (0x31A0, 0x31EF),
+                 "bopomofo, pinyin tone letters, CJK and fullwidth punctuation and symbols",
+                 ((0x0100, 0x017F), (0x01CD, 0x01DC),  # pinyin: ā á ǎ à ü ǖ ...
+                  (0x2E80, 0x2FDF), (0x3000, 0x303F), (0x3100, 0x312F), (0x31A0, 0x31EF),
+                  (0x3200, 0x33FF),  # enclosed CJK, CJK compatibility (㈠, ㎡)
                   (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0xFE10, 0xFE1F),
                   (0xFE30, 0xFE4F), (0xFF00, 0xFFEF)),
                  ("peoples-daily", "idioms", "xinhua-dictionary")),
@@ -582,8 +590,6 @@ def trim_tokenizer(tok: Tokenizer, kept: np.ndarray) -> Tokenizer:
                             add_space_prefix=tok.add_space_prefix, special_tokens=special,
                             user_defined={t: new_id[i] for t, i in tok.user_defined.items()
                                           if i in new_id})
-    import tokenizers
-
     from .tokenizer import _hf_from_str
 
     spec = json.loads(tok.hf.to_str())
@@ -606,7 +612,6 @@ def trim_tokenizer(tok: Tokenizer, kept: np.ndarray) -> Tokenizer:
         hf = _hf_from_str(json.dumps(spec, ensure_ascii=False))
     except Exception as e:  # tokenizers raises a bare Exception
         raise PocketError(f"cannot rebuild the trimmed tokenizer: {e}") from None
-    assert isinstance(hf, tokenizers.Tokenizer)
     return Tokenizer(hf, bos_id=bos, eos_ids=eos, add_bos=tok.add_bos, special_tokens=special)
 
 

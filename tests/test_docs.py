@@ -59,3 +59,10 @@ def test_quantization_tables_are_current():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_quality.py"), "write",
                         "--check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_vocabulary_tables_are_current():
+    # docs/vocabulary.md's and README.md's trimming table is written from benchmarks/vocab_trim.jsonl
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vocab_trim.py"), "write",
+                        "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr

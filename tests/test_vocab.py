@@ -498,3 +498,34 @@ def test_damaged_trimmed_source_is_refused_by_name(tmp_path):
     with pytest.raises(FormatError, match=r"x.trim.json: not a readable trimmed-model source "
                                           r"\(its kept ids do not match their sha256\)"):
         open_source(bad)
+
+
+def test_a_tokenizer_that_is_not_bpe_is_refused():
+    import tokenizers
+    from tokenizers.models import WordLevel
+
+    from pocketlm.errors import UnsupportedError
+    from pocketlm.tokenizer import Tokenizer
+
+    hf = tokenizers.Tokenizer(WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok = Tokenizer(hf, bos_id=None, eos_ids=[], add_bos=False)
+    with pytest.raises(UnsupportedError, match="only BPE vocabularies .* can be trimmed"):
+        choose_kept(tok, VocabSpec(languages=("en",), rule="script"))
+
+
+@pytest.mark.real
+def test_trimmed_registry_model_runs_and_fine_tunes_by_name():
+    """The name works where a model is taken: load (run, chat, serve, eval, bench) and the
+    fine-tuning base."""
+    import pocketlm
+    from pocketlm.registry import TRIMMED
+
+    entry = TRIMMED["gemma3-270m-zh-en"]
+    m = pocketlm.load(entry.name, embed_bits=4)  # a plain pack: the default one calibrates
+    assert m.config.vocab_size == entry.kept
+    reply = m.chat([{"role": "user", "content": "你好"}], max_tokens=8)
+    assert isinstance(reply, str) and reply
+    from pocketlm.train.trainer import _base_model  # needs torch: part of the test extra
+
+    config, _, tok, template = _base_model(entry.name)
+    assert config.vocab_size == tok.vocab_size == entry.kept

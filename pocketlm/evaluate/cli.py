@@ -81,9 +81,14 @@ def _open_engine(args):
     if not args.model:
         raise PocketError("pocket eval needs a model: -m NAME_OR_PATH")
     if args.engine == "llama.cpp":
+        from ..formats import sniff
         from ..registry import resolve
 
-        return LlamaCppEngine(resolve(args.model, quiet=args.json), n_ctx=args.n_ctx)
+        path = resolve(args.model, quiet=args.json)
+        if sniff(path) != "gguf":
+            raise PocketError(f"--engine llama.cpp runs GGUF files; {args.model} is not one "
+                              "(a trimmed model or deploy file runs with --engine pocketlm)")
+        return LlamaCppEngine(path, n_ctx=args.n_ctx)
     from ..api import load
 
     return PocketEngine(load(args.model, n_ctx=args.n_ctx, quiet=args.json,
