@@ -249,7 +249,7 @@ TRIMMED: dict[str, TrimmedEntry] = {
             description="Gemma 3 270M, vocabulary trimmed to Chinese + English (65,536 pieces)",
             languages=("en", "zh"), vocab_size=65536, kept=65536,
             source_ids_sha256="8f8110f7eb49c5a7685b02ce410caa6cea1a3e801b8e69ae7b30b4d9f7f61b17",
-            size=0,
+            size=119_320_128,
         ),
         TrimmedEntry(
             name="qwen2.5-0.5b-zh-en",
@@ -258,7 +258,7 @@ TRIMMED: dict[str, TrimmedEntry] = {
             "(65,536 pieces)",
             languages=("en", "zh"), vocab_size=65536, kept=65536,
             source_ids_sha256="1f1c4bb0fc374bec635fcd43c14962cf657aa1f67e56f3572cb8ec414dddde3a",
-            size=0,
+            size=368_858_112,
         ),
     )
 }
