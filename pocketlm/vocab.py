@@ -779,7 +779,13 @@ def trim_source(model, spec: VocabSpec | None = None, *, kept: np.ndarray | None
     record["reference_cost"] = reference_cost(tok, new_tok)
     record.setdefault("kept", int(kept.size))
     record.setdefault("source_vocab", int(model.config.vocab_size))
-    record["source_ids_sha256"] = hashlib.sha256(kept.astype("<i4").tobytes()).hexdigest()
+    source_ids = kept
+    if model.vocab_source_ids is not None:  # trimming a trimmed model: map to the first source
+        source_ids = np.asarray(model.vocab_source_ids, dtype=np.int32)[kept]
+        record["source_vocab"] = int((model.vocab or {}).get("source_vocab",
+                                                             model.config.vocab_size))
+    record["source_ids_sha256"] = hashlib.sha256(
+        source_ids.astype("<i4").tobytes()).hexdigest()
     prov = dict(model.provenance)
     sha = prov.get("source_sha256")
     if isinstance(sha, str):  # calibration statistics are cached per (trimmed) source
@@ -791,7 +797,7 @@ def trim_source(model, spec: VocabSpec | None = None, *, kept: np.ndarray | None
     return dataclasses.replace(
         model, config=dataclasses.replace(model.config, vocab_size=int(kept.size)),
         tokenizer=new_tok, tensors=tensors, provenance=prov, vocab=record,
-        vocab_source_ids=kept)
+        vocab_source_ids=source_ids)
 
 
 # ---------------------------------------------------------------------------------------------

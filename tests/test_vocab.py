@@ -529,3 +529,22 @@ def test_trimmed_registry_model_runs_and_fine_tunes_by_name():
 
     config, _, tok, template = _base_model(entry.name)
     assert config.vocab_size == tok.vocab_size == entry.kept
+
+
+@pytest.mark.real
+def test_trimming_a_trimmed_model_maps_to_the_first_source(tmp_path):
+    from pocketlm.formats import open_source
+    from pocketlm.registry import pull
+    from pocketlm.vocab import trim_source
+
+    src = open_source(pull("smollm2-135m", quiet=True))
+    once = trim_source(src, VocabSpec(corpus=_app_file(tmp_path, [*EN, *_corpus(12, 80)])))
+    twice = trim_source(once, VocabSpec(corpus=_app_file(tmp_path / "..", EN[:3])))
+    assert twice.vocab["source_vocab"] == src.config.vocab_size
+    ids = twice.vocab_source_ids
+    assert set(ids.tolist()) <= set(once.vocab_source_ids.tolist())
+    for line in EN[:3]:
+        got = twice.tokenizer.encode(line, add_bos=False)
+        assert [int(ids[i]) for i in got] == src.tokenizer.encode(line, add_bos=False)
+    rows = src.tensors["embed.weight"].to_float()[ids]
+    np.testing.assert_array_equal(twice.tensors["embed.weight"].to_float(), rows)
