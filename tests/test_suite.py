@@ -272,13 +272,14 @@ def test_ctrl_c_keeps_the_predictions_and_the_same_command_resumes(tmp_path):
     import time
 
     preds = tmp_path / "p.jsonl"
-    # enough examples that the run is still going when the signal comes (a fast machine scores
-    # 40 between two polls of the predictions file)
-    limit = 160
+    limit = 40
     cmd = [sys.executable, "-m", "pocketlm.cli", "eval", "-m", "smollm2-135m", "--suite",
            "pocket", "--tasks", "mmlu-0shot", "--limit", str(limit), "--json", "--predictions",
            str(preds)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # a shell starts background jobs with SIGINT ignored, and Python then installs no Ctrl-C
+    # handler: give the child the default disposition, as a terminal would
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and (not preds.exists()
                                       or len(preds.read_text(encoding="utf-8").splitlines()) < 4):
