@@ -253,35 +253,34 @@ def _vocab_of(tok: Tokenizer) -> _Vocab:
 
 
 def _formed(v: _Vocab, piece: str) -> list[str]:
-    """The pieces the source's BPE forms on the way when it tokenizes ``piece`` alone."""
-    symbols = list(piece)
-    out: list[str] = []
+    """The pieces the source's BPE forms on the way when it tokenizes ``piece`` alone: the best
+    adjacent pair merges first (byte-level BPE: lowest merge rank; SentencePiece: highest
+    score), the leftmost on ties."""
     if v.kind == "hf":
         ranks = v.merge
-        while len(symbols) > 1:
-            best = None
-            for k in range(len(symbols) - 1):
-                r = ranks.get((symbols[k], symbols[k + 1]))
-                if r is not None and (best is None or r < best[0]):
-                    best = (r, k)
-            if best is None:
-                break
-            k = best[1]
-            symbols[k:k + 2] = [symbols[k] + symbols[k + 1]]
-            out.append(symbols[k])
+
+        def cost(a: str, b: str) -> float | None:
+            return ranks.get((a, b))
     else:
         scores, usable = v.merge
-        while len(symbols) > 1:
-            best = None
-            for k in range(len(symbols) - 1):
-                i = usable.get(symbols[k] + symbols[k + 1])
-                if i is not None and (best is None or scores[i] > best[0]):
-                    best = (scores[i], k)
-            if best is None:
-                break
-            k = best[1]
-            symbols[k:k + 2] = [symbols[k] + symbols[k + 1]]
-            out.append(symbols[k])
+
+        def cost(a: str, b: str) -> float | None:
+            i = usable.get(a + b)
+            return None if i is None else -scores[i]
+
+    symbols = list(piece)
+    out: list[str] = []
+    while len(symbols) > 1:
+        best = None
+        for k in range(len(symbols) - 1):
+            c = cost(symbols[k], symbols[k + 1])
+            if c is not None and (best is None or c < best[0]):
+                best = (c, k)
+        if best is None:
+            break
+        k = best[1]
+        symbols[k:k + 2] = [symbols[k] + symbols[k + 1]]
+        out.append(symbols[k])
     return out
 
 
