@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,14 @@ from .errors import (
 )
 from .formats import SourceModel, open_source, sniff
 from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
-from .generate import GenerationState, Sequence, TextStream, run_sequence, stream_sequence
+from .generate import (
+    GenerationState,
+    Sequence,
+    TextStream,
+    run_batch,
+    run_sequence,
+    stream_sequence,
+)
 from .runtime import KVCache, Runtime
 from .sampling import Sampler, SamplingParams
 from .tokenizer import Tokenizer, check_text, release_free_heap
@@ -125,10 +132,10 @@ class PocketModel:
                               seed=seed).validate()
 
     def _sequence(self, prompt_ids: list[int], builtin_max_tokens: int, max_tokens, sampling,
-                  state: GenerationState | None, stop: list[str] | None
-                  ) -> tuple[Sequence, KVCache | None]:
+                  state: GenerationState | None, stop: list[str] | None, *,
+                  make_cache: bool = True) -> tuple[Sequence, KVCache | int | None]:
         """A checked sequence for ``prompt_ids`` and the KV cache it runs in (None when it asks
-        for no tokens: nothing runs)."""
+        for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity)."""
         prompt_ids = self._check_ids(prompt_ids)
         max_tokens = self.settings(builtin_max_tokens, max_tokens=max_tokens)["max_tokens"]
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
@@ -147,7 +154,7 @@ class PocketModel:
         if max_tokens == 0:
             return seq, None
         capacity = min(self.n_ctx, len(prompt_ids) + max_tokens)
-        return seq, self.runtime.new_cache(capacity)
+        return seq, self.runtime.new_cache(capacity) if make_cache else capacity
 
     def stream_ids(self, prompt_ids: list[int], *, max_tokens: int | None = None,
                    temperature: float | None = None, top_k: int | None = None,
@@ -222,6 +229,33 @@ class PocketModel:
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, seed=seed))
         return pieces if stream else "".join(pieces)
+
+    def chat_batch(self, conversations: Iterable[list[dict[str, Any]]],
+                   max_tokens: int | None = None, temperature: float | None = None,
+                   top_p: float | None = None, seed: int | None = None,
+                   stop: list[str] | str | None = None, *, top_k: int | None = None,
+                   min_p: float | None = None, repetition_penalty: float | None = None,
+                   max_batch: int = 16) -> Iterator[tuple[int, str, GenerationState]]:
+        """Replies to many conversations, generated together (continuous batching: up to
+        ``max_batch`` decode in one pass over the weights; the next starts as one ends).
+        Yields ``(index, reply, state)`` as each one ends, in the order they end
+        (``state.finish_reason``: "stop" or "length"; ``state.generated``: the token ids).
+        Settings as in :meth:`chat` (one ``seed`` seeds every conversation's sampler); a reply
+        does not depend on which conversations ran beside it."""
+        stops = _check_stop(stop)
+        sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                        repetition_penalty=repetition_penalty, seed=seed)
+        sequences: dict[int, Sequence] = {}
+
+        def jobs():
+            for i, messages in enumerate(conversations):
+                seq, capacity = self._sequence(self.chat_ids(messages), 256, max_tokens,
+                                               sampling, None, stops, make_cache=False)
+                sequences[i] = seq
+                yield seq, capacity
+
+        for i, text in run_batch(self.runtime, jobs(), max_batch=max_batch):
+            yield i, text, sequences.pop(i).state
 
     def __repr__(self) -> str:
         c = self.config

@@ -90,11 +90,17 @@ def cmd_list(args) -> int:
         return 0
     print(f"{'name':<18} {'size':>9}  {'pulled':<10}  description")
     for r in rows:
-        print(f"{r['name']:<18} {r['size'] / 1e6:7.0f}MB  {r['state']:<10}  {r['description']}")
+        size = f"{r['size'] / 1e6:7.0f}MB" if r["size"] else f"{'recipe':>9}"
+        state = "built" if r.get("recipe") and r["state"] == "yes" else r["state"]
+        print(f"{r['name']:<18} {size}  {state:<10}  {r['description']}")
     doubtful = [r["name"] for r in rows if r["state"] in ("changed", "unverified")]
     if doubtful:
         print(f"(changed / unverified: the file is not known to match the registry; check it "
               f"with `pocket pull {doubtful[0]} --verify`)")
+    recipes = [r["name"] for r in rows if r.get("recipe") and r["state"] == "no"]
+    if recipes:
+        print(f"(recipe: made by pocketlm, not downloaded; `pocket pull {recipes[0]}` builds "
+              "it in hours, resumable: see docs/pocket-zh-en.md)")
     return 0
 
 

@@ -109,6 +109,60 @@ def run_sequence(runtime: Runtime, cache: KVCache, seq: Sequence) -> Iterator[tu
         logits = runtime.forward([token], cache)
 
 
+def run_batch(runtime: Runtime, jobs: Iterable[tuple[Sequence, int]], *, max_batch: int = 16
+              ) -> Iterator[tuple[int, str]]:
+    """Run many sequences with continuous batching: ``jobs`` yields ``(sequence, capacity)``
+    (each sequence's KV cache is made when it starts, with room for ``capacity`` positions, and
+    dropped when it ends); up to ``max_batch`` decode together, one engine call per step, and a
+    finished one makes room for the next. Yields ``(index in jobs, text)`` for each sequence as
+    it ends, in the order they end (the text is "" for sequences without a :class:`TextStream`;
+    ``sequence.state`` holds the tokens and the finish reason).
+
+    Each row of a batched step computes bit for bit what it computes in any other batch, so a
+    sequence's tokens do not depend on which others ran beside it, nor on ``max_batch``."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    pending = iter(enumerate(jobs))
+    active: list[tuple[int, Sequence, KVCache, int, list[str]]] = []
+
+    def take(i: int, seq: Sequence, cache: KVCache, logits: np.ndarray, text: list[str]
+             ) -> tuple[int, str] | None:
+        """Sample and take the next token: ``(i, text)`` once the sequence has ended."""
+        token = seq.sample(logits)
+        piece = seq.add(token, cache_full=cache.length >= cache.capacity)
+        if piece:
+            text.append(piece)
+        if piece is None or seq.finished:
+            text.append(seq.finish())
+            return i, "".join(text)
+        active.append((i, seq, cache, token, text))
+        return None
+
+    exhausted = False
+    while True:
+        while not exhausted and len(active) < max_batch:
+            job = next(pending, None)
+            if job is None:
+                exhausted = True
+                break
+            i, (seq, capacity) = job
+            if seq.finished:  # max_tokens 0
+                yield i, seq.finish()
+                continue
+            cache = runtime.new_cache(capacity)
+            done = take(i, seq, cache, runtime.forward(seq.prompt_ids, cache), [])
+            if done:
+                yield done
+        if not active:
+            return
+        rows, active[:] = list(active), []
+        logits = runtime.forward_batch([r[3] for r in rows], [r[2] for r in rows])
+        for (i, seq, cache, _, text), row in zip(rows, logits, strict=True):
+            done = take(i, seq, cache, row, text)
+            if done:
+                yield done
+
+
 def stream_tokens(runtime: Runtime, cache: KVCache, prompt_ids: list[int], *, max_tokens: int,
                   sampler: Sampler, stop_ids: Iterable[int],
                   state: GenerationState | None = None) -> Iterator[int]:

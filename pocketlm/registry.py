@@ -264,6 +264,43 @@ TRIMMED: dict[str, TrimmedEntry] = {
     )
 }
 
+
+@dataclass(frozen=True)
+class RecipeEntry:
+    """A registry model that pocketlm makes rather than downloads: ``pocket pull NAME`` runs its
+    recipe (:mod:`pocketlm.recipes`: fetches the sources and data, trains, quantizes; hours,
+    resumable) and keeps the deploy file in ``$POCKET_HOME/models/<name>.pocket``. ``sha256``
+    and ``size`` are those of the file the recorded seeded run produced (None before one was
+    recorded): a build on another machine or torch version may differ in the last bits of
+    training numerics, so a different hash is reported, not refused."""
+
+    name: str
+    description: str
+    family: str
+    license: str
+    recipe: str  # the recipe module's name (pocketlm.recipes.RECIPES)
+    size: int | None
+    sha256: str | None
+    pack_bits: str | None = None
+
+    @property
+    def filename(self) -> str:
+        return f"{self.name}.pocket"
+
+
+RECIPES: dict[str, RecipeEntry] = {
+    e.name: e
+    for e in (
+        RecipeEntry(
+            name="pocket-zh-en",
+            description="pocketlm's Chinese + English chat model: Gemma 3 270M, zh + en "
+            "vocabulary, distilled from qwen2.5-1.5b, INT4 QAT (built by its recipe)",
+            family="gemma3", license="gemma", recipe="pocket-zh-en",
+            size=None, sha256=None,
+        ),
+    )
+}
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -314,6 +351,9 @@ def _entry(name: str) -> RegistryEntry:
         if isinstance(name, str) and name in TRIMMED:
             raise ModelNotFoundError(f"'{name}' is a trimmed model built from {TRIMMED[name].base}"
                                      "; it has no file of its own to fetch") from None
+        if isinstance(name, str) and name in RECIPES:
+            raise ModelNotFoundError(f"'{name}' is made by its recipe; it has no file of its "
+                                     "own to fetch") from None
         raise ModelNotFoundError(_unknown_message(str(name), f"'{name}' is not a registry model")) from None
 
 
@@ -322,6 +362,8 @@ def model_path(name: str) -> Path:
     trimmed model, its ``.trim.json`` source."""
     if isinstance(name, str) and name in TRIMMED:
         return pocket_home() / "models" / TRIMMED[name].filename
+    if isinstance(name, str) and name in RECIPES:
+        return pocket_home() / "models" / RECIPES[name].filename
     return pocket_home() / "models" / _entry(name).filename
 
 
@@ -378,6 +420,10 @@ def verification_state(name: str) -> str:
         from .vocab import trimmed_state
 
         return trimmed_state(TRIMMED[name], model_path(name))
+    if isinstance(name, str) and name in RECIPES:
+        from .recipes import recipe_state
+
+        return recipe_state(RECIPES[name], model_path(name))
     entry = _entry(name)
     target = model_path(name)
     try:
@@ -404,6 +450,10 @@ def verify(name: str, *, quiet: bool = True) -> Path:
         from .vocab import build_trimmed
 
         return build_trimmed(TRIMMED[name], model_path(name), quiet=quiet, check_only=True)
+    if isinstance(name, str) and name in RECIPES:
+        from .recipes import verify_built
+
+        return verify_built(RECIPES[name], model_path(name), quiet=quiet)
     entry = _entry(name)
     target = model_path(name)
     if not target.exists():
@@ -449,8 +499,26 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     size or sha256.
 
     A trimmed model (:data:`TRIMMED`) pulls its base, then chooses and checks its kept pieces
-    (:func:`pocketlm.vocab.build_trimmed`) unless its ``.trim.json`` is already there.
+    (:func:`pocketlm.vocab.build_trimmed`) unless its ``.trim.json`` is already there. A recipe
+    model (:data:`RECIPES`) runs its recipe (hours; resumable) unless its deploy file is
+    already there; ``force`` builds it again from the recipe's run folder.
     """
+    if isinstance(name, str) and name in RECIPES:
+        target = model_path(name)
+        if not force and verification_state(name) == "yes":
+            return target
+        make_home_dir(target.parent)
+        from .recipes import build_recipe
+
+        with file_lock(_lock_path(target)):
+            state = verification_state(name)
+            if not force and state in ("changed", "unverified"):
+                from .recipes import verify_built
+
+                return verify_built(RECIPES[name], target, quiet=quiet)
+            if force or state != "yes":
+                build_recipe(RECIPES[name], target, quiet=quiet, force=force)
+        return target
     if isinstance(name, str) and name in TRIMMED:
         t = TRIMMED[name]
         pull(t.base, quiet=quiet)
@@ -606,7 +674,7 @@ class _WriteFailed(Exception):
 
 
 def _unknown_message(what: str, lead: str) -> str:
-    names = sorted([*REGISTRY, *TRIMMED])
+    names = sorted([*REGISTRY, *TRIMMED, *RECIPES])
     message = f"{lead}; known models: {', '.join(names)}"
     close = difflib.get_close_matches(what.strip().lower(), names, n=1, cutoff=0.6)
     if close:
@@ -630,7 +698,15 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
     if text and path.exists():
         name = _registry_name_of(path)
         return pull(name, quiet=quiet) if name else path
-    key = text if text in REGISTRY or text in TRIMMED else text.strip().lower()
+    known = (*REGISTRY, *TRIMMED, *RECIPES)
+    key = text if text in known else text.strip().lower()
+    if key in RECIPES:
+        # hours of training are never started implicitly: only `pocket pull NAME` builds it
+        if verification_state(key) == "no":
+            from .recipes import not_built_message
+
+            raise ModelNotFoundError(not_built_message(RECIPES[key]))
+        return model_path(key)
     if key in REGISTRY or key in TRIMMED:
         return pull(key, quiet=quiet)
     raise ModelNotFoundError(
@@ -642,12 +718,13 @@ def default_pack_bits(path: Path) -> str | None:
     """The bit budget of the default pack of ``path`` if it is a registry model's file (see
     :attr:`RegistryEntry.pack_bits`), else None."""
     name = _registry_name_of(Path(path))
-    return (REGISTRY.get(name) or TRIMMED[name]).pack_bits if name else None
+    return (REGISTRY.get(name) or TRIMMED.get(name) or RECIPES[name]).pack_bits if name \
+        else None
 
 
 def _registry_name_of(path: Path) -> str | None:
     """The registry model whose pulled file ``path`` is, if it is one."""
-    for entry in (*REGISTRY.values(), *TRIMMED.values()):
+    for entry in (*REGISTRY.values(), *TRIMMED.values(), *RECIPES.values()):
         if path.name == entry.filename:
             try:
                 if path.resolve() == model_path(entry.name).resolve():
@@ -686,5 +763,18 @@ def list_models() -> list[dict]:
             "pulled": state == "yes",
             "path": str(model_path(t.name)),
             "base": t.base,
+        })
+    for r in RECIPES.values():
+        state = verification_state(r.name)
+        rows.append({
+            "name": r.name,
+            "description": r.description,
+            "family": r.family,
+            "license": r.license,
+            "size": r.size,
+            "state": state,
+            "pulled": state == "yes",
+            "path": str(model_path(r.name)),
+            "recipe": r.recipe,
         })
     return rows

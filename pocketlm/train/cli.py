@@ -21,6 +21,7 @@ TRAIN_EPILOG = """examples:
   pocket train --mode sft --init runs/tiny --data chats.jsonl --steps 100 --out runs/tiny-sft
   torchrun --nproc_per_node 2 -m pocketlm.cli train --preset pocket-10m --data shards/ ...
   pocket train --list-presets
+  pocket train --recipe pocket-zh-en --out runs/pocket-zh-en   (pocketlm's zh + en chat model)
 
 --data is a UTF-8 text file (a tokenizer is trained on it unless --tokenizer is given, and it is
 cut into token shards under OUT/data), a shard folder from `pocket data prepare`, or, with
@@ -111,8 +112,11 @@ def cmd_train(args) -> int:
                   f"{r['peak_mb_512']:>7.1f}MB {r['peak_mb_1024']:>7.1f}MB  {r['about']}")
         print("(peak memory: an estimate for the INT4 deploy file at that context)")
         return 0
+    if args.recipe:
+        return _run_recipe(args)
     if not args.data or not args.out:
-        raise PocketError("pocket train needs --data and --out (or --list-presets)")
+        raise PocketError("pocket train needs --data and --out (or --list-presets, or "
+                          "--recipe NAME)")
     _need_torch("train")
     from .trainer import CHECKPOINT, TrainConfig, train
 
@@ -194,6 +198,30 @@ def cmd_train(args) -> int:
             msg += f", held-out loss {last['val_loss']:.4f} (ppl {last['val_ppl']:.2f})"
         print(f"{msg}; checkpoint {out / CHECKPOINT}, metrics {out / 'metrics.jsonl'}, "
               f"curve {out / 'loss.svg'}")
+    return 0
+
+
+def _run_recipe(args) -> int:
+    """``pocket train --recipe NAME --out DIR``: a whole model recipe, resumable."""
+    from ..recipes import RECIPE_MODULES, recipe_module, run_folder
+
+    if args.recipe not in RECIPE_MODULES:
+        raise PocketError(f"unknown recipe {args.recipe!r}; known: {', '.join(RECIPE_MODULES)}")
+    given = [f"--{k.replace('_', '-')}" for k in ("data", "preset", "init", "tokenizer",
+                                                  "distill_from") if getattr(args, k)]
+    if given:
+        raise PocketError(f"--recipe decides the data and the models itself; drop "
+                          f"{', '.join(given)}")
+    module = recipe_module(args.recipe)
+    out = Path(args.out) if args.out else run_folder(args.recipe)
+    path = module.run(out, until=args.until, threads=args.threads, progress=not args.quiet,
+                      force=args.force)
+    if path is not None:
+        print(f"{path}: {path.stat().st_size / 1e6:.1f} MB; run it with "
+              f"`pocket chat -m {path}`")
+    else:
+        print(f"{out}: stopped after stage {args.until}; the same command without --until "
+              "goes on")
     return 0
 
 
@@ -380,6 +408,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--distill-from", help="teacher (same tokenizer) for logit distillation")
     p.add_argument("--distill-alpha", type=float, default=0.5)
     p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("--recipe", metavar="NAME", help="run a whole model recipe (pocket-zh-en: "
+                   "prompts, teacher answers, SFT, INT4 QAT, export; hours, resumable) in --out "
+                   "(default $POCKET_HOME/recipes/NAME); see docs/pocket-zh-en.md")
+    p.add_argument("--until", default="export", metavar="STAGE",
+                   choices=("prompts", "teacher", "data", "sft", "qat", "export"),
+                   help="with --recipe: stop after this stage (prompts, teacher, data, sft, "
+                   "qat, export)")
+    p.add_argument("--force", action="store_true",
+                   help="with --recipe: write the finished deploy file again")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 

@@ -533,7 +533,11 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     if cfg.seq_len > model_cfg.max_context:
         raise PocketError(f"--seq-len {cfg.seq_len} exceeds the model's context "
                           f"{model_cfg.max_context}")
-    chat_template = chat_template or CHATML
+    # a model file without a template: its family's published format (Gemma 3's turns), which
+    # is what the runtime renders chats with; ChatML only for families that have none
+    from ..chat import FAMILY_TEMPLATES
+
+    chat_template = chat_template or FAMILY_TEMPLATES.get(model_cfg.arch) or CHATML
 
     # data
     if cfg.mode == "pretrain":

@@ -1,0 +1,108 @@
+"""Recipes: registry models that pocketlm makes (data, distillation, training, quantization)
+instead of downloading, since the project publishes no weights.
+
+``pocket train --recipe NAME --out DIR`` runs a recipe in a folder of your choice;
+``pocket pull NAME`` runs it in ``$POCKET_HOME/recipes/NAME`` and keeps the deploy file as the
+registry model ``NAME``. Both resume where they stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from ..errors import ModelNotFoundError, PocketError
+
+__all__ = ["RECIPE_MODULES", "build_recipe", "not_built_message", "recipe_module",
+           "recipe_state", "verify_built"]
+
+RECIPE_MODULES = {"pocket-zh-en": "pocketlm.recipes.pocket_zh_en"}
+
+
+def recipe_module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(RECIPE_MODULES[name])
+    except KeyError:
+        raise PocketError(f"unknown recipe {name!r}; known: {', '.join(RECIPE_MODULES)}") \
+            from None
+
+
+def run_folder(name: str) -> Path:
+    from ..registry import pocket_home
+
+    return pocket_home() / "recipes" / name
+
+
+def _record_path(target: Path) -> Path:
+    return target.with_name(target.name + ".built.json")
+
+
+def _stat(target: Path) -> dict:
+    st = target.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def recipe_state(entry, target: Path) -> str:
+    """``yes`` (built here and unchanged since), ``changed``, ``unverified`` (a file put
+    there by other means) or ``no``."""
+    try:
+        stat = _stat(target)
+    except OSError:
+        return "no"
+    try:
+        record = json.loads(_record_path(target).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return "unverified"
+    if not isinstance(record, dict) or any(record.get(k) != v for k, v in stat.items()):
+        return "changed"
+    return "yes"
+
+
+def _hash_and_record(entry, target: Path, *, quiet: bool) -> str:
+    from ..data.download import sha256_file
+
+    sha = sha256_file(target)
+    record = {**_stat(target), "sha256": sha, "recipe": entry.recipe,
+              "matches_reference": entry.sha256 is None or sha == entry.sha256}
+    tmp = _record_path(target).with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    os.replace(tmp, _record_path(target))
+    if entry.sha256 and sha != entry.sha256 and not quiet:
+        print(f"[{entry.name}: sha256 {sha[:16]}… differs from the recorded run's "
+              f"{entry.sha256[:16]}… (training numerics differ across CPUs and torch "
+              "versions; the model card's measurements are of the recorded file)]", flush=True)
+    return sha
+
+
+def verify_built(entry, target: Path, *, quiet: bool = True) -> Path:
+    if not target.is_file():
+        raise ModelNotFoundError(not_built_message(entry))
+    from ..formats.pocketfile import PocketFile
+
+    PocketFile(target)  # a damaged file is refused here, not at load time
+    _hash_and_record(entry, target, quiet=quiet)
+    return target
+
+
+def not_built_message(entry) -> str:
+    module = recipe_module(entry.recipe)
+    return (f"{entry.name} is made by its recipe, not downloaded: `pocket pull {entry.name}` "
+            f"builds it ({module.estimate(run_folder(entry.recipe))})")
+
+
+def build_recipe(entry, target: Path, *, quiet: bool = False, force: bool = False) -> Path:
+    """Run (or resume) ``entry``'s recipe in its run folder and install the deploy file at
+    ``target``."""
+    module = recipe_module(entry.recipe)
+    folder = run_folder(entry.recipe)
+    built = module.run(folder, progress=not quiet, force=force)
+    tmp = target.with_name(target.name + ".partial")
+    import shutil
+
+    shutil.copyfile(built, tmp)
+    os.replace(tmp, target)
+    _hash_and_record(entry, target, quiet=quiet)
+    return target

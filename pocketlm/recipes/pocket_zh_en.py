@@ -1,0 +1,423 @@
+"""pocket-zh-en: a Chinese + English chat model made from registry models with pocketlm's own
+tools, end to end, on a CPU.
+
+    pocket train --recipe pocket-zh-en --out runs/pocket-zh-en     # or: pocket pull pocket-zh-en
+
+The stages, each resumable (run the same command again after any interruption) and each
+leaving its output in the run folder:
+
+1. ``prompts``: the instruction prompts (:mod:`pocketlm.recipes.prompts`), from the corpora.
+2. ``teacher``: the teacher (qwen2.5-1.5b, the strongest zh + en instruct model in the
+   registry) answers them, many at once through the runtime's batched decode, greedy;
+   ``teacher.jsonl`` grows one answer at a time.
+3. ``data``: the SFT chats: gold answers from the corpora, and the teacher's answers that
+   ended on their own, are in the asked language, do not repeat themselves and pass their
+   verifiable instructions; ``data_report.json`` counts what was kept and dropped, and why.
+4. ``sft``: full fine-tuning of the student (gemma3-270m-zh-en: Gemma 3 270M with its
+   vocabulary trimmed to zh + en) on those chats, loss on the answers only. The teacher's
+   vocabulary is not the student's, so this is sequence-level distillation (logits cannot be
+   matched token for token).
+5. ``qat``: LoRA adapters trained against the INT4 grid the deploy file uses (``--qat``), from
+   the SFT weights, on the same chats: the INT4 file is the model that was trained.
+6. ``export``: the deploy file ``pocket-zh-en.pocket`` (INT4 group 32, the tied embedding and
+   head INT8) and ``recipe_report.json`` (stage times, token counts, sha256).
+
+The same stages run under ``torchrun`` for the training steps (see docs/pocket-zh-en.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..errors import PocketError
+
+NAME = "pocket-zh-en"
+STAGES = ("prompts", "teacher", "data", "sft", "qat", "export")
+TEACHER_SYSTEM = "You are a helpful assistant."
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that decides the model (the recipe's version: a change here is a new model)."""
+
+    base: str = "gemma3-270m-zh-en"
+    teacher: str = "qwen2.5-1.5b"
+    seed: int = 0
+    teacher_max_tokens: int = 256
+    teacher_repetition_penalty: float = 1.05
+    teacher_batch: int = 16
+    # full fine-tuning
+    sft_steps: int = 1200
+    sft_batch: int = 8
+    sft_seq_len: int = 512
+    sft_lr: float = 5e-5
+    sft_warmup: int = 40
+    # quantization-aware LoRA
+    qat_steps: int = 300
+    qat_rank: int = 16
+    qat_lr: float = 5e-4
+    counts: dict = field(default_factory=dict)  # prompt counts (defaults: prompts.DEFAULT_COUNTS)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+RECIPE = Recipe()
+
+# Minutes each stage took on the reference machine (2-vCPU AMD EPYC Zen 4, 2 threads), for the
+# estimate printed before a run starts; filled from recipe_report.json of the recorded run.
+REFERENCE_MINUTES = {"prompts": 1, "teacher": 240, "data": 1, "sft": 240, "qat": 60,
+                     "export": 3}
+
+
+def _say(msg: str) -> None:
+    print(f"[{NAME}] {msg}", file=sys.stderr, flush=True)
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """The complete records of a JSONL file that may end in a half-written line."""
+    rows = []
+    if not path.is_file():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # the line an interruption cut
+        if isinstance(rec, dict):
+            rows.append(rec)
+    return rows
+
+
+# -- stage 1: prompts ---------------------------------------------------------------------------
+
+
+def stage_prompts(out: Path, recipe: Recipe) -> list[dict]:
+    from .prompts import PROMPTS_VERSION, build_prompts
+
+    path = out / "prompts.jsonl"
+    key = {"version": PROMPTS_VERSION, "seed": recipe.seed, "counts": recipe.counts}
+    meta = out / "prompts.meta.json"
+    if path.is_file() and meta.is_file() and json.loads(meta.read_text())["key"] == key:
+        return _read_jsonl(path)
+    _say("building the prompts from the corpora")
+    prompts = build_prompts(recipe.seed, recipe.counts)
+    _atomic_write(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
+    _atomic_write(meta, json.dumps({"key": key, "prompts": len(prompts),
+                                    "sha256": _sha256(path)}, indent=1))
+    return prompts
+
+
+# -- stage 2: the teacher's answers ---------------------------------------------------------
+
+
+def teacher_messages(prompt: dict) -> list[dict]:
+    return [{"role": "system", "content": TEACHER_SYSTEM},
+            {"role": "user", "content": prompt["prompt"]}]
+
+
+def stage_teacher(out: Path, recipe: Recipe, prompts: list[dict], *, progress: bool = True
+                  ) -> list[dict]:
+    """The teacher's answer to every prompt without a gold answer, appended to
+    ``teacher.jsonl`` as each one ends (a restarted run asks only for the missing ones)."""
+    import pocketlm
+
+    path = out / "teacher.jsonl"
+    done = {r["id"]: r for r in _read_jsonl(path) if "id" in r and "answer" in r}
+    todo = [p for p in prompts if p["gold"] is None and p["id"] not in done]
+    wanted = sum(1 for p in prompts if p["gold"] is None)
+    if not todo:
+        return [done[p["id"]] for p in prompts if p["gold"] is None]
+    # rewrite what is complete (drops a line cut by an interruption), then append
+    _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in done.values()))
+    _say(f"teacher {recipe.teacher}: {len(todo)} of {wanted} answers to generate "
+         f"({len(done)} already in {path})")
+    teacher = pocketlm.load(recipe.teacher)
+    from tqdm import tqdm
+
+    bar = tqdm(total=wanted, initial=len(done), desc="teacher answers", unit="answer",
+               disable=not progress, dynamic_ncols=True)
+    t0, tokens = time.perf_counter(), 0
+    with open(path, "a", encoding="utf-8") as f:
+        for i, text, state in teacher.chat_batch(
+                (teacher_messages(p) for p in todo), max_tokens=recipe.teacher_max_tokens,
+                temperature=0.0, repetition_penalty=recipe.teacher_repetition_penalty,
+                max_batch=recipe.teacher_batch):
+            rec = {"id": todo[i]["id"], "answer": text, "finish_reason": state.finish_reason,
+                   "tokens": len(state.generated)}
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            f.flush()
+            done[rec["id"]] = rec
+            tokens += rec["tokens"]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    return [done[p["id"]] for p in prompts if p["gold"] is None]
+
+
+# -- stage 3: the SFT chats ---------------------------------------------------------------------
+
+_IDENTITY = re.compile(r"qwen|alibaba|通义|阿里|openai|chatgpt", re.I)
+
+
+def repeats_itself(text: str, n: int = 12, limit: int = 3) -> bool:
+    """True when some ``n``-character piece occurs more than ``limit`` times: the loops small
+    models fall into."""
+    counts: dict[str, int] = {}
+    for i in range(0, max(0, len(text) - n + 1), 2):
+        piece = text[i:i + n]
+        if piece.strip():
+            counts[piece] = counts.get(piece, 0) + 1
+            if counts[piece] > limit:
+                return True
+    return False
+
+
+def judge(prompt: dict, answer: dict) -> str | None:
+    """Why a teacher answer is dropped (None: kept)."""
+    from ..evaluate.instructions import CHECKERS
+    from .prompts import cjk_share
+
+    text = answer["answer"].strip()
+    if answer.get("finish_reason") != "stop":
+        return "cut at the token limit"
+    if not text:
+        return "empty"
+    if _IDENTITY.search(text):
+        return "names a model or vendor"
+    if repeats_itself(text):
+        return "repeats itself"
+    checks = prompt.get("checks") or []
+    switch = any(c["check"] in ("language_zh", "language_en") for c in checks)
+    if not switch and prompt["kind"] != "translate":
+        if prompt["lang"] == "zh" and cjk_share(text) < 0.5:
+            return "not in the asked language"
+        if prompt["lang"] == "en" and cjk_share(text) > 0.02:
+            return "not in the asked language"
+    for c in checks:
+        if not CHECKERS[c["check"]](text, **c["args"]):
+            return "fails its instructions"
+    return None
+
+
+def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dict]) -> dict:
+    """``sft.jsonl`` (user + assistant chats, in prompt order) and ``data_report.json``."""
+    by_id = {a["id"]: a for a in answers}
+    chats, dropped, kept = [], {}, {}
+    for p in prompts:
+        if p["gold"] is not None:
+            reply = p["gold"]
+        else:
+            a = by_id.get(p["id"])
+            why = "no answer" if a is None else judge(p, a)
+            if why:
+                dropped[why] = dropped.get(why, 0) + 1
+                continue
+            reply = a["answer"].strip()
+        key = f"{p['source']}/{p['kind']}" + ("/gold" if p["gold"] is not None else "")
+        kept[key] = kept.get(key, 0) + 1
+        chats.append({"messages": [{"role": "user", "content": p["prompt"]},
+                                   {"role": "assistant", "content": reply}]})
+    path = out / "sft.jsonl"
+    _atomic_write(path, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    report = {"chats": len(chats), "kept": dict(sorted(kept.items())),
+              "dropped": dict(sorted(dropped.items())),
+              "teacher_tokens": sum(a.get("tokens", 0) for a in answers),
+              "characters": sum(len(c["messages"][0]["content"]) + len(c["messages"][1]
+                                                                       ["content"])
+                                for c in chats),
+              "sha256": _sha256(path)}
+    _atomic_write(out / "data_report.json", json.dumps(report, indent=1, ensure_ascii=False))
+    return report
+
+
+# -- stages 4 and 5: training ------------------------------------------------------------------
+
+
+def _train_config(out: Path, recipe: Recipe, stage: str, threads: int | None):
+    from ..train.trainer import TrainConfig
+
+    data = str(out / "sft.jsonl")
+    if stage == "sft":
+        return TrainConfig(
+            out=str(out / "sft"), data=data, preset=None, mode="sft", base=recipe.base,
+            steps=recipe.sft_steps, batch_size=recipe.sft_batch, seq_len=recipe.sft_seq_len,
+            lr=recipe.sft_lr, warmup=recipe.sft_warmup, weight_decay=0.0, eval_every=50,
+            eval_batches=8, save_every=25, seed=recipe.seed, dtype="bf16", threads=threads)
+    return TrainConfig(
+        out=str(out / "qat"), data=data, preset=None, mode="sft", base=str(out / "sft"),
+        steps=recipe.qat_steps, batch_size=recipe.sft_batch, seq_len=recipe.sft_seq_len,
+        lr=recipe.qat_lr, warmup=20, weight_decay=0.0, eval_every=50, eval_batches=8,
+        save_every=25, seed=recipe.seed, dtype="bf16", threads=threads,
+        lora_rank=recipe.qat_rank, qat=True)
+
+
+def _finished(run: Path, steps: int) -> bool:
+    """The run's checkpoint is at its last step."""
+    meta = run / "train_config.json"
+    metrics = run / "metrics.jsonl"
+    if not meta.is_file() or not metrics.is_file():
+        return False
+    rows = _read_jsonl(metrics)
+    return bool(rows) and rows[-1].get("step") == steps and (run / "checkpoint.pt").is_file()
+
+
+def stage_train(out: Path, recipe: Recipe, stage: str, *, threads: int | None = None,
+                progress: bool = True) -> dict:
+    from ..train.trainer import train
+
+    cfg = _train_config(out, recipe, stage, threads)
+    if _finished(Path(cfg.out), cfg.steps):
+        rows = _read_jsonl(Path(cfg.out) / "metrics.jsonl")
+        return rows[-1]
+    _say(f"{stage}: {cfg.steps} steps of {cfg.batch_size} chats -> {cfg.out} "
+         f"({'LoRA rank %d against the INT4 grid' % cfg.lora_rank if cfg.qat else 'full'})")
+    return train(cfg, progress=progress)
+
+
+# -- stage 6: the deploy file ----------------------------------------------------------------
+
+
+def stage_export(out: Path, recipe: Recipe, *, progress: bool = True) -> Path:
+    from ..train.export import export
+
+    path = out / f"{NAME}.pocket"
+    if path.is_file():
+        return path
+    tmp = out / f"{NAME}.pocket.partial"
+    report = export(out / "qat", tmp, group_size=32, embed_bits=8, progress=progress)
+    os.replace(tmp, path)
+    _say(report.summary())
+    return path
+
+
+# -- the whole recipe ------------------------------------------------------------------------
+
+
+def check_inputs(out: Path, recipe: Recipe, until: str) -> None:
+    """Refuse, in one line each and before any work, what would stop the run hours later."""
+    from ..formats import open_source
+    from ..registry import resolve
+
+    out.mkdir(parents=True, exist_ok=True)
+    # the teacher and the base: fetched (and checked) now, not hours into the run
+    paths = {model: resolve(model, quiet=False) for model in (recipe.teacher, recipe.base)}
+    if STAGES.index(until) < STAGES.index("sft"):
+        return
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        raise PocketError("the recipe's training stages need PyTorch: pip install "
+                          "'pocketlm[train]'") from None
+    need = disk_needed(open_source(paths[recipe.base]).config.n_params())
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise PocketError(f"{out}: {free / 1e9:.1f} GB free; the recipe's checkpoints need "
+                          f"about {need / 1e9:.1f} GB")
+
+
+def disk_needed(n_params: int) -> int:
+    """Bytes the training stages need at most: the SFT checkpoint (float32 weights and both
+    Adam moments: 12 bytes a parameter) written beside the previous one (atomic replace), then
+    the QAT checkpoint (the weights: 4 bytes a parameter) likewise, plus 1 GB."""
+    return n_params * (12 * 2 + 4 * 2) + 10**9
+
+
+def estimate(out: Path) -> str:
+    left = [s for s in STAGES if not _stage_done(out, s)]
+    minutes = sum(REFERENCE_MINUTES[s] for s in left)
+    return (f"stages left: {', '.join(left) or 'none'}; about {minutes / 60:.1f} h on a 2-core "
+            "x86 CPU (the reference machine; scale by your cores), resumable at any point")
+
+
+def _stage_done(out: Path, stage: str) -> bool:
+    if stage == "prompts":
+        return (out / "prompts.meta.json").is_file()
+    if stage == "teacher":
+        return (out / "sft.jsonl").is_file()
+    if stage == "data":
+        return (out / "data_report.json").is_file()
+    if stage in ("sft", "qat"):
+        cfg = _train_config(out, RECIPE, stage, None)
+        return _finished(Path(cfg.out), cfg.steps)
+    return (out / f"{NAME}.pocket").is_file()
+
+
+def run(out: str | Path, *, until: str = "export", threads: int | None = None,
+        progress: bool = True, force: bool = False, recipe: Recipe = RECIPE) -> Path | None:
+    """Run (or resume) the recipe in ``out`` up to stage ``until``; returns the deploy file
+    when the export stage ran. A finished deploy file is kept as it is unless ``force``
+    (which writes it again from the run's checkpoints)."""
+    if until not in STAGES:
+        raise PocketError(f"unknown stage {until!r}; the stages are {', '.join(STAGES)}")
+    out = Path(out)
+    final = out / f"{NAME}.pocket"
+    if final.is_file() and until == "export":
+        if not force:
+            _say(f"{final} is already built (--force writes it again from the checkpoints)")
+            return final
+        final.unlink()
+    check_inputs(out, recipe, until)
+    recipe_file = out / "recipe.json"
+    if recipe_file.is_file():
+        saved = json.loads(recipe_file.read_text(encoding="utf-8"))
+        if saved != recipe.to_dict():
+            raise PocketError(f"{out} holds a run of another version of the recipe; use another "
+                              "folder (or delete this one)")
+    else:
+        _atomic_write(recipe_file, json.dumps(recipe.to_dict(), indent=1))
+    _say(estimate(out))
+    times = {}
+    report_path = out / "recipe_report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {"stages": {}}
+
+    def timed(stage, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        result = fn(*args, **kwargs)
+        times[stage] = time.perf_counter() - t0
+        report["stages"].setdefault(stage, {"seconds": 0.0})
+        report["stages"][stage]["seconds"] += times[stage]
+        _atomic_write(report_path, json.dumps(report, indent=1))
+        return result
+
+    prompts = timed("prompts", stage_prompts, out, recipe)
+    if until == "prompts":
+        return None
+    answers = timed("teacher", stage_teacher, out, recipe, prompts, progress=progress)
+    if until == "teacher":
+        return None
+    report["data"] = timed("data", stage_data, out, recipe, prompts, answers)
+    if until == "data":
+        return None
+    for stage in ("sft", "qat"):
+        last = timed(stage, stage_train, out, recipe, stage, threads=threads, progress=progress)
+        report["stages"][stage]["last"] = last
+        if until == stage:
+            return None
+    path = timed("export", stage_export, out, recipe, progress=progress)
+    report["deploy_file"] = {"path": str(path), "size": path.stat().st_size,
+                             "sha256": _sha256(path)}
+    _atomic_write(report_path, json.dumps(report, indent=1))
+    return path

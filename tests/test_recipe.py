@@ -1,0 +1,279 @@
+"""The pocket-zh-en recipe: its prompts (deterministic, nothing the capability suite measures),
+the teacher-answer filter, batched generation, the whole pipeline on tiny models (resumable,
+the same file from the same seed), and the registry entry that builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tiny_gguf
+
+from pocketlm.errors import ModelNotFoundError, PocketError
+
+SMALL_COUNTS = {"sharegpt": 6, "news": 8, "idiom_gold": 6, "idiom_teacher": 2,
+                "character": 3, "poem_gold": 3, "poem_teacher": 2, "review": 4}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    from pocketlm.recipes.prompts import build_prompts
+
+    return build_prompts(0, SMALL_COUNTS)
+
+
+def test_prompts_are_deterministic_and_keep_out_what_the_suite_measures(prompts):
+    from pocketlm.evaluate.instructions import validate_instruction
+    from pocketlm.recipes.prompts import build_prompts, held_out_items
+
+    assert build_prompts(0, SMALL_COUNTS) == prompts
+    assert build_prompts(1, SMALL_COUNTS) != prompts  # the seed picks other items
+    assert len({p["id"] for p in prompts}) == len(prompts) == sum(SMALL_COUNTS.values())
+    held = held_out_items()
+    for p in prompts:
+        assert p["lang"] in ("en", "zh") and p["prompt"].strip()
+        for c in p["checks"] or []:
+            validate_instruction(c)
+        if p["source"] == "idioms":
+            word = p["prompt"].split("“")[1].split("”")[0]
+            assert word not in held["idioms"]
+        if p["source"] == "sentiment":
+            assert p["prompt"].split("\n\n", 1)[1] not in held["reviews"]
+            assert p["gold"] in ("正面", "负面")
+        if p["source"] == "chinese-poetry":
+            assert not any(h in p["prompt"] for h in held["poem_lines"])
+    # every source is present; gold answers only where the corpus holds them
+    assert {p["source"] for p in prompts} == {"sharegpt", "peoples-daily", "idioms",
+                                              "xinhua-dictionary", "chinese-poetry",
+                                              "sentiment"}
+    assert all(p["gold"] is None for p in prompts if p["source"] in ("sharegpt",
+                                                                      "peoples-daily"))
+
+
+def test_verifiable_instructions_are_appended_in_the_prompts_language():
+    import random
+
+    from pocketlm.evaluate.instructions import CHECKERS
+    from pocketlm.recipes.prompts import add_checks
+
+    rng = random.Random(0)
+    for _ in range(200):
+        text, checks = add_checks("请介绍一下长城。", "zh", rng)
+        assert text.startswith("请介绍一下长城。\n") and 1 <= len(checks) <= 2
+        assert len({c["check"] for c in checks}) == len(checks)
+        assert all(c["check"] in CHECKERS for c in checks)
+        if any(c["check"] == "language_en" for c in checks):
+            assert len(checks) == 1  # a language switch never comes with another instruction
+
+
+@pytest.mark.parametrize("prompt, answer, why", [
+    ({"lang": "en", "kind": "chat"}, {"answer": "Paris.", "finish_reason": "stop"}, None),
+    ({"lang": "en", "kind": "chat"}, {"answer": "Paris, and", "finish_reason": "length"},
+     "cut at the token limit"),
+    ({"lang": "en", "kind": "chat"}, {"answer": "  ", "finish_reason": "stop"}, "empty"),
+    ({"lang": "en", "kind": "chat"}, {"answer": "I am Qwen, made by Alibaba.",
+                                      "finish_reason": "stop"}, "names a model or vendor"),
+    ({"lang": "en", "kind": "chat"}, {"answer": "the same words again " * 8,
+                                      "finish_reason": "stop"}, "repeats itself"),
+    ({"lang": "zh", "kind": "summary"}, {"answer": "This is English.", "finish_reason": "stop"},
+     "not in the asked language"),
+    ({"lang": "en", "kind": "chat"}, {"answer": "这是中文。", "finish_reason": "stop"},
+     "not in the asked language"),
+    ({"lang": "zh", "kind": "translate"}, {"answer": "Good news.", "finish_reason": "stop"},
+     None),
+    ({"lang": "zh", "kind": "summary", "checks": [{"check": "language_en", "args": {}}]},
+     {"answer": "A short summary.", "finish_reason": "stop"}, None),
+    ({"lang": "en", "kind": "chat", "checks": [{"check": "words_at_most", "args": {"n": 3}}]},
+     {"answer": "Paris is the capital.", "finish_reason": "stop"}, "fails its instructions"),
+    ({"lang": "en", "kind": "chat", "checks": [{"check": "lowercase", "args": {}}]},
+     {"answer": "paris is the capital.", "finish_reason": "stop"}, None),
+])
+def test_teacher_answers_are_judged(prompt, answer, why):
+    from pocketlm.recipes.pocket_zh_en import judge
+
+    assert judge(prompt, answer) == why
+
+
+# -- batched generation --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    with tiny_gguf.loaded_tiny_model(tmp_path_factory, "recipe-tiny", seed=5,
+                                     max_context=256) as env:
+        yield env
+
+
+def test_chat_batch_gives_each_conversation_what_chat_gives(tiny):
+    model = tiny["model"]
+    convs = [[{"role": "user", "content": f"question {i} " + "x" * i}] for i in range(7)]
+    lengths = [3, 9, 1, 12, 5, 0, 7]
+    want = [model.chat(c, max_tokens=n, temperature=0) for c, n in zip(convs, lengths)]
+    for max_batch in (1, 3, 16):
+        got = {}
+        for n, conv in zip(lengths, convs):  # one call per length: max_tokens is per call
+            for _, text, state in model.chat_batch([conv], max_tokens=n, temperature=0,
+                                                   max_batch=max_batch):
+                got[len(got)] = (text, state)
+        assert [got[i][0] for i in range(7)] == want
+        assert all(len(got[i][1].generated) <= lengths[i] for i in range(7))
+    # many at once: yielded as they end, each with its own index
+    out = {i: (text, st) for i, text, st in model.chat_batch(convs, max_tokens=9,
+                                                             temperature=0, max_batch=3)}
+    assert sorted(out) == list(range(7))
+    assert [out[i][0] for i in range(7)] == [model.chat(c, max_tokens=9, temperature=0)
+                                             for c in convs]
+    assert {out[i][1].finish_reason for i in range(7)} <= {"stop", "length"}
+
+
+def test_chat_batch_refuses_bad_arguments(tiny):
+    model = tiny["model"]
+    conv = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="max_batch"):
+        list(model.chat_batch([conv], max_tokens=2, max_batch=0))
+    with pytest.raises(PocketError):
+        list(model.chat_batch([conv], max_tokens=-1))
+    assert list(model.chat_batch([], max_tokens=2)) == []
+
+
+# -- the whole recipe on tiny models --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_recipe(tmp_path_factory):
+    """A Recipe whose base is a tiny Gemma 3 file without a chat template (as the registry's
+    gemma3-270m is) and whose teacher is a tiny llama file with ChatML."""
+    from pocketlm.recipes.pocket_zh_en import Recipe
+
+    root = tmp_path_factory.mktemp("recipe-models")
+    base, teacher = root / "base.gguf", root / "teacher.gguf"
+    tiny_gguf.write_tiny_gguf(base, "gemma3", seed=1, weight_type="F32", chat_template=None,
+                              max_context=512)
+    tiny_gguf.write_tiny_gguf(teacher, "llama", seed=2, weight_type="Q8_0", max_context=512)
+    return Recipe(base=str(base), teacher=str(teacher), teacher_max_tokens=6, teacher_batch=4,
+                  sft_steps=3, sft_batch=2, sft_seq_len=96, sft_warmup=1, qat_steps=2,
+                  qat_rank=2, counts=SMALL_COUNTS)
+
+
+def _run(out: Path, recipe, **kw):
+    from pocketlm.recipes.pocket_zh_en import run
+
+    return run(out, recipe=recipe, progress=False, threads=1, **kw)
+
+
+def test_the_recipe_runs_resumes_and_gives_the_same_file_from_the_same_seed(tiny_recipe,
+                                                                          tmp_path):
+    from pocketlm.chat import GEMMA_TEMPLATE
+    from pocketlm.data.download import sha256_file
+    from pocketlm.formats.pocketfile import PocketFile
+
+    a = tmp_path / "a"
+    path = _run(a, tiny_recipe)
+    assert path == a / "pocket-zh-en.pocket" and path.is_file()
+    report = json.loads((a / "recipe_report.json").read_text())
+    assert set(report["stages"]) == {"prompts", "teacher", "data", "sft", "qat", "export"}
+    assert report["deploy_file"]["sha256"] == sha256_file(path)
+    data = json.loads((a / "data_report.json").read_text())
+    gold = sum(SMALL_COUNTS[k] for k in ("idiom_gold", "character", "poem_gold", "review"))
+    assert data["chats"] >= gold and sum(data["kept"].values()) == data["chats"]
+    teacher = [json.loads(x) for x in (a / "teacher.jsonl").read_text().splitlines()]
+    assert len(teacher) == sum(SMALL_COUNTS.values()) - gold
+    # the base has no template: the model is trained on, and ships, Gemma 3's turn format
+    assert PocketFile(path).metadata["chat_template"] == GEMMA_TEMPLATE
+
+    # a run stopped after its SFT stage, its teacher file cut mid-line, then resumed
+    b = tmp_path / "b"
+    b.mkdir()
+    for name in ("prompts.jsonl", "prompts.meta.json"):
+        shutil.copy(a / name, b / name)  # the same prompts (built from the corpora once)
+    lines = (a / "teacher.jsonl").read_text().splitlines(keepends=True)
+    (b / "teacher.jsonl").write_text("".join(lines[:3]) + lines[3][:10])
+    assert _run(b, tiny_recipe, until="sft") is None
+    assert not (b / "qat").exists()
+    assert sha256_file(_run(b, tiny_recipe)) == sha256_file(path)
+
+    # a finished file is kept unless --force, which writes the same bytes again
+    before = path.stat().st_mtime_ns
+    assert _run(a, tiny_recipe) == path and path.stat().st_mtime_ns == before
+    assert sha256_file(_run(a, tiny_recipe, force=True)) == report["deploy_file"]["sha256"]
+
+    # another version of the recipe is refused in the same folder
+    other = dataclasses.replace(tiny_recipe, sft_steps=4)
+    with pytest.raises(PocketError, match="another version of the recipe"):
+        _run(a, other)
+
+
+def test_the_recipe_refuses_missing_inputs_before_any_work(tiny_recipe, tmp_path):
+    from pocketlm.recipes import pocket_zh_en
+
+    missing = dataclasses.replace(tiny_recipe, teacher=str(tmp_path / "nope.gguf"))
+    with pytest.raises(ModelNotFoundError):
+        _run(tmp_path / "r", missing)
+    assert not (tmp_path / "r" / "prompts.jsonl").exists()
+    with pytest.raises(PocketError, match="unknown stage"):
+        _run(tmp_path / "r", tiny_recipe, until="nope")
+    need = pocket_zh_en.disk_needed(142_000_000)
+    assert 4e9 < need < 7e9  # gemma3-270m-zh-en's checkpoints: a few GB, said before training
+
+
+# -- the registry entry -----------------------------------------------------------------------
+
+
+def test_the_registry_lists_the_recipe_model_and_never_trains_implicitly(tmp_path,
+                                                                        monkeypatch):
+    from pocketlm import registry
+    from pocketlm.recipes import pocket_zh_en
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    row = next(r for r in registry.list_models() if r["name"] == "pocket-zh-en")
+    assert row["recipe"] == "pocket-zh-en" and row["state"] == "no"
+    with pytest.raises(ModelNotFoundError, match="pocket pull pocket-zh-en"):
+        registry.resolve("pocket-zh-en")
+
+    # `pull` runs the recipe (here a stand-in that returns a built file) and installs it
+    built = tmp_path / "built.pocket"
+    tiny_gguf.write_tiny_gguf(tmp_path / "t.gguf", "llama", seed=4, weight_type="Q8_0")
+    from pocketlm.pack import pack
+
+    pack(tmp_path / "t.gguf", built, progress=False)
+    calls = []
+
+    def fake_run(out, **kw):
+        calls.append((Path(out), kw))
+        return built
+
+    monkeypatch.setattr(pocket_zh_en, "run", fake_run)
+    path = registry.pull("pocket-zh-en", quiet=True)
+    assert path == registry.model_path("pocket-zh-en") and path.read_bytes() == built.read_bytes()
+    assert calls[0][0] == tmp_path / "home" / "recipes" / "pocket-zh-en"
+    assert registry.verification_state("pocket-zh-en") == "yes"
+    assert registry.resolve("pocket-zh-en") == path
+    registry.pull("pocket-zh-en", quiet=True)
+    assert len(calls) == 1  # built already: not run again
+    path.write_bytes(path.read_bytes()[:100])  # damaged after it was built
+    assert registry.verification_state("pocket-zh-en") == "changed"
+    with pytest.raises(PocketError):
+        registry.verify("pocket-zh-en")
+
+
+def test_cli_recipe_errors(tmp_path):
+    def pocket(*args):
+        return subprocess.run([sys.executable, "-m", "pocketlm.cli", *args],
+                              capture_output=True, text=True,
+                              env={**__import__("os").environ,
+                                   "POCKET_HOME": str(tmp_path / "home")})
+
+    p = pocket("train", "--recipe", "nope", "--out", str(tmp_path / "x"))
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "unknown recipe" in p.stderr
+    p = pocket("train", "--recipe", "pocket-zh-en", "--data", "x.txt", "--out", str(tmp_path))
+    assert p.returncode == 1 and "drop --data" in p.stderr
+    p = pocket("run", "-m", "pocket-zh-en", "hello")
+    assert p.returncode == 1 and "pocket pull pocket-zh-en" in p.stderr
+    assert p.stderr.count("\n") == 1
+    p = pocket("list")
+    assert p.returncode == 0 and "pocket-zh-en" in p.stdout and "recipe" in p.stdout
