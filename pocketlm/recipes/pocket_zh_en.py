@@ -292,8 +292,8 @@ def stage_train(out: Path, recipe: Recipe, stage: str, *, threads: int | None = 
     if _finished(Path(cfg.out), cfg.steps):
         rows = _read_jsonl(Path(cfg.out) / "metrics.jsonl")
         return rows[-1]
-    _say(f"{stage}: {cfg.steps} steps of {cfg.batch_size} chats -> {cfg.out} "
-         f"({'LoRA rank %d against the INT4 grid' % cfg.lora_rank if cfg.qat else 'full'})")
+    how = f"LoRA rank {cfg.lora_rank} against the INT4 grid" if cfg.qat else "full"
+    _say(f"{stage}: {cfg.steps} steps of {cfg.batch_size} chats -> {cfg.out} ({how})")
     return train(cfg, progress=progress)
 
 
