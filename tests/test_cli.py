@@ -14,7 +14,7 @@ import tiny_gguf
 
 from pocketlm import cli
 from pocketlm.errors import ModelNotFoundError
-from pocketlm.registry import REGISTRY, TRIMMED
+from pocketlm.registry import RECIPES, REGISTRY, TRIMMED
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -274,11 +274,12 @@ def test_list_is_offline(capsys, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", no_network)
     code, stdout, _ = run_cli(capsys, "list")
     assert code == 0
-    for name in [*REGISTRY, *TRIMMED]:
+    for name in [*REGISTRY, *TRIMMED, *RECIPES]:
         assert name in stdout
     code, stdout, _ = run_cli(capsys, "list", "--json")
     rows = [json.loads(line) for line in stdout.splitlines()]
-    assert {r["name"] for r in rows} == set(REGISTRY) | set(TRIMMED)
+    assert {r["name"] for r in rows} == set(REGISTRY) | set(TRIMMED) | set(RECIPES)
+    assert {r["recipe"] for r in rows if "recipe" in r} == set(RECIPES)
     assert {r["base"] for r in rows if "base" in r} <= set(REGISTRY)
     assert not any(r["pulled"] for r in rows)
 

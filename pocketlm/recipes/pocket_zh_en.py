@@ -55,13 +55,13 @@ class Recipe:
     teacher_repetition_penalty: float = 1.05
     teacher_batch: int = 16
     # full fine-tuning
-    sft_steps: int = 1200
+    sft_steps: int = 600
     sft_batch: int = 8
     sft_seq_len: int = 512
     sft_lr: float = 5e-5
     sft_warmup: int = 40
     # quantization-aware LoRA
-    qat_steps: int = 300
+    qat_steps: int = 200
     qat_rank: int = 16
     qat_lr: float = 5e-4
     counts: dict = field(default_factory=dict)  # prompt counts (defaults: prompts.DEFAULT_COUNTS)
@@ -74,8 +74,8 @@ RECIPE = Recipe()
 
 # Minutes each stage took on the reference machine (2-vCPU AMD EPYC Zen 4, 2 threads), for the
 # estimate printed before a run starts; filled from recipe_report.json of the recorded run.
-REFERENCE_MINUTES = {"prompts": 1, "teacher": 240, "data": 1, "sft": 240, "qat": 60,
-                     "export": 3}
+REFERENCE_MINUTES = {"prompts": 1, "teacher": 100, "data": 1, "sft": 120, "qat": 35,
+                     "export": 2}
 
 
 def _say(msg: str) -> None:
