@@ -1323,3 +1323,66 @@ def test_a_batch_may_mix_cache_formats():
         np.testing.assert_array_equal(out[i], alone[0])
     with pytest.raises(ValueError, match="same format"):
         eng.model.kv_copy(kvs[0], kvs[1], 3)
+
+
+# -- speculative decoding: k drafted tokens verified in one pass ----------------------------
+
+@pytest.mark.parametrize("mode", ["f32", "q8", "q8-kv8"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_verify_rows_are_one_token_decode_bit_for_bit(arch, mode):
+    """Each row of verify() is exactly what a one-token forward computes at its position, for
+    drafts anywhere in a long context (keys split into several attention spans, a sliding
+    window passed), with 1 and 2 threads; and the cache after verify() + truncate() continues
+    exactly as plain decoding's."""
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, max_context=512, **extra)
+    w = _weights(cfg, 31, True)
+    act, kv, digits, _ = MODES[mode]
+    ids = [int(t) for t in np.random.default_rng(9).integers(0, cfg.vocab_size, 300)]
+    for threads in (1, 2):
+        nat = Runtime(cfg, w, engine="numpy")
+        nat.native = native.NativeEngine(cfg, w, act=act, kv=kv, threads=threads, digits=digits)
+        for start, k in ((5, 1), (20, 4), (126, 5), (250, 8)):  # 126..130 crosses a span
+            plain = nat.new_cache(300)
+            nat.forward(ids[:start], plain)
+            want = np.stack([nat.forward([t], plain) for t in ids[start:start + k]])
+            spec = nat.new_cache(300)
+            nat.forward(ids[:start], spec)
+            got = nat.verify(ids[start:start + k], spec)
+            assert got.shape == (k, cfg.vocab_size) and spec.length == start + k
+            assert np.array_equal(got, want), (arch, mode, threads, start, k)
+            # accept the first half, then go on decoding: the same as never having drafted
+            keep = start + (k + 1) // 2
+            spec.truncate(keep)
+            plain.truncate(keep)
+            after = [nat.forward([t], spec) for t in ids[keep:keep + 3]]
+            again = [nat.forward([t], plain) for t in ids[keep:keep + 3]]
+            assert all(np.array_equal(a, b) for a, b in zip(after, again, strict=True))
+
+
+def test_verify_checks_its_arguments():
+    cfg = torch_ref.tiny_config("llama", max_context=256)
+    w = _weights(cfg, 32, True)
+    nat = Runtime(cfg, w, engine="numpy")
+    nat.native = native.NativeEngine(cfg, w, threads=2)
+    ref = Runtime(cfg, w, engine="numpy")
+    cache = nat.new_cache(10)
+    nat.forward(IDS[:8], cache)
+    with pytest.raises(ContextLengthError):
+        nat.verify([1, 2, 3], cache)  # 11 positions in a cache of 10
+    assert cache.length == 8
+    with pytest.raises(ValueError, match="1 to 128"):
+        nat.verify([], cache)
+    with pytest.raises(ValueError, match="1 to 128"):
+        nat.verify([1] * 129, nat.new_cache(200))
+    with pytest.raises(ValueError, match="out of range"):
+        nat.verify([cfg.vocab_size], cache)
+    with pytest.raises(ValueError):
+        nat.verify([1], ref.new_cache(4))  # another engine's cache
+    # the numpy reference verifies one token at a time: the same rule, by construction
+    rc = ref.new_cache(12)
+    ref.forward(IDS[:4], rc)
+    rows = ref.verify(IDS[4:7], rc)
+    pc = ref.new_cache(12)
+    ref.forward(IDS[:4], pc)
+    assert np.array_equal(rows, np.stack([ref.forward([t], pc) for t in IDS[4:7]]))

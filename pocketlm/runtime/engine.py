@@ -102,6 +102,12 @@ class Engine(ABC):
     def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
         """Positions ``[0, n)`` of ``src`` into ``dst``, and ``dst.length = n``."""
 
+    def verify(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Logits ``[n, vocab]`` of ``ids`` at the next positions of ``cache``, row ``i``
+        what a one-token :meth:`forward` computes after the rows before it. Here: exactly
+        that, one token at a time (engines with a one-pass form override it)."""
+        return np.stack([self.forward(ids[i:i + 1], cache, False) for i in range(len(ids))])
+
 
 class NumpyEngine(Engine):
     """The reference: the forward pass layer by layer, in numpy only."""
@@ -246,3 +252,9 @@ class NativeModelEngine(Engine):
     def copy_prefix(self, dst: NativeKVCache, src: NativeKVCache, n: int) -> None:
         self.native.kv_copy(dst.kv, src.kv, n)
         dst.length = n
+
+    def verify(self, ids: np.ndarray, cache: NativeKVCache) -> np.ndarray:
+        start = cache.length
+        logits = self.native.verify(cache.kv, ids.astype(np.int32), start)
+        cache.length = start + ids.shape[0]
+        return logits

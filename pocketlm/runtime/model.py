@@ -178,3 +178,25 @@ class Runtime:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         self._check_cache(cache)
         return self._engine.forward(ids, cache, all_logits)
+
+    MAX_VERIFY = 128  # drafted tokens one verify() call checks at most
+
+    def verify(self, ids, cache: KVCache) -> np.ndarray:
+        """Verify drafted tokens: run ``ids`` at the next positions of ``cache`` and return
+        float32 logits ``[len(ids), vocab]``, row ``i`` exactly (bit for bit) what a one-token
+        :meth:`forward` of ``ids[i]`` computes after ``ids[:i]``: one pass over the weights for
+        all of them. ``cache.length`` grows by ``len(ids)``; a caller that accepts only the
+        first ``a`` rows calls ``cache.truncate(length + a)`` (the rest is overwritten later).
+        """
+        cfg = self.config
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        n = ids.shape[0]
+        if not 1 <= n <= self.MAX_VERIFY:
+            raise ValueError(f"verify() takes 1 to {self.MAX_VERIFY} tokens, got {n}")
+        if cache.length + n > cache.capacity:
+            raise ContextLengthError(f"{cache.length + n} tokens do not fit the context of "
+                                     f"{cache.capacity}")
+        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        self._check_cache(cache)
+        return self._engine.verify(ids, cache)

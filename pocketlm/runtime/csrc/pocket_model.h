@@ -190,6 +190,16 @@ int pocket_model_forward_batch(pocket_model *model, pocket_kv *const *kvs, const
                                const int32_t *pos, int n, float *logits, pocket_pool *pool,
                                int nthreads);
 
+/* Verify drafted tokens: the forward of ids[0..n) (n <= 128) at positions start_pos.. of kv,
+ * with the logits of every row in logits [n, vocab]. Each row computes, bit for bit, what a
+ * one-token pocket_model_forward at its position computes after the rows before it (the same
+ * int8 products, attention split into the same spans and merged in the same order), so
+ * accepting a prefix of the drafts gives exactly the tokens plain decoding would; the keys and
+ * values of all n rows are written, and a caller that accepts fewer simply treats the cache as
+ * that much shorter (the rest is overwritten by the next forward). */
+int pocket_model_verify(pocket_model *model, pocket_kv *kv, const int32_t *ids, int n,
+                        int start_pos, float *logits, pocket_pool *pool, int nthreads);
+
 /* Copy positions [0, n) of src into dst (same model and format; n within both capacities):
  * a shared prompt prefix computed once and reused by another sequence. */
 int pocket_kv_copy(pocket_kv *dst, const pocket_kv *src, int n);

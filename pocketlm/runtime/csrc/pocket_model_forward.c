@@ -98,6 +98,7 @@ typedef struct pm_job {
     int quantized;
     /* attention */
     const pocket_kv *kv; /* decode */
+    size_t qoff;         /* decode: the row's query heads start at m->q + qoff */
     const pm_seq *seq;   /* block */
     int layer, lo, hi, nspans, units;
     int end, last;     /* amx attention: keys < end exist; the last chunk of keys */
@@ -224,7 +225,8 @@ static void pm_task(void *ctx, int task, int ntasks) {
             float *p = m->part + (size_t)u * G * (hd + 2);
             float *pm = p, *pl = p + G, *pacc = p + 2 * G;
             const int s0 = (j->lo / PM_SPAN + s) * PM_SPAN; /* aligned span */
-            attend(m, j->kv, j->layer, kvh, m->q + (size_t)kvh * G * hd, s0 > j->lo ? s0 : j->lo,
+            attend(m, j->kv, j->layer, kvh, m->q + j->qoff + (size_t)kvh * G * hd,
+                   s0 > j->lo ? s0 : j->lo,
                    s0 + PM_SPAN < j->hi ? s0 + PM_SPAN : j->hi, scr, pm, pl, pacc);
         }
         break;
@@ -558,8 +560,8 @@ static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int 
     }
 }
 
-/* Merge the decode partials of every query head into m->att (one token). */
-static void merge_partials(pocket_model *m, int nspans) {
+/* Merge the decode partials of every query head into row `row` of m->att (one token). */
+static void merge_partials(pocket_model *m, int nspans, int row) {
     const int G = m->group, hd = m->c.head_dim;
     for (int h = 0; h < m->c.n_heads; h++) {
         const int kvh = h / G, g = h % G;
@@ -568,7 +570,7 @@ static void merge_partials(pocket_model *m, int nspans) {
             const float *p = m->part + (size_t)(kvh * nspans + s) * G * (hd + 2);
             if (p[g] > M) M = p[g];
         }
-        float *out = m->att + (size_t)h * hd;
+        float *out = m->att + (size_t)row * m->q_dim + (size_t)h * hd;
         if (nspans == 1) {
             const float *p = m->part + (size_t)kvh * G * (hd + 2);
             const float l = p[G + g];
@@ -715,18 +717,23 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
     pm_job j = {.m = m, .n = n, .seq = seq, .layer = l,
                 .kv = seq->kvs ? NULL : seq->kv}; /* kv: one sequence */
     const int nkv = m->c.n_kv_heads;
-    if (one) { /* one token: its keys split into spans over the threads */
-        const int pos0 = seq_pos(seq, 0);
-        const int win = L->sliding ? m->c.sliding_window : 0;
-        j.kind = PM_JOB_ATTN_DECODE;
-        j.hi = pos0 + 1;
-        j.lo = win && pos0 - win + 1 > 0 ? pos0 - win + 1 : 0;
-        j.nspans = (j.hi - 1) / PM_SPAN - j.lo / PM_SPAN + 1;
-        j.units = nkv * j.nspans;
-        int tasks = j.units < nthreads ? j.units : nthreads;
-        if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
-        if ((rc = run_job(&j, pool, tasks))) return rc;
-        merge_partials(m, j.nspans);
+    if (one || (m->verify_call && !seq->kvs)) {
+        /* one token: its keys split into spans over the threads; verification rows: each
+         * row so, in turn (the keys of the rows after it are in the cache but not read) */
+        for (int i = 0; i < n; i++) {
+            const int pos = seq_pos(seq, i);
+            const int win = L->sliding ? m->c.sliding_window : 0;
+            j.kind = PM_JOB_ATTN_DECODE;
+            j.qoff = (size_t)i * qd;
+            j.hi = pos + 1;
+            j.lo = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
+            j.nspans = (j.hi - 1) / PM_SPAN - j.lo / PM_SPAN + 1;
+            j.units = nkv * j.nspans;
+            int tasks = j.units < nthreads ? j.units : nthreads;
+            if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
+            if ((rc = run_job(&j, pool, tasks))) return rc;
+            merge_partials(m, j.nspans, i);
+        }
     } else if (amx && !seq->kvs && m->c.head_dim % 32 == 0) {
         if ((rc = attn_amx(&j, block_pos0, pool, nthreads))) return rc;
     } else {
@@ -795,6 +802,7 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
     int rc = pm_ensure_rope(m, start_pos + n);
     if (rc) return rc;
     m->amx_call = m->amx;
+    m->verify_call = 0;
     const size_t V = (size_t)m->c.vocab_size;
     for (int b0 = 0; b0 < n; b0 += PM_BLOCK) {
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
@@ -834,6 +842,7 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
     int rc = pm_ensure_rope(m, need);
     if (rc) return rc;
     m->amx_call = 0; /* int8 products whatever the batch size: rows independent of the batch */
+    m->verify_call = 0;
     const size_t V = (size_t)m->c.vocab_size;
     for (int b0 = 0; b0 < n; b0 += PM_BLOCK) { /* the rows are independent sequences */
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
@@ -846,6 +855,27 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
         if ((rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads))) return rc;
     }
     return POCKET_OK;
+}
+
+int pocket_model_verify(pocket_model *m, pocket_kv *kv, const int32_t *ids, int n,
+                        int start_pos, float *logits, pocket_pool *pool, int nthreads) {
+    if (!m || !kv || !ids || !logits || kv->model != m) return POCKET_EINVAL;
+    if (n <= 0 || n > PM_BLOCK || start_pos < 0 || (long long)start_pos + n > kv->capacity)
+        return POCKET_EINVAL;
+    if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= m->c.vocab_size) return POCKET_EINVAL;
+    int rc = pm_ensure_rope(m, start_pos + n);
+    if (rc) return rc;
+    m->amx_call = 0; /* the int8 products of one-token decode, row by row */
+    m->verify_call = 1;
+    const pm_seq seq = {kv, start_pos, NULL, NULL};
+    embed_rows(m, ids, n, m->x);
+    for (int l = 0; l < m->c.n_layers && rc == POCKET_OK; l++)
+        rc = layer_forward(m, &seq, l, n, 0, pool, nthreads);
+    if (rc == POCKET_OK) rc = head_rows(m, 0, n, logits, pool, nthreads);
+    m->verify_call = 0;
+    return rc;
 }
 
 int pocket_kv_copy(pocket_kv *dst, const pocket_kv *src, int n) {

@@ -37,6 +37,8 @@ struct pocket_model {
     int amx;          /* products of PM_AMX_MIN_TOKENS or more tokens on AMX-BF16 */
     int amx_call;     /* amx in this call: prefill (pocket_model_forward) only, so that a
                        * batched decode row never depends on how many others share its batch */
+    int verify_call;  /* this call verifies drafted tokens: every row of the block computes
+                       * what a one-token decode at its position computes (pocket_model_verify) */
     /* repacked weights of the int8-activation products: [layer * 7 + k] (k: q, k, v, o,
      * gate, up, down), then the head; data == NULL where not used */
     pm_tiled *tiled;

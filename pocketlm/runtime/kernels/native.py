@@ -519,6 +519,14 @@ class NativeEngine:
               pool=_get_pool(self.threads))
         return logits
 
+    def verify(self, kv, ids: np.ndarray, start_pos: int) -> np.ndarray:
+        """Drafted tokens ``ids`` (int32) at ``start_pos``.. of ``kv``: logits float32
+        ``[n, vocab]``, each row what a one-token :meth:`forward` at its position computes."""
+        logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
+        _call(self.model.verify, kv, ids, int(start_pos), logits, threads=self.threads,
+              pool=_get_pool(self.threads))
+        return logits
+
     def kv_copy(self, dst, src, n: int) -> None:
         """Positions ``[0, n)`` of the cache ``src`` into ``dst``."""
         _call(self.model.kv_copy, dst, src, int(n))
