@@ -37,6 +37,7 @@ from .generate import (
 )
 from .runtime import KVCache, Runtime
 from .sampling import Sampler, SamplingParams
+from .speculative import SpeculativeStats
 from .tokenizer import Tokenizer, check_text, release_free_heap
 
 DEFAULT_CONTEXT = 4096  # KV cache capacity when the caller does not ask for one
@@ -58,6 +59,7 @@ class PocketModel:
         self.metadata = metadata or {}
         self.n_ctx = min(_check_n_ctx(n_ctx) or DEFAULT_CONTEXT, config.max_context)
         self.last_state: GenerationState | None = None
+        self.last_speculative: SpeculativeStats | None = None  # of the last speculative call
 
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -172,25 +174,53 @@ class PocketModel:
         return (token for token, _ in run_sequence(self.runtime, cache, seq))
 
     def _stream_text(self, prompt_ids: list[int], builtin_max_tokens: int, stop: list[str],
-                     max_tokens, sampling) -> Iterator[str]:
+                     max_tokens, sampling, speculative=None) -> Iterator[str]:
+        drafter = self._drafter(speculative)  # checked before anything runs
         seq, cache = self._sequence(prompt_ids, builtin_max_tokens, max_tokens, sampling, None,
                                     stop)
-        return iter(()) if cache is None else stream_sequence(self.runtime, cache, seq)
+        if cache is None:
+            return iter(())
+        if drafter is None:
+            return stream_sequence(self.runtime, cache, seq)
+        from .speculative import run_speculative
+
+        drafter, lengths = drafter
+        self.last_speculative = SpeculativeStats()
+        steps = run_speculative(self.runtime, cache, seq, drafter, lengths,
+                                self.last_speculative)
+        return stream_sequence(self.runtime, cache, seq, steps)
+
+    def _drafter(self, speculative):
+        """``(drafter, draft lengths)`` for a ``speculative`` argument, or None."""
+        if speculative is None or speculative is False:
+            return None
+        from .speculative import DraftLength, make_drafter
+
+        max_draft = speculative.get("max_draft", 8) if isinstance(speculative, dict) else 8
+        lengths = DraftLength(max_draft=max_draft)
+        return make_drafter(speculative, target_tokenizer=self.tokenizer,
+                            capacity=self.n_ctx), lengths
 
     def stream(self, prompt: str, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None,
                seed: int | None = None, stop: list[str] | str | None = None, *,
                top_k: int | None = None, min_p: float | None = None,
                repetition_penalty: float | None = None,
-               add_bos: bool | None = None) -> Iterator[str]:
+               add_bos: bool | None = None, speculative=None) -> Iterator[str]:
         """Text pieces of the continuation of ``prompt`` as they are generated. Settings left
-        None are the model's generation defaults, else the built-in ones (greedy, 128 tokens)."""
+        None are the model's generation defaults, else the built-in ones (greedy, 128 tokens).
+
+        ``speculative``: ``"lookup"`` (drafts from n-grams of the prompt and the text so far),
+        ``{"draft": MODEL}`` (a smaller model of the same vocabulary), or a dict of options
+        (``max_draft``, ``max_ngram``, ``min_ngram``): several tokens per pass over the
+        weights, the same tokens as without it (:mod:`pocketlm.speculative`);
+        ``last_speculative`` then holds its statistics."""
         check_text(prompt, "prompt")
         stops = _check_stop(stop)
         ids = self.tokenize(prompt, add_bos=add_bos)
         return self._stream_text(ids, 128, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed))
+            repetition_penalty=repetition_penalty, seed=seed), speculative)
 
     def generate(self, prompt: str, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
@@ -219,15 +249,15 @@ class PocketModel:
              temperature: float | None = None, top_p: float | None = None,
              seed: int | None = None, stop: list[str] | str | None = None,
              stream: bool = False, *, top_k: int | None = None, min_p: float | None = None,
-             repetition_penalty: float | None = None):
+             repetition_penalty: float | None = None, speculative=None):
         """The assistant's reply to ``messages`` (an iterator of pieces when ``stream``).
         Settings left None are the model's generation defaults, else the built-in ones
-        (greedy, 256 tokens)."""
+        (greedy, 256 tokens); ``speculative`` as in :meth:`stream`."""
         stops = _check_stop(stop)
         ids = self.chat_ids(messages)
         pieces = self._stream_text(ids, 256, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed))
+            repetition_penalty=repetition_penalty, seed=seed), speculative)
         return pieces if stream else "".join(pieces)
 
     def chat_batch(self, conversations: Iterable[list[dict[str, Any]]],

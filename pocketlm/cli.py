@@ -230,6 +230,10 @@ def cmd_run(args) -> int:
     if not prompt:
         raise PocketError("no prompt given: pocket run \"your prompt\" (or pipe text on stdin)")
     m = _load(args)
+    speculative = _speculative(args)
+    if speculative is not None:
+        m._drafter(speculative)  # a bad drafter fails here, before the prompt runs
+    m.last_speculative = None
     t0 = time.time()
     n = 0
     use_chat = not args.raw and bool(m.chat_template)
@@ -239,10 +243,11 @@ def cmd_run(args) -> int:
         if args.echo:
             sys.stdout.write(prompt + "\n")
         pieces = m.chat([{"role": "user", "content": prompt}], stream=True, stop=args.stop,
-                        **_settings(args, m))
+                        speculative=speculative, **_settings(args, m))
     else:
         sys.stdout.write(prompt if args.echo else "")
-        pieces = m.stream(prompt, stop=args.stop, **_settings(args, m))
+        pieces = m.stream(prompt, stop=args.stop, speculative=speculative,
+                          **_settings(args, m))
     for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -252,7 +257,8 @@ def cmd_run(args) -> int:
         n = len(state.generated)
         dt = time.time() - t0
         print(f"[{state.prompt_tokens} prompt tokens, {n} generated in {dt:.2f} s, "
-              f"{n / dt if dt else 0:.1f} tok/s, finish: {state.finish_reason}]", file=sys.stderr)
+              f"{n / dt if dt else 0:.1f} tok/s, finish: {state.finish_reason}"
+              f"{_speculative_line(m)}]", file=sys.stderr)
     return 0
 
 
@@ -283,6 +289,9 @@ def _argv_text(text: str, what: str) -> str:
 
 def cmd_chat(args) -> int:
     m = _load(args)
+    speculative = _speculative(args)
+    if speculative is not None:
+        m._drafter(speculative)  # a bad drafter fails here, before the first line
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": _argv_text(args.system, "--system")})
@@ -319,7 +328,8 @@ def cmd_chat(args) -> int:
         history.append({"role": "user", "content": line})
         reply = []
         try:
-            for piece in m.chat(history, stream=True, **_settings(args, m)):
+            for piece in m.chat(history, stream=True, speculative=speculative,
+                                **_settings(args, m)):
                 reply.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -388,6 +398,39 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
     p.add_argument("--ctx", type=int, default=None, help="context size (default 4096, or the "
                    "model's if smaller)")
     p.add_argument("-v", "--verbose", action="store_true", help="print load time and speed")
+    p.add_argument("--speculative", metavar="lookup|MODEL", default=None,
+                   help="speculative decoding: 'lookup' drafts from n-grams of the prompt and "
+                   "the text so far (fast on tasks that copy their input: extract, rewrite, "
+                   "summarize); a model name or file drafts with that smaller model of the same "
+                   "vocabulary. The same tokens as without it; -v prints the acceptance")
+    p.add_argument("--draft-max", type=int, default=8, metavar="N",
+                   help="with --speculative: draft at most N tokens per step (1-16, default 8; "
+                   "fewer as acceptance falls)")
+
+
+def _speculative(args):
+    """The ``speculative`` argument of ``m.chat``/``m.stream`` from --speculative/--draft-max."""
+    spec = getattr(args, "speculative", None)
+    if spec is None:
+        return None
+    spec = _argv_text(spec, "--speculative").strip()
+    if not spec:
+        raise PocketError("--speculative needs 'lookup' or a draft model")
+    from .speculative import MAX_DRAFT
+
+    if not 1 <= args.draft_max <= MAX_DRAFT:
+        raise PocketError(f"--draft-max must be from 1 to {MAX_DRAFT}, got {args.draft_max}")
+    if spec == "lookup":
+        return {"method": "lookup", "max_draft": args.draft_max}
+    return {"draft": spec, "max_draft": args.draft_max}
+
+
+def _speculative_line(m) -> str:
+    st = m.last_speculative
+    if st is None:
+        return ""
+    return (f", speculative: {st.accepted}/{st.drafted} drafts accepted "
+            f"({st.acceptance:.0%}), {st.tokens_per_step:.2f} tokens per pass")
 
 
 def add_precision_options(parser: argparse.ArgumentParser) -> None:

@@ -173,9 +173,12 @@ def stream_tokens(runtime: Runtime, cache: KVCache, prompt_ids: list[int], *, ma
         yield token
 
 
-def stream_sequence(runtime: Runtime, cache: KVCache, seq: Sequence) -> Iterator[str]:
-    """The text pieces of ``seq`` (which has a :class:`TextStream`) as they are generated."""
-    for _, piece in run_sequence(runtime, cache, seq):
+def stream_sequence(runtime: Runtime, cache: KVCache, seq: Sequence,
+                    steps: Iterator[tuple[int, str]] | None = None) -> Iterator[str]:
+    """The text pieces of ``seq`` (which has a :class:`TextStream`) as they are generated;
+    ``steps``: the ``(token, piece)`` driver (default :func:`run_sequence`; speculative
+    decoding passes its own)."""
+    for _, piece in steps if steps is not None else run_sequence(runtime, cache, seq):
         if piece:
             yield piece
     tail = seq.finish()

@@ -1,0 +1,283 @@
+"""Speculative decoding: several tokens per pass over the weights, the same tokens.
+
+Decoding one token streams every weight once; checking k drafted tokens
+(:meth:`Runtime.verify`) streams them once too, and each of its rows computes bit for bit what
+a one-token decode at that position computes. So a draft that the model would have produced
+anyway costs almost nothing, and one it would not is simply dropped.
+
+**Drafters** propose tokens that are likely to come next:
+
+* :class:`PromptLookup` (``speculative="lookup"``): the tokens that followed the most recent
+  earlier occurrence of the text's last n-gram, in the prompt or in what was generated so far.
+  Free to compute, and right often on tasks grounded in their input (extract, summarize,
+  rewrite, fix, answer from a passage), where the answer copies spans of the prompt.
+* :class:`DraftModel` (``speculative={"draft": MODEL}``): a smaller model of the same
+  vocabulary (a trimmed or distilled pocket model drafting for its teacher) proposes its greedy
+  continuation.
+
+**Verification keeps the target's distribution exactly.** Drafts are deterministic (a lookup,
+or a draft model's greedy choice): the proposal q is a point mass on the draft d, and
+speculative sampling's rule (accept with min(1, p(d)/q(d)) = p(d), else draw from the residual
+p without d, renormalized) is the same as drawing from p as plain decoding does and keeping the
+draft when the draw equals it. That is what :func:`run_speculative` does, position by position
+with the sequence's own sampler (temperature, top-k, top-p, min-p, repetition penalty), so for
+a given seed it draws the same tokens as plain decoding, not just the same distribution; with
+temperature 0, the same greedy answers.
+
+**The draft length adapts** (:class:`DraftLength`): up to ``max_draft`` tokens, fewer as the
+recent acceptance falls, none while drafting does not pay (then each step is a plain
+one-token decode), with a probe every few steps to notice when it pays again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PocketError
+from .generate import Sequence
+from .runtime import KVCache, Runtime
+
+__all__ = ["DraftLength", "DraftModel", "PromptLookup", "SpeculativeStats", "make_drafter",
+           "run_speculative"]
+
+MAX_DRAFT = 16  # the most tokens one verification may check beyond the sampled one
+
+
+@dataclass
+class SpeculativeStats:
+    """What speculation did in one generation: ``steps`` (passes over the weights after the
+    prompt), ``drafted`` and ``accepted`` draft tokens, ``tokens`` generated."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "tokens": self.tokens, "acceptance": round(self.acceptance, 4),
+                "tokens_per_step": round(self.tokens_per_step, 4)}
+
+
+class PromptLookup:
+    """Drafts by n-gram lookup in the text so far (prompt and generated tokens).
+
+    For n from ``max_ngram`` down to ``min_ngram``, the last n tokens are looked up among the
+    earlier ones (the most recent occurrence wins); the tokens that followed it are the draft.
+    The index is updated incrementally: each new token costs O(max_ngram)."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram <= 8:
+            raise PocketError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max <= 8, "
+                              f"got {min_ngram}..{max_ngram}")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence
+        self._prev: dict[tuple[int, ...], int] = {}  # ... and of the one before
+
+    def reset(self, tokens: list[int]) -> None:
+        self.tokens, self._last, self._prev = [], {}, {}
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens)
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end >= n:
+                    key = tuple(self.tokens[end - n:end])
+                    if key in self._last:
+                        self._prev[key] = self._last[key]
+                    self._last[key] = end
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the last n-gram."""
+        toks, end = self.tokens, len(self.tokens)
+        for n in range(min(self.max_ngram, end), self.min_ngram - 1, -1):
+            key = tuple(toks[end - n:end])
+            at = self._last.get(key)
+            if at == end:  # the n-gram itself: look at the occurrence before it
+                at = self._prev.get(key)
+            if at is not None and at < end:
+                return toks[at:at + k]
+        return []
+
+
+class DraftModel:
+    """Drafts with a smaller model of the same vocabulary: its greedy continuation, run on a
+    KV cache of its own that follows the accepted text."""
+
+    def __init__(self, model, target_tokenizer, capacity: int, name: str | None = None):
+        from .api import PocketModel
+
+        if not isinstance(model, PocketModel):
+            raise PocketError("a draft model must be a loaded pocketlm model")
+        a, b = model.tokenizer, target_tokenizer
+        if a.vocab_size != b.vocab_size or any(
+                a.id_to_token(i) != b.id_to_token(i) for i in range(a.vocab_size)):
+            raise PocketError(f"the draft model {name or model.path} has another vocabulary "
+                              f"({a.vocab_size:,} pieces vs {b.vocab_size:,}); a draft model "
+                              "must share the target's tokenizer")
+        self.model = model
+        self.runtime = model.runtime
+        self.cache = self.runtime.new_cache(min(capacity, model.n_ctx))
+        self.tokens: list[int] = []
+
+    def reset(self, tokens: list[int]) -> None:
+        self.cache.reset()
+        self.tokens = []
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens.extend(int(t) for t in tokens)
+
+    def propose(self, k: int) -> list[int]:
+        # bring the cache to all but the last token (what was accepted since last time),
+        # then draft greedily from the last one
+        common = self.cache.length
+        want = len(self.tokens)
+        if want - 1 > self.cache.capacity - k - 1 or k == 0:
+            return []
+        if common > want - 1:
+            self.cache.truncate(want - 1)
+            common = want - 1
+        if common < want - 1:
+            self.runtime.forward(self.tokens[common:want - 1], self.cache)
+        out = []
+        tok = self.tokens[-1]
+        for _ in range(k):
+            logits = self.runtime.forward([tok], self.cache)
+            tok = int(np.argmax(logits))
+            out.append(tok)
+        self.cache.truncate(want - 1)  # the drafts may be rejected: forget them
+        return out
+
+
+def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
+    """A drafter from a user's ``speculative`` argument: ``"lookup"`` (or a dict with
+    ``{"method": "lookup", "max_ngram": N, "min_ngram": M}``), or ``{"draft": MODEL}`` (a model
+    name or path, or a loaded model) with the same vocabulary as the target."""
+    if spec is None or spec is False:
+        return None
+    if isinstance(spec, str):
+        if spec == "lookup":
+            return PromptLookup()
+        spec = {"draft": spec}
+    if not isinstance(spec, dict):
+        raise PocketError(f"speculative must be 'lookup', a draft model, or a dict, got "
+                          f"{type(spec).__name__}")
+    unknown = set(spec) - {"method", "max_ngram", "min_ngram", "draft", "max_draft"}
+    if unknown:
+        raise PocketError(f"unknown speculative option(s): {', '.join(sorted(unknown))} "
+                          "(known: method, max_ngram, min_ngram, draft, max_draft)")
+    if "draft" in spec:
+        from . import api
+
+        model = spec["draft"]
+        name = None if isinstance(model, api.PocketModel) else str(model)
+        if name is not None:
+            model = api.load(model)
+        return DraftModel(model, target_tokenizer, capacity, name)
+    if spec.get("method", "lookup") != "lookup":
+        raise PocketError(f"unknown speculative method {spec.get('method')!r}; known: lookup, "
+                          "or {'draft': MODEL}")
+    return PromptLookup(int(spec.get("max_ngram", 3)), int(spec.get("min_ngram", 1)))
+
+
+@dataclass
+class DraftLength:
+    """How many tokens to draft next: up to ``max_draft``, following the recent acceptance
+    (an exponential average); none while drafting does not pay, with a probe of one draft
+    every ``probe_every`` steps to notice when it pays again."""
+
+    max_draft: int = 8
+    probe_every: int = 8
+    rate: float = 0.5  # recent accepted / drafted
+    _idle: int = field(default=0, repr=False)
+
+    def __post_init__(self):
+        if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or \
+                not 1 <= self.max_draft <= MAX_DRAFT:
+            raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
+                              f"{self.max_draft!r}")
+
+    def next(self) -> int:
+        if self.rate < 0.15:  # one row in six or fewer accepted: a plain step is cheaper
+            self._idle += 1
+            if self._idle < self.probe_every:
+                return 0
+            self._idle = 0
+            return 1
+        # expected run of accepted drafts at this rate: rate / (1 - rate), drafted with margin
+        run = self.rate / max(1e-6, 1.0 - self.rate)
+        return int(max(1, min(self.max_draft, round(2 * run + 1))))
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
+
+
+def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
+                    lengths: DraftLength | None = None, stats: SpeculativeStats | None = None
+                    ) -> Iterator[tuple[int, str]]:
+    """Prefill ``seq``'s prompt into ``cache``, then decode with drafts verified in one pass:
+    ``(token, text that can be shown now)`` for each token it takes, exactly the tokens
+    :func:`~pocketlm.generate.run_sequence` takes (see the module docstring)."""
+    lengths = lengths or DraftLength()
+    stats = stats if stats is not None else SpeculativeStats()
+    drafter.reset(seq.prompt_ids)
+    logits = runtime.forward(seq.prompt_ids, cache)
+    # the next token: sampled, taken, not yet run through the model
+    token = seq.sample(logits)
+    piece = seq.add(token, cache_full=cache.length >= cache.capacity)
+    if piece is None:
+        return
+    stats.tokens += 1
+    yield token, piece
+    drafter.extend([token])
+    while not seq.finished:
+        base = cache.length  # positions in the cache; `token` goes at `base`
+        room = cache.capacity - base - 1  # drafts that fit after it
+        k = min(lengths.next(), room, seq.max_tokens - len(seq.generated))
+        drafts = drafter.propose(k) if k > 0 else []
+        stats.steps += 1
+        if drafts:
+            rows = runtime.verify([token, *drafts], cache)
+        else:
+            rows = runtime.forward([token], cache)[None]
+        accepted = 0
+        nxt = None
+        for i, row in enumerate(rows):
+            t = seq.sample(row)
+            # this token would run at position base + 1 + i: is there room for it?
+            piece = seq.add(t, cache_full=base + 1 + i >= cache.capacity)
+            if piece is None:  # a stop id
+                break
+            stats.tokens += 1
+            yield t, piece
+            drafter.extend([t])
+            if i < len(drafts) and t == drafts[i]:
+                accepted += 1
+                if seq.finished:
+                    break
+                continue
+            nxt = t
+            break
+        stats.drafted += len(drafts)
+        stats.accepted += accepted
+        lengths.update(len(drafts), accepted)
+        cache.truncate(base + 1 + accepted)  # `token` and the accepted drafts
+        if nxt is None or seq.finished:
+            return
+        token = nxt

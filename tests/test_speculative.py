@@ -1,0 +1,174 @@
+"""Speculative decoding: drafts verified in one pass give exactly the tokens plain decoding
+gives (greedy and seeded sampling), on tiny models of every family and on smollm2-135m; the
+drafters, the adaptive draft length, and bad arguments."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import tiny_gguf
+
+import pocketlm
+from pocketlm.errors import PocketError
+from pocketlm.speculative import DraftLength, PromptLookup
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+REPEATS = "one two three four five six seven, one two three four five six seven, one two"
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"spec-{request.param}")
+    path = root / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(path, request.param, seed=7, weight_type="Q4_0",
+                              max_context=512)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(root / "home"))
+        yield pocketlm.load(path)
+
+
+def test_prompt_lookup_proposes_what_followed_the_last_ngram():
+    d = PromptLookup(max_ngram=3, min_ngram=1)
+    d.reset([1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert d.propose(2) == [4, 5]  # "1 2 3" was followed by 4 5
+    d.extend([7])
+    assert d.propose(3) == []  # "7" never occurred before
+    d.extend([1])
+    # "3 7 1" and "7 1" are new; "1" last occurred before as the 7th token: 2 3 7 1 followed
+    assert d.propose(4) == [2, 3, 7, 1]
+    d.reset([5, 5, 5, 5])
+    assert d.propose(2) == [5]  # the n-gram "5 5 5" occurred ending at 3: followed by one 5
+    with pytest.raises(PocketError):
+        PromptLookup(max_ngram=0)
+
+
+def test_draft_length_follows_acceptance_and_stops_drafting_when_it_does_not_pay():
+    lengths = DraftLength(max_draft=8, probe_every=4)
+    for _ in range(10):
+        lengths.update(8, 8)
+    assert lengths.next() == 8
+    for _ in range(20):
+        lengths.update(4, 0)
+    seen = [lengths.next() for _ in range(8)]
+    assert seen.count(0) == 6 and seen.count(1) == 2  # a probe every 4 steps
+    for bad in (0, 17, 2.5, True):
+        with pytest.raises(PocketError):
+            DraftLength(max_draft=bad)
+
+
+PROMPTS = [REPEATS, "a b c d e f g a b c d e f g a b c", "hello", "x " * 40]
+
+
+def test_greedy_speculative_decoding_gives_plain_decodings_tokens(tiny):
+    m = tiny
+    drafted = 0
+    for prompt in PROMPTS:
+        for spec in ("lookup", {"method": "lookup", "max_draft": 3, "max_ngram": 2},
+                     {"draft": m}):
+            want = m.generate(prompt, max_tokens=40, temperature=0)
+            plain_ids = list(m.last_state.generated)
+            got = m.generate(prompt, max_tokens=40, temperature=0, speculative=spec)
+            assert got == want and m.last_state.generated == plain_ids, (prompt, spec)
+            st = m.last_speculative
+            assert st.tokens == len(plain_ids) and st.accepted <= st.drafted
+            drafted += st.drafted
+    assert drafted > 0
+
+
+def test_a_draft_model_that_is_the_target_is_always_right(tiny):
+    m = tiny
+    m.generate(REPEATS, max_tokens=30, temperature=0, speculative={"draft": m, "max_draft": 4})
+    st = m.last_speculative
+    assert st.drafted > 0 and st.accepted == st.drafted  # its greedy drafts are the target's
+    assert st.tokens_per_step > 2
+
+
+def test_seeded_sampling_draws_the_same_tokens_and_distribution(tiny):
+    m = tiny
+    firsts_plain, firsts_spec = [], []
+    for seed in range(60):
+        kw = dict(max_tokens=12, temperature=0.9, top_k=20, top_p=0.95, repetition_penalty=1.1,
+                  seed=seed)
+        a = m.generate(REPEATS, **kw)
+        ids_a = list(m.last_state.generated)
+        b = m.generate(REPEATS, speculative="lookup", **kw)
+        assert b == a and m.last_state.generated == ids_a
+        firsts_plain.append(tuple(ids_a[:3]))
+        firsts_spec.append(tuple(m.last_state.generated[:3]))
+    # the same draws seed by seed: the same distribution, and it is not degenerate
+    assert firsts_plain == firsts_spec and len(set(firsts_plain)) > 5
+
+
+def test_chat_stream_and_stop_strings_with_speculation(tiny):
+    m = tiny
+    msgs = [{"role": "user", "content": REPEATS}]
+    want = m.chat(msgs, max_tokens=30, temperature=0, stop=["seven"])
+    pieces = list(m.chat(msgs, max_tokens=30, temperature=0, stop=["seven"], stream=True,
+                         speculative="lookup"))
+    assert "".join(pieces) == want
+    # a context just large enough: drafts never run past the cache
+    small = pocketlm.load(m.path, n_ctx=24)
+    ids = small.tokenize(REPEATS)[:20]
+    text = small.tokenizer.decode(ids)
+    assert small.generate(text, max_tokens=30, speculative="lookup") == \
+        small.generate(text, max_tokens=30)
+    assert small.last_state.finish_reason == "length"
+
+
+def test_bad_speculative_arguments(tiny):
+    m = tiny
+    for bad, match in [("nope-model", "nope-model"), (42, "speculative must be"),
+                       ({"method": "medusa"}, "unknown speculative method"),
+                       ({"max_drafts": 3}, "unknown speculative option"),
+                       ({"method": "lookup", "max_draft": 0}, "max_draft"),
+                       ({"method": "lookup", "max_ngram": 9}, "n-gram")]:
+        with pytest.raises(PocketError, match=match):
+            m.generate("hi", max_tokens=3, speculative=bad)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
+    other = tmp_path / "other.gguf"
+    tiny_gguf.write_tiny_gguf(other, "llama", seed=8, weight_type="Q4_0", vocab_size=300)
+    with pytest.raises(PocketError, match="another vocabulary"):
+        tiny.generate("hi", max_tokens=3, speculative={"draft": str(other)})
+
+
+@pytest.mark.real
+def test_smollm2_greedy_answers_are_identical_with_lookup():
+    m = pocketlm.load("smollm2-135m")
+    text = ("The city council met on Tuesday to discuss the new budget. Mayor Linda Park said "
+            "the budget would add 12 new buses and repair the Main Street bridge. The vote is "
+            "scheduled for March 3.")
+    asks = [f"Rewrite this text, keeping every sentence:\n\n{text}",
+            f"List every person named in this text:\n\n{text}",
+            "Write a short poem about the sea."]
+    accepted = 0
+    for ask in asks:
+        msgs = [{"role": "user", "content": ask}]
+        want = m.chat(msgs, max_tokens=96, temperature=0)
+        assert m.chat(msgs, max_tokens=96, temperature=0, speculative="lookup") == want
+        accepted += m.last_speculative.accepted
+    assert accepted > 50  # the grounded answers copy their input
+
+
+def test_cli_speculative(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", seed=7, weight_type="Q4_0")
+    env = {**__import__("os").environ, "POCKET_HOME": str(tmp_path / "home")}
+
+    def pocket(*args):
+        return subprocess.run([sys.executable, "-m", "pocketlm.cli", *args], env=env,
+                              capture_output=True, text=True)
+
+    plain = pocket("run", "-m", str(path), "--raw", "-n", "20", REPEATS)
+    spec = pocket("run", "-m", str(path), "--raw", "-n", "20", "--speculative", "lookup", "-v",
+                  REPEATS)
+    assert plain.returncode == spec.returncode == 0
+    assert plain.stdout == spec.stdout
+    assert "drafts accepted" in spec.stderr
+    for args, match in [(["--speculative", "lookup", "--draft-max", "0"], "--draft-max"),
+                        (["--speculative", "nope"], "nope")]:
+        p = pocket("run", "-m", str(path), *args, "hi")
+        assert p.returncode == 1 and match in p.stderr and p.stderr.count("\n") == 1
