@@ -1386,3 +1386,47 @@ def test_verify_checks_its_arguments():
     pc = ref.new_cache(12)
     ref.forward(IDS[:4], pc)
     assert np.array_equal(rows, np.stack([ref.forward([t], pc) for t in IDS[4:7]]))
+
+
+@pytest.mark.parametrize("mode", ["f32", "q8-kv8"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_batched_rows_and_batched_verification_are_one_token_decode_bit_for_bit(arch, mode):
+    """forward_batch rows and verify_batch rows (several sequences, each with its own number of
+    drafts) compute exactly what one-token forwards compute: a server answer does not depend on
+    whether it was batched or speculated."""
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, max_context=512, **extra)
+    w = _weights(cfg, 33, True)
+    act, kv, digits, _ = MODES[mode]
+    nat = Runtime(cfg, w, engine="numpy")
+    nat.native = native.NativeEngine(cfg, w, act=act, kv=kv, threads=2, digits=digits)
+    rng = np.random.default_rng(11)
+    ids = [[int(t) for t in rng.integers(0, cfg.vocab_size, 200)] for _ in range(3)]
+    starts, ks = (3, 130, 60), (4, 1, 7)
+
+    def plain(seq, start, k):
+        cache = nat.new_cache(200)
+        nat.forward(seq[:start], cache)
+        return np.stack([nat.forward([t], cache) for t in seq[start:start + k]])
+
+    want = [plain(s, a, k) for s, a, k in zip(ids, starts, ks, strict=True)]
+    caches = []
+    for s, a in zip(ids, starts, strict=True):
+        c = nat.new_cache(200)
+        nat.forward(s[:a], c)
+        caches.append(c)
+    got = nat.verify_batch([(s[a:a + k], c) for s, a, k, c in zip(ids, starts, ks, caches,
+                                                                   strict=True)])
+    for g, w_ in zip(got, want, strict=True):
+        assert np.array_equal(g, w_)
+    assert [c.length for c in caches] == [a + k for a, k in zip(starts, ks, strict=True)]
+    # one token per sequence through forward_batch: the same rows as the one-token forwards
+    batch_caches = []
+    for s, a in zip(ids, starts, strict=True):
+        c = nat.new_cache(200)
+        nat.forward(s[:a], c)
+        batch_caches.append(c)
+    rows = nat.forward_batch([s[a] for s, a in zip(ids, starts, strict=True)], batch_caches)
+    assert all(np.array_equal(rows[i], want[i][0]) for i in range(3))
+    with pytest.raises(ValueError, match="twice"):
+        nat.verify_batch([([1], caches[0]), ([2], caches[0])])

@@ -108,6 +108,11 @@ class Engine(ABC):
         that, one token at a time (engines with a one-pass form override it)."""
         return np.stack([self.forward(ids[i:i + 1], cache, False) for i in range(len(ids))])
 
+    def verify_batch(self, drafts: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+        """:meth:`verify` of several sequences (distinct caches), in one pass where the engine
+        has one."""
+        return [self.verify(ids, cache) for ids, cache in drafts]
+
 
 class NumpyEngine(Engine):
     """The reference: the forward pass layer by layer, in numpy only."""
@@ -258,3 +263,17 @@ class NativeModelEngine(Engine):
         logits = self.native.verify(cache.kv, ids.astype(np.int32), start)
         cache.length = start + ids.shape[0]
         return logits
+
+    def verify_batch(self, drafts: list[tuple[np.ndarray, NativeKVCache]]) -> list[np.ndarray]:
+        kvs, pos = [], []
+        for ids, cache in drafts:
+            kvs += [cache.kv] * len(ids)
+            pos += range(cache.length, cache.length + len(ids))
+        flat = np.concatenate([ids for ids, _ in drafts]).astype(np.int32)
+        logits = self.native.verify_batch(kvs, flat, np.asarray(pos, dtype=np.int32))
+        out, at = [], 0
+        for ids, cache in drafts:
+            out.append(logits[at:at + len(ids)])
+            at += len(ids)
+            cache.length += len(ids)
+        return out

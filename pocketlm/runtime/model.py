@@ -126,10 +126,9 @@ class Runtime:
         """One token for each of several sequences (continuous batching): ``ids[i]`` runs at
         the next position of ``caches[i]``; returns float32 logits ``[len(ids), vocab]``.
 
-        The native engine streams the weights once for the whole batch; each row computes what
-        :meth:`forward` of that one token computes (to float rounding: a one-token forward
-        splits its attention differently), and bit for bit what it computes in any other batch
-        (results do not depend on who else is in the batch). The caches must be distinct."""
+        The native engine streams the weights once for the whole batch; each row computes bit
+        for bit what :meth:`forward` of that one token computes, so results do not depend on
+        who else is in the batch. The caches must be distinct."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
         if n == 0:
@@ -200,3 +199,29 @@ class Runtime:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         self._check_cache(cache)
         return self._engine.verify(ids, cache)
+
+    def verify_batch(self, drafts: list[tuple[list[int], KVCache]]) -> list[np.ndarray]:
+        """:meth:`verify` for several sequences in one pass over the weights: ``drafts`` is a
+        list of ``(ids, cache)`` with distinct caches; returns each one's logits
+        ``[len(ids), vocab]``, rows exactly as :meth:`verify` computes them (the speculative
+        step of continuous batching)."""
+        if not drafts:
+            raise ValueError("verify_batch() needs at least one sequence")
+        if len({id(c) for _, c in drafts}) != len(drafts):
+            raise ValueError("a KV cache appears twice in one batch")
+        checked = []
+        total = 0
+        for ids, cache in drafts:
+            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+            if not 1 <= ids.shape[0] <= self.MAX_VERIFY:
+                raise ValueError(f"verify_batch() takes 1 to {self.MAX_VERIFY} tokens per "
+                                 f"sequence, got {ids.shape[0]}")
+            if cache.length + ids.shape[0] > cache.capacity:
+                raise ContextLengthError(f"{cache.length + ids.shape[0]} tokens do not fit the "
+                                         f"context of {cache.capacity}")
+            if ids.min() < 0 or ids.max() >= self.config.vocab_size:
+                raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+            self._check_cache(cache)
+            total += ids.shape[0]
+            checked.append((ids, cache))
+        return self._engine.verify_batch(checked)

@@ -180,10 +180,10 @@ int pocket_model_forward(pocket_model *model, pocket_kv *kv, const int32_t *ids,
 /* One token for each of n sequences in one pass over the weights (continuous batching): row i
  * runs ids[i] at position pos[i] of kvs[i] (positions before pos[i] filled by earlier calls;
  * the n caches distinct, all of this model) and writes logits[i * vocab ..]. Each row computes
- * what pocket_model_forward() of that one token computes, to float rounding (a one-token
- * forward splits its attention into spans merged afterwards; here every row attends in one
- * pass, as in a prefill block). A row's result does not depend on the other rows of the batch,
- * bit for bit: a server's answers do not change with its load. Checks every id, position and
+ * bit for bit what pocket_model_forward() of that one token computes (the same int8 products;
+ * its keys split into the same aligned spans, merged in the same order), so it does not depend
+ * on the other rows of the batch either: a server's answers do not change with its load, nor
+ * with speculation (pocket_model_verify_batch). Checks every id, position and
  * cache; returns POCKET_OK or a negative status (nothing is written to any cache on an
  * argument error). */
 int pocket_model_forward_batch(pocket_model *model, pocket_kv *const *kvs, const int32_t *ids,
@@ -199,6 +199,14 @@ int pocket_model_forward_batch(pocket_model *model, pocket_kv *const *kvs, const
  * that much shorter (the rest is overwritten by the next forward). */
 int pocket_model_verify(pocket_model *model, pocket_kv *kv, const int32_t *ids, int n,
                         int start_pos, float *logits, pocket_pool *pool, int nthreads);
+
+/* Verification for several sequences in one pass: row i is ids[i] at position pos[i] of
+ * kvs[i]; a sequence may have several rows (its drafts, at distinct positions, the keys below
+ * each already in its cache or among the rows). Each row computes what a one-token forward at
+ * its position computes, after its sequence's rows before it. logits [n, vocab]. */
+int pocket_model_verify_batch(pocket_model *model, pocket_kv *const *kvs, const int32_t *ids,
+                              const int32_t *pos, int n, float *logits, pocket_pool *pool,
+                              int nthreads);
 
 /* Copy positions [0, n) of src into dst (same model and format; n within both capacities):
  * a shared prompt prefix computed once and reused by another sequence. */

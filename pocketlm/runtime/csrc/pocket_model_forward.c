@@ -97,8 +97,9 @@ typedef struct pm_job {
     pm_act act; /* the int8 activations, when quantized */
     int quantized;
     /* attention */
-    const pocket_kv *kv; /* decode */
-    size_t qoff;         /* decode: the row's query heads start at m->q + qoff */
+    /* decode attention, rows [0, n): keys [lo[i], hi[i]) of row i, its units (KV head x
+     * span) from ustart[i] to ustart[i + 1] */
+    const int *lo_i, *hi_i, *ustart;
     const pm_seq *seq;   /* block */
     int layer, lo, hi, nspans, units;
     int end, last;     /* amx attention: keys < end exist; the last chunk of keys */
@@ -216,18 +217,23 @@ static void pm_task(void *ctx, int task, int ntasks) {
         break;
     }
     case PM_JOB_ATTN_DECODE: {
-        /* units u = kvh * nspans + s: keys [lo + s * SPAN, ...) of KV head kvh */
+        /* units u = ustart[i] + kvh * nspans_i + s: keys [lo + s * SPAN, ...) of KV head kvh
+         * of row i, each row as a one-token decode splits it (aligned spans) */
         const int G = m->group, hd = m->c.head_dim;
         pocket_split_range(j->units, 1, task, ntasks, &b, &e);
         float *scr = m->tscr + (size_t)task * m->tscr_stride;
+        int i = 0;
         for (int u = b; u < e; u++) {
-            const int kvh = u / j->nspans, s = u % j->nspans;
+            while (u >= j->ustart[i + 1]) i++;
+            const int lo = j->lo_i[i], hi = j->hi_i[i];
+            const int nspans = (hi - 1) / PM_SPAN - lo / PM_SPAN + 1;
+            const int kvh = (u - j->ustart[i]) / nspans, s = (u - j->ustart[i]) % nspans;
             float *p = m->part + (size_t)u * G * (hd + 2);
             float *pm = p, *pl = p + G, *pacc = p + 2 * G;
-            const int s0 = (j->lo / PM_SPAN + s) * PM_SPAN; /* aligned span */
-            attend(m, j->kv, j->layer, kvh, m->q + j->qoff + (size_t)kvh * G * hd,
-                   s0 > j->lo ? s0 : j->lo,
-                   s0 + PM_SPAN < j->hi ? s0 + PM_SPAN : j->hi, scr, pm, pl, pacc);
+            const int s0 = (lo / PM_SPAN + s) * PM_SPAN; /* aligned span */
+            attend(m, seq_kv(j->seq, i), j->layer, kvh,
+                   m->q + (size_t)i * m->q_dim + (size_t)kvh * G * hd, s0 > lo ? s0 : lo,
+                   s0 + PM_SPAN < hi ? s0 + PM_SPAN : hi, scr, pm, pl, pacc);
         }
         break;
     }
@@ -560,19 +566,21 @@ static void post_qkv(pocket_model *m, const pm_seq *seq, int layer, int i0, int 
     }
 }
 
-/* Merge the decode partials of every query head into row `row` of m->att (one token). */
-static void merge_partials(pocket_model *m, int nspans, int row) {
+/* Merge the decode partials of every query head of row `row` (its units from u0) into that
+ * row of m->att. */
+static void merge_partials(pocket_model *m, int nspans, int row, int u0) {
     const int G = m->group, hd = m->c.head_dim;
+    const float *part = m->part + (size_t)u0 * G * (hd + 2);
     for (int h = 0; h < m->c.n_heads; h++) {
         const int kvh = h / G, g = h % G;
         float M = -INFINITY;
         for (int s = 0; s < nspans; s++) {
-            const float *p = m->part + (size_t)(kvh * nspans + s) * G * (hd + 2);
+            const float *p = part + (size_t)(kvh * nspans + s) * G * (hd + 2);
             if (p[g] > M) M = p[g];
         }
         float *out = m->att + (size_t)row * m->q_dim + (size_t)h * hd;
         if (nspans == 1) {
-            const float *p = m->part + (size_t)kvh * G * (hd + 2);
+            const float *p = part + (size_t)kvh * G * (hd + 2);
             const float l = p[G + g];
             for (int c = 0; c < hd; c++) out[c] = p[2 * G + (size_t)g * hd + c] / l;
             continue;
@@ -580,7 +588,7 @@ static void merge_partials(pocket_model *m, int nspans, int row) {
         float L = 0.0f;
         for (int c = 0; c < hd; c++) out[c] = 0.0f;
         for (int s = 0; s < nspans; s++) {
-            const float *p = m->part + (size_t)(kvh * nspans + s) * G * (hd + 2);
+            const float *p = part + (size_t)(kvh * nspans + s) * G * (hd + 2);
             const float f = expf(p[g] - M);
             L += f * p[G + g];
             const float *acc = p + 2 * G + (size_t)g * hd;
@@ -714,26 +722,31 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
         r.seq = seq;
     }
 
-    pm_job j = {.m = m, .n = n, .seq = seq, .layer = l,
-                .kv = seq->kvs ? NULL : seq->kv}; /* kv: one sequence */
+    pm_job j = {.m = m, .n = n, .seq = seq, .layer = l};
     const int nkv = m->c.n_kv_heads;
-    if (one || (m->verify_call && !seq->kvs)) {
-        /* one token: its keys split into spans over the threads; verification rows: each
-         * row so, in turn (the keys of the rows after it are in the cache but not read) */
+    if (one || m->verify_call || seq->kvs) {
+        /* one token, verification rows, a batch of sequences: each row's keys split into
+         * aligned spans over the threads and merged in order, as a one-token decode does, so
+         * that every row computes exactly what that one-token decode computes */
+        int lo[PM_BLOCK], hi[PM_BLOCK], ustart[PM_BLOCK + 1];
+        const int win = L->sliding ? m->c.sliding_window : 0;
+        ustart[0] = 0;
         for (int i = 0; i < n; i++) {
             const int pos = seq_pos(seq, i);
-            const int win = L->sliding ? m->c.sliding_window : 0;
-            j.kind = PM_JOB_ATTN_DECODE;
-            j.qoff = (size_t)i * qd;
-            j.hi = pos + 1;
-            j.lo = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
-            j.nspans = (j.hi - 1) / PM_SPAN - j.lo / PM_SPAN + 1;
-            j.units = nkv * j.nspans;
-            int tasks = j.units < nthreads ? j.units : nthreads;
-            if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
-            if ((rc = run_job(&j, pool, tasks))) return rc;
-            merge_partials(m, j.nspans, i);
+            hi[i] = pos + 1;
+            lo[i] = win && pos - win + 1 > 0 ? pos - win + 1 : 0;
+            ustart[i + 1] = ustart[i] + nkv * ((hi[i] - 1) / PM_SPAN - lo[i] / PM_SPAN + 1);
         }
+        j.kind = PM_JOB_ATTN_DECODE;
+        j.lo_i = lo;
+        j.hi_i = hi;
+        j.ustart = ustart;
+        j.units = ustart[n];
+        int tasks = j.units < nthreads ? j.units : nthreads;
+        if ((rc = pm_ensure_attn_scratch(m, tasks, (size_t)j.units))) return rc;
+        if ((rc = run_job(&j, pool, tasks))) return rc;
+        for (int i = 0; i < n; i++)
+            merge_partials(m, (ustart[i + 1] - ustart[i]) / nkv, i, ustart[i]);
     } else if (amx && !seq->kvs && m->c.head_dim % 32 == 0) {
         if ((rc = attn_amx(&j, block_pos0, pool, nthreads))) return rc;
     } else {
@@ -857,25 +870,50 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
     return POCKET_OK;
 }
 
+int pocket_model_verify_batch(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
+                              const int32_t *pos, int n, float *logits, pocket_pool *pool,
+                              int nthreads) {
+    if (!m || !kvs || !ids || !pos || !logits || n <= 0) return POCKET_EINVAL;
+    if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
+    int need = 0;
+    for (int i = 0; i < n; i++) {
+        const pocket_kv *kv = kvs[i];
+        if (!kv || kv->model != m || ids[i] < 0 || ids[i] >= m->c.vocab_size || pos[i] < 0 ||
+            pos[i] >= kv->capacity)
+            return POCKET_EINVAL;
+        for (int k = 0; k < i; k++) /* a sequence's rows: at distinct positions */
+            if (kvs[k] == kv && pos[k] == pos[i]) return POCKET_EINVAL;
+        if (pos[i] + 1 > need) need = pos[i] + 1;
+    }
+    int rc = pm_ensure_rope(m, need);
+    if (rc) return rc;
+    m->amx_call = 0; /* the int8 products of one-token decode, row by row */
+    m->verify_call = 1;
+    const size_t V = (size_t)m->c.vocab_size;
+    for (int b0 = 0; b0 < n && rc == POCKET_OK; b0 += PM_BLOCK) {
+        const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
+        const pm_seq seq = {NULL, 0, kvs + b0, pos + b0};
+        embed_rows(m, ids + b0, nb, m->x);
+        for (int l = 0; l < m->c.n_layers && rc == POCKET_OK; l++)
+            rc = layer_forward(m, &seq, l, nb, 0, pool, nthreads);
+        if (rc == POCKET_OK) rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads);
+    }
+    m->verify_call = 0;
+    return rc;
+}
+
 int pocket_model_verify(pocket_model *m, pocket_kv *kv, const int32_t *ids, int n,
                         int start_pos, float *logits, pocket_pool *pool, int nthreads) {
     if (!m || !kv || !ids || !logits || kv->model != m) return POCKET_EINVAL;
     if (n <= 0 || n > PM_BLOCK || start_pos < 0 || (long long)start_pos + n > kv->capacity)
         return POCKET_EINVAL;
-    if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
-    for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= m->c.vocab_size) return POCKET_EINVAL;
-    int rc = pm_ensure_rope(m, start_pos + n);
-    if (rc) return rc;
-    m->amx_call = 0; /* the int8 products of one-token decode, row by row */
-    m->verify_call = 1;
-    const pm_seq seq = {kv, start_pos, NULL, NULL};
-    embed_rows(m, ids, n, m->x);
-    for (int l = 0; l < m->c.n_layers && rc == POCKET_OK; l++)
-        rc = layer_forward(m, &seq, l, n, 0, pool, nthreads);
-    if (rc == POCKET_OK) rc = head_rows(m, 0, n, logits, pool, nthreads);
-    m->verify_call = 0;
-    return rc;
+    pocket_kv *kvs[PM_BLOCK];
+    int32_t pos[PM_BLOCK];
+    for (int i = 0; i < n; i++) {
+        kvs[i] = kv;
+        pos[i] = start_pos + i;
+    }
+    return pocket_model_verify_batch(m, kvs, ids, pos, n, logits, pool, nthreads);
 }
 
 int pocket_kv_copy(pocket_kv *dst, const pocket_kv *src, int n) {

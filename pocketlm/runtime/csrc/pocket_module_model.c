@@ -638,7 +638,7 @@ done:
 }
 
 /* A sequence of NativeKV objects of this model, distinct, as a new array of n pointers. */
-static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n) {
+static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n, int repeats) {
     PyObject *seq = PySequence_Fast(okvs, "kvs must be a sequence of NativeKV");
     if (!seq) return NULL;
     pocket_kv **out = NULL;
@@ -659,7 +659,7 @@ static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n) {
             goto fail;
         }
         out[i] = ((KVObject *)o)->kv;
-        for (Py_ssize_t k = 0; k < i; k++)
+        for (Py_ssize_t k = 0; k < i && !repeats; k++)
             if (out[k] == out[i]) {
                 PyErr_Format(PyExc_ValueError, "KV cache %zd appears twice in one batch", i);
                 goto fail;
@@ -693,7 +693,7 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
                             "forward_batch() needs one or more tokens and one position each");
             goto done;
         }
-        if (!(kvs = get_kvs(self, okvs, n))) goto done;
+        if (!(kvs = get_kvs(self, okvs, n, 0))) goto done;
         const int32_t *p = (const int32_t *)ids.v.buf, *ps = (const int32_t *)pos.v.buf;
         if (check_token_ids(self, p, n) < 0) goto done;
         for (Py_ssize_t i = 0; i < n; i++)
@@ -709,6 +709,60 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
         rc = pocket_model_forward_batch(self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool,
                                         pool ? threads : 1);
+        PyThread_release_lock(self->lock);
+        Py_END_ALLOW_THREADS
+        result = pocket_py_status_result(rc);
+    }
+done:
+    PyMem_Free(kvs);
+    arr_release(&ids);
+    arr_release(&pos);
+    arr_release(&lg);
+    return result;
+}
+
+static PyObject *model_verify_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"kvs", "ids", "pos", "logits", "threads", "pool", NULL};
+    PyObject *okvs, *oids, *opos, *ologits, *opool = Py_None;
+    int threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|iO:verify_batch", kwlist, &okvs, &oids,
+                                     &opos, &ologits, &threads, &opool))
+        return NULL;
+    if (pocket_py_check_pool(opool, threads) < 0) return NULL;
+    Arr ids = {0}, pos = {0}, lg = {0};
+    pocket_kv **kvs = NULL;
+    PyObject *result = NULL;
+    if (get_ids(oids, &ids) < 0 || get_ids(opos, &pos) < 0) goto done;
+    {
+        const Py_ssize_t n = ids.v.shape[0];
+        if (n < 1 || pos.v.shape[0] != n) {
+            PyErr_SetString(PyExc_ValueError,
+                            "verify_batch() needs one or more tokens and one position each");
+            goto done;
+        }
+        if (!(kvs = get_kvs(self, okvs, n, 1))) goto done;
+        const int32_t *p = (const int32_t *)ids.v.buf, *ps = (const int32_t *)pos.v.buf;
+        if (check_token_ids(self, p, n) < 0) goto done;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (ps[i] < 0 || ps[i] >= pocket_kv_capacity(kvs[i])) {
+                PyErr_Format(PyExc_ValueError, "position %d does not fit KV cache %zd (capacity %d)",
+                             (int)ps[i], i, pocket_kv_capacity(kvs[i]));
+                goto done;
+            }
+            for (Py_ssize_t k = 0; k < i; k++)
+                if (kvs[k] == kvs[i] && ps[k] == ps[i]) {
+                    PyErr_Format(PyExc_ValueError, "rows %zd and %zd are one position of one "
+                                 "KV cache", k, i);
+                    goto done;
+                }
+        }
+        if (get_logits(self, ologits, &lg, n, 0, &ids, &pos) < 0) goto done;
+        pocket_pool *pool = pocket_py_pool(opool);
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        rc = pocket_model_verify_batch(self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool,
+                                       pool ? threads : 1);
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
         result = pocket_py_status_result(rc);
@@ -781,6 +835,12 @@ static PyMethodDef model_methods[] = {
      "Forward ids (1-128 drafted tokens) at start_pos.. of kv with the logits of every row\n"
      "in logits [n, vocab]; each row bit for bit what a one-token forward at its position\n"
      "computes. The KV cache holds all n rows after it; the caller keeps what it accepts."},
+    {"verify_batch", (PyCFunction)(void (*)(void))model_verify_batch,
+     METH_VARARGS | METH_KEYWORDS,
+     "verify_batch(kvs, ids, pos, logits, threads=1, pool=None)\n\n"
+     "Drafted tokens of several sequences in one pass: row i is ids[i] at pos[i] of kvs[i]\n"
+     "(a sequence may have several rows, at distinct positions); each row what a one-token\n"
+     "forward at its position computes. logits float32 [n, vocab]."},
     {"forward_batch", (PyCFunction)(void (*)(void))model_forward_batch,
      METH_VARARGS | METH_KEYWORDS,
      "forward_batch(kvs, ids, pos, logits, threads=1, pool=None)\n\n"

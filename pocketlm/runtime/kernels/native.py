@@ -527,6 +527,15 @@ class NativeEngine:
               pool=_get_pool(self.threads))
         return logits
 
+    def verify_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+        """Drafted tokens of several sequences: row ``i`` is ``ids[i]`` at ``pos[i]`` of
+        ``kvs[i]`` (a cache may repeat, at distinct positions); logits float32 ``[n, vocab]``,
+        each row what a one-token :meth:`forward` at its position computes."""
+        logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
+        _call(self.model.verify_batch, kvs, ids, pos, logits, threads=self.threads,
+              pool=_get_pool(self.threads))
+        return logits
+
     def kv_copy(self, dst, src, n: int) -> None:
         """Positions ``[0, n)`` of the cache ``src`` into ``dst``."""
         _call(self.model.kv_copy, dst, src, int(n))
