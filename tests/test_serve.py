@@ -308,6 +308,13 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "context_length_exceeded",
      "max_tokens"),
     ({"model": MODEL, "prompt": "word " * 5000}, 400, "context_length_exceeded", "prompt"),
+    ({"model": MODEL, "prompt": "x", "speculative": "medusa"}, 400, "unsupported_value",
+     "speculative"),
+    ({"model": MODEL, "prompt": "x", "speculative": 3}, 400, "invalid_type", "speculative"),
+    ({"model": MODEL, "prompt": "x", "speculative": {"max_draft": 0}}, 400, "invalid_value",
+     "speculative.max_draft"),
+    ({"model": MODEL, "prompt": "x", "speculative": {"draft": "m"}}, 400, "invalid_value",
+     "speculative"),
 ]
 
 
@@ -486,3 +493,43 @@ def test_chat_page_streams_an_answer_in_chromium(server, local):
     assert answer.strip() == expected.strip()
     assert asked == question  # the Chinese text went through the page unchanged
     assert re.search(r"tokens/s", stats), stats
+
+
+# -- speculative decoding -------------------------------------------------------------------
+
+GROUNDED = ("The city council met on Tuesday to discuss the new budget. Mayor Linda Park said "
+            "the budget would add 12 new buses and repair the Main Street bridge. Council "
+            "member Tom Reyes asked how the buses would be paid for. The vote is on March 3.")
+
+
+def test_speculative_requests_get_the_same_answers_alone_and_batched(server, local):
+    """Per request ('speculative': 'lookup') and as the server default (--speculative lookup):
+    the answers equal plain decoding's (the library's), one client or several at once."""
+    asks = [f"Repeat this text exactly:\n\n{GROUNDED}",
+            f"List the people named in this text:\n\n{GROUNDED}",
+            *QUESTIONS[:2]]
+    msgs = [[{"role": "user", "content": a}] for a in asks]
+    want = [local.chat(m, max_tokens=64, temperature=0) for m in msgs]
+    c = server.client(timeout=300)
+
+    def ask(m, **extra):
+        return c.chat.completions.create(model=MODEL, messages=m, max_tokens=64,
+                                         temperature=0, extra_body=extra
+                                         ).choices[0].message.content
+
+    assert [ask(m, speculative="lookup") for m in msgs] == want
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda m: ask(m, speculative={"max_draft": 4}), msgs)) == want
+    default = Server("--speculative", "lookup", "--draft-max", "6")
+    try:
+        d = default.client(timeout=300)
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda m: d.chat.completions.create(
+                model=MODEL, messages=m, max_tokens=64, temperature=0
+            ).choices[0].message.content, msgs))
+        assert got == want
+        off = d.chat.completions.create(model=MODEL, messages=msgs[0], max_tokens=64,
+                                        temperature=0, extra_body={"speculative": False})
+        assert off.choices[0].message.content == want[0]
+    finally:
+        assert default.stop() == 0

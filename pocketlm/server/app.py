@@ -157,7 +157,8 @@ class ServerConfig:
     def __init__(self, *, model_name: str, api_key: str | None = None, max_batch: int = 16,
                  max_queue: int = 64, max_memory_mb: float | None = None,
                  max_body_kb: int = 1024, prefix_cache_mb: float = 64.0,
-                 allow_origins: Iterable[str] = (), body_timeout_s: float = 30.0):
+                 allow_origins: Iterable[str] = (), body_timeout_s: float = 30.0,
+                 speculative: str | None = None, draft_max: int = 8):
         if not 1 <= max_batch <= 256:
             raise PocketError(f"--max-batch must be in 1..256, got {max_batch}")
         if max_queue < 0:
@@ -176,6 +177,13 @@ class ServerConfig:
         except UnicodeEncodeError:
             raise PocketError(f"--model-name {model_name!r} is not valid Unicode text; name the "
                               "model with --model-name NAME") from None
+        if speculative not in (None, "lookup"):
+            raise PocketError(f"--speculative {speculative}: the server drafts by prompt lookup "
+                              "only (--speculative lookup)")
+        if not 1 <= draft_max <= 16:
+            raise PocketError(f"--draft-max must be from 1 to 16, got {draft_max}")
+        # requests that do not say: prompt-lookup drafting with these options, or none
+        self.speculative = {"method": "lookup", "max_draft": draft_max} if speculative else None
         self.model_name = model_name
         self.api_key = api_key or None
         self.max_batch = max_batch
@@ -319,8 +327,9 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                                            g.repetition_penalty, g.seed)
         except PocketError as e:
             raise P.APIError(400, str(e)) from None
+        spec = cfg.speculative if g.speculative is None else g.speculative or None
         return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=Sampler(params),
-                       stop=g.stop, loop=loop, ignore_eos=g.ignore_eos)
+                       stop=g.stop, loop=loop, ignore_eos=g.ignore_eos, speculative=spec)
 
     def submit(req: Request) -> None:
         try:

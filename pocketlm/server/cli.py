@@ -65,6 +65,13 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "answer (default 4096, or the model's if smaller)")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together at "
                    "most (default 16)")
+    p.add_argument("--speculative", choices=("lookup",), default=None,
+                   help="decode every request speculatively by prompt lookup unless it says "
+                   "otherwise ('speculative': false); requests may also ask for it themselves "
+                   "('speculative': 'lookup'). The same answers, several tokens per pass where "
+                   "the answer copies the prompt")
+    p.add_argument("--draft-max", type=int, default=8, metavar="N",
+                   help="with --speculative: draft at most N tokens per step (1-16, default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a "
                    "slot or memory; more get 429 (default 64)")
     p.add_argument("--max-memory-mb", type=float, default=None, help="memory budget of the "
@@ -178,7 +185,8 @@ def cmd_serve(args) -> int:
                        api_key=api_key_from(args, os.environ), max_batch=args.max_batch,
                        max_queue=args.max_queue, max_memory_mb=args.max_memory_mb,
                        max_body_kb=args.max_body_kb, prefix_cache_mb=args.prefix_cache_mb,
-                       allow_origins=args.allow_origin, body_timeout_s=args.body_timeout)
+                       allow_origins=args.allow_origin, body_timeout_s=args.body_timeout,
+                       speculative=args.speculative, draft_max=args.draft_max)
     sock = bind_socket(args.host, args.port)
     try:
         t0 = time.time()

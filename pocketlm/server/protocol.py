@@ -269,7 +269,39 @@ _SAMPLING = {
     "min_p": _number(0, 1),
     "repetition_penalty": _number(0, lo_open=True),
     "ignore_eos": _boolean,  # generate max_tokens whatever the model says (benchmarks)
+    "speculative": lambda v, name: _speculative(v, name),  # pocketlm: prompt-lookup drafting
 }
+
+
+def _speculative(v, name):
+    """``"lookup"``, ``false`` (off; null: the server's default) or ``{"method": "lookup",
+    "max_draft": 1-16, "max_ngram": 1-8, "min_ngram": 1-8}``; the server drafts by prompt
+    lookup only (a draft model would run beside the batch)."""
+    if v is False:
+        return False
+    if v == "lookup":
+        return {"method": "lookup"}
+    if isinstance(v, str):
+        raise _bad(f"'{name}' = {_as_written(v)} is not supported by this server: it drafts by "
+                   "prompt lookup only ('lookup'); draft models run with the Python API and "
+                   "the CLI", name, "unsupported_value")
+    if not isinstance(v, dict):
+        raise _bad(f"'{name}' must be 'lookup', false or an object, got {_type_name(v)}", name,
+                   "invalid_type")
+    unknown = set(v) - {"method", "max_draft", "max_ngram", "min_ngram"}
+    if unknown:
+        raise _bad(f"'{name}' has an unknown field {shown(sorted(unknown)[0])} (known: method, "
+                   "max_draft, max_ngram, min_ngram)", name)
+    if v.get("method", "lookup") != "lookup":
+        raise _bad(f"'{name}.method' must be 'lookup', got {_as_written(v.get('method'))}",
+                   name, "unsupported_value")
+    out = {"method": "lookup"}
+    for key, hi in (("max_draft", 16), ("max_ngram", 8), ("min_ngram", 8)):
+        if key in v:
+            out[key] = _integer(1, hi)(v[key], f"{name}.{key}")
+    if out.get("min_ngram", 1) > out.get("max_ngram", 3):
+        raise _bad(f"'{name}.min_ngram' must be <= max_ngram", name)
+    return out
 
 CHAT_FIELDS = {**_SAMPLING, "messages": _messages, "max_completion_tokens": _integer(0),
                "logprobs": _only(False, "no log-probabilities")}
@@ -297,6 +329,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool = False
+    # speculative decoding: a prompt-lookup options dict, False (off), None (server default)
+    speculative: dict | bool | None = None
     # the length when neither the request nor the model names one (None: the rest of the
     # context); max_tokens None leaves it to the model's generation defaults first
     builtin_max_tokens: int | None = None
@@ -331,7 +365,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         min_p=v.get("min_p"), repetition_penalty=v.get("repetition_penalty"),
         seed=v.get("seed"), stop=v.get("stop") or [], stream=bool(v.get("stream")),
         include_usage=bool((v.get("stream_options") or {}).get("include_usage")),
-        ignore_eos=bool(v.get("ignore_eos")), builtin_max_tokens=builtin)
+        ignore_eos=bool(v.get("ignore_eos")), speculative=v.get("speculative"),
+        builtin_max_tokens=builtin)
 
 
 # -- responses ------------------------------------------------------------------------------

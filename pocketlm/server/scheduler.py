@@ -39,6 +39,7 @@ from ..api import PocketModel
 from ..generate import Sequence, TextStream
 from ..runtime.model import KVCache
 from ..sampling import Sampler
+from ..speculative import DraftLength, PromptLookup, SpeculativeStats
 
 MB = 1 << 20
 
@@ -89,6 +90,8 @@ class Request:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     ignore_eos: bool = False
+    # prompt-lookup drafting options (pocketlm.speculative), or None: one token per step
+    speculative: dict | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # set by either side
     cancelled: bool = False
@@ -101,6 +104,9 @@ class Request:
     prefix_reused: int = 0  # prompt tokens taken from the prefix cache
     submitted: float = field(default_factory=time.perf_counter)
     first_token: float | None = None
+    drafter: PromptLookup | None = None
+    lengths: DraftLength | None = None
+    spec_stats: SpeculativeStats | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -377,6 +383,12 @@ class Scheduler:
             req.seq = Sequence(ids, max_tokens=req.max_tokens, sampler=req.sampler,
                                stop_ids=self.stop_ids, ignore_eos=req.ignore_eos,
                                text=TextStream(self.model.tokenizer, req.stop))
+            if req.speculative:
+                o = req.speculative
+                req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 1))
+                req.drafter.reset(ids)
+                req.lengths = DraftLength(max_draft=o.get("max_draft", 8))
+                req.spec_stats = SpeculativeStats()
             with self._lock:
                 key, n = self._best_prefix(ids)
                 n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
@@ -402,13 +414,91 @@ class Scheduler:
             batch = [r for r in self._running if r.next_token is not None and not r.cancelled]
         if not batch:
             return
-        rows = self._forward_rows(batch)
+        drafts = [self._drafts(r) for r in batch]
         self.stats["steps"] += 1
-        with self._lock:
-            for req, row in rows:
+        if not any(drafts):
+            rows = self._forward_rows(batch)
+            with self._lock:
+                for req, row in rows:
+                    req.next_token = None
+                    if not req.cancelled:
+                        self._take(req, row)
+            return
+        # speculative step: every request's next token and its drafts, verified in one pass
+        # (rows compute what one-token decodes compute: the answers do not change)
+        bases = {id(r): r.cache.length for r in batch}
+        for req, rows, d in self._verify_rows(batch, drafts):
+            with self._lock:
                 req.next_token = None
                 if not req.cancelled:
-                    self._take(req, row)
+                    self._take_drafts(req, rows, d, bases[id(req)])
+
+    def _drafts(self, req: Request) -> list[int]:
+        """Up to the request's draft length of prompt-lookup drafts that fit its cache and
+        its max_tokens ([] without speculation, or when drafting does not pay now)."""
+        if req.drafter is None:
+            return []
+        try:
+            room = req.cache.capacity - req.cache.length - 1
+            k = min(req.lengths.next(), room, req.max_tokens - len(req.seq.generated))
+            return req.drafter.propose(k) if k > 0 else []
+        except Exception:  # noqa: BLE001 - drafting is an optimization: decode plainly
+            return []
+
+    def _verify_rows(self, batch: list[Request], drafts: list[list[int]]):
+        """One verification call for ``batch`` (each request's next token and its drafts):
+        ``(request, rows, drafts)``. If the call fails, the requests run again one at a time,
+        and one that fails alone is ended."""
+        lengths = [r.cache.length for r in batch]
+        try:
+            out = self.runtime.verify_batch([([r.next_token, *d], r.cache)
+                                             for r, d in zip(batch, drafts, strict=True)])
+            return list(zip(batch, out, drafts, strict=True))
+        except Exception as e:  # noqa: BLE001 - whose fault it is, the rows alone tell
+            if len(batch) == 1:
+                with self._lock:
+                    self._fail(batch[0], GenerationError("decode step", e))
+                return []
+        for req, n in zip(batch, lengths, strict=True):
+            req.cache.length = n  # what the failed call may have advanced, it did not compute
+        done = []
+        for req, d in zip(batch, drafts, strict=True):
+            try:
+                done.append((req, self.runtime.verify_batch([([req.next_token, *d],
+                                                              req.cache)])[0], d))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                with self._lock:
+                    self._fail(req, GenerationError("decode step", e))
+        return done
+
+    def _take_drafts(self, req: Request, rows: np.ndarray, drafts: list[int], base: int
+                     ) -> None:
+        """(Lock held.) Take tokens from ``rows`` as plain decoding would, one per row, while
+        each equals the draft its row was computed after; the cache keeps the next token and
+        the accepted drafts. Whatever goes wrong ends ``req`` alone."""
+        accepted = 0
+        try:
+            for i, row in enumerate(rows):
+                token = self._advance(req, row, cache_full=base + 1 + i >= req.cache.capacity)
+                if token is None or req.next_token is None:  # finished
+                    if token is not None and i < len(drafts) and token == drafts[i]:
+                        accepted += 1
+                    break
+                if i < len(drafts) and token == drafts[i]:
+                    accepted += 1
+                    req.next_token = None  # it is in the cache already (the next row's input)
+                    continue
+                break  # the first token that is not a draft: the next step's input
+            req.lengths.update(len(drafts), accepted)
+            st = req.spec_stats
+            st.steps += 1
+            st.drafted += len(drafts)
+            st.accepted += accepted
+            if req.cache is not None:
+                req.cache.truncate(base + 1 + accepted)
+        except Exception as e:  # noqa: BLE001 - this request alone fails
+            self._fail(req, e if isinstance(e, GenerationError)
+                       else GenerationError("token handling", e))
 
     def _forward_rows(self, batch: list[Request]) -> list[tuple[Request, np.ndarray]]:
         """One decode step for ``batch`` in one engine call: (request, logits) for each row.
@@ -444,20 +534,27 @@ class Scheduler:
             self._fail(req, e if isinstance(e, GenerationError)
                        else GenerationError("token handling", e))
 
-    def _advance(self, req: Request, logits: np.ndarray) -> None:
+    def _advance(self, req: Request, logits: np.ndarray, cache_full: bool | None = None
+                 ) -> int | None:
+        """Sample and take the next token from ``logits``: sets ``req.next_token`` unless the
+        request ended; returns the token (None when nothing was sampled)."""
         seq = req.seq
         if seq.finished:  # max_tokens 0
             self._finish(req, seq.state.finish_reason)
-            return
+            return None
         token = _in_stage("sampling", seq.sample, logits)
         if req.first_token is None:
             req.first_token = time.perf_counter()
         # the last sampled token never runs through the model: it needs no room in the cache
-        piece = _in_stage("detokenizing", seq.add, token,
-                          req.cache.length >= req.cache.capacity)
+        if cache_full is None:
+            cache_full = req.cache.length >= req.cache.capacity
+        piece = _in_stage("detokenizing", seq.add, token, cache_full)
+        if req.drafter is not None:
+            req.drafter.extend([token])
         if piece:
             req.emit("text", piece)
         if seq.finished:
             _in_stage("finishing", self._finish, req, seq.state.finish_reason)
         else:
             req.next_token = token
+        return token
