@@ -359,7 +359,7 @@ def cmd_bench(args) -> int:
     results = bench(args.model or default_model(), threads=threads, n_prompt=args.n_prompt,
                     n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
                     watts_per_core=args.watts_per_core, progress=progress,
-                    compare=args.compare)
+                    compare=args.compare, speculative=args.speculative)
     if args.json:
         for r in results:
             print(r.to_json())
@@ -573,6 +573,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="append", metavar="MODEL",
                    help="also run pocketlm on MODEL in the same run, alternating (a trimmed "
                    "variant against its source, another pack of the same model); repeatable")
+    p.add_argument("--speculative", metavar="lookup|MODEL", default=None,
+                   help="also run the model decoding speculatively (prompt lookup, or a draft "
+                   "model of the same vocabulary), alternating with plain decoding; the "
+                   "benchmark text is prose repeated to --n-prompt, so lookup drafts often hit: "
+                   "see benchmarks/speculative.py for task prompts")
     p.add_argument("--gguf", help="the GGUF for --vs llama.cpp when -m is a .pocket file")
     p.add_argument("--mnn", metavar="DIR", help="the MNN export for --vs mnn (default: "
                    "$POCKET_HOME/mnn/NAME, written by scripts/export-mnn NAME)")

@@ -143,3 +143,17 @@ def test_budget_line_states_measurement_and_budget():
     assert budget_line(r) == ("decode: MISS (99 tok/s; budget > 200)  "
                               "memory: PASS (131 MB; budget < 300)  "
                               "energy: PASS (5.00 J; budget <= 5.0)")
+
+
+def test_bench_speculative_row_alternates_and_reports_its_drafting(gguf):
+    seen = []
+    results = bench(str(gguf), threads=1, n_prompt=40, n_gen=12, runs=2, speculative="lookup",
+                    progress=lambda engine, run, sample: seen.append((engine, run)))
+    assert [r.engine for r in results] == ["pocketlm", "pocketlm+lookup"]
+    assert seen == [("pocketlm", 0), ("pocketlm+lookup", 0), ("pocketlm+lookup", 1),
+                    ("pocketlm", 1)]
+    sp = results[1].speculative
+    assert results[0].speculative is None and sp["tokens"] == 13 and sp["steps"] >= 1
+    assert 0 <= sp["accepted"] <= sp["drafted"]
+    table = format_table(results)
+    assert "pocketlm+lookup / pocketlm: prefill" in table and "drafts accepted" in table

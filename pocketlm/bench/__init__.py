@@ -62,6 +62,7 @@ class EngineResult:
     machine: dict[str, Any] = field(default_factory=dict)
     command: str = ""
     memory_stages: list = field(default_factory=list)  # [stage, rss MB, peak MB] from baseline
+    speculative: dict | None = None  # drafting of a pocketlm+SPEC row: acceptance, tokens/pass
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -161,7 +162,8 @@ def _file_mb(path: Path) -> float:
 def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_gen: int = 128,
           runs: int = 5, vs: list[str] | None = None, gguf: str | None = None,
           mnn: str | None = None, watts_per_core: float = WATTS_PER_CORE,
-          progress=None, compare: list[str] | None = None) -> list[EngineResult]:
+          progress=None, compare: list[str] | None = None,
+          speculative: str | None = None) -> list[EngineResult]:
     """Benchmark pocketlm (and ``vs`` engines: llama.cpp on the GGUF, MNN on the export ``mnn``)
     on one model; one result per engine. ``compare``: other models pocketlm runs in the same
     run, alternating with the first (a trimmed variant against its source, say); each is
@@ -198,6 +200,12 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     files["pocketlm"] = deploy
     prompts = {"pocketlm": ids}
     models = {"pocketlm": name}
+    spec_label = None
+    if speculative:  # the same model decoding speculatively, in its own process
+        spec_label = f"pocketlm+{'lookup' if speculative == 'lookup' else 'draft'}"
+        files[spec_label] = deploy
+        models[spec_label] = name
+        spec_msg = "lookup" if speculative == "lookup" else {"draft": speculative}
     for other in dict.fromkeys(compare or []):
         label = f"pocketlm:{other}"
         files[label] = deploy_file(resolve(other), quiet=False)
@@ -218,19 +226,28 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             raise PocketError("--vs llama.cpp needs llama-cpp-python: pip install "
                               "llama-cpp-python") from None
         files["llama.cpp"] = gguf_path
-    n_ctx = n_prompt + n_gen + 8
-    order = ["pocketlm", *(k for k in files if k.startswith("pocketlm:")), *vs]
+    n_ctx = n_prompt + n_gen + 8 + (16 if speculative else 0)  # room for the last drafts
+    order = ["pocketlm", *(k for k in files if k.startswith("pocketlm:")),
+             *([spec_label] if spec_label else []), *vs]
+
+    def run_msg(engine: str) -> dict:
+        msg = {"cmd": "run", "ids": prompts.get(engine, ids), "n_gen": n_gen}
+        if engine == spec_label:
+            msg["speculative"] = spec_msg
+        return msg
+
     workers: dict[str, _Worker] = {}
     samples: dict[str, list[dict]] = {e: [] for e in order}
     rapl: dict[str, list[float]] = {e: [] for e in order}
     try:
         for engine in order:
-            workers[engine] = _Worker(engine.split(":")[0], files[engine], threads, n_ctx)
-            workers[engine].ask(cmd="run", ids=prompts.get(engine, ids), n_gen=n_gen)  # warm-up
+            workers[engine] = _Worker(engine.split(":")[0].split("+")[0], files[engine],
+                                      threads, n_ctx)
+            workers[engine].ask(**run_msg(engine))  # warm-up
         for r in range(runs):
             for engine in (order if r % 2 == 0 else order[::-1]):  # alternate
                 e0 = _read_rapl()
-                sample = workers[engine].ask(cmd="run", ids=prompts.get(engine, ids), n_gen=n_gen)
+                sample = workers[engine].ask(**run_msg(engine))
                 e1 = _read_rapl()
                 if e0 is not None and e1 is not None and e1 >= e0:
                     rapl[engine].append((e1 - e0) / 1e6)
@@ -268,6 +285,7 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             machine=machine_info(), command=command,
             memory_stages=[[name, rss - st["baseline_rss_mb"], hwm - st["baseline_rss_mb"]]
                            for name, rss, hwm in st.get("stages", [])],
+            speculative=s[-1].get("speculative") if engine == spec_label else None,
         ))
     return results
 
@@ -331,10 +349,16 @@ def format_table(results: list[EngineResult]) -> str:
                 f"{label(other)} / pocketlm: prefill x{other.prefill_tps / base.prefill_tps:.2f}, "
                 f"decode x{other.decode_tps / base.decode_tps:.2f}, peak memory "
                 f"x{other.peak_rss_delta_mb / max(base.peak_rss_delta_mb, 1e-9):.2f}"
-                if other.engine == "pocketlm" else
+                if other.engine.startswith("pocketlm") else
                 f"pocketlm / {other.engine}: prefill x{base.prefill_tps / other.prefill_tps:.2f}, "
                 f"decode x{base.decode_tps / other.decode_tps:.2f}, peak memory "
                 f"x{base.peak_rss_delta_mb / max(other.peak_rss_delta_mb, 1e-9):.2f}")
+    for r in results:
+        if r.speculative:
+            sp = r.speculative
+            lines.append(f"{r.engine}: {sp['accepted']}/{sp['drafted']} drafts accepted "
+                         f"({sp['acceptance']:.0%}), {sp['tokens_per_step']:.2f} tokens per pass "
+                         "(the same greedy tokens as plain decoding)")
     lines.append("")
     lines.append(f"budgets (pocketlm): {budget_line(results[0])}")
     for r in results[1:]:

@@ -57,18 +57,40 @@ class PocketEngine:
         self.model = load_pocket(self.path, n_ctx=self.n_ctx, on_stage=stage)
         self.runtime = self.model.runtime
 
-    def run(self, ids: list[int], n_gen: int) -> tuple[float, float]:
+    def run(self, ids: list[int], n_gen: int, speculative=None) -> tuple[float, float]:
         np = self.np
         # one KV cache for every run, emptied between them, as the other engines keep theirs
-        if self.cache is None or self.cache.capacity < len(ids) + n_gen:
-            self.cache = self.runtime.new_cache(len(ids) + n_gen)
+        if self.cache is None or self.cache.capacity < len(ids) + n_gen + 1:
+            self.cache = self.runtime.new_cache(len(ids) + n_gen + 1)
         cache = self.cache
         cache.reset()
+        if speculative:
+            return self._run_speculative(ids, n_gen, speculative)
         t0 = time.perf_counter()
         logits = self.runtime.forward(ids, cache)
         t1 = time.perf_counter()
         for _ in range(n_gen):  # greedy, end-of-sequence ignored
             logits = self.runtime.forward([int(np.argmax(logits))], cache)
+        t2 = time.perf_counter()
+        return t1 - t0, t2 - t1
+
+    def _run_speculative(self, ids: list[int], n_gen: int, spec) -> tuple[float, float]:
+        """The same greedy tokens (end-of-sequence ignored), decoded speculatively: the
+        prompt and first token, then ``n_gen`` more, timed as the plain run is."""
+        from pocketlm.generate import Sequence
+        from pocketlm.sampling import Sampler, SamplingParams
+        from pocketlm.speculative import SpeculativeStats, run_speculative
+
+        drafter, lengths = self.model._drafter(spec)
+        seq = Sequence(ids, max_tokens=n_gen + 1, sampler=Sampler(SamplingParams()),
+                       stop_ids=(), ignore_eos=True)
+        self.last_stats = SpeculativeStats()
+        t0 = time.perf_counter()
+        t1 = None
+        for _ in run_speculative(self.runtime, self.cache, seq, drafter, lengths,
+                                 self.last_stats):
+            if t1 is None:
+                t1 = time.perf_counter()
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 
@@ -166,9 +188,14 @@ def main(argv: list[str]) -> int:
         if msg["cmd"] == "run":
             first = not any(name == "first run" for name, *_ in stages)
             c0 = _cpu_seconds()
-            prefill_s, decode_s = engine.run(msg["ids"], msg["n_gen"])
+            if msg.get("speculative"):
+                prefill_s, decode_s = engine.run(msg["ids"], msg["n_gen"], msg["speculative"])
+            else:
+                prefill_s, decode_s = engine.run(msg["ids"], msg["n_gen"])
             reply = {"prefill_s": prefill_s, "decode_s": decode_s,
                      "cpu_s": _cpu_seconds() - c0, "n_gen": msg["n_gen"]}
+            if msg.get("speculative"):
+                reply["speculative"] = engine.last_stats.as_dict()
             if first:  # KV cache and scratch of a full-length call
                 stages.append(["first run", _status_kb("VmRSS") / 1024,
                                _status_kb("VmHWM") / 1024])
