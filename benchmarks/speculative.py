@@ -37,8 +37,13 @@ N_CTX = 1024  # prompt + answer; llama.cpp's lookup keeps n_ctx x vocab logits
 
 def tasks() -> list[dict]:
     """``{"name", "kind": "grounded"|"free", "lang", "prompt"}``, deterministic."""
-    from pocketlm.data.corpora import (SHAREGPT, ReadReport, corpus_documents, fetch_source,
-                                       sharegpt_chats)
+    from pocketlm.data.corpora import (
+        SHAREGPT,
+        ReadReport,
+        corpus_documents,
+        fetch_source,
+        sharegpt_chats,
+    )
     from pocketlm.evaluate.recipes import sentiment_split
     from pocketlm.sampling import Sampler
 
