@@ -47,11 +47,11 @@ SUBJECTS = ["cats", "rivers", "the moon", "bread", "trains", "music", "winter", 
 
 
 def start_server(model: str, threads: int, max_batch: int,
-                 ctx: int) -> tuple[subprocess.Popen, str]:
+                 ctx: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, POCKET_THREADS=str(threads))
     proc = subprocess.Popen([sys.executable, "-m", "pocketlm.cli", "serve", "-m", model,
                              "--port", "0", "--max-batch", str(max_batch), "--ctx", str(ctx),
-                             "--max-queue", "256", "--prefix-cache-mb", "0"],
+                             "--max-queue", "256", "--prefix-cache-mb", "0", *extra],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env=env)
     deadline = time.time() + 300
@@ -96,18 +96,24 @@ def start_llama_server(python: str, gguf: str, threads: int,
 
 
 def one_request(http: httpx.Client, url: str, model: str, prompt: str, n_gen: int,
-                ban: int | None = None) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": n_gen, "temperature": 0,
-            "stream": True}
-    if ban is None:
-        body.update(ignore_eos=True, stream_options={"include_usage": True})
-    else:  # llama_cpp.server: EOS banned instead
-        body["logit_bias"] = {str(ban): -100.0}
+                ban: int | None = None, chat: bool = False) -> dict:
+    body = {"model": model, "max_tokens": n_gen, "temperature": 0, "stream": True}
+    if chat:  # a task: the model's own template, and its answer ends where it ends
+        body.update(messages=[{"role": "user", "content": prompt}],
+                    stream_options={"include_usage": True})
+    else:
+        body["prompt"] = prompt
+        if ban is None:
+            body.update(ignore_eos=True, stream_options={"include_usage": True})
+        else:  # llama_cpp.server: EOS banned instead
+            body["logit_bias"] = {str(ban): -100.0}
     t0 = time.perf_counter()
     first = None
     usage = None
     chunks = 0
-    with http.stream("POST", url + "/v1/completions", json=body) as r:
+    text = []
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    with http.stream("POST", url + path, json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -117,17 +123,21 @@ def one_request(http: httpx.Client, url: str, model: str, prompt: str, n_gen: in
                 usage = chunk["usage"]
             elif chunk["choices"]:
                 chunks += 1
-                if first is None and chunk["choices"][0]["text"]:
+                c = chunk["choices"][0]
+                piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                if piece:
+                    text.append(piece)
+                if first is None and piece:
                     first = time.perf_counter()
     end = time.perf_counter()
     n = usage["completion_tokens"] if usage else chunks - (ban is not None)  # its final chunk
-    return {"ttft": (first or end) - t0, "tokens": n,
+    return {"ttft": (first or end) - t0, "tokens": n, "text": "".join(text),
             "prompt_tokens": usage["prompt_tokens"] if usage else 0,
             "decode_tps": (n - 1) / (end - first) if first and end > first and n > 1 else 0.0}
 
 
 def run_level(url: str, model: str, clients: int, per_client: int, n_gen: int,
-              seq: int, ban: int | None = None) -> dict:
+              seq: int, ban: int | None = None, tasks: list[str] | None = None) -> dict:
     results: list[dict] = []
     lock = threading.Lock()
     errors: list[BaseException] = []
@@ -137,9 +147,13 @@ def run_level(url: str, model: str, clients: int, per_client: int, n_gen: int,
             with httpx.Client(timeout=600) as http:
                 for r in range(per_client):
                     i = seq + k * per_client + r
-                    prompt = (f"Request {i}: write a short paragraph about "
-                              f"{SUBJECTS[i % len(SUBJECTS)]}.")
-                    out = one_request(http, url, model, prompt, n_gen, ban)
+                    if tasks:
+                        prompt = tasks[i % len(tasks)]
+                    else:
+                        prompt = (f"Request {i}: write a short paragraph about "
+                                  f"{SUBJECTS[i % len(SUBJECTS)]}.")
+                    out = one_request(http, url, model, prompt, n_gen, ban, chat=bool(tasks))
+                    out["i"] = i
                     with lock:
                         results.append(out)
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -165,6 +179,7 @@ def run_level(url: str, model: str, clients: int, per_client: int, n_gen: int,
         "req_decode_tok_s": statistics.median(r["decode_tps"] for r in results),
         "n_prompt": statistics.mean(r["prompt_tokens"] for r in results),
         "requests": len(results),
+        "answers": {r["i"]: r["text"] for r in results},
         # rows per batched decode step (the first token of a request comes from its prefill)
         "mean_batch": ((sum(r["tokens"] for r in results) - len(results))
                        / max(1, after["steps"] - before["steps"])) if pocket else None,
@@ -186,6 +201,13 @@ def main() -> int:
                     help="the Python with llama-cpp-python[server] (default: this one)")
     ap.add_argument("--ctx", type=int, default=4096, help="context of both servers")
     ap.add_argument("--out", help="append the JSON lines to this file too")
+    ap.add_argument("--tasks", choices=["free", "grounded"], default="free",
+                    help="free: short paragraphs on a subject (EOS ignored, --gen tokens); "
+                    "grounded: the input-grounded chat tasks of benchmarks/speculative.py "
+                    "(answers end where the model ends them, at most --gen tokens)")
+    ap.add_argument("--speculative", action="store_true",
+                    help="also serve with --speculative lookup, alternating with the plain "
+                    "server; its answers must equal the plain server's")
     args = ap.parse_args()
 
     import pocketlm
@@ -193,6 +215,14 @@ def main() -> int:
     from pocketlm.registry import resolve
 
     servers = {"pocketlm": start_server(args.model, args.threads, args.max_batch, args.ctx)}
+    if args.speculative:
+        servers["pocketlm+lookup"] = start_server(args.model, args.threads, args.max_batch,
+                                                  args.ctx, ("--speculative", "lookup"))
+    tasks = None
+    if args.tasks == "grounded":
+        from benchmarks.speculative import tasks as grounded
+
+        tasks = [t["prompt"] for t in grounded() if t["kind"] == "grounded"]
     ban = None
     if args.vs:
         gguf = str(resolve(args.model))
@@ -201,8 +231,11 @@ def main() -> int:
                                                   args.ctx)
     try:
         rows = {(e, c): [] for e in servers for c in args.clients}
+        def pocket(e):
+            return e.startswith("pocketlm")
+
         for e, (_, url) in servers.items():  # warm-up
-            run_level(url, args.model, 1, 2, 8, 10_000, None if e == "pocketlm" else ban)
+            run_level(url, args.model, 1, 2, 8, 10_000, None if pocket(e) else ban, tasks)
         seq = 0
         for rnd in range(args.rounds):
             order = args.clients if rnd % 2 == 0 else list(reversed(args.clients))
@@ -211,7 +244,12 @@ def main() -> int:
                 per = max(2, args.requests // c)
                 for e in engines:  # the same prompts for both engines
                     rows[e, c].append(run_level(servers[e][1], args.model, c, per, args.gen,
-                                                seq, None if e == "pocketlm" else ban))
+                                                seq, None if pocket(e) else ban, tasks))
+                if "pocketlm+lookup" in servers:  # speculation changes no answer
+                    a = rows["pocketlm", c][-1]["answers"]
+                    b = rows["pocketlm+lookup", c][-1]["answers"]
+                    if a != b:
+                        raise SystemExit(f"speculative answers differ at {c} clients")
                 seq += c * per
         lines = []
         for (e, c), rs in rows.items():
@@ -223,12 +261,12 @@ def main() -> int:
                                                             + sys.argv),
                 "machine": machine_info(), "model": args.model, "engine": e,
                 "threads": args.threads, "ctx": args.ctx, "clients": c,
-                "max_batch": args.max_batch if e == "pocketlm" else 1,
+                "max_batch": args.max_batch if pocket(e) else 1, "tasks": args.tasks,
                 "requests": rs[0]["requests"], "rounds": len(rs), "n_gen": args.gen,
                 "n_prompt": round(statistics.mean(r["n_prompt"] for r in rows["pocketlm", c]), 1),
                 "agg_tok_s": med("agg_tok_s"), "ttft_p50_s": med("ttft_p50_s"),
                 "ttft_p95_s": med("ttft_p95_s"), "req_decode_tok_s": med("req_decode_tok_s"),
-                "mean_batch": med("mean_batch") if e == "pocketlm" else None,
+                "mean_batch": med("mean_batch") if pocket(e) else None,
                 "agg_tok_s_rounds": [round(r["agg_tok_s"], 1) for r in rs],
             })
         for line in lines:
