@@ -24,15 +24,17 @@ with the sequence's own sampler (temperature, top-k, top-p, min-p, repetition pe
 a given seed it draws the same tokens as plain decoding, not just the same distribution; with
 temperature 0, the same greedy answers.
 
-**The draft length adapts** (:class:`DraftLength`): up to ``max_draft`` tokens, fewer as the
-recent acceptance falls, none while drafting does not pay (then each step is a plain
-one-token decode), with a probe every few steps to notice when it pays again.
+**The draft length adapts** (:class:`DraftLength`): the number of drafts with the most expected
+tokens per unit of time, from the recent acceptance and the measured cost of a verification
+row; none while drafting does not pay (then each step is a plain one-token decode), with a
+probe every few steps to notice when it pays again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -195,37 +197,89 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
     return PromptLookup(int(spec.get("max_ngram", 3)), int(spec.get("min_ngram", 1)))
 
 
-@dataclass
 class DraftLength:
-    """How many tokens to draft next: up to ``max_draft``, following the recent acceptance
-    (an exponential average); none while drafting does not pay, with a probe of one draft
-    every ``probe_every`` steps to notice when it pays again."""
+    """How many tokens to draft next, by expected tokens per unit of time.
 
-    max_draft: int = 8
-    probe_every: int = 8
-    rate: float = 0.5  # recent accepted / drafted
-    _idle: int = field(default=0, repr=False)
+    A verification of k drafts costs ``1 + r k`` one-token steps (r: the cost of one more row,
+    relative to a step; ~0.25 for a 135 M model on two cores, where the extra rows are compute
+    and the step is memory bandwidth) and yields ``(1 - a^(k+1)) / (1 - a)`` tokens on average
+    when each draft is accepted with probability a (given the ones before it were). ``next()``
+    picks the k in ``0..max_draft`` with the most tokens per unit of time; a is estimated from
+    the recent drafts (accepted / tried, decaying), r from the recent step times when they
+    are given (a least-squares line through (rows, seconds), decaying; ``row_cost`` is its
+    prior). k = 0 means a plain step; then one draft is probed every ``probe_every`` steps to
+    notice when drafting pays again. ``batch``: rows already in the step (the server's other
+    requests), which makes an extra row relatively dearer."""
 
-    def __post_init__(self):
-        if isinstance(self.max_draft, bool) or not isinstance(self.max_draft, int) or \
-                not 1 <= self.max_draft <= MAX_DRAFT:
+    def __init__(self, max_draft: int = 8, probe_every: int = 8, row_cost: float = 0.25):
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or \
+                not 1 <= max_draft <= MAX_DRAFT:
             raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
-                              f"{self.max_draft!r}")
+                              f"{max_draft!r}")
+        self.max_draft, self.probe_every = max_draft, probe_every
+        self.accepted, self.tried = 2.0, 3.0  # prior: a = 2/3
+        # decaying sums of (rows beyond the first, seconds), with two prior points
+        self._n, self._x, self._y, self._xx, self._xy = 0.0, 0.0, 0.0, 0.0, 0.0
+        for x, y in ((0.0, 1.0), (4.0, 1.0 + 4 * row_cost)):
+            self._add(x, y, 1.0)
+        self._scale: float | None = None  # seconds of one step, once a step was timed
+        self._idle = 0
 
-    def next(self) -> int:
-        if self.rate < 0.15:  # one row in six or fewer accepted: a plain step is cheaper
-            self._idle += 1
-            if self._idle < self.probe_every:
-                return 0
+    def _add(self, x: float, y: float, w: float) -> None:
+        self._n += w
+        self._x += w * x
+        self._y += w * y
+        self._xx += w * x * x
+        self._xy += w * x * y
+
+    @property
+    def acceptance(self) -> float:
+        return min(0.99, self.accepted / self.tried)
+
+    @property
+    def row_cost(self) -> float:
+        """The estimated cost of one more row, relative to a one-row step."""
+        n, x, y, xx, xy = self._n, self._x, self._y, self._xx, self._xy
+        var = n * xx - x * x
+        slope = (n * xy - x * y) / var if var > 1e-12 else 0.0
+        base = (y - slope * x) / n
+        return max(0.02, slope / base) if base > 0 else 1.0
+
+    def best(self, batch: int = 1) -> int:
+        a, r = self.acceptance, self.row_cost
+        r = r * batch / (1.0 + r * (batch - 1))  # an extra row against a step of `batch` rows
+        best_k, best_rate = 0, 1.0
+        for k in range(1, self.max_draft + 1):
+            rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + r * k)
+            if rate > best_rate * 1.02:  # a draft must pay clearly, not by noise
+                best_k, best_rate = k, rate
+        return best_k
+
+    def next(self, batch: int = 1) -> int:
+        k = self.best(batch)
+        if k:
             self._idle = 0
-            return 1
-        # expected run of accepted drafts at this rate: rate / (1 - rate), drafted with margin
-        run = self.rate / max(1e-6, 1.0 - self.rate)
-        return int(max(1, min(self.max_draft, round(2 * run + 1))))
+            return k
+        self._idle += 1
+        if self._idle < self.probe_every:
+            return 0
+        self._idle = 0
+        return 1
 
-    def update(self, drafted: int, accepted: int) -> None:
+    def update(self, drafted: int, accepted: int, seconds: float | None = None) -> None:
+        """After a step with ``drafted`` drafts of which the first ``accepted`` were kept
+        (``seconds``: how long the step took, if it was this sequence's alone)."""
         if drafted:
-            self.rate = 0.7 * self.rate + 0.3 * (accepted / drafted)
+            d = 0.9
+            self.accepted = d * self.accepted + accepted
+            self.tried = d * self.tried + accepted + (1 if accepted < drafted else 0)
+        if seconds is not None and seconds > 0:
+            if self._scale is None:  # the first timed step sets the unit: about one step
+                self._scale = seconds / (1.0 + self.row_cost * drafted)
+            d = 0.97
+            self._n, self._x, self._y = d * self._n, d * self._x, d * self._y
+            self._xx, self._xy = d * self._xx, d * self._xy
+            self._add(float(drafted), seconds / self._scale, 1.0)
 
 
 def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
@@ -252,10 +306,12 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
         k = min(lengths.next(), room, seq.max_tokens - len(seq.generated))
         drafts = drafter.propose(k) if k > 0 else []
         stats.steps += 1
+        t0 = time.perf_counter()
         if drafts:
             rows = runtime.verify([token, *drafts], cache)
         else:
             rows = runtime.forward([token], cache)[None]
+        seconds = time.perf_counter() - t0
         accepted = 0
         nxt = None
         for i, row in enumerate(rows):
@@ -276,7 +332,7 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
             break
         stats.drafted += len(drafts)
         stats.accepted += accepted
-        lengths.update(len(drafts), accepted)
+        lengths.update(len(drafts), accepted, seconds)
         cache.truncate(base + 1 + accepted)  # `token` and the accepted drafts
         if nxt is None or seq.finished:
             return

@@ -44,15 +44,27 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
         PromptLookup(max_ngram=0)
 
 
-def test_draft_length_follows_acceptance_and_stops_drafting_when_it_does_not_pay():
-    lengths = DraftLength(max_draft=8, probe_every=4)
-    for _ in range(10):
-        lengths.update(8, 8)
-    assert lengths.next() == 8
-    for _ in range(20):
-        lengths.update(4, 0)
+def test_draft_length_follows_acceptance_and_cost_and_stops_when_it_does_not_pay():
+    lengths = DraftLength(max_draft=8, probe_every=4, row_cost=0.25)
+    for _ in range(30):
+        lengths.update(8, 8)  # every draft kept: draft long
+    assert lengths.acceptance > 0.95 and lengths.next() >= 6
+    # a dear verification row: fewer drafts for the same acceptance
+    dear = DraftLength(max_draft=8, row_cost=1.5)
+    for _ in range(30):
+        dear.update(8, 8)
+    assert dear.next() < lengths.best()
+    # in a batch of 16 rows an extra row is relatively dearer than alone
+    assert lengths.best(batch=16) < lengths.best(batch=1)
+    for _ in range(30):
+        lengths.update(4, 0)  # nothing kept: stop drafting, probe now and then
     seen = [lengths.next() for _ in range(8)]
-    assert seen.count(0) == 6 and seen.count(1) == 2  # a probe every 4 steps
+    assert seen.count(0) == 6 and seen.count(1) == 2
+    # measured step times move the row cost: 1 ms a step, +1 ms a row -> r about 1
+    timed = DraftLength(max_draft=8, row_cost=0.25)
+    for k in (0, 4, 0, 8, 2, 6) * 10:
+        timed.update(k, k, 0.001 * (1 + k))
+    assert 0.7 < timed.row_cost < 1.3
     for bad in (0, 17, 2.5, True):
         with pytest.raises(PocketError):
             DraftLength(max_draft=bad)

@@ -414,7 +414,7 @@ class Scheduler:
             batch = [r for r in self._running if r.next_token is not None and not r.cancelled]
         if not batch:
             return
-        drafts = [self._drafts(r) for r in batch]
+        drafts = [self._drafts(r, len(batch)) for r in batch]
         self.stats["steps"] += 1
         if not any(drafts):
             rows = self._forward_rows(batch)
@@ -433,14 +433,14 @@ class Scheduler:
                 if not req.cancelled:
                     self._take_drafts(req, rows, d, bases[id(req)])
 
-    def _drafts(self, req: Request) -> list[int]:
+    def _drafts(self, req: Request, batch: int) -> list[int]:
         """Up to the request's draft length of prompt-lookup drafts that fit its cache and
         its max_tokens ([] without speculation, or when drafting does not pay now)."""
         if req.drafter is None:
             return []
         try:
             room = req.cache.capacity - req.cache.length - 1
-            k = min(req.lengths.next(), room, req.max_tokens - len(req.seq.generated))
+            k = min(req.lengths.next(batch), room, req.max_tokens - len(req.seq.generated))
             return req.drafter.propose(k) if k > 0 else []
         except Exception:  # noqa: BLE001 - drafting is an optimization: decode plainly
             return []
