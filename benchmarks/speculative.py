@@ -5,6 +5,7 @@ same GGUF and the same prompt ids, in the same process, alternating run by run.
     python benchmarks/speculative.py -m smollm2-135m [-m gemma3-270m ...] [--runs 5] \\
         [--max-tokens 128] [--no-llama] --out benchmarks/speculative.jsonl
     python benchmarks/speculative.py --table benchmarks/speculative.jsonl
+    python benchmarks/speculative.py --write benchmarks/speculative.jsonl   # into the docs
 
 The tasks are built from real text pocketlm already fetches, in both languages: People's Daily
 paragraphs to summarize, to extract the names and dates from and to answer a question from;
@@ -226,6 +227,30 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def write(path: Path) -> None:
+    """The table of ``path`` (and each model's summary) into docs/speculative.md."""
+    doc = ROOT / "docs" / "speculative.md"
+    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    lines = [table(path), ""]
+    for r in rows:
+        if r["bench"] == "speculative-summary":
+            lines.append(f"- {r['model']}, {r['kind']} tasks ({r['tasks']}): median x"
+                         f"{r['median_x_plain']:.2f} plain decode"
+                         + (f", x{r['median_x_llama_lookup']:.2f} llama.cpp's prompt lookup"
+                            if "median_x_llama_lookup" in r else "")
+                         + f"; every answer identical: {'yes' if r['all_identical'] else 'NO'}")
+    first = next(r for r in rows if r["bench"] == "speculative")
+    lines.append("")
+    lines.append(f"Decode tok/s: the generated tokens after the first over the time after the "
+                 f"first, median of {first['runs']} runs, at most 128 tokens, greedy, "
+                 f"{first['threads']} threads, on {first['machine']['cpu']}; command: "
+                 f"`{first['command']}`.")
+    text = doc.read_text(encoding="utf-8")
+    a = text.index("<!-- speculative:start -->") + len("<!-- speculative:start -->")
+    b = text.index("<!-- speculative:end -->")
+    doc.write_text(text[:a] + "\n" + "\n".join(lines) + "\n" + text[b:], encoding="utf-8")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -238,9 +263,14 @@ def main() -> None:
                     "(default: stdout)")
     ap.add_argument("--table", type=Path, default=None, help="print the markdown table of a "
                     "results file")
+    ap.add_argument("--write", type=Path, default=None, help="write the table of a results "
+                    "file into docs/speculative.md")
     args = ap.parse_args()
     if args.table:
         print(table(args.table))
+        return
+    if args.write:
+        write(args.write)
         return
     out = open(args.out, "a", encoding="utf-8") if args.out else sys.stdout
     run(args.model or ["smollm2-135m"], args.runs, args.max_tokens, not args.no_llama,
