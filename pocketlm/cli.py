@@ -327,6 +327,8 @@ def cmd_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         reply = []
+        t0 = time.time()
+        m.last_speculative = None
         try:
             for piece in m.chat(history, stream=True, speculative=speculative,
                                 **_settings(args, m)):
@@ -340,6 +342,11 @@ def cmd_chat(args) -> int:
             print(f"\npocket: error: {exc}", file=sys.stderr)
             continue
         sys.stdout.write("\n")
+        state = m.last_state
+        if args.verbose and state is not None:
+            n, dt = len(state.generated), time.time() - t0
+            print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt else 0:.1f} tok/s"
+                  f"{_speculative_line(m)}]", file=sys.stderr)
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
