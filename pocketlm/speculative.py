@@ -305,9 +305,9 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
         base = cache.length  # positions in the cache; `token` goes at `base`
         room = cache.capacity - base - 1  # drafts that fit after it
         k = min(lengths.next(), room, seq.max_tokens - len(seq.generated))
+        t0 = time.perf_counter()  # drafting counts: a draft model's passes are a cost too
         drafts = drafter.propose(k) if k > 0 else []
         stats.steps += 1
-        t0 = time.perf_counter()
         if drafts:
             rows = runtime.verify([token, *drafts], cache)
         else:
