@@ -837,9 +837,12 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
     return POCKET_OK;
 }
 
-int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
-                               const int32_t *pos, int n, float *logits, pocket_pool *pool,
-                               int nthreads) {
+/* Rows of several sequences, each as a one-token decode at its position computes it (see
+ * pocket_model_forward_batch and pocket_model_verify_batch); `repeats`: a cache may have
+ * several rows, at distinct positions (verification), else one each (a decode step). */
+static int decode_rows(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
+                       const int32_t *pos, int n, float *logits, pocket_pool *pool, int nthreads,
+                       int repeats) {
     if (!m || !kvs || !ids || !pos || !logits || n <= 0) return POCKET_EINVAL;
     if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
     int need = 0;
@@ -849,46 +852,13 @@ int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int
             pos[i] >= kv->capacity)
             return POCKET_EINVAL;
         for (int k = 0; k < i; k++)
-            if (kvs[k] == kv) return POCKET_EINVAL; /* one row per sequence */
+            if (kvs[k] == kv && (!repeats || pos[k] == pos[i])) return POCKET_EINVAL;
         if (pos[i] + 1 > need) need = pos[i] + 1;
     }
     int rc = pm_ensure_rope(m, need);
     if (rc) return rc;
-    m->amx_call = 0; /* int8 products whatever the batch size: rows independent of the batch */
-    m->verify_call = 0;
-    const size_t V = (size_t)m->c.vocab_size;
-    for (int b0 = 0; b0 < n; b0 += PM_BLOCK) { /* the rows are independent sequences */
-        const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
-        const pm_seq seq = {NULL, 0, kvs + b0, pos + b0};
-        embed_rows(m, ids + b0, nb, m->x);
-        for (int l = 0; l < m->c.n_layers; l++) {
-            rc = layer_forward(m, &seq, l, nb, 0, pool, nthreads);
-            if (rc) return rc;
-        }
-        if ((rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads))) return rc;
-    }
-    return POCKET_OK;
-}
-
-int pocket_model_verify_batch(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
-                              const int32_t *pos, int n, float *logits, pocket_pool *pool,
-                              int nthreads) {
-    if (!m || !kvs || !ids || !pos || !logits || n <= 0) return POCKET_EINVAL;
-    if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
-    int need = 0;
-    for (int i = 0; i < n; i++) {
-        const pocket_kv *kv = kvs[i];
-        if (!kv || kv->model != m || ids[i] < 0 || ids[i] >= m->c.vocab_size || pos[i] < 0 ||
-            pos[i] >= kv->capacity)
-            return POCKET_EINVAL;
-        for (int k = 0; k < i; k++) /* a sequence's rows: at distinct positions */
-            if (kvs[k] == kv && pos[k] == pos[i]) return POCKET_EINVAL;
-        if (pos[i] + 1 > need) need = pos[i] + 1;
-    }
-    int rc = pm_ensure_rope(m, need);
-    if (rc) return rc;
-    m->amx_call = 0; /* the int8 products of one-token decode, row by row */
-    m->verify_call = 1;
+    m->amx_call = 0; /* the int8 products of one-token decode, whatever the batch size */
+    m->verify_call = repeats;
     const size_t V = (size_t)m->c.vocab_size;
     for (int b0 = 0; b0 < n && rc == POCKET_OK; b0 += PM_BLOCK) {
         const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
@@ -900,6 +870,18 @@ int pocket_model_verify_batch(pocket_model *m, pocket_kv *const *kvs, const int3
     }
     m->verify_call = 0;
     return rc;
+}
+
+int pocket_model_forward_batch(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
+                               const int32_t *pos, int n, float *logits, pocket_pool *pool,
+                               int nthreads) {
+    return decode_rows(m, kvs, ids, pos, n, logits, pool, nthreads, 0);
+}
+
+int pocket_model_verify_batch(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
+                              const int32_t *pos, int n, float *logits, pocket_pool *pool,
+                              int nthreads) {
+    return decode_rows(m, kvs, ids, pos, n, logits, pool, nthreads, 1);
 }
 
 int pocket_model_verify(pocket_model *m, pocket_kv *kv, const int32_t *ids, int n,

@@ -674,12 +674,16 @@ done:
     return out;
 }
 
-static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
+/* forward_batch (one row per cache) and verify_batch (a cache may have several rows, at
+ * distinct positions): the same arguments, the same checks. */
+static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, int repeats) {
     static char *kwlist[] = {"kvs", "ids", "pos", "logits", "threads", "pool", NULL};
+    const char *name = repeats ? "verify_batch" : "forward_batch";
     PyObject *okvs, *oids, *opos, *ologits, *opool = Py_None;
     int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|iO:forward_batch", kwlist, &okvs, &oids,
-                                     &opos, &ologits, &threads, &opool))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, repeats ? "OOOO|iO:verify_batch"
+                                                         : "OOOO|iO:forward_batch",
+                                     kwlist, &okvs, &oids, &opos, &ologits, &threads, &opool))
         return NULL;
     if (pocket_py_check_pool(opool, threads) < 0) return NULL;
     Arr ids = {0}, pos = {0}, lg = {0};
@@ -689,26 +693,33 @@ static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject
     {
         const Py_ssize_t n = ids.v.shape[0];
         if (n < 1 || pos.v.shape[0] != n) {
-            PyErr_SetString(PyExc_ValueError,
-                            "forward_batch() needs one or more tokens and one position each");
+            PyErr_Format(PyExc_ValueError, "%s() needs one or more tokens and one position each",
+                         name);
             goto done;
         }
-        if (!(kvs = get_kvs(self, okvs, n, 0))) goto done;
+        if (!(kvs = get_kvs(self, okvs, n, repeats))) goto done;
         const int32_t *p = (const int32_t *)ids.v.buf, *ps = (const int32_t *)pos.v.buf;
         if (check_token_ids(self, p, n) < 0) goto done;
-        for (Py_ssize_t i = 0; i < n; i++)
+        for (Py_ssize_t i = 0; i < n; i++) {
             if (ps[i] < 0 || ps[i] >= pocket_kv_capacity(kvs[i])) {
                 PyErr_Format(PyExc_ValueError, "position %d does not fit KV cache %zd (capacity %d)",
                              (int)ps[i], i, pocket_kv_capacity(kvs[i]));
                 goto done;
             }
+            for (Py_ssize_t k = 0; k < i && repeats; k++)
+                if (kvs[k] == kvs[i] && ps[k] == ps[i]) {
+                    PyErr_Format(PyExc_ValueError, "rows %zd and %zd are one position of one "
+                                 "KV cache", k, i);
+                    goto done;
+                }
+        }
         if (get_logits(self, ologits, &lg, n, 0, &ids, &pos) < 0) goto done;
         pocket_pool *pool = pocket_py_pool(opool);
         int rc;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        rc = pocket_model_forward_batch(self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool,
-                                        pool ? threads : 1);
+        rc = (repeats ? pocket_model_verify_batch : pocket_model_forward_batch)(
+            self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool, pool ? threads : 1);
         PyThread_release_lock(self->lock);
         Py_END_ALLOW_THREADS
         result = pocket_py_status_result(rc);
@@ -721,58 +732,12 @@ done:
     return result;
 }
 
+static PyObject *model_forward_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
+    return batch_call(self, args, kwds, 0);
+}
+
 static PyObject *model_verify_batch(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"kvs", "ids", "pos", "logits", "threads", "pool", NULL};
-    PyObject *okvs, *oids, *opos, *ologits, *opool = Py_None;
-    int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|iO:verify_batch", kwlist, &okvs, &oids,
-                                     &opos, &ologits, &threads, &opool))
-        return NULL;
-    if (pocket_py_check_pool(opool, threads) < 0) return NULL;
-    Arr ids = {0}, pos = {0}, lg = {0};
-    pocket_kv **kvs = NULL;
-    PyObject *result = NULL;
-    if (get_ids(oids, &ids) < 0 || get_ids(opos, &pos) < 0) goto done;
-    {
-        const Py_ssize_t n = ids.v.shape[0];
-        if (n < 1 || pos.v.shape[0] != n) {
-            PyErr_SetString(PyExc_ValueError,
-                            "verify_batch() needs one or more tokens and one position each");
-            goto done;
-        }
-        if (!(kvs = get_kvs(self, okvs, n, 1))) goto done;
-        const int32_t *p = (const int32_t *)ids.v.buf, *ps = (const int32_t *)pos.v.buf;
-        if (check_token_ids(self, p, n) < 0) goto done;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (ps[i] < 0 || ps[i] >= pocket_kv_capacity(kvs[i])) {
-                PyErr_Format(PyExc_ValueError, "position %d does not fit KV cache %zd (capacity %d)",
-                             (int)ps[i], i, pocket_kv_capacity(kvs[i]));
-                goto done;
-            }
-            for (Py_ssize_t k = 0; k < i; k++)
-                if (kvs[k] == kvs[i] && ps[k] == ps[i]) {
-                    PyErr_Format(PyExc_ValueError, "rows %zd and %zd are one position of one "
-                                 "KV cache", k, i);
-                    goto done;
-                }
-        }
-        if (get_logits(self, ologits, &lg, n, 0, &ids, &pos) < 0) goto done;
-        pocket_pool *pool = pocket_py_pool(opool);
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        rc = pocket_model_verify_batch(self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool,
-                                       pool ? threads : 1);
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
-        result = pocket_py_status_result(rc);
-    }
-done:
-    PyMem_Free(kvs);
-    arr_release(&ids);
-    arr_release(&pos);
-    arr_release(&lg);
-    return result;
+    return batch_call(self, args, kwds, 1);
 }
 
 static PyObject *model_kv_copy(ModelObject *self, PyObject *args) {
