@@ -739,9 +739,12 @@ def _registry_name_of(path: Path) -> str | None:
 def list_models() -> list[dict]:
     """One dict per registry model: name, description, family, license, size, ``state``
     (:func:`verification_state`: yes, changed, unverified or no), ``pulled`` (state is yes:
-    pulled and verified) and path."""
+    pulled and verified) and path; a trimmed model adds its ``base``, a recipe model its
+    ``recipe``."""
     rows = []
-    for e in REGISTRY.values():
+    for e, extra in ([(e, {}) for e in REGISTRY.values()]
+                     + [(t, {"base": t.base}) for t in TRIMMED.values()]
+                     + [(r, {"recipe": r.recipe}) for r in RECIPES.values()]):
         state = verification_state(e.name)
         rows.append({
             "name": e.name,
@@ -752,31 +755,6 @@ def list_models() -> list[dict]:
             "state": state,
             "pulled": state == "yes",
             "path": str(model_path(e.name)),
-        })
-    for t in TRIMMED.values():
-        state = verification_state(t.name)
-        rows.append({
-            "name": t.name,
-            "description": t.description,
-            "family": t.family,
-            "license": t.license,
-            "size": t.size,
-            "state": state,
-            "pulled": state == "yes",
-            "path": str(model_path(t.name)),
-            "base": t.base,
-        })
-    for r in RECIPES.values():
-        state = verification_state(r.name)
-        rows.append({
-            "name": r.name,
-            "description": r.description,
-            "family": r.family,
-            "license": r.license,
-            "size": r.size,
-            "state": state,
-            "pulled": state == "yes",
-            "path": str(model_path(r.name)),
-            "recipe": r.recipe,
+            **extra,
         })
     return rows
