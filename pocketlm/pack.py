@@ -192,12 +192,14 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
          embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True, calib: str | Path | None = None,
          bits_per_weight: float | None = None, quant_method: str | None = None,
-         awq: bool = False, vocab=None) -> PackReport:
+         awq: bool = False, vocab=None, reproducible: bool = False) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
     ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
     INT4) or True (also float weights in INT8), as in the module docstring.
     ``int4_search=False`` rounds requantized INT4 (and INT5) groups to their min-max grid (for
     weights trained against that grid, see :func:`pocketlm.train.lora.fake_quant_int4`).
+    ``reproducible``: leave the packing time out of the provenance, so that the same source
+    packs to the same bytes (a recipe's deploy file, whose sha256 the registry records).
 
     Calibration (:mod:`pocketlm.calibrate`): ``calib`` (``"default"``: the zh + en + code set
     of :mod:`pocketlm.calibdata`; or a UTF-8 text file) gathers activation statistics and
@@ -245,13 +247,14 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
                      keep_precision=keep_precision, measure_error=measure_error,
                      progress=progress, int4_search=int4_search, calib=calib,
                      bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq,
-                     vocab=vocab)
+                     vocab=vocab, reproducible=reproducible)
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
           keep_precision: bool | None, measure_error: bool, progress: bool,
           int4_search: bool, calib=None, bits_per_weight=None,
-          quant_method=None, awq: bool = False, vocab=None) -> PackReport:
+          quant_method=None, awq: bool = False, vocab=None,
+          reproducible: bool = False) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     if vocab is not None:
@@ -343,7 +346,8 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
                   **({"calibration": calibration} if calibration else {})},
         **({"vocab": model.vocab} if model.vocab is not None else {}),
         "provenance": {**model.provenance, "pocketlm_version": __version__,
-                       "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                       **({} if reproducible else {
+                           "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
     }
     try:
         size = write_pocket(out, arrays, metadata)

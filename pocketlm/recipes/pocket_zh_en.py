@@ -157,6 +157,19 @@ def stage_teacher(out: Path, recipe: Recipe, prompts: list[dict], *, progress: b
     teacher = pocketlm.load(recipe.teacher)
     from tqdm import tqdm
 
+    # a prompt that leaves no room for an answer in the teacher's context is not asked
+    fits = []
+    with open(path, "a", encoding="utf-8") as f:
+        for p in todo:
+            if len(teacher.chat_ids(teacher_messages(p))) + recipe.teacher_max_tokens \
+                    <= teacher.n_ctx:
+                fits.append(p)
+                continue
+            rec = {"id": p["id"], "answer": "", "finish_reason": "prompt too long", "tokens": 0}
+            f.write(json.dumps(rec) + "\n")
+            done[p["id"]] = rec
+    todo = fits
+
     bar = tqdm(total=wanted, initial=len(done), desc="teacher answers", unit="answer",
                disable=not progress, dynamic_ncols=True)
     t0, tokens = time.perf_counter(), 0
@@ -201,6 +214,8 @@ def judge(prompt: dict, answer: dict) -> str | None:
     from .prompts import cjk_share
 
     text = answer["answer"].strip()
+    if answer.get("finish_reason") == "prompt too long":
+        return "prompt too long for the teacher"
     if answer.get("finish_reason") != "stop":
         return "cut at the token limit"
     if not text:
@@ -301,13 +316,23 @@ def stage_train(out: Path, recipe: Recipe, stage: str, *, threads: int | None = 
 
 
 def stage_export(out: Path, recipe: Recipe, *, progress: bool = True) -> Path:
-    from ..train.export import export
+    """The QAT run (LoRA merged) packed to the INT4 grid it was trained against. The file's
+    provenance names the recipe, not the run folder or the time, so that a seeded run gives the
+    same bytes wherever it ran from (the registry records their sha256)."""
+    from ..pack import pack
+    from ..train.export import checkpoint_source
 
     path = out / f"{NAME}.pocket"
     if path.is_file():
         return path
+    src = checkpoint_source(out / "qat", best=False)
+    src.provenance = {"source": f"pocketlm recipe {NAME}", "recipe": recipe.to_dict(),
+                      "sft_sha256": json.loads((out / "data_report.json").read_text(
+                          encoding="utf-8"))["sha256"],
+                      "step": src.provenance.get("step"), "lora": src.provenance.get("lora")}
     tmp = out / f"{NAME}.pocket.partial"
-    report = export(out / "qat", tmp, group_size=32, embed_bits=8, progress=progress)
+    report = pack(src, tmp, group_size=32, embed_bits=8, progress=progress, int4_search=False,
+                  reproducible=True)
     os.replace(tmp, path)
     _say(report.summary())
     return path
@@ -373,6 +398,12 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     if until not in STAGES:
         raise PocketError(f"unknown stage {until!r}; the stages are {', '.join(STAGES)}")
     out = Path(out)
+    recipe_file = out / "recipe.json"
+    if recipe_file.is_file():
+        saved = json.loads(recipe_file.read_text(encoding="utf-8"))
+        if saved != recipe.to_dict():
+            raise PocketError(f"{out} holds a run of another version of the recipe; use another "
+                              "folder (or delete this one)")
     final = out / f"{NAME}.pocket"
     if final.is_file() and until == "export":
         if not force:
@@ -380,13 +411,7 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
             return final
         final.unlink()
     check_inputs(out, recipe, until)
-    recipe_file = out / "recipe.json"
-    if recipe_file.is_file():
-        saved = json.loads(recipe_file.read_text(encoding="utf-8"))
-        if saved != recipe.to_dict():
-            raise PocketError(f"{out} holds a run of another version of the recipe; use another "
-                              "folder (or delete this one)")
-    else:
+    if not recipe_file.is_file():
         _atomic_write(recipe_file, json.dumps(recipe.to_dict(), indent=1))
     _say(estimate(out))
     times = {}
