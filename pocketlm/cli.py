@@ -72,6 +72,18 @@ def cmd_pull(args) -> int:
 
     if args.verify:
         path = verify(args.name, quiet=False)
+        from .registry import RECIPES
+
+        if args.name in RECIPES:  # made here: its hash against the recorded run's, if any
+            from .recipes import built_record
+
+            rec, ref = built_record(path), RECIPES[args.name].sha256
+            how = ("matches the recorded run's" if rec.get("sha256") == ref else
+                   "differs from the recorded run's" if ref else
+                   "(no recorded run to compare with yet)")
+            print(f"{args.name}: ok, a readable deploy file; sha256 {rec.get('sha256')} {how} "
+                  f"({path})")
+            return 0
         print(f"{args.name}: ok, sha256 matches the registry ({path})")
         return 0
     with _exit_on_sigterm():

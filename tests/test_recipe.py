@@ -255,6 +255,9 @@ def test_the_registry_lists_the_recipe_model_and_never_trains_implicitly(tmp_pat
     assert registry.resolve("pocket-zh-en") == path
     registry.pull("pocket-zh-en", quiet=True)
     assert len(calls) == 1  # built already: not run again
+    from pocketlm import cli
+
+    assert cli.main(["pull", "pocket-zh-en", "--verify"]) == 0
     path.write_bytes(path.read_bytes()[:100])  # damaged after it was built
     assert registry.verification_state("pocket-zh-en") == "changed"
     with pytest.raises(PocketError):

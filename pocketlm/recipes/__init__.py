@@ -14,8 +14,8 @@ from pathlib import Path
 
 from ..errors import ModelNotFoundError, PocketError
 
-__all__ = ["RECIPE_MODULES", "build_recipe", "not_built_message", "recipe_module",
-           "recipe_state", "verify_built"]
+__all__ = ["RECIPE_MODULES", "build_recipe", "built_record", "not_built_message",
+           "recipe_module", "recipe_state", "verify_built"]
 
 RECIPE_MODULES = {"pocket-zh-en": "pocketlm.recipes.pocket_zh_en"}
 
@@ -43,6 +43,15 @@ def _record_path(target: Path) -> Path:
 def _stat(target: Path) -> dict:
     st = target.stat()
     return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def built_record(target: Path) -> dict:
+    """What was recorded when ``target`` was built or verified (sha256, size, time), or {}."""
+    try:
+        record = json.loads(_record_path(target).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def recipe_state(entry, target: Path) -> str:
