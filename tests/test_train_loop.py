@@ -293,3 +293,10 @@ def test_sequence_level_distillation_data(pretrained, tmp_path):
     rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
     assert [r["messages"][0]["content"] for r in rows] == ["Where is the cat?", "小猫在哪里？"]
     assert all(r["messages"][1]["role"] == "assistant" for r in rows)
+    # answered together, each is what the teacher says alone
+    import pocketlm
+
+    t = pocketlm.load(teacher)
+    assert [r["messages"][1]["content"] for r in rows] == [
+        t.chat([{"role": "user", "content": q}], max_tokens=8, temperature=0.0)
+        for q in ("Where is the cat?", "小猫在哪里？")]

@@ -346,15 +346,24 @@ def cmd_distill_data(args) -> int:
                .splitlines() if line.strip()]
     if not prompts:
         raise PocketError(f"{args.prompts}: no prompts (one per line)")
+    if not 1 <= args.batch <= 256:
+        raise PocketError(f"--batch must be from 1 to 256, got {args.batch}")
     teacher = pocketlm.load(args.teacher)
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
     from tqdm import tqdm
 
+    answers: list[str | None] = [None] * len(prompts)
+    convs = ([{"role": "user", "content": p}] for p in prompts)
+    with tqdm(total=len(prompts), desc="teacher", unit="prompt") as bar:
+        # answers come as they end; each is what chat() alone gives (greedy)
+        for i, text, _ in teacher.chat_batch(convs, max_tokens=args.max_tokens,
+                                             temperature=0.0, max_batch=args.batch):
+            answers[i] = text
+            bar.update(1)
     with open(tmp, "w", encoding="utf-8") as f:
-        for p in tqdm(prompts, desc="teacher", unit="prompt"):
+        for p, answer in zip(prompts, answers, strict=True):
             msgs = [{"role": "user", "content": p}]
-            answer = teacher.chat(msgs, max_tokens=args.max_tokens, temperature=0.0)
             f.write(json.dumps({"messages": msgs + [{"role": "assistant", "content": answer}]},
                                ensure_ascii=False) + "\n")
     tmp.replace(out)
@@ -532,4 +541,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", required=True, help="text file, one prompt per line")
     p.add_argument("-o", "--output", required=True, help="chats JSONL to write")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16,
+                   help="prompts answered together (continuous batching; default 16)")
     p.set_defaults(func=cmd_distill_data)
