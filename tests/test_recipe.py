@@ -92,6 +92,12 @@ def test_verifiable_instructions_are_appended_in_the_prompts_language():
      {"answer": "Paris is the capital.", "finish_reason": "stop"}, "fails its instructions"),
     ({"lang": "en", "kind": "chat", "checks": [{"check": "lowercase", "args": {}}]},
      {"answer": "paris is the capital.", "finish_reason": "stop"}, None),
+    ({"lang": "zh", "kind": "json"}, {"answer": '{"people": ["张三"], "places": ["北京"]}',
+                                      "finish_reason": "stop"}, None),
+    ({"lang": "zh", "kind": "json"}, {"answer": '人物：张三', "finish_reason": "stop"},
+     "fails its instructions"),
+    ({"lang": "zh", "kind": "json"}, {"answer": "", "finish_reason": "prompt too long"},
+     "prompt too long for the teacher"),
 ])
 def test_teacher_answers_are_judged(prompt, answer, why):
     from pocketlm.recipes.pocket_zh_en import judge

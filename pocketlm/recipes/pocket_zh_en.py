@@ -225,8 +225,10 @@ def judge(prompt: dict, answer: dict) -> str | None:
     if repeats_itself(text):
         return "repeats itself"
     checks = prompt.get("checks") or []
+    if prompt["kind"] == "json":  # keys are Latin, values Chinese: check the JSON instead
+        checks = [*checks, {"check": "json_keys", "args": {"keys": ["people", "places"]}}]
     switch = any(c["check"] in ("language_zh", "language_en") for c in checks)
-    if not switch and prompt["kind"] != "translate":
+    if not switch and prompt["kind"] not in ("translate", "json"):
         if prompt["lang"] == "zh" and cjk_share(text) < 0.5:
             return "not in the asked language"
         if prompt["lang"] == "en" and cjk_share(text) > 0.02:
