@@ -373,23 +373,34 @@ def disk_needed(n_params: int) -> int:
 
 
 def estimate(out: Path) -> str:
-    left = [s for s in STAGES if not _stage_done(out, s)]
-    minutes = sum(REFERENCE_MINUTES[s] for s in left)
+    """The stages left and the time they took on the reference machine, scaled by what is
+    left of a stage that is under way."""
+    left, minutes = [], 0.0
+    for stage in STAGES:
+        share = 1.0 - _stage_progress(out, stage)
+        if share > 0:
+            left.append(stage if share >= 1 else f"{stage} ({1 - share:.0%} done)")
+            minutes += share * REFERENCE_MINUTES[stage]
     return (f"stages left: {', '.join(left) or 'none'}; about {minutes / 60:.1f} h on a 2-core "
             "x86 CPU (the reference machine; scale by your cores), resumable at any point")
 
 
-def _stage_done(out: Path, stage: str) -> bool:
+def _stage_progress(out: Path, stage: str) -> float:
+    """How much of ``stage`` the run folder holds, from 0 to 1."""
     if stage == "prompts":
-        return (out / "prompts.meta.json").is_file()
+        return float((out / "prompts.meta.json").is_file())
     if stage == "teacher":
-        return (out / "sft.jsonl").is_file()
+        wanted = sum(1 for p in _read_jsonl(out / "prompts.jsonl") if p.get("gold") is None)
+        if not wanted:
+            return 0.0
+        return min(1.0, len({r.get("id") for r in _read_jsonl(out / "teacher.jsonl")}) / wanted)
     if stage == "data":
-        return (out / "data_report.json").is_file()
+        return float((out / "data_report.json").is_file())
     if stage in ("sft", "qat"):
         cfg = _train_config(out, RECIPE, stage, None)
-        return _finished(Path(cfg.out), cfg.steps)
-    return (out / f"{NAME}.pocket").is_file()
+        rows = _read_jsonl(Path(cfg.out) / "metrics.jsonl")
+        return min(1.0, rows[-1].get("step", 0) / cfg.steps) if rows else 0.0
+    return float((out / f"{NAME}.pocket").is_file())
 
 
 def run(out: str | Path, *, until: str = "export", threads: int | None = None,
