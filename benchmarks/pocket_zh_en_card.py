@@ -66,6 +66,8 @@ def training_block(run: Path) -> str:
     for stage in ("prompts", "teacher", "data", "sft", "qat", "export"):
         st = rep["stages"].get(stage)
         hours = f"{st['seconds'] / 3600:.2f}" if st else "not run"
+        if stage in ("sft", "qat") and "last" not in (st or {}):
+            hours = "under way" if (run / stage / "metrics.jsonl").is_file() else "not run"
         what = steps = tokens = loss = ""
         if stage in ("sft", "qat"):
             metrics = _rows(run / stage / "metrics.jsonl")
