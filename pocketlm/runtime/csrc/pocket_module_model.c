@@ -26,9 +26,9 @@
  * model.forward_batch(kvs, ids, pos, logits, threads=1, pool=None)
  *   one token per sequence (continuous batching): ids, pos int32 [n]; kvs n distinct NativeKV;
  *   logits float32 [n, vocab].
- * model.verify(kv, ids, start_pos, logits, threads=1, pool=None)
- *   drafted tokens (1-128): logits float32 [n, vocab], each row what a one-token forward at its
- *   position computes (speculative decoding).
+ * model.verify_batch(kvs, ids, pos, logits, threads=1, pool=None)
+ *   drafted tokens of one or more sequences (a KV cache may repeat, at distinct positions):
+ *   logits float32 [n, vocab], each row what a one-token forward at its position computes.
  * model.kv_copy(dst, src, n): positions [0, n) of src into dst (a shared prompt prefix).
  */
 #define PY_SSIZE_T_CLEAN
@@ -588,55 +588,6 @@ done:
     return result;
 }
 
-static PyObject *model_verify(ModelObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"kv", "ids", "start_pos", "logits", "threads", "pool", NULL};
-    PyObject *okv, *oids, *ologits, *opool = Py_None;
-    long start_pos;
-    int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOlO|iO:verify", kwlist, &okv, &oids,
-                                     &start_pos, &ologits, &threads, &opool))
-        return NULL;
-    if (!PyObject_TypeCheck(okv, &KVType) || ((KVObject *)okv)->owner != self) {
-        PyErr_SetString(PyExc_TypeError, "kv must be a NativeKV created for this model");
-        return NULL;
-    }
-    KVObject *kvo = (KVObject *)okv;
-    if (pocket_py_check_pool(opool, threads) < 0) return NULL;
-    Arr ids = {0}, lg = {0};
-    PyObject *result = NULL;
-    if (get_ids(oids, &ids) < 0) goto done;
-    {
-        const Py_ssize_t n = ids.v.shape[0];
-        if (n < 1 || n > 128) {
-            PyErr_Format(PyExc_ValueError, "verify() takes 1 to 128 tokens, got %zd", n);
-            goto done;
-        }
-        if (start_pos < 0 || n > kvo->capacity || start_pos > (long)kvo->capacity - (long)n) {
-            PyErr_Format(PyExc_ValueError,
-                         "%zd tokens at position %ld do not fit the KV cache capacity of %d", n,
-                         start_pos, kvo->capacity);
-            goto done;
-        }
-        const int32_t *p = (const int32_t *)ids.v.buf;
-        if (check_token_ids(self, p, n) < 0 ||
-            get_logits(self, ologits, &lg, n, 0, &ids, NULL) < 0)
-            goto done;
-        pocket_pool *pool = pocket_py_pool(opool);
-        int rc;
-        Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
-        rc = pocket_model_verify(self->model, kvo->kv, p, (int)n, (int)start_pos,
-                                 (float *)lg.v.buf, pool, pool ? threads : 1);
-        PyThread_release_lock(self->lock);
-        Py_END_ALLOW_THREADS
-        result = pocket_py_status_result(rc);
-    }
-done:
-    arr_release(&ids);
-    arr_release(&lg);
-    return result;
-}
-
 /* A sequence of NativeKV objects of this model, distinct, as a new array of n pointers. */
 static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n, int repeats) {
     PyObject *seq = PySequence_Fast(okvs, "kvs must be a sequence of NativeKV");
@@ -795,11 +746,6 @@ static PyMethodDef model_methods[] = {
      "forward(kv, ids, start_pos, logits, all_logits=False, threads=1, pool=None)\n\n"
      "Run int32 ids at positions start_pos.. of kv; write float32 logits [n, vocab]\n"
      "(all_logits) or [vocab] (the last token). Releases the GIL."},
-    {"verify", (PyCFunction)(void (*)(void))model_verify, METH_VARARGS | METH_KEYWORDS,
-     "verify(kv, ids, start_pos, logits, threads=1, pool=None)\n\n"
-     "Forward ids (1-128 drafted tokens) at start_pos.. of kv with the logits of every row\n"
-     "in logits [n, vocab]; each row bit for bit what a one-token forward at its position\n"
-     "computes. The KV cache holds all n rows after it; the caller keeps what it accepts."},
     {"verify_batch", (PyCFunction)(void (*)(void))model_verify_batch,
      METH_VARARGS | METH_KEYWORDS,
      "verify_batch(kvs, ids, pos, logits, threads=1, pool=None)\n\n"

@@ -522,10 +522,9 @@ class NativeEngine:
     def verify(self, kv, ids: np.ndarray, start_pos: int) -> np.ndarray:
         """Drafted tokens ``ids`` (int32) at ``start_pos``.. of ``kv``: logits float32
         ``[n, vocab]``, each row what a one-token :meth:`forward` at its position computes."""
-        logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
-        _call(self.model.verify, kv, ids, int(start_pos), logits, threads=self.threads,
-              pool=_get_pool(self.threads))
-        return logits
+        n = ids.shape[0]
+        return self.verify_batch([kv] * n, ids,
+                                 np.arange(start_pos, start_pos + n, dtype=np.int32))
 
     def verify_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
         """Drafted tokens of several sequences: row ``i`` is ``ids[i]`` at ``pos[i]`` of
