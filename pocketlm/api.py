@@ -135,7 +135,8 @@ class PocketModel:
 
     def _sequence(self, prompt_ids: list[int], builtin_max_tokens: int, max_tokens, sampling,
                   state: GenerationState | None, stop: list[str] | None, *,
-                  make_cache: bool = True) -> tuple[Sequence, KVCache | int | None]:
+                  make_cache: bool = True, constrain: dict[str, Any] | None = None
+                  ) -> tuple[Sequence, KVCache | int | None]:
         """A checked sequence for ``prompt_ids`` and the KV cache it runs in (None when it asks
         for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity)."""
         prompt_ids = self._check_ids(prompt_ids)
@@ -143,6 +144,7 @@ class PocketModel:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
             raise SamplingError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
         sampler = Sampler(self.sampling_params(**sampling))
+        constraint = self.constraint(**constrain) if constrain else None
         if len(prompt_ids) >= self.n_ctx:
             raise ContextLengthError(
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx}; "
@@ -152,11 +154,22 @@ class PocketModel:
         self.last_state = state
         text = TextStream(self.tokenizer, stop) if stop is not None else None
         seq = Sequence(prompt_ids, max_tokens=max_tokens, sampler=sampler,
-                       stop_ids=self.tokenizer.eos_ids, text=text, state=state)
+                       stop_ids=self.tokenizer.eos_ids, text=text, state=state,
+                       constraint=constraint)
         if max_tokens == 0:
             return seq, None
         capacity = min(self.n_ctx, len(prompt_ids) + max_tokens)
         return seq, self.runtime.new_cache(capacity) if make_cache else capacity
+
+    def constraint(self, json_schema: Any = None, regex: str | None = None,
+                   grammar: str | None = None):
+        """A fresh :class:`~pocketlm.structured.Constraint` for one of ``json_schema`` (a dict
+        or its JSON text), ``regex`` or ``grammar`` (Lark, or GBNF), or None for none; a
+        :class:`GrammarError` for one that cannot be used."""
+        from .structured import constraint_for
+
+        return constraint_for(self.tokenizer, self.config.vocab_size, json_schema=json_schema,
+                              regex=regex, grammar=grammar)
 
     def stream_ids(self, prompt_ids: list[int], *, max_tokens: int | None = None,
                    temperature: float | None = None, top_k: int | None = None,
@@ -174,10 +187,10 @@ class PocketModel:
         return (token for token, _ in run_sequence(self.runtime, cache, seq))
 
     def _stream_text(self, prompt_ids: list[int], builtin_max_tokens: int, stop: list[str],
-                     max_tokens, sampling, speculative=None) -> Iterator[str]:
+                     max_tokens, sampling, speculative=None, constrain=None) -> Iterator[str]:
         drafter = self._drafter(speculative)  # checked before anything runs
         seq, cache = self._sequence(prompt_ids, builtin_max_tokens, max_tokens, sampling, None,
-                                    stop)
+                                    stop, constrain=constrain)
         if cache is None:
             return iter(())
         if drafter is None:
@@ -206,9 +219,14 @@ class PocketModel:
                seed: int | None = None, stop: list[str] | str | None = None, *,
                top_k: int | None = None, min_p: float | None = None,
                repetition_penalty: float | None = None,
-               add_bos: bool | None = None, speculative=None) -> Iterator[str]:
+               add_bos: bool | None = None, speculative=None, json_schema: Any = None,
+               regex: str | None = None, grammar: str | None = None) -> Iterator[str]:
         """Text pieces of the continuation of ``prompt`` as they are generated. Settings left
         None are the model's generation defaults, else the built-in ones (greedy, 128 tokens).
+
+        ``json_schema`` (a dict or its JSON text), ``regex`` or ``grammar`` (Lark, or GBNF)
+        constrains the output: every token drawn is one the grammar allows, and generation
+        ends once the grammar is complete (:mod:`pocketlm.structured`).
 
         ``speculative``: ``"lookup"`` (drafts from n-grams of the prompt and the text so far),
         ``{"draft": MODEL}`` (a smaller model of the same vocabulary), or a dict of options
@@ -220,7 +238,8 @@ class PocketModel:
         ids = self.tokenize(prompt, add_bos=add_bos)
         return self._stream_text(ids, 128, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed), speculative)
+            repetition_penalty=repetition_penalty, seed=seed), speculative,
+            _constrain(json_schema, regex, grammar))
 
     def generate(self, prompt: str, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,
@@ -230,16 +249,18 @@ class PocketModel:
         return "".join(self.stream(prompt, max_tokens, temperature, top_p, seed, stop, **kwargs))
 
     # -- chat --------------------------------------------------------------------------------
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-                    ) -> str:
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **template_args: Any) -> str:
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
         return render(self.chat_template, messages, bos_token=bos or "", eos_token=eos or "",
-                      add_generation_prompt=add_generation_prompt)
+                      add_generation_prompt=add_generation_prompt, **template_args)
 
-    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = self.render_chat(messages)
+    def chat_ids(self, messages: list[dict[str, Any]], **template_args: Any) -> list[int]:
+        """The prompt's token ids: ``messages`` rendered with the chat template (extra
+        template variables, such as ``tools``, in ``template_args``)."""
+        text = self.render_chat(messages, **template_args)
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
@@ -249,15 +270,18 @@ class PocketModel:
              temperature: float | None = None, top_p: float | None = None,
              seed: int | None = None, stop: list[str] | str | None = None,
              stream: bool = False, *, top_k: int | None = None, min_p: float | None = None,
-             repetition_penalty: float | None = None, speculative=None):
+             repetition_penalty: float | None = None, speculative=None,
+             json_schema: Any = None, regex: str | None = None, grammar: str | None = None):
         """The assistant's reply to ``messages`` (an iterator of pieces when ``stream``).
         Settings left None are the model's generation defaults, else the built-in ones
-        (greedy, 256 tokens); ``speculative`` as in :meth:`stream`."""
+        (greedy, 256 tokens); ``speculative``, ``json_schema``, ``regex`` and ``grammar`` as
+        in :meth:`stream`."""
         stops = _check_stop(stop)
         ids = self.chat_ids(messages)
         pieces = self._stream_text(ids, 256, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, seed=seed), speculative)
+            repetition_penalty=repetition_penalty, seed=seed), speculative,
+            _constrain(json_schema, regex, grammar))
         return pieces if stream else "".join(pieces)
 
     def chat_batch(self, conversations: Iterable[list[dict[str, Any]]],
@@ -265,14 +289,19 @@ class PocketModel:
                    top_p: float | None = None, seed: int | None = None,
                    stop: list[str] | str | None = None, *, top_k: int | None = None,
                    min_p: float | None = None, repetition_penalty: float | None = None,
-                   max_batch: int = 16) -> Iterator[tuple[int, str, GenerationState]]:
+                   max_batch: int = 16, json_schema: Any = None, regex: str | None = None,
+                   grammar: str | None = None) -> Iterator[tuple[int, str, GenerationState]]:
         """Replies to many conversations, generated together (continuous batching: up to
         ``max_batch`` decode in one pass over the weights; the next starts as one ends).
         Yields ``(index, reply, state)`` as each one ends, in the order they end
         (``state.finish_reason``: "stop" or "length"; ``state.generated``: the token ids).
         Settings as in :meth:`chat` (one ``seed`` seeds every conversation's sampler); a reply
-        does not depend on which conversations ran beside it."""
+        does not depend on which conversations ran beside it. ``json_schema``, ``regex`` or
+        ``grammar`` constrains every reply as in :meth:`stream`."""
         stops = _check_stop(stop)
+        constrain = _constrain(json_schema, regex, grammar)
+        if constrain:
+            self.constraint(**constrain)  # checked before anything runs
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, seed=seed)
         sequences: dict[int, Sequence] = {}
@@ -280,7 +309,8 @@ class PocketModel:
         def jobs():
             for i, messages in enumerate(conversations):
                 seq, capacity = self._sequence(self.chat_ids(messages), 256, max_tokens,
-                                               sampling, None, stops, make_cache=False)
+                                               sampling, None, stops, make_cache=False,
+                                               constrain=constrain)
                 sequences[i] = seq
                 yield seq, capacity
 
@@ -291,6 +321,13 @@ class PocketModel:
         c = self.config
         return (f"PocketModel({c.arch}, {c.n_params() / 1e6:.0f}M params, "
                 f"vocab {c.vocab_size}, path={str(self.path)!r})")
+
+
+def _constrain(json_schema, regex, grammar) -> dict[str, Any] | None:
+    """The constraint arguments given, or None for none."""
+    given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex),
+                                ("grammar", grammar)) if v is not None}
+    return given or None
 
 
 def _check_stop(stop) -> list[str]:

@@ -245,6 +245,9 @@ def cmd_run(args) -> int:
     speculative = _speculative(args)
     if speculative is not None:
         m._drafter(speculative)  # a bad drafter fails here, before the prompt runs
+    constrain = _constrain(args)
+    if constrain:
+        m.constraint(**constrain)  # a bad schema, regex or grammar fails here
     m.last_speculative = None
     t0 = time.time()
     n = 0
@@ -255,10 +258,10 @@ def cmd_run(args) -> int:
         if args.echo:
             sys.stdout.write(prompt + "\n")
         pieces = m.chat([{"role": "user", "content": prompt}], stream=True, stop=args.stop,
-                        speculative=speculative, **_settings(args, m))
+                        speculative=speculative, **constrain, **_settings(args, m))
     else:
         sys.stdout.write(prompt if args.echo else "")
-        pieces = m.stream(prompt, stop=args.stop, speculative=speculative,
+        pieces = m.stream(prompt, stop=args.stop, speculative=speculative, **constrain,
                           **_settings(args, m))
     for piece in pieces:
         sys.stdout.write(piece)
@@ -304,6 +307,9 @@ def cmd_chat(args) -> int:
     speculative = _speculative(args)
     if speculative is not None:
         m._drafter(speculative)  # a bad drafter fails here, before the first line
+    constrain = _constrain(args)
+    if constrain:
+        m.constraint(**constrain)  # a bad schema, regex or grammar fails here
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": _argv_text(args.system, "--system")})
@@ -342,7 +348,7 @@ def cmd_chat(args) -> int:
         t0 = time.time()
         m.last_speculative = None
         try:
-            for piece in m.chat(history, stream=True, speculative=speculative,
+            for piece in m.chat(history, stream=True, speculative=speculative, **constrain,
                                 **_settings(args, m)):
                 reply.append(piece)
                 sys.stdout.write(piece)
@@ -425,6 +431,51 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
     p.add_argument("--draft-max", type=int, default=8, metavar="N",
                    help="with --speculative: draft at most N tokens per step (1-16, default 8; "
                    "fewer as acceptance falls)")
+
+
+def _add_constraint_args(p: argparse.ArgumentParser) -> None:
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--json-schema", metavar="FILE|JSON", default=None,
+                       help="constrain the output to this JSON Schema (a file, or the schema "
+                       "itself): it always parses and validates (docs/structured.md)")
+    group.add_argument("--regex", metavar="REGEX", default=None,
+                       help="constrain the output to match this regular expression (Rust regex "
+                       "syntax, whole output)")
+    group.add_argument("--grammar", metavar="FILE", default=None,
+                       help="constrain the output to this grammar: a Lark file (start rule "
+                       "'start'), or GBNF (rules with ::=, start rule 'root')")
+
+
+def _constrain(args) -> dict:
+    """The ``json_schema`` / ``regex`` / ``grammar`` argument from the flags ({} for none)."""
+    schema = getattr(args, "json_schema", None)
+    if schema is not None:
+        schema = _argv_text(schema, "--json-schema")
+        text = schema.strip()
+        if not text.startswith(("{", "[")) and text not in ("true", "false"):
+            text = _read_flag_file(schema, "--json-schema")
+        try:
+            return {"json_schema": json.loads(text)}
+        except ValueError as e:
+            raise PocketError(f"--json-schema: not valid JSON ({e})") from None
+    if getattr(args, "regex", None) is not None:
+        return {"regex": _argv_text(args.regex, "--regex")}
+    if getattr(args, "grammar", None) is not None:
+        return {"grammar": _read_flag_file(_argv_text(args.grammar, "--grammar"), "--grammar")}
+    return {}
+
+
+def _read_flag_file(path: str, flag: str) -> str:
+    p = Path(path)
+    if not p.is_file():
+        raise PocketError(f"{flag}: {path!r} is not a file" + (
+            "" if flag == "--grammar" else " (nor JSON text starting with '{')"))
+    try:
+        return p.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise PocketError(f"{flag}: {path} is not UTF-8 text") from None
+    except OSError as e:
+        raise PocketError(f"{flag}: cannot read {path}: {e.strerror}") from None
 
 
 def _speculative(args):
@@ -559,6 +610,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "models expect); --raw continues the text as given.")
     p.add_argument("prompt", nargs="?", help="the prompt ('-' or piped stdin reads it)")
     _add_model_args(p, n_default=128)
+    _add_constraint_args(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", action="store_true",
                       help="require the chat template (the default when the model has one)")
@@ -570,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="interactive chat with the model's chat template")
     _add_model_args(p, n_default=512)
+    _add_constraint_args(p)
     p.add_argument("--system", help="system message")
     p.set_defaults(func=cmd_chat)
 

@@ -50,3 +50,14 @@ class TextError(PocketError, ValueError):
 
 class TokenIdError(PocketError, ValueError):
     """A token id that is not an integer in the model's vocabulary."""
+
+
+class GrammarError(PocketError, ValueError):
+    """A JSON schema, regular expression or grammar that cannot constrain generation (does not
+    compile, uses what is not supported, cannot be satisfied), or one that no token can
+    continue. ``param`` names the field it came from (``json_schema``, ``regex``, ``grammar``,
+    or the server's ``response_format`` / ``tools``)."""
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -18,6 +18,7 @@ import numpy as np
 
 from .runtime import KVCache, Runtime
 from .sampling import Sampler
+from .structured import Constraint
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
 
@@ -35,7 +36,8 @@ class Sequence:
 
     ``sample(logits)`` draws the next token with the sequence's sampler (whose repetition
     penalty sees the prompt and every token taken so far); ``add(token, cache_full=...)`` takes
-    it. An id in ``stop_ids`` (unless ``ignore_eos``) ends generation with "stop" and is not
+    it. A ``constraint`` (:mod:`pocketlm.structured`) restricts every draw to what its grammar
+    allows and ends the sequence ("stop") once the grammar is complete. An id in ``stop_ids`` (unless ``ignore_eos``) ends generation with "stop" and is not
     part of the output; a stop string in the text ends it with "stop", ``max_tokens`` tokens
     or a full KV cache (``cache_full``: the cache has no room for this token) with "length".
     ``finish()``, once it ended, gives the text still held back (a stop string found there
@@ -45,7 +47,8 @@ class Sequence:
 
     def __init__(self, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler,
                  stop_ids: Iterable[int], text: TextStream | None = None,
-                 ignore_eos: bool = False, state: GenerationState | None = None):
+                 ignore_eos: bool = False, state: GenerationState | None = None,
+                 constraint: Constraint | None = None):
         self.state = state if state is not None else GenerationState()
         self.state.prompt_tokens = len(prompt_ids)
         self.prompt_ids = list(prompt_ids)
@@ -54,6 +57,7 @@ class Sequence:
         self.sampler = sampler
         self.stop_ids = frozenset(()) if ignore_eos else frozenset(stop_ids)
         self.text = text
+        self.constraint = constraint
         if max_tokens == 0:
             self.state.finish_reason = "length"
 
@@ -66,6 +70,8 @@ class Sequence:
         return self.state.generated
 
     def sample(self, logits: np.ndarray) -> int:
+        if self.constraint is not None:
+            return self.constraint.sample(self.sampler, logits, self.history)
         return self.sampler(logits, self.history)
 
     def add(self, token: int, cache_full: bool = False) -> str | None:
@@ -74,11 +80,15 @@ class Sequence:
         if token in self.stop_ids:
             self.state.finish_reason = "stop"
             return None
+        if self.constraint is not None:
+            self.constraint.consume(token)
         self.state.generated.append(token)
         self.history.append(token)
         piece = self.text.add(token) if self.text is not None else ""
         if self.text is not None and self.text.stopped:
             self.state.finish_reason = "stop"
+        elif self.constraint is not None and self.constraint.done:
+            self.state.finish_reason = "stop"  # the grammar can only end: no step needed
         elif len(self.state.generated) >= self.max_tokens or cache_full:
             self.state.finish_reason = "length"
         return piece

@@ -64,11 +64,22 @@ class Sampler:
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
 
-    def __call__(self, logits: np.ndarray, history: list[int] | None = None) -> int:
+    @property
+    def greedy(self) -> bool:
+        return self.params.temperature == 0
+
+    def __call__(self, logits: np.ndarray, history: list[int] | None = None,
+                 allowed: np.ndarray | None = None) -> int:
+        """The next token. ``allowed`` (a bool array over the vocabulary, from a grammar)
+        removes every other token before anything else; the logits are copied at most once."""
         p = self.params
         if p.temperature == 0 and (p.repetition_penalty == 1.0 or not history):
+            if allowed is not None:
+                return int(np.argmax(np.where(allowed, logits, -np.inf)))
             return int(np.argmax(logits))  # greedy: no copy needed (the same first maximum)
         x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay intact
+        if allowed is not None:
+            x[~allowed] = -np.inf
         if p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))
             vals = x[seen]

@@ -40,8 +40,17 @@ from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from ..api import PocketModel
-from ..errors import ContextLengthError, PocketError, SamplingError, TextError
+from ..errors import ContextLengthError, GrammarError, PocketError, SamplingError, TextError
 from ..sampling import Sampler
+from ..tools import (
+    GENERIC_TRIGGER,
+    NATIVE_TRIGGER,
+    call_constraint,
+    check_tools,
+    is_native,
+    parse_calls,
+    render_messages,
+)
 from . import protocol as P
 from .scheduler import (
     MB,
@@ -146,7 +155,7 @@ def generation_failure(error: Exception) -> P.APIError:
     if isinstance(error, ShuttingDownError):
         return P.APIError(503, str(error), code="shutting_down", headers={"Retry-After": "5"})
     cause = error.cause if isinstance(error, GenerationError) else error
-    if isinstance(cause, (SamplingError, ContextLengthError, TextError)):
+    if isinstance(cause, (SamplingError, ContextLengthError, TextError, GrammarError)):
         return P.APIError(400, f"this request cannot be generated: {cause}",
                           code="generation_failed")
     return P.APIError(500, f"internal error while generating this request: {error}",
@@ -293,9 +302,40 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              f"serves '{cfg.model_name}'", param="model",
                              code="model_not_found")
 
+    native_tools = is_native(model.chat_template)
+
+    def calls_mode(g: P.GenerationRequest) -> bool:
+        """True when the answer may be tool calls."""
+        return bool(g.tools) and g.tool_choice != "none"
+
+    def chat_prompt(g: P.GenerationRequest) -> list[int]:
+        offered = g.tools if calls_mode(g) else []
+        messages, extra = g.messages, {}
+        if offered or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages, extra = render_messages(messages, offered, native=native_tools)
+        return model.chat_ids(messages, **extra)
+
+    def make_constraint(g: P.GenerationRequest):
+        """The request's constraint (tool calls or response_format), compiled (cached per
+        schema), or None; a 400 naming the field for one that cannot be used."""
+        try:
+            if calls_mode(g):
+                check_tools(g.tools)
+                return call_constraint(g.tools, g.tool_choice, native=native_tools,
+                                       tokenizer=model.tokenizer,
+                                       n_vocab=model.config.vocab_size)
+            if g.json_schema is not None:
+                return model.constraint(json_schema=g.json_schema)
+        except GrammarError as e:
+            param = e.param if calls_mode(g) else "response_format"
+            if param == "grammar":
+                param = "tools"
+            raise P.APIError(400, str(e), param=param, code="invalid_schema") from None
+        return None
+
     def prompt_ids(g: P.GenerationRequest) -> list[int]:
         try:
-            ids = (model.chat_ids(g.messages) if g.messages is not None
+            ids = (chat_prompt(g) if g.messages is not None
                    else model.tokenize(g.prompt))
         except PocketError as e:
             raise P.APIError(400, str(e), param="messages" if g.messages else "prompt") from None
@@ -369,13 +409,17 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         check_model(g.model)
         ids = prompt_ids(g)
         req = build(g, ids, asyncio.get_running_loop())
+        if g.json_schema is not None or calls_mode(g):
+            # compiling a new schema (and, once, the vocabulary's index) must not stall the
+            # event loop: other requests keep streaming meanwhile
+            req.constraint = await asyncio.to_thread(make_constraint, g)
         submit(req)
         rid = P.new_id(chat)
         if g.stream:
             return StreamingResponse(stream(req, rid, g, chat), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
-        return await collect(request, req, rid, chat)
+        return await collect(request, req, rid, g, chat)
 
     async def cancel_on_disconnect(request: HTTPRequest, req: Request) -> None:
         """Wait for the client to hang up (the body is read: what comes next is ASGI's
@@ -385,7 +429,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         scheduler.cancel(req)
         req.events.put_nowait(("gone",))
 
-    async def collect(request: HTTPRequest, req: Request, rid: str, chat: bool) -> Response:
+    async def collect(request: HTTPRequest, req: Request, rid: str, g: P.GenerationRequest,
+                      chat: bool) -> Response:
         watcher = asyncio.create_task(cancel_on_disconnect(request, req))
         pieces = []
         try:
@@ -395,8 +440,12 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                     pieces.append(ev[1])
                 elif ev[0] == "done":
                     use = P.usage(len(req.prompt_ids), req.completion_tokens)
-                    return JSONResponse(P.completion_body(rid, cfg.model_name, "".join(pieces),
-                                                          ev[1], use, chat=chat))
+                    text, finish, calls = "".join(pieces), ev[1], None
+                    if chat and calls_mode(g) and finish == "stop":
+                        calls = parse_calls(text, native=native_tools)
+                        finish = "tool_calls" if calls else finish
+                    return JSONResponse(P.completion_body(rid, cfg.model_name, text, finish,
+                                                          use, chat=chat, tool_calls=calls))
                 elif ev[0] == "gone":
                     return Response(status_code=499)  # nobody reads it
                 else:
@@ -412,16 +461,41 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         done = False
+        # an answer that may be tool calls is held back until it is clearly not one (its
+        # start can no longer be a call's); calls are sent whole, once they are complete
+        trigger = (NATIVE_TRIGGER if native_tools else GENERIC_TRIGGER) if (
+            chat and calls_mode(g)) else None
+        held: list[str] = []
         try:
             if chat:
                 yield sse(P.chunk_body(rid, cfg.model_name, chat=True, role=True))
             while True:
                 ev = await req.events.get()
                 if ev[0] == "text":
-                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=ev[1]))
+                    if trigger is not None:
+                        held.append(ev[1])
+                        start = "".join(held).lstrip()
+                        if start.startswith(trigger) or trigger.startswith(start):
+                            continue
+                        trigger = None  # a plain answer: what was held goes out now
+                        text, held = "".join(held), []
+                    else:
+                        text = ev[1]
+                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text))
                 elif ev[0] == "done":
                     done = True
-                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, finish=ev[1]))
+                    finish = ev[1]
+                    if held:
+                        text = "".join(held)
+                        calls = parse_calls(text, native=native_tools) if finish == "stop" \
+                            else None
+                        if calls:
+                            finish = "tool_calls"
+                            yield sse(P.chunk_body(rid, cfg.model_name, chat=True,
+                                                   tool_calls=calls))
+                        else:
+                            yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text))
+                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, finish=finish))
                     if g.include_usage:
                         use = P.usage(len(req.prompt_ids), req.completion_tokens)
                         yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, use=use))

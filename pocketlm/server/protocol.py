@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -216,14 +217,15 @@ def _messages(v, name):
         if not isinstance(m, dict):
             raise _bad(f"'{where}' must be an object, got {_type_name(m)}", where,
                        "invalid_type")
-        unknown = set(m) - {"role", "content", "name"}
+        unknown = set(m) - {"role", "content", "name", "tool_calls", "tool_call_id",
+                            "refusal"}
         if unknown:
             raise _bad(f"unrecognized field '{where}.{shown(sorted(unknown)[0])}'", where,
                        "unknown_parameter")
         role = m.get("role")
-        if role not in ("system", "developer", "user", "assistant"):
-            raise _bad(f"'{where}.role' must be one of system, developer, user, assistant; "
-                       f"got {_as_written(role)}", f"{where}.role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise _bad(f"'{where}.role' must be one of system, developer, user, assistant, "
+                       f"tool; got {_as_written(role)}", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
             texts = []
@@ -235,11 +237,134 @@ def _messages(v, name):
                                f"{where}.content")
                 texts.append(part["text"])
             content = "".join(texts)
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if role != "assistant":
+                raise _bad(f"'{where}.tool_calls' belongs to assistant messages only",
+                           f"{where}.tool_calls")
+            calls = _tool_calls(calls, f"{where}.tool_calls")
+            if content is None:
+                content = ""
         if not isinstance(content, str):
             raise _bad(f"'{where}.content' must be a string, got {_type_name(content)}",
                        f"{where}.content", "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg = {"role": "system" if role == "developer" else role, "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _bad(f"'{where}.tool_call_id' must be a string (the id of the call this "
+                           "answers)", f"{where}.tool_call_id", "invalid_type")
+            msg["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        out.append(msg)
     return out
+
+
+def _tool_calls(v, name):
+    """An assistant message's earlier calls: ``[{"id", "type": "function", "function":
+    {"name", "arguments": JSON text}}]``."""
+    if not isinstance(v, list):
+        raise _bad(f"'{name}' must be an array, got {_type_name(v)}", name, "invalid_type")
+    out = []
+    for i, c in enumerate(v):
+        where = f"{name}[{i}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                and isinstance(fn.get("arguments"), (str, dict))):
+            raise _bad(f"'{where}' must be an object {CALL_SHAPE}", where, "invalid_type")
+        out.append({"id": c.get("id") if isinstance(c.get("id"), str) else f"call_{i}",
+                    "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
+
+
+CALL_SHAPE = '{"type": "function", "function": {"name": ..., "arguments": ...}}'
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _tools(v, name):
+    """``[{"type": "function", "function": {"name", "description", "parameters",
+    "strict"}}]`` as :class:`pocketlm.tools.Tool` objects (the schemas are compiled later)."""
+    from ..tools import Tool
+
+    if not isinstance(v, list) or not v:
+        raise _bad(f"'{name}' must be a non-empty array of tools", name, "invalid_type")
+    out, seen = [], set()
+    for i, t in enumerate(v):
+        where = f"{name}[{i}]"
+        if not isinstance(t, dict) or t.get("type") != "function":
+            raise _bad(f"'{where}' must be {{\"type\": \"function\", \"function\": {{...}}}}"
+                       " (functions are the only tools)", where, "invalid_type")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"'{where}.function' must be an object", f"{where}.function",
+                       "invalid_type")
+        unknown = set(fn) - {"name", "description", "parameters", "strict"}
+        if unknown:
+            raise _bad(f"unrecognized field '{where}.function.{shown(sorted(unknown)[0])}'",
+                       f"{where}.function", "unknown_parameter")
+        fname = fn.get("name")
+        if not isinstance(fname, str) or not _FUNCTION_NAME.fullmatch(fname):
+            raise _bad(f"'{where}.function.name' must be 1-64 letters, digits, _ or -; got "
+                       f"{_as_written(fname)}", f"{where}.function.name")
+        if fname in seen:
+            raise _bad(f"'{where}.function.name': two tools are named {fname}",
+                       f"{where}.function.name")
+        seen.add(fname)
+        desc = fn.get("description", "")
+        if not isinstance(desc, str):
+            raise _bad(f"'{where}.function.description' must be a string",
+                       f"{where}.function.description", "invalid_type")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _bad(f"'{where}.function.parameters' must be a JSON Schema object, got "
+                       f"{_type_name(params)}", f"{where}.function.parameters", "invalid_type")
+        if "strict" in fn:
+            _boolean(fn["strict"], f"{where}.function.strict")
+        out.append(Tool(fname, desc, params))
+    return out
+
+
+def _tool_choice(v, name):
+    if v in ("auto", "none", "required"):
+        return v
+    if isinstance(v, dict) and v.get("type") == "function" and isinstance(
+            v.get("function"), dict) and isinstance(v["function"].get("name"), str):
+        return {"type": "function", "function": {"name": v["function"]["name"]}}
+    raise _bad(f"'{name}' must be 'auto', 'none', 'required' or {{\"type\": \"function\", "
+               f"\"function\": {{\"name\": ...}}}}; got {_as_written(v)}", name)
+
+
+def _response_format(v, name):
+    """``{"type": "text"}`` (None), ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}`` as the JSON schema to hold
+    the output to."""
+    if not isinstance(v, dict):
+        raise _bad(f"'{name}' must be an object, got {_type_name(v)}", name, "invalid_type")
+    kind = v.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise _bad(f"'{name}.type' must be 'text', 'json_object' or 'json_schema'; got "
+                   f"{_as_written(kind)}", f"{name}.type")
+    spec = v.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _bad(f"'{name}.json_schema' must be an object with a 'schema'",
+                   f"{name}.json_schema", "invalid_type")
+    unknown = set(spec) - {"name", "schema", "strict", "description"}
+    if unknown:
+        raise _bad(f"unrecognized field '{name}.json_schema.{shown(sorted(unknown)[0])}'",
+                   f"{name}.json_schema", "unknown_parameter")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, (dict, bool)):
+        raise _bad(f"'{name}.json_schema.schema' must be a JSON Schema object, got "
+                   f"{_type_name(schema)}", f"{name}.json_schema.schema", "invalid_type")
+    return schema
 
 
 def _prompt(v, name):
@@ -304,8 +429,11 @@ def _speculative(v, name):
     return out
 
 CHAT_FIELDS = {**_SAMPLING, "messages": _messages, "max_completion_tokens": _integer(0),
-               "logprobs": _only(False, "no log-probabilities")}
+               "logprobs": _only(False, "no log-probabilities"),
+               "response_format": _response_format, "tools": _tools,
+               "tool_choice": _tool_choice, "parallel_tool_calls": _boolean}
 COMPLETION_FIELDS = {**_SAMPLING, "prompt": _prompt, "echo": _only(False, "no echo"),
+                     "response_format": _response_format,
                      "logprobs": _only(None, "no log-probabilities"),
                      "best_of": _only(1, "one candidate"),
                      "suffix": _only(None, "no insertion")}
@@ -334,6 +462,10 @@ class GenerationRequest:
     # the length when neither the request nor the model names one (None: the rest of the
     # context); max_tokens None leaves it to the model's generation defaults first
     builtin_max_tokens: int | None = None
+    # structured output: the JSON schema of response_format; the tools offered and the choice
+    json_schema: dict | bool | None = None
+    tools: list | None = None
+    tool_choice: str | dict = "auto"
 
 
 def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
@@ -358,6 +490,17 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         max_tokens = v.get("max_tokens")
     # OpenAI's default for /v1/completions (an explicit null: the rest of the context)
     builtin = 16 if not chat and "max_tokens" not in body else None
+    tools = v.get("tools")
+    choice = v.get("tool_choice")
+    if choice is not None and not tools:
+        raise _bad("'tool_choice' needs 'tools'", "tool_choice")
+    if isinstance(choice, dict) and choice["function"]["name"] not in {t.name for t in tools}:
+        raise _bad(f"'tool_choice' names the function {shown(choice['function']['name'])}, "
+                   "which is not among 'tools'", "tool_choice")
+    if tools and choice != "none" and v.get("response_format") is not None:
+        raise _bad("'response_format' with 'tools' is not supported: a call is held to its "
+                   "function's schema, a plain answer is free (use tool_choice 'none' for a "
+                   "formatted answer)", "response_format", "unsupported_value")
     return GenerationRequest(
         model=v["model"], messages=v.get("messages") if chat else None,
         prompt=None if chat else v["prompt"], max_tokens=max_tokens,
@@ -366,7 +509,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         seed=v.get("seed"), stop=v.get("stop") or [], stream=bool(v.get("stream")),
         include_usage=bool((v.get("stream_options") or {}).get("include_usage")),
         ignore_eos=bool(v.get("ignore_eos")), speculative=v.get("speculative"),
-        builtin_max_tokens=builtin)
+        builtin_max_tokens=builtin, json_schema=v.get("response_format"), tools=tools,
+        tool_choice=choice or "auto")
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -380,23 +524,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def completion_body(rid: str, model: str, text: str, finish: str, use: dict, *,
-                    chat: bool) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-               "logprobs": None, "finish_reason": finish} if chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+                    chat: bool, tool_calls: list[dict] | None = None) -> dict:
+    """The whole answer; with ``tool_calls`` the message is those calls (no content)."""
+    message = ({"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls
+               else {"role": "assistant", "content": text})
+    choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
 
 
 def chunk_body(rid: str, model: str, *, chat: bool, text: str | None = None,
-               role: bool = False, finish: str | None = None, use: dict | None = None) -> dict:
-    """One streamed chunk: a role announcement, a piece of text, the finish reason, or (with
-    ``use``) the usage chunk whose choices are empty."""
+               role: bool = False, finish: str | None = None, use: dict | None = None,
+               tool_calls: list[dict] | None = None) -> dict:
+    """One streamed chunk: a role announcement, a piece of text, tool calls (each whole, with
+    its ``index``), the finish reason, or (with ``use``) the usage chunk whose choices are
+    empty."""
     if use is not None:
         choices = []
     elif chat:
         delta = {"role": "assistant", "content": ""} if role else (
             {"content": text} if text is not None else {})
+        if tool_calls:
+            delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
         choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
     else:
         choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]

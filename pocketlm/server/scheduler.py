@@ -32,6 +32,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +93,8 @@ class Request:
     ignore_eos: bool = False
     # prompt-lookup drafting options (pocketlm.speculative), or None: one token per step
     speculative: dict | None = None
+    # structured output (pocketlm.structured): a Constraint / Triggered, or None
+    constraint: Any = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # set by either side
     cancelled: bool = False
@@ -382,7 +385,8 @@ class Scheduler:
             req.cache = self.runtime.new_cache(req.capacity)
             req.seq = Sequence(ids, max_tokens=req.max_tokens, sampler=req.sampler,
                                stop_ids=self.stop_ids, ignore_eos=req.ignore_eos,
-                               text=TextStream(self.model.tokenizer, req.stop))
+                               text=TextStream(self.model.tokenizer, req.stop),
+                               constraint=req.constraint)
             if req.speculative:
                 o = req.speculative
                 req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 2))
