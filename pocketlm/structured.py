@@ -34,6 +34,10 @@ from .errors import GrammarError
 from .tokenizer import Tokenizer
 
 KINDS = ("json_schema", "regex", "grammar")
+# JSON output is written on one line with ", " and ": " (as json.dumps writes it): free
+# whitespace lets a small model pad forever; a schema's "x-guidance" options override this
+# (e.g. {"whitespace_flexible": true}).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CACHE_SIZE = 64
 
 
@@ -135,7 +139,7 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         except (TypeError, ValueError) as e:
             raise GrammarError(f"the JSON schema cannot be written as JSON: {e}",
                                param=kind) from None
-        compiled = llg.LLMatcher.grammar_from_json_schema(source)
+        compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
     else:
         if not isinstance(value, str) or not value.strip():
             raise GrammarError(f"{kind} must be a non-empty string", param=kind)

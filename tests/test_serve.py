@@ -533,3 +533,126 @@ def test_speculative_requests_get_the_same_answers_alone_and_batched(server, loc
         assert off.choices[0].message.content == want[0]
     finally:
         assert default.stop() == 0
+
+
+# -- structured output and tool calls ------------------------------------------------------
+
+WEATHER = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The local time",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "maxLength": 40}},
+                                          "required": ["city"]}}}]
+
+
+def test_response_format_parses_with_the_real_client_and_matches_the_library(server, local):
+    from pydantic import BaseModel
+
+    class Person(BaseModel):
+        name: str
+        age: int
+        city: str
+
+    c = server.client(timeout=300)
+    msgs = [{"role": "user", "content": "Li Wei is 34 and lives in Beijing. Give JSON."}]
+    r = c.chat.completions.parse(model=MODEL, messages=msgs, response_format=Person,
+                                 max_tokens=80, temperature=0)
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, Person) and r.choices[0].finish_reason == "stop"
+    want = local.chat(msgs, max_tokens=80, temperature=0,
+                      json_schema=Person.model_json_schema() | {"additionalProperties": False})
+    assert Person.model_validate_json(want) == parsed
+    # json_object, streamed, on completions too; several at once with plain requests
+    def obj(i):
+        return c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": QUESTIONS[i % 4]}],
+            max_tokens=48, temperature=0.8, seed=i,
+            response_format={"type": "json_object"} if i % 2 == 0 else None)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(obj, range(6)))
+    for i, a in enumerate(answers):
+        if i % 2 == 0 and a.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(a.choices[0].message.content), dict)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    r = c.completions.create(model=MODEL, prompt="Is the sky blue? JSON:", max_tokens=20,
+                             extra_body={"response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "a",
+                                                                             "schema": schema}}})
+    assert json.loads(r.choices[0].text)["answer"] in ("yes", "no")
+    pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=80, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {
+            "name": "p", "schema": Person.model_json_schema() | {"additionalProperties": False},
+            "strict": True}}) if ch.choices]
+    assert Person.model_validate_json("".join(pieces)) == parsed
+
+
+def test_tool_calls_round_trip_with_the_real_client(server):
+    c = server.client(timeout=300)
+    ask = [{"role": "user", "content": "What's the weather in Paris, in Celsius?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = c.chat.completions.create(model=MODEL, messages=ask, tools=WEATHER,
+                                      tool_choice=choice, max_tokens=80, temperature=0)
+        m = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls" and m.content is None
+        call = m.tool_calls[0]
+        args = json.loads(call.function.arguments)
+        assert call.id.startswith("call_") and call.type == "function"
+        if isinstance(choice, dict):
+            assert call.function.name == "get_weather"
+        assert set(args) <= {"city", "unit"} and "city" in args
+    stream = c.chat.completions.create(model=MODEL, messages=ask, tools=WEATHER,
+                                       tool_choice="required", max_tokens=80, temperature=0,
+                                       stream=True)
+    chunks = [ch for ch in stream if ch.choices]
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or [])]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert deltas and deltas[0].function.name == call.function.name
+    assert json.loads(deltas[0].function.arguments) == args
+    assert not any(ch.choices[0].delta.content for ch in chunks)
+    # the result goes back; "none" answers in text (and may not call)
+    follow = ask + [m.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
+    r = c.chat.completions.create(model=MODEL, messages=follow, tools=WEATHER,
+                                  tool_choice="none", max_tokens=30, temperature=0)
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+    # "auto" on a question no tool answers: free text, streamed as content
+    pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write one sentence about cats."}],
+        tools=WEATHER, max_tokens=30, temperature=0, stream=True) if ch.choices]
+    assert "".join(pieces).strip() and not "".join(pieces).lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"not": {}}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "strin"}}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ({"tools": WEATHER, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": WEATHER, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": WEATHER, "response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_bad_schemas_and_tools_get_400_naming_the_field(server, extra, param):
+    r = _post(server, "/v1/chat/completions",
+              {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+               "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    ok = _post(server, "/v1/chat/completions",
+               {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+    assert ok.status_code == 200

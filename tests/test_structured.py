@@ -1,0 +1,245 @@
+"""Structured output: generation held to a JSON Schema, a regular expression or a grammar.
+
+Random-weight models of every family are the hardest case (left free they never write JSON):
+every constrained output must still parse and validate (jsonschema, an implementation we did
+not write), greedy and sampled. Also: the greedy shortcut equals the full mask, speculative
+decoding and batching are unchanged, bad grammars are refused with the field named, the CLI,
+and the tool-calling formats."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+import tiny_gguf
+
+import pocketlm
+from pocketlm.errors import GrammarError
+from pocketlm.sampling import Sampler, SamplingParams
+from pocketlm.structured import Constraint, parse_grammar
+from pocketlm.tools import Tool, call_grammar, closed, parse_calls, render_messages
+
+FAMILIES = ["llama", "qwen2", "gemma3"]
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,6}$"},
+                 "minItems": 1, "maxItems": 3},
+        "home": {"$ref": "#/$defs/place"},
+        "note": {"anyOf": [{"type": "null"}, {"type": "number", "minimum": -1, "maximum": 1}]},
+    },
+    "required": ["name", "age", "role", "tags", "home"],
+    "additionalProperties": False,
+    "$defs": {"place": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 10}, "zip": {"const": "00000"}},
+        "required": ["city", "zip"], "additionalProperties": False}},
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def tiny(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"structured-{request.param}")
+    path = root / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(path, request.param, seed=11, weight_type="Q4_0",
+                              max_context=1024)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POCKET_HOME", str(root / "home"))
+        yield pocketlm.load(path)
+
+
+@pytest.mark.parametrize("kwargs, param, match", [
+    (dict(json_schema={"type": "strin"}), "json_schema", "Invalid type"),
+    (dict(json_schema={"type": "integer", "minimum": 3, "maximum": 1}), "json_schema",
+     "Unsatisfiable"),
+    (dict(json_schema={"not": {"type": "string"}}), "json_schema", "Unimplemented keys"),
+    (dict(json_schema={"$ref": "#/$defs/missing"}), "json_schema", "does not exist"),
+    (dict(json_schema="{not json"), "json_schema", "not valid JSON"),
+    (dict(json_schema=[1, 2]), "json_schema", "must be an object"),
+    (dict(regex="(ab"), "regex", "unclosed group"),
+    (dict(regex=""), "regex", "non-empty"),
+    (dict(grammar="start: undefined_rule"), "grammar", "unknown name"),
+    (dict(json_schema={}, regex="a"), "regex", "one of"),
+])
+def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match):
+    with pytest.raises(GrammarError, match=match) as e:
+        parse_grammar(**kwargs)
+    assert e.value.param == param
+    assert "\n" not in str(e.value)
+
+
+def test_gbnf_is_read_as_well_as_lark():
+    assert parse_grammar(grammar='root ::= "yes" | "no"').kind == "grammar"
+    assert parse_grammar(grammar='start: "yes" | "no"').kind == "grammar"
+
+
+def test_the_sampler_draws_only_allowed_tokens_and_leaves_the_logits_alone():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=64).astype(np.float32)
+    before = logits.copy()
+    allowed = np.zeros(64, dtype=bool)
+    allowed[[3, 17, 40]] = True
+    greedy = Sampler(SamplingParams())
+    assert greedy(logits, [], allowed=allowed) == [3, 17, 40][int(np.argmax(logits[[3, 17, 40]]))]
+    hot = Sampler(SamplingParams(temperature=1.5, top_p=0.9, seed=1, repetition_penalty=1.3))
+    draws = {hot(logits, [3, 5], allowed=allowed) for _ in range(200)}
+    assert draws <= {3, 17, 40} and len(draws) > 1
+    np.testing.assert_array_equal(logits, before)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0, seed=3),
+                                      dict(temperature=0.7, top_k=20, seed=5)])
+def test_random_models_always_write_valid_json(tiny, sampling):
+    for prompt in ["Describe a person.", "{", "名字"]:
+        out = tiny.generate(prompt, max_tokens=400, json_schema=PERSON, **sampling)
+        assert tiny.last_state.finish_reason == "stop", out
+        jsonschema.validate(json.loads(out), PERSON)
+
+
+def test_regex_and_grammar_outputs_match(tiny):
+    out = tiny.generate("Date:", max_tokens=40, regex=r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]",
+                        temperature=1.0, seed=2)
+    assert re.fullmatch(r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]", out)
+    lark = 'start: "The answer is " ("yes" | "no") "."'
+    out = tiny.generate("Q:", max_tokens=40, grammar=lark)
+    assert out in ("The answer is yes.", "The answer is no.")
+    assert tiny.last_state.finish_reason == "stop"
+
+
+def test_the_greedy_shortcut_equals_the_full_mask(tiny, monkeypatch):
+    want = tiny.generate("Hello", max_tokens=120, json_schema=PERSON)
+    calls = []
+    original = Constraint.sample
+
+    def always_mask(self, sampler, logits, history):
+        calls.append(1)
+        return sampler(logits, history, allowed=self.allowed())
+
+    monkeypatch.setattr(Constraint, "sample", always_mask)
+    assert tiny.generate("Hello", max_tokens=120, json_schema=PERSON) == want
+    assert calls
+    monkeypatch.setattr(Constraint, "sample", original)
+
+
+def test_max_tokens_ends_with_length_and_the_text_so_far(tiny):
+    out = tiny.generate("x", max_tokens=5, json_schema=PERSON)
+    assert tiny.last_state.finish_reason == "length"
+    assert out.startswith("{") and len(tiny.last_state.generated) == 5
+
+
+def test_a_state_where_nothing_is_allowed_ends_with_an_error(tiny, monkeypatch):
+    c = tiny.constraint(json_schema=PERSON)
+
+    class Nothing:
+        def unsafe_compute_mask_ptr(self, ptr, size):
+            import ctypes
+
+            ctypes.memset(ptr, 0, size)
+
+        def is_error(self):
+            return False
+
+    c.matcher = Nothing()
+    with pytest.raises(GrammarError, match="allows no token"):
+        c.allowed()
+
+
+def test_speculative_and_batched_generation_are_unchanged(tiny):
+    msgs = [[{"role": "user", "content": f"person {i}"}] for i in range(3)]
+    want = [tiny.chat(m, max_tokens=150, json_schema=PERSON) for m in msgs]
+    assert [tiny.chat(m, max_tokens=150, json_schema=PERSON, speculative="lookup")
+            for m in msgs] == want
+    got = {i: text for i, text, _ in tiny.chat_batch(msgs, max_tokens=150, json_schema=PERSON)}
+    assert [got[i] for i in range(3)] == want
+
+
+def test_closed_schemas_and_tool_call_formats():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {}},
+                                               "b": {"type": "array", "items": {
+                                                   "properties": {"c": {}}}}}}
+    c = closed(schema)
+    assert c["additionalProperties"] is False
+    assert c["properties"]["a"]["additionalProperties"] is False
+    assert c["properties"]["b"]["items"]["additionalProperties"] is False
+    assert closed({"type": "object", "additionalProperties": True})["additionalProperties"]
+    native = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    calls = parse_calls(native, native=True)
+    assert calls[0]["function"] == {"name": "f", "arguments": '{"x": 1}'}
+    assert parse_calls(native + " and more text", native=True) is None
+    assert parse_calls('{"name": "f", "arguments": {}}', native=False)[0]["function"]["name"] == "f"
+    assert parse_calls("Hello", native=False) is None
+    tools = [Tool("f", "does f", {"type": "object", "properties": {"x": {"type": "integer"}}})]
+    msgs, extra = render_messages([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x":1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}], tools, native=False)
+    assert extra == {} and msgs[0]["role"] == "system" and '"name": "f"' in msgs[0]["content"]
+    assert msgs[2] == {"role": "assistant", "content": '{"name": "f", "arguments": {"x": 1}}'}
+    assert msgs[3]["role"] == "user" and msgs[3]["content"].endswith("2")
+    _, extra = render_messages([{"role": "user", "content": "hi"}], tools, native=True)
+    assert extra["tools"][0]["function"]["name"] == "f"
+    assert call_grammar(tools, native=True).kind == "grammar"
+
+
+def test_tool_calls_of_a_random_model_always_parse(tiny):
+    tools = [Tool("get_weather", "", {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"]}), Tool("noop", "", {})]
+    for native in (True, False):
+        grammar = call_grammar(tools, native=native)
+        for seed in range(3):
+            out = tiny.generate("call", max_tokens=300, temperature=1.0, seed=seed,
+                                grammar=grammar.source)
+            calls = parse_calls(out, native=native)
+            assert calls, out
+            for call in calls:
+                args = json.loads(call["function"]["arguments"])
+                if call["function"]["name"] == "get_weather":
+                    assert set(args) == {"city", "unit"} and args["unit"] in ("C", "F")
+                else:
+                    assert args == {}
+
+
+def test_cli_constraints(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", seed=7, weight_type="Q4_0", max_context=1024)
+    env = {**__import__("os").environ, "POCKET_HOME": str(tmp_path / "home")}
+    schema = tmp_path / "person.json"
+    schema.write_text(json.dumps(PERSON))
+    lark = tmp_path / "yn.lark"
+    lark.write_text('start: "yes" | "no"\n')
+
+    def pocket(*args):
+        return subprocess.run([sys.executable, "-m", "pocketlm.cli", "run", "-m", str(path),
+                               "--raw", "-n", "300", *args], env=env, capture_output=True,
+                              text=True)
+
+    p = pocket("--json-schema", str(schema), "hi")
+    assert p.returncode == 0, p.stderr
+    jsonschema.validate(json.loads(p.stdout), PERSON)
+    p = pocket("--json-schema", '{"type": "array", "items": {"type": "integer"}, '
+               '"minItems": 2, "maxItems": 2}', "hi")
+    assert p.returncode == 0 and len(json.loads(p.stdout)) == 2
+    p = pocket("--regex", "[0-9]{3}", "hi")
+    assert p.returncode == 0 and re.fullmatch(r"[0-9]{3}\n", p.stdout)
+    p = pocket("--grammar", str(lark), "hi")
+    assert p.returncode == 0 and p.stdout in ("yes\n", "no\n")
+    for args, match in [(["--json-schema", '{"type": "strin"}'], "Invalid type"),
+                        (["--json-schema", str(tmp_path / "missing.json")], "not a file"),
+                        (["--json-schema", "{oops"], "not valid JSON"),
+                        (["--regex", "(ab"], "unclosed group"),
+                        (["--grammar", str(schema)], "grammar is not usable"),
+                        (["--grammar", str(tmp_path)], "not a file")]:
+        p = pocket(*args, "hi")
+        assert p.returncode == 1, (args, p.stdout)
+        assert match in p.stderr and p.stderr.count("\n") == 1, p.stderr
+        assert p.stdout == ""
