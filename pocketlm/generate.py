@@ -18,6 +18,7 @@ import numpy as np
 
 from .runtime import KVCache, Runtime
 from .sampling import Sampler
+from .sampling import logprobs as token_logprobs
 from .structured import Constraint
 from .tokenizer import StreamingDetokenizer, Tokenizer
 
@@ -29,6 +30,9 @@ class GenerationState:
     prompt_tokens: int = 0
     generated: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length"
+    # with Sequence(logprobs=K): per generated token, (its log-probability, the K most likely
+    # tokens as (id, log-probability))
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class Sequence:
@@ -48,7 +52,7 @@ class Sequence:
     def __init__(self, prompt_ids: list[int], *, max_tokens: int, sampler: Sampler,
                  stop_ids: Iterable[int], text: TextStream | None = None,
                  ignore_eos: bool = False, state: GenerationState | None = None,
-                 constraint: Constraint | None = None):
+                 constraint: Constraint | None = None, logprobs: int | None = None):
         self.state = state if state is not None else GenerationState()
         self.state.prompt_tokens = len(prompt_ids)
         self.prompt_ids = list(prompt_ids)
@@ -58,6 +62,11 @@ class Sequence:
         self.stop_ids = frozenset(()) if ignore_eos else frozenset(stop_ids)
         self.text = text
         self.constraint = constraint
+        self.logprobs = logprobs
+        self._pending = None  # the log-probabilities of the token just sampled
+        self._logprobs_sent = 0
+        if logprobs is not None:
+            self.state.logprobs = []
         if max_tokens == 0:
             self.state.finish_reason = "length"
 
@@ -70,9 +79,23 @@ class Sequence:
         return self.state.generated
 
     def sample(self, logits: np.ndarray) -> int:
-        if self.constraint is not None:
-            return self.constraint.sample(self.sampler, logits, self.history)
-        return self.sampler(logits, self.history)
+        def draw(allowed=None):
+            return self.sampler(logits, self.history, allowed=allowed,
+                                generated=self.state.generated)
+
+        token = (self.constraint.sample(draw, self.sampler.greedy)
+                 if self.constraint is not None else draw())
+        if self.logprobs is not None:
+            self._pending = token_logprobs(logits, token, self.logprobs)
+        return token
+
+    def new_logprobs(self) -> list:
+        """The log-probabilities of the tokens taken since the last call."""
+        if self.state.logprobs is None:
+            return []
+        out = self.state.logprobs[self._logprobs_sent:]
+        self._logprobs_sent = len(self.state.logprobs)
+        return out
 
     def add(self, token: int, cache_full: bool = False) -> str | None:
         """Take ``token``: the text that can be shown now ("" while it is held back), or None
@@ -82,6 +105,9 @@ class Sequence:
             return None
         if self.constraint is not None:
             self.constraint.consume(token)
+        if self.state.logprobs is not None and self._pending is not None:
+            self.state.logprobs.append(self._pending)
+            self._pending = None
         self.state.generated.append(token)
         self.history.append(token)
         piece = self.text.add(token) if self.text is not None else ""

@@ -23,6 +23,11 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0  # 1: off
     seed: int | None = None
+    # OpenAI's: subtracted from a token's logit once it was generated (presence) and per time
+    # it was generated (frequency); the prompt does not count. 0: off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def validate(self) -> SamplingParams:
         def finite(name: str, value) -> float:
@@ -46,6 +51,18 @@ class SamplingParams:
         rp = finite("repetition_penalty", self.repetition_penalty)
         if rp <= 0:
             raise SamplingError(f"repetition_penalty must be > 0 (1 = off), got {rp}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = finite(name, getattr(self, name))
+            if not -2 <= v <= 2:
+                raise SamplingError(f"{name} must be in [-2, 2], got {v}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingError("logit_bias must map token ids to numbers")
+            for k, v in self.logit_bias.items():
+                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+                    raise SamplingError(f"logit_bias keys must be token ids, got {k!r}")
+                if not -100 <= finite(f"logit_bias[{k}]", v) <= 100:
+                    raise SamplingError(f"logit_bias[{k}] must be in [-100, 100], got {v}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or (
             self.top_k < 0
         ):
@@ -63,29 +80,43 @@ class Sampler:
     def __init__(self, params: SamplingParams):
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
+        bias = params.logit_bias or {}
+        self._bias_ids = np.fromiter(bias.keys(), dtype=np.int64, count=len(bias))
+        self._bias = np.fromiter(bias.values(), dtype=np.float64, count=len(bias))
 
     @property
     def greedy(self) -> bool:
         return self.params.temperature == 0
 
     def __call__(self, logits: np.ndarray, history: list[int] | None = None,
-                 allowed: np.ndarray | None = None) -> int:
-        """The next token. ``allowed`` (a bool array over the vocabulary, from a grammar)
-        removes every other token before anything else; the logits are copied at most once."""
+                 allowed: np.ndarray | None = None, generated: list[int] | None = None
+                 ) -> int:
+        """The next token. ``history`` (prompt and output) is what the repetition penalty
+        sees, ``generated`` (the output) what the presence and frequency penalties see;
+        ``allowed`` (a bool array over the vocabulary, from a grammar) removes every other
+        token before anything else. The logits are copied at most once."""
         p = self.params
-        if p.temperature == 0 and (p.repetition_penalty == 1.0 or not history):
+        plain = (p.repetition_penalty == 1.0 or not history) and not self._bias.size and (
+            not generated or (p.presence_penalty == 0 and p.frequency_penalty == 0))
+        if p.temperature == 0 and plain:
             if allowed is not None:
                 return int(np.argmax(np.where(allowed, logits, -np.inf)))
             return int(np.argmax(logits))  # greedy: no copy needed (the same first maximum)
         x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay intact
         if allowed is not None:
             x[~allowed] = -np.inf
+        if self._bias.size:
+            ok = self._bias_ids < x.size
+            x[self._bias_ids[ok]] += self._bias[ok]
         if p.repetition_penalty != 1.0 and history:
             seen = np.unique(np.asarray(history, dtype=np.int64))
             vals = x[seen]
             with np.errstate(over="ignore"):  # a tiny penalty may push a logit to +inf
                 x[seen] = np.where(vals > 0, vals / p.repetition_penalty,
                                    vals * p.repetition_penalty)
+        if generated and (p.presence_penalty or p.frequency_penalty):
+            ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+            x[ids] -= p.presence_penalty + p.frequency_penalty * counts
         if p.temperature == 0:
             return int(np.argmax(x))
         x = _finite_scores(x)
@@ -128,3 +159,23 @@ def _finite_scores(x: np.ndarray) -> np.ndarray:
         raise SamplingError("every next-token score is NaN or -inf: the model produced no "
                             "usable logits")
     return x
+
+
+def logprobs(logits: np.ndarray, token: int, top: int = 0
+             ) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of ``token`` under ``logits`` (the model's own distribution: before
+    temperature, penalties, bias or a grammar) and the ``top`` most likely tokens with
+    theirs, most likely first."""
+    x = np.asarray(logits, dtype=np.float64)
+    finite = np.isfinite(x)
+    m = x[finite].max() if finite.any() else 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        lse = m + np.log(np.sum(np.exp(np.where(finite, x - m, -np.inf))))
+    lp = float(x[token] - lse) if np.isfinite(x[token]) else float("-inf")
+    best: list[tuple[int, float]] = []
+    if top > 0:
+        k = min(top, x.size)
+        idx = np.argpartition(-np.where(finite, x, -np.inf), k - 1)[:k]
+        idx = idx[np.argsort(-x[idx], kind="stable")]
+        best = [(int(i), float(x[i] - lse)) for i in idx]
+    return lp, best

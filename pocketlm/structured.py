@@ -241,13 +241,14 @@ class Constraint:
                                "nothing can be generated", param=self.grammar.kind)
         return mask
 
-    def sample(self, sampler, logits: np.ndarray, history: list[int] | None) -> int:
-        """The token ``sampler`` draws from ``logits`` restricted to what the grammar allows."""
-        if sampler.greedy:
-            token = sampler(logits, history)
+    def sample(self, draw, greedy: bool) -> int:
+        """The token ``draw(allowed=None)`` draws among those the grammar allows (``draw``
+        samples from this step's logits; ``greedy``: it takes the best one)."""
+        if greedy:
+            token = draw()
             if token < self.n_vocab and self.matcher.validate_tokens([token]) == 1:
                 return token
-        return sampler(logits, history, allowed=self.allowed())
+        return draw(allowed=self.allowed())
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
@@ -295,10 +296,10 @@ class Triggered:
     def active(self) -> bool:
         return self.inner is not None
 
-    def sample(self, sampler, logits: np.ndarray, history: list[int] | None) -> int:
+    def sample(self, draw, greedy: bool) -> int:
         if self.inner is not None:
-            return self.inner.sample(sampler, logits, history)
-        return sampler(logits, history)
+            return self.inner.sample(draw, greedy)
+        return draw()
 
     def consume(self, token: int) -> None:
         if self.inner is not None:

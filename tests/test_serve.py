@@ -300,7 +300,16 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "invalid_value", "temperature"),
     ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "invalid_type", "stream"),
-    ({"model": MODEL, "prompt": "x", "n": 2}, 400, "unsupported_value", "n"),
+    ({"model": MODEL, "prompt": "x", "n": 0}, 400, "invalid_value", "n"),
+    ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "unsupported_value", "best_of"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999999": 1}}, 400, "invalid_value",
+     "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"7": 101}}, 400, "invalid_value",
+     "logit_bias.7"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": -3}, 400, "invalid_value",
+     "presence_penalty"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "invalid_value", "logprobs"),
+    ({"model": MODEL, "prompt": [1, "a"]}, 400, "invalid_type", "prompt[0]"),
     ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "invalid_type", "stop"),
     ({"model": MODEL, "prompt": "x", "seed": -4}, 400, "invalid_value", "seed"),
     ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unknown_parameter", "bogus"),
@@ -329,9 +338,9 @@ def test_bad_requests_get_openai_errors(server, body, status, code, param):
 
 
 def test_unsupported_values_are_shown_as_json(server):
-    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": True})
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3})
     assert r.status_code == 400
-    assert "'logprobs' = true is not supported" in r.json()["error"]["message"]
+    assert "'best_of' = 3 is not supported" in r.json()["error"]["message"]
 
 
 def test_bad_chat_requests(server):
@@ -656,3 +665,88 @@ def test_bad_schemas_and_tools_get_400_naming_the_field(server, extra, param):
                {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 2})
     assert ok.status_code == 200
+
+
+# -- the rest of the OpenAI surface: logprobs, echo, n, logit_bias, penalties ----------------
+
+def _log_softmax(x):
+    import numpy as np
+
+    x = np.asarray(x, dtype=np.float64)
+    return x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+
+
+def test_prompt_scoring_with_echo_equals_the_models_logits(server, local):
+    c = server.client(timeout=300)
+    prompt = "The capital of France is Paris, and the capital of Italy is Rome."
+    ids = local.tokenize(prompt)
+    want = [_log_softmax(row) for row in local.logits(ids)]
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt
+    assert lp.token_logprobs[0] is None and len(lp.token_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - want[i - 1][ids[i]]) < 1e-3
+        best = sorted(range(len(want[i - 1])), key=lambda t: -want[i - 1][t])[:3]
+        assert list(lp.top_logprobs[i].values()) == pytest.approx(
+            [want[i - 1][t] for t in best], abs=1e-3)
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    # token ids as the prompt, and an answer after it: the same scores, then the answer's
+    r2 = c.completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True, logprobs=1)
+    scores = r2.choices[0].logprobs.token_logprobs
+    assert scores[0] is None
+    assert scores[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert r2.choices[0].text.startswith(prompt)
+    assert len(r2.choices[0].logprobs.tokens) == len(ids) + r2.usage.completion_tokens
+
+
+def test_chat_logprobs_and_several_choices(server, local):
+    c = server.client(timeout=300)
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                  logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(x.token for x in content) == r.choices[0].message.content
+    ids = local.chat_ids(msgs)
+    first = _log_softmax(local.logits(ids)[-1])
+    assert content[0].logprob == pytest.approx(first.max(), abs=1e-3)  # greedy: the best
+    assert content[0].top_logprobs[0].token == content[0].token
+    streamed = [x.token for ch in c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, stream=True)
+        if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert streamed == [x.token for x in content]
+    # n choices: differ when sampled, reproducible with a seed, streamed by index
+    r = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, n=3,
+                                  temperature=1.0, seed=4)
+    texts = [ch.message.content for ch in r.choices]
+    assert [ch.index for ch in r.choices] == [0, 1, 2] and len(set(texts)) > 1
+    assert r.usage.prompt_tokens == len(ids)
+    again = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, n=3,
+                                      temperature=1.0, seed=4)
+    assert [ch.message.content for ch in again.choices] == texts
+    got: dict[int, str] = {}
+    for ch in c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, n=3,
+                                        temperature=1.0, seed=4, stream=True):
+        for choice in ch.choices:
+            got[choice.index] = got.get(choice.index, "") + (choice.delta.content or "")
+    assert [got[i] for i in range(3)] == texts
+    r = c.completions.create(model=MODEL, prompt=["One two", "Red green"], max_tokens=3, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
+
+
+def test_logit_bias_and_penalties(server, local):
+    c = server.client(timeout=300)
+    forced = local.tokenize(" capital")[0]
+    r = c.completions.create(model=MODEL, prompt="Paris is the", max_tokens=3, temperature=0,
+                             logit_bias={str(forced): 100})
+    assert r.choices[0].text == " capital" * 3
+    plain = c.completions.create(model=MODEL, prompt="one one one one", max_tokens=16,
+                                 temperature=0).choices[0].text
+    penalised = c.completions.create(model=MODEL, prompt="one one one one", max_tokens=16,
+                                     temperature=0, frequency_penalty=2.0).choices[0].text
+    present = c.completions.create(model=MODEL, prompt="one one one one", max_tokens=16,
+                                   temperature=0, presence_penalty=2.0).choices[0].text
+    assert penalised != plain and present != plain
+    for text in (penalised, present):  # no token of the answer more than a few times
+        ids = local.tokenize(text, add_bos=False)
+        assert max(ids.count(t) for t in set(ids)) <= 4

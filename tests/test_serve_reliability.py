@@ -112,11 +112,11 @@ class PoisonedSampler(Sampler):
         super().__init__(params)
         self.calls = 0
 
-    def __call__(self, logits, history=None):
+    def __call__(self, logits, history=None, **kwargs):
         self.calls += 1
         if self.calls == 3:
             raise RuntimeError("poisoned row")
-        return super().__call__(logits, history)
+        return super().__call__(logits, history, **kwargs)
 
 
 def test_one_poisoned_request_among_eight_running_leaves_the_eight_unharmed(make_app,
@@ -360,9 +360,9 @@ async def call_and_hang_up(app, body: dict, after: float) -> list[dict]:
 class SlowSampler(Sampler):
     """A sampler that takes 2 ms a token: long answers stay running while the test looks."""
 
-    def __call__(self, logits, history=None):
+    def __call__(self, logits, history=None, **kwargs):
         time.sleep(0.002)
-        return super().__call__(logits, history)
+        return super().__call__(logits, history, **kwargs)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])

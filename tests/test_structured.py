@@ -119,9 +119,9 @@ def test_the_greedy_shortcut_equals_the_full_mask(tiny, monkeypatch):
     calls = []
     original = Constraint.sample
 
-    def always_mask(self, sampler, logits, history):
+    def always_mask(self, draw, greedy):
         calls.append(1)
-        return sampler(logits, history, allowed=self.allowed())
+        return draw(allowed=self.allowed())
 
     monkeypatch.setattr(Constraint, "sample", always_mask)
     assert tiny.generate("Hello", max_tokens=120, json_schema=PERSON) == want

@@ -333,17 +333,22 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             raise P.APIError(400, str(e), param=param, code="invalid_schema") from None
         return None
 
-    def prompt_ids(g: P.GenerationRequest) -> list[int]:
+    def prompt_ids(g: P.GenerationRequest, prompt=None) -> list[int]:
+        """The token ids of the chat, or of one completions ``prompt`` (text or ids)."""
         try:
-            ids = (chat_prompt(g) if g.messages is not None
-                   else model.tokenize(g.prompt))
+            if g.messages is not None:
+                ids = chat_prompt(g)
+            elif isinstance(prompt, list):
+                ids = model._check_ids(prompt)
+            else:
+                ids = model.tokenize(prompt)
         except PocketError as e:
             raise P.APIError(400, str(e), param="messages" if g.messages else "prompt") from None
         if not ids:
             raise P.APIError(400, "the prompt is empty", param="prompt")
         return ids
 
-    def build(g: P.GenerationRequest, ids: list[int], loop) -> Request:
+    def build(g: P.GenerationRequest, ids: list[int], loop, choice: int = 0) -> Request:
         n_ctx = model.n_ctx
         if len(ids) >= n_ctx:
             raise P.APIError(400, f"This model's maximum context length is {n_ctx} tokens; "
@@ -362,14 +367,28 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              f"the prompt has {len(ids)} and max_tokens asks for {max_tokens} "
                              f"more ({len(ids) + max_tokens})", param="max_tokens",
                              code="context_length_exceeded")
+        if g.logit_bias:
+            bad = [t for t in g.logit_bias if t >= model.config.vocab_size]
+            if bad:
+                raise P.APIError(400, f"'logit_bias' names token {bad[0]}, beyond the "
+                                 f"vocabulary (0..{model.config.vocab_size - 1})",
+                                 param="logit_bias", code="invalid_value")
         try:
+            # with a seed, choice i draws with seed + i: several choices differ, reproducibly
+            seed = None if g.seed is None else g.seed + choice
             params = model.sampling_params(g.temperature, g.top_k, g.top_p, g.min_p,
-                                           g.repetition_penalty, g.seed)
+                                           g.repetition_penalty, seed)
+            params.presence_penalty = g.presence_penalty or 0.0
+            params.frequency_penalty = g.frequency_penalty or 0.0
+            params.logit_bias = g.logit_bias or None
+            sampler = Sampler(params)
         except PocketError as e:
             raise P.APIError(400, str(e)) from None
         spec = cfg.speculative if g.speculative is None else g.speculative or None
-        return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=Sampler(params),
-                       stop=g.stop, loop=loop, ignore_eos=g.ignore_eos, speculative=spec)
+        return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=sampler,
+                       stop=g.stop, loop=loop, ignore_eos=g.ignore_eos, speculative=spec,
+                       logprobs=g.logprobs,
+                       score_prompt=g.echo and g.logprobs is not None)
 
     def submit(req: Request) -> None:
         try:
@@ -407,108 +426,238 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         check_json_type(request)
         g = P.parse_request(P.decode_json(await read_body(request)), chat=chat)
         check_model(g.model)
-        ids = prompt_ids(g)
-        req = build(g, ids, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        prompts = [None] if chat else g.prompts
+        # one request per (prompt, choice): they decode together like any others
+        reqs: list[Request] = []
+        for prompt in prompts:
+            ids = prompt_ids(g, prompt)
+            reqs += [build(g, ids, loop, choice) for choice in range(g.n)]
         if g.json_schema is not None or calls_mode(g):
             # compiling a new schema (and, once, the vocabulary's index) must not stall the
             # event loop: other requests keep streaming meanwhile
-            req.constraint = await asyncio.to_thread(make_constraint, g)
-        submit(req)
+            for req in reqs:
+                req.constraint = await asyncio.to_thread(make_constraint, g)
+        for i, req in enumerate(reqs):
+            try:
+                submit(req)
+            except P.APIError:
+                for r in reqs[:i]:
+                    scheduler.cancel(r)
+                raise
         rid = P.new_id(chat)
         if g.stream:
-            return StreamingResponse(stream(req, rid, g, chat), media_type="text/event-stream",
+            return StreamingResponse(stream(reqs, rid, g, chat),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
-        return await collect(request, req, rid, g, chat)
+        return await collect(request, reqs, rid, g, chat)
 
-    async def cancel_on_disconnect(request: HTTPRequest, req: Request) -> None:
+    async def cancel_on_disconnect(request: HTTPRequest, reqs: list[Request],
+                                   gone: asyncio.Event) -> None:
         """Wait for the client to hang up (the body is read: what comes next is ASGI's
-        ``http.disconnect``), then cancel ``req``."""
+        ``http.disconnect``), then cancel ``reqs``."""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        scheduler.cancel(req)
-        req.events.put_nowait(("gone",))
-
-    async def collect(request: HTTPRequest, req: Request, rid: str, g: P.GenerationRequest,
-                      chat: bool) -> Response:
-        watcher = asyncio.create_task(cancel_on_disconnect(request, req))
-        pieces = []
-        try:
-            while True:
-                ev = await req.events.get()
-                if ev[0] == "text":
-                    pieces.append(ev[1])
-                elif ev[0] == "done":
-                    use = P.usage(len(req.prompt_ids), req.completion_tokens)
-                    text, finish, calls = "".join(pieces), ev[1], None
-                    if chat and calls_mode(g) and finish == "stop":
-                        calls = parse_calls(text, native=native_tools)
-                        finish = "tool_calls" if calls else finish
-                    return JSONResponse(P.completion_body(rid, cfg.model_name, text, finish,
-                                                          use, chat=chat, tool_calls=calls))
-                elif ev[0] == "gone":
-                    return Response(status_code=499)  # nobody reads it
-                else:
-                    raise generation_failure(ev[1])
-        except asyncio.CancelledError:
+        for req in reqs:
             scheduler.cancel(req)
+            req.events.put_nowait(("gone",))
+        gone.set()
+
+    def usage(reqs: list[Request]) -> dict:
+        """Each distinct prompt counted once, every choice's tokens."""
+        prompts = {id(r.prompt_ids): len(r.prompt_ids) for r in reqs}
+        return P.usage(sum(prompts.values()), sum(r.completion_tokens for r in reqs))
+
+    def logprobs_body(entries: list, chat: bool, *, prompt: list[int] | None = None,
+                      prompt_entries: list | None = None, generated: list[int] | None = None,
+                      offset: int = 0) -> dict:
+        """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel arrays
+        (with the prompt's tokens first under echo: the first has no log-probability)."""
+        tok = model.tokenizer
+
+        def piece(i: int) -> tuple[str, list[int]]:
+            b = tok.token_bytes(i)
+            return b.decode("utf-8", errors="replace"), list(b)
+
+        def lp(x: float) -> float:
+            return max(x, -9999.0)  # JSON has no -inf (OpenAI's floor)
+
+        if chat:
+            content = []
+            for token, (logp, top) in zip(generated, entries, strict=False):
+                text, raw = piece(token)
+                content.append({"token": text, "logprob": lp(logp), "bytes": raw,
+                                "top_logprobs": [{"token": piece(t)[0], "logprob": lp(x),
+                                                  "bytes": piece(t)[1]} for t, x in top]})
+            return {"content": content, "refusal": None}
+        tokens, token_lps, tops, offsets = [], [], [], []
+        pairs = []
+        if prompt is not None:
+            pairs.append((prompt[0], None))
+            pairs += list(zip(prompt[1:], prompt_entries, strict=False))
+        pairs += list(zip(generated, entries, strict=False))
+        pos = offset
+        for token, entry in pairs:
+            text = piece(token)[0]
+            tokens.append(text)
+            offsets.append(pos)
+            pos += len(text)
+            if entry is None:
+                token_lps.append(None)
+                tops.append(None)
+            else:
+                token_lps.append(lp(entry[0]))
+                tops.append({piece(t)[0]: lp(x) for t, x in entry[1]})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def answer(req: Request, g: P.GenerationRequest, chat: bool, text: str, finish: str
+               ) -> tuple[str, str, list[dict] | None]:
+        """(text, finish reason, tool calls) of a finished request."""
+        calls = None
+        if chat and calls_mode(g) and finish == "stop":
+            calls = parse_calls(text, native=native_tools)
+            finish = "tool_calls" if calls else finish
+        if not chat and g.echo:
+            text = model.detokenize(req.prompt_ids) + text
+        return text, finish, calls
+
+    async def collect(request: HTTPRequest, reqs: list[Request], rid: str,
+                      g: P.GenerationRequest, chat: bool) -> Response:
+        gone = asyncio.Event()
+        watcher = asyncio.create_task(cancel_on_disconnect(request, reqs, gone))
+        choices = []
+        try:
+            for index, req in enumerate(reqs):
+                pieces = []
+                while True:
+                    ev = await req.events.get()
+                    if ev[0] == "text":
+                        pieces.append(ev[1])
+                    elif ev[0] == "done":
+                        text, finish, calls = answer(req, g, chat, "".join(pieces), ev[1])
+                        lps = None
+                        if g.logprobs is not None:
+                            state = req.seq.state
+                            lps = logprobs_body(
+                                state.logprobs or [], chat, generated=state.generated,
+                                prompt=req.prompt_ids if (g.echo and not chat) else None,
+                                prompt_entries=req.prompt_logprobs)
+                        choices.append(P.choice_body(index, text, finish, chat=chat,
+                                                     tool_calls=calls, logprobs=lps))
+                        break
+                    elif ev[0] == "gone":
+                        return Response(status_code=499)  # nobody reads it
+                    else:
+                        for r in reqs:
+                            scheduler.cancel(r)
+                        raise generation_failure(ev[1])
+            return JSONResponse(P.completion_body(rid, cfg.model_name, choices, usage(reqs),
+                                                  chat=chat))
+        except asyncio.CancelledError:
+            for r in reqs:
+                scheduler.cancel(r)
             raise
         finally:
             watcher.cancel()
 
-    async def stream(req: Request, rid: str, g: P.GenerationRequest, chat: bool):
+    async def stream(reqs: list[Request], rid: str, g: P.GenerationRequest, chat: bool):
         def sse(obj) -> str:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        done = False
+        # every choice's events, in the order they come
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, req: Request) -> None:
+            while True:
+                ev = await req.events.get()
+                await merged.put((index, ev))
+                if ev[0] != "text":
+                    return
+
+        tasks = [asyncio.create_task(forward(i, r)) for i, r in enumerate(reqs)]
+        finished = 0
         # an answer that may be tool calls is held back until it is clearly not one (its
         # start can no longer be a call's); calls are sent whole, once they are complete
         trigger = (NATIVE_TRIGGER if native_tools else GENERIC_TRIGGER) if (
             chat and calls_mode(g)) else None
-        held: list[str] = []
+        triggers = [trigger] * len(reqs)
+        held: list[list[str]] = [[] for _ in reqs]
+        held_lps: list[list] = [[] for _ in reqs]
+        sent_tokens = [0] * len(reqs)
+        offsets = [0] * len(reqs)
+
+        def chunk_lps(index: int, entries: list) -> dict | None:
+            if g.logprobs is None:
+                return None
+            req = reqs[index]
+            generated = req.seq.state.generated[sent_tokens[index]:
+                                                sent_tokens[index] + len(entries)]
+            sent_tokens[index] += len(entries)
+            body = logprobs_body(entries, chat, generated=generated, offset=offsets[index])
+            if not chat and body["tokens"]:
+                offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
+            return body
+
         try:
             if chat:
-                yield sse(P.chunk_body(rid, cfg.model_name, chat=True, role=True))
-            while True:
-                ev = await req.events.get()
+                for i in range(len(reqs)):
+                    yield sse(P.chunk_body(rid, cfg.model_name, chat=True, role=True, index=i))
+            elif g.echo:
+                for i, req in enumerate(reqs):
+                    text = model.detokenize(req.prompt_ids)
+                    offsets[i] = len(text)
+                    yield sse(P.chunk_body(rid, cfg.model_name, chat=False, text=text, index=i))
+            while finished < len(reqs):
+                i, ev = await merged.get()
                 if ev[0] == "text":
-                    if trigger is not None:
-                        held.append(ev[1])
-                        start = "".join(held).lstrip()
-                        if start.startswith(trigger) or trigger.startswith(start):
+                    entries = ev[2] if len(ev) > 2 else []
+                    if triggers[i] is not None:
+                        held[i].append(ev[1])
+                        held_lps[i] += entries
+                        start = "".join(held[i]).lstrip()
+                        if start.startswith(triggers[i]) or triggers[i].startswith(start):
                             continue
-                        trigger = None  # a plain answer: what was held goes out now
-                        text, held = "".join(held), []
+                        triggers[i] = None  # a plain answer: what was held goes out now
+                        text, held[i] = "".join(held[i]), []
+                        entries, held_lps[i] = held_lps[i] + [], []
                     else:
                         text = ev[1]
-                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text))
+                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text, index=i,
+                                           logprobs=chunk_lps(i, entries)))
                 elif ev[0] == "done":
-                    done = True
+                    finished += 1
                     finish = ev[1]
-                    if held:
-                        text = "".join(held)
+                    if held[i]:
+                        text = "".join(held[i])
                         calls = parse_calls(text, native=native_tools) if finish == "stop" \
                             else None
                         if calls:
                             finish = "tool_calls"
-                            yield sse(P.chunk_body(rid, cfg.model_name, chat=True,
+                            yield sse(P.chunk_body(rid, cfg.model_name, chat=True, index=i,
                                                    tool_calls=calls))
                         else:
-                            yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text))
-                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, finish=finish))
-                    if g.include_usage:
-                        use = P.usage(len(req.prompt_ids), req.completion_tokens)
-                        yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, use=use))
-                    yield "data: [DONE]\n\n"
-                    return
+                            yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text,
+                                                   index=i,
+                                                   logprobs=chunk_lps(i, held_lps[i])))
+                        held[i] = []
+                    yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, finish=finish,
+                                           index=i))
                 else:
-                    done = True
+                    finished = len(reqs)
                     err = generation_failure(ev[1]).body()
                     yield f"data: {json.dumps(err, ensure_ascii=True)}\n\n"
                     return
+            if g.include_usage:
+                yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, use=usage(reqs)))
+            yield "data: [DONE]\n\n"
         finally:
-            if not done:  # the client went away (or the response was torn down)
-                scheduler.cancel(req)
+            for t in tasks:
+                t.cancel()
+            for r in reqs:  # the client went away, or an error: nothing more is read
+                if r.seq is None or not r.seq.finished:
+                    scheduler.cancel(r)
 
     async def completions(request: HTTPRequest) -> Response:
         return await generate(request, chat=False)

@@ -368,12 +368,44 @@ def _response_format(v, name):
 
 
 def _prompt(v, name):
-    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-        v = v[0]
-    if not isinstance(v, str):
-        raise _bad(f"'{name}' must be a string (or an array of one string)", name,
+    """A prompt, or several (one choice each): a string, an array of token ids, or an array of
+    either; returned as a list of prompts (each a string or a list of ids)."""
+    def one(p, where):
+        if isinstance(p, str):
+            return p
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                             for t in p):
+            return p
+        raise _bad(f"'{where}' must be a string or a non-empty array of token ids", where,
                    "invalid_type")
-    return v
+
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool)
+                                         for t in v):
+        return [v]
+    if isinstance(v, list) and v:
+        if len(v) > 16:
+            raise _bad(f"'{name}' takes at most 16 prompts, got {len(v)}", name)
+        return [one(p, f"{name}[{i}]") for i, p in enumerate(v)]
+    raise _bad(f"'{name}' must be a string, an array of token ids, or an array of those",
+               name, "invalid_type")
+
+
+def _logit_bias(v, name):
+    """``{"token id": bias}`` with biases in [-100, 100] (ids checked against the vocabulary
+    when the request is built)."""
+    if not isinstance(v, dict):
+        raise _bad(f"'{name}' must be an object mapping token ids to numbers", name,
+                   "invalid_type")
+    if len(v) > 1024:
+        raise _bad(f"'{name}' takes at most 1024 tokens, got {len(v)}", name)
+    out = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 9):
+            raise _bad(f"'{name}' keys must be token ids, got {_as_written(k)}", name)
+        out[int(k)] = _number(-100, 100)(b, f"{name}.{k}")
+    return out
 
 
 _SAMPLING = {
@@ -381,14 +413,15 @@ _SAMPLING = {
     "max_tokens": _integer(0),
     "temperature": _number(0, 2),
     "top_p": _number(0, 1, lo_open=True),
-    "n": _only(1, "one choice per request"),
+    "n": _integer(1, 16),
     "stream": _boolean,
     "stream_options": _stream_options,
     "stop": _stop,
     "seed": _integer(0),
     "user": _string,
-    "presence_penalty": _only(0, "use repetition_penalty"),
-    "frequency_penalty": _only(0, "use repetition_penalty"),
+    "presence_penalty": _number(-2, 2),
+    "frequency_penalty": _number(-2, 2),
+    "logit_bias": _logit_bias,
     # extensions, as in llama.cpp's and vLLM's servers
     "top_k": _integer(0),
     "min_p": _number(0, 1),
@@ -429,12 +462,12 @@ def _speculative(v, name):
     return out
 
 CHAT_FIELDS = {**_SAMPLING, "messages": _messages, "max_completion_tokens": _integer(0),
-               "logprobs": _only(False, "no log-probabilities"),
+               "logprobs": _boolean, "top_logprobs": _integer(0, 20),
                "response_format": _response_format, "tools": _tools,
                "tool_choice": _tool_choice, "parallel_tool_calls": _boolean}
-COMPLETION_FIELDS = {**_SAMPLING, "prompt": _prompt, "echo": _only(False, "no echo"),
+COMPLETION_FIELDS = {**_SAMPLING, "prompt": _prompt, "echo": _boolean,
                      "response_format": _response_format,
-                     "logprobs": _only(None, "no log-probabilities"),
+                     "logprobs": _integer(0, 20),
                      "best_of": _only(1, "one candidate"),
                      "suffix": _only(None, "no insertion")}
 
@@ -445,7 +478,7 @@ class GenerationRequest:
 
     model: str
     messages: list[dict] | None
-    prompt: str | None
+    prompt: str | list[int] | None  # the first prompt (see prompts)
     max_tokens: int | None
     temperature: float | None
     top_p: float | None
@@ -466,6 +499,13 @@ class GenerationRequest:
     json_schema: dict | bool | None = None
     tools: list | None = None
     tool_choice: str | dict = "auto"
+    n: int = 1  # choices per prompt
+    prompts: list | None = None  # completions: every prompt (a string or token ids)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # the top-k count of log-probabilities to return; None: off
+    echo: bool = False  # completions: the prompt comes back before the answer
 
 
 def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
@@ -501,9 +541,18 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         raise _bad("'response_format' with 'tools' is not supported: a call is held to its "
                    "function's schema, a plain answer is free (use tool_choice 'none' for a "
                    "formatted answer)", "response_format", "unsupported_value")
+    if chat:
+        if v.get("top_logprobs") is not None and not v.get("logprobs"):
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        logprobs = (v.get("top_logprobs") or 0) if v.get("logprobs") else None
+    else:
+        logprobs = v.get("logprobs")
     return GenerationRequest(
         model=v["model"], messages=v.get("messages") if chat else None,
-        prompt=None if chat else v["prompt"], max_tokens=max_tokens,
+        prompt=None if chat else v["prompt"][0], prompts=None if chat else v["prompt"],
+        n=v.get("n") or 1, presence_penalty=v.get("presence_penalty"),
+        frequency_penalty=v.get("frequency_penalty"), logit_bias=v.get("logit_bias"),
+        logprobs=logprobs, echo=bool(v.get("echo")), max_tokens=max_tokens,
         temperature=v.get("temperature"), top_p=v.get("top_p"), top_k=v.get("top_k"),
         min_p=v.get("min_p"), repetition_penalty=v.get("repetition_penalty"),
         seed=v.get("seed"), stop=v.get("stop") or [], stream=bool(v.get("stream")),
@@ -523,20 +572,26 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str, use: dict, *,
-                    chat: bool, tool_calls: list[dict] | None = None) -> dict:
-    """The whole answer; with ``tool_calls`` the message is those calls (no content)."""
+def choice_body(index: int, text: str, finish: str, *, chat: bool,
+                tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
+    """One choice of a whole answer; with ``tool_calls`` the message is those calls."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
     message = ({"role": "assistant", "content": None, "tool_calls": tool_calls} if tool_calls
                else {"role": "assistant", "content": text})
-    choice = ({"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-              if chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
+
+
+def completion_body(rid: str, model: str, choices: list[dict], use: dict, *,
+                    chat: bool) -> dict:
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": model, "choices": [choice], "usage": use}
+            "created": int(time.time()), "model": model, "choices": choices, "usage": use}
 
 
 def chunk_body(rid: str, model: str, *, chat: bool, text: str | None = None,
                role: bool = False, finish: str | None = None, use: dict | None = None,
-               tool_calls: list[dict] | None = None) -> dict:
+               tool_calls: list[dict] | None = None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     """One streamed chunk: a role announcement, a piece of text, tool calls (each whole, with
     its ``index``), the finish reason, or (with ``use``) the usage chunk whose choices are
     empty."""
@@ -547,9 +602,11 @@ def chunk_body(rid: str, model: str, *, chat: bool, text: str | None = None,
             {"content": text} if text is not None else {})
         if tool_calls:
             delta = {"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "delta": delta, "logprobs": logprobs,
+                    "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": index, "text": text or "", "logprobs": logprobs,
+                    "finish_reason": finish}]
     body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:

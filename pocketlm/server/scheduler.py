@@ -40,6 +40,7 @@ from ..api import PocketModel
 from ..generate import Sequence, TextStream
 from ..runtime.model import KVCache
 from ..sampling import Sampler
+from ..sampling import logprobs as token_logprobs
 from ..speculative import DraftLength, PromptLookup, SpeculativeStats
 
 MB = 1 << 20
@@ -95,6 +96,11 @@ class Request:
     speculative: dict | None = None
     # structured output (pocketlm.structured): a Constraint / Triggered, or None
     constraint: Any = None
+    # log-probabilities: of each generated token with the top-k (None: off), and of each
+    # prompt token (completions with echo); prompt_logprobs holds them once prefilled
+    logprobs: int | None = None
+    score_prompt: bool = False
+    prompt_logprobs: list = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # set by either side
     cancelled: bool = False
@@ -151,6 +157,7 @@ class Scheduler:
     prefixes may hold (they are evicted first when a request needs room)."""
 
     MIN_PREFIX = 8  # shorter common prefixes are recomputed, not copied
+    SCORE_CHUNK = 32  # prompt tokens per prefill call when every position's logits are kept
 
     def __init__(self, model: PocketModel, *, max_batch: int = 16, max_queue: int = 64,
                  kv_budget: int | None = None, prefix_cache_mb: float = 64.0,
@@ -328,8 +335,9 @@ class Scheduler:
         """(Lock held.) Flush the held-back text, report, and free the cache."""
         if reason is not None:
             tail = req.seq.finish() if req.seq is not None else ""
-            if tail:
-                req.emit("text", tail)
+            rest = req.seq.new_logprobs() if req.seq is not None else []
+            if tail or rest:
+                req.emit("text", tail, rest)
             if req.seq is not None:
                 reason = req.seq.state.finish_reason or reason
             req.emit("done", reason)
@@ -386,7 +394,7 @@ class Scheduler:
             req.seq = Sequence(ids, max_tokens=req.max_tokens, sampler=req.sampler,
                                stop_ids=self.stop_ids, ignore_eos=req.ignore_eos,
                                text=TextStream(self.model.tokenizer, req.stop),
-                               constraint=req.constraint)
+                               constraint=req.constraint, logprobs=req.logprobs)
             if req.speculative:
                 o = req.speculative
                 req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 2))
@@ -394,7 +402,7 @@ class Scheduler:
                 req.lengths = DraftLength(max_draft=o.get("max_draft", 8))
                 req.spec_stats = SpeculativeStats()
             with self._lock:
-                key, n = self._best_prefix(ids)
+                key, n = self._best_prefix(ids) if not req.score_prompt else (None, 0)
                 n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
                 if key is not None and n >= self.MIN_PREFIX:
                     self.runtime.copy_prefix(req.cache, self._prefixes[key].cache, n)
@@ -403,8 +411,18 @@ class Scheduler:
                     self.stats["prefix_hits"] += 1
                     self.stats["prefix_tokens_reused"] += n
         start = req.prefilled
+        if req.score_prompt:  # every position's logits: in short chunks (n x vocab floats)
+            budget = min(budget, self.SCORE_CHUNK)
         end = min(len(ids), start + max(1, budget))
-        logits = self.runtime.forward(ids[start:end], req.cache)
+        if req.score_prompt:
+            rows = self.runtime.forward(ids[start:end], req.cache, all_logits=True)
+            top = req.logprobs or 0
+            for i, row in enumerate(rows):
+                if start + i + 1 < len(ids):
+                    req.prompt_logprobs.append(token_logprobs(row, ids[start + i + 1], top))
+            logits = rows[-1]
+        else:
+            logits = self.runtime.forward(ids[start:end], req.cache)
         req.prefilled = end
         if end == len(ids):
             with self._lock:
@@ -556,7 +574,7 @@ class Scheduler:
         if req.drafter is not None:
             req.drafter.extend([token])
         if piece:
-            req.emit("text", piece)
+            req.emit("text", piece, seq.new_logprobs())
         if seq.finished:
             _in_stage("finishing", self._finish, req, seq.state.finish_reason)
         else:
