@@ -750,3 +750,21 @@ def test_logit_bias_and_penalties(server, local):
     for text in (penalised, present):  # no token of the answer more than a few times
         ids = local.tokenize(text, add_bos=False)
         assert max(ids.count(t) for t in set(ids)) <= 4
+
+
+def test_tokenizer_endpoints(server, local):
+    info = httpx.get(server.url + "/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == local.tokenizer.id_to_token(local.tokenizer.eos_ids[0])
+    text = "Hello, 世界! def f(x): return x"
+    r = _post(server, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()
+    assert r["tokens"] == local.tokenize(text, add_bos=False) and r["count"] == len(r["tokens"])
+    msgs = [{"role": "user", "content": "hi"}]
+    assert _post(server, "/tokenize", {"messages": msgs}).json()["tokens"] == \
+        local.chat_ids(msgs)
+    assert _post(server, "/detokenize", {"tokens": r["tokens"]}).json()["prompt"] == text
+    for path, body, param in [("/tokenize", {"prompt": 3}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        bad = _post(server, path, body)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

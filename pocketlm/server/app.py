@@ -5,6 +5,8 @@
     GET  /v1/models             the served model
     POST /v1/completions        text completion (stream=true: server-sent events)
     POST /v1/chat/completions   chat with the model's own template (idem)
+    GET  /tokenizer_info        the tokenizer's special tokens and limits (as vLLM's)
+    POST /tokenize, /detokenize text <-> token ids (as vLLM's)
 
 Built on Starlette (ASGI) and run by uvicorn. Requests are batched by
 :class:`~pocketlm.server.scheduler.Scheduler`; this module checks the wire (origin, auth,
@@ -420,6 +422,63 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             {"id": cfg.model_name, "object": "model", "created": started,
              "owned_by": "pocketlm", "context_length": model.n_ctx}]})
 
+    # -- the tokenizer, as vLLM's server exposes it (evaluation harnesses tokenize with it) ----
+    async def tokenizer_info(request: HTTPRequest) -> Response:
+        check_origin(request)
+        check_auth(request)
+        tok = model.tokenizer
+        name = tok.id_to_token
+        return JSONResponse({
+            "model": cfg.model_name, "vocab_size": model.config.vocab_size,
+            "bos_token": name(tok.bos_id) if tok.bos_id is not None else None,
+            "eos_token": name(tok.eos_ids[0]) if tok.eos_ids else None,
+            "pad_token": None, "add_bos_token": tok.add_bos, "max_model_len": model.n_ctx,
+            "chat_template": model.chat_template})
+
+    async def tokenize(request: HTTPRequest) -> Response:
+        """``{"prompt": text, "add_special_tokens": bool}`` or ``{"messages": [...]}`` ->
+        ``{"tokens", "count", "max_model_len"}``."""
+        check_origin(request)
+        check_auth(request)
+        check_json_type(request)
+        body = P.decode_json(await read_body(request))
+        if not isinstance(body, dict):
+            raise P.APIError(400, "the request body must be a JSON object", code="invalid_type")
+        unknown = set(body) - {"model", "prompt", "messages", "add_special_tokens"}
+        if unknown:
+            raise P.APIError(400, f"unrecognized field '{P.shown(sorted(unknown)[0])}'",
+                             param=P.shown(sorted(unknown)[0]), code="unknown_parameter")
+        add = body.get("add_special_tokens", True)
+        if not isinstance(add, bool):
+            raise P.APIError(400, "'add_special_tokens' must be a boolean",
+                             param="add_special_tokens", code="invalid_type")
+        try:
+            if "messages" in body:
+                g = P.parse_request({"model": cfg.model_name, "messages": body["messages"]},
+                                    chat=True)
+                ids = chat_prompt(g)
+            elif isinstance(body.get("prompt"), str):
+                ids = model.tokenize(body["prompt"], add_bos=None if add else False)
+            else:
+                raise P.APIError(400, "'prompt' (a string) or 'messages' is required",
+                                 param="prompt", code="invalid_type")
+        except PocketError as e:
+            raise P.APIError(400, str(e), param="prompt") from None
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": model.n_ctx})
+
+    async def detokenize(request: HTTPRequest) -> Response:
+        """``{"tokens": [ids]}`` -> ``{"prompt": text}``."""
+        check_origin(request)
+        check_auth(request)
+        check_json_type(request)
+        body = P.decode_json(await read_body(request))
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        try:
+            text = model.detokenize(ids)
+        except PocketError as e:
+            raise P.APIError(400, str(e), param="tokens") from None
+        return JSONResponse({"prompt": text})
+
     async def generate(request: HTTPRequest, chat: bool) -> Response:
         check_origin(request)
         check_auth(request)
@@ -693,7 +752,10 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         middleware=cors,
         routes=[Route("/", index), Route("/health", health), Route("/v1/models", models),
                 Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/tokenizer_info", tokenizer_info),
+                Route("/tokenize", tokenize, methods=["POST"]),
+                Route("/detokenize", detokenize, methods=["POST"])],
         exception_handlers={P.APIError: api_error, HTTPException: http_error,
                             Exception: server_error},
         lifespan=lifespan)
