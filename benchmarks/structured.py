@@ -356,7 +356,7 @@ def validity(args) -> None:
     for name in args.model:
         m = pocketlm.load(name)
         for mode in ("free", "constrained"):
-            ok_parse = ok_valid = n = 0
+            ok_parse = ok_valid = n = stopped = 0
             per_schema = {}
             t0 = time.perf_counter()
             tokens = 0
@@ -370,10 +370,12 @@ def validity(args) -> None:
                     convs.append([{"role": "user", "content": f"{ask}\n\n{text}"}])
                 kw = {"json_schema": schema} if mode == "constrained" else {}
                 good = 0
-                for _, reply, state in m.chat_batch(convs, max_tokens=args.max_tokens,
+                limit = args.max_tokens if mode == "free" else args.constrained_max_tokens
+                for _, reply, state in m.chat_batch(convs, max_tokens=limit,
                                                     temperature=0, **kw):
                     n += 1
                     tokens += len(state.generated)
+                    stopped += state.finish_reason == "stop"
                     doc = _parse(reply)
                     if doc is _BAD:
                         continue
@@ -389,7 +391,9 @@ def validity(args) -> None:
             _emit({"bench": "structured-validity", "model": name, "mode": mode,
                    "generations": n, "schemas": len(SCHEMAS), "parsed": ok_parse,
                    "valid": ok_valid, "valid_rate": round(ok_valid / n, 4),
-                   "valid_per_schema": per_schema, "max_tokens": args.max_tokens,
+                   "valid_per_schema": per_schema, "ended_by_themselves": stopped,
+                   "max_tokens": args.max_tokens if mode == "free"
+                   else args.constrained_max_tokens,
                    "tokens": tokens, "seconds": round(dt, 1),
                    "command": " ".join(sys.argv), "machine": machine()}, args.out)
 
@@ -440,6 +444,9 @@ def main(argv=None) -> int:
         p.add_argument("--runs", type=int, default=5)
         p.add_argument("--max-tokens", type=int, default=160)
         p.add_argument("--per-schema", type=int, default=20)
+        p.add_argument("--constrained-max-tokens", type=int, default=512,
+                       help="validity: the length a constrained answer may take (a schema "
+                       "with long strings and arrays needs room; one cut short cannot parse)")
         p.add_argument("--temperature", type=float, default=0.0,
                        help="speed: 0 = greedy (the model's own legal choice skips the mask); "
                        "above 0, every step computes the mask")
