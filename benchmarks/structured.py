@@ -35,6 +35,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -173,6 +174,19 @@ DOC = {"items": [{"name": "green tea 绿茶", "quantity": 2}, {"name": "jasmine 
                                                              "quantity": 10}], "total": 86.5}
 
 
+def _walk(ids, mask, advance, *, prep: float, comp: float, **info) -> dict:
+    """Time ``mask()`` before each of ``ids`` (then ``advance(id)``): the engine's row."""
+    steps = []
+    for i in ids:
+        t = time.perf_counter()
+        mask()
+        steps.append(time.perf_counter() - t)
+        advance(i)
+    return {**info, "prepare_s": round(prep, 3), "compile_ms": round(comp * 1e3, 2),
+            "mask_us_median": round(statistics.median(steps) * 1e6, 1),
+            "mask_us_max": round(max(steps) * 1e6, 1)}
+
+
 def engines(args) -> None:
     import numpy as np
 
@@ -187,8 +201,6 @@ def engines(args) -> None:
         row = {"bench": "structured-engines", "model": name, "vocab": V, "doc_tokens": len(ids),
                "machine": machine()}
         # llguidance
-        import llguidance
-
         from pocketlm.structured import compile_grammar, ll_tokenizer, parse_grammar
 
         t = time.perf_counter()
@@ -198,17 +210,8 @@ def engines(args) -> None:
         t = time.perf_counter()
         c = compile_grammar(g, tok, V)
         comp = time.perf_counter() - t
-        steps = []
-        for i in ids:
-            t = time.perf_counter()
-            c.allowed()
-            steps.append(time.perf_counter() - t)
-            c.consume(i)
-        row["llguidance"] = {"version": llguidance.__version__ if hasattr(
-            llguidance, "__version__") else _dist("llguidance"), "needs": "nothing",
-            "prepare_s": round(prep, 3), "compile_ms": round(comp * 1e3, 2),
-            "mask_us_median": round(statistics.median(steps) * 1e6, 1),
-            "mask_us_max": round(max(steps) * 1e6, 1)}
+        row["llguidance"] = _walk(ids, c.allowed, c.consume, prep=prep, comp=comp,
+                                  version=_dist("llguidance"), needs="nothing")
         # outlines-core: a regex from the schema, an index over the vocabulary
         try:
             import outlines_core as oc
@@ -231,18 +234,10 @@ def engines(args) -> None:
             comp = time.perf_counter() - t
             guide = oc.Guide(index)
             mask = np.zeros((V + 31) // 32, dtype=np.int32)
-            steps = []
-            for i in ids:
-                t = time.perf_counter()
-                guide.write_mask_into(mask.ctypes.data, mask.size, 4)
-                steps.append(time.perf_counter() - t)
-                guide.advance(i)
-            row["outlines_core"] = {"version": _dist("outlines_core"), "needs": "nothing",
-                                    "covers": "JSON Schema and regex (no grammars)",
-                                    "prepare_s": round(prep, 3),
-                                    "compile_ms": round(comp * 1e3, 2),
-                                    "mask_us_median": round(statistics.median(steps) * 1e6, 1),
-                                    "mask_us_max": round(max(steps) * 1e6, 1)}
+            row["outlines_core"] = _walk(
+                ids, partial(guide.write_mask_into, mask.ctypes.data, mask.size, 4),
+                guide.advance, prep=prep, comp=comp, version=_dist("outlines_core"),
+                needs="nothing", covers="JSON Schema and regex (no grammars)")
         # xgrammar (imports torch and transformers)
         try:
             import xgrammar as xgr
@@ -262,17 +257,10 @@ def engines(args) -> None:
             comp = time.perf_counter() - t
             matcher = xgr.GrammarMatcher(compiled)
             mask = xgr.allocate_token_bitmask(1, V)
-            steps = []
-            for i in ids:
-                t = time.perf_counter()
-                matcher.fill_next_token_bitmask(mask)
-                steps.append(time.perf_counter() - t)
-                matcher.accept_token(i)
-            row["xgrammar"] = {"version": _dist("xgrammar"),
-                               "needs": "torch, transformers, triton",
-                               "prepare_s": round(prep, 3), "compile_ms": round(comp * 1e3, 2),
-                               "mask_us_median": round(statistics.median(steps) * 1e6, 1),
-                               "mask_us_max": round(max(steps) * 1e6, 1)}
+            row["xgrammar"] = _walk(ids, partial(matcher.fill_next_token_bitmask, mask),
+                                    matcher.accept_token, prep=prep, comp=comp,
+                                    version=_dist("xgrammar"),
+                                    needs="torch, transformers, triton")
         _emit(row, args.out)
 
 
