@@ -464,6 +464,17 @@ def test_sharegpt_parse(tmp_path):
     assert corpora.chat_text(chats[0]) == "Hi there\n\nHello!"
 
 
+def test_peoples_daily_entities_from_the_annotators_tags():
+    line = ("19980101-01-001-002/m  中共中央/nt  总书记/n  、/w  [国家/n  主席/n]nt  江/nr  泽民/nr"
+            "  一九九七年/t  十二月/t  ，/w  在/p  [北京/ns  饭店/n]ns  会见/v  李/nr  鹏/nr  、/w"
+            "  江/nr  泽民/nr")
+    text, ents = corpora.tagged_entities(line)
+    assert text == "中共中央总书记、国家主席江泽民一九九七年十二月，在北京饭店会见李鹏、江泽民"
+    assert ents == {"people": ["江泽民", "李鹏"], "places": ["北京饭店"],
+                    "organisations": ["中共中央", "国家主席"],
+                    "dates": ["一九九七年十二月"]}
+
+
 def test_peoples_daily_tags_stripped(tmp_path):
     assert strip_pos_tags("迈向/v  充满/v  希望/n  的/u  新/a  世纪/n  ——/w  一九九八年/t") == (
         "迈向充满希望的新世纪——一九九八年"

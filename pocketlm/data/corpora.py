@@ -427,6 +427,44 @@ def strip_pos_tags(line: str) -> str:
     return out
 
 
+# the PKU corpus's tags for names: people (a surname and a given name are two nr words),
+# places, organisations, times; a bracketed compound takes the tag after its bracket
+ENTITY_TAGS = {"nr": "people", "ns": "places", "nt": "organisations", "t": "dates"}
+_WORD = re.compile(r"(\[)?([^\s/\[\]]+)/([A-Za-z]+)(?:\]([A-Za-z]+))?")
+
+
+def tagged_entities(line: str) -> tuple[str, dict[str, list[str]]]:
+    """A People's Daily line as ``(text, {"people", "places", "organisations", "dates"})``:
+    the names its annotators tagged, in order, each once (adjacent words of one kind form one
+    name: 江/nr 泽民/nr -> 江泽民; a bracketed compound [中国/ns 政府/n]nt is one
+    organisation)."""
+    line = _DATE_ID.sub("", line)
+    out: dict[str, list[str]] = {k: [] for k in ENTITY_TAGS.values()}
+    spans: list[tuple[str | None, str]] = []  # (kind, text) per word or compound
+    compound: list[str] | None = None
+    for m in _WORD.finditer(line):
+        opens, word, tag, closing = m.groups()
+        if opens:
+            compound = []
+        if compound is not None:
+            compound.append(word)
+            if closing is not None:
+                spans.append((ENTITY_TAGS.get(closing), "".join(compound)))
+                compound = None
+            continue
+        spans.append((ENTITY_TAGS.get(tag), word))
+    merged: list[tuple[str | None, str]] = []
+    for kind, text in spans:
+        if kind is not None and merged and merged[-1][0] == kind and kind in ("people", "dates"):
+            merged[-1] = (kind, merged[-1][1] + text)
+        else:
+            merged.append((kind, text))
+    for kind, text in merged:
+        if kind is not None and text not in out[kind]:
+            out[kind].append(text)
+    return strip_pos_tags(line), out
+
+
 def _is_latin(ch: str) -> bool:
     return ch.isascii() and ch.isalnum()
 
