@@ -309,7 +309,7 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "presence_penalty": -3}, 400, "invalid_value",
      "presence_penalty"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "invalid_value", "logprobs"),
-    ({"model": MODEL, "prompt": [1, "a"]}, 400, "invalid_type", "prompt[0]"),
+    ({"model": MODEL, "prompt": [1, "a"]}, 400, "invalid_type", "prompt"),
     ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "invalid_type", "stop"),
     ({"model": MODEL, "prompt": "x", "seed": -4}, 400, "invalid_value", "seed"),
     ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unknown_parameter", "bogus"),

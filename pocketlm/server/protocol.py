@@ -376,7 +376,7 @@ def _prompt(v, name):
         if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                              for t in p):
             return p
-        raise _bad(f"'{where}' must be a string or a non-empty array of token ids", where,
+        raise _bad(f"'{where}' must be a string or a non-empty array of token ids", name,
                    "invalid_type")
 
     if isinstance(v, str):
