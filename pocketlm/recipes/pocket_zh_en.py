@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -431,13 +432,36 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     report_path = out / "recipe_report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"stages": {}}
 
+    lock = threading.Lock()
+
     def timed(stage, fn, *args, **kwargs):
-        t0 = time.perf_counter()
-        result = fn(*args, **kwargs)
+        """Run a stage, adding its time to the report every minute as it runs (a run stopped
+        mid-stage and resumed later still counts the time it spent)."""
+        t0 = last = time.perf_counter()
+        stop = threading.Event()
+
+        def add() -> None:
+            nonlocal last
+            with lock:
+                now = time.perf_counter()
+                report["stages"].setdefault(stage, {"seconds": 0.0})
+                report["stages"][stage]["seconds"] += now - last
+                last = now
+                _atomic_write(report_path, json.dumps(report, indent=1))
+
+        def tick() -> None:
+            while not stop.wait(60):
+                add()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            stop.set()
+            ticker.join()
+            add()
         times[stage] = time.perf_counter() - t0
-        report["stages"].setdefault(stage, {"seconds": 0.0})
-        report["stages"][stage]["seconds"] += times[stage]
-        _atomic_write(report_path, json.dumps(report, indent=1))
         return result
 
     prompts = timed("prompts", stage_prompts, out, recipe)
