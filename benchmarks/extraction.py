@@ -1,4 +1,4 @@
-"""An app scenario: names extracted from Chinese news into JSON, free vs constrained.
+"""An app scenario: names extracted from Chinese and English text into JSON, free vs constrained.
 
     python benchmarks/extraction.py -m qwen2.5-0.5b -m gemma3-270m -m smollm2-135m \\
         [--fewshot qwen2.5-1.5b] [--n 100] [--out benchmarks/extraction.jsonl]
@@ -13,6 +13,12 @@ grammar. Per model and mode one JSON line: the share of answers that parse and t
 precision / recall / F1 over the four fields (a name counts when it is an exact match after
 NFKC normalisation: full-width digits read as ASCII), and generated tokens per second of the
 batch (chat_batch, greedy).
+
+The English set is 21 sentences from ShareGPT answers labelled by hand
+(benchmarks/extraction_en_labels.jsonl holds where each sentence is, its hash, and the labels;
+the text itself is read from the fetched corpus). Known limits of the Chinese labels: the PKU
+annotators tag an organisation only when it is a name (a factory described by its trade, 第一
+脱胎漆器厂, is left untagged), and their time words include relative ones (今天, 新年).
 """
 
 from __future__ import annotations
@@ -31,6 +37,11 @@ FIELDS = ("people", "places", "organisations", "dates")
 SCHEMA = {"type": "object", "properties": {
     f: {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 30},
         "maxItems": 10} for f in FIELDS}, "required": list(FIELDS), "additionalProperties": False}
+ASK_EN = ("Find the people, places, organisations and dates named in this text, written as in "
+          "the text; leave a list empty when there are none. Output only a JSON object with the "
+          "keys people, places, organisations, dates.\n\n")
+LABELS_EN = Path(__file__).with_name("extraction_en_labels.jsonl")
+SENTENCE = r"[^.!?\n]{60,220}[.!?]"
 ASK = ("从下面这段新闻中找出人名（people）、地名（places）、机构名（organisations）和时间（dates），"
        "按原文写出，没有的留空列表。只输出一个 JSON 对象，键为 people、places、organisations、dates。"
        "\n\n")
@@ -61,6 +72,34 @@ def items(n: int) -> list[dict]:
     return pool[::step][:n]
 
 
+def items_en() -> list[dict]:
+    """The hand-labelled English sentences, read from the fetched ShareGPT corpus (each checked
+    against its recorded hash)."""
+    import hashlib
+    import re
+
+    from pocketlm.data.corpora import SHAREGPT, ReadReport, fetch_source, sharegpt_chats
+
+    rows = [json.loads(x) for x in LABELS_EN.read_text(encoding="utf-8").splitlines() if x]
+    by_chat: dict[int, list[dict]] = {}
+    for r in rows:
+        by_chat.setdefault(r["chat"], []).append(r)
+    out = []
+    for ci, chat in enumerate(sharegpt_chats(fetch_source(SHAREGPT), ReadReport())):
+        for r in by_chat.get(ci, []):
+            content = chat["messages"][r["message"]]["content"]
+            m = next((m for m in re.finditer(SENTENCE, content) if m.start() == r["start"]),
+                     None)
+            text = m.group(0).strip() if m else ""
+            if hashlib.sha256(text.encode()).hexdigest()[:16] != r["sha256"]:
+                raise SystemExit(f"the corpus has changed: chat {ci} does not hold the labelled "
+                                 "sentence")
+            out.append({"text": text, "labels": r["labels"]})
+        if ci >= max(by_chat):
+            break
+    return out
+
+
 def _norm(s: str) -> str:
     return unicodedata.normalize("NFKC", s).strip()
 
@@ -78,17 +117,19 @@ def score(answer, labels: dict) -> tuple[int, int, int]:
     return tp, pred, gold
 
 
-def run(model, name: str, mode: str, data: list[dict], shots: list[dict], max_tokens: int
-        ) -> dict:
+def run(model, name: str, mode: str, data: list[dict], shots: list[dict], max_tokens: int,
+        lang: str = "zh") -> dict:
     import jsonschema
+
+    ask = ASK if lang == "zh" else ASK_EN
 
     def conv(item):
         msgs = []
         for s in shots:
-            msgs += [{"role": "user", "content": ASK + s["text"]},
+            msgs += [{"role": "user", "content": ask + s["text"]},
                      {"role": "assistant", "content": json.dumps(s["labels"],
                                                                  ensure_ascii=False)}]
-        return msgs + [{"role": "user", "content": ASK + item["text"]}]
+        return msgs + [{"role": "user", "content": ask + item["text"]}]
 
     kw = {"json_schema": SCHEMA} if mode == "constrained" else {}
     t0 = time.perf_counter()
@@ -117,7 +158,7 @@ def run(model, name: str, mode: str, data: list[dict], shots: list[dict], max_to
         tp, pred, gold = tp + a, pred + b, gold + c
     p = tp / pred if pred else 0.0
     r = tp / gold if gold else 0.0
-    return {"bench": "extraction-zh", "model": name, "mode": mode, "shots": len(shots),
+    return {"bench": f"extraction-{lang}", "model": name, "mode": mode, "shots": len(shots),
             "items": len(data), "parsed": parsed, "valid": valid,
             "precision": round(p, 4), "recall": round(r, 4),
             "f1": round(2 * p * r / (p + r), 4) if p + r else 0.0,
@@ -136,17 +177,18 @@ def main(argv=None) -> int:
     import pocketlm
     from pocketlm.bench import machine_info
 
-    data = items(args.n + 3)
-    shots, data = data[:3], data[3:]
-    runs = [(m, mode, []) for m in (args.model or ["qwen2.5-0.5b", "gemma3-270m",
-                                                   "smollm2-135m"])
-            for mode in ("free", "constrained")]
+    zh = items(args.n + 3)
+    en = items_en()
+    sets = {"zh": (zh[:3], zh[3:]), "en": (en[:3], en[3:])}
+    runs = [(m, mode, lang, []) for m in (args.model or ["qwen2.5-0.5b", "gemma3-270m",
+                                                         "smollm2-135m"])
+            for lang in sets for mode in ("free", "constrained")]
     if args.fewshot:
-        runs.append((args.fewshot, "free", shots))
+        runs += [(args.fewshot, "free", lang, sets[lang][0]) for lang in sets]
     loaded: dict[str, object] = {}
-    for name, mode, sh in runs:
+    for name, mode, lang, sh in runs:
         model = loaded.setdefault(name, pocketlm.load(name))
-        row = run(model, name, mode, data, sh, args.max_tokens)
+        row = run(model, name, mode, sets[lang][1], sh, args.max_tokens, lang)
         row.update({"max_tokens": args.max_tokens, "command": " ".join(sys.argv),
                     "machine": machine_info()})
         line = json.dumps(row, ensure_ascii=False)
