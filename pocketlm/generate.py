@@ -41,7 +41,9 @@ class Sequence:
     ``sample(logits)`` draws the next token with the sequence's sampler (whose repetition
     penalty sees the prompt and every token taken so far); ``add(token, cache_full=...)`` takes
     it. A ``constraint`` (:mod:`pocketlm.structured`) restricts every draw to what its grammar
-    allows and ends the sequence ("stop") once the grammar is complete. An id in ``stop_ids`` (unless ``ignore_eos``) ends generation with "stop" and is not
+    allows and ends the sequence ("stop") once the grammar is complete; ``logprobs=K`` records
+    each taken token's log-probability and the K most likely (``state.logprobs``). An id in
+    ``stop_ids`` (unless ``ignore_eos``) ends generation with "stop" and is not
     part of the output; a stop string in the text ends it with "stop", ``max_tokens`` tokens
     or a full KV cache (``cache_full``: the cache has no room for this token) with "length".
     ``finish()``, once it ended, gives the text still held back (a stop string found there

@@ -469,29 +469,11 @@ class Scheduler:
 
     def _verify_rows(self, batch: list[Request], drafts: list[list[int]]):
         """One verification call for ``batch`` (each request's next token and its drafts):
-        ``(request, rows, drafts)``. If the call fails, the requests run again one at a time,
-        and one that fails alone is ended."""
-        lengths = [r.cache.length for r in batch]
-        try:
-            out = self.runtime.verify_batch([([r.next_token, *d], r.cache)
-                                             for r, d in zip(batch, drafts, strict=True)])
-            return list(zip(batch, out, drafts, strict=True))
-        except Exception as e:  # noqa: BLE001 - whose fault it is, the rows alone tell
-            if len(batch) == 1:
-                with self._lock:
-                    self._fail(batch[0], GenerationError("decode step", e))
-                return []
-        for req, n in zip(batch, lengths, strict=True):
-            req.cache.length = n  # what the failed call may have advanced, it did not compute
-        done = []
-        for req, d in zip(batch, drafts, strict=True):
-            try:
-                done.append((req, self.runtime.verify_batch([([req.next_token, *d],
-                                                              req.cache)])[0], d))
-            except Exception as e:  # noqa: BLE001 - this request alone fails
-                with self._lock:
-                    self._fail(req, GenerationError("decode step", e))
-        return done
+        ``(request, rows, drafts)``; a failed call is handled as in :meth:`_batched`."""
+        mine = {id(r): d for r, d in zip(batch, drafts, strict=True)}
+        done = self._batched(batch, lambda reqs: self.runtime.verify_batch(
+            [([r.next_token, *mine[id(r)]], r.cache) for r in reqs]))
+        return [(req, rows, mine[id(req)]) for req, rows in done]
 
     def _take_drafts(self, req: Request, rows: np.ndarray, drafts: list[int], base: int
                      ) -> None:
@@ -523,29 +505,33 @@ class Scheduler:
                        else GenerationError("token handling", e))
 
     def _forward_rows(self, batch: list[Request]) -> list[tuple[Request, np.ndarray]]:
-        """One decode step for ``batch`` in one engine call: (request, logits) for each row.
-        If the call fails, the rows run again one at a time (a batch of one computes what its
-        row computes in any batch), and a row that fails alone ends its request."""
+        """One decode step for ``batch`` in one engine call: (request, logits) for each row."""
+        return self._batched(batch, lambda reqs: self.runtime.forward_batch(
+            [r.next_token for r in reqs], [r.cache for r in reqs]))
+
+    def _batched(self, batch: list[Request], call) -> list[tuple[Request, np.ndarray]]:
+        """``call(requests)`` (one engine call, one output per request) for ``batch``:
+        (request, output) pairs. If the call fails, the requests run again one at a time (a
+        batch of one computes what its row computes in any batch), and one that fails alone
+        is ended."""
         lengths = [r.cache.length for r in batch]
         try:
-            logits = self.runtime.forward_batch([r.next_token for r in batch],
-                                                [r.cache for r in batch])
-            return list(zip(batch, logits, strict=True))
+            return list(zip(batch, call(batch), strict=True))
         except Exception as e:  # noqa: BLE001 - whose fault it is, the rows alone tell
             if len(batch) == 1:
                 with self._lock:
                     self._fail(batch[0], GenerationError("decode step", e))
                 return []
-        for req, n in zip(batch, lengths):
+        for req, n in zip(batch, lengths, strict=True):
             req.cache.length = n  # what the failed call may have advanced, it did not compute
-        rows = []
+        done = []
         for req in batch:
             try:
-                rows.append((req, self.runtime.forward_batch([req.next_token], [req.cache])[0]))
-            except Exception as e:  # noqa: BLE001 - this row alone fails
+                done.append((req, call([req])[0]))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
                 with self._lock:
                     self._fail(req, GenerationError("decode step", e))
-        return rows
+        return done
 
     def _take(self, req: Request, logits: np.ndarray) -> None:
         """(Lock held.) Sample the next token from ``logits`` and pass its text on; whatever
