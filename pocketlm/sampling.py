@@ -104,7 +104,7 @@ class Sampler:
             return int(np.argmax(logits))  # greedy: no copy needed (the same first maximum)
         x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay intact
         if allowed is not None:
-            x[~allowed] = -np.inf
+            np.putmask(x, ~allowed, -np.inf)
         if self._bias.size:
             ok = self._bias_ids < x.size
             x[self._bias_ids[ok]] += self._bias[ok]
