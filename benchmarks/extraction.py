@@ -169,6 +169,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", action="append", default=None)
     ap.add_argument("--fewshot", default=None, help="a larger model answering free, 3-shot")
+    ap.add_argument("--fewshot-only", action="store_true",
+                    help="run only the --fewshot model (the small ones were run before)")
     ap.add_argument("--n", type=int, default=100)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--out", default=None)
@@ -182,7 +184,7 @@ def main(argv=None) -> int:
     sets = {"zh": (zh[:3], zh[3:]), "en": (en[:3], en[3:])}
     runs = [(m, mode, lang, []) for m in (args.model or ["qwen2.5-0.5b", "gemma3-270m",
                                                          "smollm2-135m"])
-            for lang in sets for mode in ("free", "constrained")]
+            for lang in sets for mode in ("free", "constrained")] if not args.fewshot_only else []
     if args.fewshot:
         runs += [(args.fewshot, "free", lang, sets[lang][0]) for lang in sets]
     loaded: dict[str, object] = {}
