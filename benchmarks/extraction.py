@@ -32,6 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from structured import emit  # noqa: E402 - the JSON-line writer the benchmarks share
 
 FIELDS = ("people", "places", "organisations", "dates")
 SCHEMA = {"type": "object", "properties": {
@@ -193,11 +196,7 @@ def main(argv=None) -> int:
         row = run(model, name, mode, sets[lang][1], sh, args.max_tokens, lang)
         row.update({"max_tokens": args.max_tokens, "command": " ".join(sys.argv),
                     "machine": machine_info()})
-        line = json.dumps(row, ensure_ascii=False)
-        print(line, flush=True)
-        if args.out:
-            with open(args.out, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+        emit(row, args.out)
     return 0
 
 

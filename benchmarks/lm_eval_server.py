@@ -31,6 +31,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from structured import emit  # noqa: E402 - the JSON-line writer the benchmarks share
 
 
 def free_port() -> int:
@@ -227,11 +230,7 @@ def main(argv=None) -> int:
         "seconds": {"pocket_eval": round(pocket_s, 1), "lm_eval": round(lm_s, 1)},
         "command": " ".join(sys.argv), "machine": machine_info(),
     }
-    line = json.dumps(row, ensure_ascii=False)
-    print(line)
-    if args.out:
-        with open(args.out, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+    emit(row, args.out)
     return 0
 
 

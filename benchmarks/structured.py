@@ -160,7 +160,8 @@ def machine() -> dict:
     return machine_info()
 
 
-def _emit(row: dict, out) -> None:
+def emit(row: dict, out) -> None:
+    """Print ``row`` as a JSON line, and append it to the file ``out`` when given."""
     line = json.dumps(row, ensure_ascii=False)
     print(line, flush=True)
     if out:
@@ -261,7 +262,7 @@ def engines(args) -> None:
                                     matcher.accept_token, prep=prep, comp=comp,
                                     version=_dist("xgrammar"),
                                     needs="torch, transformers, triton")
-        _emit(row, args.out)
+        emit(row, args.out)
 
 
 def _dist(name: str) -> str:
@@ -323,7 +324,7 @@ def speed(args) -> None:
                       "decode_tok_s": round(statistics.median(r[1] for r in v), 1),
                       "tokens": round(statistics.median(r[2] for r in v))}
                for mode, v in rows.items()}
-        _emit({"bench": "structured-speed", "model": name, "vocab": m.config.vocab_size,
+        emit({"bench": "structured-speed", "model": name, "vocab": m.config.vocab_size,
                "schemas": names, "runs": args.runs, "temperature": args.temperature, "threads": m.runtime.threads
                if hasattr(m.runtime, "threads") else None, "max_tokens": args.max_tokens,
                "first_compile_ms": [round(x, 1) for x in compile_ms], **med,
@@ -376,7 +377,7 @@ def validity(args) -> None:
                     good += 1
                 per_schema[sname] = good
             dt = time.perf_counter() - t0
-            _emit({"bench": "structured-validity", "model": name, "mode": mode,
+            emit({"bench": "structured-validity", "model": name, "mode": mode,
                    "generations": n, "schemas": len(SCHEMAS), "parsed": ok_parse,
                    "valid": ok_valid, "valid_rate": round(ok_valid / n, 4),
                    "valid_per_schema": per_schema, "ended_by_themselves": stopped,
