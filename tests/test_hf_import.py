@@ -83,3 +83,24 @@ def test_unmapped_tensor_is_refused(tmp_path):
               str(tmp_path / "m" / "extra.safetensors"))
     with pytest.raises(UnsupportedError, match="vision_tower"):
         open_source(tmp_path / "m")
+
+
+def test_rope_bases_from_rope_parameters():
+    """transformers 5 writes the RoPE bases only under rope_parameters (per attention kind for
+    Gemma 3); they are read from there, and a scaled RoPE is refused."""
+    from pocketlm.formats.hf import config_from_hf
+
+    base = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4,
+            "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}
+    cfg = config_from_hf({**base, "rope_parameters": {"rope_type": "default",
+                                                       "rope_theta": 1e6}}, "x")
+    assert cfg.rope_theta == 1e6
+    gemma = {**base, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+             "head_dim": 16, "rope_parameters": {
+                 "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                 "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    cfg = config_from_hf(gemma, "x")
+    assert (cfg.rope_theta, cfg.rope_theta_local) == (1e6, 1e4)
+    with pytest.raises(UnsupportedError, match="rope_parameters"):
+        config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
+                                                    "factor": 4.0}}, "x")

@@ -347,7 +347,7 @@ def _spm_spec(
     """tokenizer.json for a SentencePiece vocabulary, as llama.cpp's SPM tokenizer runs it."""
     n = len(tokens)
     scores = _scores(fields, n)
-    merges = _spm_merges(tokens, scores, vocab)
+    merges = spm_merges(tokens, scores, vocab)
 
     add_space_prefix = _add_space_prefix(fields)
     norms: list[dict] = []
@@ -387,7 +387,7 @@ def _spm_spec(
     return spec, True
 
 
-def _spm_merges(tokens: list[str], scores: np.ndarray, vocab: dict[str, int]) -> list[list[str]]:
+def spm_merges(tokens: list[str], scores: np.ndarray, vocab: dict[str, int]) -> list[list[str]]:
     """Every split of every piece into two pieces, best-scoring result first (ties by id).
 
     With these as BPE merges, BPE's "apply the best-ranked adjacent pair" is llama.cpp's

@@ -82,6 +82,7 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
         value = hf.get(key)
         return default if value is None else number(key, value, kind)
 
+    hf = _with_rope_bases(hf, origin)
     if hf.get("rope_scaling") not in (None, {}):
         raise UnsupportedError(f"{origin}: rope_scaling {short_repr(hf['rope_scaling'])} is not "
                                "supported yet")
@@ -126,6 +127,30 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
     except PocketError as exc:
         raise type(exc)(f"{origin}: {exc}") from None
     return config
+
+
+def _with_rope_bases(hf: dict[str, Any], origin: str) -> dict[str, Any]:
+    """``hf`` with ``rope_theta`` / ``rope_local_base_freq`` taken from ``rope_parameters``
+    where only that is given (transformers 5 writes the RoPE bases there: one dict, or one per
+    attention kind for Gemma 3); a RoPE other than the plain one is refused."""
+    params = hf.get("rope_parameters")
+    if not isinstance(params, dict):
+        return hf
+    kinds = ("full_attention", "sliding_attention")
+    if any(isinstance(params.get(k), dict) for k in kinds):
+        full, sliding = (params.get(k) if isinstance(params.get(k), dict) else {} for k in kinds)
+    else:
+        full, sliding = params, {}
+    for p in (full, sliding):
+        if p.get("rope_type") not in (None, "default"):
+            raise UnsupportedError(f"{origin}: rope_parameters {short_repr(p)} is not supported "
+                                   "yet (only the plain RoPE)")
+    out = dict(hf)
+    if out.get("rope_theta") is None and full.get("rope_theta") is not None:
+        out["rope_theta"] = full["rope_theta"]
+    if out.get("rope_local_base_freq") is None and sliding.get("rope_theta") is not None:
+        out["rope_local_base_freq"] = sliding["rope_theta"]
+    return out
 
 
 def _gemma3(config: ModelConfig, hf: dict[str, Any], number, opt, origin: str) -> ModelConfig:

@@ -258,16 +258,47 @@ def cmd_finetune(args) -> int:
 
 
 def cmd_export(args) -> int:
-    _need_torch("export")
-    from .export import export
+    from ..export import check_output
 
-    out = Path(args.output)
-    if out.exists() and not args.force:
-        raise PocketError(f"{out} exists; pass --force to overwrite it")
-    from ..cli import calibration_kwargs
+    target = args.to
+    if target == "pocket" and args.output is not None and not args.output.endswith(".pocket"):
+        # `-o model.gguf` or `-o DIR` without --to: say what is missing, write nothing
+        suffix = Path(args.output).suffix.lower()
+        if suffix == ".gguf":
+            raise PocketError(f"{args.output}: to write GGUF pass --to gguf (without --to, "
+                              "export writes a .pocket deploy file)")
+    out = check_output(args.output, force=args.force, folder=target == "hf")
+    if target == "pocket":
+        _need_torch("export")
+        from ..cli import calibration_kwargs
+        from .export import export
 
-    report = export(args.run, out, group_size=args.group_size, embed_bits=args.embed_bits,
-                    best=False if args.last else None, **calibration_kwargs(args))
+        report = export(args.run, out, group_size=args.group_size,
+                        embed_bits=args.embed_bits, best=False if args.last else None,
+                        **calibration_kwargs(args))
+        print(report.summary())
+        return 0
+    from ..api import deploy_file
+
+    for flag, given in (("--last", args.last), ("--calib", args.calib),
+                        ("--bits-per-weight", args.bits_per_weight), ("--awq", args.awq),
+                        ("--quant-method", args.quant_method)):
+        if given:
+            raise PocketError(f"{flag} applies to --to pocket; export the deploy file made "
+                              f"with it (pocket pack ... {flag}) instead")
+    if target != "hf" and args.dtype is not None:
+        raise PocketError("--dtype applies to --to hf")
+    source = deploy_file(args.run, group_size=args.group_size, embed_bits=args.embed_bits,
+                         quiet=args.quiet)
+    if target == "gguf":
+        from ..export.gguf import export_gguf
+
+        report = export_gguf(source, out, progress=not args.quiet)
+    else:
+        from ..export.hf import export_hf
+
+        report = export_hf(source, out, dtype=args.dtype or "bfloat16",
+                           progress=not args.quiet)
     print(report.summary())
     return 0
 
@@ -429,15 +460,36 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("export", help="pack a training run into a .pocket deploy file")
-    p.add_argument("run", help="run folder (or its checkpoint.pt)")
-    p.add_argument("-o", "--output", required=True, help="the .pocket file to write")
+    p = sub.add_parser("export", help="write a model as a .pocket deploy file (from a "
+                       "training run), a GGUF file (llama.cpp) or a Hugging Face folder",
+                       description="Export a model for pocketlm or for other engines. --to "
+                       "pocket (default): pack a training run into a deploy file. --to gguf: "
+                       "a GGUF file llama.cpp and its phone bindings load, the INT4/INT5/INT8 "
+                       "weights copied bit for bit where a ggml type stores them exactly "
+                       "(Q4_1, Q5_1, Q8_0). --to hf: a Hugging Face folder (safetensors, "
+                       "config, tokenizer, chat template) for transformers, vLLM or MNN's "
+                       "llmexport. See docs/export.md.",
+                       epilog="examples:\n"
+                       "  pocket export runs/tiny -o tiny.pocket\n"
+                       "  pocket export smollm2-135m --to gguf -o smollm2.gguf\n"
+                       "  pocket export task.pocket --to hf -o task-hf\n",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run", metavar="SRC", help="training run folder (or its checkpoint.pt); "
+                   "with --to gguf/hf also a .pocket file, a registry name, a GGUF file or a "
+                   "Hugging Face folder (packed first, as pocket run would)")
+    p.add_argument("--to", default="pocket", choices=("pocket", "gguf", "hf"),
+                   help="output format (default pocket)")
+    p.add_argument("-o", "--output", required=True,
+                   help="the file (pocket, gguf) or folder (hf) to write")
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
     p.add_argument("--last", action="store_true",
                    help="export the latest checkpoint even when the run kept best.pt")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                   help="with --to hf: the safetensors' float type (default bfloat16)")
     add_calibration_options(p)
-    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("finetune", help="adapt an existing model to a task: full or LoRA",
