@@ -1,0 +1,838 @@
+"""Export a deploy file as a GGUF file that llama.cpp (and its phone bindings) load.
+
+``pocket export SRC --to gguf -o model.gguf`` calls :func:`export_gguf`. The writer is the
+inverse of the importer (:mod:`pocketlm.formats.gguf`), so ``pocket pack model.gguf`` gives the
+deploy file's tensors back; the checks against llama.cpp itself are in
+``tests/test_export_gguf.py``.
+
+**Architecture.** Each family maps to the GGUF architecture whose graph computes it exactly:
+
+=========  =======  ==============================================================
+family     GGUF     notes
+=========  =======  ==============================================================
+llama      llama    q/k rows permuted back to ggml's interleaved RoPE pairs
+qwen2      qwen2    q/k/v biases (zeros written when the model has none)
+qwen3      qwen3    QK-norm, no biases
+pocket     qwen3    pocketlm's own family is llama + QK-norm + tied head: qwen3's graph
+gemma3     gemma3   norms as stored (the ``1 + w`` is already folded in); llama.cpp fixes
+                    every 6th layer global, the local RoPE base 10000, the embedding
+                    scale sqrt(d_model) and the attention scale: a config that differs
+                    is refused
+=========  =======  ==============================================================
+
+Anything the GGUF graph would compute differently (a sliding window outside gemma3, another
+activation, a custom attention or embedding scale, biases together with QK-norm) is refused in
+one line before anything is written.
+
+**Weights.** Every pocketlm layout is a ggml block type in disguise, so weights are copied, not
+requantized: the same 4-, 5- or 8-bit integers and the same float16 scales, only interleaved
+into ggml's 32-value blocks.
+
+=====================================  ======  ==========================================
+deploy file layout                     GGUF    block (bytes)
+=====================================  ======  ==========================================
+INT4, minimums ``-8 * scale``          Q4_0    f16 d, 16 nibble bytes (18)
+INT4, asymmetric                       Q4_1    f16 d, f16 m, 16 nibble bytes (20)
+INT5, minimums ``-16 * scale``         Q5_0    f16 d, 4 high-bit bytes, 16 nibble bytes (22)
+INT5, asymmetric                       Q5_1    f16 d, f16 m, then as Q5_0 (24)
+INT8                                   Q8_0    f16 d, 32 int8 (34)
+float32 (norms, biases)                F32
+=====================================  ======  ==========================================
+
+pocketlm's nibble and high-bit order within a 32-value block is ggml's (see
+:mod:`pocketlm.quant`), so a block is the group's scale (and minimum) followed by the packed
+bytes unchanged. Groups of 64 or 128 become 2 or 4 blocks carrying the same scale and minimum:
+still exact. A tensor is converted a slice of rows at a time and written straight to the file,
+so memory holds one slice, never the model; the few rows of each tensor decoded back with the
+``gguf`` library's own dequantizer must equal the deploy file's values, or the export stops.
+
+**Tokenizer.** Byte-level BPE vocabularies become ``tokenizer.ggml.model = "gpt2"`` (tokens,
+types, merges) with the ``tokenizer.ggml.pre`` name whose built-in llama.cpp regexes are the
+vocabulary's own pre-tokenizer; SentencePiece vocabularies (Gemma's, trimmed or not) become
+``"llama"`` (tokens, scores, types). A pre-tokenizer llama.cpp does not know (pocketlm's trained
+``pocket-zh-en-v1``) takes the nearest llama.cpp one that tokenizes every probe text (English,
+Chinese, code, mixed; :data:`PROBE_TEXTS`) exactly as the vocabulary does, and the report says
+so; when none does, the export is refused. Whatever the case, the tokenizer llama.cpp will
+build from the written keys (as :mod:`pocketlm.formats.gguf_vocab` rebuilds it) must tokenize
+the probe texts exactly as the deploy file's tokenizer, or nothing is written. BOS/EOS, the
+chat template and the generation defaults that have GGUF keys (``general.sampling.*``) go along.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cache, lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import GenerationDefaults, ModelConfig
+from ..errors import PocketError, UnsupportedError
+from ..formats.gguf import (
+    GEMMA3_ROPE_LOCAL,
+    GEMMA3_SWA_PATTERN,
+    GLOBAL_NAMES,
+    LAYER_NAMES,
+    SAMPLING_KEYS,
+)
+from ..formats.pocketfile import PocketFile
+from ..quant import BLOCK, QuantTensor, find_zero_point
+from ..tokenizer import DROPPED_BYTE, EOG_TEXTS, SpmTokenizer, Tokenizer, release_free_heap
+from . import atomic_file
+
+__all__ = ["ExportReport", "PROBE_TEXTS", "TensorExport", "export_gguf", "ggml_blocks",
+           "ggml_type", "gguf_architecture", "permute_rows", "tokenizer_fields"]
+
+# pocketlm family -> GGUF architecture (module docstring)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "pocket": "qwen3",
+                 "gemma3": "gemma3"}
+
+# pocketlm name -> GGUF name: the importer's tables, inverted
+_TO_GGUF_LAYER = {ours: theirs for theirs, ours in LAYER_NAMES.items()}
+_TO_GGUF_GLOBAL = {ours: theirs for theirs, ours in GLOBAL_NAMES.items()}
+
+# ggml block: bytes per 32 values
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
+# the general.file_type of a file whose linear weights are mostly of a type
+_FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9}
+_SLICE_BYTES = 8 << 20  # output bytes converted at a time
+
+# GGUF token types (llama.cpp's llama_token_type)
+TT_NORMAL, TT_UNKNOWN, TT_CONTROL, TT_USER_DEFINED, TT_UNUSED, TT_BYTE = 1, 2, 3, 4, 5, 6
+
+# Text every exported tokenizer must split exactly as the deploy file's tokenizer does, in the
+# form llama.cpp will run: English prose, Chinese prose, code, mixed scripts, digits, symbols,
+# whitespace runs, upper-case contractions.
+PROBE_TEXTS = (
+    "The quick brown fox jumps over the lazy dog. It's 3:45 pm; we'll leave at 17:00, won't we?",
+    "SHE'S SURE THEY'LL COME, AREN'T THEY? Mr. O'Neil paid $1,234.56 (about 9%) on 2024-03-15.",
+    "人工智能正在改变我们的生活。小猫在花园里玩，小狗在河边跑。今天是2024年3月15日，气温23℃。",
+    "“你好！”他说：“我们明天见。”《红楼梦》是中国古典小说之一，共一百二十回……",
+    "我在用 PyTorch 训练模型，loss 从3.2降到1.5。Hello世界！这是GPT-4o和Qwen2.5的对比。",
+    "def fib(n: int) -> int:\n    if n < 2:\n        return n\n"
+    "    return fib(n - 1) + fib(n - 2)\n",
+    "for (int i = 0; i < n; ++i) {\n\tsum += a[i] * b[i];  // dot\n}\nprint(f\"{x!r:>10}\")\n",
+    '{"name": "pocketlm", "version": "0.1.0", "tags": ["zh", "en"], "ok": true, "n": null}',
+    "Spaces:  two,   three,\ttab,\n\nblank lines,\r\nCRLF, trailing   \n  indented",
+    "Émile naïve café — smart “quotes” and ‘single’ ones… 10–20 × 3 ≠ 31 ± 2 → ∞ 😀👍🏽 ©®™",
+    "日本語のテキストとカタカナ、한국어 문장도 조금. Ünïcödé ß ﬁ ｆｕｌｌｗｉｄｔｈ １２３",
+    "http://example.com/a/b?x=1&y=2#frag user@example.org 0x1F 1e-5 3.14159 -42 +7 100000000",
+)
+
+
+# -------------------------------------------------------------------------------- the report
+@dataclass
+class TensorExport:
+    """How one tensor was written."""
+
+    name: str  # GGUF name
+    source: str  # the deploy file's layout: "int4 g32", "int5 g64 zp16", "f32", ...
+    gguf_type: str  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F32
+    nbytes: int
+    how: str  # "copied" (same integers and scales) | "float" | "added" (zero biases)
+    rel_error: float = 0.0  # ||written - deploy file|| / ||deploy file||: 0 where lossless
+
+
+@dataclass
+class ExportReport:
+    path: Path
+    source: Path
+    architecture: str
+    file_bytes: int
+    seconds: float
+    peak_rss_bytes: int  # the process's peak resident set (getrusage), the export included
+    tensors: list[TensorExport] = field(default_factory=list)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def type_counts(self) -> dict[str, int]:
+        """GGUF type -> number of tensors written in it."""
+        return dict(Counter(t.gguf_type for t in self.tensors).most_common())
+
+    def summary(self) -> str:
+        copied = sum(t.how == "copied" for t in self.tensors)
+        floats = sum(t.how in ("float", "added") for t in self.tensors)
+        types = ", ".join(f"{k} x{v}" for k, v in self.type_counts().items())
+        worst = max((t.rel_error for t in self.tensors), default=0.0)
+        tok = self.tokenizer
+        lines = [
+            f"wrote {self.path} ({self.file_bytes / 1e6:.1f} MB, GGUF {self.architecture}) in "
+            f"{self.seconds:.1f} s, peak memory {self.peak_rss_bytes / 1e6:.0f} MB",
+            f"tensors: {len(self.tensors)} ({types}): {copied} quantized ones copied bit for "
+            f"bit, {floats} in float, largest relative error {worst:.3g}",
+            f"tokenizer: {tok.get('model')} ({tok.get('kind')}), {tok.get('tokens')} tokens"
+            + (f", pre-tokenizer {tok['pre']}" if tok.get("pre") else "")
+            + f"; {tok.get('check')}",
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        """One line per tensor: GGUF name, deploy file layout, GGUF type, relative error."""
+        lines = ["tensor  source -> gguf  relative-error"]
+        lines += [f"{t.name}  {t.source} -> {t.gguf_type}  {t.rel_error:.3g}"
+                  for t in self.tensors]
+        return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------- architecture
+def gguf_architecture(config: ModelConfig) -> str:
+    """The GGUF architecture that computes ``config`` exactly (module docstring), or an
+    UnsupportedError naming what llama.cpp would compute differently."""
+    arch = ARCHITECTURES.get(config.arch)
+    if arch is None:
+        raise UnsupportedError(f"family {config.arch!r} has no GGUF architecture; exportable: "
+                               f"{', '.join(ARCHITECTURES)}")
+
+    def refuse(what: str) -> UnsupportedError:
+        return UnsupportedError(f"cannot export this {config.arch} model to GGUF: {what}, which "
+                                f"llama.cpp's {arch} graph does not compute")
+
+    default_scale = 1.0 / math.sqrt(config.head_dim)
+    if arch == "gemma3":
+        pattern = ["global" if i % GEMMA3_SWA_PATTERN == GEMMA3_SWA_PATTERN - 1 else "sliding"
+                   for i in range(config.n_layers)]
+        if config.layer_types != pattern:
+            raise refuse(f"its global layers are {_layer_list(config.layer_types)}, not every "
+                         f"{GEMMA3_SWA_PATTERN}th")
+        if config.rope_theta_local != GEMMA3_ROPE_LOCAL:
+            raise refuse(f"a local RoPE base of {config.rope_theta_local:g} (llama.cpp fixes "
+                         f"{GEMMA3_ROPE_LOCAL:g})")
+        if not math.isclose(config.embed_scale, math.sqrt(config.d_model), rel_tol=1e-6):
+            raise refuse(f"an embedding scale of {config.embed_scale:g} (not sqrt(d_model))")
+        # llama.cpp scales Gemma 3 27B's (62 layers) attention by 1 / sqrt(d_model / n_heads)
+        want = 1.0 / math.sqrt(config.d_model / config.n_heads) if config.n_layers == 62 \
+            else default_scale
+        if not math.isclose(config.scale, want, rel_tol=1e-6):
+            raise refuse(f"an attention scale of {config.scale:g} (llama.cpp uses {want:g})")
+        for what, bad in (("no sandwich norms", not config.sandwich_norms),
+                          ("no QK-norm", not config.qk_norm),
+                          (f"activation {config.activation}", config.activation != "gelu_tanh"),
+                          ("q/k/v biases", config.qkv_bias)):
+            if bad:
+                raise refuse(what)
+        return arch
+    if "sliding" in config.layer_types:
+        raise refuse("sliding-window attention layers")
+    if config.sandwich_norms:
+        raise refuse("sandwich norms")
+    if config.activation != "silu":
+        raise refuse(f"activation {config.activation}")
+    if config.embed_scale != 1.0:
+        raise refuse(f"an embedding scale of {config.embed_scale:g}")
+    if not math.isclose(config.scale, default_scale, rel_tol=1e-6):
+        raise refuse(f"an attention scale of {config.scale:g} (not 1 / sqrt(head_dim))")
+    if config.qk_norm and config.qkv_bias:
+        raise refuse("QK-norm together with q/k/v biases")
+    if config.qk_norm and arch != "qwen3":
+        raise refuse("QK-norm")
+    if arch == "qwen3" and not config.qk_norm:
+        return "qwen2"  # the same graph without QK-norm: zero biases are added
+    if arch == "qwen3" and config.qkv_bias:
+        raise refuse("q/k/v biases")
+    return arch
+
+
+def _layer_list(layer_types: list[str]) -> str:
+    found = [i for i, t in enumerate(layer_types) if t == "global"]
+    return ", ".join(map(str, found[:8])) + (" ..." if len(found) > 8 else "") if found else "none"
+
+
+def _architecture_fields(config: ModelConfig, arch: str) -> dict[str, tuple[str, Any]]:
+    """``{key: (value type, value)}`` of the hyper-parameters, in the importer's keys."""
+    p = f"{arch}."
+    fields: dict[str, tuple[str, Any]] = {
+        p + "vocab_size": ("u32", config.vocab_size),
+        p + "context_length": ("u32", config.max_context),
+        p + "embedding_length": ("u32", config.d_model),
+        p + "block_count": ("u32", config.n_layers),
+        p + "feed_forward_length": ("u32", config.d_ff),
+        p + "attention.head_count": ("u32", config.n_heads),
+        p + "attention.head_count_kv": ("u32", config.n_kv_heads),
+        p + "attention.key_length": ("u32", config.head_dim),
+        p + "attention.value_length": ("u32", config.head_dim),
+        p + "rope.dimension_count": ("u32", config.head_dim),
+        p + "rope.freq_base": ("f32", config.rope_theta),
+        p + "attention.layer_norm_rms_epsilon": ("f32", config.norm_eps),
+    }
+    if arch == "gemma3":
+        fields[p + "attention.sliding_window"] = ("u32", config.sliding_window)
+    return fields
+
+
+# -------------------------------------------------------------------------------- weights
+def permute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
+    """pocketlm's rotate-half row order of each q/k head -> ggml's interleaved pairs (the
+    inverse of the importer's ``_unpermute_rows``): head rows ``[x0..x(d/2-1) | y0..]`` become
+    ``[x0 y0 x1 y1 ...]``. Whole rows move, so this is exact for any layout."""
+    rows = a.shape[0]
+    head = rows // n_heads
+    return a.reshape(n_heads, 2, head // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+
+
+def ggml_type(qt: QuantTensor) -> str:
+    """The ggml type that holds ``qt``'s values exactly: INT8 -> Q8_0; INT4 -> Q4_0 when every
+    minimum is ``-8 * scale`` (stored without minimums, or found so), else Q4_1; INT5 -> Q5_0
+    (``-16 * scale``) or Q5_1."""
+    if qt.kind == "int8":
+        return "Q8_0"
+    if qt.kind not in ("int4", "int5"):
+        raise UnsupportedError(f"quantized layout {qt.kind!r} has no GGUF type")
+    zp = qt.zero_point if qt.zero_point is not None else find_zero_point(qt)
+    if qt.kind == "int4":
+        return "Q4_0" if zp == 8 else "Q4_1"
+    return "Q5_0" if zp == 16 else "Q5_1"
+
+
+def ggml_blocks(qt: QuantTensor, type_name: str, rows: slice = slice(None)) -> np.ndarray:
+    """The selected rows of ``qt`` as ggml blocks of ``type_name``: uint8
+    ``[rows, cols // 32 * block bytes]``, each 32-value block its group's float16 scale (and
+    minimum, for Q4_1/Q5_1) followed by the packed values exactly as pocketlm stores them."""
+    ncols = qt.shape[1]
+    nb = ncols // BLOCK
+    rep = qt.group_size // BLOCK  # blocks per group: they share its scale and minimum
+    qweight = np.asarray(qt.qweight[rows])
+    n = qweight.shape[0]
+    out = np.empty((n, nb, BLOCK_BYTES[type_name]), dtype=np.uint8)
+
+    def put(at: int, halves: np.ndarray) -> None:  # float16 [n, groups] -> 2 bytes a block
+        h = np.ascontiguousarray(np.repeat(np.asarray(halves, dtype=np.float16), rep, axis=1))
+        out[:, :, at:at + 2] = h.view(np.uint8).reshape(n, nb, 2)
+
+    put(0, qt.scales[rows])
+    head = 2
+    if type_name in ("Q4_1", "Q5_1"):
+        put(2, qt.mins[rows])
+        head = 4
+    if type_name == "Q8_0":
+        out[:, :, head:] = qweight.view(np.uint8).reshape(n, nb, BLOCK)
+    else:  # INT4: 16 nibble bytes a block; INT5: 4 high-bit bytes + 16 nibble bytes
+        out[:, :, head:] = qweight.reshape(n, nb, BLOCK_BYTES[type_name] - head)
+    return out.reshape(n, nb * BLOCK_BYTES[type_name])
+
+
+@dataclass
+class _Planned:
+    """One tensor to write: its GGUF name, ggml type, element shape and a producer of its
+    bytes in row slices."""
+
+    name: str
+    source: str
+    type_name: str
+    shape: tuple[int, ...]
+    nbytes: int
+    how: str
+    slices: Callable[[], Iterator[np.ndarray]]
+    check: Callable[[], float] = lambda: 0.0
+    pages: list[str] = field(default_factory=list)  # deploy file tensors to drop after
+
+
+def _layout_name(qt: QuantTensor) -> str:
+    zp = f" zp{qt.zero_point}" if qt.zero_point is not None else ""
+    return f"{qt.kind} g{qt.group_size}{zp}"
+
+
+def _gguf_name(name: str) -> str | None:
+    if name in _TO_GGUF_GLOBAL:
+        return _TO_GGUF_GLOBAL[name]
+    if name.startswith("layers."):
+        i, _, rest = name[len("layers."):].partition(".")
+        if rest in _TO_GGUF_LAYER:
+            return f"blk.{i}.{_TO_GGUF_LAYER[rest]}"
+    return None
+
+
+def _plan(config: ModelConfig, arch: str, weights: dict, origin: str) -> list[_Planned]:
+    """Every tensor of the GGUF file, in order; an UnsupportedError for a tensor the GGUF
+    architecture has no name for."""
+    unmapped = [n for n in weights if _gguf_name(n) is None]
+    if unmapped:
+        raise UnsupportedError(f"{origin}: tensors with no GGUF name: {unmapped[:5]}"
+                               f"{' ...' if len(unmapped) > 5 else ''}")
+    order = list(config.tensor_shapes())
+    extra = sorted(set(weights) - set(order))
+    if extra:
+        raise UnsupportedError(f"{origin}: tensors the config does not call for: {extra[:5]}")
+    plan = []
+    for name in order:
+        value = weights[name]
+        heads = None
+        if arch == "llama" and name.endswith(("attn.w_q.weight", "attn.w_q.bias")):
+            heads = config.n_heads
+        elif arch == "llama" and name.endswith(("attn.w_k.weight", "attn.w_k.bias")):
+            heads = config.n_kv_heads
+        plan.append(_plan_tensor(_gguf_name(name), name, value, heads))
+    if arch == "qwen2" and not config.qkv_bias:  # qwen2's graph reads biases: zeros are exact
+        for i in range(config.n_layers):
+            for proj, rows in (("q", config.q_dim), ("k", config.kv_dim), ("v", config.kv_dim)):
+                plan.append(_float_plan(f"blk.{i}.attn_{proj}.bias", "none",
+                                        np.zeros(rows, np.float32), "added"))
+    return plan
+
+
+def _plan_tensor(gname: str, name: str, value, heads: int | None) -> _Planned:
+    if not isinstance(value, QuantTensor):
+        a = np.asarray(value)
+        if a.dtype != np.float32:
+            raise UnsupportedError(f"tensor {name}: dtype {a.dtype} has no GGUF export")
+        if heads is not None:
+            a = permute_rows(a, heads)
+        return _float_plan(gname, "f32", a, "float", pages=[name])
+    qt = value
+    if heads is not None:
+        qt = QuantTensor(qt.kind, qt.shape, qt.group_size, permute_rows(qt.qweight, heads),
+                         permute_rows(qt.scales, heads),
+                         None if qt.mins is None else permute_rows(qt.mins, heads),
+                         qt.zero_point)
+    type_name = ggml_type(qt)
+    rows, cols = qt.shape
+    row_bytes = cols // BLOCK * BLOCK_BYTES[type_name]
+    step = max(1, _SLICE_BYTES // row_bytes)
+
+    def slices() -> Iterator[np.ndarray]:
+        for r0 in range(0, rows, step):
+            yield ggml_blocks(qt, type_name, slice(r0, r0 + step))
+
+    def check() -> float:
+        """The first, middle and last rows decoded by gguf's own dequantizer: 0 when they are
+        the deploy file's values exactly."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        sel = np.unique([0, rows // 2, rows - 1])
+        got = dequantize(ggml_blocks(qt, type_name, sel), GGMLQuantizationType[type_name])
+        want = qt.dequantize(sel)
+        if np.array_equal(np.asarray(got, np.float32).reshape(want.shape), want):
+            return 0.0
+        diff = np.linalg.norm(np.asarray(got, np.float64).reshape(want.shape) - want)
+        return float(diff / max(np.linalg.norm(want.astype(np.float64)), 1e-30))
+
+    return _Planned(gname, _layout_name(value), type_name, (rows, cols), rows * row_bytes,
+                    "copied", slices, check,
+                    pages=[name, name + ".scales", name + ".mins"])
+
+
+def _float_plan(gname: str, source: str, a: np.ndarray, how: str,
+                pages: list[str] | None = None) -> _Planned:
+    def slices() -> Iterator[np.ndarray]:
+        yield np.ascontiguousarray(a, dtype=np.float32)
+
+    return _Planned(gname, source, "F32", tuple(a.shape), a.size * 4, how, slices,
+                    pages=pages or [])
+
+
+# -------------------------------------------------------------------------------- tokenizer
+def tokenizer_fields(tokenizer: Tokenizer, n_vocab: int) -> tuple[dict[str, Any], dict]:
+    """The ``tokenizer.ggml.*`` keys (plain values, as ``GGUFReader`` fields read back) that
+    make llama.cpp tokenize as ``tokenizer`` does, for an embedding of ``n_vocab`` rows, and a
+    description for the report. Raises UnsupportedError when no GGUF tokenizer does."""
+    if isinstance(tokenizer, SpmTokenizer):
+        return _spm_fields(tokenizer, n_vocab)
+    if tokenizer.kind == "bpe":
+        return _bpe_fields(tokenizer, n_vocab)
+    raise UnsupportedError("the tokenizer is a Hugging Face BPE with byte fallback "
+                           "(SentencePiece pieces): GGUF export needs it as a SentencePiece "
+                           "model; pack the model from its GGUF file instead")
+
+
+def _pad_tokens(tokens: list[str | None], types: list[int]) -> None:
+    """Fill ids no piece has (an embedding wider than the vocabulary) with unused pieces."""
+    taken = set(t for t in tokens if t is not None)
+    for i, t in enumerate(tokens):
+        if t is None:
+            pad = f"[PAD{i}]"
+            while pad in taken:
+                pad = f"[{pad}]"
+            tokens[i] = pad
+            types[i] = TT_UNUSED
+
+
+def _spm_fields(tok: SpmTokenizer, n_vocab: int) -> tuple[dict[str, Any], dict]:
+    sp = tok.sp
+    n = sp.get_piece_size()
+    if n > n_vocab:
+        raise UnsupportedError(f"the tokenizer has {n} pieces but the embedding only "
+                               f"{n_vocab} rows")
+    tokens: list[str | None] = [None] * n_vocab
+    types = [TT_UNUSED] * n_vocab
+    scores = [0.0] * n_vocab
+    user = set(tok.user_defined.values())
+    for i in range(n):
+        tokens[i] = sp.id_to_piece(i)
+        scores[i] = float(sp.get_score(i))
+        if sp.is_unknown(i):
+            types[i] = TT_UNKNOWN
+        elif i in user:
+            types[i] = TT_USER_DEFINED
+        elif sp.is_control(i):
+            types[i] = TT_CONTROL
+        elif sp.is_byte(i):
+            types[i] = TT_BYTE
+        elif sp.is_unused(i):
+            types[i] = TT_UNUSED
+        else:
+            types[i] = TT_NORMAL
+    _pad_tokens(tokens, types)
+    fields = {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.add_space_prefix": bool(tok.add_space_prefix),
+    }
+    unk = [i for i in range(n) if types[i] == TT_UNKNOWN]
+    if unk:
+        fields["tokenizer.ggml.unknown_token_id"] = unk[0]
+    fields.update(_special_ids(tok, tokens))
+    return fields, {"model": "llama", "kind": "SentencePiece", "pre": None, "tokens": n_vocab,
+                    "exact": True}
+
+
+def _bpe_fields(tok: Tokenizer, n_vocab: int) -> tuple[dict[str, Any], dict]:
+    spec = json.loads(tok.hf.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise UnsupportedError(f"the tokenizer's model is {model.get('type')!r}; GGUF holds "
+                               "byte-level BPE and SentencePiece vocabularies")
+    n = tok.vocab_size
+    if n > n_vocab:
+        raise UnsupportedError(f"the tokenizer has {n} tokens but the embedding only "
+                               f"{n_vocab} rows")
+    tokens: list[str | None] = [None] * n_vocab
+    types = [TT_NORMAL] * n_vocab
+    for text, i in model.get("vocab", {}).items():
+        if i < n and text != DROPPED_BYTE:
+            tokens[i] = text
+    for added in spec.get("added_tokens") or []:
+        i = int(added["id"])
+        if i < n:
+            tokens[i] = added["content"]
+            types[i] = TT_CONTROL if added.get("special", True) else TT_USER_DEFINED
+    _pad_tokens(tokens, types)
+    merges = []
+    for m in model.get("merges", []):
+        a, b = m if isinstance(m, (list, tuple)) else m.split(" ", 1)
+        if " " in a or " " in b:
+            raise UnsupportedError(f"the BPE merge {a!r} + {b!r} holds a space, which GGUF's "
+                                   "merge list cannot store")
+        merges.append(f"{a} {b}")
+    fields = {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+    }
+    fields.update(_special_ids(tok, tokens))
+    pre = _pre_name(spec)
+    info = {"model": "gpt2", "kind": "byte-level BPE", "tokens": n_vocab}
+    if pre is not None:
+        fields["tokenizer.ggml.pre"] = pre
+        info.update(pre=pre, exact=True)
+        return fields, info
+    # a pre-tokenizer llama.cpp does not have: the nearest one that agrees on every probe
+    for name in _PRE_PREFERENCE:
+        fields["tokenizer.ggml.pre"] = name
+        if _first_difference(tok, fields) is None:
+            info.update(pre=name, exact=False)
+            return fields, info
+    raise UnsupportedError("the tokenizer's pre-tokenizer has no llama.cpp equivalent: none of "
+                           f"{', '.join(_PRE_PREFERENCE)} splits the probe texts the same way")
+
+
+def _special_ids(tok: Tokenizer, tokens: list[str]) -> dict[str, Any]:
+    """BOS/EOS/EOT/EOM/padding ids and whether BOS is added. End-of-generation tokens whose
+    text llama.cpp recognises (:data:`pocketlm.tokenizer.EOG_TEXTS`) need no key."""
+    fields: dict[str, Any] = {"tokenizer.ggml.add_bos_token": bool(tok.add_bos and
+                                                                   tok.bos_id is not None),
+                              "tokenizer.ggml.add_eos_token": False}
+    if tok.bos_id is not None:
+        fields["tokenizer.ggml.bos_token_id"] = tok.bos_id
+    eos = list(tok.eos_ids)
+    if eos:
+        fields["tokenizer.ggml.eos_token_id"] = eos[0]
+    others = [i for i in eos[1:] if tokens[i] not in EOG_TEXTS]
+    for key, i in zip(("eot", "eom"), others):
+        fields[f"tokenizer.ggml.{key}_token_id"] = i
+    for text in ("<pad>", "<|pad|>", "[PAD]", "<|padding|>"):
+        i = tok.token_to_id(text)
+        if i is not None and i < len(tokens) and tok.is_special(i):
+            fields["tokenizer.ggml.padding_token_id"] = i
+            break
+    return fields
+
+
+# names tried, in this order, for a pre-tokenizer llama.cpp does not know; also the name
+# written when several of the importer's names share the vocabulary's pre-tokenizer
+_PRE_PREFERENCE = ("qwen2", "llama-bpe", "dbrx", "smollm", "gpt-2", "default")
+# Hugging Face spells the any-case contractions of Qwen 2 and Llama 3 this way; llama.cpp's
+# regex engine lacks inline flags, so the importer spells them out
+_HF_CONTRACTIONS = "(?i:'s|'t|'re|'ve|'m|'ll|'d)"
+_LLAMA_CPP_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+
+
+def _pre_name(spec: dict) -> str | None:
+    """The ``tokenizer.ggml.pre`` name whose pre-tokenizer (as the importer rebuilds it: the
+    regexes llama.cpp compiles in for that name) is the vocabulary's own, or None."""
+    if spec.get("normalizer") is not None:
+        return None
+    mine = _regex_chain(spec.get("pre_tokenizer"))
+    if mine is None:
+        return None
+    ignore = bool((spec.get("model") or {}).get("ignore_merges", False))
+    table = _importer_pre_table()
+    return table.get((mine, ignore))
+
+
+def _regex_chain(pre: Any) -> tuple[str, ...] | None:
+    """A byte-level pre-tokenizer as its chain of isolating regexes (Hugging Face's shorthand
+    forms spelled out), or None when it is something else."""
+    if not isinstance(pre, dict):
+        return None
+    steps = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
+    if not steps or steps[-1].get("type") != "ByteLevel" or steps[-1].get("add_prefix_space"):
+        return None
+    regexes = []
+    for step in steps[:-1]:
+        kind = step.get("type")
+        if kind == "Split" and step.get("behavior") == "Isolated" and not step.get("invert") \
+                and "Regex" in (step.get("pattern") or {}):
+            regexes.append(step["pattern"]["Regex"].replace(_HF_CONTRACTIONS,
+                                                            _LLAMA_CPP_CONTRACTIONS))
+        elif kind == "Digits" and step.get("individual_digits"):
+            regexes.append(r"\p{N}")
+        else:
+            return None
+    if steps[-1].get("use_regex", True):  # ByteLevel's own split: GPT-2's regex
+        regexes.append(_importer_regexes("gpt-2")[0][0])
+    return tuple(regexes)
+
+
+@cache
+def _importer_regexes(name: str) -> tuple[tuple[str, ...], bool]:
+    """The regex chain and ignore_merges the importer builds for ``tokenizer.ggml.pre =
+    name`` (read off a one-byte-per-token vocabulary it rebuilds)."""
+    from ..formats.gguf_vocab import tokenizer_from_gguf_fields
+    from ..tokenizer import BYTE_TO_CHAR
+
+    tok = tokenizer_from_gguf_fields({
+        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": name,
+        "tokenizer.ggml.tokens": [BYTE_TO_CHAR[b] for b in range(256)],
+        "tokenizer.ggml.merges": []})
+    spec = json.loads(tok.hf.to_str())
+    chain = tuple(s["pattern"]["Regex"] for s in spec["pre_tokenizer"]["pretokenizers"][:-1])
+    return chain, bool(spec["model"].get("ignore_merges", False))
+
+
+@lru_cache(maxsize=1)
+def _importer_pre_table() -> dict[tuple[tuple[str, ...], bool], str]:
+    from ..formats.gguf_vocab import SUPPORTED_PRE
+
+    table: dict[tuple[tuple[str, ...], bool], str] = {}
+    for name in (*_PRE_PREFERENCE, *SUPPORTED_PRE):
+        table.setdefault(_importer_regexes(name), name)
+    return table
+
+
+def _probe_texts(tok: Tokenizer) -> list[tuple[str, bool]]:
+    """``(text, special)`` pairs to compare: every probe as plain text, and the probes joined
+    by the vocabulary's first special tokens, read as those tokens."""
+    probes = [(t, False) for t in PROBE_TEXTS] + [(t, True) for t in PROBE_TEXTS]
+    specials = sorted(tok.special_tokens.items(), key=lambda kv: kv[1])[:6]
+    if specials:
+        joined = "".join(f"{text}{t}" for (text, _), t in zip(specials * 2, PROBE_TEXTS))
+        probes += [(joined, True), (joined, False)]
+    return probes
+
+
+def _first_difference(tok: Tokenizer, fields: dict[str, Any]) -> str | None:
+    """None when the tokenizer llama.cpp builds from ``fields`` (as pocketlm's importer
+    rebuilds it) tokenizes every probe as ``tok`` does; else what differs."""
+    from ..formats.gguf_vocab import tokenizer_from_gguf_fields
+
+    theirs = tokenizer_from_gguf_fields(fields)
+    if (theirs.bos_id, theirs.add_bos) != (tok.bos_id, tok.add_bos and tok.bos_id is not None):
+        return (f"BOS {theirs.bos_id} (added: {theirs.add_bos}) instead of {tok.bos_id} "
+                f"(added: {tok.add_bos})")
+    for text, special in _probe_texts(tok):
+        a = tok.encode(text, add_bos=False, special=special)
+        b = theirs.encode(text, add_bos=False, special=special)
+        if a != b:
+            at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            return (f"{text[:40]!r}: token {at} is {b[at] if at < len(b) else 'missing'} "
+                    f"instead of {a[at] if at < len(a) else 'missing'}")
+    return None
+
+
+# -------------------------------------------------------------------------------- writing
+def _peak_rss() -> int:
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+def _general_fields(pf: PocketFile, source: Path, plan: list[_Planned]) -> dict[str, tuple]:
+    from gguf import GGML_QUANT_VERSION
+
+    prov = pf.json_object("provenance", {})
+    name = prov.get("source_name") if isinstance(prov.get("source_name"), str) else None
+    linear = Counter(p.type_name for p in plan if len(p.shape) == 2 and
+                     not p.name.startswith(("token_embd", "output.")))
+    main = linear.most_common(1)[0][0] if linear else "F32"
+    fields: dict[str, tuple] = {
+        "general.name": ("str", name or source.stem),
+        "general.file_type": ("u32", _FILE_TYPES[main]),
+        "general.quantization_version": ("u32", GGML_QUANT_VERSION),
+        "general.quantized_by": ("str", "pocketlm"),
+    }
+    license_ = prov.get("source_license")
+    if isinstance(license_, str) and license_:
+        fields["general.license"] = ("str", license_)
+    return fields
+
+
+def _sampling_fields(generation: GenerationDefaults) -> tuple[dict[str, tuple], list[str]]:
+    """The generation defaults that differ from the built-in ones, in the importer's
+    ``general.sampling.*`` keys; a note for what GGUF has no key for."""
+    builtin = GenerationDefaults()
+    fields: dict[str, tuple] = {}
+    for key, name in SAMPLING_KEYS.items():
+        value = getattr(generation, name)
+        if value != getattr(builtin, name):
+            fields[key] = ("i32", int(value)) if name == "top_k" else ("f32", float(value))
+    notes = []
+    if generation.max_tokens is not None:
+        notes.append(f"the default length ({generation.max_tokens} tokens) has no GGUF key: "
+                     "pass -n to llama.cpp")
+    return fields, notes
+
+
+def _write_fields(writer, typed: dict[str, tuple[str, Any]]) -> None:
+    add = {"u32": writer.add_uint32, "i32": writer.add_int32, "f32": writer.add_float32,
+           "str": writer.add_string, "bool": writer.add_bool}
+    for key, (kind, value) in typed.items():
+        add[kind](key, value)
+
+
+def _write_tokenizer(writer, fields: dict[str, Any]) -> None:
+    for key, value in fields.items():
+        if key == "tokenizer.ggml.tokens":
+            writer.add_token_list(value)
+        elif key == "tokenizer.ggml.token_type":
+            writer.add_token_types(value)
+        elif key == "tokenizer.ggml.scores":
+            writer.add_token_scores(value)
+        elif key == "tokenizer.ggml.merges":
+            writer.add_token_merges(value)
+        elif isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint32(key, value)
+        else:
+            writer.add_string(key, value)
+
+
+def _write_tensors(f, align: int, plan: list[_Planned], pf: PocketFile,
+                   progress: bool) -> list[TensorExport]:
+    """The tensor data, in plan order, each at a multiple of ``align`` (after the header the
+    GGUF writer wrote to ``f``); each tensor's deploy file pages are dropped once written."""
+    from ..data.download import byte_progress
+
+    tensors = []
+    with byte_progress(sum(p.nbytes for p in plan), "writing GGUF", quiet=not progress) as bar:
+        for p in plan:
+            f.write(b"\0" * (-f.tell() % align))
+            written = 0
+            for chunk in p.slices():
+                f.write(memoryview(np.ascontiguousarray(chunk)).cast("B"))
+                written += chunk.nbytes
+                bar.update(chunk.nbytes)
+            if written != p.nbytes:
+                raise PocketError(f"{p.name}: wrote {written} bytes, planned {p.nbytes}")
+            err = p.check()
+            if p.how == "copied" and err != 0.0:
+                raise PocketError(f"{p.name}: the {p.type_name} blocks written do not decode to "
+                                  f"the deploy file's values (relative error {err:.3g}); this "
+                                  "is a bug: please report it")
+            tensors.append(TensorExport(p.name, p.source, p.type_name, p.nbytes, p.how, err))
+            for name in p.pages:
+                info = pf.infos.get(name)
+                if info is not None:
+                    pf.drop_resident(info.start, info.end)
+        f.write(b"\0" * (-f.tell() % align))
+    return tensors
+
+
+def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -> ExportReport:
+    """Write the deploy file ``source`` as the GGUF file ``out`` (replaced only once complete).
+
+    Everything that could refuse the model (architecture, tensor names, the tokenizer and its
+    probe check) is checked before the file is created."""
+    import gguf
+
+    t0 = time.perf_counter()
+    source, out = Path(source), Path(out)
+    pf = PocketFile(source)
+    config = pf.config()
+    pf.check_model(config)
+    arch = gguf_architecture(config)
+
+    tok = Tokenizer.from_json(pf.tokenizer_json())
+    tok_fields, tok_info = tokenizer_fields(tok, config.vocab_size)
+    difference = _first_difference(tok, tok_fields)
+    if difference is not None:
+        raise UnsupportedError(f"{source}: llama.cpp would tokenize differently with the "
+                               f"exported vocabulary ({difference}); not written")
+    n_probes = len(_probe_texts(tok))
+    del tok
+    release_free_heap()  # the tokenizers built for the check: gone before the weights come
+    plan = _plan(config, arch, pf.weights(), str(source))
+    tok_info["check"] = (f"tokenizes {n_probes} probe texts exactly as the deploy file"
+                         + ("" if tok_info["exact"] else
+                            " (no llama.cpp pre-tokenizer is the vocabulary's own: this is the "
+                            "nearest, identical on the probes, not by construction)"))
+    template = pf.text("chat_template")
+    sampling, notes = _sampling_fields(GenerationDefaults.from_dict(
+        pf.json_object("generation", {})))
+    if "vocab" in pf.metadata:
+        notes.append("trimmed vocabulary: token ids are the deploy file's, not the original "
+                     "model's")
+
+    with atomic_file(out) as tmp:
+        writer = gguf.GGUFWriter(str(tmp), arch)
+        try:
+            _write_fields(writer, _general_fields(pf, source, plan))
+            _write_fields(writer, _architecture_fields(config, arch))
+            _write_tokenizer(writer, tok_fields)
+            if template:
+                writer.add_chat_template(template)
+            _write_fields(writer, sampling)
+            for p in plan:
+                ggml = gguf.GGMLQuantizationType[p.type_name]
+                if p.type_name == "F32":
+                    writer.add_tensor_info(p.name, p.shape, np.dtype(np.float32), p.nbytes)
+                else:
+                    byte_shape = (p.shape[0], p.nbytes // p.shape[0])
+                    writer.add_tensor_info(p.name, byte_shape, np.dtype(np.uint8), p.nbytes,
+                                           raw_dtype=ggml)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+            tensors = _write_tensors(writer.fout[0], writer.data_alignment, plan, pf,
+                                     progress)
+        finally:
+            writer.close()
+    return ExportReport(path=out, source=source, architecture=arch,
+                        file_bytes=out.stat().st_size, seconds=time.perf_counter() - t0,
+                        peak_rss_bytes=_peak_rss(), tensors=tensors, tokenizer=tok_info,
+                        notes=notes)
