@@ -13,6 +13,7 @@ into docs/export.md between ``<!-- export:start -->`` and ``<!-- export:end -->`
 
     python benchmarks/export.py run --models smollm2-135m qwen2.5-0.5b
     python benchmarks/export.py write
+    python benchmarks/export.py write --check    # exit 1 if the table is out of date
 """
 
 from __future__ import annotations

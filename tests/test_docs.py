@@ -66,3 +66,10 @@ def test_vocabulary_tables_are_current():
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vocab_trim.py"), "write",
                         "--check"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_export_table_is_current():
+    # docs/export.md's table is written from benchmarks/export.jsonl
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "export.py"), "write",
+                        "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -38,6 +38,7 @@ import oracle
 import pytest
 import tiny_gguf
 from gguf.quants import dequantize
+from train_data import TINY_TRAIN_ARGS, make_chats, make_corpus
 
 import pocketlm
 from pocketlm.cli import main as cli_main
@@ -51,7 +52,7 @@ from pocketlm.export.gguf import (
     gguf_architecture,
     permute_rows,
 )
-from pocketlm.formats.gguf import _unpermute_rows
+from pocketlm.formats.gguf import unpermute_rows
 from pocketlm.formats.pocketfile import PocketFile
 from pocketlm.llamacpp import LlamaCpp
 from pocketlm.pack import pack
@@ -145,7 +146,7 @@ def test_row_permutation_is_the_importers_inverse(shape):
     for heads in (1, 2, 4):
         p = permute_rows(a, heads)
         assert not np.array_equal(p, a)
-        assert np.array_equal(_unpermute_rows(p, heads), a)
+        assert np.array_equal(unpermute_rows(p, heads), a)
 
 
 def _config(arch: str, **changes) -> ModelConfig:
@@ -334,14 +335,12 @@ def _check_pack_round_trip(pocket_path: Path, gguf_path: Path, tmp: Path) -> Non
 def trained(tmp_path_factory):
     """A tiny ``pocket train --preset tiny`` run (pocket family, its own zh+en tokenizer),
     packed with ``pocket export RUN -o tiny.pocket`` and exported to GGUF."""
-    from test_train_loop import COMMON, make_corpus
-
     root = tmp_path_factory.mktemp("trained")
     corpus = make_corpus(root / "corpus.txt")
     run = root / "run"
     pocket("train", "--data", str(corpus), "--out", str(run), "--steps", "60",
            "--eval-every", "30", "--save-every", "30", "--vocab-size", "600",
-           "--holdout", "0.05", *COMMON)
+           "--holdout", "0.05", *TINY_TRAIN_ARGS)
     packed = root / "tiny.pocket"
     pocket("export", str(run), "-o", str(packed))
     out = root / "tiny.gguf"
@@ -368,8 +367,6 @@ def test_trained_model_runs_in_llama_cpp(trained):
 
 @pytest.mark.slow
 def test_lora_tuned_model_runs_in_llama_cpp(trained, tmp_path):
-    from test_train_loop import make_chats
-
     root, run, _, _, _ = trained
     chats = make_chats(tmp_path / "chats.jsonl")
     tuned = tmp_path / "lora.pocket"

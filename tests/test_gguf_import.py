@@ -88,12 +88,12 @@ def test_llama_rows_are_unpermuted():
     w = np.arange(config.kv_dim * 3, dtype=np.float32).reshape(config.kv_dim, 3)
     permuted = tiny_gguf.permute_rows(w, config.n_kv_heads)
     assert not np.array_equal(permuted, w)
-    from pocketlm.formats.gguf import _unpermute_rows
+    from pocketlm.formats.gguf import unpermute_rows
 
-    np.testing.assert_array_equal(_unpermute_rows(permuted, config.n_kv_heads), w)
+    np.testing.assert_array_equal(unpermute_rows(permuted, config.n_kv_heads), w)
     bias = np.arange(config.q_dim, dtype=np.float32)
     np.testing.assert_array_equal(
-        _unpermute_rows(tiny_gguf.permute_rows(bias, config.n_heads), config.n_heads), bias)
+        unpermute_rows(tiny_gguf.permute_rows(bias, config.n_heads), config.n_heads), bias)
 
 
 def test_float_logits_match_torch_reference(tiny):

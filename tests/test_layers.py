@@ -1,9 +1,10 @@
 """The layers import downwards only (docs: the layout in docs/architecture.md).
 
 Read from the source with ``ast``, so that an import inside a function counts too: the runtime
-layers (and ``pocketlm/data``, which training and evaluation share) never import torch, nothing
-below the CLI imports the CLI, and none of them imports the training package: what they need
-of it (opening a training run as a model source) is registered as an entry point.
+layers (and ``pocketlm/data``, which training and evaluation share, and ``pocketlm/export``,
+which writes deploy files for other engines) never import torch, nothing below the CLI imports
+the CLI, and none of them imports the training package: what they need of it (opening a
+training run as a model source) is registered as an entry point.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pocketlm"
-RUNTIME_LAYERS = ("runtime", "formats", "server", "evaluate", "bench", "data")
+RUNTIME_LAYERS = ("runtime", "formats", "server", "evaluate", "bench", "data", "export")
 RUNTIME_MODULES = ("api.py", "generate.py", "sampling.py", "tokenizer.py", "config.py",
                    "quant.py", "pack.py", "packcache.py", "registry.py", "chat.py")
 # (module, what it imports from pocketlm.train): none
@@ -57,12 +58,19 @@ def imports(path: Path) -> set[str]:
 def test_runtime_layers_import_no_torch_and_not_the_cli(path):
     found = imports(path)
     assert not {m for m in found if m == "torch" or m.startswith("torch.")}, path
-    if path.parent.name == "server" or path.parent == PACKAGE:
+    if path.parent.name in ("server", "export") or path.parent == PACKAGE:
         assert "pocketlm.cli" not in found, f"{path} imports the CLI"
 
 
 def is_training(module: str) -> bool:
     return module == "pocketlm.train" or module.startswith("pocketlm.train.")
+
+
+def test_every_layer_is_read():
+    files = set(runtime_files())
+    for layer in RUNTIME_LAYERS:
+        assert PACKAGE / layer / "__init__.py" in files, layer
+    assert {PACKAGE / "export" / n for n in ("gguf.py", "gguf_vocab.py", "hf.py")} <= files
 
 
 def test_runtime_layers_do_not_import_training():
@@ -74,6 +82,9 @@ def test_runtime_layers_do_not_import_training():
 def test_the_import_reader_sees_relative_imports():
     assert "pocketlm.data.corpora" in imports(PACKAGE / "evaluate" / "recipes.py")
     assert "pocketlm.errors" in imports(PACKAGE / "server" / "app.py")
+    assert "pocketlm.export.atomic_file" in imports(PACKAGE / "export" / "gguf.py")
+    assert "pocketlm.export.gguf_vocab" in imports(PACKAGE / "export" / "gguf.py")
+    assert "pocketlm.formats.gguf_vocab" in imports(PACKAGE / "export" / "gguf_vocab.py")
     assert is_training("pocketlm.train.export") and is_training("pocketlm.train")
     assert not is_training("pocketlm.trainer")
 
@@ -98,7 +109,8 @@ def test_the_training_run_reader_is_registered_not_imported():
 
 TORCH_FREE_TESTS = ("test_api", "test_api_misuse", "test_cli", "test_pocketfile", "test_quant",
                     "test_tokenizer", "test_registry", "test_fuzz_readers",
-                    "test_serve_reliability", "test_reliability_files", "test_evaluate")
+                    "test_serve_reliability", "test_reliability_files", "test_evaluate",
+                    "test_export_common")
 
 
 def test_the_runtime_tests_collect_without_torch():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -15,45 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from train_data import TINY_TRAIN_ARGS, make_chats, make_corpus
 
 from pocketlm.errors import PocketError
 
-ANIMALS = ["cat", "dog", "bird", "fox", "horse", "rabbit"]
-PLACES = ["mat", "hill", "river", "garden", "roof", "bridge"]
-ZH_SUBJ = ["小猫", "小狗", "小鸟", "狐狸"]
-ZH_PLACE = ["山上", "河边", "花园里", "屋顶上"]
-
-
 # an import held to a float reference at float32 rounding: float activations (conftest)
 FLOAT_ACTIVATIONS = True
-
-
-def make_corpus(path: Path, n_docs: int = 900, seed: int = 0) -> Path:
-    """A learnable zh+en corpus: short documents from a few sentence patterns."""
-    rng = random.Random(seed)
-    docs = []
-    for _ in range(n_docs):
-        sents = []
-        for _ in range(rng.randint(2, 5)):
-            if rng.random() < 0.5:
-                a, p = rng.choice(ANIMALS), rng.choice(PLACES)
-                sents.append(f"The {a} sat on the {p}. The {a} was happy on the {p}.")
-            else:
-                a, p = rng.choice(ZH_SUBJ), rng.choice(ZH_PLACE)
-                sents.append(f"{a}在{p}玩。{a}很高兴。")
-        docs.append(" ".join(sents))
-    path.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
-    return path
-
-
-def make_chats(path: Path, n: int = 60) -> Path:
-    rows = []
-    for i in range(n):
-        a = ANIMALS[i % len(ANIMALS)]
-        rows.append({"messages": [{"role": "user", "content": f"Where is the {a}?"},
-                                  {"role": "assistant", "content": f"The {a} sat on the mat."}]})
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n", encoding="utf-8")
-    return path
 
 
 def pocket(*args: str, check: bool = True, env: dict | None = None, **kw):
@@ -63,10 +29,6 @@ def pocket(*args: str, check: bool = True, env: dict | None = None, **kw):
     if check and p.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     return p
-
-
-COMMON = ["--preset", "tiny", "--seq-len", "64", "--batch-size", "8", "--lr", "3e-3",
-          "--warmup", "5", "--eval-batches", "4", "--threads", "1", "--quiet"]
 
 
 def metrics(run: Path) -> list[dict]:
@@ -90,7 +52,7 @@ def pretrained(tmp_path_factory):
     run = root / "run"
     pocket("train", "--data", str(corpus), "--out", str(run), "--steps", "60",
            "--eval-every", "20", "--save-every", "20", "--vocab-size", "600",
-           "--holdout", "0.05", *COMMON)
+           "--holdout", "0.05", *TINY_TRAIN_ARGS)
     return root, run
 
 
@@ -152,7 +114,7 @@ def test_sft_trains_on_assistant_tokens_only(pretrained):
         assert "<|im_end|>" in text  # the end of the turn is learned too
     sft = root / "sft"
     pocket("train", "--mode", "sft", "--init", str(run), "--data", str(chats), "--out",
-           str(sft), "--steps", "20", "--eval-every", "10", "--save-every", "10", *COMMON)
+           str(sft), "--steps", "20", "--eval-every", "10", "--save-every", "10", *TINY_TRAIN_ARGS)
     rows = metrics(sft)
     assert rows[-1]["val_loss"] < rows[9]["val_loss"] or rows[-1]["loss"] < rows[0]["loss"]
 
@@ -160,7 +122,7 @@ def test_sft_trains_on_assistant_tokens_only(pretrained):
 def _train_cmd(run: Path, shards: Path, tok_dir: Path, steps: int) -> list[str]:
     return [sys.executable, "-m", "pocketlm.cli", "train", "--data", str(shards), "--tokenizer",
             str(tok_dir), "--out", str(run), "--steps", str(steps), "--eval-every", "5",
-            "--save-every", "5", *COMMON]
+            "--save-every", "5", *TINY_TRAIN_ARGS]
 
 
 def test_resume_after_a_hard_stop_continues_exactly(pretrained, tmp_path):
@@ -239,7 +201,7 @@ def test_bad_input_is_refused_clearly(pretrained, tmp_path):
     p = pocket("export", str(broken), "-o", str(tmp_path / "b.pocket"), check=False)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "shape" in p.stderr
     p = pocket("train", "--data", str(run / "data"), "--out", str(broken), "--steps", "80",
-               *COMMON, check=False)
+               *TINY_TRAIN_ARGS, check=False)
     # (after the "[resuming ...]" status line) one error line, no traceback
     last = p.stderr.strip().splitlines()[-1]
     assert p.returncode == 1 and last.startswith("pocket: error:") and "do not fit" in last
@@ -266,7 +228,7 @@ def test_logit_distillation_from_a_teacher_with_the_same_vocabulary(pretrained, 
     student = tmp_path / "student"
     pocket("train", "--data", str(shards), "--tokenizer", str(tok_dir), "--out", str(student),
            "--steps", "8", "--eval-every", "8", "--save-every", "8", "--distill-from", str(run),
-           "--distill-alpha", "0.7", "--distill-temperature", "2", *COMMON)
+           "--distill-alpha", "0.7", "--distill-temperature", "2", *TINY_TRAIN_ARGS)
     rows = metrics(student)
     assert len(rows) == 8 and rows[-1]["loss"] < rows[0]["loss"]
     # a teacher with another vocabulary is refused, pointing to sequence-level distillation
@@ -275,7 +237,7 @@ def test_logit_distillation_from_a_teacher_with_the_same_vocabulary(pretrained, 
 
     train_tokenizer([(root / "corpus.txt")], 500, other, progress=False)
     p = pocket("train", "--data", str(shards), "--tokenizer", str(other), "--out",
-               str(tmp_path / "s2"), "--steps", "2", "--distill-from", str(run), *COMMON,
+               str(tmp_path / "s2"), "--steps", "2", "--distill-from", str(run), *TINY_TRAIN_ARGS,
                check=False)
     assert p.returncode == 1 and "vocabulary" in p.stderr and "distill-data" in p.stderr
 

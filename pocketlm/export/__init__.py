@@ -5,24 +5,31 @@
 (:mod:`pocketlm.export.hf`). SRC is anything the runtime runs: a registry name, a .pocket file,
 or a GGUF file, Hugging Face folder or training run (packed first, as ``pocket run`` would).
 Outputs are written beside their final name and moved there only when complete, so a failed or
-interrupted export leaves nothing half-written under that name.
+interrupted export leaves nothing half-written under that name; the temporary file or folder
+(``.NAME.*.tmp``) of a killed export is removed by the next export to that name, once it is
+:data:`STALE_SECONDS` old.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import PocketError
 
-__all__ = ["TARGETS", "atomic_file", "atomic_folder", "check_output"]
+__all__ = ["STALE_SECONDS", "TARGETS", "atomic_file", "atomic_folder", "check_output",
+           "remove_stale_temporaries"]
 
 # what --to accepts: the deploy file itself (a training run packed), GGUF, a Hugging Face folder
 TARGETS = ("pocket", "gguf", "hf")
+# a temporary output untouched this long is a killed export's, not a running one's
+STALE_SECONDS = 3600
 
 
 def check_output(out: str | Path, *, force: bool, folder: bool = False) -> Path:
@@ -53,6 +60,7 @@ def atomic_file(out: str | Path) -> Iterator[Path]:
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
         fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as e:
         raise PocketError(f"cannot write {out} ({e.strerror or e})") from None
@@ -75,6 +83,7 @@ def atomic_folder(out: str | Path) -> Iterator[Path]:
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     except OSError as e:
         raise PocketError(f"cannot write {out} ({e.strerror or e})") from None
@@ -91,6 +100,46 @@ def atomic_folder(out: str | Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove_stale_temporaries(out: str | Path, *, older_than: float = STALE_SECONDS) -> list[Path]:
+    """Remove the temporary files and folders beside ``out`` that :func:`atomic_file` and
+    :func:`atomic_folder` name after it (``.NAME.XXXXXXXX.tmp``) and that nothing has touched
+    for ``older_than`` seconds (a folder counts as touched when anything in it is): those of a
+    killed export. Best effort: what cannot be read or removed is left. Returns what was
+    removed."""
+    out = Path(out)
+    pattern = re.compile(rf"\.{re.escape(out.name)}\.[^.]+\.tmp")
+    cutoff = time.time() - older_than
+    removed = []
+    try:
+        candidates = [p for p in out.parent.iterdir() if pattern.fullmatch(p.name)]
+    except OSError:
+        return removed
+    for path in candidates:
+        try:
+            if path.is_dir() and not path.is_symlink():
+                if _latest_mtime(path) >= cutoff:
+                    continue
+                shutil.rmtree(path)
+            else:
+                if path.lstat().st_mtime >= cutoff:
+                    continue
+                path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
+def _latest_mtime(folder: Path) -> float:
+    """The newest modification time of ``folder`` and everything under it."""
+    latest = folder.lstat().st_mtime
+    for root, dirs, files in os.walk(folder):
+        for name in dirs + files:
+            with contextlib.suppress(OSError):
+                latest = max(latest, os.lstat(os.path.join(root, name)).st_mtime)
+    return latest
 
 
 def _umask() -> int:

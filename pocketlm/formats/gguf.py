@@ -201,7 +201,7 @@ def generation_from_fields(fields: dict[str, Any], origin: str):
     return GenerationDefaults(**values)
 
 
-def _unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo the q/k row permutation of llama GGUF conversion.
 
     The converter regroups each head's rows from halves ``[x0..x(d/2-1) | y0..y(d/2-1)]`` to
@@ -292,7 +292,7 @@ def _source_tensor(name, t, type_name, shape, permute_heads, dequantize) -> Sour
     def raw() -> np.ndarray:
         data = t.data
         if permute_heads is not None:
-            data = _unpermute_rows(np.asarray(data), permute_heads)
+            data = unpermute_rows(np.asarray(data), permute_heads)
         return data
 
     def to_float() -> np.ndarray:

@@ -1,0 +1,80 @@
+"""The output handling every export target shares (pocketlm/export/__init__.py): a killed
+export's temporary file or folder beside the output is removed by the next export to that name
+once it is an hour old; fresh ones (an export still running) and other outputs' are kept."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from pocketlm.export import STALE_SECONDS, atomic_file, atomic_folder, remove_stale_temporaries
+
+HOURS_AGO = time.time() - 2 * STALE_SECONDS
+
+
+def _age(path: Path, when: float = HOURS_AGO) -> Path:
+    os.utime(path, (when, when), follow_symlinks=False)
+    return path
+
+
+def _file(path: Path, *, stale: bool) -> Path:
+    path.write_bytes(b"half a model")
+    return _age(path) if stale else path
+
+
+def _folder(path: Path, *, stale: bool) -> Path:
+    path.mkdir()
+    _file(path / "model.safetensors", stale=stale)
+    return _age(path) if stale else path
+
+
+def _names(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+def test_a_killed_exports_temporary_file_goes_with_the_next_export(tmp_path):
+    stale = _file(tmp_path / ".m.gguf.k1ll3d_a.tmp", stale=True)
+    fresh = _file(tmp_path / ".m.gguf.running.tmp", stale=False)  # an export still writing
+    other = _file(tmp_path / ".m.gguf.bak.abcd1234.tmp", stale=True)  # m.gguf.bak's
+    unrelated = _file(tmp_path / ".m.gguf.notes", stale=True)
+    with atomic_file(tmp_path / "m.gguf") as tmp:
+        assert not stale.exists()
+        tmp.write_bytes(b"GGUF")
+    assert (tmp_path / "m.gguf").read_bytes() == b"GGUF"
+    assert _names(tmp_path) == {"m.gguf", fresh.name, other.name, unrelated.name}
+
+
+def test_a_killed_exports_temporary_folder_goes_with_the_next_export(tmp_path):
+    stale = _folder(tmp_path / ".tiny-hf.k1ll3d_a.tmp", stale=True)
+    # a folder whose mtime is old but whose file is still being written is not stale
+    busy = _age(_folder(tmp_path / ".tiny-hf.running.tmp", stale=False))
+    with atomic_folder(tmp_path / "tiny-hf") as tmp:
+        (tmp / "config.json").write_text("{}")
+    assert not stale.exists() and (busy / "model.safetensors").exists()
+    assert _names(tmp_path) == {"tiny-hf", busy.name}
+    assert _names(tmp_path / "tiny-hf") == {"config.json"}
+
+
+def test_removal_is_best_effort(tmp_path, monkeypatch):
+    stale = _file(tmp_path / ".m.gguf.k1ll3d_a.tmp", stale=True)
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert remove_stale_temporaries(tmp_path / "m.gguf") == []
+    monkeypatch.undo()
+    with atomic_file(tmp_path / "m.gguf") as tmp:  # and the export itself goes on
+        tmp.write_bytes(b"GGUF")
+    assert (tmp_path / "m.gguf").read_bytes() == b"GGUF" and not stale.exists()
+
+
+@pytest.mark.parametrize("name", ["m[1].gguf", "a*b", ".hidden"])
+def test_names_are_matched_literally(tmp_path, name):
+    mine = _file(tmp_path / f".{name}.k1ll3d_a.tmp", stale=True)
+    lookalike = _file(tmp_path / ".m1.gguf.k1ll3d_a.tmp", stale=True)
+    assert remove_stale_temporaries(tmp_path / name) == [mine]
+    assert lookalike.exists()
