@@ -37,7 +37,8 @@ RESULTS = ROOT / "benchmarks" / "capability.jsonl"
 PUBLISHED = ROOT / "benchmarks" / "published_scores.json"
 DOC = ROOT / "docs" / "capability.md"
 SVG = ROOT / "docs" / "capability.svg"
-MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-0.5b", "qwen2.5-1.5b"]
+MODELS = ["pocket-zh-en", "smollm2-135m", "gemma3-270m", "gemma3-270m-zh-en", "qwen2.5-0.5b",
+          "qwen2.5-1.5b"]
 
 
 # -- run ----------------------------------------------------------------------------------------

@@ -86,9 +86,13 @@ def training_block(run: Path) -> str:
                 shutil.copyfile(svg, ROOT / "docs" / f"pocket-zh-en-{stage}-loss.svg")
         lines.append(f"| {stage} | {what} | {steps} | {tokens} | {loss} | {hours} |")
     total = sum(s["seconds"] for s in rep["stages"].values()) / 3600
-    lines += ["", f"Total so far: {total:.1f} hours on the reference machine (2-vCPU AMD EPYC "
-              "Zen 4 VM, 2 threads, no GPU; the runs were paused now and then for benchmarks, "
-              "which the hours include)."]
+    done = "export" in rep["stages"]
+    lines += ["", f"{'Total' if done else 'Total so far'}: {total:.1f} hours on the reference "
+              "machine (2-vCPU AMD EPYC Zen 4 VM, 2 threads, no GPU; the runs were paused now "
+              "and then for benchmarks, which the hours include)."]
+    notes = [(stage, st["note"]) for stage, st in rep["stages"].items() if st.get("note")]
+    if notes:
+        lines += [""] + [f"- {stage}: {note}." for stage, note in notes]
     for stage in ("sft", "qat"):
         if (ROOT / "docs" / f"pocket-zh-en-{stage}-loss.svg").is_file():
             lines += ["", f"![{stage} loss](pocket-zh-en-{stage}-loss.svg)"]

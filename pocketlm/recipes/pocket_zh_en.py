@@ -75,7 +75,7 @@ RECIPE = Recipe()
 
 # Minutes each stage took on the reference machine (2-vCPU AMD EPYC Zen 4, 2 threads), for the
 # estimate printed before a run starts; filled from recipe_report.json of the recorded run.
-REFERENCE_MINUTES = {"prompts": 1, "teacher": 120, "data": 1, "sft": 95, "qat": 35,
+REFERENCE_MINUTES = {"prompts": 1, "teacher": 120, "data": 1, "sft": 82, "qat": 25,
                      "export": 2}
 
 
