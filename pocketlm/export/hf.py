@@ -63,7 +63,7 @@ from ..errors import FormatError, PocketError, UnsupportedError
 from ..formats.hf import GLOBAL_NAMES, LAYER_NAMES_GEMMA, LAYER_NAMES_STD
 from ..formats.pocketfile import PocketFile
 from ..quant import QuantTensor
-from ..tokenizer import DROPPED_BYTE, SPACE_MARK, SpmTokenizer, Tokenizer
+from ..tokenizer import DROPPED_BYTE, SpmTokenizer, Tokenizer
 from . import atomic_folder
 
 __all__ = ["ARCHITECTURES", "DTYPES", "HFExportReport", "bfloat16_bits", "export_hf",
@@ -383,7 +383,7 @@ def _spm_tokenizer_json(tok: SpmTokenizer) -> dict[str, Any]:
     result first. Control and user-defined pieces are added tokens (matched in the text before
     anything else, as :class:`~pocketlm.tokenizer.SpmTokenizer` cuts them out); spaces become
     ``▁``, with one in front of each stretch of text when the model asks for a space prefix."""
-    from ..formats.gguf_vocab import spm_merges
+    from ..formats.gguf_vocab import spm_bpe_spec, spm_merges
 
     sp = tok.sp
     n = sp.get_piece_size()
@@ -398,40 +398,12 @@ def _spm_tokenizer_json(tok: SpmTokenizer) -> dict[str, Any]:
     unknown = next((i for i in range(n) if sp.is_unknown(i)), None)
     added = sorted({**{i: True for i in tok.special_tokens.values()},
                     **{i: False for i in user}}.items())
-    norms: list[dict] = []
-    decoders: list[dict] = [
-        {"type": "Replace", "pattern": {"String": SPACE_MARK}, "content": " "},
-        {"type": "ByteFallback"},
-        {"type": "Fuse"},
-    ]
-    if tok.add_space_prefix:
-        norms.append({"type": "Prepend", "prepend": SPACE_MARK})
-        decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-    norms.append({"type": "Replace", "pattern": {"String": " "}, "content": SPACE_MARK})
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [{"id": i, "content": pieces[i], "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": special}
-                         for i, special in added],
-        "normalizer": {"type": "Sequence", "normalizers": norms},
-        "pre_tokenizer": None,
-        "post_processor": None,
-        "decoder": {"type": "Sequence", "decoders": decoders},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None if unknown is None else pieces[unknown],
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": True,
-            "ignore_merges": False,
-            "vocab": {p: i for i, p in enumerate(pieces)},
-            "merges": merges,
-        },
-    }
+    return spm_bpe_spec(
+        {p: i for i, p in enumerate(pieces)}, merges,
+        None if unknown is None else pieces[unknown], tok.add_space_prefix,
+        added_tokens=[{"id": i, "content": pieces[i], "single_word": False, "lstrip": False,
+                       "rstrip": False, "normalized": False, "special": special}
+                      for i, special in added])
 
 
 def special_tokens(tok: Tokenizer, spec: dict[str, Any]) -> dict[str, str | None]:

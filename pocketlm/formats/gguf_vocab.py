@@ -349,7 +349,17 @@ def _spm_spec(
     scores = _scores(fields, n)
     merges = spm_merges(tokens, scores, vocab)
 
-    add_space_prefix = _add_space_prefix(fields)
+    unk_id = _opt_id(fields, "tokenizer.ggml.unknown_token_id", n)
+    spec = spm_bpe_spec(vocab, merges, None if unk_id is None else tokens[unk_id],
+                        _add_space_prefix(fields))
+    return spec, True
+
+
+def spm_bpe_spec(vocab: dict[str, int], merges: list[list[str]], unk_token: str | None,
+                 add_space_prefix: bool, added_tokens: list[dict] | None = None) -> dict:
+    """The ``tokenizer.json`` of a SentencePiece vocabulary run as a byte-fallback BPE: spaces
+    as ``▁`` (one in front of the text when ``add_space_prefix``), ``merges`` from
+    :func:`spm_merges`, ``added_tokens`` matched before anything else."""
     norms: list[dict] = []
     if add_space_prefix:
         norms.append({"type": "Prepend", "prepend": SPACE_MARK})
@@ -361,8 +371,6 @@ def _spm_spec(
     ]
     if add_space_prefix:
         decoders.append({"type": "Strip", "content": " ", "start": 1, "stop": 0})
-
-    unk_id = _opt_id(fields, "tokenizer.ggml.unknown_token_id", n)
     spec = {
         "version": "1.0",
         "truncation": None,
@@ -374,7 +382,7 @@ def _spm_spec(
         "model": {
             "type": "BPE",
             "dropout": None,
-            "unk_token": None if unk_id is None else tokens[unk_id],
+            "unk_token": unk_token,
             "continuing_subword_prefix": None,
             "end_of_word_suffix": None,
             "fuse_unk": False,
@@ -384,7 +392,10 @@ def _spm_spec(
             "merges": merges,
         },
     }
-    return spec, True
+    if added_tokens is not None:
+        spec = {"version": "1.0", "truncation": None, "padding": None,
+                "added_tokens": added_tokens, **spec}
+    return spec
 
 
 def spm_merges(tokens: list[str], scores: np.ndarray, vocab: dict[str, int]) -> list[list[str]]:
