@@ -3,7 +3,7 @@ and llama-cpp-python with its own prompt-lookup decoding (LlamaPromptLookupDecod
 same GGUF and the same prompt ids, in the same process, alternating run by run.
 
     python benchmarks/speculative.py -m smollm2-135m [-m gemma3-270m ...] [--runs 5] \\
-        [--max-tokens 128] [--no-llama] --out benchmarks/speculative.jsonl
+        [--max-tokens 128] [--no-llama] [--draft MODEL] --out benchmarks/speculative.jsonl
     python benchmarks/speculative.py --table benchmarks/speculative.jsonl
     python benchmarks/speculative.py --write benchmarks/speculative.jsonl   # into the docs
 
@@ -17,7 +17,8 @@ Every prompt is the model's chat template around the task; greedy decoding.
 Per model and task, one JSON line: plain / speculative / llama.cpp and llama.cpp-lookup decode
 tok/s (median of --runs; decode = the generated tokens after the first, over the time after
 the first), the acceptance, tokens per pass, and whether the speculative answer equals the
-plain one token for token (it must). The summary line per model gives the median ratios over
+plain one token for token (it must). ``--draft MODEL`` adds decoding with a draft model of the
+same vocabulary (``x_draft``, ``identical_draft``), e.g. qwen2.5-0.5b for qwen2.5-1.5b. The summary line per model gives the median ratios over
 the grounded tasks and over the free ones.
 """
 
@@ -144,7 +145,8 @@ def time_llama(llm, ids: list[int], max_tokens: int) -> tuple[list[int], float]:
     return toks, _decode_rate(len(toks), first or end, end)
 
 
-def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int, out) -> None:
+def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int, out,
+        draft: str | None = None) -> None:
     import tempfile
 
     import pocketlm
@@ -152,6 +154,7 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
     from pocketlm.registry import resolve
 
     the_tasks = tasks()
+    drafter = pocketlm.load(draft) if draft else None
     for name in models:
         model = pocketlm.load(name)
         gguf = resolve(name)
@@ -178,16 +181,20 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
         rows = []
         for task in the_tasks:
             ids = model.chat_ids([{"role": "user", "content": task["prompt"]}])
-            rates = {k: [] for k in ("plain", "lookup", *llms)}
-            outs, stats = {}, None
+            systems = ["plain", "lookup", *(["draft"] if drafter else []), *llms]
+            rates = {k: [] for k in systems}
+            outs, stats, draft_stats = {}, None, None
             for r in range(runs):
-                order = ["plain", "lookup", *llms]
+                order = list(systems)
                 for system in order if r % 2 == 0 else order[::-1]:
                     if system == "plain":
                         toks, rate = time_pocket(model, ids, max_tokens, None)
                     elif system == "lookup":
                         toks, rate = time_pocket(model, ids, max_tokens, "lookup")
                         stats = model.last_speculative.as_dict()
+                    elif system == "draft":
+                        toks, rate = time_pocket(model, ids, max_tokens, {"draft": drafter})
+                        draft_stats = model.last_speculative.as_dict()
                     else:
                         toks, rate = time_llama(llms[system], ids, max_tokens)
                     rates[system].append(rate)
@@ -201,6 +208,10 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
                    "identical": outs["lookup"] == outs["plain"], "speculative": stats,
                    "machine": {"cpu": platform.processor() or platform.machine()},
                    "command": " ".join(sys.argv)}
+            if drafter:
+                row.update({"draft_model": draft, "x_draft": round(med["draft"] / med["plain"], 3),
+                            "identical_draft": outs["draft"] == outs["plain"],
+                            "speculative_draft": draft_stats})
             if "llama.cpp-lookup" in med:
                 row["x_llama_lookup"] = round(med["lookup"] / med["llama.cpp-lookup"], 3)
             rows.append(row)
@@ -214,6 +225,9 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
                        "tasks": len(sel),
                        "median_x_plain": round(statistics.median(r["x_plain"] for r in sel), 3),
                        "all_identical": all(r["identical"] for r in sel)}
+            if drafter:
+                summary["median_x_draft"] = round(statistics.median(r["x_draft"] for r in sel), 3)
+                summary["all_identical_draft"] = all(r["identical_draft"] for r in sel)
             if llama:
                 summary["median_x_llama_lookup"] = round(statistics.median(
                     r["x_llama_lookup"] for r in sel), 3)
@@ -278,6 +292,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-llama", action="store_true", help="pocketlm only")
+    ap.add_argument("--draft", default=None, metavar="MODEL",
+                    help="also decode with this draft model (same vocabulary as each -m)")
     ap.add_argument("--out", type=Path, default=None, help="append JSON lines here "
                     "(default: stdout)")
     ap.add_argument("--table", type=Path, default=None, help="print the markdown table of a "
@@ -293,7 +309,7 @@ def main() -> None:
         return
     out = open(args.out, "a", encoding="utf-8") if args.out else sys.stdout
     run(args.model or ["smollm2-135m"], args.runs, args.max_tokens, not args.no_llama,
-        args.threads, out)
+        args.threads, out, args.draft)
 
 
 if __name__ == "__main__":
