@@ -112,9 +112,11 @@ def prepare(out: Path, n_test: int, n_train: int, n_val: int, seed: int) -> None
 
     pool = _pool()
     held = {x["text"] for x in items(n_test + 3)}
-    rest = [x for x in pool if x["text"] not in held]
-    seen: set[str] = set()
-    rest = [x for x in rest if not (x["text"] in seen or seen.add(x["text"]))]
+    first: dict[str, dict] = {}  # one chat per distinct text, in corpus order
+    for x in pool:
+        if x["text"] not in held:
+            first.setdefault(x["text"], x)
+    rest = list(first.values())
     random.Random(seed).shuffle(rest)
     if len(rest) < n_train + n_val:
         raise SystemExit(f"only {len(rest)} paragraphs outside the scored ones")
@@ -132,7 +134,6 @@ def prepare(out: Path, n_test: int, n_train: int, n_val: int, seed: int) -> None
 def items_en() -> list[dict]:
     """The hand-labelled English sentences, read from the fetched ShareGPT corpus (each checked
     against its recorded hash)."""
-    import hashlib
     import re
 
     from pocketlm.data.corpora import SHAREGPT, ReadReport, fetch_source, sharegpt_chats
@@ -148,7 +149,7 @@ def items_en() -> list[dict]:
             m = next((m for m in re.finditer(SENTENCE, content) if m.start() == r["start"]),
                      None)
             text = m.group(0).strip() if m else ""
-            if hashlib.sha256(text.encode()).hexdigest()[:16] != r["sha256"]:
+            if _text_hash(text) != r["sha256"]:
                 raise SystemExit(f"the corpus has changed: chat {ci} does not hold the labelled "
                                  "sentence")
             out.append({"text": text, "labels": r["labels"]})
@@ -160,8 +161,6 @@ def items_en() -> list[dict]:
 def items_review() -> list[dict]:
     """The hand-labelled reviews (the sentiment-zh test split; each checked against its hash):
     ``{"sentiment", "aspects"}``."""
-    import hashlib
-
     from pocketlm.evaluate.recipes import sentiment_split
 
     _, test = sentiment_split()
@@ -169,11 +168,18 @@ def items_review() -> list[dict]:
     for line in LABELS_REVIEW.read_text(encoding="utf-8").splitlines():
         r = json.loads(line)
         text = test[r["index"]]["text"]
-        if hashlib.sha256(text.encode()).hexdigest()[:16] != r["sha256"]:
+        if _text_hash(text) != r["sha256"]:
             raise SystemExit(f"the review corpus has changed: review {r['index']} differs")
         out.append({"text": text, "labels": {"sentiment": r["sentiment"],
                                               "aspects": r["aspects"]}})
     return out
+
+
+def _text_hash(text: str) -> str:
+    """The short hash a labels file records to check that the fetched text is the labelled one."""
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _norm(s: str) -> str:
