@@ -42,8 +42,8 @@ from .errors import PocketError
 from .generate import Sequence
 from .runtime import KVCache, Runtime
 
-__all__ = ["DraftLength", "DraftModel", "PromptLookup", "SpeculativeStats", "make_drafter",
-           "run_speculative"]
+__all__ = ["DraftLength", "DraftModel", "PromptLookup", "SpeculativeStats", "StepCost",
+           "make_drafter", "run_speculative"]
 
 MAX_DRAFT = 16  # the most tokens one verification may check beyond the sampled one
 
@@ -198,33 +198,21 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
     return PromptLookup(int(spec.get("max_ngram", 3)), int(spec.get("min_ngram", 2)))
 
 
-class DraftLength:
-    """How many tokens to draft next, by expected tokens per unit of time.
+class StepCost:
+    """The measured cost of one more row in a decode step, relative to a one-row step.
 
-    A verification of k drafts costs ``1 + r k`` one-token steps (r: the cost of one more row,
-    relative to a step; ~0.25 for a 135 M model on two cores, where the extra rows are compute
-    and the step is memory bandwidth) and yields ``(1 - a^(k+1)) / (1 - a)`` tokens on average
-    when each draft is accepted with probability a (given the ones before it were). ``next()``
-    picks the k in ``0..max_draft`` with the most tokens per unit of time; a is estimated from
-    the recent drafts (accepted / tried, decaying), r from the recent step times when they
-    are given (a least-squares line through (rows, seconds), decaying; ``row_cost`` is its
-    prior). k = 0 means a plain step; then one draft is probed every ``probe_every`` steps to
-    notice when drafting pays again. ``batch``: rows already in the step (the server's other
-    requests), which makes an extra row relatively dearer."""
+    A step of ``1 + x`` rows takes about ``c0 + c1 x`` seconds (on two cores the first row is
+    memory bandwidth, the rest compute); :attr:`row_cost` is ``c1 / c0``, from a least-squares
+    line through the recent (x, seconds) points (decaying), with two prior points that put it
+    at ``prior`` until steps are timed. One estimate may serve many sequences: the server keeps
+    one for all its requests and times every step with the rows it really ran."""
 
-    def __init__(self, max_draft: int = 8, probe_every: int = 8, row_cost: float = 0.25):
-        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or \
-                not 1 <= max_draft <= MAX_DRAFT:
-            raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
-                              f"{max_draft!r}")
-        self.max_draft, self.probe_every = max_draft, probe_every
-        self.accepted, self.tried = 1.0, 2.0  # prior: a = 1/2
-        # decaying sums of (rows beyond the first, seconds), with two prior points
+    def __init__(self, prior: float = 0.25, decay: float = 0.97):
+        self.decay = decay
         self._n, self._x, self._y, self._xx, self._xy = 0.0, 0.0, 0.0, 0.0, 0.0
-        for x, y in ((0.0, 1.0), (4.0, 1.0 + 4 * row_cost)):
+        for x, y in ((0.0, 1.0), (4.0, 1.0 + 4 * prior)):
             self._add(x, y, 1.0)
-        self._scale: float | None = None  # seconds of one step, once a step was timed
-        self._idle = 0
+        self._scale: float | None = None  # seconds of a one-row step, once a step was timed
 
     def _add(self, x: float, y: float, w: float) -> None:
         self._n += w
@@ -234,21 +222,65 @@ class DraftLength:
         self._xy += w * x * y
 
     @property
-    def acceptance(self) -> float:
-        return min(0.99, self.accepted / self.tried)
-
-    @property
     def row_cost(self) -> float:
-        """The estimated cost of one more row, relative to a one-row step."""
         n, x, y, xx, xy = self._n, self._x, self._y, self._xx, self._xy
         var = n * xx - x * x
         slope = (n * xy - x * y) / var if var > 1e-12 else 0.0
         base = (y - slope * x) / n
         return max(0.02, slope / base) if base > 0 else 1.0
 
+    def observe(self, extra_rows: int, seconds: float) -> None:
+        """A step of ``1 + extra_rows`` rows took ``seconds``."""
+        if not seconds > 0:
+            return
+        if self._scale is None:  # the first timed step sets the unit: about one step
+            self._scale = seconds / (1.0 + self.row_cost * extra_rows)
+        d = self.decay
+        self._n, self._x, self._y = d * self._n, d * self._x, d * self._y
+        self._xx, self._xy = d * self._xx, d * self._xy
+        self._add(float(extra_rows), seconds / self._scale, 1.0)
+
+
+class DraftLength:
+    """How many tokens to draft next, by expected tokens per unit of time.
+
+    A verification of k drafts costs ``1 + r k`` one-token steps (r: the cost of one more row,
+    relative to a step; ~0.25 for a 135 M model on two cores, where the extra rows are compute
+    and the step is memory bandwidth) and yields ``(1 - a^(k+1)) / (1 - a)`` tokens on average
+    when each draft is accepted with probability a (given the ones before it were). ``next()``
+    picks the k in ``0..max_draft`` with the most tokens per unit of time; a is estimated from
+    the recent drafts (accepted / tried, decaying), r by a :class:`StepCost` (this sequence's
+    own, fed by the step times :meth:`update` is given, with ``row_cost`` as its prior; or
+    ``cost``, one shared with other sequences). k = 0 means a plain step; then one draft is
+    probed every ``probe_every`` steps to notice when drafting pays again. ``batch``: rows
+    already in the step (the server's other requests), which makes an extra row relatively
+    dearer: it slows every row of the step, not only its own sequence's."""
+
+    def __init__(self, max_draft: int = 8, probe_every: int = 8, row_cost: float = 0.25,
+                 cost: StepCost | None = None):
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or \
+                not 1 <= max_draft <= MAX_DRAFT:
+            raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
+                              f"{max_draft!r}")
+        self.max_draft, self.probe_every = max_draft, probe_every
+        self.accepted, self.tried = 1.0, 2.0  # prior: a = 1/2
+        self.cost = cost if cost is not None else StepCost(row_cost)
+        self._idle = 0
+
+    @property
+    def acceptance(self) -> float:
+        return min(0.99, self.accepted / self.tried)
+
+    @property
+    def row_cost(self) -> float:
+        """The estimated cost of one more row, relative to a one-row step."""
+        return self.cost.row_cost
+
     def best(self, batch: int = 1) -> int:
         a, r = self.acceptance, self.row_cost
-        r = r * batch / (1.0 + r * (batch - 1))  # an extra row against a step of `batch` rows
+        # the step's other rows gain nothing from this sequence's drafts but pay for them: the
+        # batch's tokens per second rise only if this sequence's extra tokens outweigh that
+        r = r * batch / (1.0 + r * (batch - 1))
         best_k, best_rate = 0, 1.0
         for k in range(1, self.max_draft + 1):
             rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + r * k)
@@ -274,13 +306,8 @@ class DraftLength:
             d = 0.8
             self.accepted = d * self.accepted + accepted
             self.tried = d * self.tried + accepted + (1 if accepted < drafted else 0)
-        if seconds is not None and seconds > 0:
-            if self._scale is None:  # the first timed step sets the unit: about one step
-                self._scale = seconds / (1.0 + self.row_cost * drafted)
-            d = 0.97
-            self._n, self._x, self._y = d * self._n, d * self._x, d * self._y
-            self._xx, self._xy = d * self._xx, d * self._xy
-            self._add(float(drafted), seconds / self._scale, 1.0)
+        if seconds is not None:
+            self.cost.observe(drafted, seconds)
 
 
 def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,

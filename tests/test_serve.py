@@ -234,6 +234,7 @@ def test_fifty_clients_at_once_each_get_their_own_answer(server):
     assert got == known
     after = server.health()
     assert after["max_batch_seen"] > 4  # decoded together, not one after another
+    assert 0.02 <= after["row_cost"] < 5  # learned from the steps' times and rows
     assert after["completed"] - before["completed"] == 50
     assert after["running"] == 0 and after["waiting"] == 0 and after["kv_reserved_mb"] >= 0
 

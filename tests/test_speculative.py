@@ -12,7 +12,7 @@ import tiny_gguf
 
 import pocketlm
 from pocketlm.errors import PocketError
-from pocketlm.speculative import DraftLength, PromptLookup
+from pocketlm.speculative import DraftLength, PromptLookup, StepCost
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
 REPEATS = "one two three four five six seven, one two three four five six seven, one two"
@@ -65,6 +65,15 @@ def test_draft_length_follows_acceptance_and_cost_and_stops_when_it_does_not_pay
     for k in (0, 4, 0, 8, 2, 6) * 10:
         timed.update(k, k, 0.001 * (1 + k))
     assert 0.7 < timed.row_cost < 1.3
+    # one estimate shared by many sequences (the server's): steps timed with all their rows
+    shared = StepCost(prior=0.25)
+    a, b = DraftLength(cost=shared), DraftLength(cost=shared)
+    for extra in (3, 0, 7, 1, 12, 5) * 10:
+        shared.observe(extra, 0.02 * (1 + 0.6 * extra))
+    assert 0.5 < a.row_cost == b.row_cost < 0.7
+    for _ in range(30):
+        a.update(8, 8)
+    assert a.best(batch=4) < a.best(batch=1)
     for bad in (0, 17, 2.5, True):
         with pytest.raises(PocketError):
             DraftLength(max_draft=bad)

@@ -41,7 +41,7 @@ from ..generate import Sequence, TextStream
 from ..runtime.model import KVCache
 from ..sampling import Sampler
 from ..sampling import logprobs as token_logprobs
-from ..speculative import DraftLength, PromptLookup, SpeculativeStats
+from ..speculative import DraftLength, PromptLookup, SpeculativeStats, StepCost
 
 MB = 1 << 20
 
@@ -177,6 +177,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._reserved = 0  # bytes: running caches + prefixes
         self._stopping = False
+        self._step_cost = StepCost()  # shared by the requests that draft
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
                       "rejected": 0,
                       "prefix_hits": 0, "prefix_tokens_reused": 0, "steps": 0,
@@ -227,7 +228,10 @@ class Scheduler:
                     "kv_reserved_mb": round(self._reserved / MB, 1),
                     "kv_budget_mb": None if self.kv_budget is None
                     else round(self.kv_budget / MB, 1),
-                    "cached_prefixes": len(self._prefixes), **self.stats}
+                    "cached_prefixes": len(self._prefixes),
+                    # measured cost of one more row in a decode step, relative to a one-row
+                    # step (what speculative requests' draft lengths are chosen by)
+                    "row_cost": round(self._step_cost.row_cost, 3), **self.stats}
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests; finish nothing more (pending ones get an error event)."""
@@ -399,7 +403,7 @@ class Scheduler:
                 o = req.speculative
                 req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 2))
                 req.drafter.reset(ids)
-                req.lengths = DraftLength(max_draft=o.get("max_draft", 8))
+                req.lengths = DraftLength(max_draft=o.get("max_draft", 8), cost=self._step_cost)
                 req.spec_stats = SpeculativeStats()
             with self._lock:
                 key, n = self._best_prefix(ids) if not req.score_prompt else (None, 0)
@@ -436,6 +440,7 @@ class Scheduler:
             batch = [r for r in self._running if r.next_token is not None and not r.cancelled]
         if not batch:
             return
+        t0 = time.perf_counter()
         drafts = [self._drafts(r, len(batch)) for r in batch]
         self.stats["steps"] += 1
         if not any(drafts):
@@ -445,15 +450,19 @@ class Scheduler:
                     req.next_token = None
                     if not req.cancelled:
                         self._take(req, row)
-            return
-        # speculative step: every request's next token and its drafts, verified in one pass
-        # (rows compute what one-token decodes compute: the answers do not change)
-        bases = {id(r): r.cache.length for r in batch}
-        for req, rows, d in self._verify_rows(batch, drafts):
-            with self._lock:
-                req.next_token = None
-                if not req.cancelled:
-                    self._take_drafts(req, rows, d, bases[id(req)])
+        else:
+            # speculative step: every request's next token and its drafts, verified in one
+            # pass (rows compute what one-token decodes compute: the answers do not change)
+            bases = {id(r): r.cache.length for r in batch}
+            for req, rows, d in self._verify_rows(batch, drafts):
+                with self._lock:
+                    req.next_token = None
+                    if not req.cancelled:
+                        self._take_drafts(req, rows, d, bases[id(req)])
+        # what a row costs, measured on the steps this server runs (plain ones too: their
+        # batch sizes vary), so that drafting pays for the whole batch, not one request
+        extra = len(batch) - 1 + sum(len(d) for d in drafts)
+        self._step_cost.observe(extra, time.perf_counter() - t0)
 
     def _drafts(self, req: Request, batch: int) -> list[int]:
         """Up to the request's draft length of prompt-lookup drafts that fit its cache and
