@@ -146,13 +146,40 @@ static int product_rows(const pocket_model *m, const pocket_weight *w, const pm_
         m->ops->matmul_tiled(t, &j->act, y, (size_t)w->rows, rb / 16, (re + 15) / 16);
         return POCKET_OK;
     }
+    /* The avx2 kernel table's float-activation products take one token and several tokens
+     * by different routes (a dot product per row, or tiles over dequantized blocks), whose sums
+     * round differently: there, one token at a time, so that a row's result never depends on
+     * how many rows its block has (last-logits-only prefill, batched decode and speculative
+     * verification compute what a one-token decode computes). That costs the avx2 level's
+     * float-activation prefill its weight reuse; its default int8 activations take the tiled
+     * products above, row-independent as they are. The scalar and neon tables compute every
+     * token alike already, and keep their blocks. */
+    const size_t cols = (size_t)w->cols, ys = (size_t)w->rows;
+    if (m->kt->level != POCKET_LEVEL_AVX2 && w->type != POCKET_WT_F32) {
+        if (w->type == POCKET_WT_Q4)
+            return m->kt->matmul_q4_f32(j->x, j->n, w->cols, (const uint8_t *)w->data,
+                                        w->scales, w->mins, w->rows, w->group_size, y, rb, re);
+        if (w->type == POCKET_WT_Q8)
+            return m->kt->matmul_q8_f32(j->x, j->n, w->cols, (const int8_t *)w->data,
+                                        w->scales, w->rows, w->group_size, y, rb, re);
+    }
     switch (w->type) {
     case POCKET_WT_Q4:
-        return m->kt->matmul_q4_f32(j->x, j->n, w->cols, (const uint8_t *)w->data, w->scales,
-                                    w->mins, w->rows, w->group_size, y, rb, re);
+        for (int i = 0; i < j->n; i++) {
+            const int rc = m->kt->matmul_q4_f32(j->x + i * cols, 1, w->cols,
+                                                (const uint8_t *)w->data, w->scales, w->mins,
+                                                w->rows, w->group_size, y + i * ys, rb, re);
+            if (rc) return rc;
+        }
+        return POCKET_OK;
     case POCKET_WT_Q8:
-        return m->kt->matmul_q8_f32(j->x, j->n, w->cols, (const int8_t *)w->data, w->scales,
-                                    w->rows, w->group_size, y, rb, re);
+        for (int i = 0; i < j->n; i++) {
+            const int rc = m->kt->matmul_q8_f32(j->x + i * cols, 1, w->cols,
+                                                (const int8_t *)w->data, w->scales, w->rows,
+                                                w->group_size, y + i * ys, rb, re);
+            if (rc) return rc;
+        }
+        return POCKET_OK;
     case POCKET_WT_F32:
         m->ops->matmul_f32(j->x, j->n, w->cols, (const float *)w->data, w->rows, y, rb, re);
         return POCKET_OK;
