@@ -154,29 +154,20 @@ static int product_rows(const pocket_model *m, const pocket_weight *w, const pm_
      * float-activation prefill its weight reuse; its default int8 activations take the tiled
      * products above, row-independent as they are. The scalar and neon tables compute every
      * token alike already, and keep their blocks. */
+    const int step = m->kt->level == POCKET_LEVEL_AVX2 ? 1 : j->n;
     const size_t cols = (size_t)w->cols, ys = (size_t)w->rows;
-    if (m->kt->level != POCKET_LEVEL_AVX2 && w->type != POCKET_WT_F32) {
-        if (w->type == POCKET_WT_Q4)
-            return m->kt->matmul_q4_f32(j->x, j->n, w->cols, (const uint8_t *)w->data,
-                                        w->scales, w->mins, w->rows, w->group_size, y, rb, re);
-        if (w->type == POCKET_WT_Q8)
-            return m->kt->matmul_q8_f32(j->x, j->n, w->cols, (const int8_t *)w->data,
-                                        w->scales, w->rows, w->group_size, y, rb, re);
-    }
     switch (w->type) {
     case POCKET_WT_Q4:
-        for (int i = 0; i < j->n; i++) {
-            const int rc = m->kt->matmul_q4_f32(j->x + i * cols, 1, w->cols,
-                                                (const uint8_t *)w->data, w->scales, w->mins,
-                                                w->rows, w->group_size, y + i * ys, rb, re);
-            if (rc) return rc;
-        }
-        return POCKET_OK;
     case POCKET_WT_Q8:
-        for (int i = 0; i < j->n; i++) {
-            const int rc = m->kt->matmul_q8_f32(j->x + i * cols, 1, w->cols,
-                                                (const int8_t *)w->data, w->scales, w->rows,
-                                                w->group_size, y + i * ys, rb, re);
+        for (int i = 0; i < j->n; i += step) {
+            const int n = j->n - i < step ? j->n - i : step;
+            const float *x = j->x + (size_t)i * cols;
+            float *yi = y + (size_t)i * ys;
+            const int rc = w->type == POCKET_WT_Q4
+                ? m->kt->matmul_q4_f32(x, n, w->cols, (const uint8_t *)w->data, w->scales,
+                                       w->mins, w->rows, w->group_size, yi, rb, re)
+                : m->kt->matmul_q8_f32(x, n, w->cols, (const int8_t *)w->data, w->scales,
+                                       w->rows, w->group_size, yi, rb, re);
             if (rc) return rc;
         }
         return POCKET_OK;
