@@ -5,6 +5,7 @@
     python benchmarks/capability.py run -m smollm2-135m --limit 20       # a quick, smaller run
     python benchmarks/capability.py write            # docs/capability.md + docs/capability.svg
     python benchmarks/capability.py write --check    # exit 1 if they are out of date
+    python benchmarks/capability.py compare A.jsonl B.jsonl    # two runs of the same items
 
 `run` loads the model once, runs the suite (each scored example goes to a predictions file
 under $POCKET_HOME/eval/runs, so an interrupted run resumes where it stopped), then, for a
@@ -18,6 +19,12 @@ accuracy with 95 % intervals, seconds, machine, threads and date.
 published) and ends with `<!-- end of generated block -->`, and draws docs/capability.svg: the
 report's quadrant chart, ability against decode tok/s and against peak memory. The latest run
 of each (model, pack, limit) is the one shown.
+
+`compare` reads two predictions files (`pocket eval --suite ... --predictions FILE`, e.g. the
+same model through pocketlm and through `--engine llama.cpp`) and, on the items both scored,
+prints per task how often the two chose the same answer, both accuracies and, for multiple
+choice, how far apart their log-likelihoods are; `--out FILE` appends it as one JSON line
+(benchmarks/capability_oracle.jsonl holds the runs the docs quote).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "capability.jsonl"
+ORACLE = ROOT / "benchmarks" / "capability_oracle.jsonl"
 PUBLISHED = ROOT / "benchmarks" / "published_scores.json"
 DOC = ROOT / "docs" / "capability.md"
 SVG = ROOT / "docs" / "capability.svg"
@@ -295,6 +303,76 @@ def write(check: bool) -> None:
     update_files({DOC: doc, SVG: svg_text(rows)}, check)
 
 
+# -- compare ------------------------------------------------------------------------------------
+
+
+def read_predictions(path: Path) -> tuple[dict, dict[tuple[str, str], dict]]:
+    """``(run header, {(task, example key): result})`` of a predictions file (a torn last line
+    is skipped, as a resumed run skips it)."""
+    header: dict = {}
+    out: dict[tuple[str, str], dict] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "run" in r:
+            header = r["run"]
+        elif "result" in r:
+            out[(r["task"], r["key"])] = r["result"]
+    if not header:
+        raise SystemExit(f"capability.py: {path}: not a predictions file (no run header)")
+    return header, out
+
+
+def compare_predictions(a: dict[tuple[str, str], dict], b: dict[tuple[str, str], dict]
+                        ) -> list[dict]:
+    """Per task, on the items both files scored: same answer, accuracies and, where both hold
+    log-likelihoods, their largest and median absolute difference."""
+    tasks: dict[str, list[tuple[dict, dict]]] = {}
+    for key in sorted(a.keys() & b.keys()):
+        tasks.setdefault(key[0], []).append((a[key], b[key]))
+    rows = []
+    for task, pairs in tasks.items():
+        same = sum(x.get("prediction", x.get("output")) == y.get("prediction", y.get("output"))
+                   for x, y in pairs)
+        row = {"task": task, "items": len(pairs), "same_answer": same,
+               "accuracy_a": sum(bool(x["correct"]) for x, _ in pairs) / len(pairs),
+               "accuracy_b": sum(bool(y["correct"]) for _, y in pairs) / len(pairs)}
+        diffs = sorted(max(abs(p - q) for p, q in zip(x["logprobs"], y["logprobs"], strict=True))
+                       for x, y in pairs if "logprobs" in x and "logprobs" in y)
+        if diffs:
+            row["logprob_diff_max"] = diffs[-1]
+            row["logprob_diff_median"] = diffs[len(diffs) // 2]
+        rows.append(row)
+    return rows
+
+
+def compare(args) -> None:
+    from pocketlm.bench import machine_info
+
+    head_a, a = read_predictions(Path(args.a))
+    head_b, b = read_predictions(Path(args.b))
+    rows = compare_predictions(a, b)
+    if not rows:
+        raise SystemExit(f"capability.py: {args.a} and {args.b} share no scored item")
+    for r in rows:
+        line = (f"{r['task']:<15} {r['items']:>4} items  same answer {r['same_answer']:>4}  "
+                f"accuracy {_pct(r['accuracy_a'])} / {_pct(r['accuracy_b'])}")
+        if "logprob_diff_max" in r:
+            line += (f"  |d log p| median {r['logprob_diff_median']:.3f} "
+                     f"max {r['logprob_diff_max']:.3f}")
+        print(line)
+    if args.out:
+        record = {"command": "python benchmarks/capability.py "
+                             + " ".join(map(shlex.quote, sys.argv[1:])),
+                  "a": head_a, "b": head_b, "tasks": rows, "machine": machine_info(),
+                  "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        print(f"appended to {args.out}", file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -311,9 +389,15 @@ def main() -> None:
     r.add_argument("--out", default=str(RESULTS), help="results file to append to")
     w = sub.add_parser("write", help="regenerate docs/capability.md and docs/capability.svg")
     w.add_argument("--check", action="store_true", help="change nothing; exit 1 if stale")
+    c = sub.add_parser("compare", help="two predictions files on the items both scored")
+    c.add_argument("a", help="predictions file (e.g. pocketlm's)")
+    c.add_argument("b", help="predictions file (e.g. --engine llama.cpp's)")
+    c.add_argument("--out", help=f"append the comparison here as a JSON line (e.g. {ORACLE.name})")
     args = ap.parse_args()
     if args.cmd == "run":
         run(args)
+    elif args.cmd == "compare":
+        compare(args)
     else:
         write(args.check)
 
