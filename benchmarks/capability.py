@@ -203,7 +203,10 @@ def tasks_text(rows: list[dict]) -> str:
 
 def published_text(rows: list[dict]) -> str:
     """The publishers' scores next to ours on the closest task (the float run where there is
-    one, else the default pack; full-size runs only)."""
+    one, else the default pack; full-size runs only), by the entry's ``metric`` (``acc`` or
+    ``acc_norm``), with its 95 % interval."""
+    from pocketlm.evaluate.tasks import wilson_interval
+
     if not PUBLISHED.exists():
         return "(no published scores recorded)"
     published = json.loads(PUBLISHED.read_text(encoding="utf-8"))
@@ -213,7 +216,13 @@ def published_text(rows: list[dict]) -> str:
         mine = [r for r in rows if r["model"] == p["model"] and r["limit"] is None]
         mine.sort(key=lambda r: r["precision"] != "float")
         task = next((t for r in mine for t in r["tasks"] if t["task"] == p["ours"]), None)
-        got = "–" if task is None else f"{_pct(task['accuracy'])} ({p['ours']})"
+        got = "–"
+        if task is not None:
+            metric = p.get("metric", "acc")
+            acc = task["acc_norm"] if metric == "acc_norm" else task["accuracy"]
+            lo, hi = wilson_interval(round(acc * task["n"]), task["n"])
+            what = p["ours"] + (", acc_norm" if metric == "acc_norm" else "")
+            got = f"{_pct(acc)} [{_pct(lo)}, {_pct(hi)}] ({what})"
         out.append(f"| {p['model']} | {p['variant']} | {p['benchmark']} | {p['score']} | "
                    f"{p['setup']} | [{p['source_title']}]({p['source']}) | {got} | "
                    f"{p['differs']} |")
@@ -296,11 +305,12 @@ def write(check: bool) -> None:
     from vs_llamacpp import update_files
 
     rows = load_rows()
-    texts = {"abilities": abilities_text(rows), "tasks": tasks_text(rows),
+    suite = [r for r in rows if r["suite"] == "pocket"]  # the ability tables and the picture
+    texts = {"abilities": abilities_text(suite), "tasks": tasks_text(suite),
              "published": published_text(rows)}
     doc = BLOCK.sub(lambda m: m[1] + "\n" + texts[m[2]] + "\n\n" + m[4],
                     DOC.read_text(encoding="utf-8"))
-    update_files({DOC: doc, SVG: svg_text(rows)}, check)
+    update_files({DOC: doc, SVG: svg_text(suite)}, check)
 
 
 # -- compare ------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from pocketlm.evaluate import (
 from pocketlm.evaluate.recipes import RECIPES, parse_mmlu_prompts
 from pocketlm.evaluate.tasks import (
     build_prompt,
+    candidates,
     split_continuation,
     split_shots,
     token_logprobs,
@@ -413,6 +414,24 @@ def test_mmlu_prompt_parsing():
     assert examples == [{"subject": "high school maths", "question": "What is 2+2?",
                          "choices": ["3", "4", "5", "6"], "answer": "B"}]
     assert bad == 1
+
+
+def test_mmlu_cloze_scores_the_answer_texts_without_lettered_options(monkeypatch, tmp_path):
+    # the formulation of SmolLM2's reported "MMLU cloze" (lighteval): no options in the prompt
+    from pocketlm.evaluate import recipes
+
+    ex = {"subject": "high school maths", "question": "What is 2+2?",
+          "choices": ["3", "4", "5", "6"], "answer": "B"}
+    monkeypatch.setattr(recipes, "build_mmlu", lambda: (
+        {"name": "mmlu", "type": "multiple_choice", "continuation": "letter",
+         "template": "{question}\n{options}\nAnswer:", "source": {}}, [ex]))
+    header, examples = recipes.build_mmlu_cloze()
+    path = tmp_path / "cloze.jsonl"
+    path.write_text(json.dumps({"task": header}) + "\n" + json.dumps(examples[0]) + "\n")
+    task = load_task(path)
+    assert build_prompt(task, ex, []) == ("The following are questions about high school "
+                                          "maths.\nQuestion: What is 2+2?\nAnswer:")
+    assert candidates(task, ex) == ["3", "4", "5", "6"] and task.choice_prefix == " "
 
 
 # -- the command line -----------------------------------------------------------------------

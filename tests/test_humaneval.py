@@ -14,9 +14,12 @@ import pytest
 
 from pocketlm.errors import PocketError
 from pocketlm.evaluate.humaneval import (
+    CHAT_RESPONSE,
     HUMANEVAL_STOP,
     build_humaneval,
+    build_humaneval_chat,
     check_completion,
+    check_script,
     containment,
     parse_humaneval,
     run_program,
@@ -63,6 +66,39 @@ def test_canonical_solutions_pass_and_wrong_ones_fail(humaneval):
     assert wrong["error"].startswith("AssertionError")
     broken = check_completion("    return (\n", examples[0])
     assert broken["status"] == "error" and "SyntaxError" in broken["error"]
+
+
+def test_the_chat_formulation_runs_the_script_the_model_writes(humaneval, tmp_path):
+    # humaneval-chat (the instruct models' report prompt): the answer is a whole script
+    import json
+
+    from pocketlm.evaluate import load_task
+    from pocketlm.evaluate.tasks import build_prompt, encode_prompt
+
+    header, examples = build_humaneval_chat()
+    assert header["chat"] and header["check"] == "humaneval-script" and len(examples) == 164
+    path = tmp_path / "he.jsonl"
+    path.write_text(json.dumps({"task": header}) + "\n"
+                    + "\n".join(json.dumps(e) for e in examples[:2]) + "\n")
+    task = load_task(path)
+    ex = task.examples[0]
+    prompt = build_prompt(task, ex, [])
+    assert prompt.endswith("\n```\n" + ex["prompt"].strip() + "\n```\n")
+
+    class Chat:  # renders like a chat template; tokens are characters
+        bos_ids: list = []
+
+        def render_chat(self, messages):
+            return "<user>" + messages[0]["content"] + "<assistant>"
+
+        def tokenize(self, text, *, special=False):
+            return [ord(c) for c in text]
+
+    _, _, text = encode_prompt(Chat(), task, prompt)
+    assert text.endswith("<assistant>" + CHAT_RESPONSE + "\n```python\n")
+    script = ex["prompt"] + ex["canonical_solution"]
+    assert check_script(script, ex)["correct"] is True
+    assert check_script(ex["canonical_solution"], ex)["status"] == "error"  # no function
 
 
 def test_exiting_early_is_not_passing(humaneval):

@@ -90,6 +90,8 @@ def test_pocket_suite_covers_the_six_abilities_with_known_recipes():
     assert {t.ability for t in tasks} == set(ABILITIES)
     assert all(t.recipe in RECIPES for t in tasks)
     assert len({t.key for t in tasks}) == len(tasks)
+    published = SUITES["published"]  # the reports' formulations: known recipes too
+    assert published and all(t.recipe in RECIPES for t in published)
     with pytest.raises(PocketError, match="no suite named 'x'"):
         suite_tasks("x")
     with pytest.raises(PocketError, match="has no task 'nope'"):
@@ -139,6 +141,7 @@ def test_run_suite_counts_and_table(monkeypatch):
     assert [a["ability"] for a in r["abilities"]] == ["English knowledge", "Mathematics"]
     table = format_table(r)
     assert "Mathematics" in table and "gen-task" in table and "95% CI" in table
+    assert f"acc_norm {100 * by['mc-task']['acc_norm']:.1f}" in table
     # --limit overrides every task's count; 0 is the whole set
     r = run_suite(fake, "fake", load=load, limit=0, progress=False)
     assert {t["task"]: t["n"] for t in r["tasks"]} == {"mc-task": 6, "gen-task": 4}

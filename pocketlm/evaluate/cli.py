@@ -28,8 +28,9 @@ TASK is a task file (YAML/JSON with a header and examples, or JSONL whose first 
 SUITE_EPILOG = """
 
 --suite pocket runs the capability suite (docs/capability.md): one table, one row per ability,
-with a 95% confidence interval. --predictions FILE writes each scored example; the same command
-with the same FILE resumes an interrupted run. Suites: """
+with a 95% confidence interval; --suite published runs the tasks in the formulations of the
+models' own reports (MMLU cloze), to set scores against theirs. --predictions FILE writes each
+scored example; the same command with the same FILE resumes an interrupted run. Suites: """
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +48,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     what = p.add_mutually_exclusive_group()
     what.add_argument("--ppl", metavar="FILE", help="UTF-8 text file to score ('-': stdin)")
     what.add_argument("--task", metavar="TASK", help="task file or recipe name")
-    what.add_argument("--suite", metavar="NAME", help="run a capability suite (pocket)")
+    what.add_argument("--suite", metavar="NAME", help="run a capability suite (pocket, published)")
     what.add_argument("--list-tasks", action="store_true", help="list the bundled recipes")
     p.add_argument("--tasks", metavar="A,B", help="--suite: only these of its tasks")
     p.add_argument("--limit", type=int, help="score at most N examples (0: all; --suite: "

@@ -126,6 +126,37 @@ def build_humaneval() -> tuple[dict, list[dict]]:
     return header, examples
 
 
+# The instruct-model formulation of the Qwen2.5-Coder report's HumanEval (EvalPlus's chat
+# prompt): the problem in a fenced block as the user's message, the assistant's turn begun
+# with the sentence below and a ```python fence, and the script the model writes run as is.
+CHAT_INSTRUCTION = ("Please provide a self-contained Python script that solves the following "
+                    "problem in a markdown code block:")
+CHAT_RESPONSE = ("Below is a Python script with a self-contained function that solves the "
+                 "problem and passes corresponding tests:")
+CHAT_STOP = ["\n```", "\nif __name__", "\ndef main(", "\nprint("]
+
+
+def build_humaneval_chat() -> tuple[dict, list[dict]]:
+    header, examples = build_humaneval()
+    header = {**header, "name": "humaneval-chat", "check": "humaneval-script", "chat": True,
+              "description": "HumanEval for instruct models: asked in the chat template for a "
+                             "self-contained script (EvalPlus's prompt), the script run against "
+                             "the tests",
+              "template": CHAT_INSTRUCTION + "\n```\n{problem}\n```\n",
+              "response_prefix": CHAT_RESPONSE + "\n```python\n", "max_tokens": 512,
+              "stop": list(CHAT_STOP)}
+    return header, [{**ex, "problem": ex["prompt"].strip()} for ex in examples]
+
+
+def check_script(output: str, example: dict, *, timeout: float = CHECK_TIMEOUT) -> dict:
+    """Run the script the model wrote (``output``: it defines the function itself) against the
+    problem's tests; the verdict as :func:`check_completion`'s."""
+    program = output + "\n\n" + example["test"] + f"\ncheck({example['entry_point']})\n"
+    status, message = run_program(program, timeout=timeout)
+    return {"correct": status == "passed", "prediction": output, "status": status,
+            "error": message[:ERROR_CHARS]}
+
+
 def check_completion(output: str, example: dict, *, timeout: float = CHECK_TIMEOUT) -> dict:
     """Run ``prompt + output`` against the problem's tests: ``{"correct", "prediction",
     "status", "error"}`` (status passed, failed, timeout or error)."""

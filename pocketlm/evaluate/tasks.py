@@ -40,6 +40,7 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 # returns ``{"correct": bool, "prediction": ..., ...details}``. Imported on first use.
 CHECKS = {
     "humaneval": "pocketlm.evaluate.humaneval:check_completion",
+    "humaneval-script": "pocketlm.evaluate.humaneval:check_script",
     "instructions": "pocketlm.evaluate.instructions:check_response",
 }
 
@@ -405,13 +406,16 @@ class Task:
     max_tokens: int = 256
     stop: list[str] | None = None  # generation; default "\n\n", or nothing with chat
     check: str | None = None  # generation: a CHECKS name scoring the output instead of exact match
+    # chat: the text the assistant's turn starts with, written for the model (not in the output)
+    response_prefix: str = ""
     source: dict = field(default_factory=dict)  # where the data came from, its licence
     skipped: int = 0  # malformed lines skipped while reading
 
 
 _HEADER_KEYS = {"name", "type", "template", "labels", "extract", "choice_prefix", "continuation",
                 "fewshot_separator", "shots", "seed", "chat", "max_tokens", "stop", "source",
-                "examples", "data", "fewshot", "description", "check", "fewshot_group"}
+                "examples", "data", "fewshot", "description", "check", "fewshot_group",
+                "response_prefix"}
 
 
 def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], None] | None = None
@@ -564,6 +568,7 @@ def _task_from_header(header: Any, path: Path, *, strict: bool, warn, skipped: i
         source=dict(header.get("source") or {}),
         check=header.get("check"),
         fewshot_group=header.get("fewshot_group"),
+        response_prefix=header.get("response_prefix", ""),
         skipped=skipped,
     )
     check_task(task, where=str(path), located=[*examples, *fewshot])
@@ -586,6 +591,8 @@ def check_task(task: Task, *, where: str = "task", located: list | None = None) 
             raise PocketError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
     if not isinstance(task.choice_prefix, str) or not isinstance(task.fewshot_separator, str):
         raise PocketError(f"{where}: 'choice_prefix' and 'fewshot_separator' must be strings")
+    if not isinstance(task.response_prefix, str) or (task.response_prefix and not task.chat):
+        raise PocketError(f"{where}: 'response_prefix' must be a string, and is for chat tasks")
     if task.stop is not None and not (isinstance(task.stop, list)
                                       and all(isinstance(s, str) and s for s in task.stop)):
         raise PocketError(f"{where}: 'stop' must be a list of non-empty strings")
@@ -731,7 +738,7 @@ def encode_prompt(engine: Engine, task: Task, prompt: str) -> tuple[list[int], l
     ``task.chat``; the engine's BOS unless the rendered template already starts with it."""
     text = prompt
     if task.chat:
-        text = engine.render_chat([{"role": "user", "content": prompt}])
+        text = engine.render_chat([{"role": "user", "content": prompt}]) + task.response_prefix
     ids = engine.tokenize(text, special=task.chat)
     bos = list(engine.bos_ids)
     if not bos or ids[: len(bos)] == bos:
