@@ -29,8 +29,9 @@ SUITE_EPILOG = """
 
 --suite pocket runs the capability suite (docs/capability.md): one table, one row per ability,
 with a 95% confidence interval; --suite published runs the tasks in the formulations of the
-models' own reports (MMLU cloze), to set scores against theirs. --predictions FILE writes each
-scored example; the same command with the same FILE resumes an interrupted run. Suites: """
+models' own reports (MMLU cloze, HumanEval in the chat template), to set scores against
+theirs. --predictions FILE writes each scored example; the same command with the same FILE
+resumes an interrupted run. Suites: """
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:

@@ -148,23 +148,25 @@ def build_humaneval_chat() -> tuple[dict, list[dict]]:
     return header, [{**ex, "problem": ex["prompt"].strip()} for ex in examples]
 
 
-def check_script(output: str, example: dict, *, timeout: float = CHECK_TIMEOUT) -> dict:
-    """Run the script the model wrote (``output``: it defines the function itself) against the
-    problem's tests; the verdict as :func:`check_completion`'s."""
-    program = output + "\n\n" + example["test"] + f"\ncheck({example['entry_point']})\n"
+def _run_tests(code: str, output: str, example: dict, timeout: float) -> dict:
+    """Run ``code`` followed by the problem's tests: ``{"correct", "prediction" (``output``),
+    "status", "error"}`` (status passed, failed, timeout or error)."""
+    program = code + "\n\n" + example["test"] + f"\ncheck({example['entry_point']})\n"
     status, message = run_program(program, timeout=timeout)
     return {"correct": status == "passed", "prediction": output, "status": status,
             "error": message[:ERROR_CHARS]}
+
+
+def check_script(output: str, example: dict, *, timeout: float = CHECK_TIMEOUT) -> dict:
+    """Run the script the model wrote (``output``: it defines the function itself) against the
+    problem's tests; the verdict as :func:`check_completion`'s."""
+    return _run_tests(output, output, example, timeout)
 
 
 def check_completion(output: str, example: dict, *, timeout: float = CHECK_TIMEOUT) -> dict:
     """Run ``prompt + output`` against the problem's tests: ``{"correct", "prediction",
     "status", "error"}`` (status passed, failed, timeout or error)."""
-    program = (example["prompt"] + output + "\n\n" + example["test"]
-               + f"\ncheck({example['entry_point']})\n")
-    status, message = run_program(program, timeout=timeout)
-    return {"correct": status == "passed", "prediction": output, "status": status,
-            "error": message[:ERROR_CHARS]}
+    return _run_tests(example["prompt"] + output, output, example, timeout)
 
 
 # -- containment --------------------------------------------------------------------------------
