@@ -5,10 +5,13 @@ shape (rows x cols), weight kind, activation mode, tokens n, median microseconds
 the runs, and the weight-streaming rate (weight bytes incl. scales and minimums / median time).
 
 Shapes are smollm2-135m's (hidden 576, MLP 1536, 3 KV heads of 64, vocabulary 49152):
-decode (n = 1) and a 128-token prefill.
+decode (n = 1) and a 128-token prefill. ``--f32`` times the engine's float32-weight product
+instead (the float reference path, ``precision="float"``), one thread, at each level: the
+portable loop is the scalar level's.
 
     python benchmarks/kernels.py                       # best level, 1 thread and default threads
     python benchmarks/kernels.py --levels all --n 1    # every supported level, decode only
+    python benchmarks/kernels.py --f32 --levels all    # float32 weights, every level
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--budget", type=float, default=1.0, help="seconds per configuration")
     ap.add_argument("--no-numpy", action="store_true", help="skip the numpy reference")
+    ap.add_argument("--f32", action="store_true",
+                    help="float32 weights: the engine's float product, one thread per call")
     args = ap.parse_args()
 
     if not native.available():
@@ -110,6 +115,22 @@ def main() -> None:
     mach = machine()
     rng = np.random.default_rng(0)
 
+    if args.f32:
+        from pocketlm import _native
+
+        for name, rows, cols, _ in shapes:
+            w = rng.standard_normal((rows, cols), dtype=np.float32)
+            for n in ns:
+                x = rng.standard_normal((n, cols), dtype=np.float32)
+                out = np.empty((n, rows), dtype=np.float32)
+                base = {"command": command, "machine": mach, "shape": [rows, cols],
+                        "name": name, "kind": "f32", "n": n}
+                for level in levels:
+                    fn = functools.partial(_native.matmul_f32, x, w, out,
+                                           level=native.LEVELS.index(level))
+                    emit(base, w, {"backend": "native", "level": level, "act": "f32",
+                                   "threads": 1}, timeit(fn, args.runs, args.budget))
+        return
     for name, rows, cols, kind in shapes:
         w = random_weight(rows, cols, kind, args.group_size, rng)
         for n in ns:

@@ -563,3 +563,57 @@ def test_pool_survives_fork():
         os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def _matmul_f32_twin(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The engine's float32-weight product in its documented order (pm_matmul_f32_portable):
+    8 lane sums per dot product (a float32 multiply, then an add), folded as
+    ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), then the last cols % 8 products one by
+    one."""
+    n, cols = x.shape
+    acc = np.zeros((n, w.shape[0], 8), np.float32)
+    c = 0
+    while c + 8 <= cols:
+        acc = acc + x[:, None, c:c + 8] * w[None, :, c:c + 8]
+        c += 8
+    s = ((acc[..., 0] + acc[..., 4]) + (acc[..., 1] + acc[..., 5])) + \
+        ((acc[..., 2] + acc[..., 6]) + (acc[..., 3] + acc[..., 7]))
+    for k in range(c, cols):
+        s = s + x[:, None, k] * w[None, :, k]
+    return s
+
+
+@pytest.mark.parametrize("level", ARCH_LEVELS)
+@pytest.mark.parametrize("n,rows,cols", [(1, 1, 5), (2, 4, 8), (3, 7, 37), (7, 33, 576),
+                                         (65, 9, 1539), (23, 6, 5003)])
+def test_engine_matmul_f32_bit_for_bit(level, n, rows, cols):
+    # the float reference path's product: every level gives the documented order's bits, for
+    # row counts around the avx2 level's blocks of 4 rows x 2 tokens, odd token counts, column
+    # counts with a tail, and (5003 columns: 9 tokens per block) several token blocks
+    _require_level(level)
+    rng = np.random.default_rng(n * 1000 + cols)
+    x = rng.standard_normal((n, cols), dtype=np.float32)
+    w = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.05).astype(np.float32)
+    y = np.full((n, rows), np.nan, np.float32)
+    _native.matmul_f32(x, w, y, level=ALL_LEVELS.index(level))
+    np.testing.assert_array_equal(y, _matmul_f32_twin(x, w))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w.astype(np.float64).T,
+                               rtol=1e-4, atol=1e-4 * np.sqrt(cols))
+
+
+def test_engine_matmul_f32_bad_input():
+    x, w = np.ones((2, 8), np.float32), np.ones((3, 8), np.float32)
+    with pytest.raises(ValueError, match="out has shape"):
+        _native.matmul_f32(x, w, np.empty((3, 2), np.float32))
+    with pytest.raises(ValueError, match="w has shape"):
+        _native.matmul_f32(x, np.ones((3, 9), np.float32), np.empty((2, 3), np.float32))
+    with pytest.raises(TypeError, match="float32"):
+        _native.matmul_f32(x.astype(np.float64), w, np.empty((2, 3), np.float32))
+    with pytest.raises(ValueError, match="features"):
+        _native.matmul_f32(np.ones((2, 0), np.float32), np.ones((3, 0), np.float32),
+                           np.empty((2, 3), np.float32))
+    buf = np.ones(16, np.float32)
+    with pytest.raises(ValueError, match="share memory"):
+        _native.matmul_f32(buf.reshape(2, 8), w, buf[10:].reshape(2, 3))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _native.matmul_f32(x, w, np.empty((3, 2), np.float32).T)

@@ -274,6 +274,13 @@ int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, 
     return POCKET_OK;
 }
 
+int pocket_model_matmul_f32(const pocket_kernel_table *kernels, const float *x, int n, int cols,
+                            const float *w, int rows, float *y) {
+    if (!kernels || !x || !w || !y || n < 0 || cols <= 0 || rows < 0) return POCKET_EINVAL;
+    level_ops(kernels, 1)->matmul_f32(x, n, cols, w, rows, y, 0, rows);
+    return POCKET_OK;
+}
+
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,

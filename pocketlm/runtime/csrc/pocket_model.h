@@ -113,6 +113,12 @@ int pocket_model_amx_available(void);
 int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, int n, int cols,
                             int digits, int8_t *q1, int8_t *q2, float *dd, float *bsum);
 
+/* y [n, rows] = x [n, cols] . w [rows, cols]^T (float32 weights, the float reference path),
+ * by the product of kernel table `kernels` that a model at that level runs (the same bits at
+ * every level). Returns POCKET_OK or POCKET_EINVAL. */
+int pocket_model_matmul_f32(const pocket_kernel_table *kernels, const float *x, int n, int cols,
+                            const float *w, int rows, float *y);
+
 /* Product classes whose activations may be quantized to int8 (bits of act_q8). */
 enum {
     POCKET_Q8_QKV = 1 << 0,

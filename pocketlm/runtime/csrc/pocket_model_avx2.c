@@ -14,7 +14,9 @@
  *   quant_act                      the portable function's operations, 8 values at a time
  *                                  (identical results by contract);
  *   block_sums                     the portable function;
- *   rmsnorm, matmul_f32, to_f16    the portable operations.
+ *   matmul_f32                     register-blocked AVX2, bit-identical to the portable
+ *                                  loop (below);
+ *   rmsnorm, to_f16                the portable operations.
  *
  * The integer product. A 64-byte chunk vector of a tile record (pocket_model_ops.h: chunk k of
  * row i = the 4 bytes at lane i) is two 256-bit registers, rows 0-7 and rows 8-15; the chunk's 4
@@ -522,10 +524,89 @@ static TGT void quant_act_avx2(const float *x, int n, int cols, int digits, int8
     }
 }
 
-const pm_ops pm_ops_avx2 = PM_OPS("avx2", attn_avx2, glu_avx2, quant_act_avx2, matmul_tiled_avx2);
+/* ---- float32 weights (the float reference path, precision="float") -----------------------
+ *
+ * y[i * rows + r] = x[i] . w[r], bit-identical to pm_matmul_f32_portable: each dot product
+ * keeps 8 lane sums (lane l adds x[c + l] * w[c + l] for c = 0, 8, 16, ..., a multiply then an
+ * add), folds them as ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) and adds the last
+ * cols % 8 products one by one, as dot_f32 does. What changes is the order of the dot
+ * products, never their arithmetic: 4 weight rows x 2 tokens at a time share their loads
+ * (6 loads for 16 multiply-adds instead of 2 for 2), and the tokens are taken in blocks whose
+ * activations stay in the core's L2 cache while every row of the range passes over them.
+ * Before this the avx2 level ran the portable loop, one dot product at a time, and a float32
+ * model's prefill was compute-bound on it. The avx512 level runs this product too. */
+
+static inline TGT AI float fold8(__m256 acc, const float *x, const float *w, int c, int cols) {
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    float f[4];
+    _mm_storeu_ps(f, t);
+    float s = (f[0] + f[1]) + (f[2] + f[3]);
+    for (; c < cols; c++) s += x[c] * w[c];
+    return s;
+}
+
+/* The NR x NI dot products of rows w[0..NR) with tokens x[0..NI) (NR <= 4, NI <= 2; constants
+ * where it is inlined, so that the sums live in registers). */
+static inline TGT AI void f32_block(const int NR, const int NI, const float *x, int cols,
+                                    const float *w, int rows, float *y) {
+    __m256 acc[4][2];
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++)
+#pragma GCC unroll 2
+        for (int b = 0; b < NI; b++) acc[a][b] = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        __m256 xv[2];
+#pragma GCC unroll 2
+        for (int b = 0; b < NI; b++) xv[b] = _mm256_loadu_ps(x + (size_t)b * cols + c);
+#pragma GCC unroll 4
+        for (int a = 0; a < NR; a++) {
+            const __m256 wv = _mm256_loadu_ps(w + (size_t)a * cols + c);
+#pragma GCC unroll 2
+            for (int b = 0; b < NI; b++)
+                acc[a][b] = _mm256_add_ps(acc[a][b], _mm256_mul_ps(xv[b], wv));
+        }
+    }
+#pragma GCC unroll 4
+    for (int a = 0; a < NR; a++)
+#pragma GCC unroll 2
+        for (int b = 0; b < NI; b++)
+            y[(size_t)b * rows + a] =
+                fold8(acc[a][b], x + (size_t)b * cols, w + (size_t)a * cols, c, cols);
+}
+
+TGT void pm_matmul_f32_avx2(const float *x, int n, int cols, const float *w, int rows, float *y,
+                            int rb, int re) {
+    /* tokens per block: their activations within ~192 KiB (an even count, 2 to 64) */
+    int tb = (int)((192u * 1024u) / ((size_t)cols * sizeof(float)));
+    tb = tb < 2 ? 2 : tb > 64 ? 64 : tb & ~1;
+    for (int i0 = 0; i0 < n; i0 += tb) {
+        const int i1 = n - i0 < tb ? n : i0 + tb;
+        int r = rb;
+        for (; r + 4 <= re; r += 4) {
+            const float *wr = w + (size_t)r * cols;
+            int i = i0;
+            for (; i + 2 <= i1; i += 2)
+                f32_block(4, 2, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
+            if (i < i1)
+                f32_block(4, 1, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
+        }
+        for (; r < re; r++) {
+            const float *wr = w + (size_t)r * cols;
+            int i = i0;
+            for (; i + 2 <= i1; i += 2)
+                f32_block(1, 2, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
+            if (i < i1)
+                f32_block(1, 1, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
+        }
+    }
+}
+
+const pm_ops pm_ops_avx2 = PM_OPS_F32("avx2", attn_avx2, glu_avx2, quant_act_avx2,
+                                      matmul_tiled_avx2, pm_matmul_f32_avx2);
 #if PM_HAVE_AVXVNNI
-const pm_ops pm_ops_avxvnni =
-    PM_OPS("avx2+avxvnni", attn_avx2, glu_avx2, quant_act_avx2, matmul_tiled_avxvnni);
+const pm_ops pm_ops_avxvnni = PM_OPS_F32("avx2+avxvnni", attn_avx2, glu_avx2, quant_act_avx2,
+                                         matmul_tiled_avxvnni, pm_matmul_f32_avx2);
 #endif
 
 #endif /* PM_HAVE_AVX2 */

@@ -157,12 +157,15 @@ typedef struct pm_ops {
 } pm_ops;
 
 /* An operations table named NAME (a string): the portable operations but for those the avx2
- * and neon levels replace (attention, GLU, activation quantization, the tiled products). */
-#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED)                                        \
+ * and neon levels replace (attention, GLU, activation quantization, the tiled products and,
+ * PM_OPS_F32, the float32-weight product). */
+#define PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, MATMUL_F32)                        \
     {                                                                                           \
-        NAME, pm_rmsnorm_portable, ATTN, GLU, pm_matmul_f32_portable, pm_to_f16_portable,       \
-            QUANT_ACT, MATMUL_TILED, pm_block_sums_portable                                     \
+        NAME, pm_rmsnorm_portable, ATTN, GLU, MATMUL_F32, pm_to_f16_portable, QUANT_ACT,        \
+            MATMUL_TILED, pm_block_sums_portable                                                \
     }
+#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED)                                        \
+    PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, pm_matmul_f32_portable)
 
 /* The portable operations, also in the tables of the SIMD levels that do not replace them. */
 void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps, float *out);
@@ -190,6 +193,9 @@ extern const pm_ops pm_ops_avx512;
 #endif
 #if PM_HAVE_AVX2
 extern const pm_ops pm_ops_avx2;
+/* The float32-weight product of the avx2 and avx512 levels: pm_matmul_f32_portable's bits. */
+void pm_matmul_f32_avx2(const float *x, int n, int cols, const float *w, int rows, float *y,
+                        int rb, int re);
 #endif
 #if PM_HAVE_AVX2 && ((defined(__clang__) && __clang_major__ >= 12) ||                          \
                      (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))

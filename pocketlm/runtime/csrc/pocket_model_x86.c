@@ -4,7 +4,10 @@
  * the engine only selects these where the avx512 kernel level is supported (AVX-512
  * F/BW/DQ/VL + VNNI, F16C, FMA; checked at run time).
  *
- * Differences to the portable versions are float rounding only: sums in 16 lanes, exp from a
+ * The float32-weight product is the avx2 level's (pm_matmul_f32_avx2: the portable product's
+ * bits, register-blocked), so that the float reference path computes the same products on
+ * every x86 level. Differences to the other portable versions are float rounding only: sums in
+ * 16 lanes, exp from a
  * degree-6 polynomial (within ~2 ulp of expf), silu / GELU written with exp:
  *   silu(x) = x / (1 + e^-x),  gelu_tanh(x) = x / (1 + e^(-2u)), u = sqrt(2/pi)(x + 0.044715x^3)
  * (the same functions as x * (0.5 + 0.5 tanh(x/2)) and 0.5x(1 + tanh(u))).
@@ -229,28 +232,6 @@ static TGT void glu_avx512(float *gate, const float *up, size_t len, int gelu) {
         }
         const __m512 a = _mm512_div_ps(x, _mm512_add_ps(one, pocket_exp512(t)));
         _mm512_mask_storeu_ps(gate + k, mk, _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mk, up + k)));
-    }
-}
-
-static TGT void matmul_f32_avx512(const float *x, int n, int cols, const float *w, int rows,
-                                  float *y, int rb, int re) {
-    for (int r = rb; r < re; r++) {
-        const float *wr = w + (size_t)r * cols;
-        for (int i = 0; i < n; i++) {
-            const float *xi = x + (size_t)i * cols;
-            __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-            int c = 0;
-            for (; c + 32 <= cols; c += 32) {
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(xi + c), _mm512_loadu_ps(wr + c), a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(xi + c + 16), _mm512_loadu_ps(wr + c + 16), a1);
-            }
-            for (; c < cols; c += 16) {
-                const __mmask16 mk = tail_mask(cols - c);
-                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, xi + c),
-                                     _mm512_maskz_loadu_ps(mk, wr + c), a0);
-            }
-            y[(size_t)i * rows + r] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-        }
     }
 }
 
@@ -586,7 +567,7 @@ static TGTV void matmul_tiled_avx512(const pm_tiled *w, const pm_act *a, float *
 
 const pm_ops pm_ops_avx512 = {
     "avx512",          rmsnorm_avx512,        attn_avx512,             glu_avx512,
-    matmul_f32_avx512, to_f16_avx512,         quant_act_avx512,        matmul_tiled_avx512,
+    pm_matmul_f32_avx2, to_f16_avx512,        quant_act_avx512,        matmul_tiled_avx512,
     block_sums_avx512,
 };
 

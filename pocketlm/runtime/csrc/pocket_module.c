@@ -486,6 +486,48 @@ done:
     return result;
 }
 
+/* ---- matmul_f32 ------------------------------------------------------------------------- */
+
+static PyObject *py_matmul_f32(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kw[] = {"x", "w", "out", "level", NULL};
+    PyObject *ox, *ow, *oy;
+    int level = POCKET_LEVEL_AUTO;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOO|i:matmul_f32", kw, &ox, &ow, &oy, &level))
+        return NULL;
+    const pocket_kernel_table *t = pocket_py_check_level(level);
+    if (!t) return NULL;
+    Arr x = {0}, w = {0}, y = {0};
+    PyObject *result = NULL;
+    if (get_array(ox, "x", 'f', 0, &x) < 0 || get_array(ow, "w", 'f', 0, &w) < 0 ||
+        get_array(oy, "out", 'f', 1, &y) < 0)
+        goto done;
+    Py_ssize_t n = x.v.shape[0], cols = x.v.shape[1], rows = w.v.shape[0];
+    if (cols == 0 || cols > INT_MAX || n > INT_MAX || rows > INT_MAX) {
+        PyErr_Format(PyExc_ValueError, "x has shape (%zd, %zd): needs 1 to %d features", n, cols,
+                     INT_MAX);
+        goto done;
+    }
+    if (check_shape(&w, "w", rows, cols) < 0 || check_shape(&y, "out", n, rows) < 0) goto done;
+    if (overlaps(&y, &x) || overlaps(&y, &w)) {
+        PyErr_SetString(PyExc_ValueError, "out must not share memory with x or w");
+        goto done;
+    }
+    {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = pocket_model_matmul_f32(t, (const float *)x.v.buf, (int)n, (int)cols,
+                                     (const float *)w.v.buf, (int)rows, (float *)y.v.buf);
+        Py_END_ALLOW_THREADS
+        result = pocket_py_status_result(rc);
+    }
+done:
+    arr_release(&x);
+    arr_release(&w);
+    arr_release(&y);
+    return result;
+}
+
 /* ---- module ----------------------------------------------------------------------------- */
 
 int pocket_py_add_type(PyObject *m, const char *name, PyTypeObject *type) {
@@ -510,6 +552,10 @@ static PyMethodDef methods[] = {
      "act_digits(x, q1, q2, dd, bsum, digits=2, level=-1): the engine's int8 activation\n"
      "digits of x float32 [n, cols]: q1, q2 int8 [n, cols] (q2 untouched with digits=1),\n"
      "dd float32 [n, cols/32] (x ~ dd * (128 q1 + q2), or dd * q1), bsum float32 [n, cols/32]."},
+    {"matmul_f32", (PyCFunction)(void (*)(void))py_matmul_f32, METH_VARARGS | METH_KEYWORDS,
+     "matmul_f32(x, w, out, level=-1): out float32 [n, rows] = x float32 [n, cols] times\n"
+     "w float32 [rows, cols] transposed, by the float32-weight product a NativeModel at that\n"
+     "kernel level runs (the same bits at every level)."},
     {"ops_name", (PyCFunction)(void (*)(void))py_ops_name, METH_VARARGS | METH_KEYWORDS,
      "ops_name(level=-1, avxvnni=1) -> str: the operations a NativeModel created now at that\n"
      "kernel level (and avxvnni) runs on ('portable', 'avx2', 'avx2+avxvnni', 'avx512', 'neon')."},
