@@ -575,6 +575,15 @@ static inline TGT AI void f32_block(const int NR, const int NI, const float *x, 
                 fold8(acc[a][b], x + (size_t)b * cols, w + (size_t)a * cols, c, cols);
 }
 
+/* Rows w[0..NR) against tokens [i0, i1) of x, two at a time (NR a constant where inlined). */
+static inline TGT AI void f32_rows(const int NR, const float *x, int i0, int i1, int cols,
+                                   const float *wr, int rows, float *y) {
+    int i = i0;
+    for (; i + 2 <= i1; i += 2)
+        f32_block(NR, 2, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows);
+    if (i < i1) f32_block(NR, 1, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows);
+}
+
 TGT void pm_matmul_f32_avx2(const float *x, int n, int cols, const float *w, int rows, float *y,
                             int rb, int re) {
     /* tokens per block: their activations within ~192 KiB (an even count, 2 to 64) */
@@ -583,22 +592,8 @@ TGT void pm_matmul_f32_avx2(const float *x, int n, int cols, const float *w, int
     for (int i0 = 0; i0 < n; i0 += tb) {
         const int i1 = n - i0 < tb ? n : i0 + tb;
         int r = rb;
-        for (; r + 4 <= re; r += 4) {
-            const float *wr = w + (size_t)r * cols;
-            int i = i0;
-            for (; i + 2 <= i1; i += 2)
-                f32_block(4, 2, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
-            if (i < i1)
-                f32_block(4, 1, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
-        }
-        for (; r < re; r++) {
-            const float *wr = w + (size_t)r * cols;
-            int i = i0;
-            for (; i + 2 <= i1; i += 2)
-                f32_block(1, 2, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
-            if (i < i1)
-                f32_block(1, 1, x + (size_t)i * cols, cols, wr, rows, y + (size_t)i * rows + r);
-        }
+        for (; r + 4 <= re; r += 4) f32_rows(4, x, i0, i1, cols, w + (size_t)r * cols, rows, y + r);
+        for (; r < re; r++) f32_rows(1, x, i0, i1, cols, w + (size_t)r * cols, rows, y + r);
     }
 }
 
