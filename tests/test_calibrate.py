@@ -288,3 +288,55 @@ def test_budgeted_pack_greedy_tokens_agree_native_and_numpy(tiny, tmp_path, monk
             logits = rt.forward(np.asarray([nxt]), cache)
         runs.append(ids)
     assert runs[0] == runs[1]
+
+
+def test_sequential_rounding_measures_each_layer_on_the_rounded_layers_before_it(tiny):
+    src = open_source(tiny["src"])
+    cs = calibdata.file_set(tiny["text"], src.tokenizer, n_sequences=4, seq_len=64)
+    floats = {n: t.to_float() for n, t in src.tensors.items()}
+    names = [n for n in floats if n.endswith("w_q.weight") or n.endswith("w_down.weight")
+             or n == "embed.weight"]
+    seen = {}
+
+    def rounding(name, h):
+        seen[name] = h
+        return calibrate.quantize_calibrated(floats[name], "int4", 32, h, "gptq")
+
+    out = calibrate.quantize_sequential(src.config, floats, names, cs.sequences, rounding,
+                                        progress=False)
+    assert sorted(out) == sorted(names)
+    before = {n: w.copy() for n, w in floats.items()}
+    # layer 0 reads the float model's inputs
+    st = calibrate.gather(src.config, floats, cs.sequences, progress=False)
+    np.testing.assert_allclose(seen["layers.0.attn.w_q.weight"], st.hessian("layers.0.attn_in"),
+                               rtol=1e-5, atol=1e-7)
+    # layer 1 reads what the rounded layer 0 produces, not what the float one does
+    w1 = dict(floats)
+    for n in names:
+        if n.startswith("layers.0."):
+            w1[n] = out[n][0].dequantize().reshape(floats[n].shape).astype(np.float32)
+    st1 = calibrate.gather(src.config, w1, cs.sequences, progress=False)
+    np.testing.assert_allclose(seen["layers.1.attn.w_q.weight"], st1.hessian("layers.1.attn_in"),
+                               rtol=1e-5, atol=1e-7)
+    assert not np.allclose(seen["layers.1.attn.w_q.weight"], st.hessian("layers.1.attn_in"),
+                           rtol=1e-5, atol=1e-7)
+    assert all(np.array_equal(before[n], w) for n, w in floats.items())  # weights untouched
+
+
+def test_sequential_pack_is_deterministic_and_says_so(tiny, tmp_path):
+    a, b = tmp_path / "a.pocket", tmp_path / "b.pocket"
+    rep = pack(tiny["src"], a, calib=tiny["text"], sequential=True, progress=False)
+    assert rep.calibration["sequential"] is True and "layer by layer" in rep.summary()
+    done = _cli("pack", tiny["src"], "-o", b, "--calib", tiny["text"], "--sequential")
+    assert done.returncode == 0, done.stderr
+    wa, wb = PocketFile(a).weights(), PocketFile(b).weights()
+    for name, x in wa.items():  # same inputs, same bytes
+        y = wb[name]
+        if hasattr(x, "qweight"):
+            assert x.qweight.tobytes() == y.qweight.tobytes() and \
+                x.scales.tobytes() == y.scales.tobytes(), name
+        else:
+            assert x.tobytes() == y.tobytes(), name
+    assert "layer by layer" in _cli("inspect", a).stdout
+    with pytest.raises(PocketError, match="sequential must be True or False"):
+        pack(tiny["src"], tmp_path / "c.pocket", sequential="yes", progress=False)
