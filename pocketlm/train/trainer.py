@@ -649,11 +649,11 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             for x, y in batches:
                 x = torch.from_numpy(np.ascontiguousarray(x)).to(dist.device)
                 y = torch.from_numpy(np.ascontiguousarray(y)).to(dist.device)
-                logits = model(x).float()
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                       ignore_index=-100, reduction="sum")
+                keep = y != -100  # the head only where there is a target, as in training
+                logits = model(x, keep).float()
+                loss = F.cross_entropy(logits, y[keep], reduction="sum")
                 total += float(loss)
-                count += int((y != -100).sum())
+                count += int(keep.sum())
         model.train()
         return total / max(count, 1)
 
