@@ -262,3 +262,17 @@ def test_sequence_level_distillation_data(pretrained, tmp_path):
     assert [r["messages"][1]["content"] for r in rows] == [
         t.chat([{"role": "user", "content": q}], max_tokens=8, temperature=0.0)
         for q in ("Where is the cat?", "小猫在哪里？")]
+
+
+def test_bf16_on_a_cpu_without_it_is_warned_about(monkeypatch, capsys):
+    from pocketlm.train import trainer
+
+    monkeypatch.setattr(trainer, "_cpu_has_bf16", lambda: False)
+    cpu = torch.device("cpu")
+    trainer._warn_slow_bf16(trainer.TrainConfig(out="o", data="d", dtype="bf16"), cpu)
+    assert "--dtype auto picks float32" in capsys.readouterr().err
+    for dtype in ("auto", "fp32"):
+        trainer._warn_slow_bf16(trainer.TrainConfig(out="o", data="d", dtype=dtype), cpu)
+    monkeypatch.setattr(trainer, "_cpu_has_bf16", lambda: True)
+    trainer._warn_slow_bf16(trainer.TrainConfig(out="o", data="d", dtype="bf16"), cpu)
+    assert capsys.readouterr().err == ""
