@@ -56,8 +56,6 @@ POCKET_METHODS: dict[str, dict] = {
     "pocket-awq-int4": {"keep_precision": False, "calib": "default", "awq": True},
     "pocket-awq-bpw-4.6": {"bits_per_weight": 4.6, "awq": True},
     "pocket-awq-budget-source": {"bits_per_weight": "source", "awq": True},
-    "pocket-seq-int4": {"keep_precision": False, "calib": "default", "sequential": True},
-    "pocket-seq-bpw-4.6": {"bits_per_weight": 4.6, "sequential": True},
 }
 OUT = ROOT / "benchmarks" / "quant_quality.jsonl"
 DOC = ROOT / "docs" / "quantization.md"
@@ -177,8 +175,6 @@ METHOD_LABELS = {
     "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
     "pocket-awq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --awq`",
-    "pocket-seq-int4": "pocketlm `--all-int4 --calib default --sequential` (GPTQ layer by layer)",
-    "pocket-seq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --sequential`",
 }
 AWQ_SITES = ROOT / "benchmarks" / "awq_sites.jsonl"
 

@@ -143,72 +143,6 @@ def gather(config, weights: dict, sequences: list[list[int]], *, progress: bool 
     return stats
 
 
-def quantize_sequential(config, weights: dict, names: list[str], sequences: list[list[int]],
-                        quantize, *, progress: bool = True) -> dict[str, tuple]:
-    """Round ``names`` layer by layer, each layer on the inputs that the layers already
-    rounded produce (the order GPTQ is defined in): the calibration sequences' hidden states
-    are carried through the model one layer at a time; layer ``i``'s statistics are gathered on
-    them, its tensors are rounded by ``quantize(name, H)`` (a QuantTensor), and the hidden
-    states go on through the rounded layer. The head is rounded last, on the final states.
-    ``weights`` (float32, as the forward should read them) is not changed.
-
-    Returns ``{name: (QuantTensor, H or None)}``. Costs about two forward passes over the
-    sequences (each layer runs once to observe, once rounded)."""
-    from .runtime.engine import KVCache, NumpyEngine
-    from .runtime.kernels import numpy_ref as R
-
-    w = dict(weights)
-    eng = NumpyEngine(config, w)
-    cache = KVCache(config, max(len(s) for s in sequences))
-    xs = []
-    for seq in sequences:
-        x = R.embedding_ref(w["embed.weight"], np.asarray(seq, dtype=np.int64))
-        if config.embed_scale != 1.0:
-            x *= np.float32(config.embed_scale)
-        xs.append(x)
-    out: dict[str, tuple] = {}
-    by_layer: dict[int, list[str]] = {}
-    rest = []
-    for n in names:
-        if n.startswith("layers."):
-            by_layer.setdefault(int(n.split(".")[1]), []).append(n)
-        else:
-            rest.append(n)
-
-    def rounded(n, h):
-        qt = quantize(n, h)
-        out[n] = (qt, h)
-        w[n] = qt.dequantize().reshape(weights[n].shape).astype(np.float32, copy=False)
-
-    def quiet(site, a):
-        return None
-
-    bar = _bar(config.n_layers, "quantizing layer by layer", "layer", progress)
-    try:
-        for i in range(config.n_layers):
-            stats = Stats()
-            for x in xs:
-                eng.layer(i, x, cache, 0, np.arange(len(x)), stats.add)
-            for n in by_layer.get(i, []):
-                rounded(n, stats.hessian(site_of(n)))
-            for j, x in enumerate(xs):
-                xs[j] = eng.layer(i, x, cache, 0, np.arange(len(x)), quiet)
-            if bar is not None:
-                bar.update(1)
-    finally:
-        if bar is not None:
-            bar.close()
-    if rest:
-        stats = Stats()
-        for x in xs:
-            stats.add("head_in", R.rmsnorm_ref(np.ascontiguousarray(x), w["norm.weight"],
-                                               config.norm_eps))
-        for n in rest:
-            untied_embed = n == "embed.weight" and not config.tie_embeddings
-            rounded(n, None if untied_embed else stats.hessian("head_in"))
-    return out
-
-
 def _stats_path(model, cset):
     """Where the statistics of ``model`` on ``cset`` are kept (None: a source without a
     digest, not cached): ``pocket_home()/calib``, keyed by the source file's sha256, the
@@ -798,7 +732,7 @@ def _lossless(st) -> QuantTensor | None:
 
 def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float | None = None,
          default_bits, group_size: int = 32, progress: bool = True,
-         stats: Stats | None = None, awq: bool = False, sequential: bool = False):
+         stats: Stats | None = None, awq: bool = False):
     """Calibrate ``model`` (a SourceModel) and quantize its tensors.
 
     ``default_bits(name, source_tensor)``: the pack's bits for a tensor (None: kept in float).
@@ -811,11 +745,7 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     ``awq``: activation-aware channel scaling (:mod:`pocketlm.awq`) before rounding, on the
     sites whose tensors are all requantized (a tensor that imports exactly keeps its grid:
     without a budget, one that the pack keeps exact; with one, one whose exact layout fits the
-    budget's bits per weight).
-
-    ``sequential``: each layer is rounded on the inputs the layers rounded before it produce
-    (:func:`quantize_sequential`) instead of the float model's; the statistics of the float
-    model still choose the layouts under a budget."""
+    budget's bits per weight)."""
     import time
 
     from . import calibdata
@@ -825,9 +755,6 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             else calibdata.file_set(calib, model.tokenizer))
     names = [n for n, st in model.tensors.items() if default_bits(n, st) is not None]
     weights = {n: st.to_float() for n, st in model.tensors.items()}
-    if stats is None and sequential and not awq and bits_per_weight is None:
-        # the float model's statistics would choose nothing: each layer is measured anew
-        stats = Stats(tokens=sum(len(s) for s in cset.sequences))
     if stats is None:
         stats = cached_stats(model, cset)
     if stats is None:
@@ -898,45 +825,30 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         choice = {n: (c.kind, c.group_size, c.lossless, c.zero_point)
                   for n, c in picked.items()}
 
-    def rounded(n, h):
+    out = {}
+    bar = _bar(len(names), "quantizing", "tensor", progress)
+    for n in names:
         kind, gs, exact, zp = choice[n]
+        w = weights[n]
+        h = hessian(n)
         if exact:
             qt = _lossless(model.tensors[n]) if bits_per_weight is not None else \
                 model.tensors[n].to_quant({"int4": 4, "int5": 5, "int8": 8}[kind], gs)
             how = "lossless"
         else:
-            qt = quantize_calibrated(weights[n], kind, gs, h, method, zp)
+            qt = quantize_calibrated(w, kind, gs, h, method, zp)
             how = "calibrated" if h is not None and kind != "int8" else "requantized"
         err = None
         if h is not None:
-            err = output_error(weights[n], qt, h) / max(output_energy(weights[n], h), 1e-30)
-        return qt, how, err
-
-    out = {}
-    if sequential:
-        # the forward reads the channel-scaled weights, so its inputs are already scaled
-        how_of: dict[str, tuple] = {}
-
-        def one(n, h):
-            how_of[n] = rounded(n, h)
-            return how_of[n][0]
-
-        quantize_sequential(model.config, weights, names, cset.sequences, one,
-                            progress=progress)
-        out = {n: how_of[n] for n in names}
-    else:
-        bar = _bar(len(names), "quantizing", "tensor", progress)
-        for n in names:
-            out[n] = rounded(n, hessian(n))
-            if bar is not None:
-                bar.update(1)
+            err = output_error(w, qt, h) / max(output_energy(w, h), 1e-30)
+        out[n] = (qt, how, err)
         if bar is not None:
-            bar.close()
+            bar.update(1)
+    if bar is not None:
+        bar.close()
     head_name = "embed.weight" if tied else "lm_head.weight"
     record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
               "tokens": stats.tokens}
-    if sequential:
-        record["sequential"] = True
     if scaled_record is not None:
         record["channel_scaling"] = scaled_record
     if head_name in out:

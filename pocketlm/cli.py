@@ -176,8 +176,7 @@ def cmd_inspect(args) -> int:
         cset = cal.get("set") if isinstance(cal.get("set"), dict) else {}
         head = cal.get("head") if isinstance(cal.get("head"), dict) else {}
         agree = head.get("top1_vs_float")
-        line = (f"{cal.get('method', '?')}{' layer by layer' if cal.get('sequential') else ''} "
-                f"on {cset.get('sequences', '?')} x "
+        line = (f"{cal.get('method', '?')} on {cset.get('sequences', '?')} x "
                 f"{cset.get('seq_len', '?')} tokens ({cset.get('source', '?')}, sha256 "
                 f"{str(cset.get('sha256', ''))[:12]})")
         if cal.get("bits_per_weight") is not None:
@@ -518,8 +517,7 @@ def add_precision_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_calibration_options(parser: argparse.ArgumentParser) -> None:
-    """``--calib``, ``--bits-per-weight``, ``--quant-method``, ``--awq`` and ``--sequential``
-    (docs/quantization.md),
+    """``--calib``, ``--bits-per-weight``, ``--quant-method`` and ``--awq`` (docs/quantization.md),
     shared by pack, export and finetune --export."""
     parser.add_argument("--calib", metavar="FILE", help="calibrate the quantization on FILE "
                         "(UTF-8 text from the app; 'default': the built-in zh + en + code set): "
@@ -537,11 +535,6 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
                         "channel's scale is searched on the calibration statistics and folded "
                         "into the norm or matrix before it (docs/quantization.md); calibrates "
                         "on the default set unless --calib is given")
-    parser.add_argument("--sequential", action="store_true",
-                        help="round layer by layer, each layer on the inputs that the layers "
-                        "rounded before it produce rather than the float model's (about two "
-                        "more passes over the calibration text); calibrates on the default "
-                        "set unless --calib is given")
 
 
 def add_vocab_options(parser: argparse.ArgumentParser) -> None:
@@ -589,7 +582,7 @@ def calibration_kwargs(args) -> dict:
     if args.calib is not None and args.calib != "default":
         check_text_file(args.calib)
     return {"calib": args.calib, "bits_per_weight": args.bits_per_weight,
-            "quant_method": args.quant_method, "awq": args.awq, "sequential": args.sequential}
+            "quant_method": args.quant_method, "awq": args.awq}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -97,8 +97,7 @@ class PackReport:
         cal = self.calibration
         if cal:
             lines.append(
-                f"calibration: {cal['method']}{' layer by layer' if cal.get('sequential') else ''}"
-                f" on {cal['set']['sequences']} sequences of "
+                f"calibration: {cal['method']} on {cal['set']['sequences']} sequences of "
                 f"{cal['set']['seq_len']} tokens ({cal['set']['source']}, sha256 "
                 f"{cal['set']['sha256'][:12]}), {cal['seconds']:.0f} s"
                 + (f"; bit budget {cal['bits_per_weight']}" if cal.get('bits_per_weight')
@@ -193,8 +192,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
          embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True, calib: str | Path | None = None,
          bits_per_weight: float | None = None, quant_method: str | None = None,
-         awq: bool = False, vocab=None, reproducible: bool = False,
-         sequential: bool = False) -> PackReport:
+         awq: bool = False, vocab=None, reproducible: bool = False) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
     ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
     INT4) or True (also float weights in INT8), as in the module docstring.
@@ -210,8 +208,6 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     chooses each tensor's layout (INT4 / INT5 / INT8, group 32-128, or the source's own grid)
     to meet that average over all quantized tensors, scales included. ``awq``: activation-aware
     channel scaling before rounding (:mod:`pocketlm.awq`; implies ``calib="default"`` too).
-    ``sequential``: each layer is rounded on the inputs the layers rounded before it produce
-    (:func:`pocketlm.calibrate.quantize_sequential`; implies ``calib="default"`` too).
 
     ``vocab`` (a :class:`pocketlm.vocab.VocabSpec`) trims the vocabulary to an app's languages
     before anything else (:mod:`pocketlm.vocab`: the kept pieces tokenize exactly as before)."""
@@ -223,9 +219,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
             raise PocketError(f"vocab must be a VocabSpec, got {type(vocab).__name__}")
     if not isinstance(awq, bool):
         raise PocketError(f"awq must be True or False, got {awq!r}")
-    if not isinstance(sequential, bool):
-        raise PocketError(f"sequential must be True or False, got {sequential!r}")
-    if (awq or sequential) and calib is None:
+    if awq and calib is None:
         calib = "default"
     if bits_per_weight is not None:
         from .calibrate import check_bits_per_weight
@@ -253,14 +247,14 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
                      keep_precision=keep_precision, measure_error=measure_error,
                      progress=progress, int4_search=int4_search, calib=calib,
                      bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq,
-                     vocab=vocab, reproducible=reproducible, sequential=sequential)
+                     vocab=vocab, reproducible=reproducible)
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
           keep_precision: bool | None, measure_error: bool, progress: bool,
           int4_search: bool, calib=None, bits_per_weight=None,
           quant_method=None, awq: bool = False, vocab=None,
-          reproducible: bool = False, sequential: bool = False) -> PackReport:
+          reproducible: bool = False) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     if vocab is not None:
@@ -278,7 +272,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
             bits_per_weight=bits_per_weight,
             default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
                                                       keep_precision),
-            group_size=group_size, progress=progress, awq=awq, sequential=sequential)
+            group_size=group_size, progress=progress, awq=awq)
     arrays: list[tuple[str, np.ndarray]] = []
     layouts: dict[str, Any] = {}
     reports: list[TensorReport] = []

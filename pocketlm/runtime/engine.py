@@ -157,53 +157,6 @@ class NumpyEngine(Engine):
             self._rope_cache[theta] = cached
         return cached[0][positions], cached[1][positions]
 
-    def layer(self, i: int, x: np.ndarray, cache: KVCache, start: int,
-              positions: np.ndarray, obs) -> np.ndarray:
-        """Layer ``i`` on the hidden states ``x`` of positions ``start..``, writing its keys
-        and values into ``cache`` (calibration runs layers one at a time through this)."""
-        cfg = self.config
-        w = self.w
-        n = x.shape[0]
-        p = f"layers.{i}."
-        # attention
-        h = R.rmsnorm_ref(x, w[p + "attn_norm.weight"], cfg.norm_eps)
-        obs(p + "attn_in", h)
-        q = R.linear_ref(h, w[p + "attn.w_q.weight"], w.get(p + "attn.w_q.bias"))
-        k = R.linear_ref(h, w[p + "attn.w_k.weight"], w.get(p + "attn.w_k.bias"))
-        v = R.linear_ref(h, w[p + "attn.w_v.weight"], w.get(p + "attn.w_v.bias"))
-        q = q.reshape(n, cfg.n_heads, cfg.head_dim)
-        k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = R.rmsnorm_ref(q, w[p + "attn.q_norm.weight"], cfg.norm_eps)
-            k = R.rmsnorm_ref(k, w[p + "attn.k_norm.weight"], cfg.norm_eps)
-        cos, sin = self._rope(cfg.layer_rope_theta(i), positions)
-        q = R.rope_ref(q, cos, sin)
-        k = R.rope_ref(k, cos, sin)
-        cache.k[i][start:start + n] = k
-        cache.v[i][start:start + n] = v
-        a = R.attention_ref(q, cache.k[i][:start + n], cache.v[i][:start + n], positions,
-                            cfg.scale, cfg.layer_window(i))  # [n, H, hd]
-        a = np.ascontiguousarray(a.reshape(n, cfg.q_dim))
-        obs(p + "o_in", a)
-        o = R.linear_ref(a, w[p + "attn.w_o.weight"])
-        if cfg.sandwich_norms:
-            o = R.rmsnorm_ref(o, w[p + "post_attn_norm.weight"], cfg.norm_eps)
-        x = x + o
-        # MLP
-        h = R.rmsnorm_ref(x, w[p + "mlp_norm.weight"], cfg.norm_eps)
-        obs(p + "mlp_in", h)
-        gate = R.linear_ref(h, w[p + "mlp.w_gate.weight"])
-        up = R.linear_ref(h, w[p + "mlp.w_up.weight"])
-        act = R.silu_ref(gate) if cfg.activation == "silu" else R.gelu_tanh_ref(gate)
-        act = np.ascontiguousarray(act * up)
-        obs(p + "down_in", act)
-        d = R.linear_ref(act, w[p + "mlp.w_down.weight"])
-        if cfg.sandwich_norms:
-            d = R.rmsnorm_ref(d, w[p + "post_mlp_norm.weight"], cfg.norm_eps)
-        x = x + d
-        return x
-
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         cfg = self.config
         n = ids.shape[0]
@@ -215,7 +168,44 @@ class NumpyEngine(Engine):
         if cfg.embed_scale != 1.0:
             x *= np.float32(cfg.embed_scale)
         for i in range(cfg.n_layers):
-            x = self.layer(i, x, cache, start, positions, obs)
+            p = f"layers.{i}."
+            # attention
+            h = R.rmsnorm_ref(x, w[p + "attn_norm.weight"], cfg.norm_eps)
+            obs(p + "attn_in", h)
+            q = R.linear_ref(h, w[p + "attn.w_q.weight"], w.get(p + "attn.w_q.bias"))
+            k = R.linear_ref(h, w[p + "attn.w_k.weight"], w.get(p + "attn.w_k.bias"))
+            v = R.linear_ref(h, w[p + "attn.w_v.weight"], w.get(p + "attn.w_v.bias"))
+            q = q.reshape(n, cfg.n_heads, cfg.head_dim)
+            k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = R.rmsnorm_ref(q, w[p + "attn.q_norm.weight"], cfg.norm_eps)
+                k = R.rmsnorm_ref(k, w[p + "attn.k_norm.weight"], cfg.norm_eps)
+            cos, sin = self._rope(cfg.layer_rope_theta(i), positions)
+            q = R.rope_ref(q, cos, sin)
+            k = R.rope_ref(k, cos, sin)
+            cache.k[i][start:start + n] = k
+            cache.v[i][start:start + n] = v
+            a = R.attention_ref(q, cache.k[i][:start + n], cache.v[i][:start + n], positions,
+                                cfg.scale, cfg.layer_window(i))  # [n, H, hd]
+            a = np.ascontiguousarray(a.reshape(n, cfg.q_dim))
+            obs(p + "o_in", a)
+            o = R.linear_ref(a, w[p + "attn.w_o.weight"])
+            if cfg.sandwich_norms:
+                o = R.rmsnorm_ref(o, w[p + "post_attn_norm.weight"], cfg.norm_eps)
+            x = x + o
+            # MLP
+            h = R.rmsnorm_ref(x, w[p + "mlp_norm.weight"], cfg.norm_eps)
+            obs(p + "mlp_in", h)
+            gate = R.linear_ref(h, w[p + "mlp.w_gate.weight"])
+            up = R.linear_ref(h, w[p + "mlp.w_up.weight"])
+            act = R.silu_ref(gate) if cfg.activation == "silu" else R.gelu_tanh_ref(gate)
+            act = np.ascontiguousarray(act * up)
+            obs(p + "down_in", act)
+            d = R.linear_ref(act, w[p + "mlp.w_down.weight"])
+            if cfg.sandwich_norms:
+                d = R.rmsnorm_ref(d, w[p + "post_mlp_norm.weight"], cfg.norm_eps)
+            x = x + d
         cache.length = start + n
         if not all_logits:
             x = x[-1:]

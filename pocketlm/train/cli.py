@@ -282,8 +282,7 @@ def cmd_export(args) -> int:
 
     for flag, given in (("--last", args.last), ("--calib", args.calib),
                         ("--bits-per-weight", args.bits_per_weight), ("--awq", args.awq),
-                        ("--quant-method", args.quant_method),
-                        ("--sequential", args.sequential)):
+                        ("--quant-method", args.quant_method)):
         if given:
             raise PocketError(f"{flag} applies to --to pocket; export the deploy file made "
                               f"with it (pocket pack ... {flag}) instead")

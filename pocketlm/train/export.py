@@ -55,7 +55,7 @@ def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits
            best: bool | None = None, progress: bool = True, **calibration):
     """Quantize the run (its best weights under early stopping, else the latest checkpoint)
     into the deploy file ``out``; returns the packing report. ``calibration``: pack()'s
-    ``calib``, ``bits_per_weight``, ``quant_method``, ``awq`` and ``sequential``."""
+    ``calib``, ``bits_per_weight``, ``quant_method`` and ``awq``."""
     from ..pack import pack
 
     src = checkpoint_source(run, best=best)
