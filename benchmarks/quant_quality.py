@@ -175,6 +175,8 @@ METHOD_LABELS = {
     "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
     "pocket-awq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --awq`",
+    "pocket-seq-bpw-4.6": "pocketlm `--bits-per-weight 4.6`, rounded layer by layer (tried at "
+                          "commit 1f6ac85, not kept)",
 }
 AWQ_SITES = ROOT / "benchmarks" / "awq_sites.jsonl"
 
