@@ -1,13 +1,16 @@
 """Vocabulary trimming, measured: trimmed models against their untrimmed source (JSON lines).
 
     python benchmarks/vocab_trim.py run [--models gemma3-270m qwen2.5-0.5b smollm2-135m]
+    python benchmarks/vocab_trim.py backfill [--models ...] [--shares 0 0.5 0.75 0.9 0.95]
     python benchmarks/vocab_trim.py write      # the tables in docs/vocabulary.md and README.md
 
 For each model, every variant is packed with the same quantization (the plain default pack: the
 GGUF's own 4-8-bit types kept, nothing calibrated), so that only the vocabulary differs:
 
 * ``untrimmed``: the source as it is;
-* ``corpus``: the corpus rule on the built-in corpora of the languages (zh + en; smollm2: en);
+* ``corpus``: the corpus rule on the built-in corpora of the languages (zh + en; smollm2: en),
+  with its default backfill;
+* ``corpus-no-backfill``: the same with ``--vocab-backfill 0`` (only the pieces produced);
 * ``corpus-65536``: the same, capped at 65,536 pieces (the registry's ``*-zh-en`` variants);
 * ``script``: the script rule;
 * ``corpus-65536-calibrated``: the capped set packed with calibrated quantization
@@ -21,6 +24,10 @@ to zh and en chat prompts: how often its choice is a piece the trimmed model lac
 the trimmed model's greedy answer is identical up to that point; the reference multilingual
 text's extra tokens. Speed and memory come from one ``pocket bench`` run per model with every
 variant alternating (``--compare``): medians and ratios against the untrimmed pack.
+
+``backfill`` measures the corpus rule's ``--vocab-backfill`` share (the kept set only, no
+packing): pieces kept and held-out lines tokenized identically per share, with the script rule
+as the reference (benchmarks/vocab_backfill.jsonl, the second table in docs/vocabulary.md).
 """
 
 from __future__ import annotations
@@ -39,10 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 JSONL = ROOT / "benchmarks" / "vocab_trim.jsonl"
+BACKFILL_JSONL = ROOT / "benchmarks" / "vocab_backfill.jsonl"
 DOC = ROOT / "docs" / "vocabulary.md"
 README = ROOT / "README.md"
 LANGS = {"gemma3-270m": "zh,en", "qwen2.5-0.5b": "zh,en", "smollm2-135m": "en"}
-VARIANTS = ("untrimmed", "corpus", "corpus-65536", "script", "corpus-65536-calibrated")
+VARIANTS = ("untrimmed", "corpus", "corpus-no-backfill", "corpus-65536", "script",
+            "corpus-65536-calibrated")
 PROMPTS = {
     "en": ["Explain in two sentences why the sky is blue.",
            "Write a short polite email asking a colleague to review my report.",
@@ -64,6 +73,8 @@ def _variant_spec(model: str, variant: str):
     if variant == "script":
         return VocabSpec(languages=langs, rule="script")
     size = 65536 if variant.startswith("corpus-65536") else None
+    if variant == "corpus-no-backfill":
+        return VocabSpec(languages=langs, backfill=0.0)
     return VocabSpec(languages=langs, size=size)
 
 
@@ -235,19 +246,63 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
                 print(json.dumps(row, ensure_ascii=False), flush=True)
 
 
+def backfill(models: list[str], shares: list[float]) -> None:
+    """The corpus rule's kept set and its exactness on held-out lines, per backfill share."""
+    from pocketlm.bench import machine_info
+    from pocketlm.formats import open_source
+    from pocketlm.registry import pull
+    from pocketlm.vocab import (
+        VocabSpec,
+        choose_kept,
+        corpus_counts,
+        parse_languages,
+        trim_tokenizer,
+    )
+
+    date = time.strftime("%Y-%m-%d")
+    command = "python benchmarks/vocab_trim.py " + " ".join(sys.argv[1:])
+    for model in models:
+        langs = parse_languages(LANGS[model])
+        src = open_source(pull(model, quiet=True))
+        tok = src.tokenizer
+        held, _ = _heldout(langs)
+        counts, _ = corpus_counts(tok, VocabSpec(languages=langs))
+        specs = [("script", None, VocabSpec(languages=langs, rule="script"))]
+        specs += [("corpus", q, VocabSpec(languages=langs, backfill=q)) for q in shares]
+        with open(BACKFILL_JSONL, "a", encoding="utf-8") as f:
+            for rule, q, spec in specs:
+                ids, rec = choose_kept(tok, spec, chat_template=src.chat_template,
+                                       counts=counts if rule == "corpus" else None)
+                new = trim_tokenizer(tok, ids)
+                row = {"model": model, "languages": LANGS[model], "rule": rule,
+                       "backfill": q, "kept": int(ids.size), "source_vocab": tok.vocab_size,
+                       "backfilled": rec.get("backfilled", 0),
+                       "tokenization": {k: _identity(tok, new, ids, lines)
+                                        for k, lines in held.items()},
+                       "machine": machine_info(), "date": date, "command": command}
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                print(json.dumps({k: row[k] for k in ("model", "rule", "backfill", "kept")}
+                                 | {"identical": {k: t["identical"] for k, t in
+                                                  row["tokenization"].items()}}), flush=True)
+
+
 # ------------------------------------------------------------------------------------- tables
 
 
-def _read() -> list[dict]:
-    if not JSONL.is_file():
+def _read(path: Path = JSONL) -> list[dict]:
+    if not path.is_file():
         return []
-    return [json.loads(ln) for ln in JSONL.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    return [json.loads(ln) for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
 
 
 def table(rows: list[dict]) -> str:
     latest: dict[tuple[str, str], dict] = {}
     for r in rows:
         latest[(r["model"], r["variant"])] = r
+    models = list(dict.fromkeys(m for m, _ in latest))
+    order = {v: k for k, v in enumerate(VARIANTS)}
+    latest = dict(sorted(latest.items(), key=lambda kv: (models.index(kv[0][0]),
+                                                         order.get(kv[0][1], len(order)))))
     out = ["| model | vocabulary | pieces | file MB | decode tok/s (x) | peak MB (x) | "
            "identical lines zh / en | extra tokens zh / en | bits/char zh / en (untrimmed) | "
            "greedy choice not kept | reference text extra tokens |",
@@ -277,27 +332,71 @@ def table(rows: list[dict]) -> str:
     if first:
         m = first["machine"]
         out.append("")
-        out.append(f"Measured {first['date']} on {m.get('cpu')} ({m.get('cores')} CPUs), "
+        runs = dict.fromkeys(
+            (r["date"], r["machine"].get("kernel_level"), r["command"]) for r in latest.values())
+        out.append(f"Measured on {m.get('cpu')} ({m.get('cores')} CPUs), "
                    f"{first['threads']} threads, prompt {first['n_prompt']} / decode "
-                   f"{first['n_gen']} tokens, median of {first['runs']} alternating runs "
-                   "(" + ", ".join(f"`{c}`" for c in dict.fromkeys(
-                       r["command"] for r in latest.values())) + "); x: against the "
-                   "untrimmed pack of the same model in the same run.")
+                   f"{first['n_gen']} tokens, median of {first['runs']} alternating runs: "
+                   + "; ".join(f"{d} ({k} kernels) `{c}`" for d, k, c in runs)
+                   + ". x: against the untrimmed pack of the same model in the same run, so "
+                   "ratios compare within a run; absolute speeds differ between machines.")
     return "\n".join(out)
 
 
 BLOCK = re.compile(r"(<!-- vocab_trim:start -->\n)(.*?)(<!-- vocab_trim:end -->)", re.S)
+BACKFILL_BLOCK = re.compile(r"(<!-- vocab_backfill:start -->\n)(.*?)(<!-- vocab_backfill:end -->)",
+                            re.S)
+
+
+def _shown(piece: str) -> str:
+    """A piece as text: byte-level symbols decoded (a Qwen piece 'æĸ°å¾ģç¨ĭ' is 新征程)."""
+    from pocketlm.tokenizer import BYTE_TO_CHAR
+
+    back = {c: b for b, c in BYTE_TO_CHAR.items()}
+    if all(c in back for c in piece):
+        return bytes(back[c] for c in piece).decode("utf-8", "replace")
+    return piece
+
+
+def backfill_table(rows: list[dict]) -> str:
+    latest: dict[tuple, dict] = {}
+    for r in rows:
+        latest[(r["model"], r["rule"], r["backfill"])] = r
+    out = ["| model | rule | --vocab-backfill | pieces kept | of which backfilled | "
+           "identical held-out lines zh / en | examples of lines that differ (missing piece) |",
+           "|---|---|---:|---:|---:|---:|---|"]
+    for (model, rule, q), r in latest.items():
+        t = r["tokenization"]
+        ident = " / ".join(f"{100 * t[k]['identical']:.2f} %" if k in t else "-"
+                           for k in ("zh", "en"))
+        ex = "; ".join(f"{_shown(e['missing'][0])}" for k in ("zh", "en") if k in t
+                       for e in t[k]["examples"][:1] if e["missing"])
+        out.append(f"| {model} | {rule} | {'-' if q is None else q} | {r['kept']:,} | "
+                   f"{r['backfilled']:,} | {ident} | {ex or '-'} |")
+    if latest:
+        first = next(iter(latest.values()))
+        out.append("")
+        out.append(f"Measured {first['date']} (" + ", ".join(f"`{c}`" for c in dict.fromkeys(
+            r["command"] for r in latest.values())) + "); held-out lines: up to 4,000 per "
+            "language, written in the languages' scripts, from documents the kept set was "
+            "never chosen on.")
+    return "\n".join(out)
 
 
 def write(check: bool = False) -> None:
     """Write the table into the docs (``check``: only say whether they are current)."""
     text = table(_read())
+    fill = backfill_table(_read(BACKFILL_JSONL))
     stale = []
     for path in (DOC, README):
         doc = path.read_text(encoding="utf-8")
         if not BLOCK.search(doc):
             raise SystemExit(f"{path}: no <!-- vocab_trim:start --> block")
         new = BLOCK.sub(lambda m: m.group(1) + text + "\n" + m.group(3), doc)
+        if path == DOC:
+            if not BACKFILL_BLOCK.search(new):
+                raise SystemExit(f"{path}: no <!-- vocab_backfill:start --> block")
+            new = BACKFILL_BLOCK.sub(lambda m: m.group(1) + fill + "\n" + m.group(3), new)
         if check:
             if new != doc:
                 stale.append(str(path))
@@ -317,12 +416,18 @@ def main() -> None:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--force", action="store_true", help="pack again even when cached")
+    b = sub.add_parser("backfill", help="measure the corpus rule's backfill shares (kept set "
+                       "and exactness, no packing); append JSON lines")
+    b.add_argument("--models", nargs="+", default=list(LANGS), choices=list(LANGS))
+    b.add_argument("--shares", nargs="+", type=float, default=[0.0, 0.5, 0.75, 0.9, 0.95])
     w = sub.add_parser("write", help="regenerate the tables from the JSON lines")
     w.add_argument("--check", action="store_true", help="fail if the tables are not current")
     args = ap.parse_args()
     if args.cmd == "run":
         variants = list(dict.fromkeys(["untrimmed", *args.variants]))
         run(args.models, variants, args.runs, args.force)
+    elif args.cmd == "backfill":
+        backfill(args.models, args.shares)
     else:
         write(args.check)
 

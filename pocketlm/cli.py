@@ -538,8 +538,8 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_vocab_options(parser: argparse.ArgumentParser) -> None:
-    """``--vocab``, ``--vocab-corpus``, ``--vocab-rule`` and ``--vocab-size``
-    (docs/vocabulary.md)."""
+    """``--vocab``, ``--vocab-corpus``, ``--vocab-rule``, ``--vocab-size`` and
+    ``--vocab-backfill`` (docs/vocabulary.md)."""
     parser.add_argument("--vocab", metavar="LANGS", help="trim the vocabulary to these "
                         "languages (comma-separated: en, zh): text in them tokenizes exactly as "
                         "before, the embedding and head shrink; other text still encodes, in "
@@ -553,21 +553,31 @@ def add_vocab_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", metavar="N", type=int, default=None,
                         help="keep at most N pieces, the most frequent on the corpus first "
                         "(the pieces tokenization needs are always kept)")
+    parser.add_argument("--vocab-backfill", metavar="Q", type=float, default=None,
+                        help="corpus rule: also keep the languages' pieces the corpus missed "
+                        "that the source ranks ahead of the share Q of the pieces it produced "
+                        "(default 0.9; 0: only the produced pieces, the smallest set)")
 
 
 def vocab_spec(args):
     """The :class:`pocketlm.vocab.VocabSpec` of :func:`add_vocab_options`' flags (None: no
     trimming), checked before any work."""
     if args.vocab is None and args.vocab_corpus is None:
-        for flag, value in (("--vocab-rule", args.vocab_rule), ("--vocab-size", args.vocab_size)):
+        for flag, value in (("--vocab-rule", args.vocab_rule), ("--vocab-size", args.vocab_size),
+                            ("--vocab-backfill", args.vocab_backfill)):
             if value is not None:
                 raise PocketError(f"{flag} needs --vocab LANGS (or --vocab-corpus FILE)")
         return None
-    from .vocab import VocabSpec, parse_languages
+    from .vocab import DEFAULT_BACKFILL, VocabSpec, parse_languages
 
+    if args.vocab_backfill is not None and (args.vocab_rule == "script" or args.vocab is None):
+        raise PocketError("--vocab-backfill applies to the corpus rule with --vocab LANGS (the "
+                          "languages whose pieces it fills in)")
     return VocabSpec(languages=parse_languages(args.vocab) if args.vocab is not None else (),
                      rule=args.vocab_rule or "corpus", corpus=args.vocab_corpus,
-                     size=args.vocab_size)
+                     size=args.vocab_size,
+                     backfill=(DEFAULT_BACKFILL if args.vocab_backfill is None
+                               else args.vocab_backfill))
 
 
 def calibration_kwargs(args) -> dict:

@@ -369,6 +369,9 @@ def vocab_summary(v: dict) -> str:
     line = (f"vocabulary: {v['kept']:,} of {v['source_vocab']:,} pieces kept "
             f"({100 * v['kept'] / max(v['source_vocab'], 1):.1f} %; {v['rule']} rule, "
             f"languages {langs}")
+    if v.get("backfilled"):
+        line += (f", {v['backfilled']:,} of them backfilled by the source's ranks "
+                 f"(--vocab-backfill {v.get('backfill')})")
     if v.get("size"):
         line += f", capped at {v['size']:,}"
     if v.get("corpus"):

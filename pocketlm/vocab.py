@@ -12,6 +12,11 @@ same pieces as the source's (renumbered), and whose logits over those pieces are
   dictionaries for zh, ShareGPT chats for en; one document in eight is held out by a hash of
   its text, never used to choose) and on an app's own text (``--vocab-corpus``);
   ``--vocab-size N`` keeps the most frequent of them (by rate per character in each text).
+  A corpus of a few million characters misses some pieces that text in the languages does use
+  (rare names and words), so the rule also *backfills*: it keeps the pieces of the languages'
+  scripts that the source itself ranks (merge rank, SentencePiece score) ahead of the share
+  ``--vocab-backfill Q`` (default :data:`DEFAULT_BACKFILL`) of the pieces the corpus produced
+  in the same script. They rank after every produced piece, so a size cap takes them last.
 * ``script``: every piece made only of the languages' scripts, digits, punctuation and
   whitespace (for byte-level pieces: any byte string that can occur inside such text).
 
@@ -70,7 +75,10 @@ SOURCE_IDS_TENSOR = "pocket.vocab.source_ids"
 RULES = ("corpus", "script")
 # Bumped when the kept set chosen for the same inputs changes (the corpus, the rule, the
 # closure), so that derived caches are rebuilt.
-VOCAB_REVISION = 1
+VOCAB_REVISION = 2
+# The corpus rule's backfill (see the module's doc): chosen by measurement in docs/vocabulary.md
+# (the held-out lines tokenized identically against the pieces added, per model).
+DEFAULT_BACKFILL = 0.9
 
 # Code point ranges (inclusive) of what text "in" a language is written with. COMMON (digits,
 # punctuation, whitespace) belongs to every language.
@@ -138,12 +146,14 @@ def parse_languages(text: str | Iterable[str], flag: str = "--vocab") -> tuple[s
 @dataclass(frozen=True)
 class VocabSpec:
     """What to keep: ``languages`` (:data:`LANGUAGES` names), the ``rule`` (:data:`RULES`),
-    an app's own ``corpus`` file, and a ``size`` cap (most frequent pieces first)."""
+    an app's own ``corpus`` file, a ``size`` cap (most frequent pieces first) and the corpus
+    rule's ``backfill`` share (0: only the pieces the corpus produced)."""
 
     languages: tuple[str, ...] = ()
     rule: str = "corpus"
     corpus: Path | None = None
     size: int | None = None
+    backfill: float = DEFAULT_BACKFILL
 
     def __post_init__(self):
         if self.languages:
@@ -160,6 +170,11 @@ class VocabSpec:
                                       or not isinstance(self.size, int) or self.size < 1):
             raise PocketError(f"--vocab-size must be a positive number of pieces, got "
                               f"{self.size!r}")
+        if (isinstance(self.backfill, bool) or not isinstance(self.backfill, (int, float))
+                or not 0.0 <= float(self.backfill) <= 1.0):
+            raise PocketError(f"--vocab-backfill must be a share between 0 and 1, got "
+                              f"{self.backfill!r}")
+        object.__setattr__(self, "backfill", float(self.backfill))
         if self.corpus is not None:
             from .calibdata import check_text_file
 
@@ -169,7 +184,8 @@ class VocabSpec:
     def record(self) -> dict:
         return {"languages": list(self.languages), "rule": self.rule,
                 "corpus": None if self.corpus is None else self.corpus.name,
-                "size": self.size}
+                "size": self.size,
+                "backfill": self.backfill if self.rule == "corpus" and self.languages else None}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -369,6 +385,61 @@ def _script_ids(tok: Tokenizer, v: _Vocab, languages: tuple[str, ...]) -> list[i
     return out
 
 
+def _piece_text(tok: Tokenizer, v: _Vocab, i: int) -> str:
+    """Piece ``i``'s text (a byte-level piece's incomplete characters left out)."""
+    if v.kind == "spm" or not tok._byte_level:
+        return v.pieces[i].replace(SPACE_MARK, " ")
+    return tok.token_bytes(i).decode("utf-8", "ignore")
+
+
+def _priority(v: _Vocab, ids: Iterable[int]) -> dict[int, float]:
+    """How early the source's BPE forms each piece (lower: earlier, i.e. more frequent in the
+    source's own training text): the rank of the merge that forms it, or minus its
+    SentencePiece score; single symbols come first."""
+    if v.kind == "hf":
+        rank: dict[str, int] = {}
+        for (a, b), r in v.merge.items():
+            p = a + b
+            if r < rank.get(p, 1 << 62):
+                rank[p] = r
+        return {i: float(rank.get(v.pieces[i], -1)) for i in ids}
+    scores = v.merge[0]
+    return {i: -float(scores[i]) for i in ids}
+
+
+def _backfill_ids(tok: Tokenizer, v: _Vocab, spec: VocabSpec, produced: set[int]) -> list[int]:
+    """The corpus rule's backfill: the script rule's pieces the corpus did not produce that
+    the source ranks ahead of the share ``spec.backfill`` of the pieces the corpus did produce
+    in the same script (each language's own letters, or neither), earliest first."""
+    if spec.rule != "corpus" or not spec.languages or spec.backfill <= 0:
+        return []
+    script = _script_ids(tok, v, spec.languages)
+    prior = _priority(v, script)
+    own = []
+    for name in spec.languages:
+        mask = np.zeros(0x110000, dtype=bool)
+        for lo, hi in LANGUAGES[name].ranges:
+            mask[lo:hi + 1] = True
+        own.append((name, mask))
+
+    def script_of(i: int) -> str:
+        text = _piece_text(tok, v, i)
+        for name, mask in own:
+            if any(mask[ord(c)] for c in text):
+                return name
+        return ""
+
+    kind = {i: script_of(i) for i in script}
+    seen: dict[str, list[float]] = {}
+    for i in script:
+        if i in produced:
+            seen.setdefault(kind[i], []).append(prior[i])
+    limit = {k: float(np.quantile(np.array(vals), spec.backfill)) for k, vals in seen.items()}
+    extra = [i for i in script if i not in produced and kind[i] in limit
+             and prior[i] <= limit[kind[i]]]
+    return sorted(extra, key=lambda i: (prior[i], i))
+
+
 # ---------------------------------------------------------------------------------------------
 # the corpus rule
 # ---------------------------------------------------------------------------------------------
@@ -524,17 +595,25 @@ def choose_kept(tok: Tokenizer, spec: VocabSpec, *, chat_template: str | None = 
                           f"forms them); give at least {len(required_closed)}")
     if spec.rule == "script":
         candidates = _script_ids(tok, v, spec.languages)
+        n_produced = len(candidates)
     else:
         if counts is None:
             counts, seen = corpus_counts(tok, spec, progress=progress)
             record.update(seen)
-        candidates = [i for i in _ranked(counts) if i not in required_closed]
+        produced = _ranked(counts)
+        backfill = _backfill_ids(tok, v, spec, set(produced))
+        candidates = [i for i in produced if i not in required_closed]
+        n_produced = len(candidates)
+        candidates += [i for i in backfill if i not in required_closed]
     kept = set(required_closed)
     if spec.rule == "script" and spec.size is not None:
         # no frequencies: the shortest pieces first (they are what longer ones are built from)
         candidates.sort(key=lambda i: (len(v.pieces[i]), i))
     dropped = 0
-    for i in candidates:
+    kept_before_backfill = None
+    for k, i in enumerate(candidates):
+        if k == n_produced:
+            kept_before_backfill = len(kept)
         if i in kept:
             continue
         add = [j for j in dict.fromkeys(_closure(v, [i], index)) if j not in kept]
@@ -546,6 +625,8 @@ def choose_kept(tok: Tokenizer, spec: VocabSpec, *, chat_template: str | None = 
     record.update({
         "kept": int(ids.size),
         "required": len(required_closed),
+        "backfilled": (0 if kept_before_backfill is None
+                       else len(kept) - kept_before_backfill),
         "dropped_by_size": dropped,
         "source_ids_sha256": hashlib.sha256(ids.astype("<i4").tobytes()).hexdigest(),
     })
