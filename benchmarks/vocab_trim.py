@@ -350,9 +350,8 @@ BACKFILL_BLOCK = re.compile(r"(<!-- vocab_backfill:start -->\n)(.*?)(<!-- vocab_
 
 def _shown(piece: str) -> str:
     """A piece as text: byte-level symbols decoded (a Qwen piece 'æĸ°å¾ģç¨ĭ' is 新征程)."""
-    from pocketlm.tokenizer import BYTE_TO_CHAR
+    from pocketlm.tokenizer import _CHAR_TO_BYTE as back
 
-    back = {c: b for b, c in BYTE_TO_CHAR.items()}
     if all(c in back for c in piece):
         return bytes(back[c] for c in piece).decode("utf-8", "replace")
     return piece

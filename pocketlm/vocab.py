@@ -319,14 +319,20 @@ def _closure(v: _Vocab, ids: Iterable[int], index: dict[str, int]) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _code_points(ranges: Iterable[tuple[int, int]]) -> np.ndarray:
+    """A boolean mask over every code point: True inside the inclusive ``ranges``."""
+    mask = np.zeros(0x110000, dtype=bool)
+    for lo, hi in ranges:
+        mask[lo:hi + 1] = True
+    return mask
+
+
 class _Script:
     """Which byte strings can occur inside text written only with the allowed code points."""
 
     def __init__(self, languages: tuple[str, ...]):
-        ranges = [*COMMON, *(r for name in languages for r in LANGUAGES[name].ranges)]
-        self.allowed = np.zeros(0x110000, dtype=bool)
-        for lo, hi in ranges:
-            self.allowed[lo:hi + 1] = True
+        self.allowed = _code_points(
+            [*COMMON, *(r for name in languages for r in LANGUAGES[name].ranges)])
         self.prefixes: set[bytes] = set()
         self.suffixes: set[bytes] = set()
         self.inner: set[bytes] = set()
@@ -415,12 +421,7 @@ def _backfill_ids(tok: Tokenizer, v: _Vocab, spec: VocabSpec, produced: set[int]
         return []
     script = _script_ids(tok, v, spec.languages)
     prior = _priority(v, script)
-    own = []
-    for name in spec.languages:
-        mask = np.zeros(0x110000, dtype=bool)
-        for lo, hi in LANGUAGES[name].ranges:
-            mask[lo:hi + 1] = True
-        own.append((name, mask))
+    own = [(name, _code_points(LANGUAGES[name].ranges)) for name in spec.languages]
 
     def script_of(i: int) -> str:
         text = _piece_text(tok, v, i)
