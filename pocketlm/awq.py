@@ -191,10 +191,8 @@ def scale_model(config, weights: dict, stats, names: list[str], keep: set[str],
                 apply(site, s, weights, config)
                 scales[site.name] = s
                 changed |= touched | {site.fold} | ({site.fold_bias} - {None})
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     record = {"sites": len(all_sites) - skipped, "scaled": len(scales),
               "mean_alpha": round(float(np.mean(alphas)), 3) if alphas else 0.0,
               "error_removed": round(1.0 - after / base, 4) if base > 0 else 0.0}

@@ -28,7 +28,6 @@ Everything is deterministic: float64 statistics summed in a fixed order, and no 
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,11 +133,9 @@ def gather(config, weights: dict, sequences: list[list[int]], *, progress: bool 
             ids = np.asarray(seq, dtype=np.int64)
             eng.forward(ids, KVCache(config, len(ids)), True)
             stats.tokens += len(ids)
-            if bar is not None:
-                bar.update(1)
+            bar.update(1)
     finally:
-        if bar is not None:
-            bar.close()
+        bar.close()
     stats.seconds = time.time() - t0
     return stats
 
@@ -204,11 +201,9 @@ def save_stats(model, cset, stats: Stats) -> None:
 
 
 def _bar(total: int, desc: str, unit: str, enabled: bool):
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
+    from .progress import bar
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
+    return bar(total, desc, unit, enabled=enabled)
 
 
 # -- output error ------------------------------------------------------------------------------
@@ -805,10 +800,8 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
                                   None if n in changed else _lossless(model.tensors[n]),
                                   probe=probe, name=n)
-            if bar is not None:
-                bar.update(1)
-        if bar is not None:
-            bar.close()
+            bar.update(1)
+        bar.close()
         kappa = class_weights(model.config, weights, probe, cands,
                               cset.sequences[:PROBE_SEQUENCES])
         del probe
@@ -842,10 +835,8 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         if h is not None:
             err = output_error(w, qt, h) / max(output_energy(w, h), 1e-30)
         out[n] = (qt, how, err)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        bar.update(1)
+    bar.close()
     head_name = "embed.weight" if tied else "lm_head.weight"
     record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
               "tokens": stats.tokens}

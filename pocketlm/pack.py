@@ -24,7 +24,6 @@ killed pack to the same output name left there are removed first (see
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -396,11 +395,9 @@ def _chunked_rel_error(ref: np.ndarray, qt: QuantTensor, rows: int = 8192) -> fl
 
 
 def _progress(items, enabled: bool):
-    if not enabled or not sys.stderr.isatty():
-        return items
-    from tqdm import tqdm
+    from .progress import track
 
-    return tqdm(items, desc="packing", unit="tensor", file=sys.stderr, leave=False)
+    return track(items, "packing", "tensor", enabled=enabled)
 
 
 __all__ = ["pack", "PackReport", "TensorReport", "choose_bits", "relative_error"]

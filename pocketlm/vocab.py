@@ -542,8 +542,7 @@ def corpus_counts(tok: Tokenizer, spec: VocabSpec, *, progress: bool = False
     done = [0]
 
     def tick(n):
-        if bar is not None:
-            bar.update(n)
+        bar.update(n)
         done[0] += n
 
     for lang in spec.languages:
@@ -559,8 +558,7 @@ def corpus_counts(tok: Tokenizer, spec: VocabSpec, *, progress: bool = False
         counts = Counter()
         out["app"] = (counts, _count(tok, text.splitlines(), counts, tick))
         record["corpus_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    if bar is not None:
-        bar.close()
+    bar.close()
     record["corpus_characters"] = {k: chars for k, (_, chars) in out.items()}
     return out, record
 
@@ -635,12 +633,9 @@ def choose_kept(tok: Tokenizer, spec: VocabSpec, *, chat_template: str | None = 
 
 
 def _bar(enabled: bool):
-    if not enabled or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
+    from .progress import bar
 
-    return tqdm(desc="choosing pieces", unit="char", unit_scale=True, file=sys.stderr,
-                leave=False)
+    return bar(None, "choosing pieces", "char", enabled=enabled, unit_scale=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -87,20 +87,12 @@ def sha256_file(path: str | os.PathLike[str], *, chunk: int = CHUNK) -> str:
         return sha256_of(fh, chunk=chunk)
 
 
-def stderr_is_tty() -> bool:
-    try:
-        return sys.stderr.isatty()
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
 def byte_progress(total: int, desc: str, *, quiet: bool):
-    """A progress bar over ``total`` bytes on standard error, drawn only on a terminal and
-    cleared when done (a tqdm bar; use it as a context manager)."""
-    from tqdm import tqdm
+    """A progress bar over ``total`` bytes on standard error (:func:`pocketlm.progress.bar`:
+    tqdm on a terminal, a plain line now and then otherwise; use it as a context manager)."""
+    from ..progress import bar
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc,
-                file=sys.stderr, disable=quiet or not stderr_is_tty(), leave=False)
+    return bar(total, desc, "B", enabled=not quiet, unit_scale=True, unit_divisor=1024)
 
 
 # -------------------------------------------------------------------------------- temp files

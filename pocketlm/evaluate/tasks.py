@@ -262,10 +262,9 @@ def as_engine(model) -> Engine:
 
 
 def _bar(total: int, desc: str, unit: str, enabled: bool):
-    from tqdm import tqdm
+    from ..progress import bar
 
-    return tqdm(total=total, desc=desc, unit=f" {unit}", disable=not enabled or total < 2,
-                leave=False, dynamic_ncols=True)
+    return bar(total, desc, unit, enabled=enabled and total >= 2)
 
 
 # -- answer extraction --------------------------------------------------------------------------

@@ -510,11 +510,9 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Any]
 
 
 def _progress(items, enabled: bool):
-    if not enabled or not sys.stderr.isatty():
-        return items
-    from tqdm import tqdm
+    from ..progress import track
 
-    return tqdm(items, desc="exporting", unit="tensor", file=sys.stderr, leave=False)
+    return track(items, "exporting", "tensor", enabled=enabled)
 
 
 # -- README ----------------------------------------------------------------------------------
