@@ -333,13 +333,15 @@ def table(rows: list[dict]) -> str:
         m = first["machine"]
         out.append("")
         runs = dict.fromkeys(
-            (r["date"], r["machine"].get("kernel_level"), r["command"]) for r in latest.values())
+            (r["date"], r["machine"].get("kernel_level"), r["runs"], r["command"])
+            for r in latest.values())
         out.append(f"Measured on {m.get('cpu')} ({m.get('cores')} CPUs), "
                    f"{first['threads']} threads, prompt {first['n_prompt']} / decode "
-                   f"{first['n_gen']} tokens, median of {first['runs']} alternating runs: "
-                   + "; ".join(f"{d} ({k} kernels) `{c}`" for d, k, c in runs)
+                   f"{first['n_gen']} tokens, the median of alternating runs: "
+                   + "; ".join(f"{d} ({k} kernels, {n} runs) `{c}`" for d, k, n, c in runs)
                    + ". x: against the untrimmed pack of the same model in the same run, so "
-                   "ratios compare within a run; absolute speeds differ between machines.")
+                   "ratios compare within a run; absolute speeds differ between machines and "
+                   "between runs (an untrimmed row shows the latest run's).")
     return "\n".join(out)
 
 
