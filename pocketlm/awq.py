@@ -159,7 +159,7 @@ def scale_model(config, weights: dict, stats, names: list[str], keep: set[str],
     applies it to ``weights`` and records it in ``scales``. Returns (a record for the deploy
     file: sites searched and scaled, their mean alpha, the estimated output error removed; the
     names of the tensors changed)."""
-    from .calibrate import _bar, output_error, quantize_act
+    from .calibrate import output_error, progress_bar, quantize_act
     from .quant import quantize_int8
 
     def quantizer(name):
@@ -173,7 +173,7 @@ def scale_model(config, weights: dict, stats, names: list[str], keep: set[str],
     all_sites = sites(config, list(weights))
     changed: set[str] = set()
     alphas, base, after, skipped = [], 0.0, 0.0, 0
-    bar = _bar(len(all_sites), "channel scaling", "site", progress)
+    bar = progress_bar(len(all_sites), "channel scaling", "site", enabled=progress)
     for site in all_sites:
         touched = set(site.consumers) | ({site.fold} if site.fold_rows else set())
         if not set(site.consumers) <= set(names) or touched & keep:

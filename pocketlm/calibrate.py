@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import PocketError, UnsupportedError
+from .progress import bar as progress_bar
 from .quant import (
     QuantTensor,
     check_quantizable,
@@ -127,7 +128,7 @@ def gather(config, weights: dict, sequences: list[list[int]], *, progress: bool 
     eng._head = np.zeros((1, config.d_model), np.float32)  # statistics need no logits
     stats = Stats()
     eng.observe = stats.add
-    bar = _bar(len(sequences), "calibrating", "seq", progress)
+    bar = progress_bar(len(sequences), "calibrating", "seq", enabled=progress)
     try:
         for seq in sequences:
             ids = np.asarray(seq, dtype=np.int64)
@@ -198,12 +199,6 @@ def save_stats(model, cset, stats: Stats) -> None:
             os.unlink(tmp)
         except (OSError, UnboundLocalError):
             pass
-
-
-def _bar(total: int, desc: str, unit: str, enabled: bool):
-    from .progress import bar
-
-    return bar(total, desc, unit, enabled=enabled)
 
 
 # -- output error ------------------------------------------------------------------------------
@@ -792,7 +787,7 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         scaled_record, changed = scale_model(model.config, weights, stats, names, keep, layout,
                                              scales, progress)
     if bits_per_weight is not None:
-        bar = _bar(len(names), "measuring layouts", "tensor", progress)
+        bar = progress_bar(len(names), "measuring layouts", "tensor", enabled=progress)
         cands = {}
         probe: dict[str, QuantTensor] = {}
         for n in names:
@@ -819,7 +814,7 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
                   for n, c in picked.items()}
 
     out = {}
-    bar = _bar(len(names), "quantizing", "tensor", progress)
+    bar = progress_bar(len(names), "quantizing", "tensor", enabled=progress)
     for n in names:
         kind, gs, exact, zp = choice[n]
         w = weights[n]

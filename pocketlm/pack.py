@@ -35,6 +35,7 @@ from . import __version__
 from .errors import PocketError, UnsupportedError
 from .formats import SourceModel, open_source
 from .formats.pocketfile import TOKENIZER_TENSOR, check_writable, write_pocket
+from .progress import track
 from .quant import (
     GROUP_SIZES,
     QuantTensor,
@@ -281,7 +282,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
     stored_embed_bits = None  # what the embedding / head are stored in (see choose_bits)
     linear_kinds = {"int4"}  # what the linear weights are stored in (for the scheme's name)
     names = list(model.tensors)
-    bar = _progress(names, progress)
+    bar = track(names, "packing", "tensor", enabled=progress)
     for name in bar:
         st = model.tensors[name]
         count = int(np.prod(st.shape))
@@ -392,12 +393,6 @@ def _chunked_rel_error(ref: np.ndarray, qt: QuantTensor, rows: int = 8192) -> fl
         num += float(((qt.dequantize(sel) - a) ** 2).sum())
         den += float((a * a).sum())
     return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
-
-
-def _progress(items, enabled: bool):
-    from .progress import track
-
-    return track(items, "packing", "tensor", enabled=enabled)
 
 
 __all__ = ["pack", "PackReport", "TensorReport", "choose_bits", "relative_error"]

@@ -55,13 +55,13 @@ def _duration(seconds: float) -> str:
 
 
 def _amount(n: float, scale: bool, divisor: int) -> str:
-    if not scale:
+    if not scale or abs(n) < divisor:
         return f"{n:,.0f}"
-    for suffix in ("", "k", "M", "G", "T"):
-        if abs(n) < divisor or suffix == "T":
-            return f"{n:.0f}{suffix}" if suffix == "" else f"{n:.1f}{suffix}"
+    for suffix in ("k", "M", "G"):
         n /= divisor
-    return f"{n:.1f}"  # pragma: no cover
+        if abs(n) < divisor:
+            return f"{n:.1f}{suffix}"
+    return f"{n / divisor:.1f}T"
 
 
 class LineProgress:

@@ -538,7 +538,9 @@ def corpus_counts(tok: Tokenizer, spec: VocabSpec, *, progress: bool = False
     ``{name: (counts, characters)}``; and a record of that text."""
     out: dict[str, tuple[Counter, int]] = {}
     record: dict[str, Any] = {}
-    bar = _bar(progress)
+    from .progress import bar as progress_bar
+
+    bar = progress_bar(None, "choosing pieces", "char", enabled=progress, unit_scale=True)
     done = [0]
 
     def tick(n):
@@ -630,12 +632,6 @@ def choose_kept(tok: Tokenizer, spec: VocabSpec, *, chat_template: str | None = 
         "source_ids_sha256": hashlib.sha256(ids.astype("<i4").tobytes()).hexdigest(),
     })
     return ids, record
-
-
-def _bar(enabled: bool):
-    from .progress import bar
-
-    return bar(None, "choosing pieces", "char", enabled=enabled, unit_scale=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PocketError
+from ..progress import bar as progress_bar
 
 TASK_TYPES = ("multiple_choice", "generation", "classification")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -237,7 +238,7 @@ def perplexity(model, text: str, *, window: int | None = None, stride: int | Non
     starts = [0]
     while starts[-1] + cap < len(body):
         starts.append(starts[-1] + stride)
-    bar = _bar(len(starts), "perplexity", "window", progress)
+    bar = progress_bar(len(starts), "perplexity", "window", enabled=progress and len(starts) > 1)
     nll, scored, done = 0.0, 0, 0
     for begin in starts:
         end = min(begin + cap, len(body))
@@ -259,12 +260,6 @@ def perplexity(model, text: str, *, window: int | None = None, stride: int | Non
 def as_engine(model) -> Engine:
     """``model`` itself if it is an :class:`Engine`, else a :class:`PocketEngine` over it."""
     return model if isinstance(model, Engine) else PocketEngine(model)
-
-
-def _bar(total: int, desc: str, unit: str, enabled: bool):
-    from ..progress import bar
-
-    return bar(total, desc, unit, enabled=enabled and total >= 2)
 
 
 # -- answer extraction --------------------------------------------------------------------------
@@ -852,7 +847,7 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
     parts = [0, 0]  # instructions passed, instructions given (instruction tasks)
     predicted: dict[str, int] = {}
     seconds = prompt_tokens = generated = 0.0
-    bar = _bar(len(todo), task.name, "ex", progress)
+    bar = progress_bar(len(todo), task.name, "ex", enabled=progress and len(todo) > 1)
     for i, ex in enumerate(todo):
         if i in done:
             result = done[i]

@@ -62,6 +62,7 @@ from ..config import GenerationDefaults, ModelConfig
 from ..errors import FormatError, PocketError, UnsupportedError
 from ..formats.hf import GLOBAL_NAMES, LAYER_NAMES_GEMMA, LAYER_NAMES_STD
 from ..formats.pocketfile import PocketFile
+from ..progress import track
 from ..quant import QuantTensor
 from ..tokenizer import DROPPED_BYTE, SpmTokenizer, Tokenizer
 from . import atomic_folder
@@ -495,7 +496,7 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Any]
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
-        for name, shape, chunks in _progress(tensors, progress):
+        for name, shape, chunks in track(tensors, "exporting", "tensor", enabled=progress):
             written = 0
             for block in chunks():
                 data = bfloat16_bits(block) if dtype == "BF16" else block.astype("<f4",
@@ -507,12 +508,6 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...], Any]
                                   f"{math.prod(shape)}")
         size = f.tell()
     return size
-
-
-def _progress(items, enabled: bool):
-    from ..progress import track
-
-    return track(items, "exporting", "tensor", enabled=enabled)
 
 
 # -- README ----------------------------------------------------------------------------------
