@@ -56,7 +56,7 @@ class TensorReport:
     name: str
     source_dtype: str
     stored: str  # "int4" | "int5" | "int8" | "f32"
-    how: str  # "lossless" | "requantized" | "calibrated" | "float"
+    how: str  # "lossless" | "requantized" | "calibrated" | "float" | "adapter"
     rel_error: float
     n_params: int
     group_size: int = 0
@@ -84,14 +84,19 @@ class PackReport:
     def summary(self) -> str:
         lossless = sum(t.how == "lossless" for t in self.tensors)
         requant = sum(t.how in ("requantized", "calibrated") for t in self.tensors)
+        adapters = [t for t in self.tensors if t.how == "adapter"]
         lines = [
             f"wrote {self.path} ({self.file_bytes / 1e6:.1f} MB, {self.n_params / 1e6:.1f} M "
             f"parameters) in {self.seconds:.1f} s",
             f"bits per weight: {self.quant_bits_per_weight:.2f} in quantized matrices, "
             f"{self.file_bits_per_weight:.2f} for the whole file",
             f"tensors: {lossless} imported losslessly, {requant} requantized, "
-            f"{len(self.tensors) - lossless - requant} kept in float",
+            f"{len(self.tensors) - lossless - requant - len(adapters)} kept in float",
         ]
+        if adapters:
+            lines.append(f"LoRA adapters: {len(adapters) // 2} weights keep theirs beside them "
+                         f"(float16, {sum(t.n_params for t in adapters) * 2 / 1e6:.1f} MB), "
+                         "added at run time")
         if self.vocab:
             lines.append(vocab_summary(self.vocab))
         cal = self.calibration
@@ -328,6 +333,16 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         reports.append(TensorReport(name, st.dtype, qt.kind, how, err, count,
                                     qt.group_size, qt.nbytes, out_err, zp))
 
+    for stem, (a, b) in sorted((model.adapters or {}).items()):  # LoRA kept beside: float16
+        for suffix, t in ((".lora_a", a), (".lora_b", b)):
+            t16 = np.asarray(t, np.float32).astype(np.float16)
+            if not np.isfinite(t16).all():
+                raise PocketError(f"adapter {stem}{suffix} does not fit float16 (values beyond "
+                                  "65504)")
+            arrays.append((stem + suffix, t16))
+            reports.append(TensorReport(stem + suffix, "F32", "f16", "adapter", 0.0,
+                                        int(t16.size)))
+            n_params += int(t16.size)
     tok_json = model.tokenizer.to_json().encode("utf-8")
     arrays.append((TOKENIZER_TENSOR, np.frombuffer(tok_json, dtype=np.uint8)))
     if model.vocab_source_ids is not None:
@@ -345,6 +360,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
                   "tensors": layouts,
                   **({"calibration": calibration} if calibration else {})},
         **({"vocab": model.vocab} if model.vocab is not None else {}),
+        **({"adapter": model.adapter} if model.adapters else {}),
         "provenance": {**model.provenance, "pocketlm_version": __version__,
                        **({} if reproducible else {
                            "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},

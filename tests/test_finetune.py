@@ -202,3 +202,67 @@ def test_bad_task_files(base, tmp_path):
                "4", "--lora-rank", "4", *FT, check=False)
     assert p.returncode == 1 and "LoRA" in p.stderr
 
+
+
+def test_keep_lora_export_runs_the_adapters_beside_the_int4_base(base, tmp_path):
+    """``pocket export RUN --keep-lora``: the base weights quantized, the adapters stored beside
+    them (format version 3) and added at run time: the file computes dequantized base + the
+    checkpoint's own (alpha / rank) B A; formats without a place for adapters refuse it."""
+    import numpy as np
+
+    import pocketlm
+    from pocketlm.formats.pocketfile import PocketFile
+    from pocketlm.runtime import Runtime
+    from pocketlm.train.trainer import load_checkpoint
+
+    train = task_file(tmp_path / "train.jsonl", 60)
+    out = tmp_path / "run"
+    pocket("finetune", "-m", str(base), "--data", str(train), "--out", str(out), "--steps", "6",
+           "--eval-every", "6", "--save-every", "6", "--lr", "1e-2", "--lora-rank", "4", *FT)
+    kept = tmp_path / "kept.pocket"
+    p = pocket("export", str(out), "-o", str(kept), "--keep-lora", "-q")
+    assert "LoRA adapters: " in p.stdout and "added at run time" in p.stdout
+    pf = PocketFile(kept)
+    assert pf.metadata["format_version"] == "3"
+    assert json.loads(pf.metadata["adapter"])["rank"] == 4
+    stored = pf.weights()
+    ck = load_checkpoint(out)
+    scale = float(ck["lora"]["alpha"]) / ck["lora"]["rank"]
+    # the oracle: the checkpoint's adapters merged by hand into the file's dequantized base
+    merged = {}
+    for name, w in stored.items():
+        if ".lora_" in name:
+            continue
+        w = w.dequantize() if hasattr(w, "dequantize") else np.asarray(w, np.float32)
+        stem = name[: -len(".weight")]
+        if stem + ".lora_a" in ck["model"]:
+            a = ck["model"][stem + ".lora_a"].float()
+            b = ck["model"][stem + ".lora_b"].float()
+            w = w + scale * (b @ a).numpy()
+        merged[name] = np.ascontiguousarray(w, np.float32)
+    model = pocketlm.load(kept)
+    assert model.runtime.engine == "native" and model.runtime.lora_rank == 4
+    ids = model.tokenizer.encode("say gold gold")
+    ours = model.runtime.forward(ids, model.runtime.new_cache(16), all_logits=True)
+    ref_rt = Runtime(model.config, merged, engine="numpy")
+    want = ref_rt.forward(ids, ref_rt.new_cache(16), all_logits=True)
+    assert np.abs(ours - want).max() <= 2e-2 * np.abs(want).max()
+    assert isinstance(model.chat([{"role": "user", "content": "say gold"}], max_tokens=4), str)
+    # refused: a full fine-tune has no adapters to keep; other formats have no place for them
+    full = tmp_path / "full"
+    pocket("finetune", "-m", str(base), "--data", str(train), "--out", str(full), "--steps",
+           "2", "--eval-every", "2", "--save-every", "2", "--lora-rank", "0", *FT)
+    bad = pocket("export", str(full), "-o", str(tmp_path / "x.pocket"), "--keep-lora",
+                 check=False)
+    assert bad.returncode == 1 and "--keep-lora needs a LoRA run" in bad.stderr
+    assert not (tmp_path / "x.pocket").exists()
+    bad = pocket("finetune", "-m", str(base), "--data", str(train), "--out",
+                 str(tmp_path / "none"), "--lora-rank", "4", "--keep-lora", *FT, check=False)
+    assert bad.returncode == 1 and "--keep-lora needs --export FILE" in bad.stderr
+    assert not (tmp_path / "none").exists()
+    for to in ("gguf", "hf"):
+        bad = pocket("export", str(kept), "--to", to, "-o", str(tmp_path / f"x-{to}"), check=False)
+        assert bad.returncode == 1 and "keeps LoRA adapters" in bad.stderr, bad.stderr
+        bad = pocket("export", str(out), "--to", to, "-o", str(tmp_path / f"y-{to}"),
+                     "--keep-lora", check=False)
+        assert bad.returncode == 1 and "--keep-lora applies to --to pocket" in bad.stderr

@@ -402,7 +402,7 @@ def test_wrong_format_version(good, version):
     assert "format version" in format_error(good)
 
 
-@pytest.mark.parametrize("version", ["3", "17", "999999999"])
+@pytest.mark.parametrize("version", ["4", "17", "999999999"])
 def test_a_newer_format_version_asks_for_a_newer_pocketlm(good, version):
     rewrite_header(good, lambda h: h["__metadata__"].__setitem__("format_version", version))
     with pytest.raises(UnsupportedError, match=f"version {version} was written by a newer "
@@ -672,7 +672,7 @@ def test_weights_malformed_quant_metadata(good, quant):
 def test_header_checksum_follows_the_spec(good):
     _, header = read_raw_header(good)
     meta = header["__metadata__"]
-    assert meta["format_version"] == str(pocketfile.FORMAT_VERSION) == "2"
+    assert meta["format_version"] == "2"  # no adapters: the version every reader since 2 takes
     assert meta["header_checksum"] == spec_digest(header)
     pf = PocketFile(good)
     assert pf.header_verified and pf.format_version == 2

@@ -32,6 +32,16 @@ TARGETS = ("pocket", "gguf", "hf")
 STALE_SECONDS = 3600
 
 
+def refuse_adapters(pf, source) -> None:
+    """Other engines' formats have no place for LoRA adapters kept beside the weights
+    (``pocket export RUN --keep-lora``): such a deploy file is refused, not exported as its
+    base model."""
+    if any(name.endswith((".lora_a", ".lora_b")) for name in pf.infos):
+        raise PocketError(f"{source} keeps LoRA adapters beside its weights, which GGUF and "
+                          "Hugging Face folders cannot hold; export the training run instead "
+                          "(its adapters are merged: pocket export RUN --to gguf|hf)")
+
+
 def check_output(out: str | Path, *, force: bool, folder: bool = False) -> Path:
     """``out`` as a Path, refused in one line before any work when it exists (without
     ``force``), is the wrong kind of thing, or its folder cannot be written."""

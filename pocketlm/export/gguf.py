@@ -78,7 +78,7 @@ from ..formats.gguf import (
 from ..formats.pocketfile import PocketFile
 from ..quant import BLOCK, QuantTensor, find_zero_point
 from ..tokenizer import Tokenizer, release_free_heap
-from . import atomic_file
+from . import atomic_file, refuse_adapters
 from .gguf_vocab import PROBE_TEXTS, first_difference, probe_texts, tokenizer_fields
 
 # PROBE_TEXTS and tokenizer_fields live in gguf_vocab (the tokenizer half); exported here too
@@ -512,6 +512,7 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
     t0 = time.perf_counter()
     source, out = Path(source), Path(out)
     pf = PocketFile(source)
+    refuse_adapters(pf, source)
     config = pf.config()
     pf.check_model(config)
     arch = gguf_architecture(config)

@@ -65,7 +65,7 @@ from ..formats.pocketfile import PocketFile
 from ..progress import track
 from ..quant import QuantTensor
 from ..tokenizer import DROPPED_BYTE, SpmTokenizer, Tokenizer
-from . import atomic_folder
+from . import atomic_folder, refuse_adapters
 
 __all__ = ["ARCHITECTURES", "DTYPES", "HFExportReport", "bfloat16_bits", "export_hf",
            "hf_config", "hf_generation_config", "hf_target", "hf_tensor_names", "hf_tokenizer",
@@ -137,6 +137,7 @@ def export_hf(source: str | Path, out: str | Path, *, dtype: str = "bfloat16",
         raise PocketError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     source, out = Path(source), Path(out)
     pf = PocketFile(source)
+    refuse_adapters(pf, source)
     config, tokenizer = file_config_and_tokenizer(pf)
     config_json = hf_config(config, tokenizer, dtype=dtype)  # refuses before anything is written
     weights = pf.weights()

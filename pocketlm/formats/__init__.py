@@ -49,6 +49,10 @@ class SourceModel:
     # a trimmed vocabulary (pocketlm.vocab): how it was chosen, and each kept piece's source id
     vocab: dict[str, Any] | None = None
     vocab_source_ids: np.ndarray | None = None
+    # LoRA adapters kept beside the weights (pocketlm.runtime.adapters): {stem: (A float32
+    # [rank, in], B float32 [out, rank], the scale folded in)}, and how they were made
+    adapters: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+    adapter: dict[str, Any] | None = None
 
     def check_tensors(self, origin: str) -> None:
         """The tensors must be exactly the ones the config calls for, with the right shapes."""

@@ -67,8 +67,9 @@ from ..errors import ChecksumError, FormatError, PocketError, UnsupportedError
 from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, ZERO_POINTS, QuantTensor, implicit_mins
 
 FORMAT_NAME = "pocket"
-FORMAT_VERSION = 2  # 2: header_checksum
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: header_checksum; 3: LoRA adapters beside the weights
+READ_VERSIONS = (1, 2, 3)
+ADAPTER_VERSION = 3  # files with LoRA adapters (a reader that ignored them would run the base)
 HEADER_CHECKSUM = "header_checksum"
 CHECKSUM_CHUNK = 8 << 20  # bytes summed before their pages are dropped: bounds the resident set
 ALIGN = 64
@@ -255,7 +256,10 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
         if a.dtype not in _NP_TO_DTYPE:
             raise FormatError(f"cannot store tensor {name!r} of dtype {a.dtype}")
         seen.add(name)
-    meta = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION)}
+    # version 2 unless the file holds LoRA adapters (pocketlm.runtime.adapters), which a
+    # version 2 reader would load and ignore: those files are version 3, refused by it
+    adapters = any(name.endswith((".lora_a", ".lora_b")) for name, _ in items)
+    meta = {"format": FORMAT_NAME, "format_version": str(ADAPTER_VERSION if adapters else 2)}
     for k, v in metadata.items():
         if k == HEADER_CHECKSUM:
             raise FormatError(f"cannot store metadata field {k!r}: reserved for the writer")

@@ -21,6 +21,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ContextLengthError
+from .adapters import find_adapters
 from .kernels import numpy_ref as R
 
 
@@ -124,6 +125,7 @@ class NumpyEngine(Engine):
         self.w = weights
         self._head = weights.get("lm_head.weight", weights["embed.weight"])
         self._rope_cache: dict[float, tuple[np.ndarray, np.ndarray]] = {}
+        self._adapters = None  # LoRA adapters (runtime.adapters), found on the first forward
         # observe(site, x): called with the input of each group of linear products (sites
         # "layers.{i}.attn_in", ".o_in", ".mlp_in", ".down_in" and "head_in"); calibration
         # gathers activation statistics through it
@@ -157,12 +159,24 @@ class NumpyEngine(Engine):
             self._rope_cache[theta] = cached
         return cached[0][positions], cached[1][positions]
 
+    def _linear(self, stem: str, x: np.ndarray, bias: bool = False) -> np.ndarray:
+        """x W^T (+ bias) of the weight ``stem``, plus its LoRA adapter's (x A^T) B^T."""
+        w = self.w
+        y = R.linear_ref(x, w[stem + ".weight"], w.get(stem + ".bias") if bias else None)
+        ab = self._adapters.get(stem)
+        if ab is not None:
+            y = y + (x @ ab[0].T) @ ab[1].T
+        return y
+
     def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
         cfg = self.config
         n = ids.shape[0]
         start = cache.length
         positions = np.arange(start, start + n)
         w = self.w
+        if self._adapters is None:
+            self._adapters = find_adapters(cfg, w)
+        lin = self._linear
         obs = self.observe or (lambda site, a: None)
         x = R.embedding_ref(w["embed.weight"], ids)  # [n, d_model]
         if cfg.embed_scale != 1.0:
@@ -172,9 +186,9 @@ class NumpyEngine(Engine):
             # attention
             h = R.rmsnorm_ref(x, w[p + "attn_norm.weight"], cfg.norm_eps)
             obs(p + "attn_in", h)
-            q = R.linear_ref(h, w[p + "attn.w_q.weight"], w.get(p + "attn.w_q.bias"))
-            k = R.linear_ref(h, w[p + "attn.w_k.weight"], w.get(p + "attn.w_k.bias"))
-            v = R.linear_ref(h, w[p + "attn.w_v.weight"], w.get(p + "attn.w_v.bias"))
+            q = lin(p + "attn.w_q", h, True)
+            k = lin(p + "attn.w_k", h, True)
+            v = lin(p + "attn.w_v", h, True)
             q = q.reshape(n, cfg.n_heads, cfg.head_dim)
             k = k.reshape(n, cfg.n_kv_heads, cfg.head_dim)
             v = v.reshape(n, cfg.n_kv_heads, cfg.head_dim)
@@ -190,19 +204,19 @@ class NumpyEngine(Engine):
                                 cfg.scale, cfg.layer_window(i))  # [n, H, hd]
             a = np.ascontiguousarray(a.reshape(n, cfg.q_dim))
             obs(p + "o_in", a)
-            o = R.linear_ref(a, w[p + "attn.w_o.weight"])
+            o = lin(p + "attn.w_o", a)
             if cfg.sandwich_norms:
                 o = R.rmsnorm_ref(o, w[p + "post_attn_norm.weight"], cfg.norm_eps)
             x = x + o
             # MLP
             h = R.rmsnorm_ref(x, w[p + "mlp_norm.weight"], cfg.norm_eps)
             obs(p + "mlp_in", h)
-            gate = R.linear_ref(h, w[p + "mlp.w_gate.weight"])
-            up = R.linear_ref(h, w[p + "mlp.w_up.weight"])
+            gate = lin(p + "mlp.w_gate", h)
+            up = lin(p + "mlp.w_up", h)
             act = R.silu_ref(gate) if cfg.activation == "silu" else R.gelu_tanh_ref(gate)
             act = np.ascontiguousarray(act * up)
             obs(p + "down_in", act)
-            d = R.linear_ref(act, w[p + "mlp.w_down.weight"])
+            d = lin(p + "mlp.w_down", act)
             if cfg.sandwich_norms:
                 d = R.rmsnorm_ref(d, w[p + "post_mlp_norm.weight"], cfg.norm_eps)
             x = x + d

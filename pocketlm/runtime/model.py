@@ -32,6 +32,7 @@ from ..config import ModelConfig
 from ..errors import ContextLengthError, FormatError
 from ..quant import QuantTensor
 from . import kernels as K
+from .adapters import find_adapters
 from .engine import Engine, KVCache, NativeKVCache, NativeModelEngine, NumpyEngine
 from .kernels import native as _native_kernels
 from .settings import EngineSettings
@@ -61,6 +62,10 @@ class Runtime:
                 raise FormatError(f"model weights lack tensor {name!r}")
             if tuple(w.shape) != tuple(shape):
                 raise FormatError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
+        # LoRA adapters kept beside the weights (runtime.adapters): checked here, whichever
+        # engine runs them
+        self.lora_rank = next((int(a.shape[0]) for a, _ in
+                               find_adapters(config, weights).values()), 0)
         self.w = weights
         self.engine_note = ""  # why the native engine is not in use
         if engine not in (None, "native", "numpy"):

@@ -231,6 +231,9 @@ def cmd_finetune(args) -> int:
     from .trainer import TrainConfig, train
 
     calibration = calibration_kwargs(args)  # checked before the training, not after it
+    if args.keep_lora and not (args.export and args.lora_rank and not args.qat):
+        raise PocketError("--keep-lora needs --export FILE and --lora-rank N, without --qat "
+                          "(a QAT run is exported merged, onto the grid it trained against)")
     out = Path(args.out)
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
@@ -252,7 +255,7 @@ def cmd_finetune(args) -> int:
         from .export import export
 
         report = export(out, args.export, group_size=args.group_size,
-                        embed_bits=args.embed_bits, **calibration)
+                        embed_bits=args.embed_bits, keep_lora=args.keep_lora, **calibration)
         print(report.summary())
     return 0
 
@@ -275,11 +278,15 @@ def cmd_export(args) -> int:
 
         report = export(args.run, out, group_size=args.group_size,
                         embed_bits=args.embed_bits, best=False if args.last else None,
-                        **calibration_kwargs(args))
+                        keep_lora=args.keep_lora, **calibration_kwargs(args))
         print(report.summary())
         return 0
     from ..api import deploy_file
 
+    if args.keep_lora:
+        raise PocketError("--keep-lora applies to --to pocket: GGUF files and Hugging Face "
+                          "folders have no place for adapters kept apart (without the flag "
+                          "they get the run's weights with its adapters merged)")
     for flag, given in (("--last", args.last), ("--calib", args.calib),
                         ("--bits-per-weight", args.bits_per_weight), ("--awq", args.awq),
                         ("--quant-method", args.quant_method)):
@@ -382,11 +389,11 @@ def cmd_distill_data(args) -> int:
     teacher = pocketlm.load(args.teacher)
     out = Path(args.output)
     tmp = out.with_name(out.name + ".tmp")
-    from tqdm import tqdm
+    from ..progress import bar as progress_bar
 
     answers: list[str | None] = [None] * len(prompts)
     convs = ([{"role": "user", "content": p}] for p in prompts)
-    with tqdm(total=len(prompts), desc="teacher", unit="prompt") as bar:
+    with progress_bar(len(prompts), "teacher", "prompt") as bar:
         # answers come as they end; each is what chat() alone gives (greedy)
         for i, text, _ in teacher.chat_batch(convs, max_tokens=args.max_tokens,
                                              temperature=0.0, max_batch=args.batch):
@@ -485,6 +492,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
     p.add_argument("--last", action="store_true",
                    help="export the latest checkpoint even when the run kept best.pt")
+    p.add_argument("--keep-lora", action="store_true",
+                   help="a LoRA run: keep its adapters beside the quantized base weights "
+                   "(float16, added at run time) instead of merging them before rounding, "
+                   "so a tune smaller than an INT4 step survives (docs/sentiment.md)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="with --to hf: the safetensors' float type (default bfloat16)")
     add_calibration_options(p)
@@ -532,8 +543,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--export", metavar="FILE.pocket", help="pack the result (LoRA merged) into "
-                   "this deploy file when done")
+    p.add_argument("--export", metavar="FILE.pocket", help="pack the result (LoRA merged, or "
+                   "kept beside with --keep-lora) into this deploy file when done")
+    p.add_argument("--keep-lora", action="store_true",
+                   help="with --export and --lora-rank: keep the adapters beside the quantized "
+                   "base weights (float16, added at run time) instead of merging them before "
+                   "rounding (docs/sentiment.md)")
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
     add_calibration_options(p)

@@ -67,6 +67,7 @@ void pocket_model_destroy(pocket_model *m) {
     free(m->att);
     free(m->gate);
     free(m->up);
+    free(m->lora_t);
     for (int k = 0; k < 2; k++) {
         free(m->a1[k]);
         free(m->a2[k]);
@@ -317,9 +318,10 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     const int ff = c.d_ff;
     if (!weight_ok(embed, c.vocab_size, d, 1) || !weight_ok(head, c.vocab_size, d, 1))
         return POCKET_EINVAL;
-    int any_sliding = 0;
+    int any_sliding = 0, lora_rank = 0;
     for (int l = 0; l < c.n_layers; l++) {
         const pocket_layer_weights *L = &layers[l];
+        if (embed->lora_rank || head->lora_rank) return POCKET_EINVAL;
         if (!L->attn_norm || !L->mlp_norm) return POCKET_EINVAL;
         if (c.qkv_bias && (!L->q_bias || !L->k_bias || !L->v_bias)) return POCKET_EINVAL;
         if (c.qk_norm && (!L->q_norm || !L->k_norm)) return POCKET_EINVAL;
@@ -329,6 +331,15 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             !weight_ok(&L->wgate, ff, d, 1) || !weight_ok(&L->wup, ff, d, 1) ||
             !weight_ok(&L->wdown, d, ff, 1))
             return POCKET_EINVAL;
+        const pocket_weight *lw[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wgate, &L->wup,
+                                      &L->wdown};
+        for (int k = 0; k < 7; k++) {
+            const pocket_weight *w = lw[k];
+            if (w->lora_rank < 0 || w->lora_rank > POCKET_MAX_LORA_RANK ||
+                (w->lora_rank && (!w->lora_at || !w->lora_bt)))
+                return POCKET_EINVAL;
+            if (w->lora_rank > lora_rank) lora_rank = w->lora_rank;
+        }
         if (L->sliding != 0 && L->sliding != 1) return POCKET_EINVAL;
         if (L->sliding && c.sliding_window <= 0) return POCKET_EINVAL;
         any_sliding |= L->sliding;
@@ -388,6 +399,9 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         !(m->att = (float *)pm_zalloc(B * qd, sizeof(float))) ||
         !(m->gate = (float *)pm_zalloc(B * ff, sizeof(float))) ||
         !(m->up = (float *)pm_zalloc(B * ff, sizeof(float))))
+        goto nomem;
+    m->lora_rank = lora_rank;
+    if (lora_rank && !(m->lora_t = (float *)pm_zalloc((size_t)3 * B * lora_rank, sizeof(float))))
         goto nomem;
     for (int k = 0; k < 2; k++)
         if (!(m->a1[k] = (int8_t *)pm_zalloc(B * m->max_in, 1)) ||

@@ -50,6 +50,8 @@ enum {
 };
 
 /* A 2-D weight [rows, cols] (a linear layer or the embedding table). */
+#define POCKET_MAX_LORA_RANK 256 /* the largest LoRA adapter rank a weight may carry */
+
 typedef struct pocket_weight {
     int type; /* POCKET_WT_* */
     int rows, cols, group_size;
@@ -58,6 +60,13 @@ typedef struct pocket_weight {
     const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4, Q5) */
     int mins_in_memory;     /* the mins were computed (implicit zero point), not mapped from the
                              * file: release_source never hands their pages back */
+    /* Optional low-rank adapter (LoRA) kept beside the weight: the product becomes
+     * y = x W^T + (x A^T) B^T, the adapter's part in float32 (its scale folded into B), on every
+     * path (prefill, decode, batched decode, verification), row by row alike. lora_rank 0: none
+     * (layer products only; not the embedding or the head). lora_at: A transposed [cols, rank];
+     * lora_bt: B transposed [rank, rows]. Not copied: the caller keeps them alive. */
+    int lora_rank;
+    const float *lora_at, *lora_bt;
 } pocket_weight;
 
 typedef struct pocket_layer_weights {

@@ -83,6 +83,8 @@ typedef struct pm_rows {
     int layer;
     const pm_act *act; /* activations to prepare (quantize / sum), or NULL */
     pm_rows_fn fn;
+    const pocket_weight *lora[3]; /* step_lora: the weights whose adapters take lora_x */
+    const float *lora_x;
 } pm_rows;
 
 typedef struct pm_job {
@@ -124,6 +126,45 @@ static void prepare_cols(const pocket_model *m, const pm_act *a, int i, int c0, 
                           (int32_t *)a->corr + boff);
     else
         m->ops->block_sums(a->x + off, 1, c1 - c0, (float *)a->bsum + boff);
+}
+
+/* LoRA adapters (pocket_weight.lora_*). Every token is computed alike, whatever the block
+ * and however its columns are split over the threads, so that a row of a batch or of a
+ * verification computes what a one-token decode computes. */
+
+/* x A^T [n, slot k]: the adapter's inner values of the k-th weight of a product region */
+static inline float *lora_slot(const pocket_model *m, int k) {
+    return m->lora_t + (size_t)k * PM_BLOCK * (size_t)m->lora_rank;
+}
+
+/* t[i] = x[i] A^T for tokens [i0, i1) of x [n, cols] (t [n, rank]). */
+static void lora_down(const pocket_weight *w, const float *x, int i0, int i1, float *t) {
+    const int r = w->lora_rank, cols = w->cols;
+    for (int i = i0; i < i1; i++) {
+        const float *xi = x + (size_t)i * cols;
+        float *ti = t + (size_t)i * r;
+        for (int k = 0; k < r; k++) ti[k] = 0.0f;
+        for (int c = 0; c < cols; c++) {
+            const float xc = xi[c];
+            const float *a = w->lora_at + (size_t)c * r;
+            for (int k = 0; k < r; k++) ti[k] += xc * a[k];
+        }
+    }
+}
+
+/* y[i, c0:c1] += t[i] B^T[:, c0:c1] for the n tokens (y's rows ys floats apart). */
+static void lora_up(const pocket_weight *w, const float *t, int n, float *y, size_t ys, int c0,
+                    int c1) {
+    const int r = w->lora_rank;
+    for (int i = 0; i < n; i++) {
+        float *yi = y + (size_t)i * ys;
+        const float *ti = t + (size_t)i * r;
+        for (int k = 0; k < r; k++) {
+            const float tk = ti[k];
+            const float *b = w->lora_bt + (size_t)k * (size_t)w->rows;
+            for (int o = c0; o < c1; o++) yi[o] += tk * b[o];
+        }
+    }
 }
 
 static void job_fail(pm_job *j, int rc) {
@@ -216,6 +257,8 @@ static void pm_task(void *ctx, int task, int ntasks) {
             const int rows = j->w[k]->rows;
             const int rb = (b > off ? b : off) - off, re = (e < off + rows ? e : off + rows) - off;
             if (re > rb) rc = product_rows(m, j->w[k], j->t[k], j, j->y[k], rb, re, task);
+            if (re > rb && rc == POCKET_OK && j->w[k]->lora_rank)
+                lora_up(j->w[k], lora_slot(m, k), j->n, j->y[k], (size_t)rows, rb, re);
             off += (rows + PM_ROW_UNIT - 1) / PM_ROW_UNIT * PM_ROW_UNIT;
         }
         break;
@@ -226,6 +269,9 @@ static void pm_task(void *ctx, int task, int ntasks) {
         if (e <= b) break;
         rc = product_rows(m, j->w[0], j->t[0], j, j->y[0], b, e, task);
         if (rc == POCKET_OK) rc = product_rows(m, j->w[1], j->t[1], j, j->y[1], b, e, task);
+        for (int k = 0; k < 2 && rc == POCKET_OK; k++)
+            if (j->w[k]->lora_rank)
+                lora_up(j->w[k], lora_slot(m, k), j->n, j->y[k], (size_t)j->total, b, e);
         if (rc == POCKET_OK)
             for (int i = 0; i < j->n; i++)
                 m->ops->glu(j->y[0] + (size_t)i * j->total + b, j->y[1] + (size_t)i * j->total + b,
@@ -624,6 +670,28 @@ static void add_rows(float *x, const float *o, size_t len) {
  * Forward
  * ========================================================================================= */
 
+static void step_lora(const pm_rows *r, int i0, int i1) { /* x A^T of each adapter */
+    for (int k = 0; k < 3; k++)
+        if (r->lora[k]) lora_down(r->lora[k], r->lora_x, i0, i1, lora_slot(r->m, k));
+}
+
+/* Before a product region over w0..w2 (NULL: absent) on x [n, cols]: the inner values x A^T of
+ * the adapters among them, into their slots (nothing when none has one). */
+static int lora_prepare(pocket_model *m, pocket_pool *pool, int nthreads, int n, const float *x,
+                        const pocket_weight *w0, const pocket_weight *w1,
+                        const pocket_weight *w2) {
+    if (!m->lora_rank) return POCKET_OK;
+    const pocket_weight *ws[3] = {w0, w1, w2};
+    pm_rows r = {.m = m, .fn = step_lora, .lora_x = x};
+    int any = 0;
+    for (int k = 0; k < 3; k++) {
+        r.lora[k] = ws[k] && ws[k]->lora_rank ? ws[k] : NULL;
+        any |= r.lora[k] != NULL;
+    }
+    /* on the caller for short blocks (decode): a parallel region costs more than it saves */
+    return any ? run_rows(m, pool, nthreads, n, &r) : POCKET_OK;
+}
+
 /* Per-token steps of a layer (pm_rows_fn). */
 static void step_pre_attn(const pm_rows *r, int i0, int i1) { /* h = norm(x); prepare h */
     pocket_model *m = r->m;
@@ -721,6 +789,7 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
     r.act = tq ? &act : NULL;
     r.fn = step_pre_attn;
     if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
+    if ((rc = lora_prepare(m, pool, nthreads, n, m->h, &L->wq, &L->wk, &L->wv))) return rc;
     rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 3, &L->wq, &L->wk, &L->wv, T, r.act,
                       m->q, m->k, m->v, m->h, n, NULL);
     if (rc) return rc;
@@ -778,6 +847,7 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
     r.act = to ? &act : NULL;
     r.fn = step_prepare;
     if (r.act && (rc = run_rows(m, pool, nthreads, n, &r))) return rc;
+    if ((rc = lora_prepare(m, pool, nthreads, n, m->att, &L->wo, NULL, NULL))) return rc;
     rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &L->wo, NULL, NULL, T + 3, r.act,
                       m->o, NULL, NULL, m->att, n, NULL);
     if (rc) return rc;
@@ -789,9 +859,11 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
     if ((rc = run_rows(m, pool, nthreads, n, &r))) return rc;
     pm_act act_dn; /* the GLU tasks prepare their own columns of W_down's input */
     const int tdn = plan_act(m, POCKET_Q8_DOWN, T + 6, 1, m->gate, n, ff, 1, amx, &act_dn);
+    if ((rc = lora_prepare(m, pool, nthreads, n, m->h, &L->wgate, &L->wup, NULL))) return rc;
     rc = run_products(m, pool, nthreads, PM_JOB_GLU, 2, &L->wgate, &L->wup, NULL, T + 4, r.act,
                       m->gate, m->up, NULL, m->h, n, tdn ? &act_dn : NULL);
     if (rc) return rc;
+    if ((rc = lora_prepare(m, pool, nthreads, n, m->gate, &L->wdown, NULL, NULL))) return rc;
     rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &L->wdown, NULL, NULL, T + 6,
                       tdn ? &act_dn : NULL, m->o, NULL, NULL, m->gate, n, NULL);
     if (rc) return rc;

@@ -51,6 +51,10 @@ struct pocket_model {
     int n_bases;
     /* scratch, sized for PM_BLOCK tokens */
     float *x, *h, *o, *q, *k, *v, *att, *gate, *up;
+    /* LoRA adapters: the largest rank (0: none) and x A^T of the (up to 3) weights of one
+     * product region [3][PM_BLOCK * lora_rank] */
+    int lora_rank;
+    float *lora_t;
     /* prepared activations of the products (pm_act), two sets: a product's input and the
      * next product's, prepared while the first is still being read */
     int8_t *a1[2], *a2[2];

@@ -9,7 +9,11 @@
  *            ("int5", qweight uint8 [rows, cols/32*20], scales f16, mins f16, group_size) or
  *            ("int8", qweight int8 [rows, cols], scales f16, group_size).
  *            Optional "layers.N.attn.k_smooth": float32 [kv_dim], the int8 KV cache's key
- *            smoothing (pocket_layer_weights.k_smooth).
+ *            smoothing (pocket_layer_weights.k_smooth). With config "lora_rank" R > 0,
+ *            optional LoRA adapters of the layer weights: "<weight>.lora_at" float32
+ *            [cols, R] and "<weight>.lora_bt" float32 [R, rows] (pocket_weight.lora_*), where
+ *            <weight> is "layers.N.attn.w_q" (w_k, w_v, w_o) or "layers.N.mlp.w_gate" (w_up,
+ *            w_down).
  *   capacity: the largest KV cache capacity (positions) the model will be asked for.
  *   act_q8: the products whose activations are quantized to int8 (Q8_* bits; 0: none).
  *   threads, pool: the threads that repack the weights.
@@ -358,6 +362,10 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
             if (cfg_int(cfg, "sliding_window", 1, INT_MAX, &c.sliding_window)) return NULL;
         }
     }
+    int lora_rank = 0; /* optional: the rank of the weights' LoRA adapters (0: none) */
+    if (cfg_item(cfg, "lora_rank", 0) &&
+        cfg_int(cfg, "lora_rank", 0, POCKET_MAX_LORA_RANK, &lora_rank))
+        return NULL;
 
     ModelObject *self = (ModelObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
@@ -447,6 +455,35 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                     PyErr_Format(PyExc_ValueError, "%s must be positive and finite", name);
                     goto fail;
                 }
+        }
+        /* optional: LoRA adapters, "<weight>.lora_at" [cols, rank] (A transposed) and
+         * "<weight>.lora_bt" [rank, rows] (B transposed, its scale folded in) */
+        if (lora_rank) {
+            static const char *const mats[7] = {"attn.w_q", "attn.w_k", "attn.w_v",
+                                                "attn.w_o", "mlp.w_gate", "mlp.w_up",
+                                                "mlp.w_down"};
+            pocket_weight *ws[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wgate, &L->wup,
+                                    &L->wdown};
+            char name_b[128];
+            for (int k = 0; k < 7; k++) {
+                pocket_weight *w = ws[k];
+                PyOS_snprintf(name, sizeof name, "layers.%d.%s.lora_at", l, mats[k]);
+                PyOS_snprintf(name_b, sizeof name_b, "layers.%d.%s.lora_bt", l, mats[k]);
+                PyObject *oa = PyDict_GetItemString(weights, name);
+                PyObject *ob = PyDict_GetItemString(weights, name_b);
+                if (!oa != !ob) {
+                    PyErr_Format(PyExc_ValueError, "weights '%s' and '%s' come together",
+                                 name, name_b);
+                    goto fail;
+                }
+                if (!oa) continue;
+                if (model_keep(self, oa, name, 'f', 2, w->cols, lora_rank,
+                               (const void **)&w->lora_at) ||
+                    model_keep(self, ob, name_b, 'f', 2, lora_rank, w->rows,
+                               (const void **)&w->lora_bt))
+                    goto fail;
+                w->lora_rank = lora_rank;
+            }
         }
 #undef LNAME
     }

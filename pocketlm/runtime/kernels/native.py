@@ -60,6 +60,7 @@ import numpy as np
 
 from ...errors import KernelError, PocketError
 from ...quant import QuantTensor
+from ..adapters import find_adapters
 from ..settings import (  # noqa: F401 (DEFAULT_AMX_WEIGHTS, KV_FORMATS, LEVELS: public here)
     AMX_WEIGHT_TERMS,
     DEFAULT_AMX_WEIGHTS,
@@ -387,7 +388,15 @@ def engine_weights(config, weights: dict) -> tuple[dict | None, str]:
                           f"{getattr(w, 'kind', getattr(w, 'dtype', ''))}) is not in a layout "
                           "the native engine supports")
         out[name] = t
+    for stem, (a, b) in find_adapters(config, weights).items():  # float32, transposed
+        out[stem + ".lora_at"] = np.ascontiguousarray(a.T)
+        out[stem + ".lora_bt"] = np.ascontiguousarray(b.T)
     return out, ""
+
+
+def adapter_rank(tensors: dict) -> int:
+    """The rank of the LoRA adapters among the engine's tensors (0: none)."""
+    return next((int(t.shape[1]) for n, t in tensors.items() if n.endswith(".lora_at")), 0)
 
 
 def key_smoothing(config, weights: dict) -> dict[str, np.ndarray]:
@@ -487,6 +496,7 @@ class NativeEngine:
         cfg["release_source"] = bool(release_source)
         cfg["amx"] = self.amx
         cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
+        cfg["lora_rank"] = self.lora_rank = adapter_rank(tensors)
         self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
                            act_q8=self.q8_mask(), level=level_id, threads=self.threads,
                            pool=_get_pool(self.threads), avxvnni=self.avxvnni)
