@@ -84,9 +84,13 @@ def _pack(model: str, variant: str, work: Path, force: bool) -> tuple[Path, dict
 
     out = work / f"{model}-{variant}.pocket"
     info = work / f"{model}-{variant}.json"
-    if out.is_file() and info.is_file() and not force:
-        return out, json.loads(info.read_text())
     spec = _variant_spec(model, variant)
+    if out.is_file() and info.is_file() and not force:
+        rec = json.loads(info.read_text())
+        # a cached pack made with other settings (e.g. an earlier default backfill) is stale
+        if spec is None or all(rec.get("vocab", {}).get(k) == v
+                               for k, v in spec.record().items() if k != "corpus"):
+            return out, rec
     if spec is not None and spec.size is not None and spec.size >= 49152 and model == "smollm2-135m":
         raise SystemExit("smollm2-135m has 49,152 pieces: no capped variant")
     kw = {"bits_per_weight": 4.6} if variant.endswith("calibrated") else {}

@@ -556,7 +556,7 @@ def add_vocab_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-backfill", metavar="Q", type=float, default=None,
                         help="corpus rule: also keep the languages' pieces the corpus missed "
                         "that the source ranks ahead of the share Q of the pieces it produced "
-                        "(default 0.9; 0: only the produced pieces, the smallest set)")
+                        "(default 0.95; 0: only the produced pieces, the smallest set)")
 
 
 def vocab_spec(args):

@@ -77,8 +77,10 @@ RULES = ("corpus", "script")
 # closure), so that derived caches are rebuilt.
 VOCAB_REVISION = 2
 # The corpus rule's backfill (see the module's doc): chosen by measurement in docs/vocabulary.md
-# (the held-out lines tokenized identically against the pieces added, per model).
-DEFAULT_BACKFILL = 0.9
+# (the held-out lines tokenized identically against the pieces added, per model): the smallest
+# measured share that keeps >= 99.5 % of held-out zh and en lines identical on every registry
+# model (0.9 left gemma3-270m's English at 99.48 %).
+DEFAULT_BACKFILL = 0.95
 
 # Code point ranges (inclusive) of what text "in" a language is written with. COMMON (digits,
 # punctuation, whitespace) belongs to every language.
