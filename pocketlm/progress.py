@@ -32,7 +32,7 @@ class _Null:
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         pass
 
-    def set_postfix(self, refresh: bool = True, **values) -> None:
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **values) -> None:
         pass
 
     def close(self) -> None:
@@ -125,8 +125,9 @@ class LineProgress:
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         self._postfix = s
 
-    def set_postfix(self, refresh: bool = True, **values) -> None:
-        self._postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+    def set_postfix(self, ordered_dict=None, refresh: bool = True, **values) -> None:
+        items = {**(ordered_dict or {}), **values}  # tqdm's signature: a dict and/or keywords
+        self._postfix = ", ".join(f"{k}={v}" for k, v in items.items())
 
     def close(self) -> None:
         if self._closed:

@@ -38,6 +38,12 @@ def test_long_work_prints_a_line_per_interval_and_a_closing_line():
     assert len(lines) == 128 // 30 + 1, lines
     assert lines[0] == "calibrating: 30/128 seq (23 %), 30s elapsed, about 1m38s left"
     assert lines[-1] == "calibrating: 128/128 seq, 2m08s, done [acc=0.812]"
+    # tqdm's form, a dict (the trainer's loss and speed), with keywords after it
+    b = progress.LineProgress(4, "sft", "step", every=1, stream=out, clock=clock)
+    b.set_postfix({"loss": "1.250", "tok/s": "900"}, val="1.300")
+    clock.t += 2.0
+    b.update(1)
+    assert out.getvalue().splitlines()[-1].endswith("[loss=1.250, tok/s=900, val=1.300]")
 
 
 def test_unknown_total_and_scaled_units():

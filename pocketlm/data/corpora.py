@@ -917,9 +917,9 @@ def near_duplicates(
     sigs = np.empty((n, num_perm), dtype=np.uint32)
     docs: Iterable[str] = documents
     if progress:
-        from tqdm import tqdm
+        from ..progress import track
 
-        docs = tqdm(documents, desc="minhash", unit=" docs")
+        docs = track(documents, "minhash", "docs")
     for i, doc in enumerate(docs):
         sigs[i] = hasher.signature(doc)
     rows = num_perm // bands

@@ -156,7 +156,7 @@ def stage_teacher(out: Path, recipe: Recipe, prompts: list[dict], *, progress: b
     _say(f"teacher {recipe.teacher}: {len(todo)} of {wanted} answers to generate "
          f"({len(done)} already in {path})")
     teacher = pocketlm.load(recipe.teacher)
-    from tqdm import tqdm
+    from ..progress import bar as progress_bar
 
     # a prompt that leaves no room for an answer in the teacher's context is not asked
     fits = []
@@ -171,8 +171,8 @@ def stage_teacher(out: Path, recipe: Recipe, prompts: list[dict], *, progress: b
             done[p["id"]] = rec
     todo = fits
 
-    bar = tqdm(total=wanted, initial=len(done), desc="teacher answers", unit="answer",
-               disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(wanted, "teacher answers", "answer", enabled=progress,
+                       initial=len(done))
     t0, tokens = time.perf_counter(), 0
     with open(path, "a", encoding="utf-8") as f:
         for i, text, state in teacher.chat_batch(

@@ -91,7 +91,7 @@ def prepare_shards(
     tmp.mkdir()
     try:
         writers = {s: _SplitWriter(tmp, s, dtype, int(shard_tokens)) for s in SPLITS}
-        bar = _progress_bar(progress, desc=f"tokenizing → {out_dir.name}", unit=" docs")
+        bar = _progress_bar(progress, f"tokenizing → {out_dir.name}", "docs")
         batch: list[str] = []
 
         def flush() -> None:
@@ -421,12 +421,13 @@ def _swap_into_place(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _progress_bar(enabled: bool, **kwargs: Any):
+def _progress_bar(enabled: bool, desc: str, unit: str):
+    """A bar of unknown length (pocketlm.progress: plain lines off a terminal), or None."""
     if not enabled:
         return None
-    from tqdm import tqdm
+    from ..progress import bar
 
-    return tqdm(**kwargs)
+    return bar(None, desc, unit)
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -754,7 +755,7 @@ def build_mixture(
     pipeline: dict[str, dict] = {}
     for name in sorted(weights):
         docs: Iterable[str] = corpus_documents(name)
-        bar = _progress_bar(progress, desc=f"reading {name}", unit=" docs")
+        bar = _progress_bar(progress, f"reading {name}", "docs")
         if bar is not None:
             docs = _with_bar(docs, bar)
         kept[name], pipeline[name] = clean_and_dedup(

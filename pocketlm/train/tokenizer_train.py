@@ -512,14 +512,15 @@ def compare_tokenizers(
     """Measure each named tokenizer on held-out English and Chinese text, and its embedding
     memory at width ``d_model`` in float16 and INT4 (:data:`INT4_BITS_PER_WEIGHT` bits per
     weight incl. scales). The held-out text must not have been used to train any of them."""
-    from tqdm import tqdm
+    from ..progress import track
 
     if not heldout_en or not heldout_zh:
         raise PocketError("compare_tokenizers needs non-empty English and Chinese held-out text")
     if d_model < 1:
         raise PocketError(f"d_model must be positive, not {d_model}")
     out = []
-    for name, tok in tqdm(list(tokenizers.items()), desc="measuring", disable=not progress):
+    for name, tok in track(list(tokenizers.items()), "measuring", "tokenizer",
+                           enabled=progress):
         v = tok.vocab_size
         out.append(
             VocabComparison(

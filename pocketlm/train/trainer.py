@@ -694,10 +694,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     tokens_seen = 0 if not metrics else int(metrics[-1].get("tokens", 0))
     bar = None
     if progress and dist.main:
-        from tqdm import tqdm
+        from ..progress import bar as progress_bar
 
-        bar = tqdm(total=cfg.steps, initial=start, unit="step", dynamic_ncols=True,
-                   desc=f"{cfg.mode} {cfg.preset or Path(cfg.base or '').name}")
+        bar = progress_bar(cfg.steps, f"{cfg.mode} {cfg.preset or Path(cfg.base or '').name}",
+                           "step", initial=start)
     model.train()
     t_last = time.perf_counter()
     last: dict = {}
