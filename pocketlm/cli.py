@@ -197,6 +197,13 @@ def cmd_inspect(args) -> int:
             print(f"vocabulary:  {vocab_summary(vocab).split(': ', 1)[1]}")
         except (KeyError, TypeError, ValueError, ZeroDivisionError):
             print("vocabulary:  trimmed (record unreadable)")
+    adapter = pf.json_object("adapter", None) if "adapter" in meta else None
+    if isinstance(adapter, dict):
+        nbytes = sum(i.end - i.start for n, i in pf.infos.items()
+                     if n.endswith((".lora_a", ".lora_b")))
+        print(f"adapters:    LoRA rank {adapter.get('rank', '?')} (alpha "
+              f"{adapter.get('alpha', '?')}) beside {adapter.get('weights', '?')} weights, "
+              f"float16, {nbytes / 1e6:.1f} MB, added at run time")
     known = {k: prov.get(k, "unknown") for k in ("source_file", "source_format",
                                                    "source_sha256", "packed_at",
                                                    "pocketlm_version")}
