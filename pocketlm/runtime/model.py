@@ -79,7 +79,7 @@ class Runtime:
             if not _native_kernels.engine_available():
                 reason = _native_kernels.unavailable_reason() or "the native engine is not built"
             else:
-                reason = _native_kernels.engine_weights(config, weights)[1]
+                reason = _native_kernels.engine_weights(config, weights, adapters=False)[1]
             if reason and engine is None:
                 # weights handed in a layout only the reference reads (or no engine built):
                 # the numpy path, and the reason is kept; nothing else falls back

@@ -374,8 +374,11 @@ def _engine_tensor(w):
     return None
 
 
-def engine_weights(config, weights: dict) -> tuple[dict | None, str]:
-    """The weights in the engine's form, or (None, the reason they cannot be used)."""
+def engine_weights(config, weights: dict, *, adapters: bool = True
+                   ) -> tuple[dict | None, str]:
+    """The weights in the engine's form, or (None, the reason they cannot be used).
+    ``adapters=False``: leave out the LoRA adapters' float32 transposes (a caller that only
+    asks whether the engine takes the weights)."""
     names = list(config.tensor_shapes())
     if "lm_head.weight" in weights and "lm_head.weight" not in names:
         names.append("lm_head.weight")
@@ -388,7 +391,7 @@ def engine_weights(config, weights: dict) -> tuple[dict | None, str]:
                           f"{getattr(w, 'kind', getattr(w, 'dtype', ''))}) is not in a layout "
                           "the native engine supports")
         out[name] = t
-    for stem, (a, b) in find_adapters(config, weights).items():  # float32, transposed
+    for stem, (a, b) in (find_adapters(config, weights) if adapters else {}).items():  # A^T, B^T
         out[stem + ".lora_at"] = np.ascontiguousarray(a.T)
         out[stem + ".lora_bt"] = np.ascontiguousarray(b.T)
     return out, ""
