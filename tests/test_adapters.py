@@ -20,9 +20,10 @@ IDS = [5, 17, 3, 250, 11, 9, 42, 7, 101, 64, 2, 300, 18]
 MODES = {"f32": ("f32", "f32", 2e-5), "q8": ("q8", "f16", 2e-2)}  # act, kv, bound
 
 
-def _weights(cfg, seed, rank=4, skip=()):
+def _weights(cfg, seed, rank=4, skip=(), dtype=np.float16):
     """INT4 layers, INT8 embedding / head, and an adapter of ``rank`` beside every layer weight
-    (but the stems in ``skip``), large enough to change the logits."""
+    (but the stems in ``skip``), large enough to change the logits; float16 (what deploy files
+    hold) or float32 values that float16 does not hold."""
     sd = torch_ref.random_state_dict(cfg, seed=seed)
     w = {}
     for name, t in sd.items():
@@ -40,8 +41,8 @@ def _weights(cfg, seed, rank=4, skip=()):
                 continue
             rows, cols = shapes[s + ".weight"]
             w[s + ".lora_a"] = (rng.standard_normal((rank, cols)) / np.sqrt(cols)).astype(
-                np.float16)
-            w[s + ".lora_b"] = (rng.standard_normal((rows, rank)) * 0.2).astype(np.float16)
+                dtype)
+            w[s + ".lora_b"] = (rng.standard_normal((rows, rank)) * 0.2).astype(dtype)
     return w
 
 
@@ -50,6 +51,8 @@ def _native(cfg, w, mode, threads=2):
     rt = Runtime(cfg, w, engine="numpy")
     rt.native = native.NativeEngine(cfg, w, act=act, kv=kv, threads=threads)
     assert rt.engine == "native" and rt.native.lora_rank == 4
+    # float16 in the engine exactly when float16 holds the adapters' values
+    assert rt.native.lora_f16 == all(w[n].dtype == np.float16 for n in w if ".lora_" in n)
     return rt
 
 
@@ -64,12 +67,13 @@ def _rel(a, b):
     return float(np.abs(a - b).max() / np.abs(b).max())
 
 
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_native_adds_the_adapters_as_the_reference_does(arch, mode):
+def test_native_adds_the_adapters_as_the_reference_does(arch, mode, dtype):
     cfg = torch_ref.tiny_config(arch)
     # one weight without an adapter: the others still get theirs
-    w = _weights(cfg, 3, skip=("layers.0.mlp.w_up",))
+    w = _weights(cfg, 3, skip=("layers.0.mlp.w_up",), dtype=dtype)
     ref = _run(Runtime(cfg, w, engine="numpy"), IDS, len(IDS))
     base = {k: v for k, v in w.items() if ".lora_" not in k}
     plain = _run(Runtime(cfg, base, engine="numpy"), IDS, len(IDS))
@@ -116,6 +120,35 @@ def test_adapter_rows_are_one_token_decode_bit_for_bit(arch, mode):
     half = len(results) // 2
     assert all(np.array_equal(a, b) for a, b in zip(results[:half], results[half:],
                                                       strict=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_float16_adapters_compute_what_their_float32_values_do(arch, monkeypatch):
+    """The engine holds float16 adapters as float16 (half the bytes per token) and converts
+    them as it reads them: bit for bit the logits of the same values held in float32, on
+    prefill, decode, verification and batched decode, over several chunks of a long column
+    range (rank 64: 32 columns of A per conversion chunk)."""
+    cfg = torch_ref.tiny_config(arch, max_context=256)
+    w = _weights(cfg, 9, rank=64)
+    ids = [int(t) for t in np.random.default_rng(4).integers(0, cfg.vocab_size, 40)]
+
+    def outputs():
+        rt = Runtime(cfg, w, engine="numpy")
+        rt.native = native.NativeEngine(cfg, w, act="q8", kv="f16", threads=2)
+        c = rt.new_cache(64)
+        out = [rt.forward(ids[:30], c, all_logits=True), rt.forward([ids[30]], c),
+               rt.verify(ids[31:35], c)]
+        caches = [rt.new_cache(64) for _ in range(2)]
+        for k, cache in enumerate(caches):
+            rt.forward(ids[k:k + 5], cache)
+        out.append(rt.forward_batch([ids[35], ids[36]], caches))
+        return rt.native.lora_f16, out
+
+    half, got = outputs()
+    monkeypatch.setattr(native, "_exact_f16", lambda t: False)  # the float32 path
+    full, want = outputs()
+    assert (half, full) == (1, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def _bad(cfg, w, edit):

@@ -601,6 +601,61 @@ def test_engine_matmul_f32_bit_for_bit(level, n, rows, cols):
                                rtol=1e-4, atol=1e-4 * np.sqrt(cols))
 
 
+def _lora_twin(x: np.ndarray, at: np.ndarray, bt: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """The LoRA adapters' part in its documented order (pm_ops.lora_down / lora_up): t = 0 +
+    x[:, 0] A^T[0] + x[:, 1] A^T[1] + ... and y + t[:, 0] B^T[0] + t[:, 1] B^T[1] + ..., each
+    product a float32 multiply, then an add."""
+    at, bt = at.astype(np.float32), bt.astype(np.float32)
+    t = np.zeros((x.shape[0], at.shape[1]), np.float32)
+    for c in range(at.shape[0]):
+        t = t + x[:, c:c + 1] * at[c]
+    for k in range(bt.shape[0]):
+        y = y + t[:, k:k + 1] * bt[k]
+    return y
+
+
+@pytest.mark.parametrize("level", ARCH_LEVELS)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("n,cols,rank,rows,step", [(1, 576, 16, 576, 0), (1, 64, 64, 192, 0),
+                                                   (6, 37, 13, 45, 0), (9, 200, 24, 70, 3),
+                                                   (4, 129, 256, 33, 5), (3, 96, 5, 1536, 16)])
+def test_engine_lora_bit_for_bit(level, dtype, n, cols, rank, rows, step):
+    # adapters beside the weights: every level gives the documented order's bits, for float16
+    # (converted as read, in chunks) and float32 adapters, ranks with and without a tail of
+    # eight, blocks of four tokens and single ones, output columns split as threads split them
+    _require_level(level)
+    rng = np.random.default_rng(n * 1000 + cols + rank)
+    x = rng.standard_normal((n, cols), dtype=np.float32)
+    at = (rng.standard_normal((cols, rank)) / np.sqrt(cols)).astype(dtype)
+    bt = (rng.standard_normal((rank, rows)) * 0.2).astype(dtype)
+    y0 = rng.standard_normal((n, rows), dtype=np.float32)
+    y = y0.copy()
+    _native.lora(x, at, bt, y, step=step, level=ALL_LEVELS.index(level))
+    np.testing.assert_array_equal(y, _lora_twin(x, at, bt, y0))
+    want = y0 + (x.astype(np.float64) @ at.astype(np.float64)) @ bt.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.sqrt(cols))
+
+
+def test_engine_lora_bad_input():
+    x, y = np.ones((2, 8), np.float32), np.zeros((2, 3), np.float32)
+    at, bt = np.ones((8, 4), np.float16), np.ones((4, 3), np.float16)
+    with pytest.raises(TypeError, match="float16"):  # mixed dtypes
+        _native.lora(x, at, bt.astype(np.float32), y)
+    with pytest.raises(ValueError, match="at has shape"):
+        _native.lora(x, np.ones((9, 4), np.float16), bt, y)
+    with pytest.raises(ValueError, match="out has shape"):
+        _native.lora(x, at, bt, np.zeros((3, 2), np.float32))
+    with pytest.raises(ValueError, match="rank 1..256"):
+        _native.lora(x, np.ones((8, 257), np.float32), np.ones((257, 3), np.float32), y)
+    buf = np.ones(16, np.float32)
+    with pytest.raises(ValueError, match="share memory"):
+        _native.lora(buf.reshape(2, 8), at, bt, buf[:6].reshape(2, 3))
+    with pytest.raises(ValueError, match="writable"):
+        ro = np.zeros((2, 3), np.float32)
+        ro.flags.writeable = False
+        _native.lora(x, at, bt, ro)
+
+
 def test_engine_matmul_f32_bad_input():
     x, w = np.ones((2, 8), np.float32), np.ones((3, 8), np.float32)
     with pytest.raises(ValueError, match="out has shape"):

@@ -282,6 +282,23 @@ int pocket_model_matmul_f32(const pocket_kernel_table *kernels, const float *x, 
     return POCKET_OK;
 }
 
+int pocket_model_lora(const pocket_kernel_table *kernels, const pocket_weight *w, const float *x,
+                      int n, float *y, int step) {
+    if (!kernels || !w || !x || !y || n < 0 || step < 0 || w->rows < 0 || w->cols <= 0 ||
+        w->lora_rank < 1 || w->lora_rank > POCKET_MAX_LORA_RANK || !w->lora_at ||
+        !w->lora_bt || (w->lora_f16 != 0 && w->lora_f16 != 1))
+        return POCKET_EINVAL;
+    const pm_ops *ops = level_ops(kernels, 1);
+    float *t = (float *)malloc(((size_t)n * (size_t)w->lora_rank + 1) * sizeof *t);
+    if (!t) return POCKET_ENOMEM;
+    const int ts = step ? step : n, cs = step ? step : w->rows;
+    for (int i = 0; i < n; i += ts) ops->lora_down(w, x, i, n - i < ts ? n : i + ts, t);
+    for (int c = 0; c < w->rows; c += cs)
+        ops->lora_up(w, t, n, y, (size_t)w->rows, c, w->rows - c < cs ? w->rows : c + cs);
+    free(t);
+    return POCKET_OK;
+}
+
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
                         const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
@@ -336,6 +353,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         for (int k = 0; k < 7; k++) {
             const pocket_weight *w = lw[k];
             if (w->lora_rank < 0 || w->lora_rank > POCKET_MAX_LORA_RANK ||
+                (w->lora_f16 != 0 && w->lora_f16 != 1) ||
                 (w->lora_rank && (!w->lora_at || !w->lora_bt)))
                 return POCKET_EINVAL;
             if (w->lora_rank > lora_rank) lora_rank = w->lora_rank;

@@ -64,9 +64,11 @@ typedef struct pocket_weight {
      * y = x W^T + (x A^T) B^T, the adapter's part in float32 (its scale folded into B), on every
      * path (prefill, decode, batched decode, verification), row by row alike. lora_rank 0: none
      * (layer products only; not the embedding or the head). lora_at: A transposed [cols, rank];
-     * lora_bt: B transposed [rank, rows]. Not copied: the caller keeps them alive. */
-    int lora_rank;
-    const float *lora_at, *lora_bt;
+     * lora_bt: B transposed [rank, rows]; both float32, or float16 bits with lora_f16 = 1 (half
+     * the bytes read per token; converted exactly to float32 as they are read, so the results
+     * are those of the float32 values). Not copied: the caller keeps them alive. */
+    int lora_rank, lora_f16;
+    const void *lora_at, *lora_bt;
 } pocket_weight;
 
 typedef struct pocket_layer_weights {
@@ -127,6 +129,14 @@ int pocket_model_act_digits(const pocket_kernel_table *kernels, const float *x, 
  * every level). Returns POCKET_OK or POCKET_EINVAL. */
 int pocket_model_matmul_f32(const pocket_kernel_table *kernels, const float *x, int n, int cols,
                             const float *w, int rows, float *y);
+
+/* y [n, rows] += (x [n, cols] A^T) B^T for the LoRA adapter w (w->lora_*, rank, float32 or
+ * float16; w->rows, w->cols), by the operations a model at kernel table `kernels`' level runs
+ * (the same bits at every level): x A^T for tokens [i, i + step) at a time, the second product
+ * for output columns [c, c + step) at a time (step 0: all at once). Returns POCKET_OK or a
+ * negative status. */
+int pocket_model_lora(const pocket_kernel_table *kernels, const pocket_weight *w, const float *x,
+                      int n, float *y, int step);
 
 /* Product classes whose activations may be quantized to int8 (bits of act_q8). */
 enum {

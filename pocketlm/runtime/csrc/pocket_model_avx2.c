@@ -16,6 +16,9 @@
  *   block_sums                     the portable function;
  *   matmul_f32                     register-blocked AVX2, bit-identical to the portable
  *                                  loop (below);
+ *   lora_down, lora_up             8 lanes at a time, float16 adapters converted with F16C,
+ *                                  bit-identical to the portable loops (below; also the
+ *                                  avx512 level's);
  *   rmsnorm, to_f16                the portable operations.
  *
  * The integer product. A 64-byte chunk vector of a tile record (pocket_model_ops.h: chunk k of
@@ -597,11 +600,125 @@ TGT void pm_matmul_f32_avx2(const float *x, int n, int cols, const float *w, int
     }
 }
 
+/* ---- LoRA adapters (pm_ops.lora_down / lora_up) ----------------------------------------
+ * Eight ranks (down) or eight output columns (up) per vector, float16 adapters converted with
+ * F16C as they are loaded; every value is the portable operation's sum in its order (multiply,
+ * then add, no fusing), so the bits are the portable ones. */
+
+TGT AI static inline __m256 lora_ld8(const void *p, size_t off, const int f16) {
+    return f16 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + off)))
+               : _mm256_loadu_ps((const float *)p + off);
+}
+
+TGT AI static inline float lora_ld1(const void *p, size_t off, const int f16) {
+    return f16 ? pocket_f16_to_f32(((const uint16_t *)p)[off]) : ((const float *)p)[off];
+}
+
+/* t[q][k .. k + 8 V) = sum over the columns of x[q] A^T, for TB tokens q (x, t: the first
+ * token's rows, cols and r floats apart); TB x V chains of sums, A's values loaded once. */
+TGT AI static inline void lora_down_block(const int TB, const int V, const void *A, int r, int cols,
+                                      int k, const float *x, float *t, const int f16) {
+    __m256 s[4][2];
+    for (int q = 0; q < TB; q++)
+        for (int v = 0; v < V; v++) s[q][v] = _mm256_setzero_ps();
+    for (int c = 0; c < cols; c++) {
+        __m256 a[2];
+        for (int v = 0; v < V; v++) a[v] = lora_ld8(A, (size_t)c * r + k + 8 * v, f16);
+        for (int q = 0; q < TB; q++) {
+            const __m256 xq = _mm256_set1_ps(x[(size_t)q * cols + c]);
+            for (int v = 0; v < V; v++) s[q][v] = _mm256_add_ps(s[q][v], _mm256_mul_ps(xq, a[v]));
+        }
+    }
+    for (int q = 0; q < TB; q++)
+        for (int v = 0; v < V; v++) _mm256_storeu_ps(t + (size_t)q * r + k + 8 * v, s[q][v]);
+}
+
+TGT AI static inline void lora_down_tokens(const int TB, const pocket_weight *w, const float *x,
+                                           float *t, const int f16) {
+    const int r = w->lora_rank, cols = w->cols;
+    int k = 0;
+    for (; k + 16 <= r; k += 16) lora_down_block(TB, 2, w->lora_at, r, cols, k, x, t, f16);
+    for (; k + 8 <= r; k += 8) lora_down_block(TB, 1, w->lora_at, r, cols, k, x, t, f16);
+    for (; k < r; k++)
+        for (int q = 0; q < TB; q++) {
+            float acc = 0.0f;
+            for (int c = 0; c < cols; c++)
+                acc += x[(size_t)q * cols + c] * lora_ld1(w->lora_at, (size_t)c * r + k, f16);
+            t[(size_t)q * r + k] = acc;
+        }
+}
+
+TGT AI static inline void lora_down_body(const pocket_weight *w, const float *x, int i0, int i1,
+                                         float *t, const int f16) {
+    const int r = w->lora_rank, cols = w->cols;
+    int i = i0;
+    for (; i + 4 <= i1; i += 4)
+        lora_down_tokens(4, w, x + (size_t)i * cols, t + (size_t)i * r, f16);
+    for (; i < i1; i++) lora_down_tokens(1, w, x + (size_t)i * cols, t + (size_t)i * r, f16);
+}
+
+TGT void pm_lora_down_avx2(const pocket_weight *w, const float *x, int i0, int i1, float *t) {
+    if (w->lora_f16)
+        lora_down_body(w, x, i0, i1, t, 1);
+    else
+        lora_down_body(w, x, i0, i1, t, 0);
+}
+
+TGT AI static inline void lora_up_body(const pocket_weight *w, const float *t, int n, float *y,
+                                       size_t ys, int c0, int c1, const int f16) {
+    const int r = w->lora_rank;
+    const size_t rows = (size_t)w->rows;
+    const void *B = w->lora_bt;
+    for (int i = 0; i < n; i++) {
+        float *yi = y + (size_t)i * ys;
+        const float *ti = t + (size_t)i * r;
+        int o = c0;
+        for (; o + 32 <= c1; o += 32) { /* four chains */
+            __m256 s0 = _mm256_loadu_ps(yi + o), s1 = _mm256_loadu_ps(yi + o + 8);
+            __m256 s2 = _mm256_loadu_ps(yi + o + 16), s3 = _mm256_loadu_ps(yi + o + 24);
+            for (int k = 0; k < r; k++) {
+                const __m256 tk = _mm256_set1_ps(ti[k]);
+                const size_t off = (size_t)k * rows + (size_t)o;
+                s0 = _mm256_add_ps(s0, _mm256_mul_ps(tk, lora_ld8(B, off, f16)));
+                s1 = _mm256_add_ps(s1, _mm256_mul_ps(tk, lora_ld8(B, off + 8, f16)));
+                s2 = _mm256_add_ps(s2, _mm256_mul_ps(tk, lora_ld8(B, off + 16, f16)));
+                s3 = _mm256_add_ps(s3, _mm256_mul_ps(tk, lora_ld8(B, off + 24, f16)));
+            }
+            _mm256_storeu_ps(yi + o, s0);
+            _mm256_storeu_ps(yi + o + 8, s1);
+            _mm256_storeu_ps(yi + o + 16, s2);
+            _mm256_storeu_ps(yi + o + 24, s3);
+        }
+        for (; o + 8 <= c1; o += 8) {
+            __m256 s0 = _mm256_loadu_ps(yi + o);
+            for (int k = 0; k < r; k++)
+                s0 = _mm256_add_ps(s0, _mm256_mul_ps(_mm256_set1_ps(ti[k]),
+                                                     lora_ld8(B, (size_t)k * rows + o, f16)));
+            _mm256_storeu_ps(yi + o, s0);
+        }
+        for (; o < c1; o++) {
+            float acc = yi[o];
+            for (int k = 0; k < r; k++) acc += ti[k] * lora_ld1(B, (size_t)k * rows + o, f16);
+            yi[o] = acc;
+        }
+    }
+}
+
+TGT void pm_lora_up_avx2(const pocket_weight *w, const float *t, int n, float *y, size_t ys,
+                         int c0, int c1) {
+    if (w->lora_f16)
+        lora_up_body(w, t, n, y, ys, c0, c1, 1);
+    else
+        lora_up_body(w, t, n, y, ys, c0, c1, 0);
+}
+
 const pm_ops pm_ops_avx2 = PM_OPS_F32("avx2", attn_avx2, glu_avx2, quant_act_avx2,
-                                      matmul_tiled_avx2, pm_matmul_f32_avx2);
+                                      matmul_tiled_avx2, pm_matmul_f32_avx2, pm_lora_down_avx2,
+                                      pm_lora_up_avx2);
 #if PM_HAVE_AVXVNNI
 const pm_ops pm_ops_avxvnni = PM_OPS_F32("avx2+avxvnni", attn_avx2, glu_avx2, quant_act_avx2,
-                                         matmul_tiled_avxvnni, pm_matmul_f32_avx2);
+                                         matmul_tiled_avxvnni, pm_matmul_f32_avx2,
+                                         pm_lora_down_avx2, pm_lora_up_avx2);
 #endif
 
 #endif /* PM_HAVE_AVX2 */

@@ -137,36 +137,6 @@ static inline float *lora_slot(const pocket_model *m, int k) {
     return m->lora_t + (size_t)k * PM_BLOCK * (size_t)m->lora_rank;
 }
 
-/* t[i] = x[i] A^T for tokens [i0, i1) of x [n, cols] (t [n, rank]). */
-static void lora_down(const pocket_weight *w, const float *x, int i0, int i1, float *t) {
-    const int r = w->lora_rank, cols = w->cols;
-    for (int i = i0; i < i1; i++) {
-        const float *xi = x + (size_t)i * cols;
-        float *ti = t + (size_t)i * r;
-        for (int k = 0; k < r; k++) ti[k] = 0.0f;
-        for (int c = 0; c < cols; c++) {
-            const float xc = xi[c];
-            const float *a = w->lora_at + (size_t)c * r;
-            for (int k = 0; k < r; k++) ti[k] += xc * a[k];
-        }
-    }
-}
-
-/* y[i, c0:c1] += t[i] B^T[:, c0:c1] for the n tokens (y's rows ys floats apart). */
-static void lora_up(const pocket_weight *w, const float *t, int n, float *y, size_t ys, int c0,
-                    int c1) {
-    const int r = w->lora_rank;
-    for (int i = 0; i < n; i++) {
-        float *yi = y + (size_t)i * ys;
-        const float *ti = t + (size_t)i * r;
-        for (int k = 0; k < r; k++) {
-            const float tk = ti[k];
-            const float *b = w->lora_bt + (size_t)k * (size_t)w->rows;
-            for (int o = c0; o < c1; o++) yi[o] += tk * b[o];
-        }
-    }
-}
-
 static void job_fail(pm_job *j, int rc) {
     if (rc) __atomic_store_n(&j->status, rc, __ATOMIC_RELAXED);
 }
@@ -258,7 +228,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
             const int rb = (b > off ? b : off) - off, re = (e < off + rows ? e : off + rows) - off;
             if (re > rb) rc = product_rows(m, j->w[k], j->t[k], j, j->y[k], rb, re, task);
             if (re > rb && rc == POCKET_OK && j->w[k]->lora_rank)
-                lora_up(j->w[k], lora_slot(m, k), j->n, j->y[k], (size_t)rows, rb, re);
+                m->ops->lora_up(j->w[k], lora_slot(m, k), j->n, j->y[k], (size_t)rows, rb, re);
             off += (rows + PM_ROW_UNIT - 1) / PM_ROW_UNIT * PM_ROW_UNIT;
         }
         break;
@@ -271,7 +241,7 @@ static void pm_task(void *ctx, int task, int ntasks) {
         if (rc == POCKET_OK) rc = product_rows(m, j->w[1], j->t[1], j, j->y[1], b, e, task);
         for (int k = 0; k < 2 && rc == POCKET_OK; k++)
             if (j->w[k]->lora_rank)
-                lora_up(j->w[k], lora_slot(m, k), j->n, j->y[k], (size_t)j->total, b, e);
+                m->ops->lora_up(j->w[k], lora_slot(m, k), j->n, j->y[k], (size_t)j->total, b, e);
         if (rc == POCKET_OK)
             for (int i = 0; i < j->n; i++)
                 m->ops->glu(j->y[0] + (size_t)i * j->total + b, j->y[1] + (size_t)i * j->total + b,
@@ -672,7 +642,7 @@ static void add_rows(float *x, const float *o, size_t len) {
 
 static void step_lora(const pm_rows *r, int i0, int i1) { /* x A^T of each adapter */
     for (int k = 0; k < 3; k++)
-        if (r->lora[k]) lora_down(r->lora[k], r->lora_x, i0, i1, lora_slot(r->m, k));
+        if (r->lora[k]) r->m->ops->lora_down(r->lora[k], r->lora_x, i0, i1, lora_slot(r->m, k));
 }
 
 /* Before a product region over w0..w2 (NULL: absent) on x [n, cols]: the inner values x A^T of

@@ -11,6 +11,7 @@
  *                                  weight is INT5, see pocket_model.c: float products go
  *                                  through the kernel table, i.e. the scalar kernels);
  *   quant_act, block_sums          the portable functions (identical results by contract);
+ *   lora_down, lora_up             the portable loops, float16 adapters converted by FCVTL;
  *   rmsnorm, attn, glu, matmul_f32, to_f16   the portable operations (pm_*_portable).
  *
  * The SDOT product. One `vdotq_laneq_s32(acc, w, x, L)` adds, for each of its 4 int32 lanes e,
@@ -224,7 +225,25 @@ static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, 
     }
 }
 
-const pm_ops pm_ops_neon =
-    PM_OPS("neon", pm_attn_portable, pm_glu_portable, pm_quant_act_portable, matmul_tiled_neon);
+/* float16 -> float32: FCVTL (baseline ARMv8), exact like pm_from_f16_portable. */
+static void from_f16_neon(const uint16_t *h, float *out, size_t len) {
+    size_t k = 0;
+    for (; k + 4 <= len; k += 4)
+        vst1q_f32(out + k, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + k))));
+    for (; k < len; k++) out[k] = pocket_f16_to_f32(h[k]);
+}
+
+static void lora_down_neon(const pocket_weight *w, const float *x, int i0, int i1, float *t) {
+    pm_lora_down_conv(from_f16_neon, w, x, i0, i1, t);
+}
+
+static void lora_up_neon(const pocket_weight *w, const float *t, int n, float *y, size_t ys,
+                         int c0, int c1) {
+    pm_lora_up_conv(from_f16_neon, w, t, n, y, ys, c0, c1);
+}
+
+const pm_ops pm_ops_neon = PM_OPS("neon", pm_attn_portable, pm_glu_portable,
+                                  pm_quant_act_portable, matmul_tiled_neon, lora_down_neon,
+                                  lora_up_neon);
 
 #endif /* PM_HAVE_NEON */

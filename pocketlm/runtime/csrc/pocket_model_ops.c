@@ -142,6 +142,76 @@ void pm_to_f16_portable(const float *x, uint16_t *out, size_t len) {
     for (size_t k = 0; k < len; k++) out[k] = f32_to_f16_bits(x[k]);
 }
 
+void pm_from_f16_portable(const uint16_t *h, float *out, size_t len) {
+    for (size_t k = 0; k < len; k++) out[k] = pocket_f16_to_f32(h[k]);
+}
+
+/* Adapters held as float16 (pocket_weight.lora_f16) are converted exactly to float32 in
+ * chunks of at most this many values, on the stack of the thread that reads them; the sums
+ * run in the same order either way, so the results are those of the float32 values. */
+#define PM_LORA_CHUNK 2048
+
+void pm_lora_down_conv(pm_from_f16_fn conv, const pocket_weight *w, const float *x, int i0,
+                       int i1, float *t) {
+    const int r = w->lora_rank, cols = w->cols;
+    const int cc = w->lora_f16 ? PM_LORA_CHUNK / r : cols; /* columns per chunk */
+    float buf[PM_LORA_CHUNK];
+    for (int i = i0; i < i1; i++)
+        for (int k = 0; k < r; k++) t[(size_t)i * r + k] = 0.0f;
+    for (int c0 = 0; c0 < cols; c0 += cc) {
+        const int c1 = cols - c0 < cc ? cols : c0 + cc;
+        const float *a0; /* A^T rows c0 .. c1 */
+        if (w->lora_f16) {
+            conv((const uint16_t *)w->lora_at + (size_t)c0 * r, buf,
+                             (size_t)(c1 - c0) * r);
+            a0 = buf;
+        } else
+            a0 = (const float *)w->lora_at + (size_t)c0 * r;
+        for (int i = i0; i < i1; i++) {
+            const float *xi = x + (size_t)i * cols;
+            float *ti = t + (size_t)i * r;
+            for (int c = c0; c < c1; c++) {
+                const float xc = xi[c];
+                const float *a = a0 + (size_t)(c - c0) * r;
+                for (int k = 0; k < r; k++) ti[k] += xc * a[k];
+            }
+        }
+    }
+}
+
+void pm_lora_up_conv(pm_from_f16_fn conv, const pocket_weight *w, const float *t, int n,
+                     float *y, size_t ys, int c0, int c1) {
+    const int r = w->lora_rank;
+    const int oc = w->lora_f16 ? PM_LORA_CHUNK / r : c1 - c0; /* columns per chunk */
+    float buf[PM_LORA_CHUNK];
+    for (int o0 = c0; o0 < c1; o0 += oc) {
+        const int o1 = c1 - o0 < oc ? c1 : o0 + oc, len = o1 - o0;
+        if (w->lora_f16)
+            for (int k = 0; k < r; k++)
+                conv((const uint16_t *)w->lora_bt + (size_t)k * w->rows + o0,
+                                 buf + (size_t)k * len, (size_t)len);
+        for (int i = 0; i < n; i++) {
+            float *yi = y + (size_t)i * ys;
+            const float *ti = t + (size_t)i * r;
+            for (int k = 0; k < r; k++) {
+                const float tk = ti[k];
+                const float *b = w->lora_f16 ? buf + (size_t)k * len
+                                             : (const float *)w->lora_bt + (size_t)k * w->rows + o0;
+                for (int o = 0; o < len; o++) yi[o0 + o] += tk * b[o];
+            }
+        }
+    }
+}
+
+void pm_lora_down_portable(const pocket_weight *w, const float *x, int i0, int i1, float *t) {
+    pm_lora_down_conv(pm_from_f16_portable, w, x, i0, i1, t);
+}
+
+void pm_lora_up_portable(const pocket_weight *w, const float *t, int n, float *y, size_t ys,
+                         int c0, int c1) {
+    pm_lora_up_conv(pm_from_f16_portable, w, t, n, y, ys, c0, c1);
+}
+
 void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
                            float *dd, float *bsum, int32_t *corr) {
     const size_t nblk = (size_t)n * (size_t)cols / 32;
@@ -261,4 +331,5 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
 }
 
 const pm_ops pm_ops_portable = PM_OPS("portable", pm_attn_portable, pm_glu_portable,
-                                      pm_quant_act_portable, pm_matmul_tiled_portable);
+                                      pm_quant_act_portable, pm_matmul_tiled_portable,
+                                      pm_lora_down_portable, pm_lora_up_portable);

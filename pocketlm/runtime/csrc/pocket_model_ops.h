@@ -154,18 +154,28 @@ typedef struct pm_ops {
                          int te);
     /* sums of x over each block of 32 columns: bsum [n, cols / 32] */
     void (*block_sums)(const float *x, int n, int cols, float *bsum);
+    /* LoRA adapters (pocket_weight.lora_*, float32 or float16): t[i] = x[i] A^T for tokens
+     * [i0, i1) of x [n, w->cols] (t [n, rank]); y[i, c0:c1] += t[i] B^T[:, c0:c1] for the n
+     * tokens (y's rows ys floats apart). Each value is one sum in a fixed order, products and
+     * sums rounded apart (no fused multiply-add): t[i][k] = 0 + x[i][0] A^T[0][k] + ... in
+     * column order, y[i][o] + t[i][0] B^T[0][o] + ... in rank order, so every implementation
+     * gives the portable one's bits, whatever the tokens and columns it is given. */
+    void (*lora_down)(const pocket_weight *w, const float *x, int i0, int i1, float *t);
+    void (*lora_up)(const pocket_weight *w, const float *t, int n, float *y, size_t ys, int c0,
+                    int c1);
 } pm_ops;
 
 /* An operations table named NAME (a string): the portable operations but for those the avx2
- * and neon levels replace (attention, GLU, activation quantization, the tiled products and,
- * PM_OPS_F32, the float32-weight product). */
-#define PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, MATMUL_F32)                        \
+ * and neon levels replace (attention, GLU, activation quantization, the tiled products, the
+ * LoRA adapters' products and, PM_OPS_F32, the float32-weight product). */
+#define PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, MATMUL_F32, LORA_DOWN, LORA_UP)     \
     {                                                                                           \
         NAME, pm_rmsnorm_portable, ATTN, GLU, MATMUL_F32, pm_to_f16_portable, QUANT_ACT,        \
-            MATMUL_TILED, pm_block_sums_portable                                                \
+            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP                            \
     }
-#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED)                                        \
-    PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, pm_matmul_f32_portable)
+#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, LORA_DOWN, LORA_UP)                     \
+    PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, pm_matmul_f32_portable, LORA_DOWN,     \
+               LORA_UP)
 
 /* The portable operations, also in the tables of the SIMD levels that do not replace them. */
 void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps, float *out);
@@ -174,6 +184,16 @@ void pm_glu_portable(float *gate, const float *up, size_t len, int gelu);
 void pm_matmul_f32_portable(const float *x, int n, int cols, const float *w, int rows, float *y,
                             int rb, int re);
 void pm_to_f16_portable(const float *x, uint16_t *out, size_t len);
+/* The LoRA operations with float16 adapters converted by `conv` (exact), in chunks. */
+typedef void (*pm_from_f16_fn)(const uint16_t *h, float *out, size_t len);
+void pm_from_f16_portable(const uint16_t *h, float *out, size_t len);
+void pm_lora_down_conv(pm_from_f16_fn conv, const pocket_weight *w, const float *x, int i0,
+                       int i1, float *t);
+void pm_lora_up_conv(pm_from_f16_fn conv, const pocket_weight *w, const float *t, int n,
+                     float *y, size_t ys, int c0, int c1);
+void pm_lora_down_portable(const pocket_weight *w, const float *x, int i0, int i1, float *t);
+void pm_lora_up_portable(const pocket_weight *w, const float *t, int n, float *y, size_t ys,
+                         int c0, int c1);
 /* Portable twins used by every implementation. */
 void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *q1, int8_t *q2,
                            float *dd, float *bsum, int32_t *corr);
@@ -196,6 +216,10 @@ extern const pm_ops pm_ops_avx2;
 /* The float32-weight product of the avx2 and avx512 levels: pm_matmul_f32_portable's bits. */
 void pm_matmul_f32_avx2(const float *x, int n, int cols, const float *w, int rows, float *y,
                         int rb, int re);
+/* The LoRA operations of the avx2 and avx512 levels: the portable ones' bits. */
+void pm_lora_down_avx2(const pocket_weight *w, const float *x, int i0, int i1, float *t);
+void pm_lora_up_avx2(const pocket_weight *w, const float *t, int n, float *y, size_t ys, int c0,
+                     int c1);
 #endif
 #if PM_HAVE_AVX2 && ((defined(__clang__) && __clang_major__ >= 12) ||                          \
                      (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))

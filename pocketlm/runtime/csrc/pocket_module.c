@@ -528,6 +528,62 @@ done:
     return result;
 }
 
+static PyObject *py_lora(PyObject *self, PyObject *args, PyObject *kwds) {
+    (void)self;
+    static char *kw[] = {"x", "at", "bt", "out", "step", "level", NULL};
+    PyObject *ox, *oa, *ob, *oy;
+    int step = 0, level = POCKET_LEVEL_AUTO;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO|ii:lora", kw, &ox, &oa, &ob, &oy, &step,
+                                     &level))
+        return NULL;
+    const pocket_kernel_table *t = pocket_py_check_level(level);
+    if (!t) return NULL;
+    Arr x = {0}, a = {0}, b = {0}, y = {0};
+    PyObject *result = NULL;
+    if (get_array(ox, "x", 'f', 0, &x) < 0) goto done;
+    char code = 'e'; /* float16 adapters, else float32 */
+    if (get_array(oa, "at", 'e', 0, &a) < 0) {
+        PyErr_Clear();
+        code = 'f';
+        if (get_array(oa, "at", 'f', 0, &a) < 0) goto done;
+    }
+    if (get_array(ob, "bt", code, 0, &b) < 0 || get_array(oy, "out", 'f', 1, &y) < 0) goto done;
+    Py_ssize_t n = x.v.shape[0], cols = x.v.shape[1], rank = a.v.shape[1], rows = b.v.shape[1];
+    if (cols == 0 || cols > INT_MAX || n > INT_MAX || rows > INT_MAX || rank < 1 ||
+        rank > POCKET_MAX_LORA_RANK || step < 0) {
+        PyErr_SetString(PyExc_ValueError, "x [n, cols], at [cols, rank] (rank 1..256), "
+                                          "bt [rank, rows] and step >= 0 are required");
+        goto done;
+    }
+    if (check_shape(&a, "at", cols, rank) < 0 || check_shape(&b, "bt", rank, rows) < 0 ||
+        check_shape(&y, "out", n, rows) < 0)
+        goto done;
+    if (overlaps(&y, &x) || overlaps(&y, &a) || overlaps(&y, &b)) {
+        PyErr_SetString(PyExc_ValueError, "out must not share memory with x, at or bt");
+        goto done;
+    }
+    {
+        pocket_weight w = {0};
+        w.rows = (int)rows;
+        w.cols = (int)cols;
+        w.lora_rank = (int)rank;
+        w.lora_f16 = code == 'e';
+        w.lora_at = a.v.buf;
+        w.lora_bt = b.v.buf;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = pocket_model_lora(t, &w, (const float *)x.v.buf, (int)n, (float *)y.v.buf, step);
+        Py_END_ALLOW_THREADS
+        result = pocket_py_status_result(rc);
+    }
+done:
+    arr_release(&x);
+    arr_release(&a);
+    arr_release(&b);
+    arr_release(&y);
+    return result;
+}
+
 /* ---- module ----------------------------------------------------------------------------- */
 
 int pocket_py_add_type(PyObject *m, const char *name, PyTypeObject *type) {
@@ -552,6 +608,12 @@ static PyMethodDef methods[] = {
      "act_digits(x, q1, q2, dd, bsum, digits=2, level=-1): the engine's int8 activation\n"
      "digits of x float32 [n, cols]: q1, q2 int8 [n, cols] (q2 untouched with digits=1),\n"
      "dd float32 [n, cols/32] (x ~ dd * (128 q1 + q2), or dd * q1), bsum float32 [n, cols/32]."},
+    {"lora", (PyCFunction)(void (*)(void))py_lora, METH_VARARGS | METH_KEYWORDS,
+     "lora(x, at, bt, out, step=0, level=-1): out float32 [n, rows] += (x float32 [n, cols]\n"
+     "at) bt, a LoRA adapter's part of a product: at [cols, rank] (A transposed) and\n"
+     "bt [rank, rows] (B transposed), both float32 or both float16, by the operations a\n"
+     "NativeModel at that kernel level runs (the same bits at every level); step > 0: tokens\n"
+     "and output columns in ranges of step, as the engine's blocks and threads split them."},
     {"matmul_f32", (PyCFunction)(void (*)(void))py_matmul_f32, METH_VARARGS | METH_KEYWORDS,
      "matmul_f32(x, w, out, level=-1): out float32 [n, rows] = x float32 [n, cols] times\n"
      "w float32 [rows, cols] transposed, by the float32-weight product a NativeModel at that\n"

@@ -11,7 +11,8 @@
  *            Optional "layers.N.attn.k_smooth": float32 [kv_dim], the int8 KV cache's key
  *            smoothing (pocket_layer_weights.k_smooth). With config "lora_rank" R > 0,
  *            optional LoRA adapters of the layer weights: "<weight>.lora_at" float32
- *            [cols, R] and "<weight>.lora_bt" float32 [R, rows] (pocket_weight.lora_*), where
+ *            [cols, R] and "<weight>.lora_bt" float32 [R, rows] (float16 both with config
+ *            "lora_f16" 1; pocket_weight.lora_*), where
  *            <weight> is "layers.N.attn.w_q" (w_k, w_v, w_o) or "layers.N.mlp.w_gate" (w_up,
  *            w_down).
  *   capacity: the largest KV cache capacity (positions) the model will be asked for.
@@ -366,6 +367,8 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (cfg_item(cfg, "lora_rank", 0) &&
         cfg_int(cfg, "lora_rank", 0, POCKET_MAX_LORA_RANK, &lora_rank))
         return NULL;
+    int lora_f16 = 0; /* optional: 1 when the adapters are float16 (else float32) */
+    if (cfg_item(cfg, "lora_f16", 0) && cfg_int(cfg, "lora_f16", 0, 1, &lora_f16)) return NULL;
 
     ModelObject *self = (ModelObject *)type->tp_alloc(type, 0);
     if (!self) return NULL;
@@ -477,12 +480,12 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                     goto fail;
                 }
                 if (!oa) continue;
-                if (model_keep(self, oa, name, 'f', 2, w->cols, lora_rank,
-                               (const void **)&w->lora_at) ||
-                    model_keep(self, ob, name_b, 'f', 2, lora_rank, w->rows,
-                               (const void **)&w->lora_bt))
+                const char code = lora_f16 ? 'e' : 'f';
+                if (model_keep(self, oa, name, code, 2, w->cols, lora_rank, &w->lora_at) ||
+                    model_keep(self, ob, name_b, code, 2, lora_rank, w->rows, &w->lora_bt))
                     goto fail;
                 w->lora_rank = lora_rank;
+                w->lora_f16 = lora_f16;
             }
         }
 #undef LNAME
