@@ -12,7 +12,7 @@ import tiny_gguf
 
 import pocketlm
 from pocketlm.errors import PocketError
-from pocketlm.speculative import DraftLength, PromptLookup, StepCost
+from pocketlm.speculative import DraftGate, DraftLength, PromptLookup, StepCost
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
 REPEATS = "one two three four five six seven, one two three four five six seven, one two"
@@ -77,6 +77,40 @@ def test_draft_length_follows_acceptance_and_cost_and_stops_when_it_does_not_pay
     for bad in (0, 17, 2.5, True):
         with pytest.raises(PocketError):
             DraftLength(max_draft=bad)
+
+
+def _gate_run(gate, batch, steps, on_rate, off_rate):
+    """``steps`` steps through ``gate`` where drafting gives ``on_rate`` tokens/s and plain
+    steps ``off_rate``: which were allowed to draft."""
+    allowed = []
+    for _ in range(steps):
+        a = gate.allow(batch)
+        allowed.append(a)
+        gate.observe(batch, a, batch * 2, batch * 2 / (on_rate if a else off_rate))
+    return allowed
+
+
+def test_draft_gate_drafts_in_batched_steps_only_where_drafting_measured_faster():
+    gate = DraftGate(explore_every=8, warmup=4)
+    # warm-up: the two ways alternate until each has 4 steps at this batch size
+    assert _gate_run(gate, 4, 8, 45.0, 48.0) == [True, False] * 4
+    # drafting slower at 4 requests: plain steps, drafting sampled 1 step in 8
+    assert sum(_gate_run(gate, 4, 80, on_rate=45.0, off_rate=48.0)) == 10
+    # faster at 2 requests (its own measurements): drafting, plain sampled 1 step in 8
+    assert sum(_gate_run(gate, 2, 88, on_rate=60.0, off_rate=50.0)[8:]) == 70
+    # a change is noticed: at 4 requests drafting becomes faster
+    assert sum(_gate_run(gate, 4, 400, on_rate=60.0, off_rate=48.0)[-80:]) == 70
+    # one request: always allowed (the draft length rule decides), nothing recorded
+    assert all(gate.allow(1) for _ in range(20))
+    gate.observe(1, True, 5, 0.01)
+    summary = gate.summary()
+    assert set(summary) == {"2", "4"}
+    assert summary["4"]["drafting"] > summary["4"]["plain"]
+    # larger batches share the largest bucket; a step of no measurable time is ignored
+    gate.observe(30, False, 30, 0.0)
+    assert "8" not in gate.summary()
+    gate.observe(30, False, 30, 0.5)
+    assert gate.summary()["8"] == {"plain": 60.0}
 
 
 PROMPTS = [REPEATS, "a b c d e f g a b c d e f g a b c", "hello", "x " * 40]

@@ -41,7 +41,7 @@ from ..generate import Sequence, TextStream
 from ..runtime.model import KVCache
 from ..sampling import Sampler
 from ..sampling import logprobs as token_logprobs
-from ..speculative import DraftLength, PromptLookup, SpeculativeStats, StepCost
+from ..speculative import DraftGate, DraftLength, PromptLookup, SpeculativeStats, StepCost
 
 MB = 1 << 20
 
@@ -178,6 +178,7 @@ class Scheduler:
         self._reserved = 0  # bytes: running caches + prefixes
         self._stopping = False
         self._step_cost = StepCost()  # shared by the requests that draft
+        self._gate = DraftGate()  # whether a batched step may draft, by measured tokens/s
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
                       "rejected": 0,
                       "prefix_hits": 0, "prefix_tokens_reused": 0, "steps": 0,
@@ -231,7 +232,10 @@ class Scheduler:
                     "cached_prefixes": len(self._prefixes),
                     # measured cost of one more row in a decode step, relative to a one-row
                     # step (what speculative requests' draft lengths are chosen by)
-                    "row_cost": round(self._step_cost.row_cost, 3), **self.stats}
+                    "row_cost": round(self._step_cost.row_cost, 3),
+                    # decode tokens/s of batched steps with and without drafts, by requests
+                    # per step (what decides whether such steps draft)
+                    "draft_gate": self._gate.summary(), **self.stats}
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests; finish nothing more (pending ones get an error event)."""
@@ -441,7 +445,10 @@ class Scheduler:
         if not batch:
             return
         t0 = time.perf_counter()
-        drafts = [self._drafts(r, len(batch)) for r in batch]
+        gated = any(r.drafter is not None for r in batch)
+        allow = not gated or self._gate.allow(len(batch))
+        before = sum(len(r.seq.generated) for r in batch)
+        drafts = [self._drafts(r, len(batch)) if allow else [] for r in batch]
         self.stats["steps"] += 1
         if not any(drafts):
             rows = self._forward_rows(batch)
@@ -462,7 +469,11 @@ class Scheduler:
         # what a row costs, measured on the steps this server runs (plain ones too: their
         # batch sizes vary), so that drafting pays for the whole batch, not one request
         extra = len(batch) - 1 + sum(len(d) for d in drafts)
-        self._step_cost.observe(extra, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self._step_cost.observe(extra, seconds)
+        if gated:
+            self._gate.observe(len(batch), allow,
+                               sum(len(r.seq.generated) for r in batch) - before, seconds)
 
     def _drafts(self, req: Request, batch: int) -> list[int]:
         """Up to the request's draft length of prompt-lookup drafts that fit its cache and
