@@ -4,13 +4,16 @@ Starts `pocket serve` (a subprocess, the engine's default settings) and, for eac
 concurrency C, runs C client threads that each send streaming /v1/completions requests back to
 back (distinct prompts, greedy, --gen tokens with EOS ignored, usage read from the last chunk).
 Per level: aggregate completion tokens/s over the level's wall time, p50/p95 time to first
-token, the median per-request decode rate, and the mean rows per batched decode step. Levels run
+token, the median per-request decode rate, and the mean tokens per batched decode step (rows,
+without speculation), the share of the server's engine time spent on prompts, and with
+--speculative the decode tokens/s its batched steps measured with and without drafts. Levels run
 --rounds times, alternating their order, and the medians are reported. The clients share the
 machine with the server (2 vCPUs here): they use raw HTTP, not a client library, to keep their
 share small.
 
 One JSON line per level: command, machine, model, threads, n_prompt (mean), n_gen, clients,
-requests, agg_tok_s, ttft_p50_s, ttft_p95_s, req_decode_tok_s, mean_batch (n_prompt: the
+requests, agg_tok_s, ttft_p50_s, ttft_p95_s, req_decode_tok_s, mean_batch, prefill_share,
+draft_gate (n_prompt: the
 prompts' tokens as pocketlm counts them; both engines get the same prompts).
 
 With --vs llama.cpp, llama-cpp-python's OpenAI server (``python -m llama_cpp.server``, run by
@@ -183,7 +186,17 @@ def run_level(url: str, model: str, clients: int, per_client: int, n_gen: int,
         # rows per batched decode step (the first token of a request comes from its prefill)
         "mean_batch": ((sum(r["tokens"] for r in results) - len(results))
                        / max(1, after["steps"] - before["steps"])) if pocket else None,
+        # the server's engine time in prompt chunks against decode steps, and (speculative)
+        # the decode tokens/s its batched steps measured with and without drafts
+        "prefill_share": _share(before, after) if pocket else None,
+        "draft_gate": after.get("draft_gate") if pocket else None,
     }
+
+
+def _share(before: dict, after: dict) -> float | None:
+    p = after.get("prefill_s", 0.0) - before.get("prefill_s", 0.0)
+    d = after.get("decode_s", 0.0) - before.get("decode_s", 0.0)
+    return p / (p + d) if p + d > 0 else None
 
 
 def main() -> int:
@@ -267,6 +280,8 @@ def main() -> int:
                 "agg_tok_s": med("agg_tok_s"), "ttft_p50_s": med("ttft_p50_s"),
                 "ttft_p95_s": med("ttft_p95_s"), "req_decode_tok_s": med("req_decode_tok_s"),
                 "mean_batch": med("mean_batch") if pocket(e) else None,
+                "prefill_share": med("prefill_share") if pocket(e) else None,
+                "draft_gate": rs[-1]["draft_gate"] if e == "pocketlm+lookup" else None,
                 "agg_tok_s_rounds": [round(r["agg_tok_s"], 1) for r in rs],
             })
         for line in lines:

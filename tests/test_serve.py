@@ -235,6 +235,7 @@ def test_fifty_clients_at_once_each_get_their_own_answer(server):
     after = server.health()
     assert after["max_batch_seen"] > 4  # decoded together, not one after another
     assert 0.02 <= after["row_cost"] < 5  # learned from the steps' times and rows
+    assert after["prefill_s"] > before["prefill_s"] and after["decode_s"] > before["decode_s"]
     assert after["completed"] - before["completed"] == 50
     assert after["running"] == 0 and after["waiting"] == 0 and after["kv_reserved_mb"] >= 0
 
@@ -538,6 +539,10 @@ def test_speculative_requests_get_the_same_answers_alone_and_batched(server, loc
                 model=MODEL, messages=m, max_tokens=64, temperature=0
             ).choices[0].message.content, msgs))
         assert got == want
+        # the batched steps' speculative tokens/s, measured with drafts and without
+        gate = default.health()["draft_gate"]
+        assert gate and all(set(v) <= {"drafting", "plain"} and all(r > 0 for r in v.values())
+                            for v in gate.values())
         off = d.chat.completions.create(model=MODEL, messages=msgs[0], max_tokens=64,
                                         temperature=0, extra_body={"speculative": False})
         assert off.choices[0].message.content == want[0]

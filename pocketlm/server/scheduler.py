@@ -182,7 +182,7 @@ class Scheduler:
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
                       "rejected": 0,
                       "prefix_hits": 0, "prefix_tokens_reused": 0, "steps": 0,
-                      "max_batch_seen": 0}
+                      "max_batch_seen": 0, "prefill_s": 0.0, "decode_s": 0.0}
         self._thread = threading.Thread(target=self._run, name="pocket-scheduler", daemon=True)
         self._thread.start()
 
@@ -235,7 +235,9 @@ class Scheduler:
                     "row_cost": round(self._step_cost.row_cost, 3),
                     # decode tokens/s of batched steps with and without drafts, by requests
                     # per step (what decides whether such steps draft)
-                    "draft_gate": self._gate.summary(), **self.stats}
+                    "draft_gate": self._gate.summary(),
+                    **self.stats, "prefill_s": round(self.stats["prefill_s"], 3),
+                    "decode_s": round(self.stats["decode_s"], 3)}
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests; finish nothing more (pending ones get an error event)."""
@@ -285,6 +287,7 @@ class Scheduler:
             prefilling = [r for r in self._running if r.seq is None or
                           r.prefilled < len(r.prompt_ids)]
         budget = self.prefill_chunk
+        t0 = time.perf_counter()
         for req in prefilling:  # oldest first, up to prefill_chunk tokens this loop
             if budget <= 0:
                 break
@@ -294,7 +297,11 @@ class Scheduler:
                 with self._lock:
                     self._fail(req, e if isinstance(e, GenerationError)
                                else GenerationError("prefill", e))
+        t1 = time.perf_counter()
         self._decode_step()
+        # where the engine's time goes (seconds of prompt chunks and of decode steps)
+        self.stats["prefill_s"] += t1 - t0
+        self.stats["decode_s"] += time.perf_counter() - t1
 
     def _drop_cancelled(self) -> None:
         for req in [r for r in self._waiting if r.cancelled]:
