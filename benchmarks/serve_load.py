@@ -5,7 +5,8 @@ concurrency C, runs C client threads that each send streaming /v1/completions re
 back (distinct prompts, greedy, --gen tokens with EOS ignored, usage read from the last chunk).
 Per level: aggregate completion tokens/s over the level's wall time, p50/p95 time to first
 token, the median per-request decode rate, and the mean tokens per batched decode step (rows,
-without speculation), the share of the server's engine time spent on prompts, and with
+without speculation), the share of the server's engine time spent on prompts and of the wall
+time the engine was busy, and with
 --speculative the decode tokens/s its batched steps measured with and without drafts. Levels run
 --rounds times, alternating their order, and the medians are reported. The clients share the
 machine with the server (2 vCPUs here): they use raw HTTP, not a client library, to keep their
@@ -13,7 +14,7 @@ share small.
 
 One JSON line per level: command, machine, model, threads, n_prompt (mean), n_gen, clients,
 requests, agg_tok_s, ttft_p50_s, ttft_p95_s, req_decode_tok_s, mean_batch, prefill_share,
-draft_gate (n_prompt: the
+engine_busy, draft_gate (n_prompt: the
 prompts' tokens as pocketlm counts them; both engines get the same prompts).
 
 With --vs llama.cpp, llama-cpp-python's OpenAI server (``python -m llama_cpp.server``, run by
@@ -189,8 +190,14 @@ def run_level(url: str, model: str, clients: int, per_client: int, n_gen: int,
         # the server's engine time in prompt chunks against decode steps, and (speculative)
         # the decode tokens/s its batched steps measured with and without drafts
         "prefill_share": _share(before, after) if pocket else None,
+        # the share of the wall time the engine was busy (the rest: HTTP, streaming, clients)
+        "engine_busy": _busy(before, after, wall) if pocket else None,
         "draft_gate": after.get("draft_gate") if pocket else None,
     }
+
+
+def _busy(before: dict, after: dict, wall: float) -> float:
+    return sum(after.get(k, 0.0) - before.get(k, 0.0) for k in ("prefill_s", "decode_s")) / wall
 
 
 def _share(before: dict, after: dict) -> float | None:
@@ -281,6 +288,7 @@ def main() -> int:
                 "ttft_p95_s": med("ttft_p95_s"), "req_decode_tok_s": med("req_decode_tok_s"),
                 "mean_batch": med("mean_batch") if pocket(e) else None,
                 "prefill_share": med("prefill_share") if pocket(e) else None,
+                "engine_busy": med("engine_busy") if pocket(e) else None,
                 "draft_gate": rs[-1]["draft_gate"] if e == "pocketlm+lookup" else None,
                 "agg_tok_s_rounds": [round(r["agg_tok_s"], 1) for r in rs],
             })

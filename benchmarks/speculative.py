@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import platform
 import statistics
 import sys
 import time
@@ -138,6 +137,7 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
     import tempfile
 
     import pocketlm
+    from pocketlm.bench import machine_info
     from pocketlm.formats import sniff
     from pocketlm.registry import resolve
 
@@ -167,6 +167,7 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
                                     n_threads_batch=threads, verbose=False, draft_model=draft,
                                     logits_all=draft is not None)
         rows = []
+        machine, today = machine_info(), time.strftime("%Y-%m-%d")
         for task in the_tasks:
             ids = model.chat_ids([{"role": "user", "content": task["prompt"]}])
             systems = ["plain", "lookup", *(["draft"] if drafter else []), *llms]
@@ -194,8 +195,7 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
                    "decode_tps": {k: round(v, 1) for k, v in med.items()},
                    "x_plain": round(med["lookup"] / med["plain"], 3),
                    "identical": outs["lookup"] == outs["plain"], "speculative": stats,
-                   "machine": {"cpu": platform.processor() or platform.machine()},
-                   "command": " ".join(sys.argv)}
+                   "machine": machine, "date": today, "command": " ".join(sys.argv)}
             if drafter:
                 row.update({"draft_model": draft, "x_draft": round(med["draft"] / med["plain"], 3),
                             "identical_draft": outs["draft"] == outs["plain"],
@@ -212,7 +212,8 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
             summary = {"bench": "speculative-summary", "model": name, "kind": kind,
                        "tasks": len(sel),
                        "median_x_plain": round(statistics.median(r["x_plain"] for r in sel), 3),
-                       "all_identical": all(r["identical"] for r in sel)}
+                       "all_identical": all(r["identical"] for r in sel),
+                       "machine": machine, "date": today}
             if drafter:
                 summary["median_x_draft"] = round(statistics.median(r["x_draft"] for r in sel), 3)
                 summary["all_identical_draft"] = all(r["identical_draft"] for r in sel)
