@@ -225,8 +225,24 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
             print(json.dumps(summary), file=sys.stderr)
 
 
-def table(path: Path) -> str:
+def _latest(path: Path) -> list[dict]:
+    """The rows of a results file, the newest of each (model, task) and (model, summary kind)
+    in the place of the first (a model measured again replaces its rows)."""
     rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    newest: dict[tuple, dict] = {}
+    for r in rows:
+        newest[(r["bench"], r["model"], r.get("task"), r.get("kind"))] = r
+    seen, out = set(), []
+    for r in rows:
+        key = (r["bench"], r["model"], r.get("task"), r.get("kind"))
+        if key not in seen:
+            seen.add(key)
+            out.append(newest[key])
+    return out
+
+
+def table(path: Path) -> str:
+    rows = _latest(path)
     lines = ["| model | task | plain tok/s | lookup tok/s (x plain) | llama.cpp | "
              "llama.cpp lookup | lookup / llama.cpp lookup | acceptance | identical |",
              "|---|---|---:|---:|---:|---:|---:|---:|---|"]
@@ -245,7 +261,7 @@ def table(path: Path) -> str:
 def write(path: Path) -> None:
     """The table of ``path`` (and each model's summary) into docs/speculative.md."""
     doc = ROOT / "docs" / "speculative.md"
-    rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    rows = _latest(path)
     lines = [table(path), ""]
     for r in rows:
         if r["bench"] == "speculative-summary":
@@ -256,8 +272,13 @@ def write(path: Path) -> None:
                          + f"; every answer identical: {'yes' if r['all_identical'] else 'NO'}")
     first = next(r for r in rows if r["bench"] == "speculative")
     runs: dict[tuple, list[str]] = {}  # (command, runs) -> the models it measured
+    kernels: dict[tuple, str] = {}  # (command, runs) -> kernel level, where recorded
+    dates: dict[tuple, str] = {}
     for r in rows:
         if r["bench"] == "speculative":
+            if r["machine"].get("kernel_level"):
+                kernels[r["command"], r["runs"]] = r["machine"]["kernel_level"]
+                dates[r["command"], r["runs"]] = r.get("date", "")
             models = runs.setdefault((r["command"], r["runs"]), [])
             if r["model"] not in models:
                 models.append(r["model"])
@@ -266,6 +287,8 @@ def write(path: Path) -> None:
                  f"first, median of the runs, at most 128 tokens, greedy, {first['threads']} "
                  f"threads, on {first['machine']['cpu']}; "
                  + "; ".join(f"{', '.join(models)}: {n} runs, `{cmd}`"
+                             + (f" ({kernels[cmd, n]} kernels, {dates[cmd, n]})"
+                                if (cmd, n) in kernels else "")
                              for (cmd, n), models in runs.items()) + ".")
     text = doc.read_text(encoding="utf-8")
     a = text.index("<!-- speculative:start -->") + len("<!-- speculative:start -->")
