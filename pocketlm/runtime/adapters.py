@@ -34,10 +34,11 @@ def is_adapter_tensor(name: str) -> bool:
 
 
 def find_adapters(config, weights: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """The adapters among ``weights``: ``{stem: (A float32 [rank, in], B float32 [out,
-    rank])}`` (empty when there are none). Every adapter tensor is checked: a known stem of a
-    layer the config has, A and B together, the shapes of the weight beside them, one rank for
-    all, float16 or float32, finite values; anything else is a FormatError naming it."""
+    """The adapters among ``weights``: ``{stem: (A [rank, in], B [out, rank])}``, the arrays
+    as given (float16 or float32, not copied; empty when there are none). Every adapter tensor
+    is checked: a known stem of a layer the config has, A and B together, the shapes of the
+    weight beside them, one rank for all, float16 or float32, finite values; anything else is
+    a FormatError naming it."""
     names = [n for n in weights if is_adapter_tensor(n)]
     if not names:
         return {}
@@ -71,10 +72,9 @@ def find_adapters(config, weights: dict) -> dict[str, tuple[np.ndarray, np.ndarr
             raise FormatError(f"adapter {stem!r} has rank {r}, the others {rank}: one rank "
                               "for all")
         rank = r
-        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        if not (np.isfinite(a32).all() and np.isfinite(b32).all()):
+        if not (np.isfinite(a).all() and np.isfinite(b).all()):
             raise FormatError(f"adapter {stem!r} holds values that are not finite")
-        out[stem] = (a32, b32)
+        out[stem] = (a, b)
     for name in names:
         if name.endswith(LORA_B) and name[: -len(LORA_B)] not in out:
             raise FormatError(f"tensor {name!r} has no {name[:-len(LORA_B)] + LORA_A!r} "

@@ -174,8 +174,9 @@ class NumpyEngine(Engine):
         start = cache.length
         positions = np.arange(start, start + n)
         w = self.w
-        if self._adapters is None:
-            self._adapters = find_adapters(cfg, w)
+        if self._adapters is None:  # the adapters' part in float32
+            self._adapters = {stem: (a.astype(np.float32), b.astype(np.float32))
+                              for stem, (a, b) in find_adapters(cfg, w).items()}
         lin = self._linear
         obs = self.observe or (lambda site, a: None)
         x = R.embedding_ref(w["embed.weight"], ids)  # [n, d_model]

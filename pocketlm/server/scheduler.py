@@ -454,7 +454,7 @@ class Scheduler:
         t0 = time.perf_counter()
         gated = any(r.drafter is not None for r in batch)
         allow = not gated or self._gate.allow(len(batch))
-        before = sum(len(r.seq.generated) for r in batch)
+        before = sum(len(r.seq.generated) for r in batch) if gated else 0
         drafts = [self._drafts(r, len(batch)) if allow else [] for r in batch]
         self.stats["steps"] += 1
         if not any(drafts):

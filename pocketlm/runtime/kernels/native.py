@@ -394,17 +394,18 @@ def engine_weights(config, weights: dict, *, adapters: bool = True
                           "the native engine supports")
         out[name] = t
     found = find_adapters(config, weights) if adapters else {}
-    half = all(_exact_f16(t) for ab in found.values() for t in ab)
+    dtype = np.float16 if all(_exact_f16(t) for ab in found.values() for t in ab) \
+        else np.float32
     for stem, (a, b) in found.items():  # A^T, B^T
-        if half:
-            a, b = a.astype(np.float16), b.astype(np.float16)
-        out[stem + ".lora_at"] = np.ascontiguousarray(a.T)
-        out[stem + ".lora_bt"] = np.ascontiguousarray(b.T)
+        out[stem + ".lora_at"] = np.ascontiguousarray(a.T, dtype)
+        out[stem + ".lora_bt"] = np.ascontiguousarray(b.T, dtype)
     return out, ""
 
 
 def _exact_f16(t: np.ndarray) -> bool:
-    """Whether float16 holds every value of the float32 array ``t`` exactly."""
+    """Whether float16 holds every value of ``t`` (float16 or float32) exactly."""
+    if t.dtype == np.float16:
+        return True
     with np.errstate(over="ignore"):
         return bool(np.array_equal(t.astype(np.float16).astype(np.float32), t))
 
@@ -512,8 +513,8 @@ class NativeEngine:
         cfg["amx"] = self.amx
         cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
         cfg["lora_rank"] = self.lora_rank = adapter_rank(tensors)
-        cfg["lora_f16"] = self.lora_f16 = int(any(n.endswith(".lora_at") and t.dtype == np.float16
-                                  for n, t in tensors.items()))
+        cfg["lora_f16"] = self.lora_f16 = int(any(
+            n.endswith(".lora_at") and t.dtype == np.float16 for n, t in tensors.items()))
         self.model = _call(_native.NativeModel, cfg, tensors, self.capacity,
                            act_q8=self.q8_mask(), level=level_id, threads=self.threads,
                            pool=_get_pool(self.threads), avxvnni=self.avxvnni)
