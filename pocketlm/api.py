@@ -207,9 +207,10 @@ class PocketModel:
         """``(drafter, draft lengths)`` for a ``speculative`` argument, or None."""
         if speculative is None or speculative is False:
             return None
-        from .speculative import DraftLength, make_drafter
+        from .speculative import DEFAULT_MAX_DRAFT, DraftLength, make_drafter
 
-        max_draft = speculative.get("max_draft", 8) if isinstance(speculative, dict) else 8
+        max_draft = speculative.get("max_draft", DEFAULT_MAX_DRAFT) \
+            if isinstance(speculative, dict) else DEFAULT_MAX_DRAFT
         lengths = DraftLength(max_draft=max_draft)
         return make_drafter(speculative, target_tokenizer=self.tokenizer,
                             capacity=self.n_ctx), lengths

@@ -435,7 +435,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
                    "the text so far (fast on tasks that copy their input: extract, rewrite, "
                    "summarize); a model name or file drafts with that smaller model of the same "
                    "vocabulary. The same tokens as without it; -v prints the acceptance")
-    p.add_argument("--draft-max", type=int, default=8, metavar="N",
+    p.add_argument("--draft-max", type=int, default=None, metavar="N",
                    help="with --speculative: draft at most N tokens per step (1-16, default 8; "
                    "fewer as acceptance falls)")
 
@@ -493,13 +493,14 @@ def _speculative(args):
     spec = _argv_text(spec, "--speculative").strip()
     if not spec:
         raise PocketError("--speculative needs 'lookup' or a draft model")
-    from .speculative import MAX_DRAFT
+    from .speculative import DEFAULT_MAX_DRAFT, MAX_DRAFT
 
-    if not 1 <= args.draft_max <= MAX_DRAFT:
-        raise PocketError(f"--draft-max must be from 1 to {MAX_DRAFT}, got {args.draft_max}")
+    n = DEFAULT_MAX_DRAFT if args.draft_max is None else args.draft_max
+    if not 1 <= n <= MAX_DRAFT:
+        raise PocketError(f"--draft-max must be from 1 to {MAX_DRAFT}, got {n}")
     if spec == "lookup":
-        return {"method": "lookup", "max_draft": args.draft_max}
-    return {"draft": spec, "max_draft": args.draft_max}
+        return {"method": "lookup", "max_draft": n}
+    return {"draft": spec, "max_draft": n}
 
 
 def _speculative_line(m) -> str:

@@ -46,6 +46,10 @@ __all__ = ["DraftLength", "DraftModel", "PromptLookup", "SpeculativeStats", "Ste
            "make_drafter", "run_speculative"]
 
 MAX_DRAFT = 16  # the most tokens one verification may check beyond the sampled one
+# Defaults of prompt lookup and of the draft length, chosen by replaying the grounded tasks of
+# benchmarks/speculative.py (benchmarks/speculative_policy.py; docs/speculative.md)
+LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM = 8, 2
+DEFAULT_MAX_DRAFT = 8
 
 
 @dataclass
@@ -75,12 +79,15 @@ class SpeculativeStats:
 class PromptLookup:
     """Drafts by n-gram lookup in the text so far (prompt and generated tokens).
 
-    For n from ``max_ngram`` down to ``min_ngram`` (3 and 2 by default: a single token matches
-    too often on free text, and its drafts are mostly wrong), the last n tokens are looked up
-    among the earlier ones (the most recent occurrence wins); the tokens that followed it are the draft.
+    For n from ``max_ngram`` down to ``min_ngram`` (8 and 2 by default), the last n tokens are
+    looked up among the earlier ones (the most recent occurrence wins); the tokens that followed
+    it are the draft. The longest match comes first: the more context an earlier occurrence
+    shares, the more likely its continuation is the one being written; a single token matches
+    too often on free text, and its drafts are mostly wrong.
     The index is updated incrementally: each new token costs O(max_ngram)."""
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 2):
+    def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM,
+                 min_ngram: int = LOOKUP_MIN_NGRAM):
         if not 1 <= min_ngram <= max_ngram <= 8:
             raise PocketError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max <= 8, "
                               f"got {min_ngram}..{max_ngram}")
@@ -195,7 +202,8 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
     if spec.get("method", "lookup") != "lookup":
         raise PocketError(f"unknown speculative method {spec.get('method')!r}; known: lookup, "
                           "or {'draft': MODEL}")
-    return PromptLookup(int(spec.get("max_ngram", 3)), int(spec.get("min_ngram", 2)))
+    return PromptLookup(int(spec.get("max_ngram", LOOKUP_MAX_NGRAM)),
+                        int(spec.get("min_ngram", LOOKUP_MIN_NGRAM)))
 
 
 class StepCost:
@@ -254,16 +262,21 @@ class DraftLength:
     ``cost``, one shared with other sequences). k = 0 means a plain step; then one draft is
     probed every ``probe_every`` steps to notice when drafting pays again. ``batch``: rows
     already in the step (the server's other requests), which makes an extra row relatively
-    dearer: it slows every row of the step, not only its own sequence's."""
+    dearer: it slows every row of the step, not only its own sequence's. ``prior``: the
+    acceptance assumed before any draft was checked (2/3: it weighs as one rejected draft and
+    two accepted ones, so the first misses pull it down fast)."""
 
-    def __init__(self, max_draft: int = 8, probe_every: int = 8, row_cost: float = 0.25,
-                 cost: StepCost | None = None):
+    def __init__(self, max_draft: int = DEFAULT_MAX_DRAFT, probe_every: int = 8,
+                 row_cost: float = 0.25, cost: StepCost | None = None, prior: float = 2 / 3):
         if isinstance(max_draft, bool) or not isinstance(max_draft, int) or \
                 not 1 <= max_draft <= MAX_DRAFT:
             raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
                               f"{max_draft!r}")
+        if not 0.0 < prior < 1.0:
+            raise PocketError(f"prior acceptance must be between 0 and 1, got {prior!r}")
         self.max_draft, self.probe_every = max_draft, probe_every
-        self.accepted, self.tried = 1.0, 2.0  # prior: a = 1/2
+        self.tried = 1.0 / (1.0 - prior)  # one rejected draft, prior / (1 - prior) accepted
+        self.accepted = prior * self.tried
         self.cost = cost if cost is not None else StepCost(row_cost)
         self._idle = 0
 

@@ -44,6 +44,29 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
         PromptLookup(max_ngram=0)
 
 
+def test_prompt_lookup_prefers_the_occurrence_sharing_the_most_context():
+    # "7 8" occurs twice; only the first occurrence shares "5 6 7 8" with the end of the text
+    text = [5, 6, 7, 8, 1, 2, 9, 7, 8, 3, 4, 0, 5, 6, 7, 8]
+    d = PromptLookup()  # default: up to 8 tokens of context
+    d.reset(text)
+    assert d.max_ngram == 8 and d.propose(2) == [1, 2]
+    short = PromptLookup(max_ngram=2)
+    short.reset(text)
+    assert short.propose(2) == [3, 4]  # the most recent "7 8"
+
+
+def test_draft_length_prior_sets_the_first_drafts():
+    # before any draft is checked the acceptance is the prior; it decides how long to start
+    assert DraftLength().acceptance == pytest.approx(2 / 3)
+    assert DraftLength(prior=0.9).best() > DraftLength(prior=0.5).best()
+    d = DraftLength()
+    d.update(4, 0)  # the default prior weighs three drafts: one miss pulls it below 1/2
+    assert d.acceptance < 0.5
+    for bad in (0.0, 1.0, -0.1, 1.5):
+        with pytest.raises(PocketError, match="prior"):
+            DraftLength(prior=bad)
+
+
 def test_draft_length_follows_acceptance_and_cost_and_stops_when_it_does_not_pay():
     lengths = DraftLength(max_draft=8, probe_every=4, row_cost=0.25)
     for _ in range(30):

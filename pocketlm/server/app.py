@@ -169,7 +169,7 @@ class ServerConfig:
                  max_queue: int = 64, max_memory_mb: float | None = None,
                  max_body_kb: int = 1024, prefix_cache_mb: float = 64.0,
                  allow_origins: Iterable[str] = (), body_timeout_s: float = 30.0,
-                 speculative: str | None = None, draft_max: int = 8):
+                 speculative: str | None = None, draft_max: int | None = None):
         if not 1 <= max_batch <= 256:
             raise PocketError(f"--max-batch must be in 1..256, got {max_batch}")
         if max_queue < 0:
@@ -191,6 +191,10 @@ class ServerConfig:
         if speculative not in (None, "lookup"):
             raise PocketError(f"--speculative {speculative}: the server drafts by prompt lookup "
                               "only (--speculative lookup)")
+        if draft_max is None:
+            from ..speculative import DEFAULT_MAX_DRAFT
+
+            draft_max = DEFAULT_MAX_DRAFT
         if not 1 <= draft_max <= 16:
             raise PocketError(f"--draft-max must be from 1 to 16, got {draft_max}")
         # requests that do not say: prompt-lookup drafting with these options, or none

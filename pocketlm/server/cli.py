@@ -70,7 +70,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "otherwise ('speculative': false); requests may also ask for it themselves "
                    "('speculative': 'lookup'). The same answers, several tokens per pass where "
                    "the answer copies the prompt")
-    p.add_argument("--draft-max", type=int, default=8, metavar="N",
+    p.add_argument("--draft-max", type=int, default=None, metavar="N",
                    help="with --speculative: draft at most N tokens per step (1-16, default 8)")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a "
                    "slot or memory; more get 429 (default 64)")

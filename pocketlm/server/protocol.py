@@ -457,7 +457,9 @@ def _speculative(v, name):
     for key, hi in (("max_draft", 16), ("max_ngram", 8), ("min_ngram", 8)):
         if key in v:
             out[key] = _integer(1, hi)(v[key], f"{name}.{key}")
-    if out.get("min_ngram", 2) > out.get("max_ngram", 3):
+    from ..speculative import LOOKUP_MAX_NGRAM, LOOKUP_MIN_NGRAM
+
+    if out.get("min_ngram", LOOKUP_MIN_NGRAM) > out.get("max_ngram", LOOKUP_MAX_NGRAM):
         raise _bad(f"'{name}.min_ngram' must be <= max_ngram", name)
     return out
 

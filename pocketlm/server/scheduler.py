@@ -41,7 +41,16 @@ from ..generate import Sequence, TextStream
 from ..runtime.model import KVCache
 from ..sampling import Sampler
 from ..sampling import logprobs as token_logprobs
-from ..speculative import DraftGate, DraftLength, PromptLookup, SpeculativeStats, StepCost
+from ..speculative import (
+    DEFAULT_MAX_DRAFT,
+    LOOKUP_MAX_NGRAM,
+    LOOKUP_MIN_NGRAM,
+    DraftGate,
+    DraftLength,
+    PromptLookup,
+    SpeculativeStats,
+    StepCost,
+)
 
 MB = 1 << 20
 
@@ -412,9 +421,11 @@ class Scheduler:
                                constraint=req.constraint, logprobs=req.logprobs)
             if req.speculative:
                 o = req.speculative
-                req.drafter = PromptLookup(o.get("max_ngram", 3), o.get("min_ngram", 2))
+                req.drafter = PromptLookup(o.get("max_ngram", LOOKUP_MAX_NGRAM),
+                                           o.get("min_ngram", LOOKUP_MIN_NGRAM))
                 req.drafter.reset(ids)
-                req.lengths = DraftLength(max_draft=o.get("max_draft", 8), cost=self._step_cost)
+                req.lengths = DraftLength(max_draft=o.get("max_draft", DEFAULT_MAX_DRAFT),
+                                          cost=self._step_cost)
                 req.spec_stats = SpeculativeStats()
             with self._lock:
                 key, n = self._best_prefix(ids) if not req.score_prompt else (None, 0)
