@@ -15,8 +15,8 @@ ShareGPT answers (English) to summarize and to extract from; and two free-genera
 Every prompt is the model's chat template around the task; greedy decoding.
 
 Per model and task, one JSON line: plain / speculative / llama.cpp and llama.cpp-lookup decode
-tok/s (median of --runs; decode = the generated tokens after the first, over the time after
-the first), the acceptance, tokens per pass, and whether the speculative answer equals the
+tok/s (median of --runs, and every run's rate; decode = the generated tokens after the first,
+over the time after the first), the acceptance, tokens per pass, and whether the speculative answer equals the
 plain one token for token (it must). ``--draft MODEL`` adds decoding with a draft model of the
 same vocabulary (``x_draft``, ``identical_draft``), e.g. qwen2.5-0.5b for qwen2.5-1.5b. The summary line per model gives the median ratios over
 the grounded tasks and over the free ones.
@@ -193,6 +193,7 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
                    "kind": task["kind"], "lang": task["lang"], "prompt_tokens": len(ids),
                    "generated": len(outs["plain"]), "runs": runs, "threads": threads,
                    "decode_tps": {k: round(v, 1) for k, v in med.items()},
+                   "decode_tps_runs": {k: [round(x, 1) for x in v] for k, v in rates.items()},
                    "x_plain": round(med["lookup"] / med["plain"], 3),
                    "identical": outs["lookup"] == outs["plain"], "speculative": stats,
                    "machine": machine, "date": today, "command": " ".join(sys.argv)}
