@@ -621,6 +621,19 @@ def test_an_allow_origin_that_is_not_an_origin_is_refused(model, bad):
         ServerConfig(model_name=NAME, allow_origins=[bad])
 
 
+def test_server_speculative_default_and_draft_max_range():
+    from pocketlm.speculative import DEFAULT_MAX_DRAFT
+
+    assert ServerConfig(model_name=NAME).speculative is None
+    assert ServerConfig(model_name=NAME, speculative="lookup").speculative == \
+        {"method": "lookup", "max_draft": DEFAULT_MAX_DRAFT}
+    assert ServerConfig(model_name=NAME, speculative="lookup", draft_max=3).speculative == \
+        {"method": "lookup", "max_draft": 3}
+    for bad in (0, 17):
+        with pytest.raises(pocketlm.errors.PocketError, match="--draft-max"):
+            ServerConfig(model_name=NAME, speculative="lookup", draft_max=bad)
+
+
 # -- the command line ------------------------------------------------------------------------
 
 def _serve(env, *args: str, extra_env: dict | None = None) -> subprocess.CompletedProcess:
