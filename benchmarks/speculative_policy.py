@@ -2,6 +2,12 @@
 the model's own greedy answers and priced with the verification costs measured on this machine.
 
     python benchmarks/speculative_policy.py -m smollm2-135m --out benchmarks/speculative_policy.jsonl
+    python benchmarks/speculative_policy.py -m my-app.pocket --prompts app_prompts.jsonl
+
+``--prompts`` replays an app's own requests instead of the benchmark's tasks (JSON lines, each
+``{"prompt": TEXT}`` or ``{"messages": [...]}``, optionally ``"kind"``; default kind "app"): the
+drafting options that suit the text an app really sends (``speculative={"max_ngram": N,
+"max_draft": K}`` in the API, ``--draft-max`` on the command line).
 
 Greedy speculative decoding takes exactly the tokens plain decoding takes, so the drafts a
 policy proposes and how many of them are accepted follow from the plain answer alone: the replay
@@ -98,25 +104,63 @@ def replay(prompt: list[int], answer: list[int], policy: tuple, cost: list[float
             "x_model": round(plain / spent, 3) if spent else 1.0}
 
 
+def app_tasks(path: Path) -> list[dict]:
+    """The requests of ``path`` as tasks; exits with a one-line error on a bad file."""
+    def bad(msg: str):
+        sys.exit(f"error: {path}: {msg}")
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        bad(f"cannot read it ({e.__class__.__name__})")
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            bad(f"line {i} is not JSON")
+        if not isinstance(rec, dict):
+            bad(f"line {i} is not a JSON object")
+        if isinstance(rec.get("messages"), list) and rec["messages"]:
+            messages = rec["messages"]
+        elif isinstance(rec.get("prompt"), str) and rec["prompt"]:
+            messages = [{"role": "user", "content": rec["prompt"]}]
+        else:
+            bad(f"line {i} has neither a non-empty 'prompt' nor 'messages'")
+        out.append({"name": f"line {i}", "kind": str(rec.get("kind", "app")),
+                    "messages": messages})
+    if not out:
+        bad("no requests in it")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7, help="timings per verification size")
+    ap.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
+                    help="an app's requests to replay instead of the benchmark's tasks")
     ap.add_argument("--out", type=Path, default=None, help="append JSON lines here too")
     args = ap.parse_args()
-
-    from speculative import tasks
 
     import pocketlm
     from pocketlm.bench import machine_info
 
+    the_tasks = app_tasks(args.prompts) if args.prompts else None
+    if the_tasks is None:
+        from speculative import tasks
+
+        the_tasks = [dict(t, messages=[{"role": "user", "content": t["prompt"]}])
+                     for t in tasks()]
     model = pocketlm.load(args.model)
     machine, today = machine_info(), time.strftime("%Y-%m-%d")
     rows = []
-    for task in tasks():
-        ids = model.chat_ids([{"role": "user", "content": task["prompt"]}])
+    for task in the_tasks:
+        ids = model.chat_ids(task["messages"])
         answer = greedy(model, ids, args.max_tokens)
         cost = step_costs(model, ids + answer[:len(answer) // 2], args.reps)
         for policy in GRID:
@@ -132,7 +176,7 @@ def main() -> None:
     for policy in GRID:
         line = {"bench": "speculative-policy-summary", "model": args.model,
                 "max_ngram": policy[0], "max_draft": policy[1], "prior": round(policy[2], 3)}
-        for kind in ("grounded", "free"):
+        for kind in dict.fromkeys(t["kind"] for t in the_tasks):
             xs = [r["x_model"] for r in rows if r["policy"] == policy and r["kind"] == kind]
             line[f"{kind}_median"] = round(statistics.median(xs), 3)
             line[f"{kind}_mean"] = round(statistics.mean(xs), 3)
