@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import PocketError
 
-__all__ = ["read_text_file"]
+__all__ = ["jsonl_lines", "read_text_file"]
 
 
 def read_text_file(path: str | Path, *, what: str = "text file") -> str:
@@ -39,3 +39,12 @@ def read_text_file(path: str | Path, *, what: str = "text file") -> str:
             f"{path}:{line}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at byte offset "
             f"{e.start}); convert it with `iconv -t UTF-8`") from None
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines text, split at ``\n`` only.
+
+    ``str.splitlines()`` also splits at U+2028, U+2029, U+0085 and other separators, which JSON
+    leaves unescaped inside strings (``json.dumps(..., ensure_ascii=False)`` writes them as they
+    are): a record holding one would be cut in two and lost as two malformed lines."""
+    return text.split("\n")

@@ -181,6 +181,14 @@ def test_bad_task_files(base, tmp_path):
                      encoding="utf-8")
     data = SFTData(mixed, tok, None, 32)
     assert len(data.skipped) == 2 and data.skipped[0].startswith("line 2")
+    # separators JSON leaves unescaped inside a string (U+2028, U+2029, U+0085) do not cut a
+    # record in two: the line ends are the newlines only
+    seps = tmp_path / "separators.jsonl"
+    seps.write_text("".join(json.dumps({"prompt": f"say red{c}now", "completion": "red"},
+                                       ensure_ascii=False) + "\n"
+                            for c in ("\u2028", "\u2029", "\x85")), encoding="utf-8")
+    with_seps = SFTData(seps, tok, None, 32, strict=True, holdout=0.0)
+    assert not with_seps.skipped and len(with_seps.train) + len(with_seps.val) == 3
     assert "line 3" in data.skipped[1] and "prompt" in data.skipped[1]
     with pytest.raises(FormatError, match="line 2"):
         SFTData(mixed, tok, None, 32, strict=True)

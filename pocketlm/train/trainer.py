@@ -158,10 +158,10 @@ class SFTData:
         template = chat_template or CHATML
         examples: list[tuple[np.ndarray, np.ndarray]] = []
         bad: list[str] = []
-        from ..textfile import read_text_file
+        from ..textfile import jsonl_lines, read_text_file
 
         try:
-            lines = read_text_file(self.path, what="JSONL file").splitlines()
+            lines = jsonl_lines(read_text_file(self.path, what="JSONL file"))
         except PocketError as e:
             if "the file is empty" not in str(e):
                 raise
@@ -815,8 +815,10 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
     """The metrics of the steps up to the checkpoint: later ones are replayed on resume."""
     if not path.is_file():
         return []
+    from ..textfile import jsonl_lines
+
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in jsonl_lines(path.read_text(encoding="utf-8")):
         try:
             row = json.loads(line)
         except ValueError:
