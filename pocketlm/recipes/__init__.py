@@ -81,8 +81,9 @@ def _hash_and_record(entry, target: Path, *, quiet: bool) -> str:
     os.replace(tmp, _record_path(target))
     if entry.sha256 and sha != entry.sha256 and not quiet:
         print(f"[{entry.name}: sha256 {sha[:16]}… differs from the recorded run's "
-              f"{entry.sha256[:16]}… (training numerics differ across CPUs and torch "
-              "versions; the model card's measurements are of the recorded file)]", flush=True)
+              f"{entry.sha256[:16]}… (the teacher's answers depend on the engine's kernel "
+              "level and training numerics on the CPU and torch version; the model card's "
+              "measurements are of the recorded file)]", flush=True)
     return sha
 
 
