@@ -106,33 +106,26 @@ def replay(prompt: list[int], answer: list[int], policy: tuple, cost: list[float
 
 def app_tasks(path: Path) -> list[dict]:
     """The requests of ``path`` as tasks; exits with a one-line error on a bad file."""
-    def bad(msg: str):
-        sys.exit(f"error: {path}: {msg}")
+    from pocketlm.errors import PocketError
+    from pocketlm.evaluate.tasks import read_jsonl
+    from pocketlm.textfile import read_text_file
 
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        bad(f"cannot read it ({e.__class__.__name__})")
+        records, _ = read_jsonl(path, read_text_file(path, what="JSONL file"), strict=True)
+    except PocketError as e:
+        sys.exit(f"error: {e}")
     out = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            bad(f"line {i} is not JSON")
-        if not isinstance(rec, dict):
-            bad(f"line {i} is not a JSON object")
+    for no, rec in records:
         if isinstance(rec.get("messages"), list) and rec["messages"]:
             messages = rec["messages"]
         elif isinstance(rec.get("prompt"), str) and rec["prompt"]:
             messages = [{"role": "user", "content": rec["prompt"]}]
         else:
-            bad(f"line {i} has neither a non-empty 'prompt' nor 'messages'")
-        out.append({"name": f"line {i}", "kind": str(rec.get("kind", "app")),
+            sys.exit(f"error: {path}:{no}: neither a non-empty 'prompt' nor 'messages'")
+        out.append({"name": f"line {no}", "kind": str(rec.get("kind", "app")),
                     "messages": messages})
     if not out:
-        bad("no requests in it")
+        sys.exit(f"error: {path}: no requests in it")
     return out
 
 
