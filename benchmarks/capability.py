@@ -111,7 +111,7 @@ def run(args) -> None:
     speed = _speed(path, args.threads) if path and not args.no_speed else None
     keep = ("task", "ability", "recipe", "headline", "chat", "n", "correct", "accuracy", "ci95",
             "shots", "seconds", "tokens_per_s", "generated_tokens", "acc_norm",
-            "accuracy_loose", "instruction_accuracy", "resumed")
+            "accuracy_loose", "instruction_accuracy", "instructions_by_check", "resumed")
     record = {
         "command": "python benchmarks/capability.py " + " ".join(map(shlex.quote, sys.argv[1:])),
         "model": args.model, "precision": args.precision, "pack": pack,

@@ -276,6 +276,28 @@ def test_generation_exact_match_with_gsm8k_answers():
     assert r["accuracy"] == pytest.approx(2 / 3)
 
 
+def test_instruction_task_counts_each_kind_of_instruction():
+    examples = [
+        {"prompt": "p1", "instructions": [{"check": "words_at_most", "args": {"n": 3}},
+                                          {"check": "ends_with", "args": {"phrase": "bye"}}]},
+        {"prompt": "p2", "instructions": [{"check": "words_at_most", "args": {"n": 3}}]},
+        {"prompt": "p3", "instructions": [{"check": "ends_with", "args": {"phrase": "bye"}}]},
+    ]
+    task = Task(name="if", type="generation", template="{prompt}", examples=examples,
+                check="instructions")
+    fake = FakeEngine(outputs={"p1": "ok then bye", "p2": "far too many words here",
+                               "p3": "Sure!\nbye"})
+    r = evaluate_task(fake, task, progress=False)
+    assert r["correct"] == 2 and r["instruction_accuracy"] == pytest.approx(3 / 4)
+    assert r["instructions_by_check"] == {"ends_with": {"passed": 2, "given": 2},
+                                          "words_at_most": {"passed": 1, "given": 2}}
+    # a resumed run counts its recorded results the same way
+    done = {}
+    evaluate_task(fake, task, progress=False, on_example=lambda i, ex, res: done.update({i: res}))
+    again = evaluate_task(FakeEngine(), task, progress=False, done=done)
+    assert again["instructions_by_check"] == r["instructions_by_check"] and again["resumed"] == 3
+
+
 def test_answer_extraction_rules():
     assert last_number("a\n#### 1,234") == "1,234"
     assert last_number("x 3 then #### 72 dollars 9") == "72"
@@ -461,6 +483,18 @@ def test_cli_ppl_and_task_json(tiny, tmp_path, capsys):
     assert [r["prediction"] in ("pos", "neg") for r in rows] == [True, True]
     assert out["accuracy"] == sum(r["correct"] for r in rows) / 2
 
+
+def test_cli_instruction_task_prints_each_kind(tiny, tmp_path, capsys):
+    from pocketlm.cli import main
+
+    header = json.dumps({"task": {"name": "if", "type": "generation", "template": "{prompt}",
+                                  "check": "instructions", "max_tokens": 8}})
+    rows = [json.dumps({"prompt": "Say hi.", "answer": "pass", "instructions": [
+        {"check": "words_at_most", "args": {"n": 100}}]})]
+    task = _write(tmp_path / "if.jsonl", [header, *rows])
+    assert main(["eval", "-m", str(tiny["model"].path), "--task", str(task)]) == 0
+    out = capsys.readouterr().out
+    assert "by kind (passed/given): words_at_most 1/1" in out  # 8 tokens are under 100 words
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from pocketlm.cli import main

@@ -183,6 +183,11 @@ def cmd_eval(args) -> int:
         print(line)
         if "predicted" in result:
             print("predicted: " + ", ".join(f"{k} {v}" for k, v in result["predicted"].items()))
+        if "instructions_by_check" in result:
+            print(f"loose {result['accuracy_loose']:.4f}; instruction-level "
+                  f"{result['instruction_accuracy']:.4f}; by kind (passed/given): "
+                  + ", ".join(f"{k} {v['passed']}/{v['given']}"
+                              for k, v in result["instructions_by_check"].items()))
     return 0
 
 

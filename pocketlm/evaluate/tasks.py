@@ -847,6 +847,7 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
     done = done or {}
     correct = correct_norm = loose = 0
     parts = [0, 0]  # instructions passed, instructions given (instruction tasks)
+    by_check: dict[str, list[int]] = {}  # check name -> [passed, given]
     predicted: dict[str, int] = {}
     seconds = prompt_tokens = generated = 0.0
     bar = progress_bar(len(todo), task.name, "ex", enabled=progress and len(todo) > 1)
@@ -871,6 +872,11 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
         loose += bool(result.get("correct_loose"))
         parts[0] += result.get("instructions_passed", 0)
         parts[1] += result.get("instructions_total", 0)
+        if task.check == "instructions" and isinstance(result.get("passed"), list):
+            for ins, ok in zip(ex.get("instructions", ()), result["passed"]):
+                tally = by_check.setdefault(str(ins.get("check")), [0, 0])
+                tally[0] += bool(ok)
+                tally[1] += 1
         if task.type == "classification":
             predicted[result["prediction"]] = predicted.get(result["prediction"], 0) + 1
         bar.update(1)
@@ -892,6 +898,9 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
     if task.check == "instructions" and n:
         out["accuracy_loose"] = loose / n  # every instruction passes after loose edits
         out["instruction_accuracy"] = parts[0] / parts[1] if parts[1] else 0.0
+        # where a model fails: each kind of instruction, passed / given (strict)
+        out["instructions_by_check"] = {name: {"passed": ok, "given": given}
+                                        for name, (ok, given) in sorted(by_check.items())}
     if task.type == "multiple_choice":
         out["acc_norm"] = correct_norm / n if n else 0.0
     if task.type == "classification":
