@@ -212,6 +212,39 @@ def test_bad_task_files(base, tmp_path):
 
 
 
+def test_keep_lora_with_qat_trains_the_adapters_on_the_int4_base_the_file_keeps(base, tmp_path):
+    """``--qat --keep-lora``: the frozen base is rounded to the INT4 grid before training, the
+    adapters train in float beside it, and the deploy file stores exactly that base (no range
+    search moves it) with the adapters kept apart: the file computes what training saw."""
+    import numpy as np
+
+    from pocketlm.formats.pocketfile import PocketFile
+    from pocketlm.train.lora import fake_quant_int4
+    from pocketlm.train.trainer import load_checkpoint
+
+    train = task_file(tmp_path / "train.jsonl", 60)
+    out, kept = tmp_path / "run", tmp_path / "kept.pocket"
+    pocket("finetune", "-m", str(base), "--data", str(train), "--out", str(out), "--steps", "4",
+           "--eval-every", "4", "--save-every", "4", "--lr", "1e-2", "--lora-rank", "4",
+           "--qat", "--keep-lora", "--export", str(kept), *FT)
+    ck = load_checkpoint(out)
+    assert ck["lora"]["base_grid"] == 32 and not ck["lora"]["qat_group"]
+    assert ck["train_config"]["qat_base"] and not ck["train_config"]["qat"]
+    name = "layers.0.mlp.w_up.weight"
+    w = ck["model"][name].float()
+    assert torch.equal(fake_quant_int4(w), w)  # on the grid already
+    stored = PocketFile(kept).weights()
+    assert np.array_equal(stored[name].dequantize(), w.numpy())
+    assert any(n.endswith(".lora_a") for n in stored)
+    # the same run exported again, apart or merged
+    p = pocket("export", str(out), "-o", str(tmp_path / "again.pocket"), "--keep-lora", "-q")
+    assert "added at run time" in p.stdout
+    pocket("export", str(out), "-o", str(tmp_path / "merged.pocket"), "-q")
+    # resuming it as another kind of run is refused by name
+    bad = pocket("finetune", "-m", str(base), "--data", str(train), "--out", str(out),
+                 "--steps", "6", "--lora-rank", "4", "--qat", *FT, check=False)
+    assert bad.returncode == 1 and "on the INT4 base" in bad.stderr and "QAT" in bad.stderr
+
 def test_keep_lora_export_runs_the_adapters_beside_the_int4_base(base, tmp_path):
     """``pocket export RUN --keep-lora``: the base weights quantized, the adapters stored beside
     them (format version 3) and added at run time: the file computes dequantized base + the

@@ -231,9 +231,8 @@ def cmd_finetune(args) -> int:
     from .trainer import TrainConfig, train
 
     calibration = calibration_kwargs(args)  # checked before the training, not after it
-    if args.keep_lora and not (args.export and args.lora_rank and not args.qat):
-        raise PocketError("--keep-lora needs --export FILE and --lora-rank N, without --qat "
-                          "(a QAT run is exported merged, onto the grid it trained against)")
+    if args.keep_lora and not (args.export and args.lora_rank):
+        raise PocketError("--keep-lora needs --export FILE and --lora-rank N")
     out = Path(args.out)
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
@@ -242,7 +241,9 @@ def cmd_finetune(args) -> int:
         clip=args.clip, eval_every=args.eval_every, eval_batches=args.eval_batches,
         save_every=args.save_every, seed=args.seed, dtype=args.dtype, threads=args.threads,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, val_data=args.val_data,
-        early_stop=args.early_stop, strict=args.strict, qat=args.qat)
+        early_stop=args.early_stop, strict=args.strict,
+        # --qat with --keep-lora: train on the INT4 base the file keeps, adapters beside it
+        qat=args.qat and not args.keep_lora, qat_base=args.qat and args.keep_lora)
     last = train(cfg, progress=not args.quiet)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
@@ -521,7 +522,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default 2*rank)")
     p.add_argument("--qat", action="store_true",
                    help="with --lora-rank: train against the INT4 grid the export uses, so a "
-                   "small task adaptation survives quantization")
+                   "small task adaptation survives quantization (base and adapters rounded "
+                   "together; with --keep-lora the base is rounded and the adapters train in "
+                   "float beside it, as the deploy file computes)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=1)
@@ -548,7 +551,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-lora", action="store_true",
                    help="with --export and --lora-rank: keep the adapters beside the quantized "
                    "base weights (float16, added at run time) instead of merging them before "
-                   "rounding (docs/sentiment.md)")
+                   "rounding; with --qat they train on the INT4 base (docs/sentiment.md)")
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
     p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
     add_calibration_options(p)

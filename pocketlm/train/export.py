@@ -85,9 +85,12 @@ def export(run: str | Path, out: str | Path, *, group_size: int = 32, embed_bits
     from ..pack import pack
 
     src = checkpoint_source(run, best=best, keep_lora=keep_lora)
-    qat = bool((src.provenance.get("lora") or {}).get("qat_group"))
+    lora = src.provenance.get("lora") or {}
+    # a QAT run, or adapters kept beside the INT4 base they trained on, is exported to the
+    # grid it trained against (min-max, no search: the base is on that grid already)
+    qat = bool(lora.get("qat_group") or (keep_lora and lora.get("base_grid")))
     if qat and group_size != 32:
         raise FormatError(f"{run} was trained against the INT4 grid of group size 32; export "
                           "it with --group-size 32")
     return pack(src, out, group_size=group_size, embed_bits=embed_bits, progress=progress,
-                int4_search=not qat, **calibration)  # a QAT run is exported to the grid it trained against
+                int4_search=not qat, **calibration)

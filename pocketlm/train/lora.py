@@ -70,12 +70,18 @@ class LoRALinear(nn.Module):
 
 def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
              targets: tuple[str, ...] = DEFAULT_TARGETS, seed: int = 0,
-             qat_group: int | None = None) -> int:
+             qat_group: int | None = None, base_grid: int | None = None) -> int:
     """Freeze ``model`` and put adapters on its linear layers named in ``targets``; returns the
     number of trainable parameters. ``qat_group``: train against the INT4 grid of that group
-    size (quantization-aware)."""
+    size (quantization-aware: base + adapter rounded together, for a merged export).
+    ``base_grid``: round the frozen base weights to the INT4 grid of that group size once, and
+    train the adapters in float on that base: the arithmetic of a deploy file that keeps the
+    adapters beside its INT4 weights (``--keep-lora``)."""
     if not isinstance(rank, int) or rank < 1:
         raise PocketError(f"LoRA rank must be a positive integer, got {rank!r}")
+    if qat_group and base_grid:
+        raise PocketError("LoRA trains against the INT4 grid either merged (qat_group) or "
+                          "beside an INT4 base (base_grid), not both")
     alpha = float(2 * rank if alpha is None else alpha)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -84,11 +90,15 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if name in targets and isinstance(child, nn.Linear):
+                if base_grid:
+                    with torch.no_grad():
+                        child.weight.copy_(fake_quant_int4(child.weight, base_grid))
                 setattr(module, name, LoRALinear(child, rank, alpha, gen, qat_group))
                 replaced += 1
     if not replaced:
         raise PocketError(f"no linear layer named {', '.join(targets)} to put LoRA on")
-    model.lora = {"rank": rank, "alpha": alpha, "targets": list(targets), "qat_group": qat_group}
+    model.lora = {"rank": rank, "alpha": alpha, "targets": list(targets), "qat_group": qat_group,
+                  "base_grid": base_grid}
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

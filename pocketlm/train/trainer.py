@@ -92,6 +92,9 @@ class TrainConfig:
     early_stop: int = 0  # stop after this many evaluations without a better held-out loss
     strict: bool = False  # SFT: refuse malformed JSONL lines instead of skipping them
     qat: bool = False  # LoRA: train against the INT4 grid the export uses (group 32)
+    # LoRA: the frozen base rounded to that grid once, the adapters trained in float beside it
+    # (the deploy file of `--keep-lora`, which adds float16 adapters to INT4 weights)
+    qat_base: bool = False
 
     def check(self) -> None:
         if self.mode not in ("pretrain", "sft"):
@@ -111,9 +114,12 @@ class TrainConfig:
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise PocketError(f"--lora-rank must be 0 (full fine-tuning) or positive, got "
                               f"{self.lora_rank!r}")
-        if self.qat and not self.lora_rank:
+        if (self.qat or self.qat_base) and not self.lora_rank:
             raise PocketError("--qat trains LoRA adapters against the INT4 grid: give "
                               "--lora-rank too")
+        if self.qat and self.qat_base:
+            raise PocketError("qat (adapters merged into the INT4 grid) and qat_base (adapters "
+                              "beside an INT4 base) exclude each other")
         if self.lora_rank and self.fsdp:
             raise PocketError("LoRA with --fsdp is not supported; use DDP (no --fsdp)")
         if not isinstance(self.early_stop, int) or self.early_stop < 0:
@@ -524,12 +530,14 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     if resume:
         ck = load_checkpoint(ck_path)
         saved = TrainConfig.from_dict(ck["train_config"])
-        ours = (cfg.preset, cfg.mode, cfg.base, cfg.lora_rank, cfg.qat)
-        theirs = (saved.preset, saved.mode, saved.base, saved.lora_rank, saved.qat)
+        ours = (cfg.preset, cfg.mode, cfg.base, cfg.lora_rank, cfg.qat, cfg.qat_base)
+        theirs = (saved.preset, saved.mode, saved.base, saved.lora_rank, saved.qat,
+                  saved.qat_base)
         if ours != theirs:
             def say(t):
+                grid = ", QAT" if t[4] else ", on the INT4 base" if t[5] else ""
                 return (f"{t[1]} of {t[2]}" if t[2] else f"{t[0]} {t[1]}") + \
-                    (f" (LoRA rank {t[3]}{', QAT' if t[4] else ''})" if t[3] else "")
+                    (f" (LoRA rank {t[3]}{grid})" if t[3] else "")
             raise PocketError(f"{out} holds a {say(theirs)} run; this one is {say(ours)}: use "
                               "another --out, or the same settings to resume")
         model_cfg = ModelConfig.from_dict(ck["model_config"])
@@ -614,7 +622,8 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         from .lora import add_lora
 
         n_train = add_lora(model, cfg.lora_rank, cfg.lora_alpha, seed=cfg.seed,
-                           qat_group=32 if cfg.qat else None)
+                           qat_group=32 if cfg.qat else None,
+                           base_grid=32 if cfg.qat_base else None)
         lora = model.lora
         if dist.main and progress:
             import sys
