@@ -705,8 +705,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     if progress and dist.main:
         from ..progress import bar as progress_bar
 
-        bar = progress_bar(cfg.steps, f"{cfg.mode} {cfg.preset or Path(cfg.base or '').name}",
-                           "step", initial=start)
+        base = Path(cfg.base or "")
+        # a training run as the base: its folder and parent ("pocket-zh-en/sft", not "sft")
+        what = cfg.preset or (f"{base.parent.name}/{base.name}" if base.is_dir() else base.name)
+        bar = progress_bar(cfg.steps, f"{cfg.mode} {what}", "step", initial=start)
     model.train()
     t_last = time.perf_counter()
     last: dict = {}
