@@ -707,7 +707,8 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
 
         base = Path(cfg.base or "")
         # a training run as the base: its folder and parent ("pocket-zh-en/sft", not "sft")
-        what = cfg.preset or (f"{base.parent.name}/{base.name}" if base.is_dir() else base.name)
+        what = cfg.preset or (f"{base.parent.name}/{base.name}" if cfg.base and base.is_dir()
+                              else base.name)
         bar = progress_bar(cfg.steps, f"{cfg.mode} {what}", "step", initial=start)
     model.train()
     t_last = time.perf_counter()
