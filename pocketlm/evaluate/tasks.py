@@ -846,8 +846,7 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
     offset = len(task.examples) - len(todo) if task.fewshot_group is None else 0
     done = done or {}
     correct = correct_norm = loose = 0
-    parts = [0, 0]  # instructions passed, instructions given (instruction tasks)
-    by_check: dict[str, list[int]] = {}  # check name -> [passed, given]
+    by_check: dict[str, list[int]] = {}  # instruction tasks: check name -> [passed, given]
     predicted: dict[str, int] = {}
     seconds = prompt_tokens = generated = 0.0
     bar = progress_bar(len(todo), task.name, "ex", enabled=progress and len(todo) > 1)
@@ -870,8 +869,6 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
         correct += bool(result["correct"])
         correct_norm += bool(result.get("correct_norm"))
         loose += bool(result.get("correct_loose"))
-        parts[0] += result.get("instructions_passed", 0)
-        parts[1] += result.get("instructions_total", 0)
         if task.check == "instructions" and isinstance(result.get("passed"), list):
             for ins, ok in zip(ex.get("instructions", ()), result["passed"]):
                 tally = by_check.setdefault(str(ins.get("check")), [0, 0])
@@ -897,7 +894,8 @@ def evaluate_task(model, task: Task, *, limit: int | None = None, shots: int | N
         out["generated_tokens_per_s"] = generated / seconds if seconds > 0 else None
     if task.check == "instructions" and n:
         out["accuracy_loose"] = loose / n  # every instruction passes after loose edits
-        out["instruction_accuracy"] = parts[0] / parts[1] if parts[1] else 0.0
+        passed, given = (sum(t[i] for t in by_check.values()) for i in (0, 1))
+        out["instruction_accuracy"] = passed / given if given else 0.0
         # where a model fails: each kind of instruction, passed / given (strict)
         out["instructions_by_check"] = {name: {"passed": ok, "given": given}
                                         for name, (ok, given) in sorted(by_check.items())}

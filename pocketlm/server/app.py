@@ -191,12 +191,11 @@ class ServerConfig:
         if speculative not in (None, "lookup"):
             raise PocketError(f"--speculative {speculative}: the server drafts by prompt lookup "
                               "only (--speculative lookup)")
-        if draft_max is None:
-            from ..speculative import DEFAULT_MAX_DRAFT
+        from ..speculative import DEFAULT_MAX_DRAFT, MAX_DRAFT
 
-            draft_max = DEFAULT_MAX_DRAFT
-        if not 1 <= draft_max <= 16:
-            raise PocketError(f"--draft-max must be from 1 to 16, got {draft_max}")
+        draft_max = DEFAULT_MAX_DRAFT if draft_max is None else draft_max
+        if not 1 <= draft_max <= MAX_DRAFT:
+            raise PocketError(f"--draft-max must be from 1 to {MAX_DRAFT}, got {draft_max}")
         # requests that do not say: prompt-lookup drafting with these options, or none
         self.speculative = {"method": "lookup", "max_draft": draft_max} if speculative else None
         self.model_name = model_name
