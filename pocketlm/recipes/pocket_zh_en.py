@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
 import sys
@@ -67,9 +68,19 @@ class Recipe:
     qat_rank: int = 16
     qat_lr: float = 5e-4
     counts: dict = field(default_factory=dict)  # prompt counts (defaults: prompts.DEFAULT_COUNTS)
+    # teacher answers (kept, without instructions) that also give a chat with instructions
+    # added and the answer made to follow them (:mod:`pocketlm.recipes.constraints`)
+    constraint_share: float = 0.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for name in _ADDED_LATER:  # absent from runs made before the field existed
+            if d[name] == _ADDED_LATER[name]:
+                del d[name]
+        return d
+
+
+_ADDED_LATER = {"constraint_share": 0.0}
 
 
 RECIPE = Recipe()
@@ -243,8 +254,11 @@ def judge(prompt: dict, answer: dict) -> str | None:
 
 def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dict]) -> dict:
     """``sft.jsonl`` (user + assistant chats, in prompt order) and ``data_report.json``."""
+    from .constraints import constrained_chat
+    from .prompts import _key
+
     by_id = {a["id"]: a for a in answers}
-    chats, dropped, kept = [], {}, {}
+    chats, dropped, kept, added = [], {}, {}, {}
     for p in prompts:
         if p["gold"] is not None:
             reply = p["gold"]
@@ -259,10 +273,20 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
         kept[key] = kept.get(key, 0) + 1
         chats.append({"messages": [{"role": "user", "content": p["prompt"]},
                                    {"role": "assistant", "content": reply}]})
+        if p["gold"] is None and not p["checks"] and p["kind"] not in ("json", "translate") \
+                and random.Random(_key(recipe.seed, "constrain", p["id"])).random() \
+                < recipe.constraint_share:
+            chat = constrained_chat(p, reply, recipe.seed)
+            if chat is not None:
+                kept[key + "/instructions"] = kept.get(key + "/instructions", 0) + 1
+                for c in chat["checks"]:
+                    added[c["check"]] = added.get(c["check"], 0) + 1
+                chats.append({"messages": chat["messages"]})
     path = out / "sft.jsonl"
     _atomic_write(path, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
     report = {"chats": len(chats), "kept": dict(sorted(kept.items())),
               "dropped": dict(sorted(dropped.items())),
+              "instructions_added": dict(sorted(added.items())),
               "teacher_tokens": sum(a.get("tokens", 0) for a in answers),
               "characters": sum(len(c["messages"][0]["content"]) + len(c["messages"][1]
                                                                        ["content"])

@@ -1,0 +1,112 @@
+"""Instruction chats made from answers the recipe already has: every instruction added is
+verified by the capability suite's checker on the final answer, the chats are deterministic,
+the wording is the recipe's own, and the data stage adds them only when the recipe asks."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+
+from pocketlm.evaluate.instructions import CHECKERS, PROMPTS
+from pocketlm.recipes.constraints import _WORDING, constrained_chat, kinds_for
+
+EN_ANSWER = ("Regular exercise improves your mood and your sleep. Walking is the easiest "
+             "exercise to start with, and it needs no equipment. Try to walk for thirty minutes "
+             "a day. Over a few weeks, most people notice they have more energy. Exercise with a "
+             "friend if you find it hard to keep going.")
+ZH_ANSWER = ("坚持运动可以改善心情和睡眠。散步是最容易开始的运动，不需要任何器材。每天散步三十分钟就很好。"
+             "几周以后，很多人会觉得精力更充沛。如果难以坚持，可以约朋友一起运动。")
+
+
+def _prompt(i: int, lang: str) -> dict:
+    text = (f"How can I start exercising? (question {i})" if lang == "en"
+            else f"怎样开始坚持运动？运动有什么好处？（第{i}题）")
+    return {"id": f"{lang}{i:04d}", "lang": lang, "source": "test", "kind": "chat",
+            "prompt": text, "gold": None, "checks": None}
+
+
+@pytest.mark.parametrize("lang,answer", [("en", EN_ANSWER), ("zh", ZH_ANSWER)])
+def test_every_added_instruction_is_verified_on_the_final_answer(lang, answer):
+    kinds = Counter()
+    made = 0
+    for i in range(300):
+        p = _prompt(i, lang)
+        chat = constrained_chat(p, answer, seed=0)
+        if chat is None:
+            continue
+        made += 1
+        assert chat == constrained_chat(p, answer, seed=0)  # deterministic
+        user, reply = (m["content"] for m in chat["messages"])
+        assert 1 <= len(chat["checks"]) <= 3
+        for c in chat["checks"]:
+            kinds[c["check"]] += 1
+            assert CHECKERS[c["check"]](reply, **c["args"]), (c, reply)
+        if chat["checks"][0]["check"] == "repeat_request":
+            assert reply.startswith(p["prompt"]) and p["prompt"] in user
+        else:
+            assert p["prompt"] in user and user != p["prompt"]
+        if chat["checks"][0]["check"] == "json_keys":
+            key = chat["checks"][0]["args"]["keys"][0]
+            assert json.loads(reply)[key] == answer
+        elif not any(c["check"] in ("lowercase", "uppercase", "highlights_at_least",
+                                    "paragraphs_exactly") for c in chat["checks"]):
+            assert answer in reply  # the teacher's words, with at most a phrase around them
+    assert made >= 250
+    # the kinds the student missed most are all made
+    for kind in ("starts_with", "ends_with", "quoted", "json_keys", "postscript",
+                 "highlights_at_least", "keyword_frequency_at_least", "keywords_include",
+                 "paragraphs_exactly", "repeat_request", "words_exclude"):
+        assert kinds[kind] > 0, kind
+    assert set(kinds) <= set(kinds_for(lang))
+    assert constrained_chat(_prompt(0, lang), answer, seed=1) != \
+        constrained_chat(_prompt(0, lang), answer, seed=0)
+
+
+def test_the_wording_is_not_the_capability_suites():
+    """No instruction sentence of the recipe, filled in as the suite would fill it, is one of
+    the suite's (short plain ones such as "use the word X at least N times" may say what a
+    suite sentence says in the same words: under 40 characters, 12 in Chinese, they are not
+    compared)."""
+    prompts = " ".join(p["prompt"] for p in PROMPTS).casefold()
+    fields = {"n": 3, "p": "Thank you so much!", "k": "fresh", "k2": "safety", "w": "rain",
+              "w2": "wet", "key": "label"}
+    for en, zh in _WORDING.values():
+        for text in (*en, *zh):
+            sentence = text.format(**fields).split("\n")[0].strip(" \"“”。.").casefold()
+            if len(sentence) >= (40 if sentence.isascii() else 12):
+                assert sentence not in prompts, sentence
+
+
+def test_an_answer_nothing_can_be_said_of_gives_few_instructions():
+    p = _prompt(1, "en")
+    for seed in range(20):
+        chat = constrained_chat(p, "Yes.", seed)
+        if chat is not None:  # only what an edit makes true can be asked of "Yes."
+            assert all(c["check"] in ("starts_with", "ends_with", "quoted", "postscript",
+                                      "lowercase", "uppercase", "json_keys", "repeat_request",
+                                      "no_commas", "words_exclude", "words_at_most")
+                       for c in chat["checks"])
+
+
+def test_the_data_stage_adds_instruction_chats_only_when_the_recipe_asks(tmp_path):
+    from pocketlm.recipes.pocket_zh_en import Recipe, stage_data
+
+    prompts = [_prompt(i, "en") for i in range(40)] + [_prompt(i, "zh") for i in range(40)]
+    answers = [{"id": p["id"], "answer": EN_ANSWER if p["lang"] == "en" else ZH_ANSWER,
+                "finish_reason": "stop", "tokens": 60} for p in prompts]
+    plain = stage_data(tmp_path, Recipe(), prompts, answers)
+    assert plain["chats"] == 80 and plain["instructions_added"] == {}
+    assert "constraint_share" not in Recipe().to_dict()  # runs made before it still resume
+
+    recipe = Recipe(constraint_share=0.5)
+    assert recipe.to_dict()["constraint_share"] == 0.5
+    report = stage_data(tmp_path, recipe, prompts, answers)
+    added = report["chats"] - 80
+    assert 20 <= added <= 60
+    assert report["kept"]["test/chat/instructions"] == added
+    assert sum(report["instructions_added"].values()) >= added
+    chats = [json.loads(x) for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert len(chats) == report["chats"]
+    assert stage_data(tmp_path, recipe, prompts, answers) == report  # same seed, same data
