@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections import Counter
 
 from ..evaluate.instructions import CHECKERS, count_sentences, count_words, count_zh_chars
 from .prompts import _key
@@ -132,9 +133,7 @@ def _content_words(text: str, lang: str, prompt: str) -> list[str]:
     else:
         words = [p for i in range(len(text) - 1) if _ZH_PAIR.fullmatch(p := text[i:i + 2])
                  and not set(p) & _ZH_FUNCTION and p in prompt]
-    counts: dict[str, int] = {}
-    for w in words:
-        counts[w] = counts.get(w, 0) + 1
+    counts = Counter(words)
     return sorted(counts, key=lambda w: (-counts[w], w))
 
 
@@ -281,7 +280,7 @@ def _apply(kind: str, text: str, args: dict, prompt: str, lang: str, rng: random
         return json.dumps({args["keys"][0]: text}, ensure_ascii=False, indent=2)
     if kind == "repeat_request":
         return f"{prompt}\n\n{text}"
-    return text
+    raise ValueError(kind)
 
 
 def kinds_for(lang: str) -> list[str]:
