@@ -685,7 +685,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "unchanged since it was verified, and hashed again otherwise.")
     p.add_argument("name", help="registry name (see `pocket list`)")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--force", action="store_true", help="fetch again even if present")
+    mode.add_argument("--force", action="store_true", help="fetch again even if present (a "
+                      "recipe model: export it again from its run folder, or, when that folder "
+                      "holds a run of an older version of the recipe, move that run aside and "
+                      "build again, reusing its teacher answers where they still serve)")
     mode.add_argument("--verify", action="store_true", help="hash the pulled file again and "
                       "compare it with the registry's sha256 (exit 1 on a mismatch)")
     p.set_defaults(func=cmd_pull)

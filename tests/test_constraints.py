@@ -96,9 +96,11 @@ def test_the_data_stage_adds_instruction_chats_only_when_the_recipe_asks(tmp_pat
     prompts = [_prompt(i, "en") for i in range(40)] + [_prompt(i, "zh") for i in range(40)]
     answers = [{"id": p["id"], "answer": EN_ANSWER if p["lang"] == "en" else ZH_ANSWER,
                 "finish_reason": "stop", "tokens": 60} for p in prompts]
-    plain = stage_data(tmp_path, Recipe(), prompts, answers)
+    plain = stage_data(tmp_path, Recipe(constraint_share=0.0), prompts, answers)
     assert plain["chats"] == 80 and plain["instructions_added"] == {}
-    assert "constraint_share" not in Recipe().to_dict()  # runs made before it still resume
+    # runs made before the field existed are read as constraint_share 0.0
+    assert "constraint_share" not in Recipe(constraint_share=0.0).to_dict()
+    assert Recipe().to_dict()["constraint_share"] == 0.6
 
     recipe = Recipe(constraint_share=0.5)
     assert recipe.to_dict()["constraint_share"] == 0.5

@@ -210,8 +210,18 @@ def test_the_recipe_runs_resumes_and_gives_the_same_file_from_the_same_seed(tiny
 
     # another version of the recipe is refused in the same folder
     other = dataclasses.replace(tiny_recipe, sft_steps=4)
-    with pytest.raises(PocketError, match="another version of the recipe"):
+    with pytest.raises(PocketError, match="another version of the recipe .*sft_steps 3 -> 4"):
         _run(a, other)
+    # --force moves that run aside, whole, and reuses its teacher answers (same prompts, same
+    # teacher): the new version starts at its data stage
+    teacher_answers = (a / "teacher.jsonl").read_bytes()
+    assert _run(a, other, force=True, until="data") is None
+    aside = tmp_path / "a.previous-1"
+    assert sha256_file(aside / "pocket-zh-en.pocket") == report["deploy_file"]["sha256"]
+    assert (a / "teacher.jsonl").read_bytes() == teacher_answers
+    assert json.loads((a / "recipe.json").read_text())["sft_steps"] == 4
+    assert not (a / "sft").exists() and not (a / "pocket-zh-en.pocket").exists()
+    assert json.loads((a / "recipe_report.json").read_text())["stages"]["teacher"]["seconds"] < 60
 
 
 def test_the_recipe_refuses_missing_inputs_before_any_work(tiny_recipe, tmp_path):

@@ -70,7 +70,7 @@ class Recipe:
     counts: dict = field(default_factory=dict)  # prompt counts (defaults: prompts.DEFAULT_COUNTS)
     # teacher answers (kept, without instructions) that also give a chat with instructions
     # added and the answer made to follow them (:mod:`pocketlm.recipes.constraints`)
-    constraint_share: float = 0.0
+    constraint_share: float = 0.6
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -82,13 +82,19 @@ class Recipe:
 
 _ADDED_LATER = {"constraint_share": 0.0}
 
+# The fields the prompts and the teacher's answers depend on: a version of the recipe that
+# changes none of them reuses a run's prompts.jsonl and teacher.jsonl (hours of teacher time).
+_TEACHER_FIELDS = ("seed", "counts", "teacher", "teacher_max_tokens",
+                   "teacher_repetition_penalty", "teacher_batch")
+_TEACHER_FILES = ("prompts.jsonl", "prompts.meta.json", "teacher.jsonl")
+
 
 RECIPE = Recipe()
 
 # Minutes each stage took on the reference machine (2-vCPU AMD EPYC Zen 4, 2 threads), for the
 # estimate printed before a run starts; filled from recipe_report.json of the recorded run.
-REFERENCE_MINUTES = {"prompts": 1, "teacher": 120, "data": 1, "sft": 82, "qat": 25,
-                     "export": 2}
+REFERENCE_MINUTES = {"prompts": 1, "teacher": 101, "data": 1, "sft": 78, "qat": 26,
+                     "export": 1}
 
 
 def _say(msg: str) -> None:
@@ -429,11 +435,43 @@ def _stage_progress(out: Path, stage: str) -> float:
     return float((out / f"{NAME}.pocket").is_file())
 
 
+def _saved_field(saved: dict, name: str):
+    return saved.get(name, _ADDED_LATER.get(name))
+
+
+def _differences(saved: dict, recipe: Recipe) -> str:
+    now = recipe.to_dict()
+    names = [k for k in {**saved, **now} if _saved_field(saved, k) != getattr(recipe, k, None)]
+    return ", ".join(f"{k} {_saved_field(saved, k)!r} -> {getattr(recipe, k, None)!r}"
+                     for k in names)
+
+
+def _set_aside(out: Path, saved: dict, recipe: Recipe) -> Path:
+    """Move a run of another version of the recipe to a sibling folder (nothing is deleted);
+    when the new version asks the teacher the same prompts the same way, its prompts and
+    answers are copied back so that the teacher is not asked again."""
+    n = 1
+    while (aside := out.with_name(f"{out.name}.previous-{n}")).exists():
+        n += 1
+    os.replace(out, aside)
+    out.mkdir(parents=True)
+    reuse = all(_saved_field(saved, k) == getattr(recipe, k) for k in _TEACHER_FIELDS)
+    if reuse:
+        for name in _TEACHER_FILES:
+            if (aside / name).is_file():
+                shutil.copyfile(aside / name, out / name)
+    _say(f"the run of the other version of the recipe is now in {aside}"
+         + ("; its prompts and teacher answers are reused" if reuse else ""))
+    return aside
+
+
 def run(out: str | Path, *, until: str = "export", threads: int | None = None,
         progress: bool = True, force: bool = False, recipe: Recipe = RECIPE) -> Path | None:
     """Run (or resume) the recipe in ``out`` up to stage ``until``; returns the deploy file
     when the export stage ran. A finished deploy file is kept as it is unless ``force``
-    (which writes it again from the run's checkpoints)."""
+    (which writes it again from the run's checkpoints). A folder holding a run of another
+    version of the recipe is refused unless ``force``, which moves that run aside (to
+    ``OUT.previous-N``) and starts again, reusing its teacher answers where they still serve."""
     if until not in STAGES:
         raise PocketError(f"unknown stage {until!r}; the stages are {', '.join(STAGES)}")
     out = Path(out)
@@ -441,8 +479,11 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     if recipe_file.is_file():
         saved = json.loads(recipe_file.read_text(encoding="utf-8"))
         if saved != recipe.to_dict():
-            raise PocketError(f"{out} holds a run of another version of the recipe; use another "
-                              "folder (or delete this one)")
+            if not force:
+                raise PocketError(f"{out} holds a run of another version of the recipe ("
+                                  f"{_differences(saved, recipe)}); --force moves it aside and "
+                                  "starts again (or use another folder)")
+            _set_aside(out, saved, recipe)
     final = out / f"{NAME}.pocket"
     if final.is_file() and until == "export":
         if not force:
