@@ -112,3 +112,34 @@ def test_the_data_stage_adds_instruction_chats_only_when_the_recipe_asks(tmp_pat
     chats = [json.loads(x) for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
     assert len(chats) == report["chats"]
     assert stage_data(tmp_path, recipe, prompts, answers) == report  # same seed, same data
+
+
+def test_data_version_2_drops_answers_that_ask_for_the_input_and_adds_a_second_chat(tmp_path):
+    from pocketlm.recipes.pocket_zh_en import Recipe, judge, stage_data
+
+    asking = {"answer": "Sure, I'd be happy to help! Please provide the text you would like me "
+                        "to summarize.", "finish_reason": "stop", "tokens": 20}
+    zh_asking = {"answer": "好的，请提供需要总结的文章。", "finish_reason": "stop", "tokens": 12}
+    assert judge(_prompt(0, "en"), asking) is None  # the recorded recipe's data is unchanged
+    assert judge(_prompt(0, "en"), asking, 2) == "asks for the input instead of answering"
+    assert judge(_prompt(0, "zh"), zh_asking, 2) == "asks for the input instead of answering"
+    assert judge(_prompt(0, "en"), {"answer": EN_ANSWER, "finish_reason": "stop"}, 2) is None
+
+    prompts = [_prompt(i, "en") for i in range(40)] + [_prompt(i, "zh") for i in range(40)]
+    answers = [{"id": p["id"], "answer": EN_ANSWER if p["lang"] == "en" else ZH_ANSWER,
+                "finish_reason": "stop", "tokens": 60} for p in prompts]
+    answers[0] = {**asking, "id": prompts[0]["id"]}
+    one = stage_data(tmp_path, Recipe(), prompts, answers)
+    two = stage_data(tmp_path, Recipe(data_version=2), prompts, answers)
+    assert "asks for the input instead of answering" not in one["dropped"]
+    assert two["dropped"] == {"asks for the input instead of answering": 1}
+    assert two["kept"]["test/chat"] == 79
+    added_one, added_two = one["chats"] - 80, two["chats"] - 79
+    assert added_two > 1.5 * added_one
+    chats = [json.loads(x)["messages"] for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert all("Please provide" not in m[1]["content"] for m in chats)
+    # the two chats of one answer never ask for the same kinds
+    asked = Counter(m[0]["content"] for m in chats)
+    assert max(asked.values()) == 1
+    assert Recipe(data_version=2).to_dict()["data_version"] == 2
+    assert "data_version" not in Recipe().to_dict()

@@ -288,12 +288,14 @@ def kinds_for(lang: str) -> list[str]:
     return [k for k, (en, zh) in _WORDING.items() if (zh if lang == "zh" else en)]
 
 
-def constrained_chat(prompt: dict, answer: str, seed: int) -> dict | None:
+def constrained_chat(prompt: dict, answer: str, seed: int, salt: str = "constraints"
+                     ) -> dict | None:
     """A chat of ``prompt`` (a recipe prompt without instructions) with one to three
     instructions added and ``answer`` made to follow them, or None when no combination drawn
-    is verified. Returns ``{"messages": [...], "checks": [{"check", "args"}, ...]}``."""
+    is verified. Returns ``{"messages": [...], "checks": [{"check", "args"}, ...]}``;
+    deterministic in (seed, salt, prompt id)."""
     lang = prompt["lang"]
-    rng = random.Random(_key(seed, "constraints", prompt["id"]))
+    rng = random.Random(_key(seed, salt, prompt["id"]))
     kinds = kinds_for(lang)
     for _ in range(4):
         want = 1 if (r := rng.random()) < 0.5 else 2 if r < 0.85 else 3

@@ -71,6 +71,9 @@ class Recipe:
     # teacher answers (kept, without instructions) that also give a chat with instructions
     # added and the answer made to follow them (:mod:`pocketlm.recipes.constraints`)
     constraint_share: float = 0.6
+    # 2: also drop teacher answers that ask for what the prompt should have given ("Please
+    # provide the text..."), and give each answer drawn for constraints a second chat
+    data_version: int = 1
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -80,7 +83,7 @@ class Recipe:
         return d
 
 
-_ADDED_LATER = {"constraint_share": 0.0}
+_ADDED_LATER = {"constraint_share": 0.0, "data_version": 1}
 
 # The fields the prompts and the teacher's answers depend on: a version of the recipe that
 # changes none of them reuses a run's prompts.jsonl and teacher.jsonl (hours of teacher time).
@@ -227,7 +230,17 @@ def repeats_itself(text: str, n: int = 12, limit: int = 3) -> bool:
     return False
 
 
-def judge(prompt: dict, answer: dict) -> str | None:
+# a reply that asks for the input instead of answering (ShareGPT first turns often refer to a
+# text they do not hold): kept, it teaches the student to answer app requests with a question
+_ASKS_FOR_INPUT = re.compile(
+    r"please (provide|share|send|paste|give|specify|clarify|let me know (what|which|the|more))"
+    r"|(could|can) you (please )?(provide|share|give|clarify|specify)"
+    r"|what would you like (me )?to|i need more (information|context|details)"
+    r"|(provide|share) (me with )?(some )?more (information|details|context)"
+    r"|请提供|能否提供|请告诉我.{0,6}(具体|更多)|需要更多的?(信息|细节|上下文)", re.I)
+
+
+def judge(prompt: dict, answer: dict, data_version: int = 1) -> str | None:
     """Why a teacher answer is dropped (None: kept)."""
     from ..evaluate.instructions import CHECKERS
     from .prompts import cjk_share
@@ -243,6 +256,8 @@ def judge(prompt: dict, answer: dict) -> str | None:
         return "names a model or vendor"
     if repeats_itself(text):
         return "repeats itself"
+    if data_version >= 2 and _ASKS_FOR_INPUT.search(text):
+        return "asks for the input instead of answering"
     checks = prompt.get("checks") or []
     if prompt["kind"] == "json":  # keys are Latin, values Chinese: check the JSON instead
         checks = [*checks, {"check": "json_keys", "args": {"keys": ["people", "places"]}}]
@@ -270,7 +285,7 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
             reply = p["gold"]
         else:
             a = by_id.get(p["id"])
-            why = "no answer" if a is None else judge(p, a)
+            why = "no answer" if a is None else judge(p, a, recipe.data_version)
             if why:
                 dropped[why] = dropped.get(why, 0) + 1
                 continue
@@ -282,8 +297,13 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
         if p["gold"] is None and not p["checks"] and p["kind"] not in ("json", "translate") \
                 and random.Random(_key(recipe.seed, "constrain", p["id"])).random() \
                 < recipe.constraint_share:
-            chat = constrained_chat(p, reply, recipe.seed)
-            if chat is not None:
+            made = []
+            for salt in ("constraints", "constraints-2")[:recipe.data_version]:
+                chat = constrained_chat(p, reply, recipe.seed, salt=salt)
+                if chat is None or any({c["check"] for c in chat["checks"]}
+                                       == {c["check"] for c in m["checks"]} for m in made):
+                    continue
+                made.append(chat)
                 kept[key + "/instructions"] = kept.get(key + "/instructions", 0) + 1
                 for c in chat["checks"]:
                     added[c["check"]] = added.get(c["check"], 0) + 1
