@@ -464,7 +464,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="with --recipe: stop after this stage (prompts, teacher, data, sft, "
                    "qat, export)")
     p.add_argument("--force", action="store_true",
-                   help="with --recipe: write the finished deploy file again")
+                   help="with --recipe: write the finished deploy file again; a folder "
+                   "holding a run of another version of the recipe is moved aside to "
+                   "OUT.previous-N and the run starts again, reusing its teacher answers where "
+                   "the new version asks the same")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
