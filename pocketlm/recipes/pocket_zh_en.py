@@ -297,13 +297,15 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
         if p["gold"] is None and not p["checks"] and p["kind"] not in ("json", "translate") \
                 and random.Random(_key(recipe.seed, "constrain", p["id"])).random() \
                 < recipe.constraint_share:
-            made = []
-            for salt in ("constraints", "constraints-2")[:recipe.data_version]:
+            salts = ("constraints",) if recipe.data_version < 2 else \
+                ("constraints", "constraints-2")
+            asked: set[frozenset] = set()  # one answer's chats never ask for the same kinds
+            for salt in salts:
                 chat = constrained_chat(p, reply, recipe.seed, salt=salt)
-                if chat is None or any({c["check"] for c in chat["checks"]}
-                                       == {c["check"] for c in m["checks"]} for m in made):
+                kinds = None if chat is None else frozenset(c["check"] for c in chat["checks"])
+                if kinds is None or kinds in asked:
                     continue
-                made.append(chat)
+                asked.add(kinds)
                 kept[key + "/instructions"] = kept.get(key + "/instructions", 0) + 1
                 for c in chat["checks"]:
                     added[c["check"]] = added.get(c["check"], 0) + 1
@@ -460,8 +462,8 @@ def _saved_field(saved: dict, name: str):
 
 
 def _differences(saved: dict, recipe: Recipe) -> str:
-    now = recipe.to_dict()
-    names = [k for k in {**saved, **now} if _saved_field(saved, k) != getattr(recipe, k, None)]
+    names = [k for k in {**saved, **recipe.to_dict()}
+             if _saved_field(saved, k) != getattr(recipe, k, None)]
     return ", ".join(f"{k} {_saved_field(saved, k)!r} -> {getattr(recipe, k, None)!r}"
                      for k in names)
 
