@@ -48,7 +48,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
     cpu: dict = {"model": cpu_model(), "features": [], "levels": [], "compiled": [],
                  "best": None, "selected": None, "engine_products": None}
     uses_native = backend == "native"  # else every product is numpy's: no native setting
-    engine = {"level": None, "act": None, "amx": None, "kv": None}
+    engine = {"level": None, "act": None, "amx": None, "kv": None, "huge_pages": None}
     if built:
         info = native.cpu_features(settings)
         if info.get("error") and uses_native:
@@ -69,6 +69,9 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "amx": engine["amx"],
         "amx_weights": settings.amx_weights if engine["amx"] else None,
         "avxvnni": settings.avxvnni if uses_native else None,
+        # the advice only takes where the OS hands out transparent huge pages on request
+        "hugepages": int(engine["huge_pages"]) if engine.get("huge_pages") is not None
+        else None,
     }
     rows = {}
     for name, variable, _, source in settings.items():

@@ -44,7 +44,7 @@ def test_defaults_when_nothing_is_set():
     s = EngineSettings.from_env({})
     assert s == EngineSettings()
     assert (s.kernels, s.cpu_level, s.act, s.kv, s.threads) == (None,) * 5
-    assert (s.q8_digits, s.amx, s.amx_weights, s.avxvnni) == (2, None, "mixed", 1)
+    assert (s.q8_digits, s.amx, s.amx_weights, s.avxvnni, s.hugepages) == (2, None, "mixed", 1, 0)
     assert all(source == "default" for *_, source in s.items())
     assert [var for _, var, _, _ in s.items()] == list(VARIABLES.values())
 
@@ -66,6 +66,8 @@ def test_defaults_when_nothing_is_set():
     ("POCKET_AMX_WEIGHTS", "One-Term", "amx_weights", "one-term"),
     ("POCKET_AVXVNNI", "0", "avxvnni", 0),
     ("POCKET_AVXVNNI", "1", "avxvnni", 1),
+    ("POCKET_HUGEPAGES", "0", "hugepages", 0),
+    ("POCKET_HUGEPAGES", "1", "hugepages", 1),
 ])
 def test_each_variable_is_parsed(var, raw, field, value):
     s = EngineSettings.from_env({var: raw})
@@ -94,6 +96,7 @@ def test_an_empty_or_blank_variable_is_unset():
     ("POCKET_AMX_WEIGHTS", "half", KernelError,
      "POCKET_AMX_WEIGHTS='half'; choose one of two-term, mixed, one-term"),
     ("POCKET_AVXVNNI", "on", KernelError, "POCKET_AVXVNNI='on'; choose 0 or 1"),
+    ("POCKET_HUGEPAGES", "yes", KernelError, "POCKET_HUGEPAGES='yes'; choose 0 or 1"),
 ])
 def test_bad_values_are_rejected_with_the_message(var, raw, error, message):
     with pytest.raises(error) as info:
@@ -176,6 +179,26 @@ def test_avxvnni_setting_reaches_the_engine(clean_env):
 
 
 @pytest.mark.skipif(not ENGINE_BUILT, reason="the native engine is not built")
+def test_hugepages_setting_reaches_the_engine_and_changes_no_bit(clean_env):
+    cfg = tiny_models.tiny_config("llama")
+    w = _quantized(cfg)
+    ids = np.array([3, 1, 4, 1, 5, 9, 2, 6], dtype=np.int32)
+    off = native.NativeEngine(cfg, w)
+    assert off.huge_pages == 0
+    clean_env.setenv("POCKET_HUGEPAGES", "1")
+    on = native.NativeEngine(cfg, w)
+    assert on.huge_pages == 1
+    assert Runtime(cfg, w, engine="native").native.huge_pages == 1
+    assert native.NativeEngine(cfg, w, huge_pages=False).huge_pages == 0
+    rows = [e.verify(e.new_kv(16), ids, 0) for e in (on, off)]
+    assert rows[0].shape == (len(ids), cfg.vocab_size)
+    assert np.array_equal(rows[0], rows[1])
+    clean_env.setenv("POCKET_HUGEPAGES", "2")
+    with pytest.raises(KernelError, match="POCKET_HUGEPAGES='2'; choose 0 or 1"):
+        Runtime(cfg, w)
+
+
+@pytest.mark.skipif(not ENGINE_BUILT, reason="the native engine is not built")
 def test_native_functions_take_their_choices_from_the_settings(clean_env):
     clean_env.setenv("POCKET_THREADS", "zero")  # never read when settings are given
     s = EngineSettings(cpu_level="scalar", kv="q8", threads=3, amx=False)
@@ -183,8 +206,11 @@ def test_native_functions_take_their_choices_from_the_settings(clean_env):
     assert native.kv_format("f32", s) == "q8"
     assert native.kv_format("q8", EngineSettings()) == "f16"
     assert native.kv_format("f32", EngineSettings()) == "f32"
+    huge = native.transparent_huge_pages() in ("always", "madvise")
     assert native.engine_setting(s) == {"level": "scalar", "act": "f32", "amx": False,
-                                        "amx_weights": None, "kv": "q8"}
+                                        "amx_weights": None, "kv": "q8", "huge_pages": False}
+    assert native.engine_setting(EngineSettings(hugepages=0))["huge_pages"] is False
+    assert native.engine_setting(EngineSettings(hugepages=1))["huge_pages"] is huge
     assert native.cpu_features(s)["selected"] == "scalar"
     assert native.engine_threads(EngineSettings()) <= 2
     assert 1 <= native.default_threads(EngineSettings()) <= 8

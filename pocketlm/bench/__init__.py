@@ -79,7 +79,8 @@ def machine_info() -> dict[str, Any]:
         pass
     from ..runtime.kernels import native
 
-    setting = {"level": None, "act": None, "amx": False, "amx_weights": None, "kv": None}
+    setting = {"level": None, "act": None, "amx": False, "amx_weights": None, "kv": None,
+               "huge_pages": None}
     if native.available():
         try:  # what pocketlm's engine runs on with this environment's settings
             setting = native.engine_setting()
@@ -88,7 +89,8 @@ def machine_info() -> dict[str, Any]:
     return {"cpu": cpu, "arch": platform.machine(), "cores": os.cpu_count(),
             "kernel_level": setting["level"], "activations": setting["act"],
             "amx_prefill": setting["amx"], "amx_weights": setting["amx_weights"],
-            "kv_cache": setting["kv"], "python": platform.python_version(),
+            "kv_cache": setting["kv"], "huge_pages": setting["huge_pages"],
+            "python": platform.python_version(),
             "os": platform.system()}
 
 

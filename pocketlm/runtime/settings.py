@@ -23,6 +23,9 @@ variable               field            unset
 ``POCKET_AMX``         ``amx``          AMX-BF16 prefill where available (q8, avx512 level)
 ``POCKET_AMX_WEIGHTS`` ``amx_weights``  ``mixed``
 ``POCKET_AVXVNNI``     ``avxvnni``      1: AVX-VNNI where the CPU has it (avx2 level)
+``POCKET_HUGEPAGES``   ``hugepages``    0: the engine's repacked weights in the OS's default
+                                        pages (1: transparent huge pages where the OS
+                                        offers them, Linux)
 =====================  ===============  ===================================================
 
 Checks that depend on the machine (a kernel level this CPU lacks, ``POCKET_AMX=1`` without
@@ -59,6 +62,7 @@ VARIABLES = {
     "amx": "POCKET_AMX",
     "amx_weights": "POCKET_AMX_WEIGHTS",
     "avxvnni": "POCKET_AVXVNNI",
+    "hugepages": "POCKET_HUGEPAGES",
 }
 
 
@@ -77,6 +81,7 @@ class EngineSettings:
     amx: bool | None = None
     amx_weights: str = DEFAULT_AMX_WEIGHTS
     avxvnni: int = 1
+    hugepages: int = 0
     from_environment: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
@@ -170,6 +175,12 @@ def _avxvnni(raw: str) -> int:
     return int(raw)
 
 
+def _hugepages(raw: str) -> int:
+    if raw not in ("0", "1"):
+        raise KernelError(f"POCKET_HUGEPAGES={raw!r}; choose 0 or 1")
+    return int(raw)
+
+
 _PARSERS = {"kernels": _kernels, "cpu_level": _cpu_level, "act": _act, "kv": _kv,
             "threads": _threads, "q8_digits": _q8_digits, "amx": _amx,
-            "amx_weights": _amx_weights, "avxvnni": _avxvnni}
+            "amx_weights": _amx_weights, "avxvnni": _avxvnni, "hugepages": _hugepages}

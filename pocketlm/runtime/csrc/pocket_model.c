@@ -191,7 +191,7 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
         J.w[7 * L] = &m->head;
     size_t total = 0;
     for (int k = 0; k < n && !rc; k++)
-        if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k])))
+        if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k], m->c.huge_pages)))
             total += (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
     for (int k = 0; k < n && !rc; k++) {
         if (!J.w[k]) continue;

@@ -108,6 +108,8 @@ typedef struct pocket_model_config {
     int avxvnni;        /* the avx2 level's int8-activation products: 1 on AVX-VNNI where the
                          * build and the CPU have it, 0 on AVX2's multiply-add pairs (the same
                          * results; see pocket_model_avx2.c). Other levels ignore it. */
+    int huge_pages;     /* 1: the tiled weights ask for transparent huge pages (Linux,
+                         * MADV_HUGEPAGE); 0: the kernel's default pages. The same results. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;

@@ -186,7 +186,7 @@ static inline size_t pm_row_bytes(const pocket_weight *w) {
 }
 
 /* Lay out and allocate the 16-row tiles of `w` (INT4, INT5 or INT8) in `t` (zeroed memory). */
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t);
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, int huge);
 
 /* Repack tiles [tb, te) of `w` into `t` (ranges of one weight may be filled by different
  * threads); with `release`, the source pages of those rows (a read-only file mapping) are

@@ -20,6 +20,8 @@
  *   threads, pool: the threads that repack the weights.
  *   avxvnni: the avx2 level's int8 products; 1: on AVX-VNNI where the CPU has it, 0: on AVX2's
  *            multiply-add pairs (the same results).
+ *   config "huge_pages" true: the repacked weights ask for transparent huge pages
+ *            (pocket_model_config.huge_pages; the same results).
  * Every array is checked (dtype, C order, shape against the config) before its pointer is
  * stored; the model holds a buffer view of each, so the memory behind (e.g. a mmap'd deploy
  * file) stays alive and unresized for the model's lifetime.
@@ -332,6 +334,10 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         int truth = rs ? PyObject_IsTrue(rs) : 0;
         if (truth < 0) return NULL;
         c.release_source = truth;
+        PyObject *hp = cfg_item(cfg, "huge_pages", 0);
+        truth = hp ? PyObject_IsTrue(hp) : 0;
+        if (truth < 0) return NULL;
+        c.huge_pages = truth;
         PyObject *amx = cfg_item(cfg, "amx", 0);
         truth = amx ? PyObject_IsTrue(amx) : 0;
         if (truth < 0) return NULL;

@@ -142,11 +142,26 @@ def cpu_features(settings: EngineSettings | None = None) -> dict:
     return info
 
 
+def transparent_huge_pages() -> str | None:
+    """The OS's transparent huge page mode (``always``, ``madvise`` or ``never``), None where
+    there is none to read (not Linux)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
 def engine_setting(settings: EngineSettings | None = None) -> dict:
     """What a NativeEngine created with ``settings`` (default: the environment's) runs on:
     ``level`` (kernel level, ``+avxvnni`` where the avx2 level's int8 products use it), ``act``,
     ``amx`` (prefill on AMX-BF16), ``amx_weights`` (their weight terms, None without AMX),
-    ``kv`` (the KV cache format). Raises KernelError (UnsupportedError for POCKET_ACT) for an
+    ``kv`` (the KV cache format), ``huge_pages`` (the repacked weights in transparent huge
+    pages: POCKET_HUGEPAGES, where the OS hands them out on request). Raises KernelError (UnsupportedError for POCKET_ACT) for an
     invalid setting, or one this machine cannot run (a kernel level it lacks, POCKET_AMX=1
     without AMX)."""
     settings = _settings(settings)
@@ -156,8 +171,10 @@ def engine_setting(settings: EngineSettings | None = None) -> dict:
     amx = level == "avx512" and amx_setting(act, settings)
     if level == "avx2" and act == "q8":  # the engine's own choice of products
         level = _native.ops_name(level_id, avxvnni=int(settings.avxvnni))
+    huge = bool(settings.hugepages) and transparent_huge_pages() in ("always", "madvise")
     return {"level": level, "act": act, "amx": amx,
-            "amx_weights": settings.amx_weights if amx else None, "kv": kv_format(act, settings)}
+            "amx_weights": settings.amx_weights if amx else None, "kv": kv_format(act, settings),
+            "huge_pages": huge}
 
 
 def check_settings(settings: EngineSettings | None = None) -> None:
@@ -455,7 +472,8 @@ class NativeEngine:
                  capacity: int | None = None, digits: int | None = None,
                  release_source: bool = False, amx: bool | None = None,
                  amx_weights: str | None = None, smooth_keys: bool = True,
-                 avxvnni: bool | None = None, settings: EngineSettings | None = None):
+                 avxvnni: bool | None = None, huge_pages: bool | None = None,
+                 settings: EngineSettings | None = None):
         """Every argument left None takes its value from ``settings`` (default: read from the
         environment now, :meth:`EngineSettings.from_env`; see the module docstring for the
         defaults). ``release_source``: every weight is a view of a read-only file mapping,
@@ -464,7 +482,8 @@ class NativeEngine:
         ``two-term`` | ``mixed`` | ``one-term``, the bfloat16 terms of a weight in those
         products. ``smooth_keys``: with the int8 KV cache, even out the keys' channels before
         rounding (:func:`key_smoothing`; False: round them as they are). ``avxvnni``: the avx2
-        level's int8 products on AVX-VNNI where the CPU has it."""
+        level's int8 products on AVX-VNNI where the CPU has it. ``huge_pages``: the repacked
+        weights in transparent huge pages where the OS offers them (the same results)."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
@@ -510,6 +529,8 @@ class NativeEngine:
         self.avxvnni = int(settings.avxvnni if avxvnni is None else bool(avxvnni))
         cfg = config.to_dict()
         cfg["release_source"] = bool(release_source)
+        self.huge_pages = int(settings.hugepages if huge_pages is None else bool(huge_pages))
+        cfg["huge_pages"] = self.huge_pages
         cfg["amx"] = self.amx
         cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
         cfg["lora_rank"] = self.lora_rank = adapter_rank(tensors)

@@ -1,0 +1,207 @@
+"""The engine's repacked weights in transparent huge pages or in 4 KB pages (POCKET_HUGEPAGES
+1 / 0): prefill, one-token decode and speculative verification steps, side by side.
+
+    python benchmarks/huge_pages.py -m smollm2-135m -m gemma3-270m [--rounds 6] \
+        --out benchmarks/huge_pages.jsonl
+    python benchmarks/huge_pages.py -m qwen2.5-0.5b --pocket-bench --rounds 4 \
+        --out benchmarks/huge_pages.jsonl
+
+Each round runs one worker process per setting, the order alternating round by round (the
+machine is shared and its speed drifts; a setting is a property of the process, read when the
+model loads). A worker loads the model, then measures on the same cache, each figure the
+median of its repetitions: prefill of --n-prompt tokens (tests/data/english.txt), a one-token
+decode step (``Runtime.forward`` of one token, as plain decoding runs it) and verification
+steps of 5, 9 and 13 rows (``Runtime.verify``, as speculative decoding runs them: 9 rows are
+the default draft of 8 and its token), after the prompt; plus the share of the process's memory
+in huge pages and its peak resident set. The outputs of the two settings are compared bit for
+bit (the same logits, or the line says so).
+
+``--pocket-bench`` measures whole generations instead: ``pocket bench -m MODEL --runs 3
+--json`` (a --n-prompt prompt, 128 greedy tokens) under each setting, alternating round by
+round; the summary gives the medians of its prefill and decode tokens/s and their ratios.
+
+One JSON line per worker, then one summary line per model: the medians over the rounds and the
+ratios (huge pages over 4 KB pages: above 1 is faster for tokens/s, below 1 is faster for
+milliseconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+ROWS = (1, 5, 9, 13)
+
+
+def worker(model_name: str, n_prompt: int, reps: int) -> dict:
+    """Measure in this process (its POCKET_HUGEPAGES is the setting)."""
+    import resource
+
+    import numpy as np
+
+    import pocketlm
+
+    model = pocketlm.load(model_name)
+    rt = model.runtime
+    text = (ROOT / "tests" / "data" / "english.txt").read_text()
+    ids = model.tokenizer.encode(text)
+    while len(ids) < n_prompt:
+        ids = ids + ids
+    ids = ids[:n_prompt]
+    cache = rt.new_cache(n_prompt + max(ROWS) + 1)
+    prefill = []
+    for _ in range(3):
+        cache.truncate(0)
+        t0 = time.perf_counter()
+        last = rt.forward(ids, cache)
+        prefill.append(n_prompt / (time.perf_counter() - t0))
+    base = cache.length
+    digest = hashlib.sha256(np.ascontiguousarray(last).tobytes())
+    step_ms: dict[int, list[float]] = {r: [] for r in ROWS}
+    for rep in range(reps):
+        for rows in ROWS if rep % 2 == 0 else ROWS[::-1]:
+            draft = [int(t) for t in ids[:rows]]
+            t0 = time.perf_counter()
+            out = rt.forward(draft, cache) if rows == 1 else rt.verify(draft, cache)
+            step_ms[rows].append((time.perf_counter() - t0) * 1e3)
+            cache.truncate(base)
+            if rep == 0:
+                digest.update(np.ascontiguousarray(out).tobytes())
+    huge_kb = rss_kb = 0
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                huge_kb = int(line.split()[1])
+            elif line.startswith("Rss:"):
+                rss_kb = int(line.split()[1])
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
+    return {"prefill_tps": round(statistics.median(prefill), 1),
+            "step_ms": {str(r): round(statistics.median(v), 3) for r, v in step_ms.items()},
+            "huge_pages_mb": round(huge_kb / 1024, 1), "rss_mb": round(rss_kb / 1024, 1),
+            "peak_rss_mb": round(peak / 1024, 1), "logits_sha256": digest.hexdigest()[:16]}
+
+
+def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int, out) -> None:
+    """``pocket bench`` under each setting, alternating: whole generations."""
+    from pocketlm.bench import machine_info
+
+    machine, today = machine_info(), time.strftime("%Y-%m-%d")
+    for name in models:
+        rates: dict[int, dict[str, list[float]]] = {s: {"prefill": [], "decode": []}
+                                                    for s in (0, 1)}
+        for r in range(rounds):
+            for setting in (1, 0) if r % 2 == 0 else (0, 1):
+                env = dict(os.environ, POCKET_HUGEPAGES=str(setting))
+                cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
+                       "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"error: pocket bench on {name} failed: "
+                             f"{proc.stderr.strip()[-500:]}")
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                rates[setting]["prefill"].append(row["prefill_tps"])
+                rates[setting]["decode"].append(row["decode_tps"])
+                print(json.dumps({"bench": "huge-pages-pocket-bench", "model": name,
+                                  "hugepages": setting, "round": r,
+                                  "prefill_tps": round(row["prefill_tps"], 1),
+                                  "decode_tps": round(row["decode_tps"], 1)}), file=sys.stderr)
+        med = {s: {k: round(statistics.median(v), 1) for k, v in rates[s].items()} for s in (0, 1)}
+        summary = {"bench": "huge-pages-pocket-bench-summary", "model": name, "rounds": rounds,
+                   "huge": med[1], "small": med[0],
+                   "x_prefill": round(med[1]["prefill"] / med[0]["prefill"], 3),
+                   "x_decode": round(med[1]["decode"] / med[0]["decode"], 3),
+                   "runs": {"huge": rates[1], "small": rates[0]}, "n_gen": 128,
+                   "threads": threads, "n_prompt": n_prompt, "machine": machine, "date": today,
+                   "command": " ".join(sys.argv)}
+        for f in out:
+            f.write(json.dumps(summary) + "\n")
+            f.flush()
+
+
+def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, out) -> None:
+    from pocketlm.bench import machine_info
+
+    machine, today = machine_info(), time.strftime("%Y-%m-%d")
+    for name in models:
+        results: dict[int, list[dict]] = {0: [], 1: []}
+        for r in range(rounds):
+            for setting in (1, 0) if r % 2 == 0 else (0, 1):
+                env = dict(os.environ, POCKET_HUGEPAGES=str(setting),
+                           POCKET_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--worker", name, "--n-prompt", str(n_prompt),
+                     "--reps", str(reps)], env=env, capture_output=True, text=True)
+                if proc.returncode:
+                    sys.exit(f"error: the worker for {name} failed: {proc.stderr.strip()[-500:]}")
+                row = json.loads(proc.stdout.strip().splitlines()[-1])
+                results[setting].append(row)
+                line = {"bench": "huge-pages", "model": name, "hugepages": setting, "round": r,
+                        **row, "threads": threads, "n_prompt": n_prompt, "machine": machine,
+                        "date": today, "command": " ".join(sys.argv)}
+                print(json.dumps(line), file=sys.stderr)
+        med = {}
+        for setting, rows in results.items():
+            med[setting] = {"prefill_tps": statistics.median(x["prefill_tps"] for x in rows),
+                            **{f"step_ms_{r}": statistics.median(x["step_ms"][str(r)]
+                                                                for x in rows) for r in ROWS},
+                            "huge_pages_mb": statistics.median(x["huge_pages_mb"] for x in rows),
+                            "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in rows)}
+        on, off = med[1], med[0]
+        same = {x["logits_sha256"] for x in results[0] + results[1]}
+        summary = {"bench": "huge-pages-summary", "model": name, "rounds": rounds,
+                   "huge": on, "small": off,
+                   "x_prefill": round(on["prefill_tps"] / off["prefill_tps"], 3),
+                   **{f"x_step_{r}": round(off[f"step_ms_{r}"] / on[f"step_ms_{r}"], 3)
+                      for r in ROWS},
+                   "verify9_in_steps": {"huge": round(on["step_ms_9"] / on["step_ms_1"], 2),
+                                        "small": round(off["step_ms_9"] / off["step_ms_1"], 2)},
+                   "identical_logits": len(same) == 1,
+                   "threads": threads, "n_prompt": n_prompt, "machine": machine, "date": today,
+                   "command": " ".join(sys.argv)}
+        for f in out:
+            f.write(json.dumps(summary) + "\n")
+            f.flush()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", action="append", default=None,
+                    help="registry model (repeatable; default smollm2-135m)")
+    ap.add_argument("--rounds", type=int, default=6, help="worker pairs per model")
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=15, help="timed steps per size per worker")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None, help="append the summaries here too")
+    ap.add_argument("--pocket-bench", action="store_true",
+                    help="measure whole generations with `pocket bench` instead of steps")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.n_prompt, args.reps)))
+        return
+    if args.rounds < 1 or args.reps < 1 or args.n_prompt < 1:
+        sys.exit("error: --rounds, --reps and --n-prompt must be at least 1")
+    out = [sys.stdout] + ([args.out.open("a")] if args.out else [])
+    if args.pocket_bench:
+        run_pocket_bench(args.model or ["smollm2-135m"], args.rounds, args.n_prompt,
+                         args.threads, out)
+    else:
+        run(args.model or ["smollm2-135m"], args.rounds, args.n_prompt, args.reps,
+            args.threads, out)
+
+
+if __name__ == "__main__":
+    main()
