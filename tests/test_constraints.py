@@ -143,3 +143,49 @@ def test_data_version_2_drops_answers_that_ask_for_the_input_and_adds_a_second_c
     assert max(asked.values()) == 1
     assert Recipe(data_version=2).to_dict()["data_version"] == 2
     assert "data_version" not in Recipe().to_dict()
+
+
+def test_cut_answers_are_kept_to_their_last_whole_sentence_only_when_asked(tmp_path):
+    from pocketlm.recipes.pocket_zh_en import (
+        Recipe,
+        answer_text,
+        cut_at_sentence,
+        judge,
+        stage_data,
+    )
+
+    assert cut_at_sentence(EN_ANSWER + " Walking every") == EN_ANSWER
+    assert cut_at_sentence(ZH_ANSWER + "每周三") == ZH_ANSWER
+    assert cut_at_sentence('He said "go to the shop now." Then he') == \
+        'He said "go to the shop now."'
+    assert cut_at_sentence("Version 2.5 is out and") is None  # no sentence end: a number
+    assert cut_at_sentence("One. " + "x" * 200) is None  # less than half of it kept
+    # a code block left open is no answer: the whole sentences before it are kept
+    assert cut_at_sentence("Use this code, which is short. It works.\n```python\nx = 1.") == \
+        "Use this code, which is short. It works."
+    assert cut_at_sentence("Run it.\n```\nls\n```\nThen this: ```py\nprint(1). Done") is None
+
+    cut = {"answer": EN_ANSWER + " Walking every", "finish_reason": "length", "tokens": 256}
+    prompt = _prompt(0, "en")
+    assert judge(prompt, cut) == "cut at the token limit"  # the recorded recipe: dropped
+    assert judge(prompt, cut, 1, keep_cut=True) is None
+    assert answer_text(cut, keep_cut=True) == EN_ANSWER
+    assert answer_text(cut) is None
+    hopeless = {"answer": "x" * 300, "finish_reason": "length", "tokens": 256}
+    assert judge(prompt, hopeless, 1, keep_cut=True) == "cut at the token limit"
+
+    prompts = [_prompt(i, "en") for i in range(20)]
+    answers = [{"id": p["id"], "answer": EN_ANSWER, "finish_reason": "stop", "tokens": 60}
+               for p in prompts]
+    answers[3] = {**cut, "id": prompts[3]["id"]}
+    plain = stage_data(tmp_path, Recipe(constraint_share=0.0), prompts, answers)
+    plain_data = (tmp_path / "sft.jsonl").read_bytes()
+    assert plain["dropped"] == {"cut at the token limit": 1} and "cut_answers_kept" not in plain
+    kept = stage_data(tmp_path, Recipe(constraint_share=0.0, keep_cut_answers=True), prompts,
+                      answers)
+    assert kept["dropped"] == {} and kept["cut_answers_kept"] == 1 and kept["chats"] == 20
+    chats = [json.loads(x)["messages"] for x in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert chats[3][1]["content"] == EN_ANSWER
+    assert (tmp_path / "sft.jsonl").read_bytes() != plain_data
+    assert "keep_cut_answers" not in Recipe().to_dict()
+    assert Recipe(keep_cut_answers=True).to_dict()["keep_cut_answers"] is True

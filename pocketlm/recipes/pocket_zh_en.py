@@ -74,6 +74,11 @@ class Recipe:
     # 2: also drop teacher answers that ask for what the prompt should have given ("Please
     # provide the text..."), and give each answer drawn for constraints a second chat
     data_version: int = 1
+    # True: a teacher answer cut at teacher_max_tokens is kept up to its last whole sentence
+    # (when that keeps at least half of it and no code block is left open) instead of dropped:
+    # dropping them leaves the student only short answers to learn from ("write at least 150
+    # characters" answered with a title)
+    keep_cut_answers: bool = False
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -83,7 +88,7 @@ class Recipe:
         return d
 
 
-_ADDED_LATER = {"constraint_share": 0.0, "data_version": 1}
+_ADDED_LATER = {"constraint_share": 0.0, "data_version": 1, "keep_cut_answers": False}
 
 # The fields the prompts and the teacher's answers depend on: a version of the recipe that
 # changes none of them reuses a run's prompts.jsonl and teacher.jsonl (hours of teacher time).
@@ -240,15 +245,44 @@ _ASKS_FOR_INPUT = re.compile(
     r"|请提供|能否提供|请告诉我.{0,6}(具体|更多)|需要更多的?(信息|细节|上下文)", re.I)
 
 
-def judge(prompt: dict, answer: dict, data_version: int = 1) -> str | None:
-    """Why a teacher answer is dropped (None: kept)."""
+# where a sentence ends: its closing mark (and a closing quote or bracket), then a space, a line
+# end or the end of the text; a Chinese full stop needs no space after it
+_SENTENCE_END = re.compile(r"(?:[.!?](?:[\"'\u201d\u2019)\]]*)(?=\s|$)|[。！？](?:[”’」』）)]*))")
+
+
+def cut_at_sentence(text: str, min_share: float = 0.5) -> str | None:
+    """``text`` (an answer cut at the token limit) up to the end of its last whole sentence
+    outside a code block; None when that keeps less than ``min_share`` of it."""
+    text = text.rstrip()
+    for end in reversed([m.end() for m in _SENTENCE_END.finditer(text)]):
+        if end < min_share * len(text):
+            return None
+        if text.count("```", 0, end) % 2 == 0:  # not inside a code block
+            return text[:end].rstrip()
+    return None
+
+
+def answer_text(answer: dict, keep_cut: bool = False) -> str | None:
+    """The text a teacher answer gives the data: the answer, or, cut at the token limit and
+    with ``keep_cut``, its whole sentences (None: nothing usable)."""
+    text = answer["answer"].strip()
+    if answer.get("finish_reason") == "stop":
+        return text
+    if keep_cut and answer.get("finish_reason") == "length":
+        return cut_at_sentence(text)
+    return None
+
+
+def judge(prompt: dict, answer: dict, data_version: int = 1, keep_cut: bool = False
+          ) -> str | None:
+    """Why a teacher answer is dropped (None: kept; the text kept is :func:`answer_text`'s)."""
     from ..evaluate.instructions import CHECKERS
     from .prompts import cjk_share
 
-    text = answer["answer"].strip()
     if answer.get("finish_reason") == "prompt too long":
         return "prompt too long for the teacher"
-    if answer.get("finish_reason") != "stop":
+    text = answer_text(answer, keep_cut)
+    if text is None:
         return "cut at the token limit"
     if not text:
         return "empty"
@@ -280,16 +314,19 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
 
     by_id = {a["id"]: a for a in answers}
     chats, dropped, kept, added = [], {}, {}, {}
+    cut_kept = 0  # answers cut at the token limit, kept to their last whole sentence
     for p in prompts:
         if p["gold"] is not None:
             reply = p["gold"]
         else:
             a = by_id.get(p["id"])
-            why = "no answer" if a is None else judge(p, a, recipe.data_version)
+            why = "no answer" if a is None else judge(p, a, recipe.data_version,
+                                                      recipe.keep_cut_answers)
             if why:
                 dropped[why] = dropped.get(why, 0) + 1
                 continue
-            reply = a["answer"].strip()
+            reply = answer_text(a, recipe.keep_cut_answers)
+            cut_kept += a.get("finish_reason") != "stop"
         key = f"{p['source']}/{p['kind']}" + ("/gold" if p["gold"] is not None else "")
         kept[key] = kept.get(key, 0) + 1
         chats.append({"messages": [{"role": "user", "content": p["prompt"]},
@@ -320,6 +357,8 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
                                                                        ["content"])
                                 for c in chats),
               "sha256": _sha256(path)}
+    if recipe.keep_cut_answers:
+        report["cut_answers_kept"] = cut_kept
     _atomic_write(out / "data_report.json", json.dumps(report, indent=1, ensure_ascii=False))
     return report
 
