@@ -93,6 +93,27 @@ def worker(model_name: str, n_prompt: int, reps: int) -> dict:
             "peak_rss_mb": round(peak / 1024, 1), "logits_sha256": digest.hexdigest()[:16]}
 
 
+def _alternating(rounds: int):
+    """``(round, setting)`` for every worker: both settings each round, the order alternating."""
+    for r in range(rounds):
+        for setting in (1, 0) if r % 2 == 0 else (0, 1):
+            yield r, setting
+
+
+def _last_json(cmd: list[str], env: dict, what: str) -> dict:
+    """Run ``cmd`` and parse the last line it printed (exit with its error if it failed)."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"error: {what} failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _emit(out, line: dict) -> None:
+    for f in out:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+
+
 def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int, out) -> None:
     """``pocket bench`` under each setting, alternating: whole generations."""
     from pocketlm.bench import machine_info
@@ -101,22 +122,17 @@ def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int
     for name in models:
         rates: dict[int, dict[str, list[float]]] = {s: {"prefill": [], "decode": []}
                                                     for s in (0, 1)}
-        for r in range(rounds):
-            for setting in (1, 0) if r % 2 == 0 else (0, 1):
-                env = dict(os.environ, POCKET_HUGEPAGES=str(setting))
-                cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
-                       "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                if proc.returncode:
-                    sys.exit(f"error: pocket bench on {name} failed: "
-                             f"{proc.stderr.strip()[-500:]}")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
-                rates[setting]["prefill"].append(row["prefill_tps"])
-                rates[setting]["decode"].append(row["decode_tps"])
-                print(json.dumps({"bench": "huge-pages-pocket-bench", "model": name,
-                                  "hugepages": setting, "round": r,
-                                  "prefill_tps": round(row["prefill_tps"], 1),
-                                  "decode_tps": round(row["decode_tps"], 1)}), file=sys.stderr)
+        cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
+               "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
+        for r, setting in _alternating(rounds):
+            row = _last_json(cmd, dict(os.environ, POCKET_HUGEPAGES=str(setting)),
+                             f"pocket bench on {name}")
+            rates[setting]["prefill"].append(row["prefill_tps"])
+            rates[setting]["decode"].append(row["decode_tps"])
+            print(json.dumps({"bench": "huge-pages-pocket-bench", "model": name,
+                              "hugepages": setting, "round": r,
+                              "prefill_tps": round(row["prefill_tps"], 1),
+                              "decode_tps": round(row["decode_tps"], 1)}), file=sys.stderr)
         med = {s: {k: round(statistics.median(v), 1) for k, v in rates[s].items()} for s in (0, 1)}
         summary = {"bench": "huge-pages-pocket-bench-summary", "model": name, "rounds": rounds,
                    "huge": med[1], "small": med[0],
@@ -125,9 +141,7 @@ def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int
                    "runs": {"huge": rates[1], "small": rates[0]}, "n_gen": 128,
                    "threads": threads, "n_prompt": n_prompt, "machine": machine, "date": today,
                    "command": " ".join(sys.argv)}
-        for f in out:
-            f.write(json.dumps(summary) + "\n")
-            f.flush()
+        _emit(out, summary)
 
 
 def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, out) -> None:
@@ -136,21 +150,17 @@ def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, 
     machine, today = machine_info(), time.strftime("%Y-%m-%d")
     for name in models:
         results: dict[int, list[dict]] = {0: [], 1: []}
-        for r in range(rounds):
-            for setting in (1, 0) if r % 2 == 0 else (0, 1):
-                env = dict(os.environ, POCKET_HUGEPAGES=str(setting),
-                           POCKET_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--worker", name, "--n-prompt", str(n_prompt),
-                     "--reps", str(reps)], env=env, capture_output=True, text=True)
-                if proc.returncode:
-                    sys.exit(f"error: the worker for {name} failed: {proc.stderr.strip()[-500:]}")
-                row = json.loads(proc.stdout.strip().splitlines()[-1])
-                results[setting].append(row)
-                line = {"bench": "huge-pages", "model": name, "hugepages": setting, "round": r,
-                        **row, "threads": threads, "n_prompt": n_prompt, "machine": machine,
-                        "date": today, "command": " ".join(sys.argv)}
-                print(json.dumps(line), file=sys.stderr)
+        cmd = [sys.executable, __file__, "--worker", name, "--n-prompt", str(n_prompt),
+               "--reps", str(reps)]
+        for r, setting in _alternating(rounds):
+            env = dict(os.environ, POCKET_HUGEPAGES=str(setting), POCKET_THREADS=str(threads),
+                       OMP_NUM_THREADS=str(threads))
+            row = _last_json(cmd, env, f"the worker for {name}")
+            results[setting].append(row)
+            line = {"bench": "huge-pages", "model": name, "hugepages": setting, "round": r,
+                    **row, "threads": threads, "n_prompt": n_prompt, "machine": machine,
+                    "date": today, "command": " ".join(sys.argv)}
+            print(json.dumps(line), file=sys.stderr)
         med = {}
         for setting, rows in results.items():
             med[setting] = {"prefill_tps": statistics.median(x["prefill_tps"] for x in rows),
@@ -170,9 +180,7 @@ def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, 
                    "identical_logits": len(same) == 1,
                    "threads": threads, "n_prompt": n_prompt, "machine": machine, "date": today,
                    "command": " ".join(sys.argv)}
-        for f in out:
-            f.write(json.dumps(summary) + "\n")
-            f.flush()
+        _emit(out, summary)
 
 
 def main() -> None:

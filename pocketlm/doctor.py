@@ -70,8 +70,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "amx_weights": settings.amx_weights if engine["amx"] else None,
         "avxvnni": settings.avxvnni if uses_native else None,
         # the advice only takes where the OS hands out transparent huge pages on request
-        "hugepages": int(engine["huge_pages"]) if engine.get("huge_pages") is not None
-        else None,
+        "hugepages": None if engine["huge_pages"] is None else int(engine["huge_pages"]),
     }
     rows = {}
     for name, variable, _, source in settings.items():
