@@ -71,6 +71,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "avxvnni": settings.avxvnni if uses_native else None,
         # the advice only takes where the OS hands out transparent huge pages on request
         "hugepages": None if engine["huge_pages"] is None else int(engine["huge_pages"]),
+        "head_screen": settings.head_screen if uses_native else None,
     }
     rows = {}
     for name, variable, _, source in settings.items():

@@ -26,6 +26,9 @@ variable               field            unset
 ``POCKET_HUGEPAGES``   ``hugepages``    0: the engine's repacked weights in the OS's default
                                         pages (1: transparent huge pages where the OS
                                         offers them, Linux)
+``POCKET_HEAD_SCREEN`` ``head_screen``  0: an INT8 output head read whole every step (K, 1
+                                        to 256: its high nibbles screen every row and the K
+                                        best rows' tiles are refined, docs/engine.md)
 =====================  ===============  ===================================================
 
 Checks that depend on the machine (a kernel level this CPU lacks, ``POCKET_AMX=1`` without
@@ -63,6 +66,7 @@ VARIABLES = {
     "amx_weights": "POCKET_AMX_WEIGHTS",
     "avxvnni": "POCKET_AVXVNNI",
     "hugepages": "POCKET_HUGEPAGES",
+    "head_screen": "POCKET_HEAD_SCREEN",
 }
 
 
@@ -82,6 +86,7 @@ class EngineSettings:
     amx_weights: str = DEFAULT_AMX_WEIGHTS
     avxvnni: int = 1
     hugepages: int = 0
+    head_screen: int = 0
     from_environment: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
@@ -181,6 +186,14 @@ def _hugepages(raw: str) -> int:
     return int(raw)
 
 
+def _head_screen(raw: str) -> int:
+    if not raw.isdigit() or int(raw) > 256:
+        raise KernelError(f"POCKET_HEAD_SCREEN={raw!r}; choose 0 (off) or a number of "
+                          "candidates from 1 to 256")
+    return int(raw)
+
+
 _PARSERS = {"kernels": _kernels, "cpu_level": _cpu_level, "act": _act, "kv": _kv,
             "threads": _threads, "q8_digits": _q8_digits, "amx": _amx,
-            "amx_weights": _amx_weights, "avxvnni": _avxvnni, "hugepages": _hugepages}
+            "amx_weights": _amx_weights, "avxvnni": _avxvnni, "hugepages": _hugepages,
+            "head_screen": _head_screen}

@@ -83,6 +83,7 @@ void pocket_model_destroy(pocket_model *m) {
     if (m->tiled)
         for (int k = 0; k < 7 * m->c.n_layers + 1; k++) pm_tiled_free(&m->tiled[k]);
     free(m->tiled);
+    pm_tiled_free(&m->head_lo);
     free(m->part);
     free(m->tscr);
     free(m);
@@ -323,6 +324,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     if (act_q8 < 0 || act_q8 >= 1 << (2 * POCKET_Q8_ONE_DIGIT_SHIFT)) return POCKET_EINVAL;
     if (c.amx != 0 && c.amx != 1) return POCKET_EINVAL;
     if (c.avxvnni != 0 && c.avxvnni != 1) return POCKET_EINVAL;
+    if (c.head_screen < 0 || c.head_screen > PM_SCREEN_MAX) return POCKET_EINVAL;
     if (c.amx_one_term & ~POCKET_Q8_ALL) return POCKET_EINVAL;
 #if PM_HAVE_AMX
     if (c.amx && (kernels->level != POCKET_LEVEL_AVX512 || !pm_amx_enable()))
@@ -435,6 +437,15 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     if (!m->tiled) goto nomem;
     {
         int rc = build_tiles(m, pool, nthreads);
+        pm_tiled *th = &m->tiled[7 * c.n_layers];
+        if (!rc && c.head_screen > 0 && th->data && th->bits == 8) {
+            pm_tiled hi;
+            rc = pm_tiled_split_planes(th, &hi, &m->head_lo, c.huge_pages, m->ops->to_f16);
+            if (!rc) {
+                *th = hi;
+                m->head_screen = c.head_screen;
+            }
+        }
         if (rc) {
             pocket_model_destroy(m);
             return rc;

@@ -110,6 +110,14 @@ typedef struct pocket_model_config {
                          * results; see pocket_model_avx2.c). Other levels ignore it. */
     int huge_pages;     /* 1: the tiled weights ask for transparent huge pages (Linux,
                          * MADV_HUGEPAGE); 0: the kernel's default pages. The same results. */
+    int head_screen;    /* K > 0: an INT8 output head (tiled) is held as two INT4 planes (high
+                         * and low nibbles of q + 128, the same bytes) and a logits call that
+                         * wants only the last row's logits, a decode step or a verification
+                         * reads the high plane for every row of the vocabulary and the low one
+                         * only for the tiles of the K best rows of that first pass, whose
+                         * logits are then the INT8 head's (to float rounding); the others keep
+                         * the first pass's estimate. All-logits calls refine every row.
+                         * 0: the INT8 head as it is. Range 0..256. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;

@@ -50,7 +50,8 @@ enum {
     PM_JOB_ATTN_BLOCK,
     PM_JOB_AMX_KV,
     PM_JOB_AMX_ATTN,
-    PM_JOB_ROWS
+    PM_JOB_ROWS,
+    PM_JOB_HEAD_LO
 };
 
 /* Blocks of at least this many tokens run their per-token steps (norms, activation
@@ -135,6 +136,24 @@ static void prepare_cols(const pocket_model *m, const pm_act *a, int i, int c0, 
 /* x A^T [n, slot k]: the adapter's inner values of the k-th weight of a product region */
 static inline float *lora_slot(const pocket_model *m, int k) {
     return m->lora_t + (size_t)k * PM_BLOCK * (size_t)m->lora_rank;
+}
+
+/* The low plane of a screened head (pocket_model.head_lo) over tile tl for the n rows of a
+ * prepared input: scr [n, 16], by the product path the high plane took (AMX or tiled). */
+static void head_lo_tile(pocket_model *m, const pm_act *act, int tl, float *scr, int task) {
+    pm_tiled t1 = m->head_lo;
+    t1.data = m->head_lo.data + (size_t)tl * m->head_lo.tile_bytes;
+    t1.rows = pm_tile_rows(&m->head_lo, tl);
+    t1.ntiles = 1;
+#if PM_HAVE_AMX
+    if (act->xb) {
+        pm_amx_matmul(&t1, act->xb, act->xl, act->n, scr, 16, 0, 1,
+                      m->awbuf + (size_t)task * m->awbuf_stride, act->one_term);
+        return;
+    }
+#endif
+    (void)task;
+    m->ops->matmul_tiled(&t1, act, scr, 16, 0, 1);
 }
 
 static void job_fail(pm_job *j, int rc) {
@@ -343,6 +362,20 @@ static void pm_task(void *ctx, int task, int ntasks) {
         pocket_split_range(j->n, 1, task, ntasks, &b, &e);
         if (e > b) j->rows->fn(j->rows, b, e);
         break;
+    case PM_JOB_HEAD_LO: {
+        /* the low plane of the head over tiles [b, e), added to every row's logits */
+        float scr[PM_BLOCK * 16];
+        const size_t V = (size_t)m->head_lo.rows;
+        pocket_split_range(m->head_lo.ntiles, 1, task, ntasks, &b, &e);
+        for (int tl = b; tl < e; tl++) {
+            const int nr = pm_tile_rows(&m->head_lo, tl);
+            head_lo_tile(m, &j->act, tl, scr, task);
+            for (int i = 0; i < j->n; i++)
+                for (int r = 0; r < nr; r++)
+                    j->y[0][(size_t)i * V + 16 * (size_t)tl + r] += scr[i * 16 + r];
+        }
+        break;
+    }
     default: rc = POCKET_EINVAL;
     }
     job_fail(j, rc);
@@ -467,7 +500,9 @@ static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *
     for (int i = 0; i < n; i++) {
         const size_t r = (size_t)ids[i];
         float *xi = x + (size_t)i * d;
-        if (from_head) {
+        if (from_head && m->head_screen) {
+            pm_tiled_row_planes(head, &m->head_lo, r, xi);
+        } else if (from_head) {
             pm_tiled_row(head, r, xi);
         } else if (w->type == POCKET_WT_F32) {
             memcpy(xi, (const float *)w->data + r * d, d * sizeof(float));
@@ -842,9 +877,84 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
     return run_rows(m, pool, nthreads, n, &r);
 }
 
-/* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. */
+/* The tiles of the K largest logits of y [V] in tiles[] (distinct, any order); returns their
+ * count. NaN logits are never chosen. */
+static int screen_tiles(const float *y, int V, int K, int *tiles, int *idx, float *val) {
+    int n = 0, lo = 0; /* the K best so far in idx/val; lo: the position of the smallest */
+    for (int r = 0; r < V; r++) {
+        const float v = y[r];
+        if (n < K) {
+            if (!(v == v)) continue;
+            idx[n] = r;
+            val[n] = v;
+            if (++n == K)
+                for (int k = 1; k < K; k++)
+                    if (val[k] < val[lo]) lo = k;
+            continue;
+        }
+        if (!(v > val[lo])) continue;
+        idx[lo] = r;
+        val[lo] = v;
+        for (int k = 0; k < K; k++)
+            if (val[k] < val[lo]) lo = k;
+    }
+    int nt = 0;
+    for (int k = 0; k < n; k++) {
+        const int tl = idx[k] / 16;
+        int seen = 0;
+        for (int t = 0; t < nt && !seen; t++) seen = tiles[t] == tl;
+        if (!seen) tiles[nt++] = tl;
+    }
+    return nt;
+}
+
+static int cmp_int(const void *a, const void *b) {
+    const int x = *(const int *)a, y = *(const int *)b;
+    return (x > y) - (x < y);
+}
+
+/* A screened head's second pass over nrows rows of logits y [nrows, V] (the high plane's):
+ * each row gets the low plane added on the tiles of its own K best logits, so that a row's
+ * result never depends on the others in its block. */
+static int screen_rows(pocket_model *m, const pm_act *act, float *y, int nrows) {
+    const int K = m->head_screen, V = m->head_lo.rows;
+    int *tiles = (int *)malloc(sizeof(int) * (size_t)nrows * (size_t)K * 2 + sizeof(int) * 2 * K);
+    float *val = (float *)malloc(sizeof(float) * (size_t)K);
+    int cnt[PM_BLOCK];
+    if (!tiles || !val) {
+        free(tiles);
+        free(val);
+        return POCKET_ENOMEM;
+    }
+    int *all = tiles + (size_t)nrows * K, *idx = all + (size_t)nrows * K, nall = 0;
+    for (int i = 0; i < nrows; i++) {
+        cnt[i] = screen_tiles(y + (size_t)i * V, V, K, tiles + (size_t)i * K, idx, val);
+        memcpy(all + nall, tiles + (size_t)i * K, sizeof(int) * (size_t)cnt[i]);
+        nall += cnt[i];
+    }
+    qsort(all, (size_t)nall, sizeof(int), cmp_int);
+    float scr[PM_BLOCK * 16];
+    for (int u = 0; u < nall; u++) {
+        if (u && all[u] == all[u - 1]) continue;
+        const int tl = all[u], nr = pm_tile_rows(&m->head_lo, tl);
+        head_lo_tile(m, act, tl, scr, 0);
+        for (int i = 0; i < nrows; i++) {
+            int mine = 0;
+            for (int t = 0; t < cnt[i] && !mine; t++) mine = tiles[(size_t)i * K + t] == tl;
+            if (!mine) continue;
+            float *yi = y + (size_t)i * V + 16 * (size_t)tl;
+            for (int r = 0; r < nr; r++) yi[r] += scr[i * 16 + r];
+        }
+    }
+    free(tiles);
+    free(val);
+    return POCKET_OK;
+}
+
+/* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. all: every
+ * logit wanted (a screened head refines every row of the vocabulary; else the K best). */
 static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_pool *pool,
-                     int nthreads) {
+                     int nthreads, int all) {
     const int d = m->c.d_model;
     m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
     const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
@@ -852,8 +962,17 @@ static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_poo
     const int use =
         plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, pm_amx_path(m, nrows), &act);
     if (use) prepare_act(m, &act, 0, nrows);
-    return run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
-                        use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+    int rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
+                          use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+    /* without the tiled products the source INT8 head ran: nothing to refine */
+    if (rc || !m->head_screen || !use) return rc;
+    if (!all) return screen_rows(m, &act, y, nrows);
+    pm_job j = {.m = m, .kind = PM_JOB_HEAD_LO, .n = nrows, .y = {y, NULL, NULL}};
+    j.quantized = 1;
+    j.act = act;
+    const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
+    if (j.act.xb && (rc = pm_ensure_amx_scratch(m, tasks))) return rc;
+    return run_job(&j, pool, tasks);
 }
 
 static int check_threads(pocket_pool *pool, int *nthreads) {
@@ -889,9 +1008,9 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
             if (rc) return rc;
         }
         if (all_logits)
-            rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads);
+            rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads, 1);
         else if (b0 + nb == n) /* the last row, now at the front */
-            rc = head_rows(m, 0, 1, logits, pool, nthreads);
+            rc = head_rows(m, 0, 1, logits, pool, nthreads, 0);
         if (rc) return rc;
     }
     return POCKET_OK;
@@ -926,7 +1045,7 @@ static int decode_rows(pocket_model *m, pocket_kv *const *kvs, const int32_t *id
         embed_rows(m, ids + b0, nb, m->x);
         for (int l = 0; l < m->c.n_layers && rc == POCKET_OK; l++)
             rc = layer_forward(m, &seq, l, nb, 0, pool, nthreads);
-        if (rc == POCKET_OK) rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads);
+        if (rc == POCKET_OK) rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads, 0);
     }
     m->verify_call = 0;
     return rc;

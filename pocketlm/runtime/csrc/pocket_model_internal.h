@@ -19,6 +19,7 @@
 #include "pocket_model_ops.h"
 
 #define PM_BLOCK 128 /* tokens per prefill block: the scratch buffers hold this many */
+#define PM_SCREEN_MAX 256 /* the largest config.head_screen */
 
 struct pocket_model {
     pocket_model_config c;
@@ -42,6 +43,11 @@ struct pocket_model {
     /* repacked weights of the int8-activation products: [layer * 7 + k] (k: q, k, v, o,
      * gate, up, down), then the head; data == NULL where not used */
     pm_tiled *tiled;
+    /* config.head_screen > 0 and an INT8 tiled head: tiled[7 * n_layers] is its high plane
+     * (INT4, scale 16 s, minimum -120.5 s rounded: the midpoint of the low nibble), head_lo
+     * its low plane (INT4, scale s, minimum -128 s minus the high plane's); else zeroed */
+    pm_tiled head_lo;
+    int head_screen;
     int q_dim, kv_dim, group, half;
     int max_in; /* the widest input of a product: max(d_model, q_dim, d_ff) */
     /* RoPE: inv_freq per base (0: rope_theta, 1: rope_theta_local); cos/sin [pos][half] */
@@ -196,6 +202,16 @@ void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int rele
 /* Hand back every source page of `w` (a read-only file mapping), e.g. those that straddled
  * the ends of the ranges filled. */
 void pm_tiled_release_source(const pocket_weight *w);
+
+/* Split an INT8 tiled matrix t8 into two INT4 tiled planes (see pocket_model.head_lo): the
+ * codes u = q + 128 as 16 hi + lo; t8 is freed (its pages handed back as the split goes).
+ * to_f16: float32 -> float16 rounding. */
+int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
+                          void (*to_f16)(const float *, uint16_t *, size_t));
+
+/* Row r of an INT8 matrix split by pm_tiled_split_planes, as floats: the same values as
+ * pm_tiled_row of the INT8 tiles it came from. */
+void pm_tiled_row_planes(const pm_tiled *hi, const pm_tiled *lo, size_t r, float *x);
 
 /* Free the tiles of `t` and zero it (a zeroed pm_tiled is fine). */
 void pm_tiled_free(pm_tiled *t);

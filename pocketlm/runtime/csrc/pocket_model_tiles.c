@@ -229,3 +229,80 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
                                 : (float)(q - 128) * pocket_f16_to_f32(sc[16 * g + i]);
         }
 }
+
+/* The 16 source bytes of an INT4 block (byte k: column k low nibble, column 16 + k high) of
+ * the nibbles v[0..32). */
+static inline void nibble_block(const uint8_t *v, uint8_t *src) {
+    for (int k = 0; k < 16; k++) src[k] = (uint8_t)((v[k] & 15) | (v[16 + k] << 4));
+}
+
+int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
+                          void (*to_f16)(const float *, uint16_t *, size_t)) {
+    if (!t8->data || t8->bits != 8) return POCKET_EINVAL;
+    pocket_weight w;
+    memset(&w, 0, sizeof w);
+    w.type = POCKET_WT_Q4;
+    w.rows = t8->rows;
+    w.cols = t8->cols;
+    w.group_size = t8->group_size;
+    int rc = pm_tiled_alloc(&w, hi, huge);
+    if (!rc) rc = pm_tiled_alloc(&w, lo, huge);
+    if (rc) {
+        pm_tiled_free(hi);
+        pm_tiled_free(lo);
+        return rc;
+    }
+    const int ng = t8->ng, nb = t8->nb;
+    for (int tl = 0; tl < t8->ntiles; tl++) {
+        const uint8_t *r8 = t8->data + (size_t)tl * t8->tile_bytes;
+        const uint16_t *s8 = (const uint16_t *)(r8 + t8->scale_off);
+        uint8_t *rh = hi->data + (size_t)tl * hi->tile_bytes, *rl = lo->data + (size_t)tl * lo->tile_bytes;
+        uint16_t *sh = (uint16_t *)(rh + hi->scale_off), *mh = sh + (size_t)ng * 16;
+        uint16_t *sl = (uint16_t *)(rl + lo->scale_off), *ml = sl + (size_t)ng * 16;
+        for (int i = 0; i < 16; i++) {
+            for (int b = 0; b < nb; b++) {
+                uint8_t vh[32], vl[32], src[16];
+                for (int k = 0; k < 32; k++) {
+                    const uint8_t u = r8[(size_t)b * 512 + 64 * (k / 4) + 4 * i + (k & 3)];
+                    vh[k] = (uint8_t)(u >> 4);
+                    vl[k] = (uint8_t)(u & 15);
+                }
+                nibble_block(vh, src);
+                fill_nibbles(rh + (size_t)b * 256 + 4 * i, src);
+                nibble_block(vl, src);
+                fill_nibbles(rl + (size_t)b * 256 + 4 * i, src);
+            }
+            for (int g = 0; g < ng; g++) {
+                /* w = s (u - 128) = 16 s hi + m_hi + (s lo + m_lo), m_lo = -128 s - m_hi: the
+                 * high plane alone is centred on the low nibble's midpoint, 7.5 */
+                const float s = pocket_f16_to_f32(s8[16 * g + i]);
+                float v[2] = {16.0f * s, -120.5f * s};
+                uint16_t h[2];
+                to_f16(v, h, 2);
+                sh[16 * g + i] = h[0];
+                mh[16 * g + i] = h[1];
+                sl[16 * g + i] = s8[16 * g + i];
+                v[0] = -128.0f * s - pocket_f16_to_f32(h[1]);
+                to_f16(v, h, 1);
+                ml[16 * g + i] = h[0];
+            }
+        }
+        if ((tl + 1) % PM_RELEASE_TILES == 0) /* anonymous memory: the pages are freed */
+            release_range(t8->data + (size_t)(tl + 1 - PM_RELEASE_TILES) * t8->tile_bytes,
+                          (size_t)PM_RELEASE_TILES * t8->tile_bytes);
+    }
+    pm_tiled_free(t8);
+    return POCKET_OK;
+}
+
+void pm_tiled_row_planes(const pm_tiled *hi, const pm_tiled *lo, size_t r, float *x) {
+    const uint8_t *rh = hi->data + (r / 16) * hi->tile_bytes, *rl = lo->data + (r / 16) * lo->tile_bytes;
+    const uint16_t *sl = (const uint16_t *)(rl + lo->scale_off);
+    const int i = (int)(r % 16);
+    for (int b = 0; b < hi->nb; b++)
+        for (int k = 0; k < 32; k++) {
+            const int c = 32 * b + k, g = c / hi->group_size;
+            const int u = 16 * pm_tiled_value(hi, rh, b, k, i) + pm_tiled_value(lo, rl, b, k, i);
+            x[c] = (float)(u - 128) * pocket_f16_to_f32(sl[16 * g + i]);
+        }
+}

@@ -22,6 +22,8 @@
  *            multiply-add pairs (the same results).
  *   config "huge_pages" true: the repacked weights ask for transparent huge pages
  *            (pocket_model_config.huge_pages; the same results).
+ *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, the K
+ *            best rows refined (pocket_model_config.head_screen; 0: the INT8 head).
  * Every array is checked (dtype, C order, shape against the config) before its pointer is
  * stored; the model holds a buffer view of each, so the memory behind (e.g. a mmap'd deploy
  * file) stays alive and unresized for the model's lifetime.
@@ -338,6 +340,16 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         truth = hp ? PyObject_IsTrue(hp) : 0;
         if (truth < 0) return NULL;
         c.huge_pages = truth;
+        PyObject *hs = cfg_item(cfg, "head_screen", 0);
+        if (hs) {
+            const long k = PyLong_AsLong(hs);
+            if (k == -1 && PyErr_Occurred()) return NULL;
+            if (k < 0 || k > 256) {
+                PyErr_SetString(PyExc_ValueError, "config head_screen must be 0 to 256");
+                return NULL;
+            }
+            c.head_screen = (int)k;
+        }
         PyObject *amx = cfg_item(cfg, "amx", 0);
         truth = amx ? PyObject_IsTrue(amx) : 0;
         if (truth < 0) return NULL;

@@ -473,7 +473,7 @@ class NativeEngine:
                  release_source: bool = False, amx: bool | None = None,
                  amx_weights: str | None = None, smooth_keys: bool = True,
                  avxvnni: bool | None = None, huge_pages: bool | None = None,
-                 settings: EngineSettings | None = None):
+                 head_screen: int | None = None, settings: EngineSettings | None = None):
         """Every argument left None takes its value from ``settings`` (default: read from the
         environment now, :meth:`EngineSettings.from_env`; see the module docstring for the
         defaults). ``release_source``: every weight is a view of a read-only file mapping,
@@ -483,7 +483,10 @@ class NativeEngine:
         products. ``smooth_keys``: with the int8 KV cache, even out the keys' channels before
         rounding (:func:`key_smoothing`; False: round them as they are). ``avxvnni``: the avx2
         level's int8 products on AVX-VNNI where the CPU has it. ``huge_pages``: the repacked
-        weights in transparent huge pages where the OS offers them (the same results)."""
+        weights in transparent huge pages where the OS offers them (the same results).
+        ``head_screen``: K > 0 holds an INT8 output head as two INT4 planes and, in decode
+        steps, verifications and last-row prefills, reads the low plane only for the tiles of
+        the K best rows of the high plane's pass (docs/engine.md, "Head screening")."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
@@ -531,6 +534,10 @@ class NativeEngine:
         cfg["release_source"] = bool(release_source)
         self.huge_pages = int(settings.hugepages if huge_pages is None else bool(huge_pages))
         cfg["huge_pages"] = self.huge_pages
+        self.head_screen = int(settings.head_screen if head_screen is None else head_screen)
+        if not 0 <= self.head_screen <= 256:
+            raise ValueError(f"head_screen must be 0 to 256, got {self.head_screen}")
+        cfg["head_screen"] = self.head_screen
         cfg["amx"] = self.amx
         cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
         cfg["lora_rank"] = self.lora_rank = adapter_rank(tensors)

@@ -1,0 +1,161 @@
+"""Head screening (POCKET_HEAD_SCREEN=K) against the INT8 output head read whole, side by side:
+decode speed in whole generations, and what the logits keep.
+
+    python benchmarks/head_screen.py -m smollm2-135m -m gemma3-270m --k 16 --rounds 4 \
+        --out benchmarks/head_screen.jsonl
+
+A screened engine holds an INT8 head as two INT4 planes (the high and low nibbles of its codes,
+the same bytes); a decode step reads the high plane for every row of the vocabulary and the low
+plane only for the tiles of the K best rows of that pass (docs/engine.md, "Head screening").
+
+Speed: ``pocket bench -m MODEL --runs 3 --json`` (a --n-prompt prompt, 128 greedy tokens)
+under POCKET_HEAD_SCREEN=0 and =K, the order alternating round by round (a setting is a
+property of the process); the summary gives the medians of prefill and decode tokens/s and
+their ratios.
+
+Logits (one process, two engines on the same weights): teacher-forced one-token decode steps
+over tests/data/english.txt and chinese.txt (--positions tokens of each): top-1 agreement with
+the whole head, how many of the whole head's top 5 / top 40 the screened step returns exactly
+(within 1e-3), and the total variation distance of the next-token distributions at temperature
+1 and 0.7; plus greedy generations (128 tokens) of a few chat requests, compared token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+REQUESTS = ["Explain in three sentences why the sky is blue.",
+            "Write a short email asking a colleague to move our meeting to Friday.",
+            "用三句话介绍一下长城。",
+            "把这句话翻译成英文：今天的天气很好，我们去公园散步吧。"]
+
+
+def _tv(a, b, temp: float) -> float:
+    import numpy as np
+
+    def sm(x):
+        z = (x - x.max()) / temp
+        e = np.exp(z)
+        return e / e.sum()
+    return float(0.5 * np.abs(sm(a.astype(np.float64)) - sm(b.astype(np.float64))).sum())
+
+
+def logit_quality(name: str, k: int, positions: int) -> dict:
+    import numpy as np
+
+    import pocketlm
+    from pocketlm.runtime.engine import NativeModelEngine
+    from pocketlm.runtime.kernels.native import NativeEngine
+
+    model = pocketlm.load(name)
+    rt = model.runtime
+    if rt.native is None:
+        sys.exit(f"error: {name} does not run on the native engine here")
+    whole = NativeModelEngine(model.config, rt.native)
+    screened = NativeModelEngine(model.config, NativeEngine(model.config, rt.w, head_screen=k))
+    top1 = n = 0
+    top5 = top40 = 0
+    tv1, tv07 = [], []
+    for f in ("english.txt", "chinese.txt"):
+        ids = model.tokenize((ROOT / "tests" / "data" / f).read_text())[:positions]
+        c0, c1 = whole.new_cache(len(ids)), screened.new_cache(len(ids))
+        for tok in ids:
+            a = whole.forward(np.array([tok]), c0, False)
+            b = screened.forward(np.array([tok]), c1, False)
+            order = np.argsort(-a)
+            exact = np.abs(a - b) < 1e-3
+            top1 += int(a.argmax() == b.argmax())
+            top5 += int(exact[order[:5]].all())
+            top40 += int(exact[order[:40]].sum())
+            tv1.append(_tv(a, b, 1.0))
+            tv07.append(_tv(a, b, 0.7))
+            n += 1
+    same = 0
+    for req in REQUESTS:
+        outs = []
+        for eng in (rt.native, screened.native):
+            rt.native = eng
+            outs.append(model.chat([{"role": "user", "content": req}], max_tokens=128,
+                                   temperature=0.0))
+        same += outs[0] == outs[1]
+    rt.native = whole.native
+    return {"positions": n, "top1_agreement": round(top1 / n, 4),
+            "top5_exact": round(top5 / n, 4), "top40_exact_mean": round(top40 / n, 2),
+            "tv_t1_median": round(statistics.median(tv1), 5), "tv_t1_max": round(max(tv1), 4),
+            "tv_t07_median": round(statistics.median(tv07), 5),
+            "tv_t07_max": round(max(tv07), 4),
+            "greedy_chats_identical": f"{same}/{len(REQUESTS)}"}
+
+
+def _last_json(cmd: list[str], env: dict, what: str) -> dict:
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"error: {what} failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def speed(name: str, k: int, rounds: int, n_prompt: int, threads: int) -> dict:
+    rates = {s: {"prefill": [], "decode": [], "peak_mb": []} for s in (0, k)}
+    cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
+           "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
+    for r in range(rounds):
+        for s in (k, 0) if r % 2 == 0 else (0, k):
+            row = _last_json(cmd, dict(os.environ, POCKET_HEAD_SCREEN=str(s)),
+                             f"pocket bench on {name}")
+            rates[s]["prefill"].append(round(row["prefill_tps"], 1))
+            rates[s]["decode"].append(round(row["decode_tps"], 1))
+            rates[s]["peak_mb"].append(row.get("peak_rss_delta_mb"))
+            print(json.dumps({"bench": "head-screen-round", "model": name, "head_screen": s,
+                              "round": r, "prefill_tps": rates[s]["prefill"][-1],
+                              "decode_tps": rates[s]["decode"][-1]}), file=sys.stderr)
+    med = {s: {key: statistics.median(v) for key, v in d.items() if None not in v}
+           for s, d in rates.items()}
+    return {"screened": med[k], "whole": med[0],
+            "x_decode": round(med[k]["decode"] / med[0]["decode"], 3),
+            "x_prefill": round(med[k]["prefill"] / med[0]["prefill"], 3),
+            "runs": {"screened": rates[k], "whole": rates[0]}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", action="append", default=None,
+                    help="model (repeatable; default smollm2-135m)")
+    ap.add_argument("--k", type=int, default=16, help="candidates refined per row")
+    ap.add_argument("--rounds", type=int, default=4, help="pocket bench pairs per model")
+    ap.add_argument("--n-prompt", type=int, default=512)
+    ap.add_argument("--positions", type=int, default=300, help="tokens of each text")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-speed", action="store_true", help="only the logits part")
+    ap.add_argument("--out", type=Path, default=None, help="append the summaries here too")
+    args = ap.parse_args()
+    if not 1 <= args.k <= 256 or args.rounds < 1 or args.positions < 1:
+        sys.exit("error: --k must be 1 to 256, --rounds and --positions at least 1")
+    from pocketlm.bench import machine_info
+
+    out = [sys.stdout] + ([args.out.open("a")] if args.out else [])
+    for name in args.model or ["smollm2-135m"]:
+        line = {"bench": "head-screen", "model": name, "k": args.k,
+                **logit_quality(name, args.k, args.positions)}
+        if not args.no_speed:
+            line.update(speed(name, args.k, args.rounds, args.n_prompt, args.threads))
+        line.update({"threads": args.threads, "n_prompt": args.n_prompt, "n_gen": 128,
+                     "machine": machine_info(), "date": time.strftime("%Y-%m-%d"),
+                     "command": " ".join(sys.argv)})
+        for f in out:
+            f.write(json.dumps(line, ensure_ascii=False) + "\n")
+            f.flush()
+
+
+if __name__ == "__main__":
+    main()
