@@ -5,8 +5,9 @@ decode speed in whole generations, and what the logits keep.
         --out benchmarks/head_screen.jsonl
 
 A screened engine holds an INT8 head as two INT4 planes (the high and low nibbles of its codes,
-the same bytes); a decode step reads the high plane for every row of the vocabulary and the low
-plane only for the tiles of the K best rows of that pass (docs/engine.md, "Head screening").
+the same bytes); a greedy decode step reads the high plane for every row of the vocabulary, then
+the head's values for the K tiles of 16 rows with the largest estimates (docs/engine.md, "Head
+screening"). Calls that want every logit get the INT8 head's values, bit for bit.
 
 Speed: ``pocket bench -m MODEL --runs 3 --json`` (a --n-prompt prompt, 128 greedy tokens)
 under POCKET_HEAD_SCREEN=0 and =K, the order alternating round by round (a setting is a
@@ -17,7 +18,8 @@ Logits (one process, two engines on the same weights): teacher-forced one-token 
 over tests/data/english.txt and chinese.txt (--positions tokens of each): top-1 agreement with
 the whole head, how many of the whole head's top 5 / top 40 the screened step returns exactly
 (within 1e-3), and the total variation distance of the next-token distributions at temperature
-1 and 0.7; plus greedy generations (128 tokens) of a few chat requests, compared token for token.
+1 and 0.7; plus greedy answers (128 tokens) to the 20 chat requests of
+tests/data/pocket_zh_en_chat.jsonl, compared token for token.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-REQUESTS = ["Explain in three sentences why the sky is blue.",
-            "Write a short email asking a colleague to move our meeting to Friday.",
-            "用三句话介绍一下长城。",
-            "把这句话翻译成英文：今天的天气很好，我们去公园散步吧。"]
+# the 20 hand-written zh + en chat requests of the pocket-zh-en model card
+REQUESTS = [json.loads(line)["prompt"] for line in
+            (ROOT / "tests" / "data" / "pocket_zh_en_chat.jsonl").read_text().splitlines()
+            if line.strip()]
 
 
 def _tv(a, b, temp: float) -> float:
@@ -71,7 +73,7 @@ def logit_quality(name: str, k: int, positions: int) -> dict:
         c0, c1 = whole.new_cache(len(ids)), screened.new_cache(len(ids))
         for tok in ids:
             a = whole.forward(np.array([tok]), c0, False)
-            b = screened.forward(np.array([tok]), c1, False)
+            b = screened.forward(np.array([tok]), c1, False, screen=True)
             order = np.argsort(-a)
             exact = np.abs(a - b) < 1e-3
             top1 += int(a.argmax() == b.argmax())
@@ -131,7 +133,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", action="append", default=None,
                     help="model (repeatable; default smollm2-135m)")
-    ap.add_argument("--k", type=int, default=16, help="candidates refined per row")
+    ap.add_argument("--k", type=int, default=None,
+                    help="tiles of 16 rows refined per row (default: the engine's default)")
     ap.add_argument("--rounds", type=int, default=4, help="pocket bench pairs per model")
     ap.add_argument("--n-prompt", type=int, default=512)
     ap.add_argument("--positions", type=int, default=300, help="tokens of each text")
@@ -139,6 +142,10 @@ def main() -> None:
     ap.add_argument("--no-speed", action="store_true", help="only the logits part")
     ap.add_argument("--out", type=Path, default=None, help="append the summaries here too")
     args = ap.parse_args()
+    if args.k is None:
+        from pocketlm.runtime.settings import EngineSettings
+
+        args.k = EngineSettings().head_screen or 64
     if not 1 <= args.k <= 256 or args.rounds < 1 or args.positions < 1:
         sys.exit("error: --k must be 1 to 256, --rounds and --positions at least 1")
     from pocketlm.bench import machine_info

@@ -48,7 +48,8 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
     cpu: dict = {"model": cpu_model(), "features": [], "levels": [], "compiled": [],
                  "best": None, "selected": None, "engine_products": None}
     uses_native = backend == "native"  # else every product is numpy's: no native setting
-    engine = {"level": None, "act": None, "amx": None, "kv": None, "huge_pages": None}
+    engine = {"level": None, "act": None, "amx": None, "kv": None, "huge_pages": None,
+              "head_screen": None}
     if built:
         info = native.cpu_features(settings)
         if info.get("error") and uses_native:
@@ -71,7 +72,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "avxvnni": settings.avxvnni if uses_native else None,
         # the advice only takes where the OS hands out transparent huge pages on request
         "hugepages": None if engine["huge_pages"] is None else int(engine["huge_pages"]),
-        "head_screen": settings.head_screen if uses_native else None,
+        "head_screen": engine["head_screen"],
     }
     rows = {}
     for name, variable, _, source in settings.items():

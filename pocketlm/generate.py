@@ -77,6 +77,13 @@ class Sequence:
         return self.state.finish_reason is not None
 
     @property
+    def screen(self) -> bool:
+        """Whether this sequence takes the largest logit only (greedy, no penalty, bias,
+        grammar or log-probabilities): the runtime may then screen the head
+        (:meth:`Runtime.forward`'s ``screen``)."""
+        return self.sampler.argmax_only and self.constraint is None and self.logprobs is None
+
+    @property
     def generated(self) -> list[int]:
         return self.state.generated
 
@@ -134,7 +141,8 @@ class Sequence:
 def run_sequence(runtime: Runtime, cache: KVCache, seq: Sequence) -> Iterator[tuple[int, str]]:
     """Prefill ``seq``'s prompt into ``cache``, then one decode step per token until ``seq``
     ends: ``(token, text that can be shown now)`` for each token it takes."""
-    logits = runtime.forward(seq.prompt_ids, cache)
+    screen = seq.screen
+    logits = runtime.forward(seq.prompt_ids, cache, screen=screen)
     while not seq.finished:
         token = seq.sample(logits)
         # the last sampled token never runs through the model: it needs no room in the cache
@@ -144,7 +152,7 @@ def run_sequence(runtime: Runtime, cache: KVCache, seq: Sequence) -> Iterator[tu
         yield token, piece
         if seq.finished:
             return
-        logits = runtime.forward([token], cache)
+        logits = runtime.forward([token], cache, screen=screen)
 
 
 def run_batch(runtime: Runtime, jobs: Iterable[tuple[Sequence, int]], *, max_batch: int = 16
@@ -188,13 +196,15 @@ def run_batch(runtime: Runtime, jobs: Iterable[tuple[Sequence, int]], *, max_bat
                 yield i, seq.finish()
                 continue
             cache = runtime.new_cache(capacity)
-            done = take(i, seq, cache, runtime.forward(seq.prompt_ids, cache), [])
+            done = take(i, seq, cache,
+                        runtime.forward(seq.prompt_ids, cache, screen=seq.screen), [])
             if done:
                 yield done
         if not active:
             return
         rows, active[:] = list(active), []
-        logits = runtime.forward_batch([r[3] for r in rows], [r[2] for r in rows])
+        logits = runtime.forward_batch([r[3] for r in rows], [r[2] for r in rows],
+                                       screen=[r[1].screen for r in rows])
         for (i, seq, cache, _, text), row in zip(rows, logits, strict=True):
             done = take(i, seq, cache, row, text)
             if done:

@@ -88,6 +88,14 @@ class Sampler:
     def greedy(self) -> bool:
         return self.params.temperature == 0
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether every draw is the largest logit as it comes (greedy, no penalty, no bias):
+        then only the best rows' logits need be exact (a screened head, docs/engine.md)."""
+        p = self.params
+        return (p.temperature == 0 and p.repetition_penalty == 1.0 and not self._bias.size
+                and p.presence_penalty == 0 and p.frequency_penalty == 0)
+
     def __call__(self, logits: np.ndarray, history: list[int] | None = None,
                  allowed: np.ndarray | None = None, generated: list[int] | None = None
                  ) -> int:

@@ -163,11 +163,11 @@ class DraftModel:
             self.cache.truncate(want - 1)
             common = want - 1
         if common < want - 1:
-            self.runtime.forward(self.tokens[common:want - 1], self.cache)
+            self.runtime.forward(self.tokens[common:want - 1], self.cache, screen=True)
         out = []
         tok = self.tokens[-1]
-        for _ in range(k):
-            logits = self.runtime.forward([tok], self.cache)
+        for _ in range(k):  # greedy drafts: the draft's best rows are all that is read
+            logits = self.runtime.forward([tok], self.cache, screen=True)
             tok = int(np.argmax(logits))
             out.append(tok)
         self.cache.truncate(want - 1)  # the drafts may be rejected: forget them
@@ -389,7 +389,8 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
     lengths = lengths or DraftLength()
     stats = stats if stats is not None else SpeculativeStats()
     drafter.reset(seq.prompt_ids)
-    logits = runtime.forward(seq.prompt_ids, cache)
+    screen = seq.screen  # as run_sequence screens, so that the tokens are the same
+    logits = runtime.forward(seq.prompt_ids, cache, screen=screen)
     # the next token: sampled, taken, not yet run through the model
     token = seq.sample(logits)
     piece = seq.add(token, cache_full=cache.length >= cache.capacity)
@@ -406,9 +407,9 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
         drafts = drafter.propose(k) if k > 0 else []
         stats.steps += 1
         if drafts:
-            rows = runtime.verify([token, *drafts], cache)
+            rows = runtime.verify([token, *drafts], cache, screen=screen)
         else:
-            rows = runtime.forward([token], cache)[None]
+            rows = runtime.forward([token], cache, screen=screen)[None]
         seconds = time.perf_counter() - t0
         accepted = 0
         nxt = None

@@ -44,7 +44,8 @@ def test_defaults_when_nothing_is_set():
     s = EngineSettings.from_env({})
     assert s == EngineSettings()
     assert (s.kernels, s.cpu_level, s.act, s.kv, s.threads) == (None,) * 5
-    assert (s.q8_digits, s.amx, s.amx_weights, s.avxvnni, s.hugepages) == (2, None, "mixed", 1, 0)
+    assert (s.q8_digits, s.amx, s.amx_weights, s.avxvnni, s.hugepages, s.head_screen) == (
+        2, None, "mixed", 1, 0, 64)
     assert all(source == "default" for *_, source in s.items())
     assert [var for _, var, _, _ in s.items()] == list(VARIABLES.values())
 
@@ -68,6 +69,8 @@ def test_defaults_when_nothing_is_set():
     ("POCKET_AVXVNNI", "1", "avxvnni", 1),
     ("POCKET_HUGEPAGES", "0", "hugepages", 0),
     ("POCKET_HUGEPAGES", "1", "hugepages", 1),
+    ("POCKET_HEAD_SCREEN", "0", "head_screen", 0),
+    ("POCKET_HEAD_SCREEN", "8", "head_screen", 8),
 ])
 def test_each_variable_is_parsed(var, raw, field, value):
     s = EngineSettings.from_env({var: raw})
@@ -208,9 +211,13 @@ def test_native_functions_take_their_choices_from_the_settings(clean_env):
     assert native.kv_format("f32", EngineSettings()) == "f32"
     huge = native.transparent_huge_pages() in ("always", "madvise")
     assert native.engine_setting(s) == {"level": "scalar", "act": "f32", "amx": False,
-                                        "amx_weights": None, "kv": "q8", "huge_pages": False}
+                                        "amx_weights": None, "kv": "q8", "huge_pages": False,
+                                        "head_screen": 0}  # the scalar level cannot screen
     assert native.engine_setting(EngineSettings(hugepages=0))["huge_pages"] is False
     assert native.engine_setting(EngineSettings(hugepages=1))["huge_pages"] is huge
+    if native.cpu_features()["best"] == "avx512":
+        assert native.engine_setting(EngineSettings(act="q8"))["head_screen"] == 64
+        assert native.engine_setting(EngineSettings(act="f32"))["head_screen"] == 0
     assert native.cpu_features(s)["selected"] == "scalar"
     assert native.engine_threads(EngineSettings()) <= 2
     assert 1 <= native.default_threads(EngineSettings()) <= 8

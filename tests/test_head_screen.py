@@ -35,19 +35,19 @@ def _weights(cfg, seed=5):
 
 
 def test_the_setting_is_parsed_and_checked():
-    assert EngineSettings.from_env({}).head_screen == 0
+    assert EngineSettings.from_env({}).head_screen == 64
     assert EngineSettings.from_env({"POCKET_HEAD_SCREEN": " 16 "}).head_screen == 16
     assert EngineSettings.from_env({"POCKET_HEAD_SCREEN": "256"}).head_screen == 256
     for bad in ("257", "-1", "yes", "1.5"):
         with pytest.raises(KernelError, match=r"POCKET_HEAD_SCREEN=.*choose 0 \(off\) or a "
-                                              r"number of candidates from 1 to 256"):
+                                              r"number of tiles from 1 to 256"):
             EngineSettings.from_env({"POCKET_HEAD_SCREEN": bad})
 
 
 def test_the_setting_reaches_the_engine(clean_env):
     cfg = tiny_models.tiny_config("llama")
     w = _weights(cfg)
-    assert native.NativeEngine(cfg, w).head_screen == 0
+    assert native.NativeEngine(cfg, w).head_screen == 64
     clean_env.setenv("POCKET_HEAD_SCREEN", "4")
     assert Runtime(cfg, w, engine="native").native.head_screen == 4
     assert native.NativeEngine(cfg, w, head_screen=0).head_screen == 0
@@ -60,26 +60,25 @@ def test_screened_logits_against_the_whole_head(arch):
     cfg = tiny_models.tiny_config(arch)
     w = _weights(cfg)
     ids = np.array([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], dtype=np.int32)
-    whole = native.NativeEngine(cfg, w)
+    whole = native.NativeEngine(cfg, w, head_screen=0)
     one = native.NativeEngine(cfg, w, head_screen=1)  # one candidate: one tile of 16 refined
     big = native.NativeEngine(cfg, w, head_screen=256)  # every tile of the 320-piece vocabulary
-    # all logits wanted: every row refined, the INT8 head's values to float rounding
-    a = whole.forward(whole.new_kv(32), ids, 0, all_logits=True)
-    b = one.forward(one.new_kv(32), ids, 0, all_logits=True)
-    scale = np.abs(a).max()
-    assert np.abs(a - b).max() <= 1e-5 * scale
-    # decode steps: the best row's tile is exact, the rest of the vocabulary is the estimate
-    kv = [e.new_kv(32) for e in (whole, one, big)]
+    # every logit wanted: the INT8 head's values, bit for bit
+    a = whole.forward(whole.new_kv(32), ids, 0, True)
+    assert np.array_equal(a, one.forward(one.new_kv(32), ids, 0, True))
+    kv = [e.new_kv(32) for e in (whole, one, one, big)]
     differs = 0
     for pos in range(len(ids)):
-        x, y, z = (e.forward(k, ids[pos:pos + 1], pos, False)
-                   for e, k in zip((whole, one, big), kv))
-        assert np.abs(x - z).max() <= 1e-5 * scale
+        x, exact, y, z = (e.forward(k, ids[pos:pos + 1], pos, False, screen=scr)
+                          for e, k, scr in zip((whole, one, one, big), kv,
+                                               (False, False, True, True)))
+        assert np.array_equal(x, exact)  # a call that does not screen reads the whole head
+        assert np.array_equal(x, z)
         # one candidate: the tile of the high plane's best row has the head's values, every
         # other tile the estimate (which is not the head: screening did happen)
-        err = np.abs(x - y).reshape(-1, 16).max(axis=1)
-        assert int((err <= 1e-5 * scale).sum()) == 1
-        differs += int(err.max() > 1e-3 * scale)
+        tiles = (x == y).reshape(-1, 16).all(axis=1)
+        assert int(tiles.sum()) == 1
+        differs += int(np.abs(x - y).max() > 1e-3 * np.abs(x).max())
     assert differs == len(ids)
 
 
@@ -87,13 +86,29 @@ def test_verification_rows_equal_one_token_steps_bit_for_bit():
     cfg = tiny_models.tiny_config("llama")
     e = native.NativeEngine(cfg, _weights(cfg), head_screen=2)
     ids = np.array([7, 3, 9, 2, 8, 8, 1, 4, 6], dtype=np.int32)
-    kv = e.new_kv(32)
-    e.forward(kv, ids[:4], 0, False)
-    rows = e.verify(kv, ids[4:], 4)
-    kv2 = e.new_kv(32)
-    e.forward(kv2, ids[:4], 0, False)
-    steps = np.stack([e.forward(kv2, ids[i:i + 1], i, False) for i in range(4, len(ids))])
-    assert np.array_equal(rows, steps)
+    for screen in (False, True):
+        kv = e.new_kv(32)
+        e.forward(kv, ids[:4], 0, False)
+        rows = e.verify(kv, ids[4:], 4, screen=screen)
+        kv2 = e.new_kv(32)
+        e.forward(kv2, ids[:4], 0, False)
+        steps = np.stack([e.forward(kv2, ids[i:i + 1], i, False, screen=screen)
+                          for i in range(4, len(ids))])
+        assert np.array_equal(rows, steps)
+
+
+def test_a_batch_row_computes_the_same_screened_or_not_beside_it():
+    cfg = tiny_models.tiny_config("qwen2")
+    e = native.NativeEngine(cfg, _weights(cfg), head_screen=1)
+    kvs = [e.new_kv(8) for _ in range(3)]
+    ids = np.array([5, 6, 7], dtype=np.int32)
+    pos = np.zeros(3, dtype=np.int32)
+    mixed = e.forward_batch(kvs, ids, pos, screen=[True, False, True])
+    for i, scr in enumerate((True, False, True)):
+        alone = e.forward(e.new_kv(8), ids[i:i + 1], 0, False, screen=scr)
+        assert np.array_equal(mixed[i], alone)
+    with pytest.raises(ValueError, match="screen has 2 entries for 3 rows"):
+        e.forward_batch(kvs, ids, pos, screen=[True, False])
 
 
 def test_a_head_that_is_not_int8_is_left_as_it_is():
@@ -101,17 +116,19 @@ def test_a_head_that_is_not_int8_is_left_as_it_is():
     sd = tiny_models.random_state_dict(cfg, seed=2)
     w = {n: quantize_int4(a, 32) if a.ndim == 2 else a for n, a in sd.items()}
     ids = np.array([1, 2, 3, 4], dtype=np.int32)
-    outs = [e.forward(e.new_kv(8), ids, 0, False) for e in
-            (native.NativeEngine(cfg, w), native.NativeEngine(cfg, w, head_screen=8))]
+    outs = [e.forward(e.new_kv(8), ids, 0, False, screen=True) for e in
+            (native.NativeEngine(cfg, w, head_screen=0),
+             native.NativeEngine(cfg, w, head_screen=8))]
     assert np.array_equal(outs[0], outs[1])
 
 
 @pytest.mark.real
 def test_smollm2_greedy_answers_are_identical_with_a_screened_head(clean_env):
+    clean_env.setenv("POCKET_HEAD_SCREEN", "0")
     m = pocketlm.load("smollm2-135m")
     asks = ["Explain in three sentences why the sky is blue.",
             "Write a short email asking a colleague to move our meeting to Friday."]
     want = [m.chat([{"role": "user", "content": a}], max_tokens=64, temperature=0) for a in asks]
-    m.runtime.native = native.NativeEngine(m.config, m.runtime.w, head_screen=16)
+    m.runtime.native = native.NativeEngine(m.config, m.runtime.w, head_screen=64)
     got = [m.chat([{"role": "user", "content": a}], max_tokens=64, temperature=0) for a in asks]
     assert got == want

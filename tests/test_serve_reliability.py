@@ -184,12 +184,12 @@ class PoisonedRuntime:
             raise RuntimeError("poisoned prefill")
         return self._runtime.forward(ids, cache, **kw)
 
-    def forward_batch(self, ids, caches):
+    def forward_batch(self, ids, caches, **kw):
         if self._hit("forward_batch", caches):
             for c in caches:
                 c.length += 1
             raise RuntimeError("poisoned row")
-        return self._runtime.forward_batch(ids, caches)
+        return self._runtime.forward_batch(ids, caches, **kw)
 
 
 POISON_MARK = "\x00poison"  # a stop string no answer contains: it marks the victim

@@ -80,7 +80,7 @@ def machine_info() -> dict[str, Any]:
     from ..runtime.kernels import native
 
     setting = {"level": None, "act": None, "amx": False, "amx_weights": None, "kv": None,
-               "huge_pages": None}
+               "huge_pages": None, "head_screen": None}
     if native.available():
         try:  # what pocketlm's engine runs on with this environment's settings
             setting = native.engine_setting()
@@ -90,7 +90,7 @@ def machine_info() -> dict[str, Any]:
             "kernel_level": setting["level"], "activations": setting["act"],
             "amx_prefill": setting["amx"], "amx_weights": setting["amx_weights"],
             "kv_cache": setting["kv"], "huge_pages": setting["huge_pages"],
-            "python": platform.python_version(),
+            "head_screen": setting["head_screen"], "python": platform.python_version(),
             "os": platform.system()}
 
 

@@ -90,29 +90,37 @@ class Engine(ABC):
         """Bytes of keys and values of a cache of ``capacity`` positions."""
 
     @abstractmethod
-    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool,
+                screen: bool = False) -> np.ndarray:
         """Run ``ids`` at the next positions of ``cache`` (its ``length`` grows by
-        ``len(ids)``); float32 logits ``[n, vocab]`` (all_logits) or ``[vocab]``."""
+        ``len(ids)``); float32 logits ``[n, vocab]`` (all_logits) or ``[vocab]``.
+        ``screen``: the caller takes the largest logit only, so an engine with a screened head
+        may leave estimates away from its best rows (docs/engine.md)."""
 
     @abstractmethod
-    def forward_batch(self, ids: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+    def forward_batch(self, ids: np.ndarray, caches: list[KVCache],
+                      screen: list[bool] | None = None) -> np.ndarray:
         """One token per distinct cache: ``ids[i]`` at the next position of ``caches[i]``;
-        float32 logits ``[n, vocab]``."""
+        float32 logits ``[n, vocab]``. ``screen``: per row, as in :meth:`forward`."""
 
     @abstractmethod
     def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
         """Positions ``[0, n)`` of ``src`` into ``dst``, and ``dst.length = n``."""
 
-    def verify(self, ids: np.ndarray, cache: KVCache) -> np.ndarray:
+    def verify(self, ids: np.ndarray, cache: KVCache, screen: bool = False) -> np.ndarray:
         """Logits ``[n, vocab]`` of ``ids`` at the next positions of ``cache``, row ``i``
-        what a one-token :meth:`forward` computes after the rows before it. Here: exactly
-        that, one token at a time (engines with a one-pass form override it)."""
-        return np.stack([self.forward(ids[i:i + 1], cache, False) for i in range(len(ids))])
+        what a one-token :meth:`forward` (with the same ``screen``) computes after the rows
+        before it. Here: exactly that, one token at a time (engines with a one-pass form
+        override it)."""
+        return np.stack([self.forward(ids[i:i + 1], cache, False, screen)
+                         for i in range(len(ids))])
 
-    def verify_batch(self, drafts: list[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+    def verify_batch(self, drafts: list[tuple[np.ndarray, KVCache]],
+                     screen: list[bool] | None = None) -> list[np.ndarray]:
         """:meth:`verify` of several sequences (distinct caches), in one pass where the engine
-        has one."""
-        return [self.verify(ids, cache) for ids, cache in drafts]
+        has one; ``screen``: per sequence."""
+        return [self.verify(ids, cache, bool(screen and screen[i]))
+                for i, (ids, cache) in enumerate(drafts)]
 
 
 class NumpyEngine(Engine):
@@ -141,7 +149,8 @@ class NumpyEngine(Engine):
         c = self.config
         return 2 * c.n_layers * capacity * c.n_kv_heads * c.head_dim * 4
 
-    def forward_batch(self, ids: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+    def forward_batch(self, ids: np.ndarray, caches: list[KVCache],
+                      screen: list[bool] | None = None) -> np.ndarray:
         return np.stack([self.forward(ids[i:i + 1], c, False) for i, c in enumerate(caches)])
 
     def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
@@ -168,7 +177,9 @@ class NumpyEngine(Engine):
             y = y + (x @ ab[0].T) @ ab[1].T
         return y
 
-    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool) -> np.ndarray:
+    def forward(self, ids: np.ndarray, cache: KVCache, all_logits: bool,
+                screen: bool = False) -> np.ndarray:
+        # every logit is the head's here: ``screen`` allows estimates, never requires them
         cfg = self.config
         n = ids.shape[0]
         start = cache.length
@@ -256,15 +267,19 @@ class NativeModelEngine(Engine):
             else c.head_dim + c.head_dim // 16 * 2
         return 2 * c.n_layers * c.n_kv_heads * positions * per_head
 
-    def forward(self, ids: np.ndarray, cache: NativeKVCache, all_logits: bool) -> np.ndarray:
+    def forward(self, ids: np.ndarray, cache: NativeKVCache, all_logits: bool,
+                screen: bool = False) -> np.ndarray:
         start = cache.length
-        logits = self.native.forward(cache.kv, ids.astype(np.int32), start, all_logits)
+        logits = self.native.forward(cache.kv, ids.astype(np.int32), start, all_logits,
+                                     screen=screen)
         cache.length = start + ids.shape[0]
         return logits
 
-    def forward_batch(self, ids: np.ndarray, caches: list[NativeKVCache]) -> np.ndarray:
+    def forward_batch(self, ids: np.ndarray, caches: list[NativeKVCache],
+                      screen: list[bool] | None = None) -> np.ndarray:
         pos = np.array([c.length for c in caches], dtype=np.int32)
-        logits = self.native.forward_batch([c.kv for c in caches], ids.astype(np.int32), pos)
+        logits = self.native.forward_batch([c.kv for c in caches], ids.astype(np.int32), pos,
+                                           screen=screen)
         for c in caches:
             c.length += 1
         return logits
@@ -273,19 +288,22 @@ class NativeModelEngine(Engine):
         self.native.kv_copy(dst.kv, src.kv, n)
         dst.length = n
 
-    def verify(self, ids: np.ndarray, cache: NativeKVCache) -> np.ndarray:
+    def verify(self, ids: np.ndarray, cache: NativeKVCache, screen: bool = False) -> np.ndarray:
         start = cache.length
-        logits = self.native.verify(cache.kv, ids.astype(np.int32), start)
+        logits = self.native.verify(cache.kv, ids.astype(np.int32), start, screen=screen)
         cache.length = start + ids.shape[0]
         return logits
 
-    def verify_batch(self, drafts: list[tuple[np.ndarray, NativeKVCache]]) -> list[np.ndarray]:
-        kvs, pos = [], []
-        for ids, cache in drafts:
+    def verify_batch(self, drafts: list[tuple[np.ndarray, NativeKVCache]],
+                     screen: list[bool] | None = None) -> list[np.ndarray]:
+        kvs, pos, rows = [], [], []
+        for i, (ids, cache) in enumerate(drafts):
             kvs += [cache.kv] * len(ids)
             pos += range(cache.length, cache.length + len(ids))
+            rows += [bool(screen and screen[i])] * len(ids)
         flat = np.concatenate([ids for ids, _ in drafts]).astype(np.int32)
-        logits = self.native.verify_batch(kvs, flat, np.asarray(pos, dtype=np.int32))
+        logits = self.native.verify_batch(kvs, flat, np.asarray(pos, dtype=np.int32),
+                                          screen=rows)
         out, at = [], 0
         for ids, cache in drafts:
             out.append(logits[at:at + len(ids)])

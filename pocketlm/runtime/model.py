@@ -127,13 +127,15 @@ class Runtime:
         with a float16 scale per 16 values)."""
         return self._engine.cache_nbytes(capacity)
 
-    def forward_batch(self, ids, caches: list[KVCache]) -> np.ndarray:
+    def forward_batch(self, ids, caches: list[KVCache], *,
+                      screen: list[bool] | None = None) -> np.ndarray:
         """One token for each of several sequences (continuous batching): ``ids[i]`` runs at
         the next position of ``caches[i]``; returns float32 logits ``[len(ids), vocab]``.
 
         The native engine streams the weights once for the whole batch; each row computes bit
         for bit what :meth:`forward` of that one token computes, so results do not depend on
-        who else is in the batch. The caches must be distinct."""
+        who else is in the batch. The caches must be distinct. ``screen``: per row, as in
+        :meth:`forward`."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
         if n == 0:
@@ -150,7 +152,9 @@ class Runtime:
                                          f"{c.capacity}")
         for c in caches:
             self._check_cache(c)
-        return self._engine.forward_batch(ids, caches)
+        if screen is not None and len(screen) != n:
+            raise ValueError(f"screen has {len(screen)} entries for {n} tokens")
+        return self._engine.forward_batch(ids, caches, screen)
 
     def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
         """Make the first ``n`` positions of ``dst`` those of ``src`` (``dst.length = n``): a
@@ -166,9 +170,16 @@ class Runtime:
         self._check_cache(dst)
         self._engine.copy_prefix(dst, src, n)
 
-    def forward(self, ids, cache: KVCache, *, all_logits: bool = False) -> np.ndarray:
+    def forward(self, ids, cache: KVCache, *, all_logits: bool = False,
+                screen: bool = False) -> np.ndarray:
         """Run ``ids`` at the next positions of ``cache``; return float32 logits
-        ``[len(ids), vocab]`` (``all_logits``) or ``[vocab]`` for the last token."""
+        ``[len(ids), vocab]`` (``all_logits``) or ``[vocab]`` for the last token.
+
+        ``screen=True`` (without ``all_logits``) tells the engine that the caller takes the
+        largest logit only (greedy decoding without penalties, biases or a grammar): a native
+        engine with a screened head (``POCKET_HEAD_SCREEN``, docs/engine.md) then returns the
+        head's values on its K best tiles of 16 rows and estimates elsewhere. Every other
+        call gets every logit from the head."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
@@ -181,17 +192,17 @@ class Runtime:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         self._check_cache(cache)
-        return self._engine.forward(ids, cache, all_logits)
+        return self._engine.forward(ids, cache, all_logits, screen and not all_logits)
 
     MAX_VERIFY = 128  # drafted tokens one verify() call checks at most
 
-    def verify(self, ids, cache: KVCache) -> np.ndarray:
+    def verify(self, ids, cache: KVCache, *, screen: bool = False) -> np.ndarray:
         """Verify drafted tokens: run ``ids`` at the next positions of ``cache`` and return
         float32 logits ``[len(ids), vocab]``, row ``i`` exactly (bit for bit) what a one-token
         :meth:`forward` of ``ids[i]`` computes after ``ids[:i]``: one pass over the weights for
         all of them. ``cache.length`` grows by ``len(ids)``; a caller that accepts only the
         first ``a`` rows calls ``cache.truncate(length + a)`` (the rest is overwritten later).
-        """
+        ``screen``: as in :meth:`forward`, for every row."""
         cfg = self.config
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         n = ids.shape[0]
@@ -203,13 +214,14 @@ class Runtime:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         self._check_cache(cache)
-        return self._engine.verify(ids, cache)
+        return self._engine.verify(ids, cache, screen)
 
-    def verify_batch(self, drafts: list[tuple[list[int], KVCache]]) -> list[np.ndarray]:
+    def verify_batch(self, drafts: list[tuple[list[int], KVCache]], *,
+                     screen: list[bool] | None = None) -> list[np.ndarray]:
         """:meth:`verify` for several sequences in one pass over the weights: ``drafts`` is a
         list of ``(ids, cache)`` with distinct caches; returns each one's logits
         ``[len(ids), vocab]``, rows exactly as :meth:`verify` computes them (the speculative
-        step of continuous batching)."""
+        step of continuous batching). ``screen``: per sequence, as in :meth:`forward`."""
         if not drafts:
             raise ValueError("verify_batch() needs at least one sequence")
         if len({id(c) for _, c in drafts}) != len(drafts):
@@ -229,4 +241,6 @@ class Runtime:
             self._check_cache(cache)
             total += ids.shape[0]
             checked.append((ids, cache))
-        return self._engine.verify_batch(checked)
+        if screen is not None and len(screen) != len(drafts):
+            raise ValueError(f"screen has {len(screen)} entries for {len(drafts)} sequences")
+        return self._engine.verify_batch(checked, screen)

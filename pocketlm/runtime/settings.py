@@ -26,9 +26,11 @@ variable               field            unset
 ``POCKET_HUGEPAGES``   ``hugepages``    0: the engine's repacked weights in the OS's default
                                         pages (1: transparent huge pages where the OS
                                         offers them, Linux)
-``POCKET_HEAD_SCREEN`` ``head_screen``  0: an INT8 output head read whole every step (K, 1
-                                        to 256: its high nibbles screen every row and the K
-                                        best rows' tiles are refined, docs/engine.md)
+``POCKET_HEAD_SCREEN`` ``head_screen``  64: an INT8 output head, in greedy decoding, reads
+                                        its high nibbles for every row, then the head for
+                                        the 64 tiles of 16 rows with the largest estimates
+                                        (1 to 256 tiles; 0: the whole head every step;
+                                        docs/engine.md)
 =====================  ===============  ===================================================
 
 Checks that depend on the machine (a kernel level this CPU lacks, ``POCKET_AMX=1`` without
@@ -86,7 +88,7 @@ class EngineSettings:
     amx_weights: str = DEFAULT_AMX_WEIGHTS
     avxvnni: int = 1
     hugepages: int = 0
-    head_screen: int = 0
+    head_screen: int = 64
     from_environment: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
@@ -189,7 +191,7 @@ def _hugepages(raw: str) -> int:
 def _head_screen(raw: str) -> int:
     if not raw.isdigit() or int(raw) > 256:
         raise KernelError(f"POCKET_HEAD_SCREEN={raw!r}; choose 0 (off) or a number of "
-                          "candidates from 1 to 256")
+                          "tiles from 1 to 256")
     return int(raw)
 
 

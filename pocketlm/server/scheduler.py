@@ -448,7 +448,8 @@ class Scheduler:
                     req.prompt_logprobs.append(token_logprobs(row, ids[start + i + 1], top))
             logits = rows[-1]
         else:
-            logits = self.runtime.forward(ids[start:end], req.cache)
+            logits = self.runtime.forward(ids[start:end], req.cache,
+                                          screen=req.seq is not None and req.seq.screen)
         req.prefilled = end
         if end == len(ids):
             with self._lock:
@@ -510,7 +511,8 @@ class Scheduler:
         ``(request, rows, drafts)``; a failed call is handled as in :meth:`_batched`."""
         mine = {id(r): d for r, d in zip(batch, drafts, strict=True)}
         done = self._batched(batch, lambda reqs: self.runtime.verify_batch(
-            [([r.next_token, *mine[id(r)]], r.cache) for r in reqs]))
+            [([r.next_token, *mine[id(r)]], r.cache) for r in reqs],
+            screen=[r.seq.screen for r in reqs]))
         return [(req, rows, mine[id(req)]) for req, rows in done]
 
     def _take_drafts(self, req: Request, rows: np.ndarray, drafts: list[int], base: int
@@ -545,7 +547,8 @@ class Scheduler:
     def _forward_rows(self, batch: list[Request]) -> list[tuple[Request, np.ndarray]]:
         """One decode step for ``batch`` in one engine call: (request, logits) for each row."""
         return self._batched(batch, lambda reqs: self.runtime.forward_batch(
-            [r.next_token for r in reqs], [r.cache for r in reqs]))
+            [r.next_token for r in reqs], [r.cache for r in reqs],
+            screen=[r.seq.screen for r in reqs]))
 
     def _batched(self, batch: list[Request], call) -> list[tuple[Request, np.ndarray]]:
         """``call(requests)`` (one engine call, one output per request) for ``batch``:

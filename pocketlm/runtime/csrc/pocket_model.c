@@ -438,7 +438,9 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     {
         int rc = build_tiles(m, pool, nthreads);
         pm_tiled *th = &m->tiled[7 * c.n_layers];
-        if (!rc && c.head_screen > 0 && th->data && th->bits == 8) {
+        /* a screened head needs the level's plane products and int8 head activations */
+        if (!rc && c.head_screen > 0 && th->data && th->bits == 8 && m->ops->matmul_planes &&
+            (m->act_q8 & POCKET_Q8_HEAD)) {
             pm_tiled hi;
             rc = pm_tiled_split_planes(th, &hi, &m->head_lo, c.huge_pages, m->ops->to_f16);
             if (!rc) {

@@ -110,14 +110,14 @@ typedef struct pocket_model_config {
                          * results; see pocket_model_avx2.c). Other levels ignore it. */
     int huge_pages;     /* 1: the tiled weights ask for transparent huge pages (Linux,
                          * MADV_HUGEPAGE); 0: the kernel's default pages. The same results. */
-    int head_screen;    /* K > 0: an INT8 output head (tiled) is held as two INT4 planes (high
-                         * and low nibbles of q + 128, the same bytes) and a logits call that
-                         * wants only the last row's logits, a decode step or a verification
-                         * reads the high plane for every row of the vocabulary and the low one
-                         * only for the tiles of the K best rows of that first pass, whose
-                         * logits are then the INT8 head's (to float rounding); the others keep
-                         * the first pass's estimate. All-logits calls refine every row.
-                         * 0: the INT8 head as it is. Range 0..256. */
+    int head_screen;    /* K > 0: an INT8 output head (tiled, int8 head activations, a level
+                         * with pm_ops.matmul_planes) is held as two INT4 planes, the high and
+                         * low nibbles of q + 128 (the same bytes). A logits row that a call
+                         * marks screened (pocket_model_set_screen) reads the high plane for
+                         * every row of the vocabulary (half the bytes), then the head's values
+                         * for the K tiles of 16 rows with the largest estimates; its other
+                         * logits stay estimates. Every other row gets the INT8 head's values
+                         * bit for bit. 0: the INT8 head as it is. Range 0..256. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;
@@ -203,6 +203,15 @@ int pocket_kv_create(const pocket_model *model, int capacity, int kv_format, poc
 void pocket_kv_destroy(pocket_kv *kv);
 int pocket_kv_capacity(const pocket_kv *kv);
 size_t pocket_kv_nbytes(const pocket_kv *kv);
+
+/* Which logits of the next pocket_model_forward / _forward_batch / _verify_batch call a head
+ * screen (config.head_screen) may leave as estimates: rows[i] != 0 for row i of that call's
+ * logits (pocket_model_forward without all_logits: rows[0], its one row), NULL for none (every
+ * logit the head's). Screened rows have the head's values on their K best tiles and
+ * estimates elsewhere: for a caller that takes the largest logit only (greedy decoding
+ * without penalties, biases or a grammar). The array is read by the next call only, which
+ * then forgets it; a model without a screened head ignores it. */
+void pocket_model_set_screen(pocket_model *model, const uint8_t *rows);
 
 /* Run tokens ids[0..n) at positions start_pos.. of `kv` (positions before start_pos must have
  * been filled by earlier calls). logits: float32 [n, vocab] if all_logits, else [vocab] (the

@@ -51,7 +51,7 @@ enum {
     PM_JOB_AMX_KV,
     PM_JOB_AMX_ATTN,
     PM_JOB_ROWS,
-    PM_JOB_HEAD_LO
+    PM_JOB_HEAD_PLANES
 };
 
 /* Blocks of at least this many tokens run their per-token steps (norms, activation
@@ -108,6 +108,7 @@ typedef struct pm_job {
     int end, last;     /* amx attention: keys < end exist; the last chunk of keys */
     const pm_rows *rows; /* PM_JOB_ROWS */
     const pm_act *post;  /* PM_JOB_GLU: the output prepared for W_down by each task, or NULL */
+    const uint8_t *screened; /* PM_JOB_HEAD_PLANES: rows left to screen_rows (NULL: none) */
     int status;
 } pm_job;
 
@@ -138,22 +139,15 @@ static inline float *lora_slot(const pocket_model *m, int k) {
     return m->lora_t + (size_t)k * PM_BLOCK * (size_t)m->lora_rank;
 }
 
-/* The low plane of a screened head (pocket_model.head_lo) over tile tl for the n rows of a
- * prepared input: scr [n, 16], by the product path the high plane took (AMX or tiled). */
-static void head_lo_tile(pocket_model *m, const pm_act *act, int tl, float *scr, int task) {
-    pm_tiled t1 = m->head_lo;
-    t1.data = m->head_lo.data + (size_t)tl * m->head_lo.tile_bytes;
-    t1.rows = pm_tile_rows(&m->head_lo, tl);
-    t1.ntiles = 1;
-#if PM_HAVE_AMX
-    if (act->xb) {
-        pm_amx_matmul(&t1, act->xb, act->xl, act->n, scr, 16, 0, 1,
-                      m->awbuf + (size_t)task * m->awbuf_stride, act->one_term);
-        return;
-    }
-#endif
-    (void)task;
-    m->ops->matmul_tiled(&t1, act, scr, 16, 0, 1);
+/* A screened head (pocket_model.head_lo) over tile tl for the n rows of a prepared input, the
+ * INT8 head's values: scr [n, 16]. */
+static void head_planes_tile(pocket_model *m, const pm_act *act, int tl, float *scr) {
+    pm_tiled h1 = m->tiled[7 * m->c.n_layers], l1 = m->head_lo;
+    h1.data += (size_t)tl * h1.tile_bytes;
+    l1.data += (size_t)tl * l1.tile_bytes;
+    h1.rows = l1.rows = pm_tile_rows(&l1, tl);
+    h1.ntiles = l1.ntiles = 1;
+    m->ops->matmul_planes(&h1, &l1, act, scr, 16, 0, 1);
 }
 
 static void job_fail(pm_job *j, int rc) {
@@ -362,17 +356,24 @@ static void pm_task(void *ctx, int task, int ntasks) {
         pocket_split_range(j->n, 1, task, ntasks, &b, &e);
         if (e > b) j->rows->fn(j->rows, b, e);
         break;
-    case PM_JOB_HEAD_LO: {
-        /* the low plane of the head over tiles [b, e), added to every row's logits */
-        float scr[PM_BLOCK * 16];
+    case PM_JOB_HEAD_PLANES: {
+        /* the INT8 head's values over tiles [b, e) for the rows not screened */
+        const pm_tiled *hi = &m->tiled[7 * m->c.n_layers];
         const size_t V = (size_t)m->head_lo.rows;
         pocket_split_range(m->head_lo.ntiles, 1, task, ntasks, &b, &e);
+        if (e <= b) break;
+        if (!j->screened) {
+            m->ops->matmul_planes(hi, &m->head_lo, &j->act, j->y[0], V, b, e);
+            break;
+        }
+        float scr[PM_BLOCK * 16];
         for (int tl = b; tl < e; tl++) {
             const int nr = pm_tile_rows(&m->head_lo, tl);
-            head_lo_tile(m, &j->act, tl, scr, task);
+            head_planes_tile(m, &j->act, tl, scr);
             for (int i = 0; i < j->n; i++)
-                for (int r = 0; r < nr; r++)
-                    j->y[0][(size_t)i * V + 16 * (size_t)tl + r] += scr[i * 16 + r];
+                if (!j->screened[i])
+                    memcpy(j->y[0] + (size_t)i * V + 16 * (size_t)tl, scr + i * 16,
+                           sizeof(float) * (size_t)nr);
         }
         break;
     }
@@ -877,102 +878,96 @@ static int layer_forward(pocket_model *m, const pm_seq *seq, int l, int n, int o
     return run_rows(m, pool, nthreads, n, &r);
 }
 
-/* The tiles of the K largest logits of y [V] in tiles[] (distinct, any order); returns their
- * count. NaN logits are never chosen. */
-static int screen_tiles(const float *y, int V, int K, int *tiles, int *idx, float *val) {
-    int n = 0, lo = 0; /* the K best so far in idx/val; lo: the position of the smallest */
-    for (int r = 0; r < V; r++) {
-        const float v = y[r];
+/* The K tiles (16 rows each) of y [V] with the largest maxima, in tiles[]; returns how many
+ * (fewer when the vocabulary has fewer tiles). They hold the K largest logits, and more. NaN
+ * logits never count. */
+static int screen_tiles(const float *y, int V, int K, int *tiles, float *val) {
+    const int nt = (V + 15) / 16;
+    int n = 0, lo = 0; /* the best so far in tiles/val; lo: the position of the smallest */
+    for (int tl = 0; tl < nt; tl++) {
+        const float *yt = y + 16 * (size_t)tl;
+        const int nr = V - 16 * tl < 16 ? V - 16 * tl : 16;
+        float v = -INFINITY;
+        for (int r = 0; r < nr; r++) v = yt[r] > v ? yt[r] : v;
         if (n < K) {
-            if (!(v == v)) continue;
-            idx[n] = r;
+            tiles[n] = tl;
             val[n] = v;
-            if (++n == K)
-                for (int k = 1; k < K; k++)
-                    if (val[k] < val[lo]) lo = k;
+            if (v < val[lo]) lo = n;
+            n++;
             continue;
         }
         if (!(v > val[lo])) continue;
-        idx[lo] = r;
+        tiles[lo] = tl;
         val[lo] = v;
         for (int k = 0; k < K; k++)
             if (val[k] < val[lo]) lo = k;
     }
-    int nt = 0;
-    for (int k = 0; k < n; k++) {
-        const int tl = idx[k] / 16;
-        int seen = 0;
-        for (int t = 0; t < nt && !seen; t++) seen = tiles[t] == tl;
-        if (!seen) tiles[nt++] = tl;
-    }
-    return nt;
+    return n;
 }
 
-static int cmp_int(const void *a, const void *b) {
-    const int x = *(const int *)a, y = *(const int *)b;
-    return (x > y) - (x < y);
-}
-
-/* A screened head's second pass over nrows rows of logits y [nrows, V] (the high plane's):
- * each row gets the low plane added on the tiles of its own K best logits, so that a row's
- * result never depends on the others in its block. */
-static int screen_rows(pocket_model *m, const pm_act *act, float *y, int nrows) {
-    const int K = m->head_screen, V = m->head_lo.rows;
-    int *tiles = (int *)malloc(sizeof(int) * (size_t)nrows * (size_t)K * 2 + sizeof(int) * 2 * K);
-    float *val = (float *)malloc(sizeof(float) * (size_t)K);
-    int cnt[PM_BLOCK];
-    if (!tiles || !val) {
-        free(tiles);
-        free(val);
-        return POCKET_ENOMEM;
-    }
-    int *all = tiles + (size_t)nrows * K, *idx = all + (size_t)nrows * K, nall = 0;
+/* A screened head's second pass over nrows rows of logits y [nrows, V] (the high plane's
+ * estimates): each screened row gets the INT8 head's values on its own K best tiles, computed
+ * for that row alone, so that a row's result never depends on the others in its block. */
+static int screen_rows(pocket_model *m, const pm_act *act, float *y, int nrows,
+                       const uint8_t *screened) {
+    const int K = m->head_screen, V = m->head_lo.rows, nb = act->cols / 32;
+    int tiles[PM_SCREEN_MAX];
+    float val[PM_SCREEN_MAX], scr[16];
     for (int i = 0; i < nrows; i++) {
-        cnt[i] = screen_tiles(y + (size_t)i * V, V, K, tiles + (size_t)i * K, idx, val);
-        memcpy(all + nall, tiles + (size_t)i * K, sizeof(int) * (size_t)cnt[i]);
-        nall += cnt[i];
-    }
-    qsort(all, (size_t)nall, sizeof(int), cmp_int);
-    float scr[PM_BLOCK * 16];
-    for (int u = 0; u < nall; u++) {
-        if (u && all[u] == all[u - 1]) continue;
-        const int tl = all[u], nr = pm_tile_rows(&m->head_lo, tl);
-        head_lo_tile(m, act, tl, scr, 0);
-        for (int i = 0; i < nrows; i++) {
-            int mine = 0;
-            for (int t = 0; t < cnt[i] && !mine; t++) mine = tiles[(size_t)i * K + t] == tl;
-            if (!mine) continue;
-            float *yi = y + (size_t)i * V + 16 * (size_t)tl;
-            for (int r = 0; r < nr; r++) yi[r] += scr[i * 16 + r];
+        if (!screened[i]) continue;
+        float *yi = y + (size_t)i * V;
+        const int nt = screen_tiles(yi, V, K, tiles, val);
+        pm_act one = *act; /* row i alone */
+        one.n = 1;
+        one.x = act->x + (size_t)i * act->cols;
+        one.q1 = act->q1 + (size_t)i * act->cols;
+        one.q2 = act->q2 + (size_t)i * act->cols;
+        one.dd = act->dd + (size_t)i * nb;
+        one.bsum = act->bsum + (size_t)i * nb;
+        one.corr = act->corr + (size_t)i * nb;
+        for (int t = 0; t < nt; t++) {
+            head_planes_tile(m, &one, tiles[t], scr);
+            memcpy(yi + 16 * (size_t)tiles[t], scr,
+                   sizeof(float) * (size_t)pm_tile_rows(&m->head_lo, tiles[t]));
         }
     }
-    free(tiles);
-    free(val);
     return POCKET_OK;
 }
 
-/* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. all: every
- * logit wanted (a screened head refines every row of the vocabulary; else the K best). */
+/* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. screened:
+ * per row, whether a screened head may leave estimates outside its K best tiles (NULL:
+ * every logit the head's). A screened head's rows that want every logit get the INT8 head's
+ * values bit for bit (pm_ops.matmul_planes); its products never take the AMX path. */
 static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_pool *pool,
-                     int nthreads, int all) {
+                     int nthreads, const uint8_t *screened) {
     const int d = m->c.d_model;
     m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
     const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
     pm_act act;
-    const int use =
-        plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0, pm_amx_path(m, nrows), &act);
+    const int use = plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0,
+                             !m->head_screen && pm_amx_path(m, nrows), &act);
     if (use) prepare_act(m, &act, 0, nrows);
-    int rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
+    int nscreen = 0;
+    for (int i = 0; m->head_screen && use && screened && i < nrows; i++)
+        nscreen += screened[i] != 0;
+    int rc = POCKET_OK;
+    if (!m->head_screen || !use || nscreen) /* the high plane's estimates for screened rows */
+        rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
                           use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
-    /* without the tiled products the source INT8 head ran: nothing to refine */
     if (rc || !m->head_screen || !use) return rc;
-    if (!all) return screen_rows(m, &act, y, nrows);
-    pm_job j = {.m = m, .kind = PM_JOB_HEAD_LO, .n = nrows, .y = {y, NULL, NULL}};
-    j.quantized = 1;
-    j.act = act;
-    const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
-    if (j.act.xb && (rc = pm_ensure_amx_scratch(m, tasks))) return rc;
-    return run_job(&j, pool, tasks);
+    if (nscreen < nrows) {
+        pm_job j = {.m = m, .kind = PM_JOB_HEAD_PLANES, .n = nrows, .y = {y, NULL, NULL}};
+        j.quantized = 1;
+        j.act = act;
+        j.screened = nscreen ? screened : NULL;
+        const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
+        if ((rc = run_job(&j, pool, tasks))) return rc;
+    }
+    return nscreen ? screen_rows(m, &act, y, nrows, screened) : POCKET_OK;
+}
+
+void pocket_model_set_screen(pocket_model *m, const uint8_t *rows) {
+    if (m) m->screen_rows = rows;
 }
 
 static int check_threads(pocket_pool *pool, int *nthreads) {
@@ -985,6 +980,8 @@ static int check_threads(pocket_pool *pool, int *nthreads) {
 int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int n,
                          int start_pos, float *logits, int all_logits, pocket_pool *pool,
                          int nthreads) {
+    const uint8_t *screened = m ? m->screen_rows : NULL;
+    if (m) m->screen_rows = NULL;
     if (!m || !kv || !ids || !logits || kv->model != m) return POCKET_EINVAL;
     if (n <= 0 || start_pos < 0 || (long long)start_pos + n > kv->capacity) return POCKET_EINVAL;
     if (check_threads(pool, &nthreads) || (all_logits != 0 && all_logits != 1))
@@ -1008,9 +1005,9 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
             if (rc) return rc;
         }
         if (all_logits)
-            rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads, 1);
+            rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads, NULL);
         else if (b0 + nb == n) /* the last row, now at the front */
-            rc = head_rows(m, 0, 1, logits, pool, nthreads, 0);
+            rc = head_rows(m, 0, 1, logits, pool, nthreads, screened);
         if (rc) return rc;
     }
     return POCKET_OK;
@@ -1022,6 +1019,8 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
 static int decode_rows(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
                        const int32_t *pos, int n, float *logits, pocket_pool *pool, int nthreads,
                        int repeats) {
+    const uint8_t *screened = m ? m->screen_rows : NULL;
+    if (m) m->screen_rows = NULL;
     if (!m || !kvs || !ids || !pos || !logits || n <= 0) return POCKET_EINVAL;
     if (check_threads(pool, &nthreads)) return POCKET_EINVAL;
     int need = 0;
@@ -1045,7 +1044,9 @@ static int decode_rows(pocket_model *m, pocket_kv *const *kvs, const int32_t *id
         embed_rows(m, ids + b0, nb, m->x);
         for (int l = 0; l < m->c.n_layers && rc == POCKET_OK; l++)
             rc = layer_forward(m, &seq, l, nb, 0, pool, nthreads);
-        if (rc == POCKET_OK) rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads, 0);
+        if (rc == POCKET_OK)
+            rc = head_rows(m, 0, nb, logits + (size_t)b0 * V, pool, nthreads,
+                           screened ? screened + b0 : NULL);
     }
     m->verify_call = 0;
     return rc;

@@ -45,9 +45,11 @@ struct pocket_model {
     pm_tiled *tiled;
     /* config.head_screen > 0 and an INT8 tiled head: tiled[7 * n_layers] is its high plane
      * (INT4, scale 16 s, minimum -120.5 s rounded: the midpoint of the low nibble), head_lo
-     * its low plane (INT4, scale s, minimum -128 s minus the high plane's); else zeroed */
+     * its low plane (INT4 nibbles and the scales s, no minimums: only pm_ops.matmul_planes
+     * and pm_tiled_row_planes read it); else zeroed */
     pm_tiled head_lo;
     int head_screen;
+    const uint8_t *screen_rows; /* pocket_model_set_screen: the next call's screened rows */
     int q_dim, kv_dim, group, half;
     int max_in; /* the widest input of a product: max(d_model, q_dim, d_ff) */
     /* RoPE: inv_freq per base (0: rope_theta, 1: rope_theta_local); cos/sin [pos][half] */

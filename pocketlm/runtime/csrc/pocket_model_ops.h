@@ -163,6 +163,12 @@ typedef struct pm_ops {
     void (*lora_down)(const pocket_weight *w, const float *x, int i0, int i1, float *t);
     void (*lora_up)(const pocket_weight *w, const float *t, int n, float *y, size_t ys, int c0,
                     int c1);
+    /* matmul_tiled of an INT8 matrix held as two INT4 planes (pocket_model.head_lo: the high
+     * and low nibbles of q + 128; the low plane's scales are the matrix's): the same values,
+     * bit for bit, as matmul_tiled of the INT8 tiles they were split from. int8 activations
+     * only (a->digits 1 or 2). NULL where a level has none (then no head is split). */
+    void (*matmul_planes)(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,
+                          size_t ystride, int tb, int te);
 } pm_ops;
 
 /* An operations table named NAME (a string): the portable operations but for those the avx2

@@ -246,7 +246,12 @@ int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
     w.cols = t8->cols;
     w.group_size = t8->group_size;
     int rc = pm_tiled_alloc(&w, hi, huge);
-    if (!rc) rc = pm_tiled_alloc(&w, lo, huge);
+    if (!rc) { /* the low plane: its scales (the matrix's) but no minimums */
+        *lo = *hi;
+        lo->tile_bytes = pocket_round_up(lo->scale_off + (size_t)lo->ng * 32, 64);
+        lo->data = tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge);
+        if (!lo->data) rc = POCKET_ENOMEM;
+    }
     if (rc) {
         pm_tiled_free(hi);
         pm_tiled_free(lo);
@@ -258,7 +263,7 @@ int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
         const uint16_t *s8 = (const uint16_t *)(r8 + t8->scale_off);
         uint8_t *rh = hi->data + (size_t)tl * hi->tile_bytes, *rl = lo->data + (size_t)tl * lo->tile_bytes;
         uint16_t *sh = (uint16_t *)(rh + hi->scale_off), *mh = sh + (size_t)ng * 16;
-        uint16_t *sl = (uint16_t *)(rl + lo->scale_off), *ml = sl + (size_t)ng * 16;
+        uint16_t *sl = (uint16_t *)(rl + lo->scale_off);
         for (int i = 0; i < 16; i++) {
             for (int b = 0; b < nb; b++) {
                 uint8_t vh[32], vl[32], src[16];
@@ -273,18 +278,16 @@ int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
                 fill_nibbles(rl + (size_t)b * 256 + 4 * i, src);
             }
             for (int g = 0; g < ng; g++) {
-                /* w = s (u - 128) = 16 s hi + m_hi + (s lo + m_lo), m_lo = -128 s - m_hi: the
-                 * high plane alone is centred on the low nibble's midpoint, 7.5 */
+                /* w = s (u - 128) = s (16 hi + lo - 128): the high plane alone, as an INT4
+                 * matrix of scale 16 s and minimum -120.5 s, is centred on the low nibble's
+                 * midpoint (7.5); the low plane keeps s for the recombined codes */
                 const float s = pocket_f16_to_f32(s8[16 * g + i]);
-                float v[2] = {16.0f * s, -120.5f * s};
+                const float v[2] = {16.0f * s, -120.5f * s};
                 uint16_t h[2];
                 to_f16(v, h, 2);
                 sh[16 * g + i] = h[0];
                 mh[16 * g + i] = h[1];
                 sl[16 * g + i] = s8[16 * g + i];
-                v[0] = -128.0f * s - pocket_f16_to_f32(h[1]);
-                to_f16(v, h, 1);
-                ml[16 * g + i] = h[0];
             }
         }
         if ((tl + 1) % PM_RELEASE_TILES == 0) /* anonymous memory: the pages are freed */

@@ -409,6 +409,115 @@ static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_t
     }
 }
 
+/* tiled_tile of an INT8 matrix split into two INT4 planes (pm_ops.matmul_planes): each
+ * nibble vector pair becomes the bytes q + 128 = 16 hi + lo of its columns (8m + j and
+ * 8m + 4 + j) and takes INT8's arithmetic (the offset through corr, the low plane's scales,
+ * no minimums): integer block sums equal the INT8 tiles', and the float steps are INT8's. */
+static inline TGTV AI void planes_tile(const int DIG, const int T, const pm_tiled *wh,
+                                       const pm_tiled *wl, const pm_act *a, int i0, float *y,
+                                       size_t ystride, int tile, int prefetch) {
+    const uint16_t *sc, *mn, *sch, *mnh;
+    const uint8_t *rl = pm_tile_record(wl, tile, &sc, &mn);
+    const uint8_t *rh = pm_tile_record(wh, tile, &sch, &mnh);
+    const int nb = wl->nb, ng = wl->ng, gpb = wl->gpb;
+    const __m512i m4 = _mm512_set1_epi8(0x0F), h4 = _mm512_set1_epi8((char)0xF0);
+    const int8_t *x1[4], *x2[4];
+    const float *dd[4];
+    const int32_t *cr[4];
+    PM_UNROLL_T
+    for (int t = 0; t < T; t++) {
+        x1[t] = a->q1 + (size_t)(i0 + t) * a->cols;
+        x2[t] = a->q2 + (size_t)(i0 + t) * a->cols;
+        dd[t] = a->dd + (size_t)(i0 + t) * nb;
+        cr[t] = a->corr + (size_t)(i0 + t) * nb;
+    }
+    if (prefetch)
+        for (size_t o = wl->scale_off; o < wl->scale_off + (size_t)ng * 32; o += 64)
+            PM_PREFETCH(rl + o);
+    __m512 acc[4];
+    PM_UNROLL_T
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
+        for (int jb = 0; jb < gpb; jb++) {
+            const int b = g * gpb + jb;
+            const uint8_t *bh = rh + (size_t)b * 256, *bl = rl + (size_t)b * 256;
+            if (prefetch)
+                for (size_t o = 0; o < 256; o += 64) {
+                    PM_PREFETCH(bh + o);
+                    PM_PREFETCH(bl + o);
+                }
+            __m512i i1[4], i2[4];
+            PM_UNROLL_T
+            for (int t = 0; t < T; t++) {
+                i1[t] = _mm512_setzero_si512();
+                i2[t] = _mm512_setzero_si512();
+            }
+            for (int mm = 0; mm < 4; mm++) {
+                const __m512i Vh = _mm512_load_si512((const void *)(bh + 64 * mm));
+                const __m512i Vl = _mm512_load_si512((const void *)(bl + 64 * mm));
+                const __m512i lo = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(Vh, 4), h4),
+                                                   _mm512_and_si512(Vl, m4));
+                const __m512i hi = _mm512_or_si512(_mm512_and_si512(Vh, h4),
+                                                   _mm512_and_si512(_mm512_srli_epi16(Vl, 4), m4));
+                PM_UNROLL_T
+                for (int t = 0; t < T; t++) {
+                    const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
+                    int32_t wa, wb;
+                    memcpy(&wa, p1, 4);
+                    memcpy(&wb, p1 + 4, 4);
+                    i1[t] = _mm512_dpbusd_epi32(i1[t], lo, _mm512_set1_epi32(wa));
+                    i1[t] = _mm512_dpbusd_epi32(i1[t], hi, _mm512_set1_epi32(wb));
+                    if (DIG == 2) {
+                        const int8_t *p2 = x2[t] + 32 * b + 8 * mm;
+                        memcpy(&wa, p2, 4);
+                        memcpy(&wb, p2 + 4, 4);
+                        i2[t] = _mm512_dpbusd_epi32(i2[t], lo, _mm512_set1_epi32(wa));
+                        i2[t] = _mm512_dpbusd_epi32(i2[t], hi, _mm512_set1_epi32(wb));
+                    }
+                }
+            }
+            PM_UNROLL_T
+            for (int t = 0; t < T; t++) {
+                __m512i tot = i1[t];
+                if (DIG == 2) tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), i2[t]);
+                tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(cr[t][b]));
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
+                                         _mm512_mul_ps(s, _mm512_set1_ps(dd[t][b])), acc[t]);
+            }
+        }
+    }
+    const int r0 = 16 * tile, nr = pm_tile_rows(wl, tile);
+    const __mmask16 mk = tail_mask(nr);
+    PM_UNROLL_T
+    for (int t = 0; t < T; t++)
+        _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
+}
+
+static inline TGTV AI void planes_range(const int DIG, const pm_tiled *wh, const pm_tiled *wl,
+                                        const pm_act *a, float *y, size_t ystride, int tb,
+                                        int te) {
+    for (int tile = tb; tile < te; tile++) {
+        int i0 = 0;
+        for (; i0 + 4 <= a->n; i0 += 4)
+            planes_tile(DIG, 4, wh, wl, a, i0, y, ystride, tile, i0 == 0);
+        switch (a->n - i0) {
+        case 1: planes_tile(DIG, 1, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        case 2: planes_tile(DIG, 2, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        case 3: planes_tile(DIG, 3, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        default: break;
+        }
+    }
+}
+
+static TGTV void matmul_planes_avx512(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
+                                      float *y, size_t ystride, int tb, int te) {
+    if (a->digits == 2)
+        planes_range(2, hi, lo, a, y, ystride, tb, te);
+    else
+        planes_range(1, hi, lo, a, y, ystride, tb, te);
+}
+
 /* ---- float activations on tiled weights -------------------------------------------------- */
 
 /* One tile of 16 rows for T tokens, float32 activations. INT4: a weight nibble becomes a float
@@ -568,7 +677,7 @@ static TGTV void matmul_tiled_avx512(const pm_tiled *w, const pm_act *a, float *
 const pm_ops pm_ops_avx512 = {
     "avx512",          rmsnorm_avx512,        attn_avx512,             glu_avx512,
     pm_matmul_f32_avx2, to_f16_avx512,        quant_act_avx512,        matmul_tiled_avx512,
-    block_sums_avx512, pm_lora_down_avx2,    pm_lora_up_avx2,
+    block_sums_avx512, pm_lora_down_avx2,    pm_lora_up_avx2,       matmul_planes_avx512,
 };
 
 #endif /* PM_HAVE_AVX512 */

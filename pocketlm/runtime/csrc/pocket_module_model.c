@@ -22,8 +22,10 @@
  *            multiply-add pairs (the same results).
  *   config "huge_pages" true: the repacked weights ask for transparent huge pages
  *            (pocket_model_config.huge_pages; the same results).
- *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, the K
- *            best rows refined (pocket_model_config.head_screen; 0: the INT8 head).
+ *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, its K
+ *            best tiles of 16 rows refined (pocket_model_config.head_screen; 0: the INT8
+ *            head). forward(screen=True), forward_batch / verify_batch(screen=bytes, one per
+ *            row): the rows whose caller takes the largest logit only.
  * Every array is checked (dtype, C order, shape against the config) before its pointer is
  * stored; the model holds a buffer view of each, so the memory behind (e.g. a mmap'd deploy
  * file) stays alive and unresized for the model's lifetime.
@@ -598,12 +600,13 @@ static int get_logits(const ModelObject *self, PyObject *obj, Arr *lg, Py_ssize_
 
 static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"kv", "ids", "start_pos", "logits", "all_logits", "threads", "pool",
-                             NULL};
+                             "screen", NULL};
     PyObject *okv, *oids, *ologits, *opool = Py_None;
     long start_pos;
-    int all_logits = 0, threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOlO|piO:forward", kwlist, &okv, &oids,
-                                     &start_pos, &ologits, &all_logits, &threads, &opool))
+    int all_logits = 0, threads = 1, screen = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOlO|piOp:forward", kwlist, &okv, &oids,
+                                     &start_pos, &ologits, &all_logits, &threads, &opool,
+                                     &screen))
         return NULL;
     if (!PyObject_TypeCheck(okv, &KVType) || ((KVObject *)okv)->owner != self) {
         PyErr_SetString(PyExc_TypeError, "kv must be a NativeKV created for this model");
@@ -634,6 +637,8 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         int rc;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        const uint8_t one = 1;
+        pocket_model_set_screen(self->model, screen && !all_logits ? &one : NULL);
         rc = pocket_model_forward(self->model, kvo->kv, p, (int)n, (int)start_pos,
                                   (float *)lg.v.buf, all_logits, pool, pool ? threads : 1);
         PyThread_release_lock(self->lock);
@@ -686,14 +691,19 @@ done:
 /* forward_batch (one row per cache) and verify_batch (a cache may have several rows, at
  * distinct positions): the same arguments, the same checks. */
 static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, int repeats) {
-    static char *kwlist[] = {"kvs", "ids", "pos", "logits", "threads", "pool", NULL};
+    static char *kwlist[] = {"kvs", "ids", "pos", "logits", "threads", "pool", "screen", NULL};
     const char *name = repeats ? "verify_batch" : "forward_batch";
-    PyObject *okvs, *oids, *opos, *ologits, *opool = Py_None;
+    PyObject *okvs, *oids, *opos, *ologits, *opool = Py_None, *oscreen = Py_None;
     int threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, repeats ? "OOOO|iO:verify_batch"
-                                                         : "OOOO|iO:forward_batch",
-                                     kwlist, &okvs, &oids, &opos, &ologits, &threads, &opool))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, repeats ? "OOOO|iOO:verify_batch"
+                                                         : "OOOO|iOO:forward_batch",
+                                     kwlist, &okvs, &oids, &opos, &ologits, &threads, &opool,
+                                     &oscreen))
         return NULL;
+    if (oscreen != Py_None && !PyBytes_Check(oscreen)) {
+        PyErr_Format(PyExc_TypeError, "%s() screen must be None or bytes, one per row", name);
+        return NULL;
+    }
     if (pocket_py_check_pool(opool, threads) < 0) return NULL;
     Arr ids = {0}, pos = {0}, lg = {0};
     pocket_kv **kvs = NULL;
@@ -722,11 +732,19 @@ static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, i
                     goto done;
                 }
         }
+        if (oscreen != Py_None && PyBytes_GET_SIZE(oscreen) != n) {
+            PyErr_Format(PyExc_ValueError, "%s() screen has %zd entries for %zd rows", name,
+                         PyBytes_GET_SIZE(oscreen), n);
+            goto done;
+        }
         if (get_logits(self, ologits, &lg, n, 0, &ids, &pos) < 0) goto done;
+        const uint8_t *scr =
+            oscreen != Py_None ? (const uint8_t *)PyBytes_AS_STRING(oscreen) : NULL;
         pocket_pool *pool = pocket_py_pool(opool);
         int rc;
         Py_BEGIN_ALLOW_THREADS
         PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        pocket_model_set_screen(self->model, scr);
         rc = (repeats ? pocket_model_verify_batch : pocket_model_forward_batch)(
             self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool, pool ? threads : 1);
         PyThread_release_lock(self->lock);

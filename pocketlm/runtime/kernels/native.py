@@ -161,9 +161,10 @@ def engine_setting(settings: EngineSettings | None = None) -> dict:
     ``level`` (kernel level, ``+avxvnni`` where the avx2 level's int8 products use it), ``act``,
     ``amx`` (prefill on AMX-BF16), ``amx_weights`` (their weight terms, None without AMX),
     ``kv`` (the KV cache format), ``huge_pages`` (the repacked weights in transparent huge
-    pages: POCKET_HUGEPAGES, where the OS hands them out on request). Raises KernelError (UnsupportedError for POCKET_ACT) for an
-    invalid setting, or one this machine cannot run (a kernel level it lacks, POCKET_AMX=1
-    without AMX)."""
+    pages: POCKET_HUGEPAGES, where the OS hands them out on request), ``head_screen`` (the
+    tiles of an INT8 head that greedy decoding reads whole; 0 where the level cannot screen).
+    Raises KernelError (UnsupportedError for POCKET_ACT) for an invalid setting, or one this
+    machine cannot run (a kernel level it lacks, POCKET_AMX=1 without AMX)."""
     settings = _settings(settings)
     level_id = _level_id(None, settings)
     level = LEVELS[level_id]
@@ -172,9 +173,11 @@ def engine_setting(settings: EngineSettings | None = None) -> dict:
     if level == "avx2" and act == "q8":  # the engine's own choice of products
         level = _native.ops_name(level_id, avxvnni=int(settings.avxvnni))
     huge = bool(settings.hugepages) and transparent_huge_pages() in ("always", "madvise")
+    # head screening runs on the avx512 level's plane products with int8 head activations
+    screen = settings.head_screen if level == "avx512" and act == "q8" else 0
     return {"level": level, "act": act, "amx": amx,
             "amx_weights": settings.amx_weights if amx else None, "kv": kv_format(act, settings),
-            "huge_pages": huge}
+            "huge_pages": huge, "head_screen": screen}
 
 
 def check_settings(settings: EngineSettings | None = None) -> None:
@@ -464,6 +467,16 @@ def key_smoothing(config, weights: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def _screen_rows(screen, n: int) -> bytes | None:
+    """Per-row screen flags as the extension takes them: None (no row), else n bytes."""
+    if screen is None:
+        return None
+    flags = bytes(1 if s else 0 for s in screen)
+    if len(flags) != n:
+        raise ValueError(f"screen has {len(flags)} entries for {n} rows")
+    return flags if any(flags) else None
+
+
 class NativeEngine:
     """The whole forward pass in C over the runtime's weights (kept alive by the model)."""
 
@@ -486,7 +499,8 @@ class NativeEngine:
         weights in transparent huge pages where the OS offers them (the same results).
         ``head_screen``: K > 0 holds an INT8 output head as two INT4 planes and, in decode
         steps, verifications and last-row prefills, reads the low plane only for the tiles of
-        the K best rows of the high plane's pass (docs/engine.md, "Head screening")."""
+        the K tiles (16 rows each) with the largest estimates of the high plane's pass
+        (docs/engine.md, "Head screening")."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
@@ -558,37 +572,47 @@ class NativeEngine:
     def new_kv(self, capacity: int):
         return _call(_native.NativeKV, self.model, int(capacity), format=self.kv_format)
 
-    def forward(self, kv, ids: np.ndarray, start_pos: int, all_logits: bool) -> np.ndarray:
-        """Logits float32 ``[n, vocab]`` (all_logits) or ``[vocab]``; ids int32 ``[n]``."""
+    def forward(self, kv, ids: np.ndarray, start_pos: int, all_logits: bool,
+                screen: bool = False) -> np.ndarray:
+        """Logits float32 ``[n, vocab]`` (all_logits) or ``[vocab]``; ids int32 ``[n]``.
+        ``screen`` (without all_logits): a screened head (``head_screen``) may leave
+        estimates outside its K best tiles of 16 rows: for a caller that takes the largest
+        logit only."""
         n = ids.shape[0]
         logits = np.empty((n, self.vocab_size) if all_logits else (self.vocab_size,),
                           dtype=np.float32)
         _call(self.model.forward, kv, ids, int(start_pos), logits, all_logits=all_logits,
-              threads=self.threads, pool=_get_pool(self.threads))
+              threads=self.threads, pool=_get_pool(self.threads), screen=bool(screen))
         return logits
 
-    def forward_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def forward_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray,
+                      screen=None) -> np.ndarray:
         """One token per sequence: logits float32 ``[n, vocab]`` of ``ids[i]`` (int32) at
-        position ``pos[i]`` (int32) of ``kvs[i]``; one pass over the weights for all of them."""
+        position ``pos[i]`` (int32) of ``kvs[i]``; one pass over the weights for all of them.
+        ``screen``: per row, whether it may be screened (see :meth:`forward`; None: none)."""
         logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
         _call(self.model.forward_batch, kvs, ids, pos, logits, threads=self.threads,
-              pool=_get_pool(self.threads))
+              pool=_get_pool(self.threads), screen=_screen_rows(screen, ids.shape[0]))
         return logits
 
-    def verify(self, kv, ids: np.ndarray, start_pos: int) -> np.ndarray:
+    def verify(self, kv, ids: np.ndarray, start_pos: int, screen: bool = False) -> np.ndarray:
         """Drafted tokens ``ids`` (int32) at ``start_pos``.. of ``kv``: logits float32
-        ``[n, vocab]``, each row what a one-token :meth:`forward` at its position computes."""
+        ``[n, vocab]``, each row what a one-token :meth:`forward` at its position computes
+        (with the same ``screen``)."""
         n = ids.shape[0]
         return self.verify_batch([kv] * n, ids,
-                                 np.arange(start_pos, start_pos + n, dtype=np.int32))
+                                 np.arange(start_pos, start_pos + n, dtype=np.int32),
+                                 screen=[screen] * n if screen else None)
 
-    def verify_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    def verify_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray,
+                     screen=None) -> np.ndarray:
         """Drafted tokens of several sequences: row ``i`` is ``ids[i]`` at ``pos[i]`` of
         ``kvs[i]`` (a cache may repeat, at distinct positions); logits float32 ``[n, vocab]``,
-        each row what a one-token :meth:`forward` at its position computes."""
+        each row what a one-token :meth:`forward` at its position computes. ``screen``: per
+        row, as in :meth:`forward_batch`."""
         logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
         _call(self.model.verify_batch, kvs, ids, pos, logits, threads=self.threads,
-              pool=_get_pool(self.threads))
+              pool=_get_pool(self.threads), screen=_screen_rows(screen, ids.shape[0]))
         return logits
 
     def kv_copy(self, dst, src, n: int) -> None:
