@@ -14,6 +14,9 @@ under POCKET_HEAD_SCREEN=0 and =K, the order alternating round by round (a setti
 property of the process); the summary gives the medians of prefill and decode tokens/s and
 their ratios.
 
+Steps (one process): a one-token step after a 256-token prompt with the whole head, screened
+(greedy), and on the screened engine wanting every logit (sampling), alternating; medians.
+
 Logits (one process, two engines on the same weights): teacher-forced one-token decode steps
 over tests/data/english.txt and chinese.txt (--positions tokens of each): top-1 agreement with
 the whole head, how many of the whole head's top 5 / top 40 the screened step returns exactly
@@ -99,6 +102,36 @@ def logit_quality(name: str, k: int, positions: int) -> dict:
             "greedy_chats_identical": f"{same}/{len(REQUESTS)}"}
 
 
+def step_times(name: str, k: int, reps: int = 60) -> dict:
+    """Median milliseconds of a one-token step after a 256-token prompt: the whole INT8 head
+    (head_screen 0), a screened greedy step, and a step of the screened engine that wants every
+    logit (sampling): the three alternating in one process."""
+    import numpy as np
+
+    import pocketlm
+    from pocketlm.runtime.kernels.native import NativeEngine
+
+    model = pocketlm.load(name)
+    cfg, w = model.config, model.runtime.w
+    whole, screened = NativeEngine(cfg, w, head_screen=0), NativeEngine(cfg, w, head_screen=k)
+    ids = np.array(model.tokenize((ROOT / "tests" / "data" / "english.txt").read_text())[:256],
+                   dtype=np.int32)
+    kv0, kv1 = whole.new_kv(len(ids) + 1), screened.new_kv(len(ids) + 1)
+    whole.forward(kv0, ids, 0, False)
+    screened.forward(kv1, ids, 0, False)
+    times: dict[str, list[float]] = {"whole": [], "screened": [], "screened_all_logits": []}
+    runs = (("whole", whole, kv0, False), ("screened", screened, kv1, True),
+            ("screened_all_logits", screened, kv1, False))
+    for rep in range(reps):
+        for key, eng, kv, scr in runs if rep % 2 == 0 else runs[::-1]:
+            t0 = time.perf_counter()
+            eng.forward(kv, ids[:1], len(ids), False, screen=scr)
+            times[key].append(time.perf_counter() - t0)
+    med = {key: round(statistics.median(v) * 1e3, 3) for key, v in times.items()}
+    return {"step_ms": med, "x_step_greedy": round(med["whole"] / med["screened"], 3),
+            "x_step_all_logits": round(med["whole"] / med["screened_all_logits"], 3)}
+
+
 def _last_json(cmd: list[str], env: dict, what: str) -> dict:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode:
@@ -154,6 +187,7 @@ def main() -> None:
     for name in args.model or ["smollm2-135m"]:
         line = {"bench": "head-screen", "model": name, "k": args.k,
                 **logit_quality(name, args.k, args.positions)}
+        line.update(step_times(name, args.k))
         if not args.no_speed:
             line.update(speed(name, args.k, args.rounds, args.n_prompt, args.threads))
         line.update({"threads": args.threads, "n_prompt": args.n_prompt, "n_gen": 128,

@@ -66,11 +66,13 @@ class PocketEngine:
         cache.reset()
         if speculative:
             return self._run_speculative(ids, n_gen, speculative)
+        # greedy, end-of-sequence ignored: the largest logit is all that is read, so the head
+        # is screened as greedy generation screens it (docs/engine.md, "Head screening")
         t0 = time.perf_counter()
-        logits = self.runtime.forward(ids, cache)
+        logits = self.runtime.forward(ids, cache, screen=True)
         t1 = time.perf_counter()
-        for _ in range(n_gen):  # greedy, end-of-sequence ignored
-            logits = self.runtime.forward([int(np.argmax(logits))], cache)
+        for _ in range(n_gen):
+            logits = self.runtime.forward([int(np.argmax(logits))], cache, screen=True)
         t2 = time.perf_counter()
         return t1 - t0, t2 - t1
 

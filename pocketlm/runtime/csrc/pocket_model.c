@@ -442,7 +442,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         if (!rc && c.head_screen > 0 && th->data && th->bits == 8 && m->ops->matmul_planes &&
             (m->act_q8 & POCKET_Q8_HEAD)) {
             pm_tiled hi;
-            rc = pm_tiled_split_planes(th, &hi, &m->head_lo, c.huge_pages, m->ops->to_f16);
+            rc = pm_tiled_split_planes(th, &hi, &m->head_lo, c.huge_pages);
             if (!rc) {
                 *th = hi;
                 m->head_screen = c.head_screen;

@@ -109,6 +109,7 @@ typedef struct pm_job {
     const pm_rows *rows; /* PM_JOB_ROWS */
     const pm_act *post;  /* PM_JOB_GLU: the output prepared for W_down by each task, or NULL */
     const uint8_t *screened; /* PM_JOB_HEAD_PLANES: rows left to screen_rows (NULL: none) */
+    int estimate;            /* PM_JOB_HEAD_PLANES: the high plane's estimates, every row */
     int status;
 } pm_job;
 
@@ -357,13 +358,14 @@ static void pm_task(void *ctx, int task, int ntasks) {
         if (e > b) j->rows->fn(j->rows, b, e);
         break;
     case PM_JOB_HEAD_PLANES: {
-        /* the INT8 head's values over tiles [b, e) for the rows not screened */
+        /* over tiles [b, e): the high plane's estimates of every row (estimate), else the INT8
+         * head's values for the rows not screened */
         const pm_tiled *hi = &m->tiled[7 * m->c.n_layers];
         const size_t V = (size_t)m->head_lo.rows;
         pocket_split_range(m->head_lo.ntiles, 1, task, ntasks, &b, &e);
         if (e <= b) break;
-        if (!j->screened) {
-            m->ops->matmul_planes(hi, &m->head_lo, &j->act, j->y[0], V, b, e);
+        if (j->estimate || !j->screened) { /* every row: the estimate, or the INT8 values */
+            m->ops->matmul_planes(hi, j->estimate ? NULL : &m->head_lo, &j->act, j->y[0], V, b, e);
             break;
         }
         float scr[PM_BLOCK * 16];
@@ -950,18 +952,19 @@ static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_poo
     int nscreen = 0;
     for (int i = 0; m->head_screen && use && screened && i < nrows; i++)
         nscreen += screened[i] != 0;
-    int rc = POCKET_OK;
-    if (!m->head_screen || !use || nscreen) /* the high plane's estimates for screened rows */
-        rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
-                          use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
-    if (rc || !m->head_screen || !use) return rc;
-    if (nscreen < nrows) {
+    if (!m->head_screen || !use)
+        return run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
+                            use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+    const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
+    for (int pass = nscreen ? 0 : 1; pass < (nscreen < nrows ? 2 : 1); pass++) {
+        /* pass 0: the estimates (screened rows); pass 1: the INT8 values (the other rows) */
         pm_job j = {.m = m, .kind = PM_JOB_HEAD_PLANES, .n = nrows, .y = {y, NULL, NULL}};
         j.quantized = 1;
         j.act = act;
-        j.screened = nscreen ? screened : NULL;
-        const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
-        if ((rc = run_job(&j, pool, tasks))) return rc;
+        j.estimate = pass == 0;
+        j.screened = pass == 1 && nscreen ? screened : NULL;
+        const int rc = run_job(&j, pool, tasks);
+        if (rc) return rc;
     }
     return nscreen ? screen_rows(m, &act, y, nrows, screened) : POCKET_OK;
 }

@@ -44,9 +44,9 @@ struct pocket_model {
      * gate, up, down), then the head; data == NULL where not used */
     pm_tiled *tiled;
     /* config.head_screen > 0 and an INT8 tiled head: tiled[7 * n_layers] is its high plane
-     * (INT4, scale 16 s, minimum -120.5 s rounded: the midpoint of the low nibble), head_lo
-     * its low plane (INT4 nibbles and the scales s, no minimums: only pm_ops.matmul_planes
-     * and pm_tiled_row_planes read it); else zeroed */
+     * (INT4 nibbles of q + 128 >> 4, then the matrix's float16 scales s, no minimums), head_lo
+     * its low plane (the nibbles of q + 128 & 15 only): the INT8 tiles' bytes, read by
+     * pm_ops.matmul_planes and pm_tiled_row_planes only; else zeroed */
     pm_tiled head_lo;
     int head_screen;
     const uint8_t *screen_rows; /* pocket_model_set_screen: the next call's screened rows */
@@ -205,11 +205,9 @@ void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int rele
  * the ends of the ranges filled. */
 void pm_tiled_release_source(const pocket_weight *w);
 
-/* Split an INT8 tiled matrix t8 into two INT4 tiled planes (see pocket_model.head_lo): the
- * codes u = q + 128 as 16 hi + lo; t8 is freed (its pages handed back as the split goes).
- * to_f16: float32 -> float16 rounding. */
-int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
-                          void (*to_f16)(const float *, uint16_t *, size_t));
+/* Split an INT8 tiled matrix t8 into its two nibble planes (see pocket_model.head_lo): the
+ * codes u = q + 128 as 16 hi + lo; t8 is freed (its pages handed back as the split goes). */
+int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge);
 
 /* Row r of an INT8 matrix split by pm_tiled_split_planes, as floats: the same values as
  * pm_tiled_row of the INT8 tiles it came from. */

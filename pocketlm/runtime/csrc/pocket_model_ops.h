@@ -163,10 +163,12 @@ typedef struct pm_ops {
     void (*lora_down)(const pocket_weight *w, const float *x, int i0, int i1, float *t);
     void (*lora_up)(const pocket_weight *w, const float *t, int n, float *y, size_t ys, int c0,
                     int c1);
-    /* matmul_tiled of an INT8 matrix held as two INT4 planes (pocket_model.head_lo: the high
-     * and low nibbles of q + 128; the low plane's scales are the matrix's): the same values,
-     * bit for bit, as matmul_tiled of the INT8 tiles they were split from. int8 activations
-     * only (a->digits 1 or 2). NULL where a level has none (then no head is split). */
+    /* An INT8 matrix held as its two nibble planes (pocket_model.head_lo: hi = q + 128 >> 4
+     * with the matrix's scales s after the blocks, lo = q + 128 & 15 without scales), tiles
+     * [tb, te): with lo, matmul_tiled of the INT8 tiles they were split from, bit for bit;
+     * lo NULL, the estimate from the high plane alone, an INT4 product of scale 16 s and
+     * minimum -120.5 s (the low nibble's midpoint). int8 activations only (a->digits 1 or 2).
+     * NULL where a level has none (then no head is split). */
     void (*matmul_planes)(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,
                           size_t ystride, int tb, int te);
 } pm_ops;

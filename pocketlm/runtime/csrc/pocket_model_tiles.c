@@ -236,35 +236,36 @@ static inline void nibble_block(const uint8_t *v, uint8_t *src) {
     for (int k = 0; k < 16; k++) src[k] = (uint8_t)((v[k] & 15) | (v[16 + k] << 4));
 }
 
-int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
-                          void (*to_f16)(const float *, uint16_t *, size_t)) {
+int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge) {
     if (!t8->data || t8->bits != 8) return POCKET_EINVAL;
-    pocket_weight w;
-    memset(&w, 0, sizeof w);
-    w.type = POCKET_WT_Q4;
-    w.rows = t8->rows;
-    w.cols = t8->cols;
-    w.group_size = t8->group_size;
-    int rc = pm_tiled_alloc(&w, hi, huge);
-    if (!rc) { /* the low plane: its scales (the matrix's) but no minimums */
-        *lo = *hi;
-        lo->tile_bytes = pocket_round_up(lo->scale_off + (size_t)lo->ng * 32, 64);
-        lo->data = tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge);
-        if (!lo->data) rc = POCKET_ENOMEM;
-    }
-    if (rc) {
+    /* hi: INT4 blocks, then the matrix's scales; lo: INT4 blocks only */
+    memset(hi, 0, sizeof *hi);
+    hi->bits = 4;
+    hi->rows = t8->rows;
+    hi->cols = t8->cols;
+    hi->group_size = t8->group_size;
+    hi->ntiles = t8->ntiles;
+    hi->nb = t8->nb;
+    hi->ng = t8->ng;
+    hi->gpb = t8->gpb;
+    hi->block_bytes = 256;
+    hi->scale_off = (size_t)hi->nb * 256;
+    hi->tile_bytes = pocket_round_up(hi->scale_off + (size_t)hi->ng * 32, 64);
+    *lo = *hi;
+    lo->tile_bytes = lo->scale_off;
+    hi->data = tiles_alloc((size_t)hi->ntiles * hi->tile_bytes, huge);
+    lo->data = hi->data ? tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge) : NULL;
+    if (!hi->data || !lo->data) {
         pm_tiled_free(hi);
         pm_tiled_free(lo);
-        return rc;
+        return POCKET_ENOMEM;
     }
     const int ng = t8->ng, nb = t8->nb;
     for (int tl = 0; tl < t8->ntiles; tl++) {
         const uint8_t *r8 = t8->data + (size_t)tl * t8->tile_bytes;
-        const uint16_t *s8 = (const uint16_t *)(r8 + t8->scale_off);
         uint8_t *rh = hi->data + (size_t)tl * hi->tile_bytes, *rl = lo->data + (size_t)tl * lo->tile_bytes;
-        uint16_t *sh = (uint16_t *)(rh + hi->scale_off), *mh = sh + (size_t)ng * 16;
-        uint16_t *sl = (uint16_t *)(rl + lo->scale_off);
-        for (int i = 0; i < 16; i++) {
+        memcpy(rh + hi->scale_off, r8 + t8->scale_off, (size_t)ng * 32);
+        for (int i = 0; i < 16; i++)
             for (int b = 0; b < nb; b++) {
                 uint8_t vh[32], vl[32], src[16];
                 for (int k = 0; k < 32; k++) {
@@ -277,19 +278,6 @@ int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
                 nibble_block(vl, src);
                 fill_nibbles(rl + (size_t)b * 256 + 4 * i, src);
             }
-            for (int g = 0; g < ng; g++) {
-                /* w = s (u - 128) = s (16 hi + lo - 128): the high plane alone, as an INT4
-                 * matrix of scale 16 s and minimum -120.5 s, is centred on the low nibble's
-                 * midpoint (7.5); the low plane keeps s for the recombined codes */
-                const float s = pocket_f16_to_f32(s8[16 * g + i]);
-                const float v[2] = {16.0f * s, -120.5f * s};
-                uint16_t h[2];
-                to_f16(v, h, 2);
-                sh[16 * g + i] = h[0];
-                mh[16 * g + i] = h[1];
-                sl[16 * g + i] = s8[16 * g + i];
-            }
-        }
         if ((tl + 1) % PM_RELEASE_TILES == 0) /* anonymous memory: the pages are freed */
             release_range(t8->data + (size_t)(tl + 1 - PM_RELEASE_TILES) * t8->tile_bytes,
                           (size_t)PM_RELEASE_TILES * t8->tile_bytes);
@@ -300,7 +288,7 @@ int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge,
 
 void pm_tiled_row_planes(const pm_tiled *hi, const pm_tiled *lo, size_t r, float *x) {
     const uint8_t *rh = hi->data + (r / 16) * hi->tile_bytes, *rl = lo->data + (r / 16) * lo->tile_bytes;
-    const uint16_t *sl = (const uint16_t *)(rl + lo->scale_off);
+    const uint16_t *sl = (const uint16_t *)(rh + hi->scale_off);
     const int i = (int)(r % 16);
     for (int b = 0; b < hi->nb; b++)
         for (int k = 0; k < 32; k++) {

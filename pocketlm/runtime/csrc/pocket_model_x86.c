@@ -416,10 +416,10 @@ static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_t
 static inline TGTV AI void planes_tile(const int DIG, const int T, const pm_tiled *wh,
                                        const pm_tiled *wl, const pm_act *a, int i0, float *y,
                                        size_t ystride, int tile, int prefetch) {
-    const uint16_t *sc, *mn, *sch, *mnh;
-    const uint8_t *rl = pm_tile_record(wl, tile, &sc, &mn);
-    const uint8_t *rh = pm_tile_record(wh, tile, &sch, &mnh);
-    const int nb = wl->nb, ng = wl->ng, gpb = wl->gpb;
+    const uint16_t *sc, *mn, *scl, *mnl;
+    const uint8_t *rh = pm_tile_record(wh, tile, &sc, &mn); /* the scales: the high plane's */
+    const uint8_t *rl = pm_tile_record(wl, tile, &scl, &mnl);
+    const int nb = wh->nb, ng = wh->ng, gpb = wh->gpb;
     const __m512i m4 = _mm512_set1_epi8(0x0F), h4 = _mm512_set1_epi8((char)0xF0);
     const int8_t *x1[4], *x2[4];
     const float *dd[4];
@@ -432,8 +432,8 @@ static inline TGTV AI void planes_tile(const int DIG, const int T, const pm_tile
         cr[t] = a->corr + (size_t)(i0 + t) * nb;
     }
     if (prefetch)
-        for (size_t o = wl->scale_off; o < wl->scale_off + (size_t)ng * 32; o += 64)
-            PM_PREFETCH(rl + o);
+        for (size_t o = wh->scale_off; o < wh->tile_bytes; o += 64)
+            PM_PREFETCH(rh + o);
     __m512 acc[4];
     PM_UNROLL_T
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
@@ -487,12 +487,97 @@ static inline TGTV AI void planes_tile(const int DIG, const int T, const pm_tile
             }
         }
     }
-    const int r0 = 16 * tile, nr = pm_tile_rows(wl, tile);
+    const int r0 = 16 * tile, nr = pm_tile_rows(wh, tile);
     const __mmask16 mk = tail_mask(nr);
     PM_UNROLL_T
     for (int t = 0; t < T; t++)
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
+
+/* The high plane alone (pm_ops.matmul_planes with lo NULL): tiled_tile's INT4 arithmetic
+ * with scale 16 s and minimum -120.5 s per group, from the plane's scales s. */
+static inline TGTV AI void estimate_tile(const int DIG, const int T, const pm_tiled *wh,
+                                         const pm_act *a, int i0, float *y, size_t ystride,
+                                         int tile, int prefetch) {
+    const uint16_t *sc, *mn;
+    const uint8_t *rec = pm_tile_record(wh, tile, &sc, &mn);
+    const int nb = wh->nb, ng = wh->ng, gpb = wh->gpb;
+    const int8_t *x1[4], *x2[4];
+    const float *dd[4], *bs[4];
+    PM_UNROLL_T
+    for (int t = 0; t < T; t++) {
+        x1[t] = a->q1 + (size_t)(i0 + t) * a->cols;
+        x2[t] = a->q2 + (size_t)(i0 + t) * a->cols;
+        dd[t] = a->dd + (size_t)(i0 + t) * nb;
+        bs[t] = a->bsum + (size_t)(i0 + t) * nb;
+    }
+    if (prefetch)
+        for (size_t o = wh->scale_off; o < wh->tile_bytes; o += 64)
+            PM_PREFETCH(rec + o);
+    __m512 acc[4];
+    PM_UNROLL_T
+    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
+    for (int g = 0; g < ng; g++) {
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
+        const __m512 s = _mm512_mul_ps(s1, _mm512_set1_ps(16.0f));
+        for (int jb = 0; jb < gpb; jb++) {
+            const int b = g * gpb + jb;
+            const uint8_t *blk = rec + (size_t)b * 256;
+            if (prefetch)
+                for (size_t o = 0; o < 256; o += 64)
+                    PM_PREFETCH(blk + o);
+            __m512i i1[4], i2[4];
+            PM_UNROLL_T
+            for (int t = 0; t < T; t++) {
+                i1[t] = _mm512_setzero_si512();
+                i2[t] = _mm512_setzero_si512();
+            }
+            for (int mm = 0; mm < 4; mm++) {
+                __m512i lo, hi;
+                pm_nibble_pair(4, blk, mm, &lo, &hi);
+                PM_UNROLL_T
+                for (int t = 0; t < T; t++) {
+                    const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
+                    int32_t wa, wb;
+                    memcpy(&wa, p1, 4);
+                    memcpy(&wb, p1 + 4, 4);
+                    i1[t] = _mm512_dpbusd_epi32(i1[t], lo, _mm512_set1_epi32(wa));
+                    i1[t] = _mm512_dpbusd_epi32(i1[t], hi, _mm512_set1_epi32(wb));
+                    if (DIG == 2) {
+                        const int8_t *p2 = x2[t] + 32 * b + 8 * mm;
+                        memcpy(&wa, p2, 4);
+                        memcpy(&wb, p2 + 4, 4);
+                        i2[t] = _mm512_dpbusd_epi32(i2[t], lo, _mm512_set1_epi32(wa));
+                        i2[t] = _mm512_dpbusd_epi32(i2[t], hi, _mm512_set1_epi32(wb));
+                    }
+                }
+            }
+            PM_UNROLL_T
+            for (int t = 0; t < T; t++) {
+                __m512i tot = i1[t];
+                if (DIG == 2) tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), i2[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
+                                         _mm512_mul_ps(s, _mm512_set1_ps(dd[t][b])), acc[t]);
+            }
+        }
+        const __m512 mv = _mm512_mul_ps(s1, _mm512_set1_ps(-120.5f));
+        PM_UNROLL_T
+        for (int t = 0; t < T; t++) {
+            float xs = bs[t][g * gpb];
+            for (int jb = 1; jb < gpb; jb++) xs += bs[t][g * gpb + jb];
+            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs), acc[t]);
+        }
+    }
+    const int r0 = 16 * tile, nr = pm_tile_rows(wh, tile);
+    const __mmask16 mk = tail_mask(nr);
+    PM_UNROLL_T
+    for (int t = 0; t < T; t++)
+        _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
+}
+
+#define PM_PLANES_TILE(DIG, T, wh, wl, a, i0, y, ys, tile, pf)                                   \
+    ((wl) ? planes_tile(DIG, T, wh, wl, a, i0, y, ys, tile, pf)                                 \
+          : estimate_tile(DIG, T, wh, a, i0, y, ys, tile, pf))
 
 static inline TGTV AI void planes_range(const int DIG, const pm_tiled *wh, const pm_tiled *wl,
                                         const pm_act *a, float *y, size_t ystride, int tb,
@@ -500,11 +585,11 @@ static inline TGTV AI void planes_range(const int DIG, const pm_tiled *wh, const
     for (int tile = tb; tile < te; tile++) {
         int i0 = 0;
         for (; i0 + 4 <= a->n; i0 += 4)
-            planes_tile(DIG, 4, wh, wl, a, i0, y, ystride, tile, i0 == 0);
+            PM_PLANES_TILE(DIG, 4, wh, wl, a, i0, y, ystride, tile, i0 == 0);
         switch (a->n - i0) {
-        case 1: planes_tile(DIG, 1, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: planes_tile(DIG, 2, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: planes_tile(DIG, 3, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        case 1: PM_PLANES_TILE(DIG, 1, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        case 2: PM_PLANES_TILE(DIG, 2, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        case 3: PM_PLANES_TILE(DIG, 3, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
         default: break;
         }
     }
