@@ -289,17 +289,29 @@ static TGTV void quant_act_avx512(const float *x, int n, int cols, int digits, i
 /* The loops over the T tokens of a tile, unrolled so that their accumulators stay in registers. */
 #define PM_UNROLL_T _Pragma("GCC unroll 4")
 
+/* BITS values of tiled_tile for an INT8 matrix held as its two nibble planes
+ * (pm_ops.matmul_planes): the high plane alone (an estimate: INT4 arithmetic with scale 16 s
+ * and minimum -120.5 s from the plane's scales s), or both recombined into the INT8 codes. */
+#define PM_BITS_ESTIMATE 40
+#define PM_BITS_PLANES 44
+
 /* One tile of 16 rows for T tokens (i0 .. i0 + T - 1). BITS: INT4 (u8 nibbles), INT5 (nibbles
- * and high-bit masks) or INT8 (q + 128) weights; DIG: activation digits. Integer block sums
- * are exact; each block is rescaled by scale[row] * dd[token] into float32 accumulators
- * (lane = row); INT4 / INT5 minimums are added per group. */
+ * and high-bit masks) or INT8 (q + 128) weights, or the planes of an INT8 matrix (w the high
+ * plane, w2 the low one: PM_BITS_ESTIMATE, PM_BITS_PLANES); DIG: activation digits. Integer
+ * block sums are exact; each block is rescaled by scale[row] * dd[token] into float32
+ * accumulators (lane = row); INT4 / INT5 (and estimate) minimums are added per group. The
+ * planes recombined give INT8's integer sums and float steps, bit for bit. */
 static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T,
-                                      const pm_tiled *w, const pm_act *a, int i0, float *y,
-                                      size_t ystride, int tile, int prefetch) {
-    const int Q4 = BITS != 8; /* nibbles and minimums */
-    const size_t BB = PM_BLOCK_BYTES(BITS);
+                                      const pm_tiled *w, const pm_tiled *w2, const pm_act *a,
+                                      int i0, float *y, size_t ystride, int tile, int prefetch) {
+    const int EST = BITS == PM_BITS_ESTIMATE, PL = BITS == PM_BITS_PLANES;
+    const int NIB = BITS != 8;       /* operand pairs of nibble vectors */
+    const int MINS = NIB && !PL;     /* minimums per group */
+    const int OFF = BITS == 8 || PL; /* the +128 offset of INT8 codes (corr) */
+    const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
+    const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
     const int8_t *x1[4], *x2[4];
     const float *dd[4], *bs[4];
@@ -319,23 +331,38 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
     PM_UNROLL_T
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g++) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
+        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
+        const __m512 s = EST ? _mm512_mul_ps(s1, _mm512_set1_ps(16.0f)) : s1;
         for (int jb = 0; jb < gpb; jb++) {
             const int b = g * gpb + jb;
             const uint8_t *blk = rec + (size_t)b * BB;
+            const uint8_t *blk2 = PL ? rec2 + (size_t)b * BB : NULL;
             if (prefetch)
-                for (size_t o = 0; o < BB; o += 64)
+                for (size_t o = 0; o < BB; o += 64) {
                     PM_PREFETCH(blk + o);
+                    if (PL) PM_PREFETCH(blk2 + o);
+                }
             __m512i i1[4], i2[4]; /* exact integer sums of the block: digit 1, digit 2 */
             PM_UNROLL_T
             for (int t = 0; t < T; t++) {
                 i1[t] = _mm512_setzero_si512();
                 i2[t] = _mm512_setzero_si512();
             }
-            if (Q4) {
+            if (NIB) {
                 for (int mm = 0; mm < 4; mm++) {
                     __m512i lo, hi;
-                    pm_nibble_pair(BITS, blk, mm, &lo, &hi);
+                    if (PL) { /* 16 hi + lo of columns 8 mm + j and 8 mm + 4 + j */
+                        const __m512i m4 = _mm512_set1_epi8(0x0F);
+                        const __m512i h4 = _mm512_set1_epi8((char)0xF0);
+                        const __m512i Vh = _mm512_load_si512((const void *)(blk + 64 * mm));
+                        const __m512i Vl = _mm512_load_si512((const void *)(blk2 + 64 * mm));
+                        lo = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(Vh, 4), h4),
+                                             _mm512_and_si512(Vl, m4));
+                        hi = _mm512_or_si512(_mm512_and_si512(Vh, h4),
+                                             _mm512_and_si512(_mm512_srli_epi16(Vl, 4), m4));
+                    } else {
+                        pm_nibble_pair(EST ? 4 : BITS, blk, mm, &lo, &hi);
+                    }
                     PM_UNROLL_T
                     for (int t = 0; t < T; t++) {
                         const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
@@ -372,13 +399,15 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
             for (int t = 0; t < T; t++) {
                 __m512i tot = i1[t];
                 if (DIG == 2) tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), i2[t]);
-                if (!Q4) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(cr[t][b]));
+                if (OFF) tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(cr[t][b]));
                 acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
                                          _mm512_mul_ps(s, _mm512_set1_ps(dd[t][b])), acc[t]);
             }
         }
-        if (Q4) {
-            const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
+        if (MINS) {
+            const __m512 mv =
+                EST ? _mm512_mul_ps(s1, _mm512_set1_ps(-120.5f))
+                    : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
             PM_UNROLL_T
             for (int t = 0; t < T; t++) {
                 float xs = bs[t][g * gpb];
@@ -395,201 +424,16 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
 }
 
 static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
-                                       const pm_act *a, float *y, size_t ystride, int tb, int te) {
+                                       const pm_tiled *w2, const pm_act *a, float *y,
+                                       size_t ystride, int tb, int te) {
     for (int tile = tb; tile < te; tile++) {
         int i0 = 0;
         for (; i0 + 4 <= a->n; i0 += 4)
-            tiled_tile(BITS, DIG, 4, w, a, i0, y, ystride, tile, i0 == 0);
+            tiled_tile(BITS, DIG, 4, w, w2, a, i0, y, ystride, tile, i0 == 0);
         switch (a->n - i0) {
-        case 1: tiled_tile(BITS, DIG, 1, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: tiled_tile(BITS, DIG, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: tiled_tile(BITS, DIG, 3, w, a, i0, y, ystride, tile, i0 == 0); break;
-        default: break;
-        }
-    }
-}
-
-/* tiled_tile of an INT8 matrix split into two INT4 planes (pm_ops.matmul_planes): each
- * nibble vector pair becomes the bytes q + 128 = 16 hi + lo of its columns (8m + j and
- * 8m + 4 + j) and takes INT8's arithmetic (the offset through corr, the low plane's scales,
- * no minimums): integer block sums equal the INT8 tiles', and the float steps are INT8's. */
-static inline TGTV AI void planes_tile(const int DIG, const int T, const pm_tiled *wh,
-                                       const pm_tiled *wl, const pm_act *a, int i0, float *y,
-                                       size_t ystride, int tile, int prefetch) {
-    const uint16_t *sc, *mn, *scl, *mnl;
-    const uint8_t *rh = pm_tile_record(wh, tile, &sc, &mn); /* the scales: the high plane's */
-    const uint8_t *rl = pm_tile_record(wl, tile, &scl, &mnl);
-    const int nb = wh->nb, ng = wh->ng, gpb = wh->gpb;
-    const __m512i m4 = _mm512_set1_epi8(0x0F), h4 = _mm512_set1_epi8((char)0xF0);
-    const int8_t *x1[4], *x2[4];
-    const float *dd[4];
-    const int32_t *cr[4];
-    PM_UNROLL_T
-    for (int t = 0; t < T; t++) {
-        x1[t] = a->q1 + (size_t)(i0 + t) * a->cols;
-        x2[t] = a->q2 + (size_t)(i0 + t) * a->cols;
-        dd[t] = a->dd + (size_t)(i0 + t) * nb;
-        cr[t] = a->corr + (size_t)(i0 + t) * nb;
-    }
-    if (prefetch)
-        for (size_t o = wh->scale_off; o < wh->tile_bytes; o += 64)
-            PM_PREFETCH(rh + o);
-    __m512 acc[4];
-    PM_UNROLL_T
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int g = 0; g < ng; g++) {
-        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
-        for (int jb = 0; jb < gpb; jb++) {
-            const int b = g * gpb + jb;
-            const uint8_t *bh = rh + (size_t)b * 256, *bl = rl + (size_t)b * 256;
-            if (prefetch)
-                for (size_t o = 0; o < 256; o += 64) {
-                    PM_PREFETCH(bh + o);
-                    PM_PREFETCH(bl + o);
-                }
-            __m512i i1[4], i2[4];
-            PM_UNROLL_T
-            for (int t = 0; t < T; t++) {
-                i1[t] = _mm512_setzero_si512();
-                i2[t] = _mm512_setzero_si512();
-            }
-            for (int mm = 0; mm < 4; mm++) {
-                const __m512i Vh = _mm512_load_si512((const void *)(bh + 64 * mm));
-                const __m512i Vl = _mm512_load_si512((const void *)(bl + 64 * mm));
-                const __m512i lo = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(Vh, 4), h4),
-                                                   _mm512_and_si512(Vl, m4));
-                const __m512i hi = _mm512_or_si512(_mm512_and_si512(Vh, h4),
-                                                   _mm512_and_si512(_mm512_srli_epi16(Vl, 4), m4));
-                PM_UNROLL_T
-                for (int t = 0; t < T; t++) {
-                    const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
-                    int32_t wa, wb;
-                    memcpy(&wa, p1, 4);
-                    memcpy(&wb, p1 + 4, 4);
-                    i1[t] = _mm512_dpbusd_epi32(i1[t], lo, _mm512_set1_epi32(wa));
-                    i1[t] = _mm512_dpbusd_epi32(i1[t], hi, _mm512_set1_epi32(wb));
-                    if (DIG == 2) {
-                        const int8_t *p2 = x2[t] + 32 * b + 8 * mm;
-                        memcpy(&wa, p2, 4);
-                        memcpy(&wb, p2 + 4, 4);
-                        i2[t] = _mm512_dpbusd_epi32(i2[t], lo, _mm512_set1_epi32(wa));
-                        i2[t] = _mm512_dpbusd_epi32(i2[t], hi, _mm512_set1_epi32(wb));
-                    }
-                }
-            }
-            PM_UNROLL_T
-            for (int t = 0; t < T; t++) {
-                __m512i tot = i1[t];
-                if (DIG == 2) tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), i2[t]);
-                tot = _mm512_sub_epi32(tot, _mm512_set1_epi32(cr[t][b]));
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
-                                         _mm512_mul_ps(s, _mm512_set1_ps(dd[t][b])), acc[t]);
-            }
-        }
-    }
-    const int r0 = 16 * tile, nr = pm_tile_rows(wh, tile);
-    const __mmask16 mk = tail_mask(nr);
-    PM_UNROLL_T
-    for (int t = 0; t < T; t++)
-        _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
-}
-
-/* The high plane alone (pm_ops.matmul_planes with lo NULL): tiled_tile's INT4 arithmetic
- * with scale 16 s and minimum -120.5 s per group, from the plane's scales s. */
-static inline TGTV AI void estimate_tile(const int DIG, const int T, const pm_tiled *wh,
-                                         const pm_act *a, int i0, float *y, size_t ystride,
-                                         int tile, int prefetch) {
-    const uint16_t *sc, *mn;
-    const uint8_t *rec = pm_tile_record(wh, tile, &sc, &mn);
-    const int nb = wh->nb, ng = wh->ng, gpb = wh->gpb;
-    const int8_t *x1[4], *x2[4];
-    const float *dd[4], *bs[4];
-    PM_UNROLL_T
-    for (int t = 0; t < T; t++) {
-        x1[t] = a->q1 + (size_t)(i0 + t) * a->cols;
-        x2[t] = a->q2 + (size_t)(i0 + t) * a->cols;
-        dd[t] = a->dd + (size_t)(i0 + t) * nb;
-        bs[t] = a->bsum + (size_t)(i0 + t) * nb;
-    }
-    if (prefetch)
-        for (size_t o = wh->scale_off; o < wh->tile_bytes; o += 64)
-            PM_PREFETCH(rec + o);
-    __m512 acc[4];
-    PM_UNROLL_T
-    for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
-    for (int g = 0; g < ng; g++) {
-        const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
-        const __m512 s = _mm512_mul_ps(s1, _mm512_set1_ps(16.0f));
-        for (int jb = 0; jb < gpb; jb++) {
-            const int b = g * gpb + jb;
-            const uint8_t *blk = rec + (size_t)b * 256;
-            if (prefetch)
-                for (size_t o = 0; o < 256; o += 64)
-                    PM_PREFETCH(blk + o);
-            __m512i i1[4], i2[4];
-            PM_UNROLL_T
-            for (int t = 0; t < T; t++) {
-                i1[t] = _mm512_setzero_si512();
-                i2[t] = _mm512_setzero_si512();
-            }
-            for (int mm = 0; mm < 4; mm++) {
-                __m512i lo, hi;
-                pm_nibble_pair(4, blk, mm, &lo, &hi);
-                PM_UNROLL_T
-                for (int t = 0; t < T; t++) {
-                    const int8_t *p1 = x1[t] + 32 * b + 8 * mm;
-                    int32_t wa, wb;
-                    memcpy(&wa, p1, 4);
-                    memcpy(&wb, p1 + 4, 4);
-                    i1[t] = _mm512_dpbusd_epi32(i1[t], lo, _mm512_set1_epi32(wa));
-                    i1[t] = _mm512_dpbusd_epi32(i1[t], hi, _mm512_set1_epi32(wb));
-                    if (DIG == 2) {
-                        const int8_t *p2 = x2[t] + 32 * b + 8 * mm;
-                        memcpy(&wa, p2, 4);
-                        memcpy(&wb, p2 + 4, 4);
-                        i2[t] = _mm512_dpbusd_epi32(i2[t], lo, _mm512_set1_epi32(wa));
-                        i2[t] = _mm512_dpbusd_epi32(i2[t], hi, _mm512_set1_epi32(wb));
-                    }
-                }
-            }
-            PM_UNROLL_T
-            for (int t = 0; t < T; t++) {
-                __m512i tot = i1[t];
-                if (DIG == 2) tot = _mm512_add_epi32(_mm512_slli_epi32(tot, 7), i2[t]);
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot),
-                                         _mm512_mul_ps(s, _mm512_set1_ps(dd[t][b])), acc[t]);
-            }
-        }
-        const __m512 mv = _mm512_mul_ps(s1, _mm512_set1_ps(-120.5f));
-        PM_UNROLL_T
-        for (int t = 0; t < T; t++) {
-            float xs = bs[t][g * gpb];
-            for (int jb = 1; jb < gpb; jb++) xs += bs[t][g * gpb + jb];
-            acc[t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs), acc[t]);
-        }
-    }
-    const int r0 = 16 * tile, nr = pm_tile_rows(wh, tile);
-    const __mmask16 mk = tail_mask(nr);
-    PM_UNROLL_T
-    for (int t = 0; t < T; t++)
-        _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
-}
-
-#define PM_PLANES_TILE(DIG, T, wh, wl, a, i0, y, ys, tile, pf)                                   \
-    ((wl) ? planes_tile(DIG, T, wh, wl, a, i0, y, ys, tile, pf)                                 \
-          : estimate_tile(DIG, T, wh, a, i0, y, ys, tile, pf))
-
-static inline TGTV AI void planes_range(const int DIG, const pm_tiled *wh, const pm_tiled *wl,
-                                        const pm_act *a, float *y, size_t ystride, int tb,
-                                        int te) {
-    for (int tile = tb; tile < te; tile++) {
-        int i0 = 0;
-        for (; i0 + 4 <= a->n; i0 += 4)
-            PM_PLANES_TILE(DIG, 4, wh, wl, a, i0, y, ystride, tile, i0 == 0);
-        switch (a->n - i0) {
-        case 1: PM_PLANES_TILE(DIG, 1, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: PM_PLANES_TILE(DIG, 2, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: PM_PLANES_TILE(DIG, 3, wh, wl, a, i0, y, ystride, tile, i0 == 0); break;
+        case 1: tiled_tile(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, i0 == 0); break;
+        case 2: tiled_tile(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, i0 == 0); break;
+        case 3: tiled_tile(BITS, DIG, 3, w, w2, a, i0, y, ystride, tile, i0 == 0); break;
         default: break;
         }
     }
@@ -597,10 +441,14 @@ static inline TGTV AI void planes_range(const int DIG, const pm_tiled *wh, const
 
 static TGTV void matmul_planes_avx512(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
                                       float *y, size_t ystride, int tb, int te) {
-    if (a->digits == 2)
-        planes_range(2, hi, lo, a, y, ystride, tb, te);
+    if (lo && a->digits == 2)
+        tiled_range(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);
+    else if (lo)
+        tiled_range(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);
+    else if (a->digits == 2)
+        tiled_range(PM_BITS_ESTIMATE, 2, hi, NULL, a, y, ystride, tb, te);
     else
-        planes_range(1, hi, lo, a, y, ystride, tb, te);
+        tiled_range(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);
 }
 
 /* ---- float activations on tiled weights -------------------------------------------------- */
@@ -743,19 +591,19 @@ static TGTV void matmul_tiled_avx512(const pm_tiled *w, const pm_act *a, float *
     }
     if (w->bits == 4) {
         if (a->digits == 2)
-            tiled_range(4, 2, w, a, y, ystride, tb, te);
+            tiled_range(4, 2, w, NULL, a, y, ystride, tb, te);
         else
-            tiled_range(4, 1, w, a, y, ystride, tb, te);
+            tiled_range(4, 1, w, NULL, a, y, ystride, tb, te);
     } else if (w->bits == 5) {
         if (a->digits == 2)
-            tiled_range(5, 2, w, a, y, ystride, tb, te);
+            tiled_range(5, 2, w, NULL, a, y, ystride, tb, te);
         else
-            tiled_range(5, 1, w, a, y, ystride, tb, te);
+            tiled_range(5, 1, w, NULL, a, y, ystride, tb, te);
     } else {
         if (a->digits == 2)
-            tiled_range(8, 2, w, a, y, ystride, tb, te);
+            tiled_range(8, 2, w, NULL, a, y, ystride, tb, te);
         else
-            tiled_range(8, 1, w, a, y, ystride, tb, te);
+            tiled_range(8, 1, w, NULL, a, y, ystride, tb, te);
     }
 }
 
