@@ -153,13 +153,20 @@ static int larger_first(const void *a, const void *b) {
     return x->k != y->k ? x->k - y->k : x->tb - y->tb;
 }
 
+/* The low plane of tiled weight k when it is held as nibble planes (a screened head), else
+ * NULL. */
+static pm_tiled *pm_planes_of(pocket_model *m, int k) {
+    return m->head_screen && k == 7 * m->c.n_layers ? &m->head_lo : NULL;
+}
+
 static void tiles_task(void *ctx, int task, int ntasks) {
     tile_jobs *J = (tile_jobs *)ctx;
     (void)ntasks;
     for (int i = 0; i < J->npieces; i++) {
         const tile_piece *p = &J->pieces[i];
         if (p->owner == task)
-            pm_tiled_fill(J->w[p->k], &J->m->tiled[p->k], p->tb, p->te, J->m->c.release_source);
+            pm_tiled_fill(J->w[p->k], &J->m->tiled[p->k], pm_planes_of(J->m, p->k), p->tb, p->te,
+                          J->m->c.release_source);
     }
 }
 
@@ -192,7 +199,8 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
         J.w[7 * L] = &m->head;
     size_t total = 0;
     for (int k = 0; k < n && !rc; k++)
-        if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k], m->c.huge_pages)))
+        if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k], pm_planes_of(m, k),
+                                            m->c.huge_pages)))
             total += (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
     for (int k = 0; k < n && !rc; k++) {
         if (!J.w[k]) continue;
@@ -435,19 +443,13 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     m->amx_one_term = c.amx ? c.amx_one_term : 0;
     m->tiled = (pm_tiled *)calloc((size_t)7 * c.n_layers + 1, sizeof(pm_tiled));
     if (!m->tiled) goto nomem;
+    /* a screened head: an INT8 head, tiled for int8 activations, on a level with the plane
+     * products; build_tiles then repacks it into its nibble planes */
+    if (c.head_screen > 0 && head->type == POCKET_WT_Q8 && m->ops->matmul_planes &&
+        (m->act_q8 & POCKET_Q8_HEAD))
+        m->head_screen = c.head_screen;
     {
         int rc = build_tiles(m, pool, nthreads);
-        pm_tiled *th = &m->tiled[7 * c.n_layers];
-        /* a screened head needs the level's plane products and int8 head activations */
-        if (!rc && c.head_screen > 0 && th->data && th->bits == 8 && m->ops->matmul_planes &&
-            (m->act_q8 & POCKET_Q8_HEAD)) {
-            pm_tiled hi;
-            rc = pm_tiled_split_planes(th, &hi, &m->head_lo, c.huge_pages);
-            if (!rc) {
-                *th = hi;
-                m->head_screen = c.head_screen;
-            }
-        }
         if (rc) {
             pocket_model_destroy(m);
             return rc;

@@ -193,24 +193,23 @@ static inline size_t pm_row_bytes(const pocket_weight *w) {
     return w->type == POCKET_WT_Q4 ? cols / 2 : w->type == POCKET_WT_Q5 ? cols / 32 * 20 : cols;
 }
 
-/* Lay out and allocate the 16-row tiles of `w` (INT4, INT5 or INT8) in `t` (zeroed memory). */
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, int huge);
+/* Lay out and allocate the 16-row tiles of `w` (INT4, INT5 or INT8) in `t` (zeroed memory);
+ * with `lo` (INT8 only), its two nibble planes instead (see pocket_model.head_lo): `t` the high
+ * plane and the scales, `lo` the low plane. */
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge);
 
-/* Repack tiles [tb, te) of `w` into `t` (ranges of one weight may be filled by different
- * threads); with `release`, the source pages of those rows (a read-only file mapping) are
- * handed back as the repacking goes. */
-void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int release);
+/* Repack tiles [tb, te) of `w` into `t` (and `lo`: the nibble planes of pm_tiled_alloc; else
+ * NULL); ranges of one weight may be filled by different threads. With `release`, the source
+ * pages of those rows (a read-only file mapping) are handed back as the repacking goes. */
+void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
+                   int release);
 
 /* Hand back every source page of `w` (a read-only file mapping), e.g. those that straddled
  * the ends of the ranges filled. */
 void pm_tiled_release_source(const pocket_weight *w);
 
-/* Split an INT8 tiled matrix t8 into its two nibble planes (see pocket_model.head_lo): the
- * codes u = q + 128 as 16 hi + lo; t8 is freed (its pages handed back as the split goes). */
-int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge);
-
-/* Row r of an INT8 matrix split by pm_tiled_split_planes, as floats: the same values as
- * pm_tiled_row of the INT8 tiles it came from. */
+/* Row r of an INT8 matrix held as nibble planes (pm_tiled_alloc with lo), as floats: the same
+ * values as pm_tiled_row of its INT8 tiles. */
 void pm_tiled_row_planes(const pm_tiled *hi, const pm_tiled *lo, size_t r, float *x);
 
 /* Free the tiles of `t` and zero it (a zeroed pm_tiled is fine). */

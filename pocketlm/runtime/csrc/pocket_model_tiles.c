@@ -128,10 +128,32 @@ void pm_advise_random_rows(const pocket_weight *w) {
  * x 640 embedding used as the head) never sits in memory whole beside its copy. */
 #define PM_RELEASE_TILES 256
 
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, int huge) {
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge) {
     memset(t, 0, sizeof *t);
+    if (lo) memset(lo, 0, sizeof *lo);
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8)
         return POCKET_EINVAL;
+    if (lo && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
+    if (lo) { /* the nibble planes of INT8: hi = INT4 blocks and the scales, lo = blocks only */
+        t->bits = lo->bits = 4;
+        t->rows = lo->rows = w->rows;
+        t->cols = lo->cols = w->cols;
+        t->group_size = lo->group_size = w->group_size;
+        t->ntiles = lo->ntiles = (w->rows + 15) / 16;
+        t->nb = lo->nb = w->cols / 32;
+        t->ng = lo->ng = w->cols / w->group_size;
+        t->gpb = lo->gpb = w->group_size / 32;
+        t->block_bytes = lo->block_bytes = 256;
+        t->scale_off = lo->scale_off = (size_t)t->nb * 256;
+        t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32, 64);
+        lo->tile_bytes = lo->scale_off;
+        t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes, huge);
+        lo->data = t->data ? tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge) : NULL;
+        if (t->data && lo->data) return POCKET_OK;
+        pm_tiled_free(t);
+        pm_tiled_free(lo);
+        return POCKET_ENOMEM;
+    }
     const int q4 = w->type != POCKET_WT_Q8; /* with minimums */
     t->bits = w->type;
     t->rows = w->rows;
@@ -159,16 +181,24 @@ static inline void fill_nibbles(uint8_t *blk, const uint8_t *src) {
     }
 }
 
-void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int release) {
+/* The 16 source bytes of an INT4 block (byte k: column k low nibble, column 16 + k high) of
+ * the nibbles v[0..32). */
+static inline void nibble_block(const uint8_t *v, uint8_t *src) {
+    for (int k = 0; k < 16; k++) src[k] = (uint8_t)((v[k] & 15) | (v[16 + k] << 4));
+}
+
+void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
+                   int release) {
     const int q4 = w->type == POCKET_WT_Q4, q5 = w->type == POCKET_WT_Q5;
     const size_t C = (size_t)w->cols, ng = (size_t)t->ng, row_bytes = pm_row_bytes(w);
     for (int tl = tb; tl < te; tl++) {
         uint8_t *rec = t->data + (size_t)tl * t->tile_bytes;
+        uint8_t *rlo = lo ? lo->data + (size_t)tl * lo->tile_bytes : NULL;
         uint16_t *sc = (uint16_t *)(rec + t->scale_off), *mn = sc + ng * 16;
         for (int i = 0; i < 16; i++) {
             const size_t r = (size_t)tl * 16 + (size_t)i;
             if (r >= (size_t)w->rows) {
-                if (!q4 && !q5) /* zero weights are stored as 128 */
+                if (!q4 && !q5 && !lo) /* zero weights are stored as 128 (planes: scale 0) */
                     for (int b = 0; b < t->nb; b++)
                         for (int k = 0; k < 32; k++)
                             rec[(size_t)b * 512 + 64 * (k / 4) + 4 * i + (k & 3)] = 128;
@@ -196,6 +226,20 @@ void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, int tb, int te, int rele
                             const int m = k / 8, j = k % 8, bit = 4 * i + (j & 3);
                             blk[256 + 16 * m + 8 * (j >= 4) + bit / 8] |= (uint8_t)(1u << (bit % 8));
                         }
+                }
+            } else if (lo) { /* q + 128 = 16 hi + lo */
+                const int8_t *src = (const int8_t *)w->data + r * C;
+                for (int b = 0; b < t->nb; b++, src += 32) {
+                    uint8_t vh[32], vl[32], nib[16];
+                    for (int k = 0; k < 32; k++) {
+                        const uint8_t u = (uint8_t)(src[k] + 128);
+                        vh[k] = (uint8_t)(u >> 4);
+                        vl[k] = (uint8_t)(u & 15);
+                    }
+                    nibble_block(vh, nib);
+                    fill_nibbles(rec + (size_t)b * 256 + 4 * i, nib);
+                    nibble_block(vl, nib);
+                    fill_nibbles(rlo + (size_t)b * 256 + 4 * i, nib);
                 }
             } else {
                 const int8_t *src = (const int8_t *)w->data + r * C;
@@ -228,62 +272,6 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
                                       pocket_f16_to_f32(mn[16 * g + i])
                                 : (float)(q - 128) * pocket_f16_to_f32(sc[16 * g + i]);
         }
-}
-
-/* The 16 source bytes of an INT4 block (byte k: column k low nibble, column 16 + k high) of
- * the nibbles v[0..32). */
-static inline void nibble_block(const uint8_t *v, uint8_t *src) {
-    for (int k = 0; k < 16; k++) src[k] = (uint8_t)((v[k] & 15) | (v[16 + k] << 4));
-}
-
-int pm_tiled_split_planes(pm_tiled *t8, pm_tiled *hi, pm_tiled *lo, int huge) {
-    if (!t8->data || t8->bits != 8) return POCKET_EINVAL;
-    /* hi: INT4 blocks, then the matrix's scales; lo: INT4 blocks only */
-    memset(hi, 0, sizeof *hi);
-    hi->bits = 4;
-    hi->rows = t8->rows;
-    hi->cols = t8->cols;
-    hi->group_size = t8->group_size;
-    hi->ntiles = t8->ntiles;
-    hi->nb = t8->nb;
-    hi->ng = t8->ng;
-    hi->gpb = t8->gpb;
-    hi->block_bytes = 256;
-    hi->scale_off = (size_t)hi->nb * 256;
-    hi->tile_bytes = pocket_round_up(hi->scale_off + (size_t)hi->ng * 32, 64);
-    *lo = *hi;
-    lo->tile_bytes = lo->scale_off;
-    hi->data = tiles_alloc((size_t)hi->ntiles * hi->tile_bytes, huge);
-    lo->data = hi->data ? tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge) : NULL;
-    if (!hi->data || !lo->data) {
-        pm_tiled_free(hi);
-        pm_tiled_free(lo);
-        return POCKET_ENOMEM;
-    }
-    const int ng = t8->ng, nb = t8->nb;
-    for (int tl = 0; tl < t8->ntiles; tl++) {
-        const uint8_t *r8 = t8->data + (size_t)tl * t8->tile_bytes;
-        uint8_t *rh = hi->data + (size_t)tl * hi->tile_bytes, *rl = lo->data + (size_t)tl * lo->tile_bytes;
-        memcpy(rh + hi->scale_off, r8 + t8->scale_off, (size_t)ng * 32);
-        for (int i = 0; i < 16; i++)
-            for (int b = 0; b < nb; b++) {
-                uint8_t vh[32], vl[32], src[16];
-                for (int k = 0; k < 32; k++) {
-                    const uint8_t u = r8[(size_t)b * 512 + 64 * (k / 4) + 4 * i + (k & 3)];
-                    vh[k] = (uint8_t)(u >> 4);
-                    vl[k] = (uint8_t)(u & 15);
-                }
-                nibble_block(vh, src);
-                fill_nibbles(rh + (size_t)b * 256 + 4 * i, src);
-                nibble_block(vl, src);
-                fill_nibbles(rl + (size_t)b * 256 + 4 * i, src);
-            }
-        if ((tl + 1) % PM_RELEASE_TILES == 0) /* anonymous memory: the pages are freed */
-            release_range(t8->data + (size_t)(tl + 1 - PM_RELEASE_TILES) * t8->tile_bytes,
-                          (size_t)PM_RELEASE_TILES * t8->tile_bytes);
-    }
-    pm_tiled_free(t8);
-    return POCKET_OK;
 }
 
 void pm_tiled_row_planes(const pm_tiled *hi, const pm_tiled *lo, size_t r, float *x) {
