@@ -29,15 +29,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))  # huge_pages: the alternating pocket bench
 
 # the 20 hand-written zh + en chat requests of the pocket-zh-en model card
 REQUESTS = [json.loads(line)["prompt"] for line in
@@ -132,27 +131,11 @@ def step_times(name: str, k: int, reps: int = 60) -> dict:
             "x_step_all_logits": round(med["whole"] / med["screened_all_logits"], 3)}
 
 
-def _last_json(cmd: list[str], env: dict, what: str) -> dict:
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        sys.exit(f"error: {what} failed: {proc.stderr.strip()[-500:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def speed(name: str, k: int, rounds: int, n_prompt: int, threads: int) -> dict:
-    rates = {s: {"prefill": [], "decode": [], "peak_mb": []} for s in (0, k)}
-    cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
-           "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
-    for r in range(rounds):
-        for s in (k, 0) if r % 2 == 0 else (0, k):
-            row = _last_json(cmd, dict(os.environ, POCKET_HEAD_SCREEN=str(s)),
-                             f"pocket bench on {name}")
-            rates[s]["prefill"].append(round(row["prefill_tps"], 1))
-            rates[s]["decode"].append(round(row["decode_tps"], 1))
-            rates[s]["peak_mb"].append(row.get("peak_rss_delta_mb"))
-            print(json.dumps({"bench": "head-screen-round", "model": name, "head_screen": s,
-                              "round": r, "prefill_tps": rates[s]["prefill"][-1],
-                              "decode_tps": rates[s]["decode"][-1]}), file=sys.stderr)
+    from huge_pages import pocket_bench_alternating
+
+    rates = pocket_bench_alternating(name, "POCKET_HEAD_SCREEN", (k, 0), rounds, n_prompt,
+                                     threads, "head-screen-round", "head_screen")
     med = {s: {key: statistics.median(v) for key, v in d.items() if None not in v}
            for s, d in rates.items()}
     return {"screened": med[k], "whole": med[0],

@@ -114,25 +114,37 @@ def _emit(out, line: dict) -> None:
         f.flush()
 
 
+def pocket_bench_alternating(name: str, variable: str, values: tuple, rounds: int,
+                             n_prompt: int, threads: int, label: str, key: str) -> dict:
+    """``pocket bench -m NAME --runs 3 --json`` under each value of the environment
+    ``variable``, the order alternating round by round; prints a ``label`` line per run (the
+    value under ``key``) and returns ``{value: {"prefill": [...], "decode": [...],
+    "peak_mb": [...]}}`` in round order."""
+    rates = {v: {"prefill": [], "decode": [], "peak_mb": []} for v in values}
+    cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
+           "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
+    for r in range(rounds):
+        for v in values if r % 2 == 0 else values[::-1]:
+            row = _last_json(cmd, dict(os.environ, **{variable: str(v)}),
+                             f"pocket bench on {name}")
+            rates[v]["prefill"].append(round(row["prefill_tps"], 1))
+            rates[v]["decode"].append(round(row["decode_tps"], 1))
+            rates[v]["peak_mb"].append(row.get("peak_rss_delta_mb"))
+            print(json.dumps({"bench": label, "model": name, key: v, "round": r,
+                              "prefill_tps": rates[v]["prefill"][-1],
+                              "decode_tps": rates[v]["decode"][-1]}), file=sys.stderr)
+    return rates
+
+
 def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int, out) -> None:
     """``pocket bench`` under each setting, alternating: whole generations."""
     from pocketlm.bench import machine_info
 
     machine, today = machine_info(), time.strftime("%Y-%m-%d")
     for name in models:
-        rates: dict[int, dict[str, list[float]]] = {s: {"prefill": [], "decode": []}
-                                                    for s in (0, 1)}
-        cmd = [sys.executable, "-m", "pocketlm.cli", "bench", "-m", name, "--runs", "3",
-               "--threads", str(threads), "--n-prompt", str(n_prompt), "--json"]
-        for r, setting in _alternating(rounds):
-            row = _last_json(cmd, dict(os.environ, POCKET_HUGEPAGES=str(setting)),
-                             f"pocket bench on {name}")
-            rates[setting]["prefill"].append(row["prefill_tps"])
-            rates[setting]["decode"].append(row["decode_tps"])
-            print(json.dumps({"bench": "huge-pages-pocket-bench", "model": name,
-                              "hugepages": setting, "round": r,
-                              "prefill_tps": round(row["prefill_tps"], 1),
-                              "decode_tps": round(row["decode_tps"], 1)}), file=sys.stderr)
+        got = pocket_bench_alternating(name, "POCKET_HUGEPAGES", (1, 0), rounds, n_prompt,
+                                       threads, "huge-pages-pocket-bench", "hugepages")
+        rates = {s: {k: got[s][k] for k in ("prefill", "decode")} for s in (0, 1)}
         med = {s: {k: round(statistics.median(v), 1) for k, v in rates[s].items()} for s in (0, 1)}
         summary = {"bench": "huge-pages-pocket-bench-summary", "model": name, "rounds": rounds,
                    "huge": med[1], "small": med[0],
