@@ -20,3 +20,13 @@ def _float_activations(request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("POCKET_ACT", "f32")
         yield
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No engine variable (POCKET_*) set: the test suite's own defaults removed too."""
+    from pocketlm.runtime.settings import VARIABLES
+
+    for var in VARIABLES.values():
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch

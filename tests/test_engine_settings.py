@@ -20,14 +20,6 @@ IDS = [5, 17, 3, 250, 11, 9, 42]
 ENGINE_BUILT = native.engine_available()
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    """No engine variable set (the test suite's own defaults removed too)."""
-    for var in VARIABLES.values():
-        monkeypatch.delenv(var, raising=False)
-    return monkeypatch
-
-
 def _quantized(cfg, seed=3):
     """INT4 / INT5 layers, an INT8 embedding: every quantized weight kind."""
     sd = tiny_models.random_state_dict(cfg, seed=seed)

@@ -14,17 +14,10 @@ from pocketlm.errors import KernelError
 from pocketlm.quant import quantize_int4, quantize_int8
 from pocketlm.runtime import Runtime
 from pocketlm.runtime.kernels import native
-from pocketlm.runtime.settings import VARIABLES, EngineSettings
+from pocketlm.runtime.settings import EngineSettings
 
 pytestmark = pytest.mark.skipif(not native.engine_available(),
                                 reason="the native engine is not built")
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for var in VARIABLES.values():
-        monkeypatch.delenv(var, raising=False)
-    return monkeypatch
 
 
 def _weights(cfg, seed=5):

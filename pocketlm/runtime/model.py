@@ -192,7 +192,7 @@ class Runtime:
         if ids.min() < 0 or ids.max() >= cfg.vocab_size:
             raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         self._check_cache(cache)
-        return self._engine.forward(ids, cache, all_logits, screen and not all_logits)
+        return self._engine.forward(ids, cache, all_logits, screen)
 
     MAX_VERIFY = 128  # drafted tokens one verify() call checks at most
 
