@@ -127,12 +127,15 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
  * 8 half + e of the tile, as the portable kernel's acc / macc of that row. */
 #define PM_AVX2_TILE(NAME, ATTR, PAIRS, DOT)                                                    \
     static inline ATTR AI void NAME(const int BITS, const int DIG, const int T,                 \
-                                    const pm_tiled *w, const pm_act *a, int i0, float *y,       \
-                                    size_t ystride, int tile, int prefetch) {                   \
-        const int Q4 = BITS != 8, RUN = PM_AVX2_RUN(BITS), HN = T == 1 ? 2 : 1;                 \
-        const size_t BB = PM_BLOCK_BYTES(BITS);                                                 \
+                                    const pm_tiled *w, const pm_tiled *w2, const pm_act *a,     \
+                                    int i0, float *y, size_t ystride, int tile, int prefetch) { \
+        const int EST = BITS == PM_BITS_ESTIMATE, PL = BITS == PM_BITS_PLANES;                  \
+        const int Q4 = BITS != 8 && !PL, RUN = PM_AVX2_RUN(EST ? 4 : PL ? 8 : BITS);            \
+        const int HN = T == 1 ? 2 : 1;                                                          \
+        const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);                                 \
         const uint16_t *sc, *mn;                                                                \
         const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);                                 \
+        const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;             \
         const int nb = w->nb, ng = w->ng, gpb = w->gpb;                                         \
         const __m256i m4 = _mm256_set1_epi8(0x0F), sgn = _mm256_set1_epi8((char)0x80);          \
         const int8_t *p1[2], *p2[2];                                                            \
@@ -153,16 +156,22 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
                 for (int hh = 0; hh < HN; hh++) acc[t][hh] = macc[t][hh] = _mm256_setzero_ps(); \
             for (int g = 0; g < ng; g++) {                                                      \
                 __m256 s[2];                                                                    \
-                for (int hh = 0; hh < HN; hh++)                                                 \
-                    s[hh] = _mm256_cvtph_ps(                                                    \
+                __m256 s1[2];                                                                   \
+                for (int hh = 0; hh < HN; hh++) {                                               \
+                    s1[hh] = _mm256_cvtph_ps(                                                   \
                         _mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * (h0 + hh))));       \
+                    s[hh] = EST ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(16.0f)) : s1[hh];        \
+                }                                                                               \
                 float xs[2] = {0.0f, 0.0f};                                                     \
                 for (int jb = 0; jb < gpb; jb++) {                                              \
                     const int b = g * gpb + jb;                                                 \
                     const uint8_t *blk = rec + (size_t)b * BB;                                  \
+                    const uint8_t *blk2 = PL ? rec2 + (size_t)b * BB : NULL;                    \
                     if (prefetch && h0 == 0)                                                    \
-                        for (size_t o = 0; o < BB; o += 64)                                     \
-                            PM_PREFETCH(blk + o);                                       \
+                        for (size_t o = 0; o < BB; o += 64) {                                   \
+                            PM_PREFETCH(blk + o);                                               \
+                            if (PL) PM_PREFETCH(blk2 + o);                                      \
+                        }                                                                       \
                     for (int hh = 0; hh < HN; hh++) {                                           \
                         const int h = h0 + hh;                                                  \
                         /* PAIRS: tot the block's int32 total, j1 / j2 the int16 pair sums not  \
@@ -172,8 +181,22 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
                             tot[t] = i1[t] = i2[t] = j1[t] = j2[t] = _mm256_setzero_si256();    \
                         int run = 0;                                                            \
                         for (int c = 0; c < (Q4 ? 4 : 8); c++) {                                \
-                            const __m256i v =                                                   \
-                                _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * h));   \
+                            __m256i v;                                                          \
+                            if (PL) { /* INT8 chunk c from the planes' vector c / 2: low      \
+                                       * nibbles (c even) or high nibbles (c odd) of each */  \
+                                const size_t o = 64 * (size_t)(c >> 1) + 32 * (size_t)h;        \
+                                const __m256i vh = _mm256_loadu_si256((const __m256i *)(blk + o)); \
+                                const __m256i vl = _mm256_loadu_si256((const __m256i *)(blk2 + o)); \
+                                const __m256i h4 = _mm256_set1_epi8((char)0xF0);                \
+                                v = c & 1 ? _mm256_or_si256(_mm256_and_si256(vh, h4),           \
+                                                            _mm256_and_si256(                   \
+                                                                _mm256_srli_epi16(vl, 4), m4))  \
+                                          : _mm256_or_si256(                                    \
+                                                _mm256_and_si256(_mm256_slli_epi16(vh, 4), h4), \
+                                                _mm256_and_si256(vl, m4));                      \
+                            } else {                                                            \
+                                v = _mm256_loadu_si256((const __m256i *)(blk + 64 * c + 32 * h)); \
+                            }                                                                   \
                             __m256i u0, u1 = v, q = v;                                          \
                             if (Q4) { /* chunks 2c (low nibbles) and 2c + 1 (high) */           \
                                 u0 = _mm256_and_si256(v, m4);                                   \
@@ -229,8 +252,10 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
                 }                                                                               \
                 if (Q4)                                                                         \
                     for (int hh = 0; hh < HN; hh++) {                                           \
-                        const __m256 mv = _mm256_cvtph_ps(                                      \
-                            _mm_loadu_si128((const __m128i *)(mn + 16 * g + 8 * (h0 + hh))));   \
+                        const __m256 mv =                                                       \
+                            EST ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(-120.5f))                \
+                                : _mm256_cvtph_ps(_mm_loadu_si128(                              \
+                                      (const __m128i *)(mn + 16 * g + 8 * (h0 + hh))));         \
                         for (int t = 0; t < T; t++)                                             \
                             macc[t][hh] = _mm256_add_ps(macc[t][hh],                            \
                                                         _mm256_mul_ps(mv, _mm256_set1_ps(xs[t]))); \
@@ -250,13 +275,14 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
  * the weight stream prefetched when few tokens share it (decode). */
 #define PM_AVX2_RANGE(NAME, TILE, ATTR)                                                         \
     static inline ATTR AI void NAME(const int BITS, const int DIG, const pm_tiled *w,           \
-                                    const pm_act *a, float *y, size_t ystride, int tb, int te) { \
+                                    const pm_tiled *w2, const pm_act *a, float *y,              \
+                                    size_t ystride, int tb, int te) {                           \
         const int prefetch = a->n <= 2;                                                         \
         for (int tile = tb; tile < te; tile++) {                                                \
             int i0 = 0;                                                                         \
             for (; i0 + 2 <= a->n; i0 += 2)                                                     \
-                TILE(BITS, DIG, 2, w, a, i0, y, ystride, tile, prefetch);                       \
-            if (i0 < a->n) TILE(BITS, DIG, 1, w, a, i0, y, ystride, tile, prefetch);            \
+                TILE(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, prefetch);                   \
+            if (i0 < a->n) TILE(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, prefetch);        \
         }                                                                                       \
     }
 
@@ -269,22 +295,40 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
             return;                                                                             \
         }                                                                                       \
         switch (w->bits * 10 + a->digits) {                                                     \
-        case 42: RANGE(4, 2, w, a, y, ystride, tb, te); break;                                  \
-        case 41: RANGE(4, 1, w, a, y, ystride, tb, te); break;                                  \
-        case 52: RANGE(5, 2, w, a, y, ystride, tb, te); break;                                  \
-        case 51: RANGE(5, 1, w, a, y, ystride, tb, te); break;                                  \
-        case 82: RANGE(8, 2, w, a, y, ystride, tb, te); break;                                  \
-        default: RANGE(8, 1, w, a, y, ystride, tb, te); break;                                  \
+        case 42: RANGE(4, 2, w, NULL, a, y, ystride, tb, te); break;                                  \
+        case 41: RANGE(4, 1, w, NULL, a, y, ystride, tb, te); break;                                  \
+        case 52: RANGE(5, 2, w, NULL, a, y, ystride, tb, te); break;                                  \
+        case 51: RANGE(5, 1, w, NULL, a, y, ystride, tb, te); break;                                  \
+        case 82: RANGE(8, 2, w, NULL, a, y, ystride, tb, te); break;                                  \
+        default: RANGE(8, 1, w, NULL, a, y, ystride, tb, te); break;                                  \
         }                                                                                       \
+    }
+
+/* pm_ops.matmul_planes: the planes recombined into the INT8 codes in registers, then the INT8
+ * operations (pm_matmul_planes_portable's bits, as the INT8 tiles'), or the high plane's
+ * estimate through the INT4 operations. */
+#define PM_AVX2_PLANES(NAME, RANGE, ATTR)                                                       \
+    static ATTR void NAME(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,    \
+                          size_t ystride, int tb, int te) {                                     \
+        if (lo && a->digits == 2)                                                               \
+            RANGE(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);                            \
+        else if (lo)                                                                            \
+            RANGE(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);                            \
+        else if (a->digits == 2)                                                                \
+            RANGE(PM_BITS_ESTIMATE, 2, hi, NULL, a, y, ystride, tb, te);                        \
+        else                                                                                    \
+            RANGE(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);                        \
     }
 
 PM_AVX2_TILE(tile_avx2, TGT, 1, PM_AVX2_NODOT)
 PM_AVX2_RANGE(range_avx2, tile_avx2, TGT)
 PM_AVX2_MATMUL(matmul_tiled_avx2, range_avx2, TGT)
+PM_AVX2_PLANES(matmul_planes_avx2, range_avx2, TGT)
 #if PM_HAVE_AVXVNNI
 PM_AVX2_TILE(tile_vnni, TGTV, 0, dot_vnni)
 PM_AVX2_RANGE(range_vnni, tile_vnni, TGTV)
 PM_AVX2_MATMUL(matmul_tiled_avxvnni, range_vnni, TGTV)
+PM_AVX2_PLANES(matmul_planes_avxvnni, range_vnni, TGTV)
 #endif
 
 /* ---- attention and GLU ---------------------------------------------------------------------
@@ -714,11 +758,12 @@ TGT void pm_lora_up_avx2(const pocket_weight *w, const float *t, int n, float *y
 
 const pm_ops pm_ops_avx2 = PM_OPS_F32("avx2", attn_avx2, glu_avx2, quant_act_avx2,
                                       matmul_tiled_avx2, pm_matmul_f32_avx2, pm_lora_down_avx2,
-                                      pm_lora_up_avx2);
+                                      pm_lora_up_avx2, matmul_planes_avx2);
 #if PM_HAVE_AVXVNNI
 const pm_ops pm_ops_avxvnni = PM_OPS_F32("avx2+avxvnni", attn_avx2, glu_avx2, quant_act_avx2,
                                          matmul_tiled_avxvnni, pm_matmul_f32_avx2,
-                                         pm_lora_down_avx2, pm_lora_up_avx2);
+                                         pm_lora_down_avx2, pm_lora_up_avx2,
+                                         matmul_planes_avxvnni);
 #endif
 
 #endif /* PM_HAVE_AVX2 */

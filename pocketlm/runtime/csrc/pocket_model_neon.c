@@ -244,6 +244,6 @@ static void lora_up_neon(const pocket_weight *w, const float *t, int n, float *y
 
 const pm_ops pm_ops_neon = PM_OPS("neon", pm_attn_portable, pm_glu_portable,
                                   pm_quant_act_portable, matmul_tiled_neon, lora_down_neon,
-                                  lora_up_neon);
+                                  lora_up_neon, NULL /* no plane products: no screened head */);
 
 #endif /* PM_HAVE_NEON */

@@ -330,6 +330,50 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
     }
 }
 
+/* pm_ops.matmul_planes: with lo, the INT8 codes 16 hi + lo through pm_matmul_tiled_portable's
+ * INT8 operations (the same bits); without, the estimate: the high nibbles as INT4 codes of
+ * scale 16 s and minimum s * -120.5 (one float product), in the INT4 operations' order. */
+void pm_matmul_planes_portable(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
+                               float *y, size_t ystride, int tb, int te) {
+    const int nb = hi->nb, gpb = hi->gpb, ng = hi->ng;
+    for (int t = tb; t < te; t++) {
+        const uint16_t *sc, *mn;
+        const uint8_t *rec = pm_tile_record(hi, t, &sc, &mn);
+        const uint8_t *rec2 = lo ? lo->data + (size_t)t * lo->tile_bytes : NULL;
+        const int r0 = 16 * t, nr = pm_tile_rows(hi, t);
+        for (int i = 0; i < a->n; i++) {
+            const int8_t *x1 = a->q1 + (size_t)i * a->cols, *x2 = a->q2 + (size_t)i * a->cols;
+            const float *dd = a->dd + (size_t)i * nb, *bs = a->bsum + (size_t)i * nb;
+            const int32_t *corr = a->corr + (size_t)i * nb;
+            for (int rr = 0; rr < nr; rr++) {
+                float acc = 0.0f, macc = 0.0f;
+                for (int g = 0; g < ng; g++) {
+                    const float s1 = pocket_f16_to_f32(sc[16 * g + rr]);
+                    const float s = lo ? s1 : 16.0f * s1;
+                    float xs = 0.0f;
+                    for (int j = 0; j < gpb; j++) {
+                        const int b = g * gpb + j;
+                        int32_t i1 = 0, i2 = 0;
+                        for (int k = 0; k < 32; k++) {
+                            int v = pm_tiled_value(hi, rec, b, k, rr);
+                            if (lo) v = 16 * v + pm_tiled_value(lo, rec2, b, k, rr);
+                            i1 += v * x1[32 * b + k];
+                            if (a->digits == 2) i2 += v * x2[32 * b + k];
+                        }
+                        int32_t T = a->digits == 2 ? 128 * i1 + i2 : i1;
+                        if (lo) T -= corr[b];
+                        acc += (float)T * (s * dd[b]);
+                        xs += bs[b];
+                    }
+                    if (!lo) macc += s1 * -120.5f * xs;
+                }
+                y[(size_t)i * ystride + r0 + rr] = acc + macc;
+            }
+        }
+    }
+}
+
 const pm_ops pm_ops_portable = PM_OPS("portable", pm_attn_portable, pm_glu_portable,
                                       pm_quant_act_portable, pm_matmul_tiled_portable,
-                                      pm_lora_down_portable, pm_lora_up_portable);
+                                      pm_lora_down_portable, pm_lora_up_portable,
+                                      pm_matmul_planes_portable);

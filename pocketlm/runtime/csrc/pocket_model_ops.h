@@ -173,17 +173,24 @@ typedef struct pm_ops {
                           size_t ystride, int tb, int te);
 } pm_ops;
 
+/* BITS values of the SIMD tile kernels for an INT8 matrix held as its two nibble planes
+ * (pm_ops.matmul_planes): the high plane alone (an estimate: INT4 arithmetic with scale 16 s
+ * and minimum -120.5 s from the plane's scales s), or both recombined into the INT8 codes. */
+#define PM_BITS_ESTIMATE 40
+#define PM_BITS_PLANES 44
+
 /* An operations table named NAME (a string): the portable operations but for those the avx2
  * and neon levels replace (attention, GLU, activation quantization, the tiled products, the
  * LoRA adapters' products and, PM_OPS_F32, the float32-weight product). */
-#define PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, MATMUL_F32, LORA_DOWN, LORA_UP)     \
+#define PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, MATMUL_F32, LORA_DOWN, LORA_UP,     \
+                   MATMUL_PLANES)                                                               \
     {                                                                                           \
         NAME, pm_rmsnorm_portable, ATTN, GLU, MATMUL_F32, pm_to_f16_portable, QUANT_ACT,        \
-            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP                            \
+            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP, MATMUL_PLANES             \
     }
-#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, LORA_DOWN, LORA_UP)                     \
+#define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, LORA_DOWN, LORA_UP, MATMUL_PLANES)      \
     PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, pm_matmul_f32_portable, LORA_DOWN,     \
-               LORA_UP)
+               LORA_UP, MATMUL_PLANES)
 
 /* The portable operations, also in the tables of the SIMD levels that do not replace them. */
 void pm_rmsnorm_portable(const float *x, const float *w, int n, int d, float eps, float *out);
@@ -208,6 +215,8 @@ void pm_quant_act_portable(const float *x, int n, int cols, int digits, int8_t *
 void pm_block_sums_portable(const float *x, int n, int cols, float *bsum);
 void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
                               int tb, int te);
+void pm_matmul_planes_portable(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
+                               float *y, size_t ystride, int tb, int te);
 
 extern const pm_ops pm_ops_portable;
 /* The x86-64 operations (pocket_model_x86.c: AVX-512; pocket_model_avx2.c: AVX2, and AVX-VNNI

@@ -289,12 +289,6 @@ static TGTV void quant_act_avx512(const float *x, int n, int cols, int digits, i
 /* The loops over the T tokens of a tile, unrolled so that their accumulators stay in registers. */
 #define PM_UNROLL_T _Pragma("GCC unroll 4")
 
-/* BITS values of tiled_tile for an INT8 matrix held as its two nibble planes
- * (pm_ops.matmul_planes): the high plane alone (an estimate: INT4 arithmetic with scale 16 s
- * and minimum -120.5 s from the plane's scales s), or both recombined into the INT8 codes. */
-#define PM_BITS_ESTIMATE 40
-#define PM_BITS_PLANES 44
-
 /* One tile of 16 rows for T tokens (i0 .. i0 + T - 1). BITS: INT4 (u8 nibbles), INT5 (nibbles
  * and high-bit masks) or INT8 (q + 128) weights, or the planes of an INT8 matrix (w the high
  * plane, w2 the low one: PM_BITS_ESTIMATE, PM_BITS_PLANES); DIG: activation digits. Integer
