@@ -160,7 +160,7 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
                 for (int hh = 0; hh < HN; hh++) {                                               \
                     s1[hh] = _mm256_cvtph_ps(                                                   \
                         _mm_loadu_si128((const __m128i *)(sc + 16 * g + 8 * (h0 + hh))));       \
-                    s[hh] = EST ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(16.0f)) : s1[hh];        \
+                    s[hh] = EST ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(PM_EST_SCALE(a))) : s1[hh]; \
                 }                                                                               \
                 float xs[2] = {0.0f, 0.0f};                                                     \
                 for (int jb = 0; jb < gpb; jb++) {                                              \
@@ -314,9 +314,7 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
             RANGE(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);                            \
         else if (lo)                                                                            \
             RANGE(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);                            \
-        else if (a->digits == 2)                                                                \
-            RANGE(PM_BITS_ESTIMATE, 2, hi, NULL, a, y, ystride, tb, te);                        \
-        else                                                                                    \
+        else /* the estimate on the first digit alone (PM_EST_SCALE) */                        \
             RANGE(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);                        \
     }
 

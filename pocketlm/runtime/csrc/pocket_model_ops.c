@@ -332,7 +332,8 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
 
 /* pm_ops.matmul_planes: with lo, the INT8 codes 16 hi + lo through pm_matmul_tiled_portable's
  * INT8 operations (the same bits); without, the estimate: the high nibbles as INT4 codes of
- * scale 16 s and minimum s * -120.5 (one float product), in the INT4 operations' order. */
+ * scale 16 s and minimum s * -120.5 (one float product) on the first activation digit
+ * (PM_EST_SCALE), in the INT4 operations' order. */
 void pm_matmul_planes_portable(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
                                float *y, size_t ystride, int tb, int te) {
     const int nb = hi->nb, gpb = hi->gpb, ng = hi->ng;
@@ -349,7 +350,7 @@ void pm_matmul_planes_portable(const pm_tiled *hi, const pm_tiled *lo, const pm_
                 float acc = 0.0f, macc = 0.0f;
                 for (int g = 0; g < ng; g++) {
                     const float s1 = pocket_f16_to_f32(sc[16 * g + rr]);
-                    const float s = lo ? s1 : 16.0f * s1;
+                    const float s = lo ? s1 : PM_EST_SCALE(a) * s1;
                     float xs = 0.0f;
                     for (int j = 0; j < gpb; j++) {
                         const int b = g * gpb + j;
@@ -360,7 +361,7 @@ void pm_matmul_planes_portable(const pm_tiled *hi, const pm_tiled *lo, const pm_
                             i1 += v * x1[32 * b + k];
                             if (a->digits == 2) i2 += v * x2[32 * b + k];
                         }
-                        int32_t T = a->digits == 2 ? 128 * i1 + i2 : i1;
+                        int32_t T = a->digits == 2 && lo ? 128 * i1 + i2 : i1;
                         if (lo) T -= corr[b];
                         acc += (float)T * (s * dd[b]);
                         xs += bs[b];

@@ -167,7 +167,8 @@ typedef struct pm_ops {
      * with the matrix's scales s after the blocks, lo = q + 128 & 15 without scales), tiles
      * [tb, te): with lo, matmul_tiled of the INT8 tiles they were split from, bit for bit;
      * lo NULL, the estimate from the high plane alone, an INT4 product of scale 16 s and
-     * minimum -120.5 s (the low nibble's midpoint). int8 activations only (a->digits 1 or 2).
+     * minimum -120.5 s (the low nibble's midpoint) on the first activation digit
+     * (PM_EST_SCALE). int8 activations only (a->digits 1 or 2).
      * NULL where a level has none (then no head is split). */
     void (*matmul_planes)(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,
                           size_t ystride, int tb, int te);
@@ -178,6 +179,11 @@ typedef struct pm_ops {
  * and minimum -120.5 s from the plane's scales s), or both recombined into the INT8 codes. */
 #define PM_BITS_ESTIMATE 40
 #define PM_BITS_PLANES 44
+/* The estimate's products take the first activation digit alone (half the integer work of two
+ * digits; its rounding, 1/254 of a block's largest value, is far below the missing low
+ * nibble's): with two digits, dd = d / 128 is the second digit's step, so the scale 16 s
+ * becomes 16 * 128 s (exact: powers of two). */
+#define PM_EST_SCALE(a) ((a)->digits == 2 ? 2048.0f : 16.0f)
 
 /* An operations table named NAME (a string): the portable operations but for those the avx2
  * and neon levels replace (attention, GLU, activation quantization, the tiled products, the

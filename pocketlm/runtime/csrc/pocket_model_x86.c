@@ -326,7 +326,7 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
     for (int t = 0; t < T; t++) acc[t] = _mm512_setzero_ps();
     for (int g = 0; g < ng; g++) {
         const __m512 s1 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
-        const __m512 s = EST ? _mm512_mul_ps(s1, _mm512_set1_ps(16.0f)) : s1;
+        const __m512 s = EST ? _mm512_mul_ps(s1, _mm512_set1_ps(PM_EST_SCALE(a))) : s1;
         for (int jb = 0; jb < gpb; jb++) {
             const int b = g * gpb + jb;
             const uint8_t *blk = rec + (size_t)b * BB;
@@ -439,9 +439,7 @@ static TGTV void matmul_planes_avx512(const pm_tiled *hi, const pm_tiled *lo, co
         tiled_range(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);
     else if (lo)
         tiled_range(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);
-    else if (a->digits == 2)
-        tiled_range(PM_BITS_ESTIMATE, 2, hi, NULL, a, y, ystride, tb, te);
-    else
+    else /* the estimate on the first digit alone (PM_EST_SCALE) */
         tiled_range(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);
 }
 
