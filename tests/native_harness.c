@@ -4,7 +4,7 @@
  * for ARM64 (run under qemu) and compares the two with each other and with the numpy reference
  * runtime, and the ARM64 build's neon level with its scalar level.
  *
- * Usage: native_harness MODEL OUT ACT_Q8 KV SPLIT IDS_A IDS_B BATCH [LEVEL]
+ * Usage: native_harness MODEL OUT ACT_Q8 KV SPLIT IDS_A IDS_B BATCH [LEVEL [SCREEN]]
  *   ACT_Q8   the engine's act_q8 mask: 0 (float activations) .. 1023 (31: int8 activations,
  *            two digits, everywhere)
  *   KV       the KV caches' format (POCKET_KV_*): 0 float32, 1 float16, 2 int8
@@ -16,6 +16,9 @@
  *   LEVEL    the kernel level by name (pocket_level_name: scalar, avx2, avx512, neon); default
  *            scalar. A level this build or CPU lacks is an error (exit status 1), never a
  *            silent fallback.
+ *   SCREEN   head screening (pocket_model_config.head_screen): K tiles, default 0 (off); with
+ *            K > 0 every decode step of A is screened (pocket_model_set_screen), and the first
+ *            row of the batched step (the second is not), the prefills are not
  * Every forward uses a pocket_pool of 2 threads. Exit status 0 on success; 1 with a message on
  * stderr on any error (bad arguments or file, an engine status other than POCKET_OK).
  * On success it prints one line to stdout:
@@ -263,11 +266,12 @@ static void wr_i32(FILE *f, int32_t v, const char *path) {
 /* ---- main --------------------------------------------------------------------------------- */
 
 int main(int argc, char **argv) {
-    if (argc != 9 && argc != 10)
-        die("usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH [LEVEL] "
-            "(see the top of tests/native_harness.c)");
+    if (argc < 9 || argc > 11)
+        die("usage: native_harness MODEL OUT ACT_Q8 KV_F16 SPLIT IDS_A IDS_B BATCH "
+            "[LEVEL [SCREEN]] (see the top of tests/native_harness.c)");
+    const int screen = argc == 11 ? (int)parse_int(argv[10], 0, 256, "SCREEN") : 0;
     int level = POCKET_LEVEL_SCALAR;
-    if (argc == 10) {
+    if (argc >= 10) {
         level = -1;
         for (int l = 0; l < POCKET_LEVEL_COUNT; l++)
             if (strcmp(argv[9], pocket_level_name(l)) == 0) level = l;
@@ -333,6 +337,7 @@ int main(int argc, char **argv) {
     c.rope_theta = theta;
     c.rope_theta_local = theta_local;
     c.release_source = 0;
+    c.head_screen = screen;
     c.avxvnni = 1; /* NativeModel's default (the avx2 level only) */
     const int capacity = c.max_positions;
     if (na + 1 > capacity || nb + 1 > capacity)
@@ -421,7 +426,9 @@ int main(int argc, char **argv) {
           "pocket_model_forward (prefill A)");
     row += (size_t)split * V;
     /* (b) the rest of A, one decode step each (the last row only) */
+    const uint8_t screened[2] = {1, 0};
     for (int i = split; i < na; i++) {
+        if (screen) pocket_model_set_screen(model, screened);
         check(pocket_model_forward(model, kva, &ids_a[i], 1, i, row, 0, pool, HARNESS_THREADS),
               "pocket_model_forward (decode A)");
         row += V;
@@ -433,6 +440,7 @@ int main(int argc, char **argv) {
     /* (c) one batched step over both caches */
     pocket_kv *kvs[2] = {kva, kvb};
     const int32_t pos[2] = {na, nb};
+    if (screen) pocket_model_set_screen(model, screened);
     check(pocket_model_forward_batch(model, kvs, batch, pos, 2, row, pool, HARNESS_THREADS),
           "pocket_model_forward_batch");
     row += 2 * V;

@@ -250,17 +250,20 @@ class Builds:
         return [QEMU, *(["-cpu", cpu] if cpu else []), "-L", SYSROOT, prog]
 
     def run(self, target: str, variant: str, dump: Path, act_q8: int, kv_fmt: int,
-            vocab: int, level: str = "scalar") -> np.ndarray:
+            vocab: int, level: str = "scalar", screen: int = 0) -> np.ndarray:
         """The harness's logits at a kernel level: "scalar" (the portable operations, the
         default, run as before) or "neon" (ARM64 only, under qemu's "max" CPU, which has the
-        dot-product extension; the harness must report that it ran pm_ops_neon)."""
+        dot-product extension; the harness must report that it ran pm_ops_neon). ``screen``:
+        the head screening's tiles (A's decode steps and the batch's first row screened)."""
         prog = self.get(target, variant)
-        out = dump.with_name(f"{target}-{variant}-{level}-{act_q8}-{kv_fmt}.logits")
+        out = dump.with_name(f"{target}-{variant}-{level}-{act_q8}-{kv_fmt}-{screen}.logits")
         cmd = self.command(prog, target, NEON_CPU if level == "neon" else None)
         cmd += [dump, out, act_q8, kv_fmt, SPLIT, ",".join(map(str, IDS)),
                 ",".join(map(str, IDS_B)), ",".join(map(str, BATCH))]
-        if level != "scalar":
+        if level != "scalar" or screen:
             cmd.append(level)
+        if screen:
+            cmd.append(screen)
         p = _sh(cmd, f"the {target} harness ({variant}, {level})")
         arch = HOST_ARCH if target == "host" else "aarch64"
         ops = OPS[level]
@@ -376,6 +379,35 @@ def test_arm64_neon_matches_arm64_scalar(arch, builds, tmp_path):
         neon = builds.run("arm64", "libc", dump, act_q8, kv_fmt, V, level="neon")
         assert np.array_equal(neon, scalar), (
             f"{mode}: ARM64 neon vs ARM64 scalar: {_where(neon, scalar)}")
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_arm64_neon_screened_head_matches_arm64_scalar(arch, builds, tmp_path):
+    """Head screening on ARM64 (pm_ops.matmul_planes: the neon level's SDOT kernels on the
+    nibble planes, the scalar level's portable loop): with one tile refined per screened row,
+    so that the estimates of every other tile show in the logits, neon == scalar bit for bit,
+    with two int8 digits and with one. The prefills (every logit) and the unscreened batch row
+    equal the unscreened run's (the planes recombined are the INT8 head's codes); A's screened
+    decode steps and the batch's first row do not (screening happened)."""
+    cfg = torch_ref.tiny_config(arch)
+    w = _weights(cfg, 21)
+    dump = tmp_path / "model.bin"
+    write_dump(cfg, w, dump)
+    V = cfg.vocab_size
+    decode = np.zeros(N_ROWS, bool)
+    decode[SPLIT:len(IDS)] = True
+    decode[-2] = True  # the batch's first row
+    for act_q8 in (31, 1023):
+        mode = f"{arch}, act_q8={act_q8}, screened"
+        scalar = builds.run("arm64", "libc", dump, act_q8, 1, V, screen=1)
+        neon = builds.run("arm64", "libc", dump, act_q8, 1, V, level="neon", screen=1)
+        assert np.array_equal(neon, scalar), (
+            f"{mode}: ARM64 neon vs ARM64 scalar: {_where(neon, scalar)}")
+        whole = builds.run("arm64", "libc", dump, act_q8, 1, V, level="neon")
+        assert np.array_equal(neon[~decode], whole[~decode]), f"{mode}: unscreened rows differ"
+        for r in np.flatnonzero(decode):  # one tile of 16 exact, the rest estimates
+            exact = (neon[r] == whole[r]).reshape(-1, 16).all(axis=1)
+            assert exact.sum() == 1, f"{mode}: row {r}: {exact.sum()} exact tiles"
 
 
 def test_neon_level_needs_arm64_with_dotprod(builds, tmp_path):

@@ -205,13 +205,12 @@ def test_native_functions_take_their_choices_from_the_settings(clean_env):
     assert native.engine_setting(s) == {"level": "scalar", "act": "f32", "amx": False,
                                         "amx_weights": None, "kv": "q8", "huge_pages": False,
                                         "head_screen": 0}  # float activations: no screening
-    # the scalar level's plane products screen its int8 head activations, as avx2's and avx512's
+    # every level's plane products screen int8 head activations, the scalar level's too
     assert native.engine_setting(EngineSettings(cpu_level="scalar", act="q8"))["head_screen"] == 64
     assert native.engine_setting(EngineSettings(hugepages=0))["huge_pages"] is False
     assert native.engine_setting(EngineSettings(hugepages=1))["huge_pages"] is huge
-    if native.cpu_features()["best"] != "neon":
-        assert native.engine_setting(EngineSettings(act="q8"))["head_screen"] == 64
-        assert native.engine_setting(EngineSettings(act="f32"))["head_screen"] == 0
+    assert native.engine_setting(EngineSettings(act="q8"))["head_screen"] == 64
+    assert native.engine_setting(EngineSettings(act="f32"))["head_screen"] == 0
     assert native.cpu_features(s)["selected"] == "scalar"
     assert native.engine_threads(EngineSettings()) <= 2
     assert 1 <= native.default_threads(EngineSettings()) <= 8

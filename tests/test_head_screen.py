@@ -48,13 +48,14 @@ def test_the_setting_reaches_the_engine(clean_env):
         native.NativeEngine(cfg, w, head_screen=300)
 
 
-# the plane products of every x86 level: AVX-512, AVX2 on multiply-add pairs and the portable
-# loop (scalar, with int8 activations); AVX-VNNI where the CPU has it
+# the plane products of every level this CPU runs: AVX-512, AVX2 on multiply-add pairs (and
+# AVX-VNNI where the CPU has it), neon, and the portable loop (scalar, int8 activations); the
+# neon level is also checked against the scalar one under qemu (test_arm_build.py)
 _CPU = native.cpu_features() if native.engine_available() else {}
-LEVELS = [(lv, vnni) for lv, vnni in (("avx512", 1), ("avx2", 0), ("avx2", 1), ("scalar", 1))
+LEVELS = [(lv, vnni) for lv, vnni in (("avx512", 1), ("avx2", 0), ("avx2", 1), ("neon", 1),
+                                      ("scalar", 1))
           if lv in _CPU.get("levels", ()) and (lv != "avx2" or not vnni
-                                               or _CPU["features"]["avxvnni"])] or [
-    pytest.param("neon", 1, marks=pytest.mark.skip(reason="neon has no plane products yet"))]
+                                               or _CPU["features"]["avxvnni"])]
 
 
 def _engine(cfg, w, level, vnni, k):

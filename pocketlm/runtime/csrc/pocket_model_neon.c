@@ -6,6 +6,8 @@
  *
  * What is NEON here and what is not:
  *   matmul_tiled, digits 1 and 2   SDOT kernels below (INT4, INT5 and INT8 weights);
+ *   matmul_planes                  the same kernels on a screened head's nibble planes
+ *                                  (recombined INT8 codes, or the high plane's estimate);
  *   matmul_tiled, digits 0         pm_matmul_tiled_portable (the engine does not build tiled
  *                                  weights for float activations at this level unless a
  *                                  weight is INT5, see pocket_model.c: float products go
@@ -108,21 +110,46 @@ static inline TGT AI uint8x16_t high_bits(const uint8_t *k, int r) {
         }                                                                                       \
     } while (0)
 
+/* INT8 vector K of an INT8 matrix held as nibble planes (pm_ops.matmul_planes): chunk K from
+ * plane vector K / 2 of the high plane (blk) and the low one (blk2), the low nibbles of both
+ * (K even) or the high ones (K odd) recombined into q + 128, then as Q8_VEC. */
+#define PL_VEC(K, X, LANE)                                                                      \
+    do {                                                                                        \
+        int8x16_t q_[4];                                                                        \
+        for (int r_ = 0; r_ < 4; r_++) {                                                        \
+            const uint8x16_t h_ = vld1q_u8(blk + 64 * ((K) >> 1) + 16 * r_);                    \
+            const uint8x16_t l_ = vld1q_u8(blk2 + 64 * ((K) >> 1) + 16 * r_);                   \
+            const uint8x16_t u_ = (K) & 1 ? vorrq_u8(vandq_u8(h_, vdupq_n_u8(0xF0)),            \
+                                                     vshrq_n_u8(l_, 4))                         \
+                                          : vorrq_u8(vshlq_n_u8(h_, 4), vandq_u8(l_, m4));      \
+            q_[r_] = vreinterpretq_s8_u8(veorq_u8(u_, sgn));                                    \
+        }                                                                                       \
+        for (int t_ = 0; t_ < T; t_++) {                                                        \
+            SDOT16(i1[t_], q_, X##1[t_], LANE);                                                 \
+            if (DIG == 2) SDOT16(i2[t_], q_, X##2[t_], LANE);                                   \
+        }                                                                                       \
+    } while (0)
+
 /* 4 float16 values (rows 4r..4r+3 of a scale / min group) as float32, exactly. */
 static inline TGT AI float32x4_t load_f16x4(const uint16_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
 }
 
 /* One tile of 16 rows for T (1 or 2) tokens i0 .. i0 + T - 1. BITS: INT4 (u8 nibbles), INT5
- * (nibbles and high-bit masks) or INT8 (q + 128) weights; DIG: activation digits (1 or 2). Float accumulators acc / macc: [token]
+ * (nibbles and high-bit masks) or INT8 (q + 128) weights, or the planes of an INT8 matrix (w
+ * the high plane, w2 the low one: PM_BITS_ESTIMATE, an INT4 product of scale 16 s and minimum
+ * -120.5 s on the first digit, as pm_matmul_planes_portable; PM_BITS_PLANES, recombined into
+ * the INT8 codes); DIG: activation digits (1 or 2). Float accumulators acc / macc: [token]
  * [r] lane e = row 4r + e of the tile, as in the portable kernel's acc / macc of that row. */
 static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
-                                     const pm_tiled *w, const pm_act *a, int i0, float *y,
-                                     size_t ystride, int tile) {
-    const int Q4 = BITS != 8;
-    const size_t BB = PM_BLOCK_BYTES(BITS);
+                                     const pm_tiled *w, const pm_tiled *w2, const pm_act *a,
+                                     int i0, float *y, size_t ystride, int tile) {
+    const int EST = BITS == PM_BITS_ESTIMATE, PL = BITS == PM_BITS_PLANES;
+    const int Q4 = BITS != 8 && !PL;
+    const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
+    const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
     const uint8x16_t m4 = vdupq_n_u8(0x0F), sgn = vdupq_n_u8(0x80);
     const int8_t *p1[2], *p2[2];
@@ -137,12 +164,17 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
     for (int t = 0; t < T; t++)
         for (int r = 0; r < 4; r++) acc[t][r] = macc[t][r] = vdupq_n_f32(0.0f);
     for (int g = 0; g < ng; g++) {
-        float32x4_t s[4];
-        for (int r = 0; r < 4; r++) s[r] = load_f16x4(sc + 16 * g + 4 * r);
+        float32x4_t s1[4], s[4];
+        for (int r = 0; r < 4; r++) {
+            s1[r] = load_f16x4(sc + 16 * g + 4 * r);
+            s[r] = EST ? vmulq_n_f32(s1[r], PM_EST_SCALE(a)) : s1[r];
+        }
         float xs[2] = {0.0f, 0.0f};
         for (int jb = 0; jb < gpb; jb++) {
             const int b = g * gpb + jb;
             const uint8_t *blk = rec + (size_t)b * BB;
+            const uint8_t *blk2 = PL ? rec2 + (size_t)b * BB : NULL;
+            (void)blk2;
             int32x4_t i1[2][4], i2[2][4];
             int8x16_t xa1[2], xb1[2], xa2[2], xb2[2];
             for (int t = 0; t < T; t++) {
@@ -157,6 +189,15 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
                 Q4_VEC(1, xa, 2);
                 Q4_VEC(2, xb, 0);
                 Q4_VEC(3, xb, 2);
+            } else if (PL) {
+                PL_VEC(0, xa, 0);
+                PL_VEC(1, xa, 1);
+                PL_VEC(2, xa, 2);
+                PL_VEC(3, xa, 3);
+                PL_VEC(4, xb, 0);
+                PL_VEC(5, xb, 1);
+                PL_VEC(6, xb, 2);
+                PL_VEC(7, xb, 3);
             } else {
                 Q8_VEC(0, xa, 0);
                 Q8_VEC(1, xa, 1);
@@ -180,7 +221,8 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
         }
         if (Q4)
             for (int r = 0; r < 4; r++) {
-                const float32x4_t mv = load_f16x4(mn + 16 * g + 4 * r);
+                const float32x4_t mv =
+                    EST ? vmulq_n_f32(s1[r], -120.5f) : load_f16x4(mn + 16 * g + 4 * r);
                 for (int t = 0; t < T; t++)
                     macc[t][r] = vaddq_f32(macc[t][r], vmulq_n_f32(mv, xs[t]));
             }
@@ -200,11 +242,12 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
 
 /* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone. */
 static inline TGT AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
-                                      const pm_act *a, float *y, size_t ystride, int tb, int te) {
+                                      const pm_tiled *w2, const pm_act *a, float *y,
+                                      size_t ystride, int tb, int te) {
     for (int tile = tb; tile < te; tile++) {
         int i0 = 0;
-        for (; i0 + 2 <= a->n; i0 += 2) tiled_tile(BITS, DIG, 2, w, a, i0, y, ystride, tile);
-        if (i0 < a->n) tiled_tile(BITS, DIG, 1, w, a, i0, y, ystride, tile);
+        for (; i0 + 2 <= a->n; i0 += 2) tiled_tile(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile);
+        if (i0 < a->n) tiled_tile(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile);
     }
 }
 
@@ -216,13 +259,25 @@ static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, 
     }
     /* the bits and digits as literals: one specialised copy of the kernel each */
     switch (w->bits * 10 + a->digits) {
-    case 42: tiled_range(4, 2, w, a, y, ystride, tb, te); break;
-    case 41: tiled_range(4, 1, w, a, y, ystride, tb, te); break;
-    case 52: tiled_range(5, 2, w, a, y, ystride, tb, te); break;
-    case 51: tiled_range(5, 1, w, a, y, ystride, tb, te); break;
-    case 82: tiled_range(8, 2, w, a, y, ystride, tb, te); break;
-    default: tiled_range(8, 1, w, a, y, ystride, tb, te); break;
+    case 42: tiled_range(4, 2, w, NULL, a, y, ystride, tb, te); break;
+    case 41: tiled_range(4, 1, w, NULL, a, y, ystride, tb, te); break;
+    case 52: tiled_range(5, 2, w, NULL, a, y, ystride, tb, te); break;
+    case 51: tiled_range(5, 1, w, NULL, a, y, ystride, tb, te); break;
+    case 82: tiled_range(8, 2, w, NULL, a, y, ystride, tb, te); break;
+    default: tiled_range(8, 1, w, NULL, a, y, ystride, tb, te); break;
     }
+}
+
+/* pm_ops.matmul_planes: the planes recombined into the INT8 codes (pm_matmul_planes_portable's
+ * bits, as the INT8 tiles'), or the high plane's estimate on the first digit. */
+static TGT void matmul_planes_neon(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
+                                   float *y, size_t ystride, int tb, int te) {
+    if (lo && a->digits == 2)
+        tiled_range(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);
+    else if (lo)
+        tiled_range(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);
+    else
+        tiled_range(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);
 }
 
 /* float16 -> float32: FCVTL (baseline ARMv8), exact like pm_from_f16_portable. */
@@ -244,6 +299,6 @@ static void lora_up_neon(const pocket_weight *w, const float *t, int n, float *y
 
 const pm_ops pm_ops_neon = PM_OPS("neon", pm_attn_portable, pm_glu_portable,
                                   pm_quant_act_portable, matmul_tiled_neon, lora_down_neon,
-                                  lora_up_neon, NULL /* no plane products: no screened head */);
+                                  lora_up_neon, matmul_planes_neon);
 
 #endif /* PM_HAVE_NEON */

@@ -173,9 +173,9 @@ def engine_setting(settings: EngineSettings | None = None) -> dict:
     if level == "avx2" and act == "q8":  # the engine's own choice of products
         level = _native.ops_name(level_id, avxvnni=int(settings.avxvnni))
     huge = bool(settings.hugepages) and transparent_huge_pages() in ("always", "madvise")
-    # head screening runs on the plane products (every x86 level; not neon) with int8 head
+    # head screening runs on the plane products (every level has them) with int8 head
     # activations
-    screen = settings.head_screen if level != "neon" and act == "q8" else 0
+    screen = settings.head_screen if act == "q8" else 0
     return {"level": level, "act": act, "amx": amx,
             "amx_weights": settings.amx_weights if amx else None, "kv": kv_format(act, settings),
             "huge_pages": huge, "head_screen": screen}
