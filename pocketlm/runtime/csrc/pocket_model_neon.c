@@ -130,6 +130,20 @@ static inline TGT AI uint8x16_t high_bits(const uint8_t *k, int r) {
         }                                                                                       \
     } while (0)
 
+/* The 8 INT8 vectors of a block through VEC (Q8_VEC or PL_VEC): chunk k is word k % 4 of xa
+ * (k < 4) or xb. */
+#define INT8_VECS(VEC)                                                                          \
+    do {                                                                                        \
+        VEC(0, xa, 0);                                                                          \
+        VEC(1, xa, 1);                                                                          \
+        VEC(2, xa, 2);                                                                          \
+        VEC(3, xa, 3);                                                                          \
+        VEC(4, xb, 0);                                                                          \
+        VEC(5, xb, 1);                                                                          \
+        VEC(6, xb, 2);                                                                          \
+        VEC(7, xb, 3);                                                                          \
+    } while (0)
+
 /* 4 float16 values (rows 4r..4r+3 of a scale / min group) as float32, exactly. */
 static inline TGT AI float32x4_t load_f16x4(const uint16_t *p) {
     return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
@@ -190,23 +204,9 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
                 Q4_VEC(2, xb, 0);
                 Q4_VEC(3, xb, 2);
             } else if (PL) {
-                PL_VEC(0, xa, 0);
-                PL_VEC(1, xa, 1);
-                PL_VEC(2, xa, 2);
-                PL_VEC(3, xa, 3);
-                PL_VEC(4, xb, 0);
-                PL_VEC(5, xb, 1);
-                PL_VEC(6, xb, 2);
-                PL_VEC(7, xb, 3);
+                INT8_VECS(PL_VEC);
             } else {
-                Q8_VEC(0, xa, 0);
-                Q8_VEC(1, xa, 1);
-                Q8_VEC(2, xa, 2);
-                Q8_VEC(3, xa, 3);
-                Q8_VEC(4, xb, 0);
-                Q8_VEC(5, xb, 1);
-                Q8_VEC(6, xb, 2);
-                Q8_VEC(7, xb, 3);
+                INT8_VECS(Q8_VEC);
             }
             for (int t = 0; t < T; t++) {
                 const float db = dd[t][b];

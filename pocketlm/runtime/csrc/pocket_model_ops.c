@@ -289,16 +289,21 @@ static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, siz
     }
 }
 
-void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
-                              int tb, int te) {
-    if (a->digits == 0) {
-        tiled_f32_portable(w, a, y, ystride, tb, te);
-        return;
-    }
+/* The int8-activation product of the tiled weights w over tiles [tb, te) (w's own values), or
+ * of an INT8 matrix's nibble planes (pm_ops.matmul_planes): with lo the INT8 codes 16 hi + lo,
+ * the INT8 operations (the same bits as the tiles they were split from); est (lo NULL) the
+ * high nibbles as INT4 codes of scale 16 s and minimum s * -120.5 (one float product) on the
+ * first activation digit (PM_EST_SCALE), in the INT4 operations' order. */
+static void tiled_q8_portable(const pm_tiled *w, const pm_tiled *lo, int est, const pm_act *a,
+                              float *y, size_t ystride, int tb, int te) {
     const int nb = w->nb, gpb = w->gpb, ng = w->ng;
+    const int q8 = w->bits == 8 || lo;           /* INT8 codes: the corr offset, no minimums */
+    const int dig2 = a->digits == 2 && !est;     /* the second digit's sums */
+    const float smul = est ? PM_EST_SCALE(a) : 1.0f;
     for (int t = tb; t < te; t++) {
         const uint16_t *sc, *mn;
         const uint8_t *rec = pm_tile_record(w, t, &sc, &mn);
+        const uint8_t *rec2 = lo ? lo->data + (size_t)t * lo->tile_bytes : NULL;
         const int r0 = 16 * t, nr = pm_tile_rows(w, t);
         for (int i = 0; i < a->n; i++) {
             const int8_t *x1 = a->q1 + (size_t)i * a->cols, *x2 = a->q2 + (size_t)i * a->cols;
@@ -307,22 +312,24 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
             for (int rr = 0; rr < nr; rr++) {
                 float acc = 0.0f, macc = 0.0f;
                 for (int g = 0; g < ng; g++) {
-                    const float s = pocket_f16_to_f32(sc[16 * g + rr]);
+                    const float s1 = pocket_f16_to_f32(sc[16 * g + rr]);
+                    const float s = est ? smul * s1 : s1;
                     float xs = 0.0f;
                     for (int j = 0; j < gpb; j++) {
                         const int b = g * gpb + j;
                         int32_t i1 = 0, i2 = 0;
                         for (int k = 0; k < 32; k++) {
-                            const int v = pm_tiled_value(w, rec, b, k, rr);
+                            int v = pm_tiled_value(w, rec, b, k, rr);
+                            if (lo) v = 16 * v + pm_tiled_value(lo, rec2, b, k, rr);
                             i1 += v * x1[32 * b + k];
-                            if (a->digits == 2) i2 += v * x2[32 * b + k];
+                            if (dig2) i2 += v * x2[32 * b + k];
                         }
-                        int32_t T = a->digits == 2 ? 128 * i1 + i2 : i1;
-                        if (w->bits == 8) T -= corr[b];
+                        int32_t T = dig2 ? 128 * i1 + i2 : i1;
+                        if (q8) T -= corr[b];
                         acc += (float)T * (s * dd[b]);
                         xs += bs[b];
                     }
-                    if (w->bits != 8) macc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
+                    if (!q8) macc += (est ? s1 * -120.5f : pocket_f16_to_f32(mn[16 * g + rr])) * xs;
                 }
                 y[(size_t)i * ystride + r0 + rr] = acc + macc;
             }
@@ -330,48 +337,17 @@ void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size
     }
 }
 
-/* pm_ops.matmul_planes: with lo, the INT8 codes 16 hi + lo through pm_matmul_tiled_portable's
- * INT8 operations (the same bits); without, the estimate: the high nibbles as INT4 codes of
- * scale 16 s and minimum s * -120.5 (one float product) on the first activation digit
- * (PM_EST_SCALE), in the INT4 operations' order. */
+void pm_matmul_tiled_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
+                              int tb, int te) {
+    if (a->digits == 0)
+        tiled_f32_portable(w, a, y, ystride, tb, te);
+    else
+        tiled_q8_portable(w, NULL, 0, a, y, ystride, tb, te);
+}
+
 void pm_matmul_planes_portable(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
                                float *y, size_t ystride, int tb, int te) {
-    const int nb = hi->nb, gpb = hi->gpb, ng = hi->ng;
-    for (int t = tb; t < te; t++) {
-        const uint16_t *sc, *mn;
-        const uint8_t *rec = pm_tile_record(hi, t, &sc, &mn);
-        const uint8_t *rec2 = lo ? lo->data + (size_t)t * lo->tile_bytes : NULL;
-        const int r0 = 16 * t, nr = pm_tile_rows(hi, t);
-        for (int i = 0; i < a->n; i++) {
-            const int8_t *x1 = a->q1 + (size_t)i * a->cols, *x2 = a->q2 + (size_t)i * a->cols;
-            const float *dd = a->dd + (size_t)i * nb, *bs = a->bsum + (size_t)i * nb;
-            const int32_t *corr = a->corr + (size_t)i * nb;
-            for (int rr = 0; rr < nr; rr++) {
-                float acc = 0.0f, macc = 0.0f;
-                for (int g = 0; g < ng; g++) {
-                    const float s1 = pocket_f16_to_f32(sc[16 * g + rr]);
-                    const float s = lo ? s1 : PM_EST_SCALE(a) * s1;
-                    float xs = 0.0f;
-                    for (int j = 0; j < gpb; j++) {
-                        const int b = g * gpb + j;
-                        int32_t i1 = 0, i2 = 0;
-                        for (int k = 0; k < 32; k++) {
-                            int v = pm_tiled_value(hi, rec, b, k, rr);
-                            if (lo) v = 16 * v + pm_tiled_value(lo, rec2, b, k, rr);
-                            i1 += v * x1[32 * b + k];
-                            if (a->digits == 2) i2 += v * x2[32 * b + k];
-                        }
-                        int32_t T = a->digits == 2 && lo ? 128 * i1 + i2 : i1;
-                        if (lo) T -= corr[b];
-                        acc += (float)T * (s * dd[b]);
-                        xs += bs[b];
-                    }
-                    if (!lo) macc += s1 * -120.5f * xs;
-                }
-                y[(size_t)i * ystride + r0 + rr] = acc + macc;
-            }
-        }
-    }
+    tiled_q8_portable(hi, lo, lo == NULL, a, y, ystride, tb, te);
 }
 
 const pm_ops pm_ops_portable = PM_OPS("portable", pm_attn_portable, pm_glu_portable,
