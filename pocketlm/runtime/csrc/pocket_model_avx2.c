@@ -310,12 +310,7 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
 #define PM_AVX2_PLANES(NAME, RANGE, ATTR)                                                       \
     static ATTR void NAME(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,    \
                           size_t ystride, int tb, int te) {                                     \
-        if (lo && a->digits == 2)                                                               \
-            RANGE(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);                            \
-        else if (lo)                                                                            \
-            RANGE(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);                            \
-        else /* the estimate on the first digit alone (PM_EST_SCALE) */                        \
-            RANGE(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);                        \
+        PM_PLANES_DISPATCH(RANGE, hi, lo, a, y, ystride, tb, te);                               \
     }
 
 PM_AVX2_TILE(tile_avx2, TGT, 1, PM_AVX2_NODOT)

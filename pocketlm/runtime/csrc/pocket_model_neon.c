@@ -272,12 +272,7 @@ static TGT void matmul_tiled_neon(const pm_tiled *w, const pm_act *a, float *y, 
  * bits, as the INT8 tiles'), or the high plane's estimate on the first digit. */
 static TGT void matmul_planes_neon(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
                                    float *y, size_t ystride, int tb, int te) {
-    if (lo && a->digits == 2)
-        tiled_range(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);
-    else if (lo)
-        tiled_range(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);
-    else
-        tiled_range(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);
+    PM_PLANES_DISPATCH(tiled_range, hi, lo, a, y, ystride, tb, te);
 }
 
 /* float16 -> float32: FCVTL (baseline ARMv8), exact like pm_from_f16_portable. */

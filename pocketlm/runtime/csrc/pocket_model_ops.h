@@ -184,6 +184,17 @@ typedef struct pm_ops {
  * nibble's): with two digits, dd = d / 128 is the second digit's step, so the scale 16 s
  * becomes 16 * 128 s (exact: powers of two). */
 #define PM_EST_SCALE(a) ((a)->digits == 2 ? 2048.0f : 16.0f)
+/* pm_ops.matmul_planes of a SIMD level from its tile loop RANGE(BITS, DIG, w, w2, a, y,
+ * ystride, tb, te): the planes recombined (lo), else the estimate on the first digit. */
+#define PM_PLANES_DISPATCH(RANGE, hi, lo, a, y, ystride, tb, te)                                \
+    do {                                                                                        \
+        if ((lo) && (a)->digits == 2)                                                           \
+            RANGE(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);                            \
+        else if (lo)                                                                            \
+            RANGE(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);                            \
+        else                                                                                    \
+            RANGE(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);                        \
+    } while (0)
 
 /* An operations table named NAME (a string): the portable operations but for those the avx2
  * and neon levels replace (attention, GLU, activation quantization, the tiled products, the

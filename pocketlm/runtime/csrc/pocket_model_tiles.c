@@ -134,28 +134,10 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge) 
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8)
         return POCKET_EINVAL;
     if (lo && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
-    if (lo) { /* the nibble planes of INT8: hi = INT4 blocks and the scales, lo = blocks only */
-        t->bits = lo->bits = 4;
-        t->rows = lo->rows = w->rows;
-        t->cols = lo->cols = w->cols;
-        t->group_size = lo->group_size = w->group_size;
-        t->ntiles = lo->ntiles = (w->rows + 15) / 16;
-        t->nb = lo->nb = w->cols / 32;
-        t->ng = lo->ng = w->cols / w->group_size;
-        t->gpb = lo->gpb = w->group_size / 32;
-        t->block_bytes = lo->block_bytes = 256;
-        t->scale_off = lo->scale_off = (size_t)t->nb * 256;
-        t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32, 64);
-        lo->tile_bytes = lo->scale_off;
-        t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes, huge);
-        lo->data = t->data ? tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge) : NULL;
-        if (t->data && lo->data) return POCKET_OK;
-        pm_tiled_free(t);
-        pm_tiled_free(lo);
-        return POCKET_ENOMEM;
-    }
-    const int q4 = w->type != POCKET_WT_Q8; /* with minimums */
-    t->bits = w->type;
+    /* the nibble planes of INT8 (lo): t the INT4 blocks of the high nibbles and the scales (no
+     * minimums), lo the low nibbles' blocks only */
+    const int mins = w->type != POCKET_WT_Q8;
+    t->bits = lo ? 4 : w->type;
     t->rows = w->rows;
     t->cols = w->cols;
     t->group_size = w->group_size;
@@ -163,11 +145,19 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge) 
     t->nb = w->cols / 32;
     t->ng = w->cols / w->group_size;
     t->gpb = w->group_size / 32;
-    t->block_bytes = w->type == POCKET_WT_Q4 ? 256 : w->type == POCKET_WT_Q5 ? 320 : 512;
+    t->block_bytes = t->bits == 4 ? 256 : t->bits == 5 ? 320 : 512;
     t->scale_off = (size_t)t->nb * t->block_bytes;
-    t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32 * (q4 ? 2 : 1), 64);
+    t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32 * (mins ? 2 : 1), 64);
     t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes, huge);
-    return t->data ? POCKET_OK : POCKET_ENOMEM;
+    if (!t->data) return POCKET_ENOMEM;
+    if (!lo) return POCKET_OK;
+    *lo = *t;
+    lo->tile_bytes = lo->scale_off;
+    lo->data = tiles_alloc((size_t)lo->ntiles * lo->tile_bytes, huge);
+    if (lo->data) return POCKET_OK;
+    pm_tiled_free(t);
+    pm_tiled_free(lo);
+    return POCKET_ENOMEM;
 }
 
 /* The low nibbles of one source block (byte k: column k low, 16 + k high) into lane i of

@@ -435,12 +435,7 @@ static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_t
 
 static TGTV void matmul_planes_avx512(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a,
                                       float *y, size_t ystride, int tb, int te) {
-    if (lo && a->digits == 2)
-        tiled_range(PM_BITS_PLANES, 2, hi, lo, a, y, ystride, tb, te);
-    else if (lo)
-        tiled_range(PM_BITS_PLANES, 1, hi, lo, a, y, ystride, tb, te);
-    else /* the estimate on the first digit alone (PM_EST_SCALE) */
-        tiled_range(PM_BITS_ESTIMATE, 1, hi, NULL, a, y, ystride, tb, te);
+    PM_PLANES_DISPATCH(tiled_range, hi, lo, a, y, ystride, tb, te);
 }
 
 /* ---- float activations on tiled weights -------------------------------------------------- */
