@@ -167,7 +167,10 @@ METHOD_LABELS = {
     "llama-q4_0": "llama.cpp Q4_0",
     "llama-q4_k_m": "llama.cpp Q4_K_M",
     "pocket-source-r7": "pocketlm default, pack revision 7 (minimums always stored)",
-    "pocket-source": "pocketlm exact import (the pack policy; qwen2.5-0.5b's default)",
+    "pocket-source-r8": "pocketlm exact import before source encodings (Q6_K in INT8, Q4_K "
+                        "with float16 scales, tokenizer uncompressed)",
+    "pocket-source": "pocketlm exact import, K-quant blocks kept (every registry model's "
+                     "default pack)",
     "pocket-rtn-int4": "pocketlm `--all-int4`, rounding (RTN)",
     "pocket-gptq-int4": "pocketlm `--all-int4 --calib default` (GPTQ)",
     "pocket-budget-source": "pocketlm `--bits-per-weight source`",

@@ -26,7 +26,7 @@ from .errors import (
     TokenIdError,
 )
 from .formats import SourceModel, open_source, sniff
-from .formats.pocketfile import TOKENIZER_TENSOR, PocketFile
+from .formats.pocketfile import PocketFile
 from .generate import (
     GenerationState,
     Sequence,
@@ -362,7 +362,7 @@ def file_config_and_tokenizer(pf: PocketFile) -> tuple[ModelConfig, Tokenizer]:
     except PocketError as exc:
         if str(pf.path) in str(exc):
             raise
-        raise type(exc)(f"{pf.path}: tensor {TOKENIZER_TENSOR!r}: {exc}") from None
+        raise type(exc)(f"{pf.path}: tensor {pf.tokenizer_tensor!r}: {exc}") from None
     return config, tokenizer
 
 

@@ -35,9 +35,13 @@ import numpy as np
 from .errors import PocketError, UnsupportedError
 from .progress import bar as progress_bar
 from .quant import (
+    Q4K_BLOCK_BYTES,
+    Q6K_BLOCK_BYTES,
+    QK_K,
     QuantTensor,
     check_quantizable,
     find_zero_point,
+    may_encode,
     pack_int4,
     pack_int5,
     quantize,
@@ -503,18 +507,35 @@ def _diag_error(w: np.ndarray, qt: QuantTensor, hdiag: np.ndarray | None,
     return total
 
 
+def source_stored_bytes(st) -> dict[tuple, int]:
+    """Bytes of the layouts that source tensor ``st`` can be stored in as its own blocks
+    (:func:`pocketlm.quant.encode_as_source`: a GGUF Q4_K imported exactly, a Q6_K in INT8)."""
+    if st.raw is None or len(st.shape) != 2 or st.shape[1] % QK_K:
+        return {}
+    blocks = st.shape[0] * st.shape[1] // QK_K
+    if st.dtype == "Q4_K":
+        return {("int4", 32, None): blocks * Q4K_BLOCK_BYTES}
+    if st.dtype == "Q6_K":
+        return {("int8", 32, None): blocks * Q6K_BLOCK_BYTES}
+    return {}
+
+
 def candidates(w: np.ndarray, hdiag: np.ndarray | None, lossless: QuantTensor | None,
-               layouts=LAYOUTS, probe: dict | None = None, name: str = "") -> list[Candidate]:
+               layouts=LAYOUTS, probe: dict | None = None, name: str = "",
+               stored: dict[tuple, int] | None = None) -> list[Candidate]:
     """Every layout ``w`` fits, with its bytes and estimated relative output error (from the
     activation-weighted range search: fast, and in proportion to what GPTQ reaches), plus the
-    source's own grid when it imports exactly (error 0)."""
+    source's own grid when it imports exactly (error 0). ``stored``: the bytes of the layouts
+    the source's own blocks hold in fewer bytes (:func:`source_stored_bytes`)."""
+    stored = stored or {}
     col = np.einsum("ij,ij->j", w, w, dtype=np.float64)
     energy = float(col @ hdiag) if hdiag is not None else float(col.sum())
     energy = energy if energy > 0 else 1.0
     out = []
     if lossless is not None:
         zp = find_zero_point(lossless)
-        nbytes = layout_bytes(lossless.kind, lossless.group_size, lossless.shape, zp)
+        nbytes = stored.get((lossless.kind, lossless.group_size, zp),
+                            layout_bytes(lossless.kind, lossless.group_size, lossless.shape, zp))
         out.append(Candidate(lossless.kind, lossless.group_size, nbytes, 0.0, True, zp))
     for kind, gs, zp in layouts:
         if w.shape[1] % gs:
@@ -523,7 +544,8 @@ def candidates(w: np.ndarray, hdiag: np.ndarray | None, lossless: QuantTensor | 
             qt = quantize_int8(w, gs)
         else:
             qt = quantize_act(w, kind, gs, hdiag, zp)
-        out.append(Candidate(kind, gs, layout_bytes(kind, gs, w.shape, zp),
+        out.append(Candidate(kind, gs, stored.get((kind, gs, zp),
+                                                  layout_bytes(kind, gs, w.shape, zp)),
                              _diag_error(w, qt, hdiag) / energy, False, zp))
         if probe is not None and (kind, gs, zp) == PROBE_LAYOUT:
             probe[name] = qt
@@ -664,7 +686,9 @@ def source_budget(model, names: list[str]) -> float:
     quantized = set(names)
     floats = sum(4 * int(np.prod(t.shape)) for n, t in model.tensors.items()
                  if n not in quantized)
-    overhead = floats + len(model.tokenizer.to_json().encode("utf-8")) + HEADER_ALLOWANCE
+    from .formats.pocketfile import compress_tokenizer
+
+    overhead = floats + compress_tokenizer(model.tokenizer.to_json()).nbytes + HEADER_ALLOWANCE
     return float(size - overhead)
 
 
@@ -794,7 +818,9 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             h = hessian(n)
             cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
                                   None if n in changed else _lossless(model.tensors[n]),
-                                  probe=probe, name=n)
+                                  probe=probe, name=n, stored=source_stored_bytes(
+                                      model.tensors[n])
+                                  if n not in changed and may_encode(n, tied) else None)
             bar.update(1)
         bar.close()
         kappa = class_weights(model.config, weights, probe, cands,

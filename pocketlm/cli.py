@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from . import __version__
@@ -169,8 +170,12 @@ def cmd_inspect(args) -> int:
     print(f"model:       {c.arch}, {c.n_layers} layers, d_model {c.d_model}, "
           f"{c.n_heads} heads / {c.n_kv_heads} KV heads of {c.head_dim}, "
           f"d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.max_context}")
+    encodings = pf.encodings()
+    kept = ", ".join(f"{n} as {e}" for e, n in sorted(
+        Counter(encodings.values()).items())) if encodings else ""
     print(f"quant:       {quant.get('scheme', 'none')}, embeddings INT"
-          f"{quant.get('embed_bits', '?')}, {len(layouts)} quantized tensors")
+          f"{quant.get('embed_bits', '?')}, {len(layouts)} quantized tensors"
+          + (f" ({kept}: the source's own blocks)" if kept else ""))
     cal = quant.get("calibration")
     if isinstance(cal, dict):
         cset = cal.get("set") if isinstance(cal.get("set"), dict) else {}

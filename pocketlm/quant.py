@@ -344,22 +344,160 @@ def int4_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
         qs = b[:, :, 4:20].reshape(rows, cols // 2)
         return QuantTensor("int4", (rows, cols), 32, np.ascontiguousarray(qs), d.copy(), m.copy())
     if type_name == "Q4_K":
-        nsb = cols // 256
-        b = raw.reshape(rows, nsb, 144)
-        d = b[:, :, 0:2].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        dmin = b[:, :, 2:4].copy().view(np.float16)[:, :, 0].astype(np.float32)
-        sc, mn = _q4k_scale_min(b[:, :, 4:16])  # [rows, nsb, 8]
+        nsb = cols // QK_K
+        b = raw.reshape(rows, nsb, Q4K_BLOCK_BYTES)
+        scales, mins = q4k_scales_mins(b[:, :, 0:4], b[:, :, 4:16])
+        if not (np.isfinite(scales).all() and np.isfinite(mins).all()):  # beyond float16
+            return None
         qs = b[:, :, 16:144].reshape(rows, nsb, 4, 32)  # 4 chunks of 64 values
         lo = qs & 0x0F  # sub-block 2j
         hi = qs >> 4  # sub-block 2j + 1
         q = np.stack([lo, hi], axis=3).reshape(rows, cols)  # [rows, nsb, 4, 2, 32]
-        with np.errstate(over="ignore"):
-            scales = (d[:, :, None] * sc).astype(np.float16).reshape(rows, cols // 32)
-            mins = (-(dmin[:, :, None] * mn)).astype(np.float16).reshape(rows, cols // 32)
-        if not (np.isfinite(scales).all() and np.isfinite(mins).all()):  # beyond float16
-            return None
         return QuantTensor("int4", (rows, cols), 32, pack_int4(q), scales, mins)
     return None
+
+
+QK_K = 256  # values per K-quant super-block
+Q4K_BLOCK_BYTES, Q6K_BLOCK_BYTES = 144, 210
+
+
+def q4k_scales_mins(dd: np.ndarray, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The group-32 float16 scales and minimums of Q4_K super-blocks: ``dd`` the 4 bytes
+    ``d, dmin`` (two float16) and ``packed`` the 12 bytes of 6-bit scale and minimum codes of
+    each super-block (uint8 ``[rows, nsb, 4]`` and ``[rows, nsb, 12]``) ->
+    ``float16(d * sc)``, ``float16(-(dmin * mn))`` ``[rows, nsb * 8]`` (may hold inf where
+    the products leave float16's range)."""
+    rows, nsb = packed.shape[:2]
+    f = np.ascontiguousarray(dd).view(np.float16).astype(np.float32)  # [rows, nsb, 2]
+    sc, mn = _q4k_scale_min(packed)  # [rows, nsb, 8]
+    with np.errstate(over="ignore"):
+        scales = (f[:, :, 0:1] * sc).astype(np.float16).reshape(rows, nsb * 8)
+        mins = (-(f[:, :, 1:2] * mn)).astype(np.float16).reshape(rows, nsb * 8)
+    return scales, mins
+
+
+def dequantize_q6k(raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """GGUF Q6_K rows (uint8 ``[rows, cols // 256 * 210]``) -> float32 ``[rows, cols]``.
+
+    A super-block of 256 values is ``ql[128]`` (low 4 bits), ``qh[64]`` (high 2 bits),
+    ``scales[16]`` (int8, one per 16 values) and ``d`` (float16); value ``v = (d * sc) * (q -
+    32)``, in float32 in that order (ggml's). Each half of 128 values takes ``ql[64 h ..]`` and
+    ``qh[32 h ..]``: value ``32 j + l`` of the half (``j`` 0..3, ``l`` 0..31) has its low bits
+    in nibble ``j // 2`` of ``ql[64 h + 32 (j % 2) + l]`` and its high bits at bit ``2 j`` of
+    ``qh[32 h + l]``."""
+    rows, cols = shape
+    b = np.ascontiguousarray(raw).reshape(rows * (cols // QK_K), Q6K_BLOCK_BYTES)
+    ql = b[:, 0:128].reshape(-1, 2, 1, 2, 32)  # [block, half, -, j % 2, l]
+    qh = b[:, 128:192].reshape(-1, 2, 1, 32)  # [block, half, -, l]
+    sc = b[:, 192:208].view(np.int8).astype(np.float32)  # [block, 16]
+    d = b[:, 208:210].copy().view(np.float16).astype(np.float32)  # [block, 1]
+    # j = 2 * nibble + j % 2
+    low = ((ql >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1, 1)) & 0x0F).reshape(-1, 2, 4, 32)
+    high = (qh >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (low | (high << 4)).view(np.int8) - np.int8(32)  # [block, half, j, l], exact
+    step = (d * sc).reshape(-1, 16, 1)  # one per 16 values, in value order
+    return (step * q.reshape(-1, 16, 16)).reshape(rows, cols)
+
+
+# -- source encodings ------------------------------------------------------------------------
+# A deploy file may hold a tensor that was imported from a GGUF K-quant in that source's own
+# bytes, which are smaller than the pocketlm layout the engine computes with; the reader
+# decodes them to that layout, bit for bit what the pack computed (docs/format.md):
+#   "q4_k": INT4 group 32 whose scales and minimums are Q4_K's 6-bit codes under a float16
+#           d / dmin per 256 values: the values (pocketlm's nibble order) plus the codes,
+#           4.5 bits per weight instead of 5.0;
+#   "q6_k": INT8 group 32 made from Q6_K blocks (quantize_int8 of their values): the blocks
+#           themselves, 6.5625 bits per weight instead of 8.5.
+ENCODINGS = {"q4_k": "int4", "q6_k": "int8"}
+_ENCODING_OF_TYPE = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
+
+
+def encoded_arrays(encoding: str, shape: tuple[int, int]) -> dict[str, tuple[type, tuple]]:
+    """What a tensor in ``encoding`` stores: name suffix -> (dtype, shape)."""
+    rows, cols = shape
+    nsb = cols // QK_K
+    if encoding == "q4_k":
+        return {"": (np.uint8, (rows, cols // 2)), ".kscales": (np.uint8, (rows, nsb * 12)),
+                ".kd": (np.float16, (rows, nsb * 2))}
+    if encoding == "q6_k":
+        return {"": (np.uint8, (rows, nsb * Q6K_BLOCK_BYTES))}
+    raise UnsupportedError(f"unknown tensor encoding {encoding!r}")
+
+
+def decode(encoding: str, shape: tuple[int, int], stored: dict[str, np.ndarray]):
+    """``(qweight, scales, mins)`` of the layout a tensor stored in ``encoding`` decodes to."""
+    rows, cols = shape
+    nsb = cols // QK_K
+    if encoding == "q4_k":
+        dd = stored[".kd"].reshape(rows, nsb, 2).view(np.uint8)
+        scales, mins = q4k_scales_mins(dd, stored[".kscales"].reshape(rows, nsb, 12))
+        return stored[""], scales, mins
+    if encoding == "q6_k":
+        qt = quantize_int8(dequantize_q6k(stored[""], shape), 32)
+        return qt.qweight, qt.scales, None
+    raise UnsupportedError(f"unknown tensor encoding {encoding!r}")
+
+
+class EncodedQuantTensor(QuantTensor):
+    """A :class:`QuantTensor` held in a source encoding (``encoding``, above) as the deploy
+    file stores it (``stored``: name suffix -> array). Its layout's arrays are decoded on first
+    use and kept until :meth:`release` (after the native engine has repacked them, so that
+    they do not stay resident); ``nbytes`` counts the stored bytes."""
+
+    def __init__(self, encoding: str, shape: tuple[int, int], stored: dict[str, np.ndarray]):
+        self.kind, self.shape, self.group_size = ENCODINGS[encoding], tuple(shape), 32
+        self.encoding, self.stored, self.zero_point = encoding, stored, None
+        self._decoded = None
+
+    def _arrays(self):
+        if self._decoded is None:
+            self._decoded = decode(self.encoding, self.shape, self.stored)
+        return self._decoded
+
+    qweight = property(lambda self: self._arrays()[0])
+    scales = property(lambda self: self._arrays()[1])
+    mins = property(lambda self: self._arrays()[2])
+
+    def release(self) -> None:
+        self._decoded = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.stored.values())
+
+
+def may_encode(name: str, tied: bool) -> bool:
+    """Whether tensor ``name`` may be stored in a source encoding: not an untied embedding,
+    which the engine reads in place from the file for its lookups (a few rows a token) and
+    which would otherwise be decoded whole into memory."""
+    return tied or name != "embed.weight"
+
+
+def encode_as_source(qt: QuantTensor, source_type: str, raw: np.ndarray
+                     ) -> EncodedQuantTensor | None:
+    """``qt`` stored in the bytes of its GGUF source ``raw`` (``source_type`` Q4_K or Q6_K,
+    rows in the model's order), if those decode to ``qt`` bit for bit; else None."""
+    encoding = _ENCODING_OF_TYPE.get(source_type)
+    rows, cols = qt.shape
+    if encoding is None or ENCODINGS[encoding] != qt.kind or qt.group_size != 32 or \
+            cols % QK_K or qt.zero_point is not None:
+        return None
+    nsb = cols // QK_K
+    if encoding == "q4_k":
+        b = np.ascontiguousarray(raw).reshape(rows, nsb, Q4K_BLOCK_BYTES)
+        stored = {"": np.ascontiguousarray(qt.qweight),
+                  ".kscales": np.ascontiguousarray(b[:, :, 4:16]).reshape(rows, nsb * 12),
+                  ".kd": np.ascontiguousarray(b[:, :, 0:4]).view(np.float16).reshape(rows,
+                                                                                    nsb * 2)}
+    else:
+        stored = {"": np.ascontiguousarray(raw).reshape(rows, nsb * Q6K_BLOCK_BYTES)}
+    enc = EncodedQuantTensor(encoding, qt.shape, stored)
+    same = all(a is None and b is None or a is not None and b is not None and
+               np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+               for a, b in ((enc.qweight, qt.qweight), (enc.scales, qt.scales),
+                            (enc.mins, qt.mins)))
+    enc.release()
+    return enc if same else None
 
 
 def int5_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]):

@@ -122,9 +122,9 @@ class RegistryEntry:
     hf_repo: str
     hf_file: str
     license: str
-    # the bit budget of the default pack (pocket pack --bits-per-weight): "source" where the
-    # calibrated budget that keeps the deploy file no larger than the GGUF measured at least as
-    # close to float as the source's own grids (docs/quantization.md); None: the pack policy
+    # the bit budget of the default pack (pocket pack --bits-per-weight), e.g. "source" for a
+    # calibrated pack no larger than the GGUF; None: the pack policy, the exact import, which
+    # keeps every registry model's file no larger than its GGUF (docs/quantization.md)
     pack_bits: str | None = None
 
     @property
@@ -173,7 +173,6 @@ REGISTRY: dict[str, RegistryEntry] = {
             hf_repo="unsloth/gemma-3-270m-it-GGUF",
             hf_file="gemma-3-270m-it-Q4_K_M.gguf",
             license="gemma",
-            pack_bits="source",
         ),
         RegistryEntry(
             name="qwen2.5-0.5b",
@@ -252,7 +251,7 @@ TRIMMED: dict[str, TrimmedEntry] = {
             description="Gemma 3 270M, vocabulary trimmed to Chinese + English (65,536 pieces)",
             languages=("en", "zh"), vocab_size=65536, kept=65536,
             source_ids_sha256="8f8110f7eb49c5a7685b02ce410caa6cea1a3e801b8e69ae7b30b4d9f7f61b17",
-            size=119_320_128,
+            size=113_827_200,
         ),
         TrimmedEntry(
             name="qwen2.5-0.5b-zh-en",
@@ -261,7 +260,7 @@ TRIMMED: dict[str, TrimmedEntry] = {
             "(65,536 pieces)",
             languages=("en", "zh"), vocab_size=65536, kept=65536,
             source_ids_sha256="1f1c4bb0fc374bec635fcd43c14962cf657aa1f67e56f3572cb8ec414dddde3a",
-            size=368_858_112,
+            size=351_108_416,
         ),
     )
 }
@@ -299,8 +298,8 @@ RECIPES: dict[str, RecipeEntry] = {
             "vocabulary, distilled from qwen2.5-1.5b, INT4 QAT (built by its recipe)",
             family="gemma3", license="gemma", recipe="pocket-zh-en",
             # the recorded run's file (docs/pocket-zh-en.md): a build here is compared with it
-            size=109300961,
-            sha256="26060d2ac54e675b69756cde1ba718d68c932676ea5a1eb87f3276042404b827",
+            size=108140604,
+            sha256="4033d7a4499cdf0663e37e1909a428d9325e2ff6fd9bc96aa7aa20b091822999",
         ),
     )
 }

@@ -41,10 +41,14 @@ import zlib
 from pathlib import Path
 
 import pytest
+from crafted import stored_zlib
 
 HERE = Path(__file__).resolve().parent
 CHILD_LIMIT_BYTES = 1 << 30  # address space a child may grow by after warming up
 PEAK_GROWTH_LIMIT = 256 << 20  # peak resident set growth over a whole batch
+
+
+TOKENIZER = "pocket.tokenizer.zlib"  # what a pack writes (format version 4)
 
 
 # -- base files --------------------------------------------------------------------------------
@@ -250,7 +254,7 @@ class PocketMutator:
             h = self.copy()
             h["__metadata__"]["quant"] = json.dumps(q)
             yield f"quant layout of {name} removed", self.build(h)
-        for name in ("norm.weight", "layers.0.attn_norm.weight", "pocket.tokenizer"):
+        for name in ("norm.weight", "layers.0.attn_norm.weight", TOKENIZER):
             q = json.loads(json.dumps(self.quant))
             q["tensors"][name] = {"kind": "int4", "shape": [1, 64], "group_size": 32}
             h = self.copy()
@@ -265,7 +269,7 @@ class PocketMutator:
                   "BOOL", "Q4", 5, None]
         for i in range(count):
             kind = kinds[i % len(kinds)]
-            name = self.rng.choice(pool + ["pocket.tokenizer", "embed.weight", "norm.weight"])
+            name = self.rng.choice(pool + [TOKENIZER, "embed.weight", "norm.weight"])
             h = self.copy()
             e = h[name]
             b, end = e["data_offsets"]
@@ -308,15 +312,22 @@ class PocketMutator:
             yield label + (" (CRCs recomputed)" if crcs else ""), self.build(h, crcs=crcs)
 
     def tokenizer_bytes(self):
-        info = self.header["pocket.tokenizer"]
+        """Edits of the (compressed) tokenizer's bytes: broken zlib streams, and streams that
+        inflate to what is not a tokenizer."""
+        info = self.header[TOKENIZER]
         b, end = info["data_offsets"]
         n = end - b
         fills = {"not UTF-8": b"\xff" * n, "bad JSON": b"[" + b" " * (n - 1),
                  "not a tokenizer": b"{}" + b" " * (n - 2), "zeros": b"\x00" * n,
                  "deep JSON": (b"[" * (n // 2) + b"]" * (n - n // 2))}
         tok = self.data[b:end]
-        for at in (0, n // 3, n // 2, n - 2):  # edits inside the JSON that keep its length
+        for at in (0, 1, n // 3, n // 2, n - 2):  # edits inside the stream, same length
             fills[f"bytes at {at}"] = tok[:at] + b'"}' + tok[at + 2:]
+        for label, text in (("non-UTF-8", b"\xff"), ("[", b"["), ("{}", b"{}"),
+                            ("deep JSON", b"[" * 500)):
+            z = zlib.compress(text, 9)  # trailing bytes after a complete stream
+            fills[f"zlib of {label}, then zeros"] = z + b"\x00" * (n - len(z))
+            fills[f"zlib of {label}"] = stored_zlib(text, n)  # the stream fills the tensor
         for label, fill in fills.items():
             data = self.data[:b] + fill + self.data[end:]
             yield f"tokenizer {label} (CRCs recomputed)", self.build(self.copy(), data,

@@ -248,6 +248,62 @@ def test_default_pack_keeps_a_5bit_embedding_in_int5(tmp_path, arch):
         == {"int8"}
 
 
+# K-quant blocks hold 256 values: every input width a multiple of it
+K_SHAPES = {"d_model": 256, "d_ff": 512, "n_heads": 4, "n_kv_heads": 2, "head_dim": 64}
+
+
+@pytest.mark.parametrize("arch,weight_type", [("llama", "Q4_K"), ("qwen2", "Q6_K"),
+                                              ("gemma3", "Q6_K"), ("qwen2", "Q4_K")])
+def test_k_quant_tensors_stay_in_their_blocks(tmp_path, monkeypatch, arch, weight_type):
+    """Q4_K / Q6_K tensors are stored as the GGUF's own blocks (4.5 / 6.5625 bits a weight
+    instead of 5.0 / 8.5) and load as exactly the layouts the pack computes with: the same
+    weights and the same logits as a pack that stores those layouts."""
+    import pocketlm.pack as pack_mod
+
+    src = tmp_path / "m.gguf"
+    config, state = tiny_gguf.write_tiny_gguf(src, arch, seed=11, weight_type=weight_type,
+                                              **K_SHAPES)
+    report = pack(src, tmp_path / "k.pocket", progress=False)
+    monkeypatch.setattr(pack_mod, "encode_as_source", lambda *a: None)
+    plain = pack(src, tmp_path / "p.pocket", progress=False)
+    monkeypatch.undo()
+
+    enc = {"Q4_K": "q4_k", "Q6_K": "q6_k"}[weight_type]
+    bits = {"Q4_K": (4.5, 5.0), "Q6_K": (6.5625, 8.5)}[weight_type]
+    linear = [t for t in report.tensors if t.name.endswith(QUANT_SUFFIXES)]
+    assert len(linear) == 7 * config.n_layers
+    for t in report.tensors:
+        if t.stored == "f32" or t.source_dtype != weight_type:
+            continue
+        untied_embed = t.name == "embed.weight" and not config.tie_embeddings
+        assert t.encoding == (None if untied_embed else enc), t  # looked up in place
+        assert 8 * t.nbytes / t.n_params == bits[1 if untied_embed else 0], t
+    assert report.file_bytes < plain.file_bytes
+    pf = PocketFile(tmp_path / "k.pocket")
+    assert pf.format_version == 4 and set(pf.encodings().values()) == {enc}
+    assert all(t.encoding is None for t in plain.tensors)
+    # the same layouts, bit for bit, and the same logits from the engine
+    wk, wp = pf.weights(), PocketFile(tmp_path / "p.pocket").weights()
+    assert wk.keys() == wp.keys()
+    for name, w in wk.items():
+        if isinstance(w, QuantTensor):
+            for a, b in ((w.qweight, wp[name].qweight), (w.scales, wp[name].scales),
+                         (w.mins, wp[name].mins)):
+                assert (a is None) == (b is None) and (a is None or np.array_equal(
+                    np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))), name
+    k_logits = load_pocket(tmp_path / "k.pocket").logits(IDS)
+    assert np.array_equal(k_logits, load_pocket(tmp_path / "p.pocket").logits(IDS))
+    if weight_type == "Q4_K":  # imported exactly (up to the float16 rounding of d * sc)
+        ref = torch_ref.TorchRefModel(config, state).forward(IDS)
+        np.testing.assert_allclose(k_logits, ref, rtol=0, atol=0.01 * np.abs(ref).max())
+    else:  # Q6_K's values in INT8: each within half a step of its group's grid
+        for t in report.tensors:
+            if t.encoding == "q6_k":
+                w, v = wk[t.name], state[t.name]
+                step = np.repeat(w.scales.astype(np.float32), 32, axis=1)
+                assert (np.abs(w.dequantize() - v) <= 0.5 * step * (1 + 1e-3) + 1e-30).all()
+
+
 def test_all_int4_pack_of_5bit_gguf_requantizes(tmp_path):
     src = tmp_path / "m.gguf"
     tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="Q5_0")

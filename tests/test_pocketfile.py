@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from crafted import stored_zlib
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -402,7 +403,7 @@ def test_wrong_format_version(good, version):
     assert "format version" in format_error(good)
 
 
-@pytest.mark.parametrize("version", ["4", "17", "999999999"])
+@pytest.mark.parametrize("version", ["5", "17", "999999999"])
 def test_a_newer_format_version_asks_for_a_newer_pocketlm(good, version):
     rewrite_header(good, lambda h: h["__metadata__"].__setitem__("format_version", version))
     with pytest.raises(UnsupportedError, match=f"version {version} was written by a newer "
@@ -882,7 +883,16 @@ def test_version_1_deploy_file_loads_and_says_so(tiny_pocket, tmp_path, capsys):
     from pocketlm import cli
     from pocketlm.api import load_pocket
 
-    path = edited(tiny_pocket, tmp_path, _make_v1, reseal=False)
+    # version 1 had no compressed tokenizer: the same file with its tokenizer's JSON
+    pf = PocketFile(tiny_pocket)
+    meta = {k: v for k, v in pf.metadata.items()
+            if k not in ("format", "format_version", "checksums", "header_checksum")}
+    arrays = [(n, pf.tensor(n)) for n in pf.infos
+              if not n.startswith("_pad.") and n != "pocket.tokenizer.zlib"]
+    arrays.append(("pocket.tokenizer", np.frombuffer(pf.tokenizer_json().encode(), np.uint8)))
+    write_pocket(tmp_path / "v2.pocket", arrays, meta)
+    assert PocketFile(tmp_path / "v2.pocket").format_version == 2
+    path = edited(tmp_path / "v2.pocket", tmp_path, _make_v1, reseal=False)
     m1, m2 = load_pocket(path), load_pocket(tiny_pocket)
     assert m1.metadata["header_verified"] is False and m2.metadata["header_verified"] is True
     np.testing.assert_array_equal(m1.logits([1, 2, 3]), m2.logits([1, 2, 3]))
@@ -1044,25 +1054,50 @@ def test_generation_defaults_are_validated():
 
 
 def _set_tokenizer_bytes(tiny_pocket: Path, tmp_path: Path, fill) -> Path:
-    """A copy whose tokenizer tensor holds ``fill(n)`` (same length) with a matching CRC and
-    header checksum: only the bytes themselves are wrong."""
+    """A copy whose tokenizer tensor (compressed, as a pack writes it) holds ``fill(n)`` (same
+    length) with a matching CRC and header checksum: only the bytes themselves are wrong."""
     pf = PocketFile(tiny_pocket)
-    info = pf.infos["pocket.tokenizer"]
+    name = pf.tokenizer_tensor
+    info = pf.infos[name]
     del pf
     data = bytearray(tiny_pocket.read_bytes())
     new = fill(info.end - info.start)
+    assert len(new) == info.end - info.start
     data[info.start:info.end] = new
     path = tmp_path / "tok.pocket"
     path.write_bytes(bytes(data))
-    return rewrite_header(path, _set_json("checksums", "pocket.tokenizer", zlib.crc32(new)),
-                          reseal=True)
+    return rewrite_header(path, _set_json("checksums", name, zlib.crc32(new)), reseal=True)
 
 
-@pytest.mark.parametrize("fill", [lambda n: b"\xff" * n, lambda n: b"[" + b" " * (n - 1),
-                                  lambda n: b"{}" + b" " * (n - 2)],
-                         ids=["not-utf8", "not-json", "not-a-tokenizer"])
+def test_a_pack_compresses_its_tokenizer(tiny_pocket):
+    pf = PocketFile(tiny_pocket)
+    assert pf.format_version == 4 and pf.tokenizer_tensor == "pocket.tokenizer.zlib"
+    assert "pocket.tokenizer" not in pf.infos
+    tok = pf.tokenizer_json()
+    assert json.loads(tok)["format"] == "pocketlm-tokenizer"
+    assert pf.infos["pocket.tokenizer.zlib"].end - pf.infos["pocket.tokenizer.zlib"].start \
+        < len(tok.encode("utf-8")) / 2
+
+
+@pytest.mark.parametrize("fill", [
+    lambda n: b"\xff" * n,
+    lambda n: stored_zlib(b"\xff", n),
+    lambda n: stored_zlib(b"[", n),
+    lambda n: stored_zlib(b"{}", n),
+    lambda n: zlib.compress(b"{}") + b"\x00" * (n - len(zlib.compress(b"{}"))),
+    lambda n: stored_zlib(b"{}", 2 * n)[:n],
+], ids=["not-zlib", "not-utf8", "not-json", "not-a-tokenizer", "trailing-bytes", "cut-short"])
 def test_malformed_tokenizer_bytes(tiny_pocket, tmp_path, fill):
-    assert "pocket.tokenizer" in load_error(_set_tokenizer_bytes(tiny_pocket, tmp_path, fill))
+    assert "pocket.tokenizer.zlib" in load_error(_set_tokenizer_bytes(tiny_pocket, tmp_path,
+                                                                      fill))
+
+
+def test_a_tokenizer_that_inflates_too_far_is_refused(tiny_pocket, monkeypatch):
+    import pocketlm.formats.pocketfile as pocketfile
+
+    monkeypatch.setattr(pocketfile, "MAX_TOKENIZER_BYTES", 64)
+    msg = load_error(tiny_pocket)
+    assert "pocket.tokenizer.zlib" in msg and "at most" in msg
 
 
 def _set_raw_meta(key, value):
@@ -1079,8 +1114,8 @@ def _set_raw_meta(key, value):
                                                       "group_size": True}}), "quant"),
     (lambda h: h.pop("norm.weight"), "norm.weight"),
     (lambda h: h["norm.weight"].update(dtype="I32"), "norm.weight"),
-    (lambda h: h["pocket.tokenizer"].update(dtype="I8"), "pocket.tokenizer"),
-    (lambda h: h.pop("pocket.tokenizer"), "pocket.tokenizer"),
+    (lambda h: h["pocket.tokenizer.zlib"].update(dtype="I8"), "pocket.tokenizer.zlib"),
+    (lambda h: h.pop("pocket.tokenizer.zlib"), "pocket.tokenizer"),
     (lambda h: h.__setitem__("lm_head.weight", h["norm.weight"]), "lm_head.weight"),
 ])
 def test_malformed_metadata_and_tensor_table(tiny_pocket, tmp_path, edit, field):
@@ -1145,3 +1180,57 @@ def test_a_model_the_native_engine_refuses_is_an_error(tiny_pocket, monkeypatch)
     monkeypatch.setenv("POCKET_KERNELS", "numpy")
     m = load_pocket(tiny_pocket)
     assert m.runtime.engine == "numpy" and m.logits([1, 2]).shape == (2, 320)
+
+
+# -- tensors stored in their source's K-quant blocks (format version 4) ----------------------
+@pytest.fixture(scope="module")
+def k_pocket(tmp_path_factory) -> Path:
+    """A tiny deploy file whose linear weights are Q4_K blocks kept as they are."""
+    import tiny_gguf
+
+    from pocketlm.pack import pack
+
+    root = tmp_path_factory.mktemp("kq")
+    tiny_gguf.write_tiny_gguf(root / "k.gguf", "llama", seed=4, weight_type="Q4_K",
+                              d_model=256, d_ff=512, n_heads=4, n_kv_heads=2, head_dim=64,
+                              n_layers=1)
+    pack(root / "k.gguf", root / "k.pocket")
+    return root / "k.pocket"
+
+
+def _layout_edit(field, value, name="layers.0.mlp.w_up.weight"):
+    def edit(h):
+        q = json.loads(h["__metadata__"]["quant"])
+        q["tensors"][name][field] = value
+        h["__metadata__"]["quant"] = json.dumps(q)
+    return edit
+
+
+@pytest.mark.parametrize("edit,words", [
+    (_layout_edit("encoding", "q3_k"), ["unknown layout", "'q3_k'"]),
+    (_layout_edit("encoding", 5), ["unknown layout"]),
+    (_layout_edit("encoding", "q6_k"), ["unknown layout", "'q6_k' for 'int4'"]),
+    (_layout_edit("group_size", 64), ["unknown layout"]),
+    (_layout_edit("zero_point", 8), ["unknown layout"]),
+    (lambda h: h.pop("layers.0.mlp.w_up.weight.kd"), ["lacks", ".kd"]),
+    (lambda h: h["layers.0.mlp.w_up.weight.kscales"].update(dtype="I8"),
+     ["kscales", "expects uint8"]),
+    (lambda h: h["layers.0.mlp.w_up.weight.kscales"].update(shape=[256, 24]),
+     ["kscales", "[512, 12]"]),
+])
+def test_a_damaged_encoded_layout_is_refused_by_name(k_pocket, tmp_path, edit, words):
+    msg = load_error(edited(k_pocket, tmp_path, edit))
+    assert "layers.0.mlp.w_up.weight" in msg and all(w in msg for w in words), msg
+
+
+def test_encoded_tensors_load_as_their_layouts(k_pocket):
+    from pocketlm.quant import EncodedQuantTensor
+
+    pf = PocketFile(k_pocket)
+    assert pf.format_version == 4
+    enc = pf.encodings()
+    assert len(enc) == 8 and set(enc.values()) == {"q4_k"}  # 7 linear, the tied embedding
+    w = pf.weights()["layers.0.mlp.w_up.weight"]
+    assert isinstance(w, EncodedQuantTensor) and w.bits_per_weight == 4.5
+    assert w.qweight.base is not None  # the values are the file's, not a copy
+    assert w.scales.dtype == np.float16 and w.mins.shape == w.scales.shape == (512, 8)

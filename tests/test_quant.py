@@ -546,6 +546,83 @@ def test_imports_are_always_group_32():
     assert int4_from_gguf_blocks(_random_q4k(4, 2, 1, 1.0), "Q4_K", (2, 256)).group_size == 32
 
 
+# -- source encodings (Q4_K / Q6_K blocks kept in the deploy file) --------------------------
+def _random_q6k(seed: int, rows: int, nsb: int) -> np.ndarray:
+    r = rng(seed)
+    raw = r.integers(0, 256, size=(rows, nsb, 210), dtype=np.uint8)
+    d = (10.0 ** r.uniform(-6, 0, size=(rows, nsb)) * r.choice([-1, 1], size=(rows, nsb)))
+    raw[:, :, 208:210] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(rows, nsb * 210)
+
+
+@pytest.mark.parametrize("seed,rows,nsb", [(0, 1, 1), (1, 5, 3)])
+def test_q6k_values_are_ggmls(seed, rows, nsb):
+    """pocketlm's Q6_K decoder against the gguf library's, bit for bit."""
+    raw = _random_q6k(seed, rows, nsb)
+    ours = quant.dequantize_q6k(raw, (rows, nsb * 256))
+    ref = gq.dequantize(raw, GT.Q6_K).reshape(rows, nsb * 256)
+    assert ours.dtype == np.float32
+    assert np.array_equal(ours.view(np.uint32), ref.view(np.uint32))
+
+
+def _same_bits(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.shape == b.shape and np.array_equal(np.asarray(a).view(np.uint8),
+                                                 np.asarray(b).view(np.uint8))
+
+
+def test_q4k_encoding_decodes_to_the_exact_import():
+    raw = _random_q4k(7, 3, 2, 1.0)
+    qt = int4_from_gguf_blocks(raw, "Q4_K", (3, 512))
+    enc = quant.encode_as_source(qt, "Q4_K", raw)
+    assert enc is not None and enc.encoding == "q4_k" and enc.kind == "int4"
+    assert enc.nbytes == raw.nbytes == 3 * 2 * 144  # 4.5 bits a weight, against qt's 5.0
+    assert enc.bits_per_weight == 4.5 and qt.bits_per_weight == 5.0
+    assert set(enc.stored) == {"", ".kscales", ".kd"}
+    for a, b in ((enc.qweight, qt.qweight), (enc.scales, qt.scales), (enc.mins, qt.mins)):
+        assert _same_bits(a, b)
+    assert np.array_equal(enc.dequantize(), qt.dequantize())
+
+
+def test_q6k_encoding_decodes_to_its_int8_requantization():
+    raw = _random_q6k(8, 4, 2)
+    values = gq.dequantize(raw, GT.Q6_K).reshape(4, 512)
+    qt = quant.quantize_int8(values, 32)  # what a pack makes of a Q6_K tensor
+    enc = quant.encode_as_source(qt, "Q6_K", raw)
+    assert enc is not None and enc.encoding == "q6_k" and enc.kind == "int8"
+    assert enc.nbytes == raw.nbytes and enc.bits_per_weight == 6.5625
+    assert _same_bits(enc.qweight, qt.qweight) and _same_bits(enc.scales, qt.scales)
+    assert enc.mins is None
+    # decoded on use, dropped by release(), decoded again the same
+    first = enc.qweight
+    enc.release()
+    assert enc._decoded is None and _same_bits(enc.qweight, first)
+
+
+def test_encoding_only_where_the_blocks_give_the_same_bits():
+    raw = _random_q4k(9, 2, 1, 1.0)
+    qt = int4_from_gguf_blocks(raw, "Q4_K", (2, 256))
+    moved = QuantTensor("int4", qt.shape, 32, qt.qweight, qt.scales.copy(), qt.mins)
+    moved.scales[1, 3] = np.float16(float(moved.scales[1, 3]) * 2 + 1)  # not the source's
+    assert quant.encode_as_source(moved, "Q4_K", raw) is None
+    q6 = _random_q6k(10, 2, 1)
+    q8 = quant.quantize_int8(gq.dequantize(q6, GT.Q6_K).reshape(2, 256), 32)
+    q8.qweight[0, 0] ^= 1
+    assert quant.encode_as_source(q8, "Q6_K", q6) is None
+    g64 = quant.quantize_int8(gq.dequantize(q6, GT.Q6_K).reshape(2, 256), 64)
+    assert quant.encode_as_source(g64, "Q6_K", q6) is None  # the encoding is group 32
+    assert quant.encode_as_source(qt, "Q6_K", raw) is None  # an INT4 tensor is not Q6_K's
+    assert quant.encode_as_source(qt, "Q4_0", raw) is None  # no encoding for that type
+
+
+def test_untied_embedding_is_never_encoded():
+    assert quant.may_encode("embed.weight", tied=True)
+    assert not quant.may_encode("embed.weight", tied=False)
+    assert quant.may_encode("lm_head.weight", tied=False)
+    assert quant.may_encode("layers.0.mlp.w_down.weight", tied=False)
+
+
 # -- INT5 ------------------------------------------------------------------------------------
 def ref_pack5(q: np.ndarray) -> bytes:
     """The documented INT5 layout, element by element: per block of 32 values a little-endian

@@ -130,6 +130,51 @@ def reference_config(arch: str, **overrides) -> ModelConfig:
     return tiny_models.tiny_config(arch, **overrides)
 
 
+def _k_blocks(qtype_name: str, w: np.ndarray) -> np.ndarray:
+    """Rounding of ``w`` (float32 ``[rows, cols]``, cols a multiple of 256) to GGUF Q4_K or
+    Q6_K blocks, for test files (the gguf library quantizes neither): plain rounding, with the
+    block layouts ggml reads."""
+    rows, cols = w.shape
+    sb = w.reshape(-1, 256).astype(np.float64)
+    if qtype_name == "Q6_K":
+        sub = sb.reshape(-1, 16, 16)
+        amax = np.abs(sub).max(axis=2)  # per 16
+        d = np.maximum(amax.max(axis=1), 1e-8) / (127 * 31)
+        d16 = d.astype(np.float16)
+        sc = np.clip(np.rint(amax / (31 * d16.astype(np.float64))[:, None]), 1, 127)
+        step = d16.astype(np.float64)[:, None] * sc
+        q = np.clip(np.rint(sub / step[:, :, None]) + 32, 0, 63).astype(np.uint8)
+        q = q.reshape(-1, 2, 4, 32)  # [block, half, j, l]: value 128 h + 32 j + l
+        ql = (q[:, :, 0:2] & 0x0F) | ((q[:, :, 2:4] & 0x0F) << 4)  # [block, half, j % 2, l]
+        qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+              | ((q[:, :, 3] >> 4) << 6))  # [block, half, l]
+        out = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64),
+                              sc.astype(np.int8).view(np.uint8), d16[:, None].view(np.uint8)],
+                             axis=1)
+        return out.reshape(rows, cols // 256 * 210)
+    sub = sb.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(axis=2), 0.0)
+    s = np.maximum((sub.max(axis=2) - lo) / 15, 1e-8)
+    d = (s.max(axis=1) / 63).astype(np.float16)
+    dmin = np.maximum(-lo.max(axis=1) / 63, -lo.min(axis=1) / 63).astype(np.float16)
+    sc = np.clip(np.rint(s / d.astype(np.float64)[:, None]), 1, 63).astype(np.uint8)
+    dm = np.maximum(dmin.astype(np.float64), 1e-8)[:, None]
+    mn = np.clip(np.rint(-lo / dm), 0, 63).astype(np.uint8)
+    step = d.astype(np.float64)[:, None] * sc
+    q = np.clip(np.rint((sub + dmin.astype(np.float64)[:, None, None] * mn[:, :, None])
+                        / step[:, :, None]), 0, 15).astype(np.uint8)
+    scales = np.zeros((sub.shape[0], 12), np.uint8)
+    for j in range(4):
+        scales[:, j] = (sc[:, j] & 63) | ((sc[:, j + 4] >> 4) << 6)
+        scales[:, j + 4] = (mn[:, j] & 63) | ((mn[:, j + 4] >> 4) << 6)
+        scales[:, j + 8] = (sc[:, j + 4] & 15) | ((mn[:, j + 4] & 15) << 4)
+    q = q.reshape(-1, 4, 2, 32)  # chunk j: sub-blocks 2j (low nibbles) and 2j + 1 (high)
+    qs = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)
+    out = np.concatenate([d[:, None].view(np.uint8), dmin[:, None].view(np.uint8), scales, qs],
+                         axis=1)
+    return out.reshape(rows, cols // 256 * 144)
+
+
 def _store(qtype_name: str, w: np.ndarray):
     """(array to write, raw_dtype, the float32 values the file holds) for one tensor."""
     import gguf
@@ -139,7 +184,7 @@ def _store(qtype_name: str, w: np.ndarray):
     if qtype_name == "F32" or w.ndim != 2:
         return w, None, w.copy()
     qtype = gguf.GGMLQuantizationType[qtype_name]
-    q = quantize(w, qtype)
+    q = _k_blocks(qtype_name, w) if qtype_name in ("Q4_K", "Q6_K") else quantize(w, qtype)
     return q, qtype, np.asarray(dequantize(q, qtype), dtype=np.float32).reshape(w.shape)
 
 
@@ -174,7 +219,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     writer = gguf.GGUFWriter(str(path), gguf_arch or arch)  # writes general.architecture
     writer.add_name(f"tiny-{arch}")
     writer.add_file_type({"F32": 0, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8,
-                          "Q5_1": 9}[weight_type])
+                          "Q5_1": 9, "Q4_K": 15, "Q6_K": 18}[weight_type])
     k = f"{arch}."
     writer.add_uint32(k + "block_count", config.n_layers)
     writer.add_uint32(k + "context_length", config.max_context)

@@ -36,6 +36,9 @@ class SourceTensor:
     dtype: str  # source type name (F32, F16, BF16, Q4_1, Q4_K, ...)
     to_float: Callable[[], np.ndarray]
     to_quant: Callable[[int, int], QuantTensor | None] = lambda bits, gs: None
+    # the source's own bytes, rows in the model's order (a GGUF's blocks), or None: a pack may
+    # store a tensor in them when they decode to its layout (pocketlm.quant.encode_as_source)
+    raw: Callable[[], np.ndarray] | None = None
 
 
 @dataclass

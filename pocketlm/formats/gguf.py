@@ -318,4 +318,4 @@ def _source_tensor(name, t, type_name, shape, permute_heads, dequantize) -> Sour
         return None
 
     return SourceTensor(name=name, shape=shape, dtype=type_name, to_float=to_float,
-                        to_quant=to_quant)
+                        to_quant=to_quant, raw=raw)

@@ -64,16 +64,32 @@ import numpy as np
 
 from ..config import ModelConfig, short_repr
 from ..errors import ChecksumError, FormatError, PocketError, UnsupportedError
-from ..quant import GROUP_SIZES, INT5_BLOCK_BYTES, KINDS, ZERO_POINTS, QuantTensor, implicit_mins
+from ..quant import (
+    ENCODINGS,
+    GROUP_SIZES,
+    INT5_BLOCK_BYTES,
+    KINDS,
+    QK_K,
+    ZERO_POINTS,
+    EncodedQuantTensor,
+    QuantTensor,
+    encoded_arrays,
+    implicit_mins,
+)
 
 FORMAT_NAME = "pocket"
-FORMAT_VERSION = 3  # 2: header_checksum; 3: LoRA adapters beside the weights
-READ_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 2: header_checksum; 3: LoRA adapters beside the weights; 4: encodings
+READ_VERSIONS = (1, 2, 3, 4)
 ADAPTER_VERSION = 3  # files with LoRA adapters (a reader that ignored them would run the base)
+ENCODING_VERSION = 4  # files with tensors in a source encoding (pocketlm.quant.ENCODINGS)
 HEADER_CHECKSUM = "header_checksum"
 CHECKSUM_CHUNK = 8 << 20  # bytes summed before their pages are dropped: bounds the resident set
 ALIGN = 64
 TOKENIZER_TENSOR = "pocket.tokenizer"
+# the tokenizer's JSON compressed (zlib, RFC 1950), in format version 4 files: a deploy file
+# carries one of the two
+TOKENIZER_ZLIB_TENSOR = "pocket.tokenizer.zlib"
+MAX_TOKENIZER_BYTES = 256 << 20  # what a compressed tokenizer may inflate to
 MAX_HEADER = 100_000_000  # the safetensors limit
 
 DTYPES = {
@@ -244,6 +260,11 @@ def check_writable(path: str | Path) -> None:
     os.unlink(tmp)
 
 
+def compress_tokenizer(tokenizer_json: str) -> np.ndarray:
+    """The bytes of tensor ``pocket.tokenizer.zlib`` for a tokenizer's JSON (uint8)."""
+    return np.frombuffer(zlib.compress(tokenizer_json.encode("utf-8"), 9), dtype=np.uint8)
+
+
 def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
                  metadata: dict[str, Any]) -> int:
     """Write named arrays and metadata as a .pocket file, atomically. Returns the file size."""
@@ -259,7 +280,16 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     # version 2 unless the file holds LoRA adapters (pocketlm.runtime.adapters), which a
     # version 2 reader would load and ignore: those files are version 3, refused by it
     adapters = any(name.endswith((".lora_a", ".lora_b")) for name, _ in items)
-    meta = {"format": FORMAT_NAME, "format_version": str(ADAPTER_VERSION if adapters else 2)}
+    # and files with tensors in a source encoding are version 4: an older reader would find
+    # their arrays unlike its layouts (and say the file is corrupt)
+    quant = metadata.get("quant")
+    quant = json.loads(quant) if isinstance(quant, str) else quant
+    tensors = quant.get("tensors") if isinstance(quant, dict) else None
+    encoded = isinstance(tensors, dict) and any(
+        isinstance(q, dict) and "encoding" in q for q in tensors.values())
+    encoded = encoded or TOKENIZER_ZLIB_TENSOR in seen
+    version = ENCODING_VERSION if encoded else ADAPTER_VERSION if adapters else 2
+    meta = {"format": FORMAT_NAME, "format_version": str(version)}
     for k, v in metadata.items():
         if k == HEADER_CHECKSUM:
             raise FormatError(f"cannot store metadata field {k!r}: reserved for the writer")
@@ -521,12 +551,52 @@ class PocketFile:
                 out[name] = zp
         return out
 
+    def encodings(self) -> dict[str, str]:
+        """``name -> encoding`` of the tensors stored in a source encoding (see
+        :mod:`pocketlm.quant`); one this pocketlm does not know is refused by name."""
+        quant = self._json("quant", {})
+        tensors = quant.get("tensors", {}) if isinstance(quant, dict) else {}
+        out = {}
+        for name, q in (tensors.items() if isinstance(tensors, dict) else ()):
+            if isinstance(q, dict) and "encoding" in q:
+                enc = q["encoding"]
+                if not isinstance(enc, str) or ENCODINGS.get(enc) != q.get("kind") or \
+                        q.get("group_size") != 32 or "zero_point" in q:
+                    raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
+                                      f"(encoding {short_repr(enc)} for {q.get('kind')!r}); "
+                                      "this pocketlm cannot read it")
+                out[name] = enc
+        return out
+
+    @property
+    def tokenizer_tensor(self) -> str:
+        """The tensor that holds the tokenizer: ``pocket.tokenizer`` (its JSON) or, in format
+        version 4, ``pocket.tokenizer.zlib`` (compressed)."""
+        if TOKENIZER_ZLIB_TENSOR in self.infos and self.format_version >= ENCODING_VERSION:
+            return TOKENIZER_ZLIB_TENSOR
+        return TOKENIZER_TENSOR
+
     def tokenizer_json(self) -> str:
-        """The serialised tokenizer the file carries (tensor ``pocket.tokenizer``)."""
+        """The serialised tokenizer the file carries (see :attr:`tokenizer_tensor`)."""
+        name = self.tokenizer_tensor
+        data = bytes(self.tensor(name))
+        if name == TOKENIZER_ZLIB_TENSOR:
+            d = zlib.decompressobj()
+            try:
+                out = d.decompress(data, MAX_TOKENIZER_BYTES)
+                complete = d.eof and not d.unconsumed_tail and not d.unused_data
+            except zlib.error as exc:
+                raise FormatError(f"{self.path}: tensor {name!r} is not zlib data ({exc}); "
+                                  "the file is corrupt: repack the model") from None
+            if not complete:
+                raise FormatError(f"{self.path}: tensor {name!r} does not inflate to one "
+                                  f"tokenizer of at most {MAX_TOKENIZER_BYTES >> 20} MB; the "
+                                  "file is corrupt: repack the model")
+            data = out
         try:
-            return bytes(self.tensor(TOKENIZER_TENSOR)).decode("utf-8")
+            return data.decode("utf-8")
         except UnicodeDecodeError as exc:
-            raise FormatError(f"{self.path}: tensor {TOKENIZER_TENSOR!r} is not UTF-8 text "
+            raise FormatError(f"{self.path}: tensor {name!r} is not UTF-8 text "
                               f"(byte {exc.start}); the file is corrupt: repack the model"
                               ) from None
 
@@ -564,10 +634,10 @@ class PocketFile:
         if config.tie_embeddings and (head in layouts or head in self.infos):
             raise FormatError(f"{self.path}: the config ties the output head to the embedding "
                               f"(tie_embeddings) but the file has {head!r}; repack the model")
-        tok = self.infos.get(TOKENIZER_TENSOR)
+        tok = self.infos.get(self.tokenizer_tensor)
         if tok is None or tok.dtype != "U8" or len(tok.shape) != 1:
             shown = "none" if tok is None else f"{tok.dtype} {list(tok.shape)}"
-            raise FormatError(f"{self.path}: tensor {TOKENIZER_TENSOR!r} must hold the "
+            raise FormatError(f"{self.path}: tensor {self.tokenizer_tensor!r} must hold the "
                               f"tokenizer as bytes (U8, one dimension), found {shown}; repack "
                               "the model")
 
@@ -576,8 +646,13 @@ class PocketFile:
         out: dict[str, np.ndarray | QuantTensor] = {}
         companions = set()
         zero_points = self.zero_points()
+        encodings = self.encodings()
         for name, (kind, shape, gs) in self.quant_layouts().items():
             rows, cols = shape
+            if name in encodings:
+                out[name] = self._encoded(name, encodings[name], shape)
+                companions.update(name + suffix for suffix in out[name].stored)
+                continue
             qweight = self.tensor(name)
             scales = self.tensor(name + ".scales")
             zp = zero_points.get(name)
@@ -611,6 +686,25 @@ class PocketFile:
                 continue
             out[name] = self.tensor(name)
         return out
+
+    def _encoded(self, name: str, encoding: str, shape: tuple[int, int]) -> EncodedQuantTensor:
+        if shape[1] % QK_K:
+            raise FormatError(f"{self.path}: tensor {name!r} is stored as {encoding}, whose "
+                              f"blocks hold {QK_K} values, but has {shape[1]} columns; "
+                              "repack the model")
+        stored = {}
+        for suffix, (dtype, want) in encoded_arrays(encoding, shape).items():
+            if name + suffix not in self.infos:
+                raise FormatError(f"{self.path}: tensor {name!r} is stored as {encoding} but "
+                                  f"the file lacks {name + suffix!r}; repack the model")
+            a = self.tensor(name + suffix)
+            if a.dtype != dtype or a.shape != want:
+                raise FormatError(
+                    f"{self.path}: tensor {name + suffix!r} does not match its layout "
+                    f"({encoding} {list(shape)}: expects {np.dtype(dtype).name} {list(want)}; "
+                    f"found {np.dtype(a.dtype).name} {list(a.shape)}); repack the model")
+            stored[suffix] = a
+        return EncodedQuantTensor(encoding, shape, stored)
 
     @property
     def nbytes(self) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ContextLengthError, FormatError
-from ..quant import QuantTensor
+from ..quant import EncodedQuantTensor, QuantTensor
 from . import kernels as K
 from .adapters import find_adapters
 from .engine import Engine, KVCache, NativeKVCache, NativeModelEngine, NumpyEngine
@@ -87,9 +87,16 @@ class Runtime:
             else:
                 # a model the engine refuses is an error: running it anyway on the numpy path
                 # would hide the problem (POCKET_KERNELS=numpy is the way to ask for numpy)
-                self.native = _native_kernels.NativeEngine(config, weights,
-                                                           release_source=file_backed,
-                                                           settings=self.settings)
+                # an untied embedding stays where it is for lookups, and the engine hands
+                # its pages back as it goes: only a file mapping's can be (a decoded one
+                # would read as zeros)
+                lookup = weights.get("embed.weight") if not config.tie_embeddings else None
+                self.native = _native_kernels.NativeEngine(
+                    config, weights, settings=self.settings,
+                    release_source=file_backed and not isinstance(lookup, EncodedQuantTensor))
+                for w in weights.values():
+                    if isinstance(w, EncodedQuantTensor):
+                        w.release()  # repacked by the engine: the decoded arrays can go
 
     @property
     def native(self):

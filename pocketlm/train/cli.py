@@ -56,10 +56,10 @@ def _tokenizer_from(spec: str):
 
     path = resolve(spec, quiet=True)
     if sniff(path) == "pocket":
-        from ..formats.pocketfile import TOKENIZER_TENSOR, PocketFile
+        from ..formats.pocketfile import PocketFile
 
         pf = PocketFile(path)
-        return (Tokenizer.from_json(bytes(pf.tensor(TOKENIZER_TENSOR)).decode("utf-8")),
+        return (Tokenizer.from_json(pf.tokenizer_json()),
                 pf.metadata.get("chat_template") or None)
     src = open_source(path)
     return src.tokenizer, src.chat_template
