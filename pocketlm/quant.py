@@ -433,8 +433,18 @@ def decode(encoding: str, shape: tuple[int, int], stored: dict[str, np.ndarray])
         scales, mins = q4k_scales_mins(dd, stored[".kscales"].reshape(rows, nsb, 12))
         return stored[""], scales, mins
     if encoding == "q6_k":
-        qt = quantize_int8(dequantize_q6k(stored[""], shape), 32)
-        return qt.qweight, qt.scales, None
+        # a few rows at a time: the float32 values and their temporaries of a whole tensor
+        # (about 12 bytes a weight) would add tens of MB to a model's load peak; every row
+        # decodes alone, so the result does not depend on the chunking
+        raw = stored[""].reshape(rows, nsb * Q6K_BLOCK_BYTES)
+        q = np.empty((rows, cols), dtype=np.int8)
+        s = np.empty((rows, cols // 32), dtype=np.float16)
+        step = max(1, _ROW_CHUNK // 4 // cols)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            qt = quantize_int8(dequantize_q6k(raw[r0:r1], (r1 - r0, cols)), 32)
+            q[r0:r1], s[r0:r1] = qt.qweight, qt.scales
+        return q, s, None
     raise UnsupportedError(f"unknown tensor encoding {encoding!r}")
 
 

@@ -600,6 +600,16 @@ def test_q6k_encoding_decodes_to_its_int8_requantization():
     assert enc._decoded is None and _same_bits(enc.qweight, first)
 
 
+def test_q6k_decodes_a_few_rows_at_a_time_to_the_same_bits(monkeypatch):
+    # the decode bounds its float temporaries by working on row chunks: a tensor of several
+    # chunks (and a ragged last one) decodes to what the whole tensor requantizes to
+    monkeypatch.setattr(quant, "_ROW_CHUNK", 4 * 512 * 3)  # 3 rows of 512 a chunk
+    raw = _random_q6k(11, 10, 2)
+    whole = quant.quantize_int8(gq.dequantize(raw, GT.Q6_K).reshape(10, 512), 32)
+    q, s, mins = quant.decode("q6_k", (10, 512), {"": raw.reshape(10, 2 * 210)})
+    assert _same_bits(q, whole.qweight) and _same_bits(s, whole.scales) and mins is None
+
+
 def test_encoding_only_where_the_blocks_give_the_same_bits():
     raw = _random_q4k(9, 2, 1, 1.0)
     qt = int4_from_gguf_blocks(raw, "Q4_K", (2, 256))
