@@ -174,6 +174,8 @@ METHOD_LABELS = {
     "pocket-rtn-int4": "pocketlm `--all-int4`, rounding (RTN)",
     "pocket-gptq-int4": "pocketlm `--all-int4 --calib default` (GPTQ)",
     "pocket-budget-source": "pocketlm `--bits-per-weight source`",
+    "pocket-bpw-4.6-r8": "pocketlm `--bits-per-weight 4.6` before source encodings (a Q4_K "
+                         "tensor kept exactly cost 5.0 bits)",
     "pocket-bpw-4.6": "pocketlm `--bits-per-weight 4.6`",
     "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
