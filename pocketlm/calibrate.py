@@ -38,8 +38,11 @@ from .quant import (
     Q4K_BLOCK_BYTES,
     Q6K_BLOCK_BYTES,
     QK_K,
+    EncodedQuantTensor,
     QuantTensor,
     check_quantizable,
+    code_steps,
+    coded_steps,
     find_zero_point,
     may_encode,
     pack_int4,
@@ -320,8 +323,12 @@ def _assemble(kind: str, shape, gs: int, q: np.ndarray, s: np.ndarray, m: np.nda
 
 
 def quantize_act(w: np.ndarray, kind: str, gs: int, hdiag: np.ndarray | None,
-                 zp: int | None = None) -> QuantTensor:
-    """Asymmetric INT4/INT5 with each group's range chosen by the activation-weighted error."""
+                 zp: int | str | None = None) -> QuantTensor:
+    """Asymmetric INT4/INT5 with each group's range chosen by the activation-weighted error.
+    ``zp``: a zero point (minimums not stored) or :data:`CODED` (the ``int4_c8`` encoding)."""
+    if zp == CODED:
+        sc, mc, rd, s, m = coded_ranges(w, hdiag)
+        return _coded_tensor(w.shape, _round_fixed(w, s, m), sc, mc, rd)
     rows, cols = w.shape
     ng = cols // gs
     imp = (np.ones(cols, np.float32) if hdiag is None
@@ -340,6 +347,45 @@ def quantize_act(w: np.ndarray, kind: str, gs: int, hdiag: np.ndarray | None,
         s_all[r0:r0 + n] = s.reshape(n, ng)
         m_all[r0:r0 + n] = m.reshape(n, ng)
     return _assemble(kind, w.shape, gs, q_all, s_all, m_all)
+
+
+CODED = "c8"  # the layout key of INT4 group 32 with coded scales (quant's "int4_c8")
+
+
+def coded_ranges(w: np.ndarray, hdiag: np.ndarray | None):
+    """The ``int4_c8`` codes of ``w``'s groups of 32 (their ranges fitted by the
+    activation-weighted error on the float weights, then coded): ``(sc, mc, rd, scales,
+    mins)``, the last two the float16 steps the codes decode to."""
+    rows, cols = w.shape
+    ng = cols // 32
+    imp = (np.ones(cols, np.float32) if hdiag is None
+           else np.maximum(np.asarray(hdiag, np.float32), 0)).reshape(ng, 32)
+    s_all = np.empty((rows, ng), np.float16)
+    m_all = np.empty((rows, ng), np.float16)
+    step = max(1, (1 << 20) // cols)
+    for r0 in range(0, rows, step):
+        blk = np.asarray(w[r0:r0 + step], np.float32)
+        n = blk.shape[0]
+        wi = np.broadcast_to(imp[None], (n, ng, 32)).reshape(n * ng, 32)
+        _, s, m = fit_groups(blk.reshape(n * ng, 32), wi, 15)
+        s_all[r0:r0 + n], m_all[r0:r0 + n] = s.reshape(n, ng), m.reshape(n, ng)
+    sc, mc, rd = code_steps(s_all, m_all)
+    scales, mins = coded_steps(sc, mc, rd)
+    return sc, mc, rd, scales, mins
+
+
+def _round_fixed(w: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
+    """Nearest INT4 codes (uint8 [rows, cols]) of ``w`` on fixed group-32 steps."""
+    rows, cols = w.shape
+    s = np.repeat(scales.astype(np.float32), 32, axis=1)
+    m = np.repeat(mins.astype(np.float32), 32, axis=1)
+    inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+    return np.clip(np.rint((np.asarray(w, np.float32) - m) * inv), 0, 15).astype(np.uint8)
+
+
+def _coded_tensor(shape, q: np.ndarray, sc, mc, rd) -> EncodedQuantTensor:
+    return EncodedQuantTensor("int4_c8", tuple(shape), {"": pack_int4(q), ".sc": sc,
+                                                        ".mc": mc, ".rd": rd})
 
 
 def _gptq_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
@@ -365,9 +411,20 @@ def _gptq_factor(h: np.ndarray, damp: float) -> tuple[np.ndarray, np.ndarray]:
 def quantize_gptq(w: np.ndarray, kind: str, gs: int, h: np.ndarray, *, damp: float = DAMP,
                   block: int = GPTQ_BLOCK, row_chunk: int = 8192,
                   zp: int | None = None) -> QuantTensor:
-    """GPTQ (module docstring) into an asymmetric INT4/INT5 layout of group size ``gs``."""
+    """GPTQ (module docstring) into an asymmetric INT4/INT5 layout of group size ``gs``.
+    ``zp``: a zero point, or :data:`CODED`: INT4 group 32 whose steps are fixed beforehand
+    (:func:`coded_ranges` on the float weights, since the codes of a row depend on all its
+    groups) and only the values are rounded with error compensation."""
     rows, cols = w.shape
     qmax = _QMAX[kind]
+    fixed = None
+    if zp == CODED:
+        # the steps GPTQ chooses group by group in float16, coded, then fixed for a second
+        # pass (its updates move the later groups' ranges away from the float weights')
+        free = quantize_gptq(w, "int4", 32, h, damp=damp, block=block, row_chunk=row_chunk)
+        sc, mc, rd = code_steps(free.scales, free.mins)
+        fixed = (sc, mc, rd) + coded_steps(sc, mc, rd)
+        zp = None
     u, dead = _gptq_factor(h, damp)
     u = u.astype(np.float32)
     hdiag = np.maximum(np.diag(h).astype(np.float32), 0)
@@ -390,8 +447,11 @@ def quantize_gptq(w: np.ndarray, kind: str, gs: int, h: np.ndarray, *, damp: flo
                 c = i1 + i
                 if c % gs == 0:
                     gi = c // gs
-                    _, s16, m16 = fit_groups(W1[:, i:i + gs], hdiag[c:c + gs][None, :], qmax,
-                                             zp)
+                    if fixed is not None:
+                        s16, m16 = fixed[3][r0:r0 + n, gi], fixed[4][r0:r0 + n, gi]
+                    else:
+                        _, s16, m16 = fit_groups(W1[:, i:i + gs], hdiag[c:c + gs][None, :],
+                                                 qmax, zp)
                     s_all[r0:r0 + n, gi] = s16
                     m_all[r0:r0 + n, gi] = m16
                     s = s16.astype(np.float32)
@@ -405,6 +465,8 @@ def quantize_gptq(w: np.ndarray, kind: str, gs: int, h: np.ndarray, *, damp: flo
                 E1[:, i] = err
             if i2 < cols:
                 W[:, i2:] -= E1 @ u[i1:i2, i2:]
+    if fixed is not None:
+        return _coded_tensor(w.shape, q_all, *fixed[:3])
     return _assemble(kind, w.shape, gs, q_all, s_all, m_all)
 
 
@@ -434,15 +496,20 @@ def quantize_calibrated(w: np.ndarray, kind: str, gs: int, h: np.ndarray | None,
 # scale (and minimum for INT4/INT5): 4.25, 4.5, 5.0, 5.5, 6.0, 8.25, 8.5.
 # (kind, group size, zero point or None); bits per weight 4.25, 4.5, 4.5 (no minimums), 5.0,
 # 5.5, 5.5 (no minimums), 6.0, 8.25, 8.5
-LAYOUTS = (("int4", 128, None), ("int4", 64, None), ("int4", 32, 8), ("int4", 32, None),
-           ("int5", 64, None), ("int5", 32, 16), ("int5", 32, None), ("int8", 64, None),
-           ("int8", 32, None))
+# ("int4", 32, CODED): group 32 with 8-bit coded scales and minimums (quant's "int4_c8"),
+# 4.5 bits + 32 / columns; not for an untied embedding, which is read in place, not decoded.
+LAYOUTS = (("int4", 128, None), ("int4", 64, None), ("int4", 32, 8), ("int4", 32, CODED),
+           ("int4", 32, None), ("int5", 64, None), ("int5", 32, 16), ("int5", 32, None),
+           ("int8", 64, None), ("int8", 32, None))
+PLAIN_LAYOUTS = tuple(x for x in LAYOUTS if x[2] != CODED)
 MIN_BITS = 4.25  # INT4 with group 128 everywhere
 MAX_BITS = 8.0
 
 
 def layout_bytes(kind: str, gs: int, shape, zp: int | None = None) -> int:
     rows, cols = shape
+    if zp == CODED:
+        return rows * (cols // 2 + 2 * (cols // 32) + 4)
     per = {"int4": cols // 2, "int5": cols // 32 * 20, "int8": cols}[kind]
     meta = (cols // gs) * 2 * (1 if kind == "int8" or zp is not None else 2)
     return rows * (per + meta)
@@ -818,6 +885,7 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             h = hessian(n)
             cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
                                   None if n in changed else _lossless(model.tensors[n]),
+                                  LAYOUTS if may_encode(n, tied) else PLAIN_LAYOUTS,
                                   probe=probe, name=n, stored=source_stored_bytes(
                                       model.tensors[n])
                                   if n not in changed and may_encode(n, tied) else None)

@@ -333,9 +333,13 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         del ref
         if name in EMBED_NAMES:
             stored_embed_bits = max(stored_embed_bits or 0, _KIND_BITS[qt.kind])
-        # the source's own K-quant blocks, where they are smaller and decode to these bits
-        enc = encode_as_source(qt, st.dtype, st.raw()) if st.raw is not None and may_encode(
-            name, model.config.tie_embeddings) else None
+        # the source's own K-quant blocks, where they are smaller and decode to these bits (a
+        # calibrated tensor may come encoded already: INT4 with coded scales)
+        if isinstance(qt, EncodedQuantTensor):
+            enc = qt
+        else:
+            enc = encode_as_source(qt, st.dtype, st.raw()) if st.raw is not None and \
+                may_encode(name, model.config.tie_embeddings) else None
         zp = None if enc is not None else find_zero_point(qt)  # minimums -zp * scale: implicit
         if zp is not None:
             qt.zero_point = zp

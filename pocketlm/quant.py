@@ -408,7 +408,13 @@ def dequantize_q6k(raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 #           4.5 bits per weight instead of 5.0;
 #   "q6_k": INT8 group 32 made from Q6_K blocks (quantize_int8 of their values): the blocks
 #           themselves, 6.5625 bits per weight instead of 8.5.
-ENCODINGS = {"q4_k": "int4", "q6_k": "int8"}
+# and one of pocketlm's own, for INT4 that it rounds itself (pocketlm.calibrate):
+#   "int4_c8": INT4 group 32 whose scales and minimums are 8-bit codes under two float16 steps
+#           per row (scale = sc * d, unsigned; minimum = mc * dmin, signed): the values plus
+#           two bytes a group and four a row, 4.5 bits per weight (+ 32 / columns) instead of
+#           5.0: group 32's resolution at group 64's size.
+ENCODINGS = {"q4_k": "int4", "q6_k": "int8", "int4_c8": "int4"}
+BLOCK_VALUES = {"q4_k": QK_K, "q6_k": QK_K, "int4_c8": 32}  # columns: a multiple of this
 _ENCODING_OF_TYPE = {"Q4_K": "q4_k", "Q6_K": "q6_k"}
 
 
@@ -421,7 +427,37 @@ def encoded_arrays(encoding: str, shape: tuple[int, int]) -> dict[str, tuple[typ
                 ".kd": (np.float16, (rows, nsb * 2))}
     if encoding == "q6_k":
         return {"": (np.uint8, (rows, nsb * Q6K_BLOCK_BYTES))}
+    if encoding == "int4_c8":
+        return {"": (np.uint8, (rows, cols // 2)), ".sc": (np.uint8, (rows, cols // 32)),
+                ".mc": (np.int8, (rows, cols // 32)), ".rd": (np.float16, (rows, 2))}
     raise UnsupportedError(f"unknown tensor encoding {encoding!r}")
+
+
+def coded_steps(sc: np.ndarray, mc: np.ndarray, rd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The float16 scales and minimums of ``int4_c8`` codes: ``sc * d`` and ``mc * dmin``
+    (``rd[:, 0]``, ``rd[:, 1]``), multiplied in float32 and rounded to float16 once."""
+    d = rd.astype(np.float32)
+    scales = (sc.astype(np.float32) * d[:, :1]).astype(np.float16)
+    mins = (mc.astype(np.float32) * d[:, 1:2]).astype(np.float16)
+    return scales, mins
+
+
+def code_steps(scales: np.ndarray, mins: np.ndarray):
+    """Float scales (>= 0) and minimums ``[rows, groups]`` as ``int4_c8`` codes: ``(sc, mc,
+    rd)``, each row's steps ``d = max(scale) / 255`` and ``dmin = max|minimum| / 127`` in
+    float16 and every value rounded to the nearest code."""
+    s = np.maximum(np.asarray(scales, np.float32), 0)
+    m = np.asarray(mins, np.float32)
+    with np.errstate(over="ignore"):
+        rd = np.stack([s.max(axis=1) / 255.0, np.abs(m).max(axis=1) / 127.0], axis=1
+                      ).astype(np.float16)
+    if not np.isfinite(rd).all():
+        raise UnsupportedError("a group's scale or minimum does not fit float16")
+    d = rd.astype(np.float32)
+    di = np.divide(1.0, d, out=np.zeros_like(d), where=d != 0)
+    sc = np.clip(np.rint(s * di[:, :1]), 0, 255).astype(np.uint8)
+    mc = np.clip(np.rint(m * di[:, 1:2]), -127, 127).astype(np.int8)
+    return sc, mc, rd
 
 
 def decode(encoding: str, shape: tuple[int, int], stored: dict[str, np.ndarray]):
@@ -431,6 +467,9 @@ def decode(encoding: str, shape: tuple[int, int], stored: dict[str, np.ndarray])
     if encoding == "q4_k":
         dd = stored[".kd"].reshape(rows, nsb, 2).view(np.uint8)
         scales, mins = q4k_scales_mins(dd, stored[".kscales"].reshape(rows, nsb, 12))
+        return stored[""], scales, mins
+    if encoding == "int4_c8":
+        scales, mins = coded_steps(stored[".sc"], stored[".mc"], stored[".rd"])
         return stored[""], scales, mins
     if encoding == "q6_k":
         # a few rows at a time: the float32 values and their temporaries of a whole tensor

@@ -66,6 +66,31 @@ def test_symmetric_grids_store_no_minimums(kind, zp, bpw):
         assert np.array_equal(qt.mins.view(np.uint16), implicit_mins(qt.scales, zp).view(np.uint16))
 
 
+@pytest.mark.parametrize("method", ["act", "gptq"])
+def test_coded_scales_keep_group_32s_error_at_group_64s_size(method):
+    # INT4 group 32 with 8-bit coded scales and minimums (4.5 bits + 32 / columns) against
+    # group 64 (4.5 bits) and group 32 with float16 steps (5.0 bits)
+    rng = np.random.default_rng(7)
+    w = (rng.standard_normal((96, 256)) * rng.uniform(0.2, 2.0, (96, 1))).astype(np.float32)
+    h = _hessian(_inputs(d=256))
+    err = {}
+    for key, gs, zp in (("g64", 64, None), ("g32", 32, None), ("c8", 32, calibrate.CODED)):
+        qt = calibrate.quantize_calibrated(w, "int4", gs, h, method, zp)
+        err[key] = calibrate.output_error(w, qt, h)
+        if key == "c8":
+            assert qt.encoding == "int4_c8" and qt.nbytes == calibrate.layout_bytes(
+                "int4", 32, w.shape, calibrate.CODED) == 96 * (128 + 16 + 4)
+            assert qt.bits_per_weight == 4.625  # 4.5 + 32 / 256
+    assert err["g32"] < err["c8"] < 0.9 * err["g64"]
+    assert err["c8"] < 1.25 * err["g32"]
+
+
+def test_untied_embedding_never_takes_coded_scales():
+    assert ("int4", 32, calibrate.CODED) in calibrate.LAYOUTS
+    assert all(zp != calibrate.CODED for _, _, zp in calibrate.PLAIN_LAYOUTS)
+    assert len(calibrate.PLAIN_LAYOUTS) == len(calibrate.LAYOUTS) - 1
+
+
 def test_quantizers_are_deterministic():
     rng = np.random.default_rng(3)
     w = rng.standard_normal((64, 256)).astype(np.float32)
@@ -74,6 +99,9 @@ def test_quantizers_are_deterministic():
     b = calibrate.quantize_calibrated(w.copy(), "int4", 64, h.copy(), "gptq")
     for x, y in ((a.qweight, b.qweight), (a.scales, b.scales), (a.mins, b.mins)):
         assert x.tobytes() == y.tobytes()
+    a = calibrate.quantize_calibrated(w, "int4", 32, h, "gptq", calibrate.CODED)
+    b = calibrate.quantize_calibrated(w.copy(), "int4", 32, h.copy(), "gptq", calibrate.CODED)
+    assert all(x.tobytes() == b.stored[k].tobytes() for k, x in a.stored.items())
 
 
 def test_allocate_meets_the_budget_and_spends_it_where_it_removes_most_error():
@@ -267,13 +295,17 @@ def test_registry_default_packs_take_their_bit_budget(tmp_path):
     assert "-bsource-" in budgeted.name and budgeted != plain
 
 
-def test_budgeted_pack_greedy_tokens_agree_native_and_numpy(tiny, tmp_path, monkeypatch):
-    # the per-tensor layouts of a bit budget (mixed kinds, group sizes, implicit minimums) run
-    # the same in the native engine as in the numpy reference
+@pytest.mark.parametrize("bpw", [5.2, 4.6])
+def test_budgeted_pack_greedy_tokens_agree_native_and_numpy(tiny, tmp_path, monkeypatch, bpw):
+    # the per-tensor layouts of a bit budget (mixed kinds, group sizes, implicit minimums,
+    # coded scales) run the same in the native engine as in the numpy reference
     out = tmp_path / "g.pocket"
-    pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=5.2, progress=False)
+    pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=bpw, progress=False)
     layouts = PocketFile(out).json("quant")["tensors"].values()
-    assert len({(v["kind"], v["group_size"], v.get("zero_point")) for v in layouts}) >= 2
+    assert len({(v["kind"], v["group_size"], v.get("zero_point"), v.get("encoding"))
+                for v in layouts}) >= 2
+    if bpw == 4.6:
+        assert "int4_c8" in set(PocketFile(out).encodings().values())
     monkeypatch.setenv("POCKET_ACT", "f32")
     src = open_source(tiny["src"])
     prompt = src.tokenizer.encode("The parcel left the depot")

@@ -1234,3 +1234,50 @@ def test_encoded_tensors_load_as_their_layouts(k_pocket):
     assert isinstance(w, EncodedQuantTensor) and w.bits_per_weight == 4.5
     assert w.qweight.base is not None  # the values are the file's, not a copy
     assert w.scales.dtype == np.float16 and w.mins.shape == w.scales.shape == (512, 8)
+
+
+# -- INT4 with coded scales (a bit budget's "int4_c8" tensors) ---------------------------------
+@pytest.fixture(scope="module")
+def c8_pocket(tmp_path_factory) -> tuple[Path, str]:
+    """A tiny deploy file packed under a 4.6-bit budget, and one of its int4_c8 tensors."""
+    import tiny_gguf
+
+    from pocketlm.pack import pack
+
+    root = tmp_path_factory.mktemp("c8")
+    tiny_gguf.write_tiny_gguf(root / "m.gguf", "llama", seed=5, weight_type="F32",
+                              embed_type="F32")
+    text = root / "app.txt"
+    text.write_text("The parcel left the depot this morning; 包裹今早已离开仓库。 " * 60,
+                    encoding="utf-8")
+    pack(root / "m.gguf", root / "m.pocket", calib=text, bits_per_weight=4.6, progress=False)
+    coded = sorted(n for n, e in PocketFile(root / "m.pocket").encodings().items()
+                   if e == "int4_c8")
+    assert coded, "the budget stored no tensor with coded scales"
+    return root / "m.pocket", coded[0]
+
+
+def test_coded_tensors_load_as_int4_group_32(c8_pocket):
+    from pocketlm.quant import EncodedQuantTensor
+
+    path, name = c8_pocket
+    pf = PocketFile(path)
+    assert pf.format_version == 4
+    w = pf.weights()[name]
+    assert isinstance(w, EncodedQuantTensor) and w.encoding == "int4_c8"
+    assert w.kind == "int4" and w.group_size == 32 and w.scales.dtype == np.float16
+    rows, cols = w.shape
+    assert w.nbytes == rows * (cols // 2 + 2 * (cols // 32) + 4)
+
+
+def test_a_damaged_coded_layout_is_refused_by_name(c8_pocket, tmp_path):
+    path, name = c8_pocket
+    for edit, words in [
+        (lambda h: h.pop(name + ".rd"), ["lacks", ".rd"]),
+        (lambda h: h[name + ".sc"].update(dtype="I8"), [".sc", "expects uint8"]),
+        (lambda h: h[name + ".mc"].update(dtype="U8"), [".mc", "expects int8"]),
+        (_layout_edit("encoding", "q6_k", name), ["unknown layout", "'q6_k' for 'int4'"]),
+        (_layout_edit("group_size", 64, name), ["layout", "group_size': 64"]),
+    ]:
+        msg = load_error(edited(path, tmp_path, edit))
+        assert name in msg and all(w in msg for w in words), (words, msg)

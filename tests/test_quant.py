@@ -610,6 +610,33 @@ def test_q6k_decodes_a_few_rows_at_a_time_to_the_same_bits(monkeypatch):
     assert _same_bits(q, whole.qweight) and _same_bits(s, whole.scales) and mins is None
 
 
+def test_int4_c8_codes_decode_to_their_steps():
+    r = rng(12)
+    s = (np.abs(r.standard_normal((5, 8))) * 0.01).astype(np.float32)
+    m = (r.standard_normal((5, 8)) * 0.05).astype(np.float32)
+    s[3], m[3] = 0, 0  # a row of zeros codes to zeros
+    sc, mc, rd = quant.code_steps(s, m)
+    assert sc.dtype == np.uint8 and mc.dtype == np.int8 and rd.dtype == np.float16
+    assert sc.max() == 255 and np.abs(mc).max() == 127  # each row's largest takes the top code
+    scales, mins = quant.coded_steps(sc, mc, rd)
+    d = rd.astype(np.float32)
+    # within half a code (and float16's rounding) of what was coded
+    assert np.all(np.abs(scales.astype(np.float32) - s) <= 0.5 * d[:, :1] + 1e-3 * s + 1e-9)
+    assert np.all(np.abs(mins.astype(np.float32) - m) <= 0.5 * d[:, 1:] + 1e-3 * np.abs(m) + 1e-9)
+    assert not scales[3].any() and not mins[3].any()
+    q = r.integers(0, 16, (5, 256), dtype=np.uint8)
+    enc = quant.EncodedQuantTensor("int4_c8", (5, 256), {
+        "": quant.pack_int4(q), ".sc": sc, ".mc": mc, ".rd": rd})
+    assert enc.kind == "int4" and enc.group_size == 32 and enc.nbytes == 5 * (128 + 16 + 4)
+    assert _same_bits(enc.scales, scales) and _same_bits(enc.mins, mins)
+    want = (np.repeat(scales.astype(np.float32), 32, axis=1) * q +
+            np.repeat(mins.astype(np.float32), 32, axis=1))
+    np.testing.assert_allclose(enc.dequantize(), want, rtol=1e-6, atol=1e-7)
+    arrays = quant.encoded_arrays("int4_c8", (5, 256))
+    assert {k: v[1] for k, v in arrays.items()} == {"": (5, 128), ".sc": (5, 8), ".mc": (5, 8),
+                                                    ".rd": (5, 2)}
+
+
 def test_encoding_only_where_the_blocks_give_the_same_bits():
     raw = _random_q4k(9, 2, 1, 1.0)
     qt = int4_from_gguf_blocks(raw, "Q4_K", (2, 256))

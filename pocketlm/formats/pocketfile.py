@@ -65,11 +65,11 @@ import numpy as np
 from ..config import ModelConfig, short_repr
 from ..errors import ChecksumError, FormatError, PocketError, UnsupportedError
 from ..quant import (
+    BLOCK_VALUES,
     ENCODINGS,
     GROUP_SIZES,
     INT5_BLOCK_BYTES,
     KINDS,
-    QK_K,
     ZERO_POINTS,
     EncodedQuantTensor,
     QuantTensor,
@@ -688,10 +688,10 @@ class PocketFile:
         return out
 
     def _encoded(self, name: str, encoding: str, shape: tuple[int, int]) -> EncodedQuantTensor:
-        if shape[1] % QK_K:
+        if shape[1] % BLOCK_VALUES[encoding]:
             raise FormatError(f"{self.path}: tensor {name!r} is stored as {encoding}, whose "
-                              f"blocks hold {QK_K} values, but has {shape[1]} columns; "
-                              "repack the model")
+                              f"blocks hold {BLOCK_VALUES[encoding]} values, but has "
+                              f"{shape[1]} columns; repack the model")
         stored = {}
         for suffix, (dtype, want) in encoded_arrays(encoding, shape).items():
             if name + suffix not in self.infos:
