@@ -156,7 +156,9 @@ def run_model(name: str, args) -> None:
                      {"options": POCKET_METHODS[method], "pack_seconds": round(secs, 1),
                       "quant_bits_per_weight": round(rep.quant_bits_per_weight, 3),
                       **({"channel_scaling": rep.calibration["channel_scaling"]}
-                         if rep.calibration and "channel_scaling" in rep.calibration else {})})
+                         if rep.calibration and "channel_scaling" in rep.calibration else {}),
+                      **({"head": rep.calibration["head"]}
+                         if rep.calibration and "head" in rep.calibration else {})})
                 del qm
                 out.unlink()
             else:
@@ -176,6 +178,8 @@ METHOD_LABELS = {
     "pocket-budget-source": "pocketlm `--bits-per-weight source`",
     "pocket-bpw-4.6-r8": "pocketlm `--bits-per-weight 4.6` before source encodings (a Q4_K "
                          "tensor kept exactly cost 5.0 bits)",
+    "pocket-bpw-4.6-r9": "pocketlm `--bits-per-weight 4.6` before coded scales (requantized "
+                         "INT4 at 4.5 bits only in group 64 or zero point 8)",
     "pocket-bpw-4.6": "pocketlm `--bits-per-weight 4.6`",
     "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",

@@ -933,7 +933,8 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         record["channel_scaling"] = scaled_record
     if head_name in out:
         qt = out[head_name][0]
-        record["head"] = {"layout": f"{qt.kind} g{qt.group_size}",
+        enc = getattr(qt, "encoding", None)
+        record["head"] = {"layout": f"{qt.kind} g{qt.group_size}" + (f" {enc}" if enc else ""),
                           "top1_vs_float": head_agreement(model.config, weights, qt,
                                                           model.tokenizer)}
     record["seconds"] = round(time.time() - t0, 1)

@@ -537,7 +537,8 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
                         "activation statistics from the runtime, then GPTQ rounding of every "
                         "requantized tensor")
     parser.add_argument("--bits-per-weight", metavar="B", help="choose each tensor's layout "
-                        "(INT4 / INT5 / INT8, group 32-128, or the source's own grid) by "
+                        "(INT4 / INT5 / INT8, group 32-128, INT4 with 8-bit coded scales, or "
+                        "the source's own grid) by "
                         "measured sensitivity to average B bits per weight over the quantized "
                         "tensors, scales included (4.25-8; 'source': no larger than the source "
                         "GGUF); calibrates on the default set unless --calib is given")
