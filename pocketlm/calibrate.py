@@ -377,10 +377,15 @@ def coded_ranges(w: np.ndarray, hdiag: np.ndarray | None):
 def _round_fixed(w: np.ndarray, scales: np.ndarray, mins: np.ndarray) -> np.ndarray:
     """Nearest INT4 codes (uint8 [rows, cols]) of ``w`` on fixed group-32 steps."""
     rows, cols = w.shape
-    s = np.repeat(scales.astype(np.float32), 32, axis=1)
-    m = np.repeat(mins.astype(np.float32), 32, axis=1)
-    inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
-    return np.clip(np.rint((np.asarray(w, np.float32) - m) * inv), 0, 15).astype(np.uint8)
+    q = np.empty((rows, cols), np.uint8)
+    step = max(1, (1 << 20) // cols)  # rows at a time: bounds the float temporaries
+    for r0 in range(0, rows, step):
+        s = np.repeat(scales[r0:r0 + step].astype(np.float32), 32, axis=1)
+        m = np.repeat(mins[r0:r0 + step].astype(np.float32), 32, axis=1)
+        inv = np.divide(1.0, s, out=np.zeros_like(s), where=s != 0)
+        q[r0:r0 + step] = np.clip(np.rint((np.asarray(w[r0:r0 + step], np.float32) - m) * inv),
+                                  0, 15)
+    return q
 
 
 def _coded_tensor(shape, q: np.ndarray, sc, mc, rd) -> EncodedQuantTensor:
