@@ -538,35 +538,35 @@ class PocketFile:
     def zero_points(self) -> dict[str, int]:
         """``name -> zero point`` of the tensors stored without minimums (see
         :mod:`pocketlm.quant`); a zero point other than INT4's 8 or INT5's 16 is refused."""
-        quant = self._json("quant", {})
-        tensors = quant.get("tensors", {}) if isinstance(quant, dict) else {}
         out = {}
-        for name, q in (tensors.items() if isinstance(tensors, dict) else ()):
-            if isinstance(q, dict) and "zero_point" in q:
-                zp = q["zero_point"]
-                if not _is_int(zp) or ZERO_POINTS.get(q.get("kind")) != zp:
-                    raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
-                                      f"(zero point {short_repr(zp)} for {q.get('kind')!r}); "
-                                      "this pocketlm cannot read it")
-                out[name] = zp
+        for name, q, zp in self._layout_field("zero_point"):
+            if not _is_int(zp) or ZERO_POINTS.get(q.get("kind")) != zp:
+                raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
+                                  f"(zero point {short_repr(zp)} for {q.get('kind')!r}); "
+                                  "this pocketlm cannot read it")
+            out[name] = zp
         return out
 
     def encodings(self) -> dict[str, str]:
         """``name -> encoding`` of the tensors stored in a source encoding (see
         :mod:`pocketlm.quant`); one this pocketlm does not know is refused by name."""
+        out = {}
+        for name, q, enc in self._layout_field("encoding"):
+            if not isinstance(enc, str) or ENCODINGS.get(enc) != q.get("kind") or \
+                    q.get("group_size") != 32 or "zero_point" in q:
+                raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
+                                  f"(encoding {short_repr(enc)} for {q.get('kind')!r}); "
+                                  "this pocketlm cannot read it")
+            out[name] = enc
+        return out
+
+    def _layout_field(self, key: str):
+        """``(name, entry, entry[key])`` of every ``quant.tensors`` entry that holds ``key``."""
         quant = self._json("quant", {})
         tensors = quant.get("tensors", {}) if isinstance(quant, dict) else {}
-        out = {}
         for name, q in (tensors.items() if isinstance(tensors, dict) else ()):
-            if isinstance(q, dict) and "encoding" in q:
-                enc = q["encoding"]
-                if not isinstance(enc, str) or ENCODINGS.get(enc) != q.get("kind") or \
-                        q.get("group_size") != 32 or "zero_point" in q:
-                    raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
-                                      f"(encoding {short_repr(enc)} for {q.get('kind')!r}); "
-                                      "this pocketlm cannot read it")
-                out[name] = enc
-        return out
+            if isinstance(q, dict) and key in q:
+                yield name, q, q[key]
 
     @property
     def tokenizer_tensor(self) -> str:
