@@ -87,7 +87,10 @@ def worker(model_name: str, n_prompt: int, reps: int) -> dict:
     except OSError:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KB on Linux
+    native = getattr(rt, "native", None)
+    tiles = native.model.tile_bytes if native is not None else (0, 0)
     return {"prefill_tps": round(statistics.median(prefill), 1),
+            "tile_mb": round(tiles[0] / 1e6, 2), "coded_tile_mb": round(tiles[1] / 1e6, 2),
             "step_ms": {str(r): round(statistics.median(v), 3) for r, v in step_ms.items()},
             "huge_pages_mb": round(huge_kb / 1024, 1), "rss_mb": round(rss_kb / 1024, 1),
             "peak_rss_mb": round(peak / 1024, 1), "logits_sha256": digest.hexdigest()[:16]}
@@ -136,67 +139,80 @@ def pocket_bench_alternating(name: str, variable: str, values: tuple, rounds: in
     return rates
 
 
-def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int, out) -> None:
+# The setting compared (an engine variable, 1 against 0): its name, the benchmark's label, the
+# names of the two sides and the key of a worker line. benchmarks/coded_scales.py reuses this
+# file for POCKET_CODED_SCALES.
+HUGE_PAGES = {"variable": "POCKET_HUGEPAGES", "label": "huge-pages", "on": "huge",
+              "off": "small", "key": "hugepages"}
+
+
+def run_pocket_bench(models: list[str], rounds: int, n_prompt: int, threads: int, out,
+                     setting: dict = HUGE_PAGES) -> None:
     """``pocket bench`` under each setting, alternating: whole generations."""
     from pocketlm.bench import machine_info
 
     machine, today = machine_info(), time.strftime("%Y-%m-%d")
+    on, off, label = setting["on"], setting["off"], setting["label"]
     for name in models:
-        got = pocket_bench_alternating(name, "POCKET_HUGEPAGES", (1, 0), rounds, n_prompt,
-                                       threads, "huge-pages-pocket-bench", "hugepages")
+        got = pocket_bench_alternating(name, setting["variable"], (1, 0), rounds, n_prompt,
+                                       threads, f"{label}-pocket-bench", setting["key"])
         rates = {s: {k: got[s][k] for k in ("prefill", "decode")} for s in (0, 1)}
         med = {s: {k: round(statistics.median(v), 1) for k, v in rates[s].items()} for s in (0, 1)}
-        summary = {"bench": "huge-pages-pocket-bench-summary", "model": name, "rounds": rounds,
-                   "huge": med[1], "small": med[0],
+        summary = {"bench": f"{label}-pocket-bench-summary", "model": name, "rounds": rounds,
+                   on: med[1], off: med[0],
                    "x_prefill": round(med[1]["prefill"] / med[0]["prefill"], 3),
                    "x_decode": round(med[1]["decode"] / med[0]["decode"], 3),
-                   "runs": {"huge": rates[1], "small": rates[0]}, "n_gen": 128,
+                   "runs": {on: rates[1], off: rates[0]}, "n_gen": 128,
                    "threads": threads, "n_prompt": n_prompt, "machine": machine, "date": today,
                    "command": " ".join(sys.argv)}
         _emit(out, summary)
 
 
-def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, out) -> None:
+def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, out,
+        setting: dict = HUGE_PAGES) -> None:
     from pocketlm.bench import machine_info
 
     machine, today = machine_info(), time.strftime("%Y-%m-%d")
+    label = setting["label"]
     for name in models:
         results: dict[int, list[dict]] = {0: [], 1: []}
         cmd = [sys.executable, __file__, "--worker", name, "--n-prompt", str(n_prompt),
                "--reps", str(reps)]
-        for r, setting in _alternating(rounds):
-            env = dict(os.environ, POCKET_HUGEPAGES=str(setting), POCKET_THREADS=str(threads),
-                       OMP_NUM_THREADS=str(threads))
+        for r, value in _alternating(rounds):
+            env = dict(os.environ, POCKET_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                       **{setting["variable"]: str(value)})
             row = _last_json(cmd, env, f"the worker for {name}")
-            results[setting].append(row)
-            line = {"bench": "huge-pages", "model": name, "hugepages": setting, "round": r,
+            results[value].append(row)
+            line = {"bench": label, "model": name, setting["key"]: value, "round": r,
                     **row, "threads": threads, "n_prompt": n_prompt, "machine": machine,
                     "date": today, "command": " ".join(sys.argv)}
             print(json.dumps(line), file=sys.stderr)
         med = {}
-        for setting, rows in results.items():
-            med[setting] = {"prefill_tps": statistics.median(x["prefill_tps"] for x in rows),
-                            **{f"step_ms_{r}": statistics.median(x["step_ms"][str(r)]
-                                                                for x in rows) for r in ROWS},
-                            "huge_pages_mb": statistics.median(x["huge_pages_mb"] for x in rows),
-                            "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in rows)}
+        for value, rows in results.items():
+            med[value] = {"prefill_tps": statistics.median(x["prefill_tps"] for x in rows),
+                          **{f"step_ms_{r}": statistics.median(x["step_ms"][str(r)]
+                                                              for x in rows) for r in ROWS},
+                          "huge_pages_mb": statistics.median(x["huge_pages_mb"] for x in rows),
+                          "peak_rss_mb": statistics.median(x["peak_rss_mb"] for x in rows),
+                          "tile_mb": statistics.median(x["tile_mb"] for x in rows)}
         on, off = med[1], med[0]
         same = {x["logits_sha256"] for x in results[0] + results[1]}
-        summary = {"bench": "huge-pages-summary", "model": name, "rounds": rounds,
-                   "huge": on, "small": off,
+        summary = {"bench": f"{label}-summary", "model": name, "rounds": rounds,
+                   setting["on"]: on, setting["off"]: off,
                    "x_prefill": round(on["prefill_tps"] / off["prefill_tps"], 3),
                    **{f"x_step_{r}": round(off[f"step_ms_{r}"] / on[f"step_ms_{r}"], 3)
                       for r in ROWS},
-                   "verify9_in_steps": {"huge": round(on["step_ms_9"] / on["step_ms_1"], 2),
-                                        "small": round(off["step_ms_9"] / off["step_ms_1"], 2)},
+                   "verify9_in_steps": {setting["on"]: round(on["step_ms_9"] / on["step_ms_1"], 2),
+                                        setting["off"]: round(off["step_ms_9"] / off["step_ms_1"],
+                                                              2)},
                    "identical_logits": len(same) == 1,
                    "threads": threads, "n_prompt": n_prompt, "machine": machine, "date": today,
                    "command": " ".join(sys.argv)}
         _emit(out, summary)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+def main(setting: dict = HUGE_PAGES, doc: str = __doc__) -> None:
+    ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", action="append", default=None,
                     help="registry model (repeatable; default smollm2-135m)")
@@ -217,10 +233,10 @@ def main() -> None:
     out = [sys.stdout] + ([args.out.open("a")] if args.out else [])
     if args.pocket_bench:
         run_pocket_bench(args.model or ["smollm2-135m"], args.rounds, args.n_prompt,
-                         args.threads, out)
+                         args.threads, out, setting)
     else:
         run(args.model or ["smollm2-135m"], args.rounds, args.n_prompt, args.reps,
-            args.threads, out)
+            args.threads, out, setting)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ variable               field            unset
                                         the 64 tiles of 16 rows with the largest estimates
                                         (1 to 256 tiles; 0: the whole head every step;
                                         docs/engine.md)
+``POCKET_CODED_SCALES`` ``coded_scales`` 1: INT4 weights with coded scales (``int4_c8``)
+                                        keep the codes in the engine's tiles where the
+                                        level reads them (avx512 without AMX): 4.5 bits a
+                                        weight read per token instead of 5.0, the same
+                                        results (0: float16 scales and minimums)
 =====================  ===============  ===================================================
 
 Checks that depend on the machine (a kernel level this CPU lacks, ``POCKET_AMX=1`` without
@@ -69,6 +74,7 @@ VARIABLES = {
     "avxvnni": "POCKET_AVXVNNI",
     "hugepages": "POCKET_HUGEPAGES",
     "head_screen": "POCKET_HEAD_SCREEN",
+    "coded_scales": "POCKET_CODED_SCALES",
 }
 
 
@@ -89,6 +95,7 @@ class EngineSettings:
     avxvnni: int = 1
     hugepages: int = 0
     head_screen: int = 64
+    coded_scales: int = 1
     from_environment: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
@@ -176,16 +183,16 @@ def _amx_weights(raw: str) -> str:
     return terms
 
 
-def _avxvnni(raw: str) -> int:
-    if raw not in ("0", "1"):
-        raise KernelError(f"POCKET_AVXVNNI={raw!r}; choose 0 or 1")
-    return int(raw)
+def _zero_one(variable: str):
+    def parse(raw: str) -> int:
+        if raw not in ("0", "1"):
+            raise KernelError(f"{variable}={raw!r}; choose 0 or 1")
+        return int(raw)
+    return parse
 
 
-def _hugepages(raw: str) -> int:
-    if raw not in ("0", "1"):
-        raise KernelError(f"POCKET_HUGEPAGES={raw!r}; choose 0 or 1")
-    return int(raw)
+_avxvnni = _zero_one("POCKET_AVXVNNI")
+_hugepages = _zero_one("POCKET_HUGEPAGES")
 
 
 def _head_screen(raw: str) -> int:
@@ -198,4 +205,4 @@ def _head_screen(raw: str) -> int:
 _PARSERS = {"kernels": _kernels, "cpu_level": _cpu_level, "act": _act, "kv": _kv,
             "threads": _threads, "q8_digits": _q8_digits, "amx": _amx,
             "amx_weights": _amx_weights, "avxvnni": _avxvnni, "hugepages": _hugepages,
-            "head_screen": _head_screen}
+            "head_screen": _head_screen, "coded_scales": _zero_one("POCKET_CODED_SCALES")}

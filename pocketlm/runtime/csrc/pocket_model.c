@@ -31,6 +31,9 @@ static int weight_ok(const pocket_weight *w, int rows, int cols, int allow_f32) 
     if (w->group_size != 32 && w->group_size != 64 && w->group_size != 128) return 0;
     if (cols % 32 || cols % w->group_size || !w->scales) return 0;
     if (w->type != POCKET_WT_Q8 && !w->mins) return 0;
+    /* coded steps: all three arrays, of an INT4 group-32 weight only */
+    const int ncodes = !!w->scale_codes + !!w->min_codes + !!w->code_steps;
+    if (ncodes && (ncodes != 3 || w->type != POCKET_WT_Q4 || w->group_size != 32)) return 0;
     return 1;
 }
 
@@ -145,6 +148,7 @@ typedef struct tile_jobs {
     const pocket_weight **w; /* w[k]: the source of m->tiled[k], or NULL (not repacked) */
     tile_piece *pieces;
     int npieces;
+    int bad[PM_TILE_TASKS]; /* per task: a coded weight whose codes did not give its steps */
 } tile_jobs;
 
 static int larger_first(const void *a, const void *b) {
@@ -159,14 +163,23 @@ static pm_tiled *pm_planes_of(pocket_model *m, int k) {
     return m->head_screen && k == 7 * m->c.n_layers ? &m->head_lo : NULL;
 }
 
+/* Whether weight w (tiled weight k) keeps its coded steps in its tiles: with config
+ * coded_scales, on a level whose products read them, without the tile unit (its products
+ * read float16 steps), and not as a screened head's planes. */
+static int coded_tiles(const pocket_model *m, const pocket_weight *w, int k) {
+    return m->c.coded_scales && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
+           w->scale_codes && w->type == POCKET_WT_Q4 && w->group_size == 32 &&
+           w->cols / 32 <= PM_CODED_MAX_GROUPS;
+}
+
 static void tiles_task(void *ctx, int task, int ntasks) {
     tile_jobs *J = (tile_jobs *)ctx;
     (void)ntasks;
     for (int i = 0; i < J->npieces; i++) {
         const tile_piece *p = &J->pieces[i];
         if (p->owner == task)
-            pm_tiled_fill(J->w[p->k], &J->m->tiled[p->k], pm_planes_of(J->m, p->k), p->tb, p->te,
-                          J->m->c.release_source);
+            J->bad[task] |= pm_tiled_fill(J->w[p->k], &J->m->tiled[p->k], pm_planes_of(J->m, p->k),
+                                          p->tb, p->te, J->m->c.release_source);
     }
 }
 
@@ -200,7 +213,7 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
     size_t total = 0;
     for (int k = 0; k < n && !rc; k++)
         if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k], pm_planes_of(m, k),
-                                            m->c.huge_pages)))
+                                            m->c.huge_pages, coded_tiles(m, J.w[k], k))))
             total += (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
     for (int k = 0; k < n && !rc; k++) {
         if (!J.w[k]) continue;
@@ -232,10 +245,24 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
         if (m->c.release_source)
             for (int k = 0; k < n; k++)
                 if (J.w[k]) pm_tiled_release_source(J.w[k]);
+        for (int t = 0; t < ntasks; t++)
+            if (J.bad[t]) rc = POCKET_EINVAL;
     }
     free(J.w);
     free(J.pieces);
     return rc;
+}
+
+size_t pocket_model_tile_bytes(const pocket_model *m, size_t *coded) {
+    size_t total = 0, in_coded = 0;
+    for (int k = 0; m && k < 7 * m->c.n_layers + 1; k++) {
+        const size_t b = (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
+        total += b;
+        if (m->tiled[k].coded) in_coded += b;
+    }
+    if (m) total += (size_t)m->head_lo.ntiles * m->head_lo.tile_bytes;
+    if (coded) *coded = in_coded;
+    return total;
 }
 
 int pocket_model_amx_available(void) {
@@ -333,6 +360,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     if (c.amx != 0 && c.amx != 1) return POCKET_EINVAL;
     if (c.avxvnni != 0 && c.avxvnni != 1) return POCKET_EINVAL;
     if (c.head_screen < 0 || c.head_screen > PM_SCREEN_MAX) return POCKET_EINVAL;
+    if (c.coded_scales != 0 && c.coded_scales != 1) return POCKET_EINVAL;
     if (c.amx_one_term & ~POCKET_Q8_ALL) return POCKET_EINVAL;
 #if PM_HAVE_AMX
     if (c.amx && (kernels->level != POCKET_LEVEL_AVX512 || !pm_amx_enable()))

@@ -60,6 +60,16 @@ typedef struct pocket_weight {
     const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4, Q5) */
     int mins_in_memory;     /* the mins were computed (implicit zero point), not mapped from the
                              * file: release_source never hands their pages back */
+    /* Optional coded steps of an INT4 group-32 weight (the deploy format's "int4_c8"): scale
+     * code uint8 [rows, cols / 32], minimum code int8 [rows, cols / 32] and two float16 steps
+     * per row code_steps [rows, 2] (d, dmin), so that scales[r][g] = f16(scale_codes[r][g] * d)
+     * and mins[r][g] = f16(min_codes[r][g] * dmin), each product in float32 rounded once (the
+     * repack checks every group against scales / mins and refuses the model otherwise). With
+     * config.coded_scales, a level that reads them keeps the codes in its tiles: 4.5 bits per
+     * weight read per token instead of 5.0, the same products bit for bit. All NULL: none. */
+    const uint8_t *scale_codes;
+    const int8_t *min_codes;
+    const uint16_t *code_steps;
     /* Optional low-rank adapter (LoRA) kept beside the weight: the product becomes
      * y = x W^T + (x A^T) B^T, the adapter's part in float32 (its scale folded into B), on every
      * path (prefill, decode, batched decode, verification), row by row alike. lora_rank 0: none
@@ -118,6 +128,10 @@ typedef struct pocket_model_config {
                          * for the K tiles of 16 rows with the largest estimates; its other
                          * logits stay estimates. Every other row gets the INT8 head's values
                          * bit for bit. 0: the INT8 head as it is. Range 0..256. */
+    int coded_scales;   /* 1: the INT4 weights that carry coded steps (pocket_weight.
+                         * scale_codes) keep them in their tiles where the level reads them
+                         * (avx512 without AMX): fewer bytes per token, the same results.
+                         * 0: every tile holds float16 scales and minimums. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;
@@ -126,6 +140,10 @@ typedef struct pocket_kv pocket_kv;
 /* 1 when config.amx can be used here (built with AMX support, a CPU with AMX-BF16 and the
  * avx512 level, the OS grants the tile state: asked once per process), else 0. */
 int pocket_model_amx_available(void);
+
+/* Bytes of the model's repacked weights (its tiles; a screened head's two planes), and of
+ * those the tiles of coded INT4 weights (pm_tiled.coded) take: what the products stream. */
+size_t pocket_model_tile_bytes(const pocket_model *m, size_t *coded);
 
 /* The engine's int8 activation digits (pm_act in pocket_model_ops.h) of x [n, cols] (cols a
  * positive multiple of 32), computed by the operations of kernel table `kernels` (the same

@@ -195,14 +195,21 @@ static inline size_t pm_row_bytes(const pocket_weight *w) {
 
 /* Lay out and allocate the 16-row tiles of `w` (INT4, INT5 or INT8) in `t` (zeroed memory);
  * with `lo` (INT8 only), its two nibble planes instead (see pocket_model.head_lo): `t` the high
- * plane and the scales, `lo` the low plane. */
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge);
+ * plane and the scales, `lo` the low plane. `coded`: an INT4 group-32 weight with coded steps
+ * (pocket_weight.scale_codes) keeps them coded (pm_tiled.coded). */
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, int coded);
 
 /* Repack tiles [tb, te) of `w` into `t` (and `lo`: the nibble planes of pm_tiled_alloc; else
  * NULL); ranges of one weight may be filled by different threads. With `release`, the source
- * pages of those rows (a read-only file mapping) are handed back as the repacking goes. */
-void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
-                   int release);
+ * pages of those rows (a read-only file mapping) are handed back as the repacking goes.
+ * Returns 0, or 1 when `t` is coded and a group's codes do not give the weight's float16
+ * scale or minimum (then the tiles must not be used). */
+int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
+                  int release);
+
+/* The float16 scales and minimums of coded tile record `rec` of `w` (pm_tiled.coded) in the
+ * layout of a float16 tile's: out [ng x 16 scales][ng x 16 mins]. */
+void pm_tiled_coded_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out);
 
 /* Hand back every source page of `w` (a read-only file mapping), e.g. those that straddled
  * the ends of the ranges filled. */

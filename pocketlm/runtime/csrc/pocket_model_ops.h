@@ -69,7 +69,15 @@ typedef struct pm_attn_args {
  *         8m + j of lane i, of the second bit 4 of column 8m + 4 + j (values 0..31; a masked
  *         byte add of 16 completes a vector);
  *   INT8: 8 vectors per block; vector k, lane i, byte j = column 4k + j, stored as q + 128.
- * Scales (and mins) of group g are 16 float16 values, one per row of the tile. */
+ * Scales (and mins) of group g are 16 float16 values, one per row of the tile.
+ *
+ * Coded INT4 tiles (pm_tiled.coded, group 32, pocket_weight.scale_codes) hold the steps as
+ * their codes instead:
+ *   [nb blocks][ng x 16 uint8 scale codes][ng x 16 int8 minimum codes][16 float16 d]
+ *   [16 float16 dmin]  (64-aligned)
+ * and a kernel that reads them first decodes a tile's scales and minimums into the float16
+ * layout above (pm_tiled_coded_steps: f16(code * d), the product in float32 rounded once),
+ * so that its products are those of the float16 tiles bit for bit. */
 typedef struct pm_tiled {
     int bits; /* 4 | 5 | 8 */
     int rows, cols, group_size;
@@ -77,8 +85,12 @@ typedef struct pm_tiled {
     size_t block_bytes; /* 256 | 320 | 512 */
     size_t tile_bytes;  /* bytes of one tile record */
     size_t scale_off;   /* offset of the scales in a record (mins follow: + ng * 32) */
+    int coded;          /* 1: coded INT4 steps (above) */
     uint8_t *data;
 } pm_tiled;
+
+/* The most groups of 32 columns a coded tile may have (its decoded steps go on the stack). */
+#define PM_CODED_MAX_GROUPS 256
 
 /* Bytes of a block of 32 columns in a tile record for BITS-bit weights (pm_tiled.block_bytes),
  * as a constant where BITS is one. */
@@ -172,6 +184,8 @@ typedef struct pm_ops {
      * NULL where a level has none (then no head is split). */
     void (*matmul_planes)(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,
                           size_t ystride, int tb, int te);
+    /* 1: matmul_tiled reads coded INT4 tiles (pm_tiled.coded); 0: only float16 steps */
+    int coded;
 } pm_ops;
 
 /* BITS values of the SIMD tile kernels for an INT8 matrix held as its two nibble planes

@@ -128,12 +128,15 @@ void pm_advise_random_rows(const pocket_weight *w) {
  * x 640 embedding used as the head) never sits in memory whole beside its copy. */
 #define PM_RELEASE_TILES 256
 
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge) {
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, int coded) {
     memset(t, 0, sizeof *t);
     if (lo) memset(lo, 0, sizeof *lo);
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8)
         return POCKET_EINVAL;
     if (lo && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
+    if (coded && (w->type != POCKET_WT_Q4 || w->group_size != 32 || !w->scale_codes ||
+                  !w->min_codes || !w->code_steps || w->cols / 32 > PM_CODED_MAX_GROUPS || lo))
+        return POCKET_EINVAL;
     /* the nibble planes of INT8 (lo): t the INT4 blocks of the high nibbles and the scales (no
      * minimums), lo the low nibbles' blocks only */
     const int mins = w->type != POCKET_WT_Q8;
@@ -147,7 +150,10 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge) 
     t->gpb = w->group_size / 32;
     t->block_bytes = t->bits == 4 ? 256 : t->bits == 5 ? 320 : 512;
     t->scale_off = (size_t)t->nb * t->block_bytes;
-    t->tile_bytes = pocket_round_up(t->scale_off + (size_t)t->ng * 32 * (mins ? 2 : 1), 64);
+    t->coded = coded;
+    t->tile_bytes = pocket_round_up(
+        t->scale_off + (coded ? (size_t)t->ng * 32 + 64 : (size_t)t->ng * 32 * (mins ? 2 : 1)),
+        64);
     t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes, huge);
     if (!t->data) return POCKET_ENOMEM;
     if (!lo) return POCKET_OK;
@@ -177,10 +183,53 @@ static inline void nibble_block(const uint8_t *v, uint8_t *src) {
     for (int k = 0; k < 16; k++) src[k] = (uint8_t)((v[k] & 15) | (v[16 + k] << 4));
 }
 
-void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
-                   int release) {
+/* float16 bits of the float32 product code * step (exact: an 8-bit code times a float16),
+ * rounded to nearest even */
+static uint16_t coded_step(int code, uint16_t step) {
+    const float v = (float)code * pocket_f16_to_f32(step);
+    uint16_t h;
+    pm_to_f16_portable(&v, &h, 1);
+    return h;
+}
+
+/* The codes of row r of coded weight w into lane i of coded tile record rec; 1 if a group's
+ * codes do not give the row's float16 scale or minimum. */
+static int fill_coded(const pocket_weight *w, const pm_tiled *t, uint8_t *rec, size_t r, int i) {
+    const size_t ng = (size_t)t->ng;
+    uint8_t *sc = rec + t->scale_off;
+    int8_t *mc = (int8_t *)sc + ng * 16;
+    uint16_t *st = (uint16_t *)(sc + ng * 32);
+    const uint16_t d = w->code_steps[2 * r], dmin = w->code_steps[2 * r + 1];
+    st[i] = d;
+    st[16 + i] = dmin;
+    int bad = 0;
+    for (size_t g = 0; g < ng; g++) {
+        const uint8_t s = w->scale_codes[r * ng + g];
+        const int8_t m = w->min_codes[r * ng + g];
+        sc[16 * g + (size_t)i] = s;
+        mc[16 * g + (size_t)i] = m;
+        bad |= coded_step(s, d) != w->scales[r * ng + g] || coded_step(m, dmin) != w->mins[r * ng + g];
+    }
+    return bad;
+}
+
+void pm_tiled_coded_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+    const size_t ng = (size_t)w->ng;
+    const uint8_t *sc = rec + w->scale_off;
+    const int8_t *mc = (const int8_t *)sc + ng * 16;
+    const uint16_t *st = (const uint16_t *)(sc + ng * 32);
+    for (size_t g = 0; g < ng; g++)
+        for (int i = 0; i < 16; i++) {
+            out[16 * g + (size_t)i] = coded_step(sc[16 * g + (size_t)i], st[i]);
+            out[16 * (ng + g) + (size_t)i] = coded_step(mc[16 * g + (size_t)i], st[16 + i]);
+        }
+}
+
+int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
+                  int release) {
     const int q4 = w->type == POCKET_WT_Q4, q5 = w->type == POCKET_WT_Q5;
     const size_t C = (size_t)w->cols, ng = (size_t)t->ng, row_bytes = pm_row_bytes(w);
+    int bad = 0;
     for (int tl = tb; tl < te; tl++) {
         uint8_t *rec = t->data + (size_t)tl * t->tile_bytes;
         uint8_t *rlo = lo ? lo->data + (size_t)tl * lo->tile_bytes : NULL;
@@ -194,10 +243,13 @@ void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, in
                             rec[(size_t)b * 512 + 64 * (k / 4) + 4 * i + (k & 3)] = 128;
                 continue;
             }
-            for (size_t g = 0; g < ng; g++) {
-                sc[16 * g + i] = w->scales[r * ng + g];
-                if (q4 || q5) mn[16 * g + i] = w->mins[r * ng + g];
-            }
+            if (t->coded)
+                bad |= fill_coded(w, t, rec, r, i);
+            else
+                for (size_t g = 0; g < ng; g++) {
+                    sc[16 * g + i] = w->scales[r * ng + g];
+                    if (q4 || q5) mn[16 * g + i] = w->mins[r * ng + g];
+                }
             if (q4) {
                 const uint8_t *src = (const uint8_t *)w->data + r * row_bytes;
                 for (int b = 0; b < t->nb; b++, src += 16)
@@ -246,6 +298,7 @@ void pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, in
     if (release) /* the rest of the range, and the pages that straddled chunk ends */
         release_rows(w, (size_t)tb * 16,
                      (size_t)te * 16 < (size_t)w->rows ? (size_t)te * 16 : (size_t)w->rows);
+    return bad;
 }
 
 /* Row r of a tiled matrix as floats: the same values (and float operations) as dequantizing
@@ -254,6 +307,19 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
     const uint8_t *rec = w->data + (r / 16) * w->tile_bytes;
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off), *mn = sc + (size_t)w->ng * 16;
     const int i = (int)(r % 16), per_group = w->group_size;
+    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a coded tile: lane i's steps decoded */
+    if (w->coded) {
+        const size_t ng = (size_t)w->ng;
+        const uint8_t *scode = rec + w->scale_off;
+        const int8_t *mcode = (const int8_t *)scode + ng * 16;
+        const uint16_t *st = (const uint16_t *)(scode + ng * 32);
+        for (size_t g = 0; g < ng; g++) {
+            steps[16 * g + (size_t)i] = coded_step(scode[16 * g + (size_t)i], st[i]);
+            steps[16 * (ng + g) + (size_t)i] = coded_step(mcode[16 * g + (size_t)i], st[16 + i]);
+        }
+        sc = steps;
+        mn = steps + ng * 16;
+    }
     for (int b = 0; b < w->nb; b++)
         for (int k = 0; k < 32; k++) {
             const int c = 32 * b + k, g = c / per_group;

@@ -297,7 +297,8 @@ static TGTV void quant_act_avx512(const float *x, int n, int cols, int digits, i
  * planes recombined give INT8's integer sums and float steps, bit for bit. */
 static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T,
                                       const pm_tiled *w, const pm_tiled *w2, const pm_act *a,
-                                      int i0, float *y, size_t ystride, int tile, int prefetch) {
+                                      int i0, float *y, size_t ystride, int tile, int prefetch,
+                                      const uint16_t *steps) {
     const int EST = BITS == PM_BITS_ESTIMATE, PL = BITS == PM_BITS_PLANES;
     const int NIB = BITS != 8;       /* operand pairs of nibble vectors */
     const int MINS = NIB && !PL;     /* minimums per group */
@@ -305,6 +306,10 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
     const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
+    if (steps) { /* a coded tile's steps, decoded */
+        sc = steps;
+        mn = steps + (size_t)w->ng * 16;
+    }
     const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
     const int8_t *x1[4], *x2[4];
@@ -417,17 +422,45 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
 
+/* The float16 scales and minimums of coded tile record rec (pm_tiled_coded_steps, bit for
+ * bit: the code times the row's step in float32, rounded to nearest even once). */
+static inline TGTV void coded_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+    const size_t ng = (size_t)w->ng;
+    const uint8_t *sc = rec + w->scale_off;
+    const int8_t *mc = (const int8_t *)sc + ng * 16;
+    const uint16_t *st = (const uint16_t *)(sc + ng * 32);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
+    const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 16)));
+    for (size_t g = 0; g < ng; g++) {
+        const __m512 s = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * g)))),
+            d);
+        const __m512 m = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mc + 16 * g)))),
+            dm);
+        _mm256_storeu_si256((__m256i *)(out + 16 * g), _mm512_cvtps_ph(s, PM_RNE));
+        _mm256_storeu_si256((__m256i *)(out + 16 * (ng + g)), _mm512_cvtps_ph(m, PM_RNE));
+    }
+}
+
 static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
                                        const pm_tiled *w2, const pm_act *a, float *y,
                                        size_t ystride, int tb, int te) {
+    uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS] __attribute__((aligned(64)));
+    const int coded = BITS == 4 && w->coded;
     for (int tile = tb; tile < te; tile++) {
+        const uint16_t *st = NULL;
+        if (coded) {
+            coded_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
+            st = buf;
+        }
         int i0 = 0;
         for (; i0 + 4 <= a->n; i0 += 4)
-            tiled_tile(BITS, DIG, 4, w, w2, a, i0, y, ystride, tile, i0 == 0);
+            tiled_tile(BITS, DIG, 4, w, w2, a, i0, y, ystride, tile, i0 == 0, st);
         switch (a->n - i0) {
-        case 1: tiled_tile(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: tiled_tile(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: tiled_tile(BITS, DIG, 3, w, w2, a, i0, y, ystride, tile, i0 == 0); break;
+        case 1: tiled_tile(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, i0 == 0, st); break;
+        case 2: tiled_tile(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, i0 == 0, st); break;
+        case 3: tiled_tile(BITS, DIG, 3, w, w2, a, i0, y, ystride, tile, i0 == 0, st); break;
         default: break;
         }
     }
@@ -449,11 +482,16 @@ static TGTV void matmul_planes_avx512(const pm_tiled *hi, const pm_tiled *lo, co
  * acc += d * scale + sum(x_g) * min  (INT8: - 128 * sum(x_g) * scale). */
 static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SPL,
                                        const pm_tiled *w, const pm_act *a, int i0, float *y,
-                                       size_t ystride, int tile, int prefetch) {
+                                       size_t ystride, int tile, int prefetch,
+                                       const uint16_t *steps) {
     const int Q4 = BITS != 8; /* nibbles and minimums */
     const size_t BB = PM_BLOCK_BYTES(BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
+    if (steps) { /* a coded tile's steps, decoded */
+        sc = steps;
+        mn = steps + (size_t)w->ng * 16;
+    }
     const int ng = w->ng, gpb = w->gpb, nb = w->nb;
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 lut16 = _mm512_add_ps(lut, _mm512_set1_ps(16.0f));
@@ -541,18 +579,26 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
 
 static inline TGTV AI void tiledf_range(const int BITS, const pm_tiled *w, const pm_act *a,
                                         float *y, size_t ystride, int tb, int te) {
+    uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS] __attribute__((aligned(64)));
+    const int coded = BITS == 4 && w->coded;
     for (int tile = tb; tile < te; tile++) {
+        const uint16_t *st = NULL;
+        if (coded) {
+            coded_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
+            st = buf;
+        }
         int i0 = 0;
         /* the same operations for a (row, token) whatever the token count: SPL = 2 always */
-        for (; i0 + 8 <= a->n; i0 += 8) tiledf_tile(BITS, 8, 2, w, a, i0, y, ystride, tile, i0 == 0);
+        for (; i0 + 8 <= a->n; i0 += 8)
+            tiledf_tile(BITS, 8, 2, w, a, i0, y, ystride, tile, i0 == 0, st);
         if (a->n - i0 >= 4) {
-            tiledf_tile(BITS, 4, 2, w, a, i0, y, ystride, tile, i0 == 0);
+            tiledf_tile(BITS, 4, 2, w, a, i0, y, ystride, tile, i0 == 0, st);
             i0 += 4;
         }
         switch (a->n - i0) {
-        case 1: tiledf_tile(BITS, 1, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 2: tiledf_tile(BITS, 2, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
-        case 3: tiledf_tile(BITS, 3, 2, w, a, i0, y, ystride, tile, i0 == 0); break;
+        case 1: tiledf_tile(BITS, 1, 2, w, a, i0, y, ystride, tile, i0 == 0, st); break;
+        case 2: tiledf_tile(BITS, 2, 2, w, a, i0, y, ystride, tile, i0 == 0, st); break;
+        case 3: tiledf_tile(BITS, 3, 2, w, a, i0, y, ystride, tile, i0 == 0, st); break;
         default: break;
         }
     }
@@ -598,6 +644,7 @@ const pm_ops pm_ops_avx512 = {
     "avx512",          rmsnorm_avx512,        attn_avx512,             glu_avx512,
     pm_matmul_f32_avx2, to_f16_avx512,        quant_act_avx512,        matmul_tiled_avx512,
     block_sums_avx512, pm_lora_down_avx2,    pm_lora_up_avx2,       matmul_planes_avx512,
+    1, /* coded INT4 tiles */
 };
 
 #endif /* PM_HAVE_AVX512 */

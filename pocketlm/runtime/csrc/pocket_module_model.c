@@ -5,7 +5,10 @@
  * NativeModel(config, weights, capacity, act_q8=0, level=-1, threads=1, pool=None, avxvnni=1)
  *   config:  dict of pocketlm.config.ModelConfig fields (to_dict()).
  *   weights: dict name -> float32 numpy array (norms, biases, float weights), or a tuple
- *            ("int4", qweight uint8 [rows, cols/2], scales f16, mins f16, group_size),
+ *            ("int4", qweight uint8 [rows, cols/2], scales f16, mins f16, group_size
+ *            [, mins_in_memory[, codes]]) with codes None or (scale codes uint8 [rows, cols/32],
+ *            min codes int8 [rows, cols/32], steps f16 [rows, 2]) for group 32
+ *            (pocket_weight.scale_codes: scales and mins must be the codes' products),
  *            ("int5", qweight uint8 [rows, cols/32*20], scales f16, mins f16, group_size) or
  *            ("int8", qweight int8 [rows, cols], scales f16, group_size).
  *            Optional "layers.N.attn.k_smooth": float32 [kv_dim], the int8 KV cache's key
@@ -22,6 +25,8 @@
  *            multiply-add pairs (the same results).
  *   config "huge_pages" true: the repacked weights ask for transparent huge pages
  *            (pocket_model_config.huge_pages; the same results).
+ *   config "coded_scales" true: INT4 weights with codes keep them in their tiles where the
+ *            level reads them (pocket_model_config.coded_scales; the same results).
  *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, its K
  *            best tiles of 16 rows refined (pocket_model_config.head_screen; 0: the INT8
  *            head). forward(screen=True), forward_batch / verify_batch(screen=bytes, one per
@@ -206,16 +211,17 @@ static int model_matrix(ModelObject *self, PyObject *weights, const char *name, 
     int is4 = kind && PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "int4") == 0;
     int is5 = kind && PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "int5") == 0;
     int is8 = kind && PyUnicode_Check(kind) && PyUnicode_CompareWithASCIIString(kind, "int8") == 0;
-    if (!((is4 || is5) && (len == 5 || len == 6)) && !(is8 && len == 4)) {
+    if (!((is4 || is5) && (len == 5 || len == 6)) && !(is4 && len == 7) && !(is8 && len == 4)) {
         PyErr_Format(PyExc_TypeError,
                      "weight '%s' must be a float32 array, ('int4' or 'int5', qweight, scales, "
-                     "mins, group_size[, mins_in_memory]) or ('int8', qweight, scales, "
+                     "mins, group_size[, mins_in_memory]), ('int4', qweight, scales, mins, "
+                     "group_size, mins_in_memory, codes) or ('int8', qweight, scales, "
                      "group_size)",
                      name);
         return -1;
     }
     PyObject *ogs = PyTuple_GET_ITEM(obj, is8 ? 3 : 4);
-    w->mins_in_memory = len == 6 && PyObject_IsTrue(PyTuple_GET_ITEM(obj, 5)) == 1;
+    w->mins_in_memory = len >= 6 && PyObject_IsTrue(PyTuple_GET_ITEM(obj, 5)) == 1;
     long gs = PyLong_Check(ogs) ? PyLong_AsLong(ogs) : -1;
     if (gs != 32 && gs != 64 && gs != 128) {
         PyErr_Clear();
@@ -240,6 +246,23 @@ static int model_matrix(ModelObject *self, PyObject *weights, const char *name, 
             model_keep(self, PyTuple_GET_ITEM(obj, 3), name, 'e', 2, rows, ng,
                        (const void **)&w->mins))
             return -1;
+        PyObject *codes = len == 7 ? PyTuple_GET_ITEM(obj, 6) : Py_None;
+        if (codes != Py_None) {
+            if (!PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 3 || gs != 32) {
+                PyErr_Format(PyExc_TypeError,
+                             "weight '%s': codes must be None or (scale codes, min codes, "
+                             "steps) of a group-32 weight",
+                             name);
+                return -1;
+            }
+            if (model_keep(self, PyTuple_GET_ITEM(codes, 0), name, 'B', 2, rows, ng,
+                           (const void **)&w->scale_codes) ||
+                model_keep(self, PyTuple_GET_ITEM(codes, 1), name, 'b', 2, rows, ng,
+                           (const void **)&w->min_codes) ||
+                model_keep(self, PyTuple_GET_ITEM(codes, 2), name, 'e', 2, rows, 2,
+                           (const void **)&w->code_steps))
+                return -1;
+        }
     } else {
         w->type = POCKET_WT_Q8;
         if (model_keep(self, PyTuple_GET_ITEM(obj, 1), name, 'b', 2, rows, cols, &w->data) ||
@@ -342,6 +365,10 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         truth = hp ? PyObject_IsTrue(hp) : 0;
         if (truth < 0) return NULL;
         c.huge_pages = truth;
+        PyObject *cs = cfg_item(cfg, "coded_scales", 0);
+        truth = cs ? PyObject_IsTrue(cs) : 0;
+        if (truth < 0) return NULL;
+        c.coded_scales = truth;
         PyObject *hs = cfg_item(cfg, "head_screen", 0);
         if (hs) {
             const long k = PyLong_AsLong(hs);
@@ -809,11 +836,20 @@ static PyObject *model_get_level(ModelObject *self, void *c) {
     return PyUnicode_FromString(pocket_level_name(self->level));
 }
 
+static PyObject *model_get_tile_bytes(ModelObject *self, void *c) {
+    (void)c;
+    size_t coded = 0;
+    const size_t total = pocket_model_tile_bytes(self->model, &coded);
+    return Py_BuildValue("(nn)", (Py_ssize_t)total, (Py_ssize_t)coded);
+}
+
 static PyGetSetDef model_getset[] = {
     {"vocab_size", (getter)model_get_vocab, NULL, "vocabulary size", NULL},
     {"capacity", (getter)model_get_capacity, NULL, "the largest KV cache capacity", NULL},
     {"act_q8", (getter)model_get_act_q8, NULL, "products with int8 activations (Q8_* bits)", NULL},
     {"level", (getter)model_get_level, NULL, "kernel level in use", NULL},
+    {"tile_bytes", (getter)model_get_tile_bytes, NULL,
+     "(bytes of the repacked weights, of which in coded INT4 tiles)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
