@@ -73,9 +73,9 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         # the advice only takes where the OS hands out transparent huge pages on request
         "hugepages": None if engine["huge_pages"] is None else int(engine["huge_pages"]),
         "head_screen": engine["head_screen"],
-        # coded INT4 scales stay coded in the tiles only where the products read them
+        # coded INT4 scales stay coded in the tiles but for the AMX prefill's float16 steps
         "coded_scales": None if engine["level"] is None else int(
-            bool(settings.coded_scales) and engine["level"] == "avx512" and not engine["amx"]),
+            bool(settings.coded_scales) and not engine["amx"]),
     }
     rows = {}
     for name, variable, _, source in settings.items():

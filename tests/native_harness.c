@@ -42,6 +42,9 @@
  *     kind 5 (INT5):    uint8 qweight [rows, cols / 32 * 20], then scales and mins as INT4
  *                       (layout: POCKET_WT_Q5 in pocket_model.h)
  *     kind 8 (INT8):    int8 qweight [rows, cols], float16 scales [rows, cols / gs]
+ *     kind 14 (INT4 with coded steps, group 32): INT4's arrays, then uint8 scale codes
+ *                       [rows, cols / 32], int8 minimum codes [rows, cols / 32], float16
+ *                       steps [rows, 2] (pocket_weight.scale_codes; config coded_scales 1)
  *     (group_size is 0 for float32)
  *   in this order (the names pocketlm.config.ModelConfig uses):
  *     embed.weight, lm_head.weight (only if has_lm_head), norm.weight, then per layer i:
@@ -184,6 +187,8 @@ static const float *rd_vector(reader *r, const char *name, int len) {
     return (const float *)rd_array(r, (size_t)len * sizeof(float), name);
 }
 
+#define KIND_Q4_CODED 14 /* the dump's kind of an INT4 weight with coded steps */
+
 static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_weight *w) {
     int kind, rr, cc, gs;
     memset(w, 0, sizeof *w);
@@ -199,6 +204,11 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
         w->data = rd_array(r, rc * sizeof(float), name);
         return;
     }
+    const int coded = kind == KIND_Q4_CODED;
+    if (coded) {
+        if (gs != 32) die("tensor '%s': coded steps need group size 32, got %d", name, gs);
+        kind = POCKET_WT_Q4;
+    }
     if (kind != POCKET_WT_Q4 && kind != POCKET_WT_Q5 && kind != POCKET_WT_Q8)
         die("tensor '%s': unknown kind %d", name, kind);
     if (gs != 32 && gs != 64 && gs != 128)
@@ -213,6 +223,11 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
         w->data = rd_array(r, kind == POCKET_WT_Q4 ? rc / 2 : rc / 32 * 20, name);
         w->scales = (const uint16_t *)rd_array(r, ng * sizeof(uint16_t), name);
         w->mins = (const uint16_t *)rd_array(r, ng * sizeof(uint16_t), name);
+        if (coded) {
+            w->scale_codes = (const uint8_t *)rd_array(r, ng, name);
+            w->min_codes = (const int8_t *)rd_array(r, ng, name);
+            w->code_steps = (const uint16_t *)rd_array(r, (size_t)rows * 2 * sizeof(uint16_t), name);
+        }
     } else {
         w->data = rd_array(r, rc, name);
         w->scales = (const uint16_t *)rd_array(r, ng * sizeof(uint16_t), name);
@@ -338,6 +353,7 @@ int main(int argc, char **argv) {
     c.rope_theta_local = theta_local;
     c.release_source = 0;
     c.head_screen = screen;
+    c.coded_scales = 1; /* NativeModel's default (POCKET_CODED_SCALES) */
     c.avxvnni = 1; /* NativeModel's default (the avx2 level only) */
     const int capacity = c.max_positions;
     if (na + 1 > capacity || nb + 1 > capacity)

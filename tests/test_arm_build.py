@@ -6,7 +6,8 @@ over both caches, with the portable kernels (``POCKET_LEVEL_SCALAR``) and a pool
 It is compiled with the engine's sources (setup.py's, less the CPython module pocket_module*.c)
 twice: ``gcc`` for this host and ``aarch64-linux-gnu-gcc`` for ARM64, run under
 ``qemu-aarch64 -L /usr/aarch64-linux-gnu``. Tiny random models of every family (INT4 layers,
-INT8 embedding / head, as test_native_forward quantizes them), each run with int8 activations
+INT8 embedding / head, as test_native_forward quantizes them; W_down in INT5 and W_gate / W_up
+in INT4 with coded steps, which the engine keeps coded in its tiles), each run with int8 activations
 on and off (act_q8 = 31 / 0) and float16 KV caches on and off.
 
 Flags: setup.py's, from ``build_flags.py`` (``-O3 -std=c11 -fno-strict-aliasing -Wall
@@ -24,8 +25,11 @@ the whole of the cross-architecture difference: with it pinned, every logit is b
 Checks, per family and mode (bounds relative to the largest |logit| of the reference):
 
 * pinned: ARM64 logits == host logits, bit for bit (observed: identical, all 20 cases);
-* real builds: ARM64 within 1e-5 of the host (observed: 0 with int8 activations; up to 6.2e-7
-  with float activations, where glibc's tanhf shows through silu / GELU);
+* real builds: ARM64 within 1e-5 of the host with float activations (observed: up to 6.2e-7,
+  where glibc's tanhf shows through silu / GELU) and within 1e-4 with int8 activations
+  (observed: 0 on most models, 4.5e-5 on qwen3: an activation that glibc's 1-ulp difference
+  moves across a rounding boundary of its int8 digits changes that digit; the pinned builds
+  show the engine's own arithmetic identical);
 * real builds, both targets, within test_native_forward's bounds (its MODES) of the numpy
   reference runtime: f32 2e-5 (observed <= 1.4e-6), f32 activations + f16 KV 3e-3 (observed
   <= 5e-4), q8 2e-2 (observed <= 5.4e-4; also used for q8 with a float32 KV cache, whose
@@ -63,7 +67,13 @@ import pytest
 import torch_ref
 from test_native_forward import IDS, MODES
 
-from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
+from pocketlm.quant import (
+    EncodedQuantTensor,
+    code_steps,
+    quantize_int4,
+    quantize_int5,
+    quantize_int8,
+)
 from pocketlm.runtime import Runtime
 from pocketlm.runtime.kernels import native
 
@@ -93,25 +103,35 @@ BATCH = [42, 250]  # one forward_batch step: the next token of each sequence
 N_ROWS = len(IDS) + len(IDS_B) + len(BATCH)
 RUNS = [(0, 0), (0, 1), (31, 0), (31, 1), (31, 2)]  # (act_q8, kv_fmt: 0 f32, 1 f16, 2 int8)
 BOUND_MODE = {(0, 0): "f32", (0, 1): "f32-kv16", (31, 0): "q8", (31, 1): "q8", (31, 2): "q8-kv8"}
-ARM_VS_HOST = 1e-5  # real libm; pinned: bit-identical
+ARM_VS_HOST = {0: 1e-5, 31: 1e-4}  # real libm, by act_q8; pinned: bit-identical
 NEON_CPU = "max"  # qemu's CPU model for the neon runs: reports asimddp (SDOT) in HWCAP
 NO_DOTPROD_CPU = "cortex-a53"  # ARMv8.0-A: NEON without the dot-product extension
 OPS = {"scalar": "portable", "neon": "neon"}  # level -> the engine's operations (pm_ops_*)
 
-KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8}
+KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8, "int4_c8": 14}
 
 
 # -- the model dump (format: the top of tests/native_harness.c) --------------------------------
 
+def _coded(qt):
+    """An INT4 group-32 tensor with its scales and minimums as codes (``int4_c8``)."""
+    sc, mc, rd = code_steps(qt.scales.astype(np.float32), qt.mins.astype(np.float32))
+    return EncodedQuantTensor("int4_c8", qt.shape, {"": qt.qweight, ".sc": sc, ".mc": mc,
+                                                    ".rd": rd})
+
+
 def _weights(cfg, seed):
     """As test_native_forward._weights(quantized=True): INT4 layers, INT8 embedding / head;
-    W_down in INT5 (the other weight layout of a keep-precision pack)."""
+    W_down in INT5 (the other weight layout of a keep-precision pack), W_gate and W_up in INT4
+    with coded steps (a bit budget's layout)."""
     sd = torch_ref.random_state_dict(cfg, seed=seed)
     out = dict(sd)
     for name, w in sd.items():
         if w.ndim == 2:
             out[name] = (quantize_int8(w) if name in ("embed.weight", "lm_head.weight")
                          else quantize_int5(w, 32) if name.endswith("w_down.weight")
+                         else _coded(quantize_int4(w, 32))
+                         if name.endswith(("w_gate.weight", "w_up.weight"))
                          else quantize_int4(w, 32))
     return out
 
@@ -138,13 +158,21 @@ def _le_bytes(a: np.ndarray) -> bytes:
 
 def _tensor_record(name: str, t) -> bytes:
     """One tensor in the engine's form (what native.engine_weights hands the wrapper)."""
-    if isinstance(t, tuple):  # ("int4" | "int5", q, scales, mins, gs) | ("int8", q, scales, gs)
-        kind, q, *rest = t
-        gs, arrays = rest[-1], [q, *rest[:-1]]
+    if isinstance(t, tuple):  # ("int4" | "int5", q, scales, mins, gs[, computed, codes])
+        kind, q, *rest = t    # | ("int8", q, scales, gs)
+        if kind == "int8":
+            gs, arrays = rest[1], [q, rest[0]]
+        else:
+            gs, arrays = rest[2], [q, rest[0], rest[1]]
         assert q.dtype == (np.int8 if kind == "int8" else np.uint8)
         assert all(a.dtype == np.float16 for a in arrays[1:])
+        codes = rest[4] if len(rest) == 5 else None
+        if codes is not None:  # scale codes, minimum codes, steps
+            assert [c.dtype for c in codes] == [np.uint8, np.int8, np.float16]
+            kind, arrays = "int4_c8", arrays + list(codes)
         rows = q.shape[0]
-        cols = {"int4": q.shape[1] * 2, "int5": q.shape[1] // 20 * 32, "int8": q.shape[1]}[kind]
+        cols = {"int4": q.shape[1] * 2, "int4_c8": q.shape[1] * 2, "int5": q.shape[1] // 20 * 32,
+                "int8": q.shape[1]}[kind]
     else:  # float32 matrix or vector
         assert t.dtype == np.float32
         kind, gs, arrays = "f32", 0, [t]
@@ -341,7 +369,8 @@ def test_arm64_build_matches_host_and_reference(arch, builds, tmp_path):
                              for t in ("host", "arm64"))
         assert np.array_equal(pin_arm, pin_host), (
             f"{mode}: ARM64 vs host, libm pinned: {_where(pin_arm, pin_host)}")
-        assert _rel_err(arm, host) <= ARM_VS_HOST, f"{mode}: ARM64 vs host: {_where(arm, host)}"
+        assert _rel_err(arm, host) <= ARM_VS_HOST[act_q8], (
+            f"{mode}: ARM64 vs host: {_where(arm, host)}")
         bound = MODES[BOUND_MODE[act_q8, kv_fmt]][3]
         for target, got in (("host", host), ("arm64", arm)):
             err = _rel_err(got, expected)

@@ -323,25 +323,31 @@ def test_budgeted_pack_greedy_tokens_agree_native_and_numpy(tiny, tmp_path, monk
     assert runs[0] == runs[1]
 
 
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("act", ["q8", "f32"])
-def test_coded_scales_kept_in_the_tiles_give_the_same_logits(tiny, tmp_path, monkeypatch, act):
+def test_coded_scales_kept_in_the_tiles_give_the_same_logits(tiny, tmp_path, monkeypatch, act,
+                                                              level):
     # INT4 weights with coded scales keep their codes in the engine's tiles (fewer bytes read
     # per token) and compute exactly what float16-scale tiles compute: prefill, decode and a
-    # verification, bit for bit
+    # verification, bit for bit, at every x86 kernel level (neon: tests/test_arm_build.py)
     from pocketlm.runtime.kernels import native as native_kernels
 
     if not native_kernels.engine_available():
         pytest.skip("the native engine is not built")
+    if level not in native_kernels.cpu_features()["levels"]:
+        pytest.skip(f"this CPU has no {level} level")
     out = tmp_path / "c.pocket"
     pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
     assert "int4_c8" in set(PocketFile(out).encodings().values())
     monkeypatch.setenv("POCKET_ACT", act)
+    monkeypatch.setenv("POCKET_CPU_LEVEL", level)
     src = open_source(tiny["src"])
     prompt = np.asarray(src.tokenizer.encode("The parcel left the depot, 包裹今早"))
     runs, tiles = [], []
     for coded in ("1", "0"):
         monkeypatch.setenv("POCKET_CODED_SCALES", coded)
         rt = Runtime(src.config, PocketFile(out).weights(), engine="native")
+        assert rt.native.level == level
         tiles.append(rt.native.model.tile_bytes)
         cache = rt.new_cache(64)
         rows = [rt.forward(prompt, cache, all_logits=True)]
@@ -352,10 +358,10 @@ def test_coded_scales_kept_in_the_tiles_give_the_same_logits(tiny, tmp_path, mon
     np.testing.assert_array_equal(runs[0], runs[1])
     (on_total, on_coded), (off_total, off_coded) = tiles  # (bytes, of which coded) per run
     assert off_coded == 0
-    if rt.native.level == "avx512" and not rt.native.amx:
-        assert 0 < on_coded and on_total <= off_total  # equal at 64 columns: 2 groups
-    else:  # levels whose products read float16 steps only
+    if rt.native.amx:  # the AMX prefill reads float16 steps
         assert on_total == off_total and on_coded == 0
+    else:
+        assert 0 < on_coded and on_total <= off_total  # equal at 64 columns: 2 groups
 
 
 def test_coded_scales_that_do_not_give_the_steps_are_refused(tiny, tmp_path):
@@ -369,15 +375,14 @@ def test_coded_scales_that_do_not_give_the_steps_are_refused(tiny, tmp_path):
     pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
     src = open_source(tiny["src"])
     weights = PocketFile(out).weights()
-    probe = native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=True)
-    if probe.model.tile_bytes[1] == 0:
-        pytest.skip(f"the {probe.level} level keeps float16 steps in its tiles")
+    probe = native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=True, amx=False)
+    assert probe.model.tile_bytes[1] > 0
     name = next(n for n, w in weights.items() if getattr(w, "encoding", None) == "int4_c8")
     w = weights[name]
     bad = EncodedQuantTensor("int4_c8", w.shape, dict(w.stored, **{".sc": w.stored[".sc"] ^ 1}))
     bad._decoded = w._arrays()  # the steps of the true codes beside codes off by one
     weights[name] = bad
     with pytest.raises(Exception, match="rejected the model"):
-        native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=True)
+        native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=True, amx=False)
     # without coded tiles the codes are not used, and the model loads
-    native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=False)
+    native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=False, amx=False)

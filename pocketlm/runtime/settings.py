@@ -32,10 +32,10 @@ variable               field            unset
                                         (1 to 256 tiles; 0: the whole head every step;
                                         docs/engine.md)
 ``POCKET_CODED_SCALES`` ``coded_scales`` 1: INT4 weights with coded scales (``int4_c8``)
-                                        keep the codes in the engine's tiles where the
-                                        level reads them (avx512 without AMX): 4.5 bits a
-                                        weight read per token instead of 5.0, the same
-                                        results (0: float16 scales and minimums)
+                                        keep the codes in the engine's tiles (not with
+                                        the AMX prefill): 4.5 bits a weight read per token
+                                        instead of 5.0, the same results (0: float16
+                                        scales and minimums)
 =====================  ===============  ===================================================
 
 Checks that depend on the machine (a kernel level this CPU lacks, ``POCKET_AMX=1`` without

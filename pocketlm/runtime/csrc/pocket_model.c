@@ -164,8 +164,8 @@ static pm_tiled *pm_planes_of(pocket_model *m, int k) {
 }
 
 /* Whether weight w (tiled weight k) keeps its coded steps in its tiles: with config
- * coded_scales, on a level whose products read them, without the tile unit (its products
- * read float16 steps), and not as a screened head's planes. */
+ * coded_scales, on a level whose products read them (all do), without the tile unit (its
+ * products read float16 steps), and not as a screened head's planes. */
 static int coded_tiles(const pocket_model *m, const pocket_weight *w, int k) {
     return m->c.coded_scales && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
            w->scale_codes && w->type == POCKET_WT_Q4 && w->group_size == 32 &&

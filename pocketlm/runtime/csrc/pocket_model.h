@@ -129,9 +129,9 @@ typedef struct pocket_model_config {
                          * logits stay estimates. Every other row gets the INT8 head's values
                          * bit for bit. 0: the INT8 head as it is. Range 0..256. */
     int coded_scales;   /* 1: the INT4 weights that carry coded steps (pocket_weight.
-                         * scale_codes) keep them in their tiles where the level reads them
-                         * (avx512 without AMX): fewer bytes per token, the same results.
-                         * 0: every tile holds float16 scales and minimums. */
+                         * scale_codes) keep them in their tiles (every level; not with amx,
+                         * whose products read float16 steps): fewer bytes per token, the
+                         * same results. 0: every tile holds float16 scales and minimums. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;

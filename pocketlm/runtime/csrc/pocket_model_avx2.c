@@ -125,16 +125,49 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
  * int16 (above), else DOT (the AVX-VNNI dot product) into int32; BITS: INT4, INT5 or INT8
  * weights; DIG: activation digits (1 or 2). acc / macc [token][half] lane e = row
  * 8 half + e of the tile, as the portable kernel's acc / macc of that row. */
+/* The float16 scales and minimums of coded tile record rec (pm_tiled_coded_steps, bit for bit:
+ * the code times the row's step in float32, rounded to nearest even once), 8 rows at a time. */
+static TGT void coded_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+    const size_t ng = (size_t)w->ng;
+    const uint8_t *sc;
+    const int8_t *mc;
+    const uint16_t *st;
+    pm_coded_parts(w, rec, &sc, &mc, &st);
+    for (int h = 0; h < 2; h++) {
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
+        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 16 + 8 * h)));
+        for (size_t g = 0; g < ng; g++) {
+            const __m256 s = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(sc + 16 * g + 8 * (size_t)h)))),
+                d);
+            const __m256 m = _mm256_mul_ps(
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(mc + 16 * g + 8 * (size_t)h)))),
+                dm);
+            _mm_storeu_si128((__m128i *)(out + 16 * g + 8 * (size_t)h),
+                             _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm_storeu_si128((__m128i *)(out + 16 * (ng + g) + 8 * (size_t)h),
+                             _mm256_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+    }
+}
+
 #define PM_AVX2_TILE(NAME, ATTR, PAIRS, DOT)                                                    \
     static inline ATTR AI void NAME(const int BITS, const int DIG, const int T,                 \
                                     const pm_tiled *w, const pm_tiled *w2, const pm_act *a,     \
-                                    int i0, float *y, size_t ystride, int tile, int prefetch) { \
+                                    int i0, float *y, size_t ystride, int tile, int prefetch,   \
+                                    const uint16_t *steps) {                                    \
         const int EST = BITS == PM_BITS_ESTIMATE, PL = BITS == PM_BITS_PLANES;                  \
         const int Q4 = BITS != 8 && !PL, RUN = PM_AVX2_RUN(EST ? 4 : PL ? 8 : BITS);            \
         const int HN = T == 1 ? 2 : 1;                                                          \
         const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);                                 \
         const uint16_t *sc, *mn;                                                                \
         const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);                                 \
+        if (steps) { /* a coded tile's steps, decoded */                                        \
+            sc = steps;                                                                         \
+            mn = steps + (size_t)w->ng * 16;                                                    \
+        }                                                                                       \
         const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;             \
         const int nb = w->nb, ng = w->ng, gpb = w->gpb;                                         \
         const __m256i m4 = _mm256_set1_epi8(0x0F), sgn = _mm256_set1_epi8((char)0x80);          \
@@ -272,17 +305,24 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
     }
 
 /* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone;
- * the weight stream prefetched when few tokens share it (decode). */
+ * the weight stream prefetched when few tokens share it (decode). A coded tile's steps are
+ * decoded once per tile (coded_steps_avx2). */
 #define PM_AVX2_RANGE(NAME, TILE, ATTR)                                                         \
     static inline ATTR AI void NAME(const int BITS, const int DIG, const pm_tiled *w,           \
                                     const pm_tiled *w2, const pm_act *a, float *y,              \
                                     size_t ystride, int tb, int te) {                           \
-        const int prefetch = a->n <= 2;                                                         \
+        const int prefetch = a->n <= 2, coded = BITS == 4 && w->coded;                          \
+        uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS];                                             \
         for (int tile = tb; tile < te; tile++) {                                                \
+            const uint16_t *st = NULL;                                                          \
+            if (coded) {                                                                        \
+                coded_steps_avx2(w, w->data + (size_t)tile * w->tile_bytes, buf);               \
+                st = buf;                                                                       \
+            }                                                                                   \
             int i0 = 0;                                                                         \
             for (; i0 + 2 <= a->n; i0 += 2)                                                     \
-                TILE(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, prefetch);                   \
-            if (i0 < a->n) TILE(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, prefetch);        \
+                TILE(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, prefetch, st);               \
+            if (i0 < a->n) TILE(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, prefetch, st);    \
         }                                                                                       \
     }
 

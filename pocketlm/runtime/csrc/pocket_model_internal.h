@@ -207,10 +207,6 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, 
 int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
                   int release);
 
-/* The float16 scales and minimums of coded tile record `rec` of `w` (pm_tiled.coded) in the
- * layout of a float16 tile's: out [ng x 16 scales][ng x 16 mins]. */
-void pm_tiled_coded_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out);
-
 /* Hand back every source page of `w` (a read-only file mapping), e.g. those that straddled
  * the ends of the ranges filled. */
 void pm_tiled_release_source(const pocket_weight *w);

@@ -157,12 +157,17 @@ static inline TGT AI float32x4_t load_f16x4(const uint16_t *p) {
  * [r] lane e = row 4r + e of the tile, as in the portable kernel's acc / macc of that row. */
 static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
                                      const pm_tiled *w, const pm_tiled *w2, const pm_act *a,
-                                     int i0, float *y, size_t ystride, int tile) {
+                                     int i0, float *y, size_t ystride, int tile,
+                                     const uint16_t *steps) {
     const int EST = BITS == PM_BITS_ESTIMATE, PL = BITS == PM_BITS_PLANES;
     const int Q4 = BITS != 8 && !PL;
     const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
+    if (steps) { /* a coded tile's steps, decoded */
+        sc = steps;
+        mn = steps + (size_t)w->ng * 16;
+    }
     const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
     const uint8x16_t m4 = vdupq_n_u8(0x0F), sgn = vdupq_n_u8(0x80);
@@ -240,14 +245,57 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
     }
 }
 
-/* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone. */
+/* float16 bits of 4 float32 values, rounded to nearest even (FCVTN under the default FPCR) */
+static inline TGT AI void store_f16x4(uint16_t *out, float32x4_t v) {
+    vst1_u16(out, vreinterpret_u16_f16(vcvt_f16_f32(v)));
+}
+
+/* The float16 scales and minimums of coded tile record rec (pm_tiled_coded_steps, bit for bit:
+ * the code times the row's step in float32, rounded to nearest even once). */
+static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+    const size_t ng = (size_t)w->ng;
+    const uint8_t *sc;
+    const int8_t *mc;
+    const uint16_t *st;
+    pm_coded_parts(w, rec, &sc, &mc, &st);
+    float32x4_t d[4], dm[4];
+    for (int r = 0; r < 4; r++) {
+        d[r] = load_f16x4(st + 4 * r);
+        dm[r] = load_f16x4(st + 16 + 4 * r);
+    }
+    for (size_t g = 0; g < ng; g++) {
+        const uint8x16_t s8 = vld1q_u8(sc + 16 * g);
+        const int8x16_t m8 = vld1q_s8(mc + 16 * g);
+        const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
+        const int16x8_t m16[2] = {vmovl_s8(vget_low_s8(m8)), vmovl_s8(vget_high_s8(m8))};
+        for (int r = 0; r < 4; r++) {
+            const uint16x8_t sh = s16[r / 2];
+            const int16x8_t mh = m16[r / 2];
+            const uint32x4_t s32 = r % 2 ? vmovl_u16(vget_high_u16(sh)) : vmovl_u16(vget_low_u16(sh));
+            const int32x4_t m32 = r % 2 ? vmovl_s16(vget_high_s16(mh)) : vmovl_s16(vget_low_s16(mh));
+            store_f16x4(out + 16 * g + 4 * (size_t)r, vmulq_f32(vcvtq_f32_u32(s32), d[r]));
+            store_f16x4(out + 16 * (ng + g) + 4 * (size_t)r, vmulq_f32(vcvtq_f32_s32(m32), dm[r]));
+        }
+    }
+}
+
+/* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone;
+ * a coded tile's steps decoded once per tile. */
 static inline TGT AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
                                       const pm_tiled *w2, const pm_act *a, float *y,
                                       size_t ystride, int tb, int te) {
+    uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS];
+    const int coded = BITS == 4 && w->coded;
     for (int tile = tb; tile < te; tile++) {
+        const uint16_t *st = NULL;
+        if (coded) {
+            coded_steps_neon(w, w->data + (size_t)tile * w->tile_bytes, buf);
+            st = buf;
+        }
         int i0 = 0;
-        for (; i0 + 2 <= a->n; i0 += 2) tiled_tile(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile);
-        if (i0 < a->n) tiled_tile(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile);
+        for (; i0 + 2 <= a->n; i0 += 2)
+            tiled_tile(BITS, DIG, 2, w, w2, a, i0, y, ystride, tile, st);
+        if (i0 < a->n) tiled_tile(BITS, DIG, 1, w, w2, a, i0, y, ystride, tile, st);
     }
 }
 

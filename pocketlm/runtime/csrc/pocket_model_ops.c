@@ -255,14 +255,28 @@ void pm_block_sums_portable(const float *x, int n, int cols, float *bsum) {
     }
 }
 
+/* The record of tile t of w and its float16 scales *sc and minimums *mn: the record's own, or a
+ * coded tile's decoded into buf (2 x 16 x PM_CODED_MAX_GROUPS values). */
+static const uint8_t *tile_steps(const pm_tiled *w, int t, const uint16_t **sc,
+                                 const uint16_t **mn, uint16_t *buf) {
+    const uint8_t *rec = pm_tile_record(w, t, sc, mn);
+    if (w->coded) {
+        pm_tiled_coded_steps(w, rec, buf);
+        *sc = buf;
+        *mn = buf + (size_t)w->ng * 16;
+    }
+    return rec;
+}
+
 /* Float activations on tiled weights: per group (x_g . q_g) * scale + sum(x_g) * min (INT4, INT5),
  * or (x_g . (q_g + 128)) * scale - 128 * sum(x_g) * scale (INT8 stored offset). */
 static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
                                int tb, int te) {
     const int nb = w->nb, gpb = w->gpb, ng = w->ng;
+    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS];
     for (int t = tb; t < te; t++) {
         const uint16_t *sc, *mn;
-        const uint8_t *rec = pm_tile_record(w, t, &sc, &mn);
+        const uint8_t *rec = tile_steps(w, t, &sc, &mn, steps);
         const int r0 = 16 * t, nr = pm_tile_rows(w, t);
         for (int i = 0; i < a->n; i++) {
             const float *x = a->x + (size_t)i * a->cols, *bs = a->bsum + (size_t)i * nb;
@@ -300,9 +314,10 @@ static void tiled_q8_portable(const pm_tiled *w, const pm_tiled *lo, int est, co
     const int q8 = w->bits == 8 || lo;           /* INT8 codes: the corr offset, no minimums */
     const int dig2 = a->digits == 2 && !est;     /* the second digit's sums */
     const float smul = est ? PM_EST_SCALE(a) : 1.0f;
+    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS];
     for (int t = tb; t < te; t++) {
         const uint16_t *sc, *mn;
-        const uint8_t *rec = pm_tile_record(w, t, &sc, &mn);
+        const uint8_t *rec = tile_steps(w, t, &sc, &mn, steps);
         const uint8_t *rec2 = lo ? lo->data + (size_t)t * lo->tile_bytes : NULL;
         const int r0 = 16 * t, nr = pm_tile_rows(w, t);
         for (int i = 0; i < a->n; i++) {

@@ -92,6 +92,20 @@ typedef struct pm_tiled {
 /* The most groups of 32 columns a coded tile may have (its decoded steps go on the stack). */
 #define PM_CODED_MAX_GROUPS 256
 
+/* The float16 scales and minimums of coded tile record `rec` of `w` (pm_tiled.coded) in the
+ * layout of a float16 tile's: out [ng x 16 scales][ng x 16 mins] (pocket_model_tiles.c; the
+ * SIMD levels have their own, the same bits). */
+void pm_tiled_coded_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out);
+
+/* The coded steps of a tile record: its 16 rows' scale codes (uint8), minimum codes (int8)
+ * and float16 steps d and dmin (16 each). */
+POCKET_INLINE void pm_coded_parts(const pm_tiled *w, const uint8_t *rec, const uint8_t **sc,
+                                  const int8_t **mc, const uint16_t **steps) {
+    *sc = rec + w->scale_off;
+    *mc = (const int8_t *)*sc + (size_t)w->ng * 16;
+    *steps = (const uint16_t *)(*sc + (size_t)w->ng * 32);
+}
+
 /* Bytes of a block of 32 columns in a tile record for BITS-bit weights (pm_tiled.block_bytes),
  * as a constant where BITS is one. */
 #define PM_BLOCK_BYTES(BITS) ((BITS) == 8 ? 512 : (BITS) == 5 ? 320 : 256)
@@ -184,7 +198,8 @@ typedef struct pm_ops {
      * NULL where a level has none (then no head is split). */
     void (*matmul_planes)(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,
                           size_t ystride, int tb, int te);
-    /* 1: matmul_tiled reads coded INT4 tiles (pm_tiled.coded); 0: only float16 steps */
+    /* 1: matmul_tiled reads coded INT4 tiles (pm_tiled.coded); 0: only float16 steps (every
+     * level's products read them) */
     int coded;
 } pm_ops;
 
@@ -217,7 +232,7 @@ typedef struct pm_ops {
                    MATMUL_PLANES)                                                               \
     {                                                                                           \
         NAME, pm_rmsnorm_portable, ATTN, GLU, MATMUL_F32, pm_to_f16_portable, QUANT_ACT,        \
-            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP, MATMUL_PLANES             \
+            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP, MATMUL_PLANES, 1          \
     }
 #define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, LORA_DOWN, LORA_UP, MATMUL_PLANES)      \
     PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, pm_matmul_f32_portable, LORA_DOWN,     \

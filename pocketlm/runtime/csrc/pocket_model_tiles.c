@@ -215,9 +215,10 @@ static int fill_coded(const pocket_weight *w, const pm_tiled *t, uint8_t *rec, s
 
 void pm_tiled_coded_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
-    const uint8_t *sc = rec + w->scale_off;
-    const int8_t *mc = (const int8_t *)sc + ng * 16;
-    const uint16_t *st = (const uint16_t *)(sc + ng * 32);
+    const uint8_t *sc;
+    const int8_t *mc;
+    const uint16_t *st;
+    pm_coded_parts(w, rec, &sc, &mc, &st);
     for (size_t g = 0; g < ng; g++)
         for (int i = 0; i < 16; i++) {
             out[16 * g + (size_t)i] = coded_step(sc[16 * g + (size_t)i], st[i]);
@@ -310,9 +311,10 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
     uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a coded tile: lane i's steps decoded */
     if (w->coded) {
         const size_t ng = (size_t)w->ng;
-        const uint8_t *scode = rec + w->scale_off;
-        const int8_t *mcode = (const int8_t *)scode + ng * 16;
-        const uint16_t *st = (const uint16_t *)(scode + ng * 32);
+        const uint8_t *scode;
+        const int8_t *mcode;
+        const uint16_t *st;
+        pm_coded_parts(w, rec, &scode, &mcode, &st);
         for (size_t g = 0; g < ng; g++) {
             steps[16 * g + (size_t)i] = coded_step(scode[16 * g + (size_t)i], st[i]);
             steps[16 * (ng + g) + (size_t)i] = coded_step(mcode[16 * g + (size_t)i], st[16 + i]);

@@ -426,9 +426,10 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
  * bit: the code times the row's step in float32, rounded to nearest even once). */
 static inline TGTV void coded_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
-    const uint8_t *sc = rec + w->scale_off;
-    const int8_t *mc = (const int8_t *)sc + ng * 16;
-    const uint16_t *st = (const uint16_t *)(sc + ng * 32);
+    const uint8_t *sc;
+    const int8_t *mc;
+    const uint16_t *st;
+    pm_coded_parts(w, rec, &sc, &mc, &st);
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
     const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 16)));
     for (size_t g = 0; g < ng; g++) {

@@ -25,8 +25,8 @@
  *            multiply-add pairs (the same results).
  *   config "huge_pages" true: the repacked weights ask for transparent huge pages
  *            (pocket_model_config.huge_pages; the same results).
- *   config "coded_scales" true: INT4 weights with codes keep them in their tiles where the
- *            level reads them (pocket_model_config.coded_scales; the same results).
+ *   config "coded_scales" true: INT4 weights with codes keep them in their tiles
+ *            (pocket_model_config.coded_scales; the same results).
  *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, its K
  *            best tiles of 16 rows refined (pocket_model_config.head_screen; 0: the INT8
  *            head). forward(screen=True), forward_batch / verify_batch(screen=bytes, one per

@@ -507,8 +507,8 @@ class NativeEngine:
         steps, verifications and last-row prefills, reads the low plane only for the tiles of
         the K tiles (16 rows each) with the largest estimates of the high plane's pass
         (docs/engine.md, "Head screening"). ``coded_scales``: INT4 weights stored with coded
-        scales (``int4_c8``) keep the codes in the repacked tiles where the level reads them
-        (fewer bytes per token, the same results)."""
+        scales (``int4_c8``) keep the codes in the repacked tiles (not with ``amx``; fewer
+        bytes per token, the same results)."""
         if not engine_available():
             raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
                               "with `pip install -e .`")
