@@ -140,8 +140,8 @@ def pocket_bench_alternating(name: str, variable: str, values: tuple, rounds: in
 
 
 # The setting compared (an engine variable, 1 against 0): its name, the benchmark's label, the
-# names of the two sides and the key of a worker line. benchmarks/coded_scales.py reuses this
-# file for POCKET_CODED_SCALES.
+# names of the two sides and the key of a worker line. benchmarks/compact_tiles.py reuses this
+# file for POCKET_COMPACT_TILES.
 HUGE_PAGES = {"variable": "POCKET_HUGEPAGES", "label": "huge-pages", "on": "huge",
               "off": "small", "key": "hugepages"}
 

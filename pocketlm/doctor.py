@@ -74,8 +74,8 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         "hugepages": None if engine["huge_pages"] is None else int(engine["huge_pages"]),
         "head_screen": engine["head_screen"],
         # coded INT4 scales stay coded in the tiles but for the AMX prefill's float16 steps
-        "coded_scales": None if engine["level"] is None else int(
-            bool(settings.coded_scales) and not engine["amx"]),
+        "compact_tiles": None if engine["level"] is None else int(
+            bool(settings.compact_tiles) and not engine["amx"]),
     }
     rows = {}
     for name, variable, _, source in settings.items():

@@ -44,7 +44,9 @@
  *     kind 8 (INT8):    int8 qweight [rows, cols], float16 scales [rows, cols / gs]
  *     kind 14 (INT4 with coded steps, group 32): INT4's arrays, then uint8 scale codes
  *                       [rows, cols / 32], int8 minimum codes [rows, cols / 32], float16
- *                       steps [rows, 2] (pocket_weight.scale_codes; config coded_scales 1)
+ *                       steps [rows, 2] (pocket_weight.scale_codes; config compact_tiles 1)
+ *     kind 24, 25 (INT4, INT5 with implicit minimums): INT4's / INT5's arrays (the minimums
+ *                       -zero_point * scales), then int32 zero_point (pocket_weight.zero_point)
  *     (group_size is 0 for float32)
  *   in this order (the names pocketlm.config.ModelConfig uses):
  *     embed.weight, lm_head.weight (only if has_lm_head), norm.weight, then per layer i:
@@ -188,6 +190,7 @@ static const float *rd_vector(reader *r, const char *name, int len) {
 }
 
 #define KIND_Q4_CODED 14 /* the dump's kind of an INT4 weight with coded steps */
+#define KIND_ZERO_POINT 20 /* + POCKET_WT_Q4 / Q5: the kind of one with implicit minimums */
 
 static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_weight *w) {
     int kind, rr, cc, gs;
@@ -205,6 +208,8 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
         return;
     }
     const int coded = kind == KIND_Q4_CODED;
+    const int zp = kind == KIND_ZERO_POINT + POCKET_WT_Q4 || kind == KIND_ZERO_POINT + POCKET_WT_Q5;
+    if (zp) kind -= KIND_ZERO_POINT;
     if (coded) {
         if (gs != 32) die("tensor '%s': coded steps need group size 32, got %d", name, gs);
         kind = POCKET_WT_Q4;
@@ -227,6 +232,10 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
             w->scale_codes = (const uint8_t *)rd_array(r, ng, name);
             w->min_codes = (const int8_t *)rd_array(r, ng, name);
             w->code_steps = (const uint16_t *)rd_array(r, (size_t)rows * 2 * sizeof(uint16_t), name);
+        }
+        if (zp) {
+            w->zero_point = rd_i32(r, name);
+            w->mins_in_memory = 1;
         }
     } else {
         w->data = rd_array(r, rc, name);
@@ -353,7 +362,7 @@ int main(int argc, char **argv) {
     c.rope_theta_local = theta_local;
     c.release_source = 0;
     c.head_screen = screen;
-    c.coded_scales = 1; /* NativeModel's default (POCKET_CODED_SCALES) */
+    c.compact_tiles = 1; /* NativeModel's default (POCKET_COMPACT_TILES) */
     c.avxvnni = 1; /* NativeModel's default (the avx2 level only) */
     const int capacity = c.max_positions;
     if (na + 1 > capacity || nb + 1 > capacity)

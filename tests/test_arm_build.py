@@ -6,8 +6,9 @@ over both caches, with the portable kernels (``POCKET_LEVEL_SCALAR``) and a pool
 It is compiled with the engine's sources (setup.py's, less the CPython module pocket_module*.c)
 twice: ``gcc`` for this host and ``aarch64-linux-gnu-gcc`` for ARM64, run under
 ``qemu-aarch64 -L /usr/aarch64-linux-gnu``. Tiny random models of every family (INT4 layers,
-INT8 embedding / head, as test_native_forward quantizes them; W_down in INT5 and W_gate / W_up
-in INT4 with coded steps, which the engine keeps coded in its tiles), each run with int8 activations
+INT8 embedding / head, as test_native_forward quantizes them; W_down in INT5, W_gate / W_up
+in INT4 with coded steps and W_k / W_v in INT5 / INT4 with implicit minimums, which the engine
+keeps compact in its tiles), each run with int8 activations
 on and off (act_q8 = 31 / 0) and float16 KV caches on and off.
 
 Flags: setup.py's, from ``build_flags.py`` (``-O3 -std=c11 -fno-strict-aliasing -Wall
@@ -69,7 +70,9 @@ from test_native_forward import IDS, MODES
 
 from pocketlm.quant import (
     EncodedQuantTensor,
+    QuantTensor,
     code_steps,
+    implicit_mins,
     quantize_int4,
     quantize_int5,
     quantize_int8,
@@ -108,7 +111,7 @@ NEON_CPU = "max"  # qemu's CPU model for the neon runs: reports asimddp (SDOT) i
 NO_DOTPROD_CPU = "cortex-a53"  # ARMv8.0-A: NEON without the dot-product extension
 OPS = {"scalar": "portable", "neon": "neon"}  # level -> the engine's operations (pm_ops_*)
 
-KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8, "int4_c8": 14}
+KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8, "int4_c8": 14, "int4_zp": 24, "int5_zp": 25}
 
 
 # -- the model dump (format: the top of tests/native_harness.c) --------------------------------
@@ -120,10 +123,18 @@ def _coded(qt):
                                                     ".rd": rd})
 
 
+def _implicit(qt, zero_point):
+    """``qt`` with implicit minimums ``-zero_point * scales`` (the values are not refitted:
+    any codes make a valid tensor)."""
+    return QuantTensor(qt.kind, qt.shape, qt.group_size, qt.qweight, qt.scales,
+                       implicit_mins(qt.scales, zero_point), zero_point)
+
+
 def _weights(cfg, seed):
     """As test_native_forward._weights(quantized=True): INT4 layers, INT8 embedding / head;
     W_down in INT5 (the other weight layout of a keep-precision pack), W_gate and W_up in INT4
-    with coded steps (a bit budget's layout)."""
+    with coded steps (a bit budget's layout), W_k in INT5 and W_v in INT4 with implicit
+    minimums (a GGUF's Q5_0 / Q4_0)."""
     sd = torch_ref.random_state_dict(cfg, seed=seed)
     out = dict(sd)
     for name, w in sd.items():
@@ -132,6 +143,8 @@ def _weights(cfg, seed):
                          else quantize_int5(w, 32) if name.endswith("w_down.weight")
                          else _coded(quantize_int4(w, 32))
                          if name.endswith(("w_gate.weight", "w_up.weight"))
+                         else _implicit(quantize_int5(w, 32), 16) if name.endswith("w_k.weight")
+                         else _implicit(quantize_int4(w, 32), 8) if name.endswith("w_v.weight")
                          else quantize_int4(w, 32))
     return out
 
@@ -170,8 +183,12 @@ def _tensor_record(name: str, t) -> bytes:
         if codes is not None:  # scale codes, minimum codes, steps
             assert [c.dtype for c in codes] == [np.uint8, np.int8, np.float16]
             kind, arrays = "int4_c8", arrays + list(codes)
+        zero_point = rest[3] if len(rest) >= 4 and type(rest[3]) is int else None
+        if zero_point is not None:  # implicit minimums: their zero point after the arrays
+            kind, arrays = kind + "_zp", arrays + [np.asarray([zero_point], np.int32)]
         rows = q.shape[0]
-        cols = {"int4": q.shape[1] * 2, "int4_c8": q.shape[1] * 2, "int5": q.shape[1] // 20 * 32,
+        cols = {"int4": q.shape[1] * 2, "int4_c8": q.shape[1] * 2, "int4_zp": q.shape[1] * 2,
+                "int5": q.shape[1] // 20 * 32, "int5_zp": q.shape[1] // 20 * 32,
                 "int8": q.shape[1]}[kind]
     else:  # float32 matrix or vector
         assert t.dtype == np.float32

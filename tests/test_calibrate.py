@@ -345,7 +345,7 @@ def test_coded_scales_kept_in_the_tiles_give_the_same_logits(tiny, tmp_path, mon
     prompt = np.asarray(src.tokenizer.encode("The parcel left the depot, 包裹今早"))
     runs, tiles = [], []
     for coded in ("1", "0"):
-        monkeypatch.setenv("POCKET_CODED_SCALES", coded)
+        monkeypatch.setenv("POCKET_COMPACT_TILES", coded)
         rt = Runtime(src.config, PocketFile(out).weights(), engine="native")
         assert rt.native.level == level
         tiles.append(rt.native.model.tile_bytes)
@@ -375,7 +375,7 @@ def test_coded_scales_that_do_not_give_the_steps_are_refused(tiny, tmp_path):
     pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
     src = open_source(tiny["src"])
     weights = PocketFile(out).weights()
-    probe = native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=True, amx=False)
+    probe = native_kernels.NativeEngine(src.config, weights, act="q8", compact_tiles=True, amx=False)
     assert probe.model.tile_bytes[1] > 0
     name = next(n for n, w in weights.items() if getattr(w, "encoding", None) == "int4_c8")
     w = weights[name]
@@ -383,6 +383,6 @@ def test_coded_scales_that_do_not_give_the_steps_are_refused(tiny, tmp_path):
     bad._decoded = w._arrays()  # the steps of the true codes beside codes off by one
     weights[name] = bad
     with pytest.raises(Exception, match="rejected the model"):
-        native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=True, amx=False)
+        native_kernels.NativeEngine(src.config, weights, act="q8", compact_tiles=True, amx=False)
     # without coded tiles the codes are not used, and the model loads
-    native_kernels.NativeEngine(src.config, weights, act="q8", coded_scales=False, amx=False)
+    native_kernels.NativeEngine(src.config, weights, act="q8", compact_tiles=False, amx=False)

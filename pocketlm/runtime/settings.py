@@ -6,37 +6,38 @@ and the kernel wrappers take the resulting object and pass its choices down as a
 setting left unset is None (or its fixed default), and the code that uses it fills in the
 default that depends on the machine:
 
-=====================  ===============  ===================================================
-variable               field            unset
-=====================  ===============  ===================================================
-``POCKET_KERNELS``     ``kernels``      ``native`` when the extension is built, else
-                                        ``numpy``
-``POCKET_CPU_LEVEL``   ``cpu_level``    the best kernel level the CPU supports
-``POCKET_ACT``         ``act``          the engine: ``q8`` at the avx2, avx512 and neon
-                                        levels, ``f32`` at the scalar level; a single
-                                        :func:`~pocketlm.runtime.kernels.linear` call:
-                                        ``f32``
-``POCKET_KV``          ``kv``           ``f16`` with q8 activations, ``f32`` with f32
-``POCKET_THREADS``     ``threads``      the engine: 2, or the usable CPUs if fewer; a single
-                                        kernel call: the usable CPUs, at most 8
-``POCKET_Q8_DIGITS``   ``q8_digits``    2
-``POCKET_AMX``         ``amx``          AMX-BF16 prefill where available (q8, avx512 level)
-``POCKET_AMX_WEIGHTS`` ``amx_weights``  ``mixed``
-``POCKET_AVXVNNI``     ``avxvnni``      1: AVX-VNNI where the CPU has it (avx2 level)
-``POCKET_HUGEPAGES``   ``hugepages``    0: the engine's repacked weights in the OS's default
-                                        pages (1: transparent huge pages where the OS
-                                        offers them, Linux)
-``POCKET_HEAD_SCREEN`` ``head_screen``  64: an INT8 output head, in greedy decoding, reads
-                                        its high nibbles for every row, then the head for
-                                        the 64 tiles of 16 rows with the largest estimates
-                                        (1 to 256 tiles; 0: the whole head every step;
-                                        docs/engine.md)
-``POCKET_CODED_SCALES`` ``coded_scales`` 1: INT4 weights with coded scales (``int4_c8``)
-                                        keep the codes in the engine's tiles (not with
-                                        the AMX prefill): 4.5 bits a weight read per token
-                                        instead of 5.0, the same results (0: float16
-                                        scales and minimums)
-=====================  ===============  ===================================================
+========================  =================  ===================================================
+variable                  field              unset
+========================  =================  ===================================================
+``POCKET_KERNELS``        ``kernels``        ``native`` when the extension is built, else
+                                             ``numpy``
+``POCKET_CPU_LEVEL``      ``cpu_level``      the best kernel level the CPU supports
+``POCKET_ACT``            ``act``            the engine: ``q8`` at the avx2, avx512 and neon
+                                             levels, ``f32`` at the scalar level; a single
+                                             :func:`~pocketlm.runtime.kernels.linear` call:
+                                             ``f32``
+``POCKET_KV``             ``kv``             ``f16`` with q8 activations, ``f32`` with f32
+``POCKET_THREADS``        ``threads``        the engine: 2, or the usable CPUs if fewer; a single
+                                             kernel call: the usable CPUs, at most 8
+``POCKET_Q8_DIGITS``      ``q8_digits``      2
+``POCKET_AMX``            ``amx``            AMX-BF16 prefill where available (q8, avx512 level)
+``POCKET_AMX_WEIGHTS``    ``amx_weights``    ``mixed``
+``POCKET_AVXVNNI``        ``avxvnni``        1: AVX-VNNI where the CPU has it (avx2 level)
+``POCKET_HUGEPAGES``      ``hugepages``      0: the engine's repacked weights in the OS's default
+                                             pages (1: transparent huge pages where the OS
+                                             offers them, Linux)
+``POCKET_HEAD_SCREEN``    ``head_screen``    64: an INT8 output head, in greedy decoding, reads
+                                             its high nibbles for every row, then the head for
+                                             the 64 tiles of 16 rows with the largest estimates
+                                             (1 to 256 tiles; 0: the whole head every step;
+                                             docs/engine.md)
+``POCKET_COMPACT_TILES``  ``compact_tiles``  1: the engine's tiles keep coded scales
+                                             (``int4_c8``) as codes and implicit minimums (a
+                                             zero point) not at all (not with the AMX
+                                             prefill): 0.5 bits a weight fewer read per token,
+                                             the same results (0: float16 scales and minimums
+                                             in every tile)
+========================  =================  ===================================================
 
 Checks that depend on the machine (a kernel level this CPU lacks, ``POCKET_AMX=1`` without
 AMX, ``POCKET_KERNELS=native`` without the extension) are made where the setting is used, in
@@ -74,7 +75,7 @@ VARIABLES = {
     "avxvnni": "POCKET_AVXVNNI",
     "hugepages": "POCKET_HUGEPAGES",
     "head_screen": "POCKET_HEAD_SCREEN",
-    "coded_scales": "POCKET_CODED_SCALES",
+    "compact_tiles": "POCKET_COMPACT_TILES",
 }
 
 
@@ -95,7 +96,7 @@ class EngineSettings:
     avxvnni: int = 1
     hugepages: int = 0
     head_screen: int = 64
-    coded_scales: int = 1
+    compact_tiles: int = 1
     from_environment: frozenset[str] = field(default=frozenset(), compare=False)
 
     @classmethod
@@ -205,4 +206,4 @@ def _head_screen(raw: str) -> int:
 _PARSERS = {"kernels": _kernels, "cpu_level": _cpu_level, "act": _act, "kv": _kv,
             "threads": _threads, "q8_digits": _q8_digits, "amx": _amx,
             "amx_weights": _amx_weights, "avxvnni": _avxvnni, "hugepages": _hugepages,
-            "head_screen": _head_screen, "coded_scales": _zero_one("POCKET_CODED_SCALES")}
+            "head_screen": _head_screen, "compact_tiles": _zero_one("POCKET_COMPACT_TILES")}

@@ -34,6 +34,9 @@ static int weight_ok(const pocket_weight *w, int rows, int cols, int allow_f32) 
     /* coded steps: all three arrays, of an INT4 group-32 weight only */
     const int ncodes = !!w->scale_codes + !!w->min_codes + !!w->code_steps;
     if (ncodes && (ncodes != 3 || w->type != POCKET_WT_Q4 || w->group_size != 32)) return 0;
+    if (w->zero_point < 0 || w->zero_point > 255 ||
+        (w->zero_point && (w->type == POCKET_WT_Q8 || ncodes)))
+        return 0;
     return 1;
 }
 
@@ -164,12 +167,23 @@ static pm_tiled *pm_planes_of(pocket_model *m, int k) {
 }
 
 /* Whether weight w (tiled weight k) keeps its coded steps in its tiles: with config
- * coded_scales, on a level whose products read them (all do), without the tile unit (its
+ * compact_tiles, on a level whose products read them (all do), without the tile unit (its
  * products read float16 steps), and not as a screened head's planes. */
 static int coded_tiles(const pocket_model *m, const pocket_weight *w, int k) {
-    return m->c.coded_scales && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
+    return m->c.compact_tiles && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
            w->scale_codes && w->type == POCKET_WT_Q4 && w->group_size == 32 &&
            w->cols / 32 <= PM_CODED_MAX_GROUPS;
+}
+
+/* The zero point of weight w's tiles (tiled weight k): its implicit minimums' (INT4, INT5) on
+ * the same terms as coded_tiles, else 0 (minimums stored). */
+static int zero_point_tiles(const pocket_model *m, const pocket_weight *w, int k) {
+    return m->c.compact_tiles && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
+                   w->zero_point > 0 && !w->scale_codes &&
+                   (w->type == POCKET_WT_Q4 || w->type == POCKET_WT_Q5) &&
+                   w->cols / w->group_size <= PM_CODED_MAX_GROUPS
+               ? w->zero_point
+               : 0;
 }
 
 static void tiles_task(void *ctx, int task, int ntasks) {
@@ -213,7 +227,8 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
     size_t total = 0;
     for (int k = 0; k < n && !rc; k++)
         if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k], pm_planes_of(m, k),
-                                            m->c.huge_pages, coded_tiles(m, J.w[k], k))))
+                                            m->c.huge_pages, coded_tiles(m, J.w[k], k),
+                                            zero_point_tiles(m, J.w[k], k))))
             total += (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
     for (int k = 0; k < n && !rc; k++) {
         if (!J.w[k]) continue;
@@ -254,11 +269,11 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
 }
 
 size_t pocket_model_tile_bytes(const pocket_model *m, size_t *coded) {
-    size_t total = 0, in_coded = 0;
+    size_t total = 0, in_coded = 0; /* in compact tiles (coded, or zero point) */
     for (int k = 0; m && k < 7 * m->c.n_layers + 1; k++) {
         const size_t b = (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
         total += b;
-        if (m->tiled[k].coded) in_coded += b;
+        if (pm_tiled_compact(&m->tiled[k])) in_coded += b;
     }
     if (m) total += (size_t)m->head_lo.ntiles * m->head_lo.tile_bytes;
     if (coded) *coded = in_coded;
@@ -360,7 +375,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     if (c.amx != 0 && c.amx != 1) return POCKET_EINVAL;
     if (c.avxvnni != 0 && c.avxvnni != 1) return POCKET_EINVAL;
     if (c.head_screen < 0 || c.head_screen > PM_SCREEN_MAX) return POCKET_EINVAL;
-    if (c.coded_scales != 0 && c.coded_scales != 1) return POCKET_EINVAL;
+    if (c.compact_tiles != 0 && c.compact_tiles != 1) return POCKET_EINVAL;
     if (c.amx_one_term & ~POCKET_Q8_ALL) return POCKET_EINVAL;
 #if PM_HAVE_AMX
     if (c.amx && (kernels->level != POCKET_LEVEL_AVX512 || !pm_amx_enable()))

@@ -65,11 +65,16 @@ typedef struct pocket_weight {
      * per row code_steps [rows, 2] (d, dmin), so that scales[r][g] = f16(scale_codes[r][g] * d)
      * and mins[r][g] = f16(min_codes[r][g] * dmin), each product in float32 rounded once (the
      * repack checks every group against scales / mins and refuses the model otherwise). With
-     * config.coded_scales, a level that reads them keeps the codes in its tiles: 4.5 bits per
+     * config.compact_tiles, a level that reads them keeps the codes in its tiles: 4.5 bits per
      * weight read per token instead of 5.0, the same products bit for bit. All NULL: none. */
     const uint8_t *scale_codes;
     const int8_t *min_codes;
     const uint16_t *code_steps;
+    /* > 0: the minimums are implicit, mins[r][g] = f16(-zero_point * scales[r][g]) for every
+     * group (the deploy format's zero point: INT4 8, INT5 16; the repack checks it), so that
+     * with config.compact_tiles the tiles hold no minimums: 0.5 bits per weight fewer read per
+     * token, the same results. 0: explicit minimums. */
+    int zero_point;
     /* Optional low-rank adapter (LoRA) kept beside the weight: the product becomes
      * y = x W^T + (x A^T) B^T, the adapter's part in float32 (its scale folded into B), on every
      * path (prefill, decode, batched decode, verification), row by row alike. lora_rank 0: none
@@ -128,10 +133,12 @@ typedef struct pocket_model_config {
                          * for the K tiles of 16 rows with the largest estimates; its other
                          * logits stay estimates. Every other row gets the INT8 head's values
                          * bit for bit. 0: the INT8 head as it is. Range 0..256. */
-    int coded_scales;   /* 1: the INT4 weights that carry coded steps (pocket_weight.
-                         * scale_codes) keep them in their tiles (every level; not with amx,
-                         * whose products read float16 steps): fewer bytes per token, the
-                         * same results. 0: every tile holds float16 scales and minimums. */
+    int compact_tiles;  /* 1: compact tiles (every level; not with amx, whose products read
+                         * float16 steps): INT4 weights with coded steps (pocket_weight.
+                         * scale_codes) keep the codes, INT4 / INT5 weights with implicit
+                         * minimums (pocket_weight.zero_point) hold no minimums; fewer bytes
+                         * per token, the same results. 0: every tile holds float16 scales
+                         * and minimums. */
 } pocket_model_config;
 
 typedef struct pocket_model pocket_model;
@@ -142,7 +149,8 @@ typedef struct pocket_kv pocket_kv;
 int pocket_model_amx_available(void);
 
 /* Bytes of the model's repacked weights (its tiles; a screened head's two planes), and of
- * those the tiles of coded INT4 weights (pm_tiled.coded) take: what the products stream. */
+ * those the compact tiles take (coded steps or no minimums, config.compact_tiles): what the
+ * products stream. */
 size_t pocket_model_tile_bytes(const pocket_model *m, size_t *coded);
 
 /* The engine's int8 activation digits (pm_act in pocket_model_ops.h) of x [n, cols] (cols a

@@ -196,14 +196,17 @@ static inline size_t pm_row_bytes(const pocket_weight *w) {
 /* Lay out and allocate the 16-row tiles of `w` (INT4, INT5 or INT8) in `t` (zeroed memory);
  * with `lo` (INT8 only), its two nibble planes instead (see pocket_model.head_lo): `t` the high
  * plane and the scales, `lo` the low plane. `coded`: an INT4 group-32 weight with coded steps
- * (pocket_weight.scale_codes) keeps them coded (pm_tiled.coded). */
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, int coded);
+ * (pocket_weight.scale_codes) keeps them coded (pm_tiled.coded); `zero_point`: an INT4 / INT5
+ * weight with implicit minimums (pocket_weight.zero_point, the same value) stores none
+ * (pm_tiled.zero_point). */
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, int coded,
+                   int zero_point);
 
 /* Repack tiles [tb, te) of `w` into `t` (and `lo`: the nibble planes of pm_tiled_alloc; else
  * NULL); ranges of one weight may be filled by different threads. With `release`, the source
  * pages of those rows (a read-only file mapping) are handed back as the repacking goes.
- * Returns 0, or 1 when `t` is coded and a group's codes do not give the weight's float16
- * scale or minimum (then the tiles must not be used). */
+ * Returns 0, or 1 when `t` is compact and a group's codes (or zero point) do not give the
+ * weight's float16 scale or minimum (then the tiles must not be used). */
 int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
                   int release);
 

@@ -164,7 +164,7 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
     const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
-    if (steps) { /* a coded tile's steps, decoded */
+    if (steps) { /* a compact tile's steps, decoded */
         sc = steps;
         mn = steps + (size_t)w->ng * 16;
     }
@@ -250,10 +250,20 @@ static inline TGT AI void store_f16x4(uint16_t *out, float32x4_t v) {
     vst1_u16(out, vreinterpret_u16_f16(vcvt_f16_f32(v)));
 }
 
-/* The float16 scales and minimums of coded tile record rec (pm_tiled_coded_steps, bit for bit:
- * the code times the row's step in float32, rounded to nearest even once). */
-static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+/* The float16 scales and minimums of compact tile record rec (pm_tiled_steps, bit for bit: the
+ * code times the row's step, or -zero_point times the scale, in float32, rounded to nearest
+ * even once). */
+static TGT void tile_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
+    if (!w->coded) { /* zero point */
+        const uint16_t *s16 = (const uint16_t *)(rec + w->scale_off);
+        const float z = -(float)w->zero_point;
+        for (size_t k = 0; k < ng * 16; k += 4) {
+            vst1_u16(out + k, vld1_u16(s16 + k));
+            store_f16x4(out + ng * 16 + k, vmulq_n_f32(load_f16x4(s16 + k), z));
+        }
+        return;
+    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -280,16 +290,16 @@ static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t
 }
 
 /* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone;
- * a coded tile's steps decoded once per tile. */
+ * a compact tile's steps decoded once per tile. */
 static inline TGT AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
                                       const pm_tiled *w2, const pm_act *a, float *y,
                                       size_t ystride, int tb, int te) {
     uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS];
-    const int coded = BITS == 4 && w->coded;
+    const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);
     for (int tile = tb; tile < te; tile++) {
         const uint16_t *st = NULL;
-        if (coded) {
-            coded_steps_neon(w, w->data + (size_t)tile * w->tile_bytes, buf);
+        if (compact) {
+            tile_steps_neon(w, w->data + (size_t)tile * w->tile_bytes, buf);
             st = buf;
         }
         int i0 = 0;

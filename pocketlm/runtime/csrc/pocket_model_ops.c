@@ -256,12 +256,12 @@ void pm_block_sums_portable(const float *x, int n, int cols, float *bsum) {
 }
 
 /* The record of tile t of w and its float16 scales *sc and minimums *mn: the record's own, or a
- * coded tile's decoded into buf (2 x 16 x PM_CODED_MAX_GROUPS values). */
+ * compact tile's decoded into buf (2 x 16 x PM_CODED_MAX_GROUPS values). */
 static const uint8_t *tile_steps(const pm_tiled *w, int t, const uint16_t **sc,
                                  const uint16_t **mn, uint16_t *buf) {
     const uint8_t *rec = pm_tile_record(w, t, sc, mn);
-    if (w->coded) {
-        pm_tiled_coded_steps(w, rec, buf);
+    if (pm_tiled_compact(w)) {
+        pm_tiled_steps(w, rec, buf);
         *sc = buf;
         *mn = buf + (size_t)w->ng * 16;
     }

@@ -128,7 +128,8 @@ void pm_advise_random_rows(const pocket_weight *w) {
  * x 640 embedding used as the head) never sits in memory whole beside its copy. */
 #define PM_RELEASE_TILES 256
 
-int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, int coded) {
+int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, int coded,
+                   int zero_point) {
     memset(t, 0, sizeof *t);
     if (lo) memset(lo, 0, sizeof *lo);
     if (w->type != POCKET_WT_Q4 && w->type != POCKET_WT_Q5 && w->type != POCKET_WT_Q8)
@@ -136,6 +137,9 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, 
     if (lo && w->type != POCKET_WT_Q8) return POCKET_EINVAL;
     if (coded && (w->type != POCKET_WT_Q4 || w->group_size != 32 || !w->scale_codes ||
                   !w->min_codes || !w->code_steps || w->cols / 32 > PM_CODED_MAX_GROUPS || lo))
+        return POCKET_EINVAL;
+    if (zero_point && (coded || lo || w->type == POCKET_WT_Q8 || zero_point != w->zero_point ||
+                       w->cols / w->group_size > PM_CODED_MAX_GROUPS))
         return POCKET_EINVAL;
     /* the nibble planes of INT8 (lo): t the INT4 blocks of the high nibbles and the scales (no
      * minimums), lo the low nibbles' blocks only */
@@ -151,8 +155,10 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, 
     t->block_bytes = t->bits == 4 ? 256 : t->bits == 5 ? 320 : 512;
     t->scale_off = (size_t)t->nb * t->block_bytes;
     t->coded = coded;
+    t->zero_point = zero_point;
     t->tile_bytes = pocket_round_up(
-        t->scale_off + (coded ? (size_t)t->ng * 32 + 64 : (size_t)t->ng * 32 * (mins ? 2 : 1)),
+        t->scale_off + (coded ? (size_t)t->ng * 32 + 64
+                              : (size_t)t->ng * 32 * (mins && !zero_point ? 2 : 1)),
         64);
     t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes, huge);
     if (!t->data) return POCKET_ENOMEM;
@@ -213,8 +219,16 @@ static int fill_coded(const pocket_weight *w, const pm_tiled *t, uint8_t *rec, s
     return bad;
 }
 
-void pm_tiled_coded_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
+    if (!w->coded) { /* zero point: the scales, and -zero_point times each */
+        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
+        for (size_t k = 0; k < ng * 16; k++) {
+            out[k] = sc[k];
+            out[ng * 16 + k] = coded_step(-w->zero_point, sc[k]);
+        }
+        return;
+    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -249,7 +263,11 @@ int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int
             else
                 for (size_t g = 0; g < ng; g++) {
                     sc[16 * g + i] = w->scales[r * ng + g];
-                    if (q4 || q5) mn[16 * g + i] = w->mins[r * ng + g];
+                    if (t->zero_point) /* implicit minimums: checked, not stored */
+                        bad |= coded_step(-t->zero_point, w->scales[r * ng + g]) !=
+                               w->mins[r * ng + g];
+                    else if (q4 || q5)
+                        mn[16 * g + i] = w->mins[r * ng + g];
                 }
             if (q4) {
                 const uint8_t *src = (const uint8_t *)w->data + r * row_bytes;
@@ -308,8 +326,13 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
     const uint8_t *rec = w->data + (r / 16) * w->tile_bytes;
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off), *mn = sc + (size_t)w->ng * 16;
     const int i = (int)(r % 16), per_group = w->group_size;
-    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a coded tile: lane i's steps decoded */
-    if (w->coded) {
+    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a compact tile: lane i's steps decoded */
+    if (w->zero_point) {
+        const size_t ng = (size_t)w->ng;
+        for (size_t g = 0; g < ng; g++)
+            steps[16 * (ng + g) + (size_t)i] = coded_step(-w->zero_point, sc[16 * g + (size_t)i]);
+        mn = steps + ng * 16;
+    } else if (w->coded) {
         const size_t ng = (size_t)w->ng;
         const uint8_t *scode;
         const int8_t *mcode;

@@ -306,7 +306,7 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
     const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
-    if (steps) { /* a coded tile's steps, decoded */
+    if (steps) { /* a compact tile's steps, decoded */
         sc = steps;
         mn = steps + (size_t)w->ng * 16;
     }
@@ -422,10 +422,22 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
 
-/* The float16 scales and minimums of coded tile record rec (pm_tiled_coded_steps, bit for
- * bit: the code times the row's step in float32, rounded to nearest even once). */
-static inline TGTV void coded_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+/* The float16 scales and minimums of compact tile record rec (pm_tiled_steps, bit for bit: the
+ * code times the row's step, or -zero_point times the scale, in float32, rounded to nearest
+ * even once). */
+static inline TGTV void tile_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
+    if (!w->coded) { /* zero point */
+        const uint16_t *s16 = (const uint16_t *)(rec + w->scale_off);
+        const __m512 z = _mm512_set1_ps(-(float)w->zero_point);
+        for (size_t g = 0; g < ng; g++) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(s16 + 16 * g));
+            _mm256_storeu_si256((__m256i *)(out + 16 * g), h);
+            _mm256_storeu_si256((__m256i *)(out + 16 * (ng + g)),
+                                _mm512_cvtps_ph(_mm512_mul_ps(_mm512_cvtph_ps(h), z), PM_RNE));
+        }
+        return;
+    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -448,11 +460,11 @@ static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_t
                                        const pm_tiled *w2, const pm_act *a, float *y,
                                        size_t ystride, int tb, int te) {
     uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS] __attribute__((aligned(64)));
-    const int coded = BITS == 4 && w->coded;
+    const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);
     for (int tile = tb; tile < te; tile++) {
         const uint16_t *st = NULL;
-        if (coded) {
-            coded_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
+        if (compact) {
+            tile_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
             st = buf;
         }
         int i0 = 0;
@@ -489,7 +501,7 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
     const size_t BB = PM_BLOCK_BYTES(BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
-    if (steps) { /* a coded tile's steps, decoded */
+    if (steps) { /* a compact tile's steps, decoded */
         sc = steps;
         mn = steps + (size_t)w->ng * 16;
     }
@@ -581,11 +593,11 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
 static inline TGTV AI void tiledf_range(const int BITS, const pm_tiled *w, const pm_act *a,
                                         float *y, size_t ystride, int tb, int te) {
     uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS] __attribute__((aligned(64)));
-    const int coded = BITS == 4 && w->coded;
+    const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);
     for (int tile = tb; tile < te; tile++) {
         const uint16_t *st = NULL;
-        if (coded) {
-            coded_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
+        if (compact) {
+            tile_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
             st = buf;
         }
         int i0 = 0;
@@ -645,7 +657,7 @@ const pm_ops pm_ops_avx512 = {
     "avx512",          rmsnorm_avx512,        attn_avx512,             glu_avx512,
     pm_matmul_f32_avx2, to_f16_avx512,        quant_act_avx512,        matmul_tiled_avx512,
     block_sums_avx512, pm_lora_down_avx2,    pm_lora_up_avx2,       matmul_planes_avx512,
-    1, /* coded INT4 tiles */
+    1, /* compact tiles */
 };
 
 #endif /* PM_HAVE_AVX512 */

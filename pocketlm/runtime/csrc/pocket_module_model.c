@@ -6,7 +6,9 @@
  *   config:  dict of pocketlm.config.ModelConfig fields (to_dict()).
  *   weights: dict name -> float32 numpy array (norms, biases, float weights), or a tuple
  *            ("int4", qweight uint8 [rows, cols/2], scales f16, mins f16, group_size
- *            [, mins_in_memory[, codes]]) with codes None or (scale codes uint8 [rows, cols/32],
+ *            [, mins_in_memory[, codes]]) with mins_in_memory a bool, or the zero point (an
+ *            int) of minimums that are -zero_point * scales (pocket_weight.zero_point; INT5
+ *            too), and codes None or (scale codes uint8 [rows, cols/32],
  *            min codes int8 [rows, cols/32], steps f16 [rows, 2]) for group 32
  *            (pocket_weight.scale_codes: scales and mins must be the codes' products),
  *            ("int5", qweight uint8 [rows, cols/32*20], scales f16, mins f16, group_size) or
@@ -25,8 +27,8 @@
  *            multiply-add pairs (the same results).
  *   config "huge_pages" true: the repacked weights ask for transparent huge pages
  *            (pocket_model_config.huge_pages; the same results).
- *   config "coded_scales" true: INT4 weights with codes keep them in their tiles
- *            (pocket_model_config.coded_scales; the same results).
+ *   config "compact_tiles" true: INT4 weights with codes keep them in their tiles
+ *            (pocket_model_config.compact_tiles; the same results).
  *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, its K
  *            best tiles of 16 rows refined (pocket_model_config.head_screen; 0: the INT8
  *            head). forward(screen=True), forward_batch / verify_batch(screen=bytes, one per
@@ -222,6 +224,17 @@ static int model_matrix(ModelObject *self, PyObject *weights, const char *name, 
     }
     PyObject *ogs = PyTuple_GET_ITEM(obj, is8 ? 3 : 4);
     w->mins_in_memory = len >= 6 && PyObject_IsTrue(PyTuple_GET_ITEM(obj, 5)) == 1;
+    if (len >= 6 && PyLong_Check(PyTuple_GET_ITEM(obj, 5)) &&
+        !PyBool_Check(PyTuple_GET_ITEM(obj, 5))) { /* the zero point of implicit minimums */
+        const long zp = PyLong_AsLong(PyTuple_GET_ITEM(obj, 5));
+        if (zp < 1 || zp > 255 || is8) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "weight '%s': zero point must be 1..255 (INT4, INT5)",
+                         name);
+            return -1;
+        }
+        w->zero_point = (int)zp;
+    }
     long gs = PyLong_Check(ogs) ? PyLong_AsLong(ogs) : -1;
     if (gs != 32 && gs != 64 && gs != 128) {
         PyErr_Clear();
@@ -365,10 +378,10 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         truth = hp ? PyObject_IsTrue(hp) : 0;
         if (truth < 0) return NULL;
         c.huge_pages = truth;
-        PyObject *cs = cfg_item(cfg, "coded_scales", 0);
+        PyObject *cs = cfg_item(cfg, "compact_tiles", 0);
         truth = cs ? PyObject_IsTrue(cs) : 0;
         if (truth < 0) return NULL;
-        c.coded_scales = truth;
+        c.compact_tiles = truth;
         PyObject *hs = cfg_item(cfg, "head_screen", 0);
         if (hs) {
             const long k = PyLong_AsLong(hs);
@@ -849,7 +862,7 @@ static PyGetSetDef model_getset[] = {
     {"act_q8", (getter)model_get_act_q8, NULL, "products with int8 activations (Q8_* bits)", NULL},
     {"level", (getter)model_get_level, NULL, "kernel level in use", NULL},
     {"tile_bytes", (getter)model_get_tile_bytes, NULL,
-     "(bytes of the repacked weights, of which in coded INT4 tiles)", NULL},
+     "(bytes of the repacked weights, of which in compact tiles)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

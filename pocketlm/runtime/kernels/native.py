@@ -384,8 +384,10 @@ def _engine_tensor(w):
             if w.qweight.dtype != np.uint8 or w.scales.dtype != np.float16 or \
                     w.mins.dtype != np.float16:
                 return None
-            if w.zero_point is not None:  # mins computed, not mapped: never released
-                return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size), True)
+            if w.zero_point is not None:  # mins computed, not mapped: never released; the
+                # zero point lets the tiles hold none
+                return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size),
+                        int(w.zero_point))
             if getattr(w, "encoding", None) == "int4_c8":  # the codes the tiles may keep
                 s = w.stored
                 return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size), False,
@@ -491,7 +493,7 @@ class NativeEngine:
                  release_source: bool = False, amx: bool | None = None,
                  amx_weights: str | None = None, smooth_keys: bool = True,
                  avxvnni: bool | None = None, huge_pages: bool | None = None,
-                 head_screen: int | None = None, coded_scales: bool | None = None,
+                 head_screen: int | None = None, compact_tiles: bool | None = None,
                  settings: EngineSettings | None = None):
         """Every argument left None takes its value from ``settings`` (default: read from the
         environment now, :meth:`EngineSettings.from_env`; see the module docstring for the
@@ -506,7 +508,7 @@ class NativeEngine:
         ``head_screen``: K > 0 holds an INT8 output head as two INT4 planes and, in decode
         steps, verifications and last-row prefills, reads the low plane only for the tiles of
         the K tiles (16 rows each) with the largest estimates of the high plane's pass
-        (docs/engine.md, "Head screening"). ``coded_scales``: INT4 weights stored with coded
+        (docs/engine.md, "Head screening"). ``compact_tiles``: INT4 weights stored with coded
         scales (``int4_c8``) keep the codes in the repacked tiles (not with ``amx``; fewer
         bytes per token, the same results)."""
         if not engine_available():
@@ -560,9 +562,9 @@ class NativeEngine:
         if not 0 <= self.head_screen <= 256:
             raise ValueError(f"head_screen must be 0 to 256, got {self.head_screen}")
         cfg["head_screen"] = self.head_screen
-        self.coded_scales = int(settings.coded_scales if coded_scales is None
-                                else bool(coded_scales))
-        cfg["coded_scales"] = self.coded_scales
+        self.compact_tiles = int(settings.compact_tiles if compact_tiles is None
+                                else bool(compact_tiles))
+        cfg["compact_tiles"] = self.compact_tiles
         cfg["amx"] = self.amx
         cfg["amx_one_term"] = AMX_WEIGHTS[amx_weights] if self.amx else 0
         cfg["lora_rank"] = self.lora_rank = adapter_rank(tensors)

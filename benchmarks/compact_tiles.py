@@ -1,11 +1,11 @@
 """INT4 weights with coded scales (``int4_c8``) held coded in the engine's tiles, or decoded to
-float16 scales and minimums (POCKET_CODED_SCALES 1 / 0): bytes streamed per token, prefill,
+float16 scales and minimums (POCKET_COMPACT_TILES 1 / 0): bytes streamed per token, prefill,
 one-token decode and speculative verification steps, side by side.
 
-    python benchmarks/coded_scales.py -m model-4.6.pocket [--rounds 6] \\
-        --out benchmarks/coded_scales.jsonl
-    python benchmarks/coded_scales.py -m model-4.6.pocket --pocket-bench --rounds 4 \\
-        --out benchmarks/coded_scales.jsonl
+    python benchmarks/compact_tiles.py -m model-4.6.pocket [--rounds 6] \\
+        --out benchmarks/compact_tiles.jsonl
+    python benchmarks/compact_tiles.py -m model-4.6.pocket --pocket-bench --rounds 4 \\
+        --out benchmarks/compact_tiles.jsonl
 
 The same harness as benchmarks/huge_pages.py (one worker process per setting, the order
 alternating round by round, every output compared bit for bit), for this setting: a pack made
@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import huge_pages  # noqa: E402
 
-CODED_SCALES = {"variable": "POCKET_CODED_SCALES", "label": "coded-scales", "on": "coded",
-                "off": "f16", "key": "coded_scales"}
+CODED_SCALES = {"variable": "POCKET_COMPACT_TILES", "label": "coded-scales", "on": "coded",
+                "off": "f16", "key": "compact_tiles"}
 
 if __name__ == "__main__":
     huge_pages.main(CODED_SCALES, __doc__)
