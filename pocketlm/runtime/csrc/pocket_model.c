@@ -176,10 +176,13 @@ static int coded_tiles(const pocket_model *m, const pocket_weight *w, int k) {
 }
 
 /* The zero point of weight w's tiles (tiled weight k): its implicit minimums' (INT4, INT5) on
- * the same terms as coded_tiles, else 0 (minimums stored). */
+ * the same terms as coded_tiles, else 0 (minimums stored). A power of two (the format's 8 and
+ * 16), so that -zero_point * scale is exact in float32 and the kernels compute it where they
+ * use it (the repack checks it equals each float16 minimum). */
 static int zero_point_tiles(const pocket_model *m, const pocket_weight *w, int k) {
     return m->c.compact_tiles && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
-                   w->zero_point > 0 && !w->scale_codes &&
+                   w->zero_point > 0 && !(w->zero_point & (w->zero_point - 1)) &&
+                   !w->scale_codes &&
                    (w->type == POCKET_WT_Q4 || w->type == POCKET_WT_Q5) &&
                    w->cols / w->group_size <= PM_CODED_MAX_GROUPS
                ? w->zero_point

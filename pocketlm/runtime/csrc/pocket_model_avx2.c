@@ -125,23 +125,10 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
  * int16 (above), else DOT (the AVX-VNNI dot product) into int32; BITS: INT4, INT5 or INT8
  * weights; DIG: activation digits (1 or 2). acc / macc [token][half] lane e = row
  * 8 half + e of the tile, as the portable kernel's acc / macc of that row. */
-/* The float16 scales and minimums of compact tile record rec (pm_tiled_steps, bit for bit: the
- * code times the row's step, or -zero_point times the scale, in float32, rounded to nearest
- * even once), 8 rows at a time. */
-static TGT void tile_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+/* The float16 scales and minimums of coded tile record rec (pm_tiled_steps, bit for bit: the
+ * code times the row's step in float32, rounded to nearest even once), 8 rows at a time. */
+static TGT void coded_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
-    if (!w->coded) { /* zero point */
-        const uint16_t *s16 = (const uint16_t *)(rec + w->scale_off);
-        const __m256 z = _mm256_set1_ps(-(float)w->zero_point);
-        for (size_t k = 0; k < ng * 16; k += 8) {
-            const __m128i h = _mm_loadu_si128((const __m128i *)(s16 + k));
-            _mm_storeu_si128((__m128i *)(out + k), h);
-            _mm_storeu_si128((__m128i *)(out + ng * 16 + k),
-                             _mm256_cvtps_ph(_mm256_mul_ps(_mm256_cvtph_ps(h), z),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        }
-        return;
-    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -177,12 +164,13 @@ static TGT void tile_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t 
         const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);                                 \
         const uint16_t *sc, *mn;                                                                \
         const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);                                 \
-        if (steps) { /* a compact tile's steps, decoded */                                        \
+        if (steps) { /* a coded tile's steps, decoded */                                        \
             sc = steps;                                                                         \
             mn = steps + (size_t)w->ng * 16;                                                    \
         }                                                                                       \
         const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;             \
         const int nb = w->nb, ng = w->ng, gpb = w->gpb;                                         \
+        const float zp = -(float)w->zero_point; /* implicit minimums: -zero_point * scale */    \
         const __m256i m4 = _mm256_set1_epi8(0x0F), sgn = _mm256_set1_epi8((char)0x80);          \
         const int8_t *p1[2], *p2[2];                                                            \
         const float *dd[2], *bs[2];                                                             \
@@ -299,9 +287,10 @@ static TGT void tile_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t 
                 if (Q4)                                                                         \
                     for (int hh = 0; hh < HN; hh++) {                                           \
                         const __m256 mv =                                                       \
-                            EST ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(-120.5f))                \
-                                : _mm256_cvtph_ps(_mm_loadu_si128(                              \
-                                      (const __m128i *)(mn + 16 * g + 8 * (h0 + hh))));         \
+                            EST  ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(-120.5f))               \
+                            : zp ? _mm256_mul_ps(s1[hh], _mm256_set1_ps(zp))                    \
+                                 : _mm256_cvtph_ps(_mm_loadu_si128(                             \
+                                       (const __m128i *)(mn + 16 * g + 8 * (h0 + hh))));        \
                         for (int t = 0; t < T; t++)                                             \
                             macc[t][hh] = _mm256_add_ps(macc[t][hh],                            \
                                                         _mm256_mul_ps(mv, _mm256_set1_ps(xs[t]))); \
@@ -319,18 +308,18 @@ static TGT void tile_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t 
 
 /* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone;
  * the weight stream prefetched when few tokens share it (decode). A coded tile's steps are
- * decoded once per tile (tile_steps_avx2). */
+ * decoded once per tile (coded_steps_avx2). */
 #define PM_AVX2_RANGE(NAME, TILE, ATTR)                                                         \
     static inline ATTR AI void NAME(const int BITS, const int DIG, const pm_tiled *w,           \
                                     const pm_tiled *w2, const pm_act *a, float *y,              \
                                     size_t ystride, int tb, int te) {                           \
         const int prefetch = a->n <= 2;                                                         \
-        const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);                    \
+        const int coded = BITS == 4 && w->coded;                                                \
         uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS];                                             \
         for (int tile = tb; tile < te; tile++) {                                                \
             const uint16_t *st = NULL;                                                          \
-            if (compact) {                                                                      \
-                tile_steps_avx2(w, w->data + (size_t)tile * w->tile_bytes, buf);                \
+            if (coded) {                                                                        \
+                coded_steps_avx2(w, w->data + (size_t)tile * w->tile_bytes, buf);               \
                 st = buf;                                                                       \
             }                                                                                   \
             int i0 = 0;                                                                         \

@@ -164,12 +164,13 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
     const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
-    if (steps) { /* a compact tile's steps, decoded */
+    if (steps) { /* a coded tile's steps, decoded */
         sc = steps;
         mn = steps + (size_t)w->ng * 16;
     }
     const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
+    const float zp = -(float)w->zero_point; /* implicit minimums: -zero_point * scale */
     const uint8x16_t m4 = vdupq_n_u8(0x0F), sgn = vdupq_n_u8(0x80);
     const int8_t *p1[2], *p2[2];
     const float *dd[2], *bs[2];
@@ -227,7 +228,9 @@ static inline TGT AI void tiled_tile(const int BITS, const int DIG, const int T,
         if (Q4)
             for (int r = 0; r < 4; r++) {
                 const float32x4_t mv =
-                    EST ? vmulq_n_f32(s1[r], -120.5f) : load_f16x4(mn + 16 * g + 4 * r);
+                    EST  ? vmulq_n_f32(s1[r], -120.5f)
+                    : zp ? vmulq_n_f32(s1[r], zp) /* implicit minimums: exact */
+                         : load_f16x4(mn + 16 * g + 4 * r);
                 for (int t = 0; t < T; t++)
                     macc[t][r] = vaddq_f32(macc[t][r], vmulq_n_f32(mv, xs[t]));
             }
@@ -250,20 +253,10 @@ static inline TGT AI void store_f16x4(uint16_t *out, float32x4_t v) {
     vst1_u16(out, vreinterpret_u16_f16(vcvt_f16_f32(v)));
 }
 
-/* The float16 scales and minimums of compact tile record rec (pm_tiled_steps, bit for bit: the
- * code times the row's step, or -zero_point times the scale, in float32, rounded to nearest
- * even once). */
-static TGT void tile_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+/* The float16 scales and minimums of coded tile record rec (pm_tiled_steps, bit for bit: the
+ * code times the row's step in float32, rounded to nearest even once). */
+static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
-    if (!w->coded) { /* zero point */
-        const uint16_t *s16 = (const uint16_t *)(rec + w->scale_off);
-        const float z = -(float)w->zero_point;
-        for (size_t k = 0; k < ng * 16; k += 4) {
-            vst1_u16(out + k, vld1_u16(s16 + k));
-            store_f16x4(out + ng * 16 + k, vmulq_n_f32(load_f16x4(s16 + k), z));
-        }
-        return;
-    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -290,16 +283,16 @@ static TGT void tile_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t 
 }
 
 /* Tiles [tb, te), tokens in pairs (the pair shares each weight load), an odd last one alone;
- * a compact tile's steps decoded once per tile. */
+ * a coded tile's steps decoded once per tile. */
 static inline TGT AI void tiled_range(const int BITS, const int DIG, const pm_tiled *w,
                                       const pm_tiled *w2, const pm_act *a, float *y,
                                       size_t ystride, int tb, int te) {
     uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS];
-    const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);
+    const int coded = BITS == 4 && w->coded;
     for (int tile = tb; tile < te; tile++) {
         const uint16_t *st = NULL;
-        if (compact) {
-            tile_steps_neon(w, w->data + (size_t)tile * w->tile_bytes, buf);
+        if (coded) {
+            coded_steps_neon(w, w->data + (size_t)tile * w->tile_bytes, buf);
             st = buf;
         }
         int i0 = 0;

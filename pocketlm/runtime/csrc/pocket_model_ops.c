@@ -256,11 +256,12 @@ void pm_block_sums_portable(const float *x, int n, int cols, float *bsum) {
 }
 
 /* The record of tile t of w and its float16 scales *sc and minimums *mn: the record's own, or a
- * compact tile's decoded into buf (2 x 16 x PM_CODED_MAX_GROUPS values). */
+ * coded tile's decoded into buf (2 x 16 x PM_CODED_MAX_GROUPS values); a zero-point tile's
+ * minimums are -zero_point * scale, computed where they are used. */
 static const uint8_t *tile_steps(const pm_tiled *w, int t, const uint16_t **sc,
                                  const uint16_t **mn, uint16_t *buf) {
     const uint8_t *rec = pm_tile_record(w, t, sc, mn);
-    if (pm_tiled_compact(w)) {
+    if (w->coded) {
         pm_tiled_steps(w, rec, buf);
         *sc = buf;
         *mn = buf + (size_t)w->ng * 16;
@@ -273,6 +274,7 @@ static const uint8_t *tile_steps(const pm_tiled *w, int t, const uint16_t **sc,
 static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, size_t ystride,
                                int tb, int te) {
     const int nb = w->nb, gpb = w->gpb, ng = w->ng;
+    const float zp = -(float)w->zero_point; /* implicit minimums: -zero_point * scale */
     uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS];
     for (int t = tb; t < te; t++) {
         const uint16_t *sc, *mn;
@@ -293,7 +295,7 @@ static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, siz
                     }
                     acc += d * s;
                     if (w->bits != 8)
-                        acc += pocket_f16_to_f32(mn[16 * g + rr]) * xs;
+                        acc += (w->zero_point ? s * zp : pocket_f16_to_f32(mn[16 * g + rr])) * xs;
                     else
                         acc -= 128.0f * xs * s;
                 }
@@ -311,6 +313,7 @@ static void tiled_f32_portable(const pm_tiled *w, const pm_act *a, float *y, siz
 static void tiled_q8_portable(const pm_tiled *w, const pm_tiled *lo, int est, const pm_act *a,
                               float *y, size_t ystride, int tb, int te) {
     const int nb = w->nb, gpb = w->gpb, ng = w->ng;
+    const float zp = -(float)w->zero_point; /* implicit minimums: -zero_point * scale */
     const int q8 = w->bits == 8 || lo;           /* INT8 codes: the corr offset, no minimums */
     const int dig2 = a->digits == 2 && !est;     /* the second digit's sums */
     const float smul = est ? PM_EST_SCALE(a) : 1.0f;
@@ -344,7 +347,10 @@ static void tiled_q8_portable(const pm_tiled *w, const pm_tiled *lo, int est, co
                         acc += (float)T * (s * dd[b]);
                         xs += bs[b];
                     }
-                    if (!q8) macc += (est ? s1 * -120.5f : pocket_f16_to_f32(mn[16 * g + rr])) * xs;
+                    if (!q8)
+                        macc += (est ? s1 * -120.5f
+                                 : w->zero_point ? s1 * zp
+                                                 : pocket_f16_to_f32(mn[16 * g + rr])) * xs;
                 }
                 y[(size_t)i * ystride + r0 + rr] = acc + macc;
             }

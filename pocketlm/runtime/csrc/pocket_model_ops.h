@@ -79,10 +79,11 @@ typedef struct pm_attn_args {
  * layout above (pm_tiled_steps: f16(code * d), the product in float32 rounded once),
  * so that its products are those of the float16 tiles bit for bit.
  *
- * Zero-point tiles (pm_tiled.zero_point > 0: INT4 or INT5 weights with implicit minimums,
- * pocket_weight.zero_point) hold the scales but no minimums:
+ * Zero-point tiles (pm_tiled.zero_point > 0, a power of two: INT4 or INT5 weights with
+ * implicit minimums, pocket_weight.zero_point) hold the scales but no minimums:
  *   [nb blocks][ng x 16 float16 scales]  (64-aligned)
- * and a kernel decodes the minimums f16(-zero_point * scale) the same way. */
+ * and a kernel computes each minimum as -zero_point * scale in float32 where it uses it (exact,
+ * and equal to the float16 minimum: the repack checks it). */
 typedef struct pm_tiled {
     int bits; /* 4 | 5 | 8 */
     int rows, cols, group_size;
@@ -98,13 +99,12 @@ typedef struct pm_tiled {
 /* The most groups of 32 columns a coded tile may have (its decoded steps go on the stack). */
 #define PM_CODED_MAX_GROUPS 256
 
-/* Whether tile records of w hold their steps compactly (coded, or without minimums): a kernel
- * decodes them per tile (pm_tiled_steps or its level's own). */
+/* Whether tile records of w hold their steps compactly (coded, or without minimums). */
 POCKET_INLINE int pm_tiled_compact(const pm_tiled *w) { return w->coded || w->zero_point > 0; }
 
-/* The float16 scales and minimums of compact tile record `rec` of `w` (pm_tiled_compact) in
- * the layout of a float16 tile's: out [ng x 16 scales][ng x 16 mins] (pocket_model_tiles.c;
- * the SIMD levels have their own, the same bits). */
+/* The float16 scales and minimums of coded tile record `rec` of `w` (pm_tiled.coded) in the
+ * layout of a float16 tile's: out [ng x 16 scales][ng x 16 mins] (pocket_model_tiles.c; the
+ * SIMD levels have their own, the same bits). */
 void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out);
 
 /* The coded steps of a tile record: its 16 rows' scale codes (uint8), minimum codes (int8)

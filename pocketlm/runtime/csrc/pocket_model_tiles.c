@@ -221,14 +221,6 @@ static int fill_coded(const pocket_weight *w, const pm_tiled *t, uint8_t *rec, s
 
 void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
-    if (!w->coded) { /* zero point: the scales, and -zero_point times each */
-        const uint16_t *sc = (const uint16_t *)(rec + w->scale_off);
-        for (size_t k = 0; k < ng * 16; k++) {
-            out[k] = sc[k];
-            out[ng * 16 + k] = coded_step(-w->zero_point, sc[k]);
-        }
-        return;
-    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -264,8 +256,8 @@ int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int
                 for (size_t g = 0; g < ng; g++) {
                     sc[16 * g + i] = w->scales[r * ng + g];
                     if (t->zero_point) /* implicit minimums: checked, not stored */
-                        bad |= coded_step(-t->zero_point, w->scales[r * ng + g]) !=
-                               w->mins[r * ng + g];
+                        bad |= !(pocket_f16_to_f32(w->mins[r * ng + g]) ==
+                                 -(float)t->zero_point * pocket_f16_to_f32(w->scales[r * ng + g]));
                     else if (q4 || q5)
                         mn[16 * g + i] = w->mins[r * ng + g];
                 }
@@ -326,13 +318,17 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
     const uint8_t *rec = w->data + (r / 16) * w->tile_bytes;
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off), *mn = sc + (size_t)w->ng * 16;
     const int i = (int)(r % 16), per_group = w->group_size;
-    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a compact tile: lane i's steps decoded */
-    if (w->zero_point) {
-        const size_t ng = (size_t)w->ng;
-        for (size_t g = 0; g < ng; g++)
-            steps[16 * (ng + g) + (size_t)i] = coded_step(-w->zero_point, sc[16 * g + (size_t)i]);
-        mn = steps + ng * 16;
-    } else if (w->coded) {
+    uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a coded tile: lane i's steps decoded */
+    if (w->zero_point) { /* implicit minimums -zero_point * scale, exact in float32 */
+        for (int b = 0; b < w->nb; b++)
+            for (int k = 0; k < 32; k++) {
+                const int c = 32 * b + k, g = c / per_group;
+                const float s = pocket_f16_to_f32(sc[16 * g + i]);
+                x[c] = (float)pm_tiled_value(w, rec, b, k, i) * s + -(float)w->zero_point * s;
+            }
+        return;
+    }
+    if (w->coded) {
         const size_t ng = (size_t)w->ng;
         const uint8_t *scode;
         const int8_t *mcode;

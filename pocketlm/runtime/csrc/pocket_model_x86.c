@@ -306,12 +306,13 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
     const size_t BB = PM_BLOCK_BYTES(EST || PL ? 4 : BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
-    if (steps) { /* a compact tile's steps, decoded */
+    if (steps) { /* a coded tile's steps, decoded */
         sc = steps;
         mn = steps + (size_t)w->ng * 16;
     }
     const uint8_t *rec2 = PL ? w2->data + (size_t)tile * w2->tile_bytes : NULL;
     const int nb = w->nb, ng = w->ng, gpb = w->gpb;
+    const float zp = -(float)w->zero_point; /* implicit minimums: -zero_point * scale */
     const int8_t *x1[4], *x2[4];
     const float *dd[4], *bs[4];
     const int32_t *cr[4];
@@ -406,7 +407,8 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
         if (MINS) {
             const __m512 mv =
                 EST ? _mm512_mul_ps(s1, _mm512_set1_ps(-120.5f))
-                    : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
+                : zp ? _mm512_mul_ps(s1, _mm512_set1_ps(zp)) /* implicit: exact, as stored */
+                     : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
             PM_UNROLL_T
             for (int t = 0; t < T; t++) {
                 float xs = bs[t][g * gpb];
@@ -422,22 +424,10 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
         _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ystride + r0, mk, acc[t]);
 }
 
-/* The float16 scales and minimums of compact tile record rec (pm_tiled_steps, bit for bit: the
- * code times the row's step, or -zero_point times the scale, in float32, rounded to nearest
- * even once). */
-static inline TGTV void tile_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+/* The float16 scales and minimums of coded tile record rec (pm_tiled_steps, bit for bit: the
+ * code times the row's step in float32, rounded to nearest even once). */
+static inline TGTV void coded_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const size_t ng = (size_t)w->ng;
-    if (!w->coded) { /* zero point */
-        const uint16_t *s16 = (const uint16_t *)(rec + w->scale_off);
-        const __m512 z = _mm512_set1_ps(-(float)w->zero_point);
-        for (size_t g = 0; g < ng; g++) {
-            const __m256i h = _mm256_loadu_si256((const __m256i *)(s16 + 16 * g));
-            _mm256_storeu_si256((__m256i *)(out + 16 * g), h);
-            _mm256_storeu_si256((__m256i *)(out + 16 * (ng + g)),
-                                _mm512_cvtps_ph(_mm512_mul_ps(_mm512_cvtph_ps(h), z), PM_RNE));
-        }
-        return;
-    }
     const uint8_t *sc;
     const int8_t *mc;
     const uint16_t *st;
@@ -460,11 +450,11 @@ static inline TGTV AI void tiled_range(const int BITS, const int DIG, const pm_t
                                        const pm_tiled *w2, const pm_act *a, float *y,
                                        size_t ystride, int tb, int te) {
     uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS] __attribute__((aligned(64)));
-    const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);
+    const int coded = BITS == 4 && w->coded;
     for (int tile = tb; tile < te; tile++) {
         const uint16_t *st = NULL;
-        if (compact) {
-            tile_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
+        if (coded) {
+            coded_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
             st = buf;
         }
         int i0 = 0;
@@ -501,11 +491,12 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
     const size_t BB = PM_BLOCK_BYTES(BITS);
     const uint16_t *sc, *mn;
     const uint8_t *rec = pm_tile_record(w, tile, &sc, &mn);
-    if (steps) { /* a compact tile's steps, decoded */
+    if (steps) { /* a coded tile's steps, decoded */
         sc = steps;
         mn = steps + (size_t)w->ng * 16;
     }
     const int ng = w->ng, gpb = w->gpb, nb = w->nb;
+    const float zp = -(float)w->zero_point; /* implicit minimums: -zero_point * scale */
     const __m512 lut = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 lut16 = _mm512_add_ps(lut, _mm512_set1_ps(16.0f));
     const __m512i ff = _mm512_set1_epi32(0xFF);
@@ -574,7 +565,9 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 16 * g)));
         const __m512 mv =
-            Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g))) : s;
+            !Q4  ? s
+            : zp ? _mm512_mul_ps(s, _mm512_set1_ps(zp)) /* implicit minimums: exact */
+                 : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + 16 * g)));
         for (int t = 0; t < T; t++) {
             __m512 dt = d[t][0];
             for (int q = 1; q < SPL; q++) dt = _mm512_add_ps(dt, d[t][q]);
@@ -593,11 +586,11 @@ static inline TGTV AI void tiledf_tile(const int BITS, const int T, const int SP
 static inline TGTV AI void tiledf_range(const int BITS, const pm_tiled *w, const pm_act *a,
                                         float *y, size_t ystride, int tb, int te) {
     uint16_t buf[2 * 16 * PM_CODED_MAX_GROUPS] __attribute__((aligned(64)));
-    const int compact = (BITS == 4 || BITS == 5) && pm_tiled_compact(w);
+    const int coded = BITS == 4 && w->coded;
     for (int tile = tb; tile < te; tile++) {
         const uint16_t *st = NULL;
-        if (compact) {
-            tile_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
+        if (coded) {
+            coded_steps_avx512(w, w->data + (size_t)tile * w->tile_bytes, buf);
             st = buf;
         }
         int i0 = 0;
