@@ -6,6 +6,8 @@ speculative verification steps, side by side.
         --out benchmarks/compact_tiles.jsonl
     python benchmarks/compact_tiles.py -m qwen2.5-0.5b --pocket-bench --rounds 4 \\
         --out benchmarks/compact_tiles.jsonl
+    python benchmarks/compact_tiles.py -m qwen2.5-0.5b --one-process --rounds 12 \\
+        --out benchmarks/compact_tiles.jsonl
 
 The same harness as benchmarks/huge_pages.py (one worker process per setting, the order
 alternating round by round, every output compared bit for bit), for this setting: INT4 tensors

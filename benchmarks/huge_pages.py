@@ -20,6 +20,11 @@ bit (the same logits, or the line says so).
 --json`` (a --n-prompt prompt, 128 greedy tokens) under each setting, alternating round by
 round; the summary gives the medians of its prefill and decode tokens/s and their ratios.
 
+``--one-process`` times greedy decode steps (48 after the prompt) of both settings alternating
+in one process, the model loaded once under each; since the model loaded second decoded up to
+~10 % faster on this VM whatever its setting, it runs once per load order (a process each) and
+the summary gives each order's paired ratio and their geometric mean (``x_decode_step``).
+
 One JSON line per worker, then one summary line per model: the medians over the rounds and the
 ratios (huge pages over 4 KB pages: above 1 is faster for tokens/s, below 1 is faster for
 milliseconds).
@@ -211,6 +216,72 @@ def run(models: list[str], rounds: int, n_prompt: int, reps: int, threads: int, 
         _emit(out, summary)
 
 
+def one_process_worker(name: str, variable: str, first: int, rounds: int, n_prompt: int,
+                       steps: int) -> dict:
+    """Both settings in this process: the model loaded under ``variable`` = ``first``, then
+    under the other value, and greedy decode steps (``steps`` after an ``n_prompt`` prefill)
+    timed on each, alternating round by round. Milliseconds per step, per setting."""
+    import numpy as np
+
+    import pocketlm
+
+    models = {}
+    for value in (first, 1 - first):
+        os.environ[variable] = str(value)
+        models[value] = pocketlm.load(name)
+    text = (ROOT / "tests" / "data" / "english.txt").read_text()
+    ids = models[1].tokenizer.encode(text)
+    while len(ids) < n_prompt:
+        ids = ids + ids
+    ids = ids[:n_prompt]
+    ms: dict[int, list[float]] = {1: [], 0: []}
+    tokens = {}
+    for r in range(rounds):
+        for value in (1, 0) if r % 2 == 0 else (0, 1):
+            rt = models[value].runtime
+            cache = rt.new_cache(n_prompt + steps + 1)
+            tok = int(np.argmax(rt.forward(ids, cache)))
+            got = [tok]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                tok = int(np.argmax(rt.forward([tok], cache, screen=True)))
+                got.append(tok)
+            ms[value].append((time.perf_counter() - t0) / steps * 1e3)
+            tokens.setdefault(value, got)
+    return {"ms_on": ms[1], "ms_off": ms[0], "same_tokens": tokens[1] == tokens[0]}
+
+
+def run_one_process(models: list[str], rounds: int, n_prompt: int, threads: int, out,
+                    setting: dict, steps: int = 48) -> None:
+    """Decode steps of both settings alternating in one process, each load order in its own
+    process (the model loaded second decoded up to ~10 % faster on this VM whatever its
+    setting): the paired ratio per order and their geometric mean."""
+    from pocketlm.bench import machine_info
+
+    machine, today = machine_info(), time.strftime("%Y-%m-%d")
+    for name in models:
+        orders = {}
+        for first in (1, 0):
+            cmd = [sys.executable, __file__, "--one-process-worker", name, "--first", str(first),
+                   "--rounds", str(rounds), "--n-prompt", str(n_prompt),
+                   "--variable", setting["variable"]]
+            env = dict(os.environ, POCKET_THREADS=str(threads), OMP_NUM_THREADS=str(threads))
+            row = _last_json(cmd, env, f"the one-process worker for {name}")
+            pairs = [off / on for on, off in zip(row["ms_on"], row["ms_off"])]
+            orders[f"{setting['on']}_loaded_first" if first else f"{setting['off']}_loaded_first"] = {
+                "ms_on": round(statistics.median(row["ms_on"]), 3),
+                "ms_off": round(statistics.median(row["ms_off"]), 3),
+                "x_paired": round(statistics.median(pairs), 3),
+                "on_faster": sum(p > 1 for p in pairs), "rounds": len(pairs),
+                "same_tokens": row["same_tokens"]}
+        xs = [o["x_paired"] for o in orders.values()]
+        _emit(out, {"bench": f"{setting['label']}-one-process-summary", "model": name,
+                    "steps": steps, "orders": orders,
+                    "x_decode_step": round((xs[0] * xs[1]) ** 0.5, 3),
+                    "threads": threads, "n_prompt": n_prompt, "machine": machine,
+                    "date": today, "command": " ".join(sys.argv)})
+
+
 def main(setting: dict = HUGE_PAGES, doc: str = __doc__) -> None:
     ap = argparse.ArgumentParser(description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -223,15 +294,28 @@ def main(setting: dict = HUGE_PAGES, doc: str = __doc__) -> None:
     ap.add_argument("--out", type=Path, default=None, help="append the summaries here too")
     ap.add_argument("--pocket-bench", action="store_true",
                     help="measure whole generations with `pocket bench` instead of steps")
+    ap.add_argument("--one-process", action="store_true",
+                    help="decode steps of both settings alternating in one process, once per "
+                         "load order (--rounds pairs each)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--one-process-worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--first", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--variable", default=setting["variable"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         print(json.dumps(worker(args.worker, args.n_prompt, args.reps)))
         return
+    if args.one_process_worker:
+        print(json.dumps(one_process_worker(args.one_process_worker, args.variable, args.first,
+                                            args.rounds, args.n_prompt, 48)))
+        return
     if args.rounds < 1 or args.reps < 1 or args.n_prompt < 1:
         sys.exit("error: --rounds, --reps and --n-prompt must be at least 1")
     out = [sys.stdout] + ([args.out.open("a")] if args.out else [])
-    if args.pocket_bench:
+    if args.one_process:
+        run_one_process(args.model or ["smollm2-135m"], args.rounds, args.n_prompt,
+                        args.threads, out, setting)
+    elif args.pocket_bench:
         run_pocket_bench(args.model or ["smollm2-135m"], args.rounds, args.n_prompt,
                          args.threads, out, setting)
     else:
