@@ -570,6 +570,13 @@ def int5_from_gguf_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int
     return QuantTensor("int5", (rows, cols), 32, qweight, d.copy(), mins)
 
 
+def q4k_codes(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 6-bit scale and minimum codes of Q4_K super-blocks (their 12 packed bytes
+    ``[..., 12]``) as uint8 ``[..., 8]`` each."""
+    sc, mn = _q4k_scale_min(packed)
+    return sc.astype(np.uint8), mn.astype(np.uint8)
+
+
 def _q4k_scale_min(s: np.ndarray):
     """Unpack the 12 bytes of 6-bit scales and mins of Q4_K/Q5_K super-blocks -> two
     float32 arrays ``[..., 8]``."""

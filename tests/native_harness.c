@@ -43,8 +43,9 @@
  *                       (layout: POCKET_WT_Q5 in pocket_model.h)
  *     kind 8 (INT8):    int8 qweight [rows, cols], float16 scales [rows, cols / gs]
  *     kind 14 (INT4 with coded steps, group 32): INT4's arrays, then uint8 scale codes
- *                       [rows, cols / 32], int8 minimum codes [rows, cols / 32], float16
- *                       steps [rows, 2] (pocket_weight.scale_codes; config compact_tiles 1)
+ *                       [rows, cols / 32], int8 minimum codes [rows, cols / 32], int32 groups
+ *                       per step G (dividing cols / 32), float16 steps [rows, 2 * cols / 32 /
+ *                       G] (pocket_weight.scale_codes, code_groups; config compact_tiles 1)
  *     kind 24, 25 (INT4, INT5 with implicit minimums): INT4's / INT5's arrays (the minimums
  *                       -zero_point * scales), then int32 zero_point (pocket_weight.zero_point)
  *     (group_size is 0 for float32)
@@ -231,7 +232,13 @@ static void rd_matrix(reader *r, const char *name, int rows, int cols, pocket_we
         if (coded) {
             w->scale_codes = (const uint8_t *)rd_array(r, ng, name);
             w->min_codes = (const int8_t *)rd_array(r, ng, name);
-            w->code_steps = (const uint16_t *)rd_array(r, (size_t)rows * 2 * sizeof(uint16_t), name);
+            w->code_groups = rd_i32(r, name);
+            const int per_row = cols / 32;
+            if (w->code_groups < 1 || per_row % w->code_groups)
+                die("tensor '%s': %d groups per step do not divide %d", name, w->code_groups,
+                    per_row);
+            w->code_steps = (const uint16_t *)rd_array(
+                r, (size_t)rows * 2 * (size_t)(per_row / w->code_groups) * sizeof(uint16_t), name);
         }
         if (zp) {
             w->zero_point = rd_i32(r, name);

@@ -180,9 +180,10 @@ def _tensor_record(name: str, t) -> bytes:
         assert q.dtype == (np.int8 if kind == "int8" else np.uint8)
         assert all(a.dtype == np.float16 for a in arrays[1:])
         codes = rest[4] if len(rest) == 5 else None
-        if codes is not None:  # scale codes, minimum codes, steps
-            assert [c.dtype for c in codes] == [np.uint8, np.int8, np.float16]
-            kind, arrays = "int4_c8", arrays + list(codes)
+        if codes is not None:  # scale codes, minimum codes, steps, groups per step
+            sc, mc, steps, per = codes
+            assert [c.dtype for c in (sc, mc, steps)] == [np.uint8, np.int8, np.float16]
+            kind, arrays = "int4_c8", arrays + [sc, mc, np.asarray([per], np.int32), steps]
         zero_point = rest[3] if len(rest) >= 4 and type(rest[3]) is int else None
         if zero_point is not None:  # implicit minimums: their zero point after the arrays
             kind, arrays = kind + "_zp", arrays + [np.asarray([zero_point], np.int32)]
@@ -200,9 +201,22 @@ def _tensor_record(name: str, t) -> bytes:
     return head + b"".join(_le_bytes(a) for a in arrays)
 
 
+def _steps_per_group(t):
+    """A coded weight's engine tuple with one pair of steps per group instead of per row
+    (codes 1 under steps equal to the float16 scale and minimum: the same values), so that
+    the kernels' step runs shorter than a row (GGUF Q4_K's, per 256 columns) are exercised."""
+    kind, q, scales, mins, gs, computed, codes = t
+    rows, ng = scales.shape
+    steps = np.stack([scales, mins], axis=2).reshape(rows, 2 * ng)
+    return (kind, q, scales, mins, gs, computed,
+            (np.ones((rows, ng), np.uint8), np.ones((rows, ng), np.int8), steps, 1))
+
+
 def write_dump(cfg, weights, path: Path) -> None:
     tensors, reason = native.engine_weights(cfg, weights)
     assert tensors is not None, reason
+    for name in [n for n in tensors if n.endswith("w_up.weight")]:
+        tensors[name] = _steps_per_group(tensors[name])
     has_head = "lm_head.weight" in tensors
     parts = [
         b"PLMDUMP1",

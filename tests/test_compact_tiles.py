@@ -1,5 +1,5 @@
 """Compact tiles (``POCKET_COMPACT_TILES``, docs/engine.md): INT4 weights with coded steps
-(``int4_c8``) keep their codes in the engine's tiles, and INT4 / INT5 weights with implicit
+(``int4_c8``, and GGUF Q4_K's ``q4_k``) keep their codes in the engine's tiles, and INT4 / INT5 weights with implicit
 minimums (a zero point, as a GGUF's Q4_0 / Q5_0 imports) keep no minimums; every kernel decodes
 a tile's steps as it reaches the tile. The results must be those of float16 tiles bit for bit:
 prefill (every logit), decode steps, a verification and a batched step, on every x86 kernel
@@ -43,10 +43,22 @@ def _implicit(qt, zero_point):
                        implicit_mins(qt.scales, zero_point), zero_point)
 
 
+def _q4_k(rows: int, cols: int, seed: int):
+    """A random GGUF Q4_K tensor (``q4_k``: its 6-bit codes under a float16 d, dmin per 256
+    columns), as a pack stores it."""
+    rng = np.random.default_rng(seed)
+    nsb = cols // 256
+    kd = rng.uniform(1e-3, 4e-3, (rows, nsb * 2)).astype(np.float16)
+    return EncodedQuantTensor("q4_k", (rows, cols), {
+        "": rng.integers(0, 256, (rows, cols // 2), dtype=np.uint8),
+        ".kscales": rng.integers(0, 256, (rows, nsb * 12), dtype=np.uint8), ".kd": kd})
+
+
 def _weights(cfg, seed=3):
     """Every compact layout beside the plain ones: coded INT4 (W_gate, W_up, and the tied
-    embedding / head where the model ties them), INT5 with zero point 16 (W_q, W_k), INT4
-    with zero point 8 (W_v, W_down), INT4 group 64 with zero point 8 (W_o)."""
+    embedding / head where the model ties them), GGUF Q4_K codes (W_down: d_ff 512, two runs of steps a row), INT5
+    with zero point 16 (W_q, W_k), INT4 with zero point 8 (W_v), INT4 group 64 with zero
+    point 8 (W_o)."""
     out = dict(random_state_dict(cfg, seed=seed))
     for name, w in list(out.items()):
         if w.ndim != 2:
@@ -59,6 +71,8 @@ def _weights(cfg, seed=3):
             out[name] = _implicit(quantize_int5(w, 32), 16)
         elif name.endswith("w_o.weight") and w.shape[1] % 64 == 0:
             out[name] = _implicit(quantize_int4(w, 64), 8)
+        elif name.endswith("w_down.weight"):
+            out[name] = _q4_k(*w.shape, seed=len(name))
         else:
             out[name] = _implicit(quantize_int4(w, 32), 8)
     return out
@@ -86,7 +100,7 @@ def _run(cfg, weights):
 def test_compact_tiles_compute_what_float16_tiles_compute(arch, act, level, monkeypatch):
     if level not in native.cpu_features()["levels"]:
         pytest.skip(f"this CPU has no {level} level")
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, d_ff=512)
     w = _weights(cfg)
     monkeypatch.setenv("POCKET_ACT", act)
     monkeypatch.setenv("POCKET_CPU_LEVEL", level)
@@ -111,7 +125,7 @@ def test_compact_tiles_compute_what_float16_tiles_compute(arch, act, level, monk
 
 def test_zero_point_that_does_not_give_the_minimums_is_refused():
     # the repack checks every group's implicit minimum against the float16 one it is handed
-    cfg = tiny_config("llama")
+    cfg = tiny_config("llama", d_ff=512)
     w = _weights(cfg)
     name = "layers.0.attn.w_v.weight"
     qt = w[name]

@@ -33,7 +33,9 @@ static int weight_ok(const pocket_weight *w, int rows, int cols, int allow_f32) 
     if (w->type != POCKET_WT_Q8 && !w->mins) return 0;
     /* coded steps: all three arrays, of an INT4 group-32 weight only */
     const int ncodes = !!w->scale_codes + !!w->min_codes + !!w->code_steps;
-    if (ncodes && (ncodes != 3 || w->type != POCKET_WT_Q4 || w->group_size != 32)) return 0;
+    if (ncodes && (ncodes != 3 || w->type != POCKET_WT_Q4 || w->group_size != 32 ||
+                   w->code_groups < 0 || (w->code_groups && (cols / 32) % w->code_groups)))
+        return 0;
     if (w->zero_point < 0 || w->zero_point > 255 ||
         (w->zero_point && (w->type == POCKET_WT_Q8 || ncodes)))
         return 0;

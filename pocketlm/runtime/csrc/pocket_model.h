@@ -60,16 +60,20 @@ typedef struct pocket_weight {
     const uint16_t *mins;   /* float16 [rows, cols / group_size] (Q4, Q5) */
     int mins_in_memory;     /* the mins were computed (implicit zero point), not mapped from the
                              * file: release_source never hands their pages back */
-    /* Optional coded steps of an INT4 group-32 weight (the deploy format's "int4_c8"): scale
-     * code uint8 [rows, cols / 32], minimum code int8 [rows, cols / 32] and two float16 steps
-     * per row code_steps [rows, 2] (d, dmin), so that scales[r][g] = f16(scale_codes[r][g] * d)
-     * and mins[r][g] = f16(min_codes[r][g] * dmin), each product in float32 rounded once (the
-     * repack checks every group against scales / mins and refuses the model otherwise). With
-     * config.compact_tiles, a level that reads them keeps the codes in its tiles: 4.5 bits per
-     * weight read per token instead of 5.0, the same products bit for bit. All NULL: none. */
+    /* Optional coded steps of an INT4 group-32 weight (the deploy format's "int4_c8", or a
+     * GGUF Q4_K's 6-bit codes, "q4_k"): scale code uint8 [rows, cols / 32], minimum code int8
+     * [rows, cols / 32] and float16 steps code_steps [rows, 2 * nsteps] (d, dmin of each run
+     * of code_groups groups: nsteps = cols / 32 / code_groups; code_groups 0: one pair per
+     * row), so that scales[r][g] = f16(scale_codes[r][g] * d) and mins[r][g] =
+     * f16(min_codes[r][g] * dmin) with the d, dmin of g's run, each product in float32
+     * rounded once (the repack checks every group against scales / mins and refuses the
+     * model otherwise). With config.compact_tiles the tiles keep the codes: 4.5 bits per
+     * weight read per token (plus the steps) instead of 5.0, the same results. All NULL:
+     * none. */
     const uint8_t *scale_codes;
     const int8_t *min_codes;
     const uint16_t *code_steps;
+    int code_groups;
     /* > 0: the minimums are implicit, mins[r][g] = f16(-zero_point * scales[r][g]) for every
      * group (the deploy format's zero point: INT4 8, INT5 16; the repack checks it), so that
      * with config.compact_tiles the tiles hold no minimums: 0.5 bits per weight fewer read per

@@ -133,10 +133,15 @@ static TGT void coded_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t
     const int8_t *mc;
     const uint16_t *st;
     pm_coded_parts(w, rec, &sc, &mc, &st);
+    const size_t gps = (size_t)w->code_groups;
     for (int h = 0; h < 2; h++) {
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 8 * h)));
-        const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + 16 + 8 * h)));
+        __m256 d = _mm256_setzero_ps(), dm = d;
         for (size_t g = 0; g < ng; g++) {
+            if (g % gps == 0) { /* the next run's steps */
+                const uint16_t *sg = st + 32 * (g / gps) + 8 * h;
+                d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
+                dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)));
+            }
             const __m256 s = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
                     _mm_loadl_epi64((const __m128i *)(sc + 16 * g + 8 * (size_t)h)))),

@@ -261,12 +261,14 @@ static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t
     const int8_t *mc;
     const uint16_t *st;
     pm_coded_parts(w, rec, &sc, &mc, &st);
+    const size_t gps = (size_t)w->code_groups;
     float32x4_t d[4], dm[4];
-    for (int r = 0; r < 4; r++) {
-        d[r] = load_f16x4(st + 4 * r);
-        dm[r] = load_f16x4(st + 16 + 4 * r);
-    }
     for (size_t g = 0; g < ng; g++) {
+        if (g % gps == 0) /* the next run's steps */
+            for (int r = 0; r < 4; r++) {
+                d[r] = load_f16x4(st + 32 * (g / gps) + 4 * r);
+                dm[r] = load_f16x4(st + 32 * (g / gps) + 16 + 4 * r);
+            }
         const uint8x16_t s8 = vld1q_u8(sc + 16 * g);
         const int8x16_t m8 = vld1q_s8(mc + 16 * g);
         const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};

@@ -73,8 +73,10 @@ typedef struct pm_attn_args {
  *
  * Coded INT4 tiles (pm_tiled.coded, group 32, pocket_weight.scale_codes) hold the steps as
  * their codes instead:
- *   [nb blocks][ng x 16 uint8 scale codes][ng x 16 int8 minimum codes][16 float16 d]
- *   [16 float16 dmin]  (64-aligned)
+ *   [nb blocks][ng x 16 uint8 scale codes][ng x 16 int8 minimum codes]
+ *   [nsteps x ([16 float16 d][16 float16 dmin])]  (64-aligned)
+ * the steps of each run of code_groups groups (nsteps = ng / code_groups; one run a row for
+ * int4_c8, one per 256 columns for GGUF Q4_K)
  * and a kernel that reads them first decodes a tile's scales and minimums into the float16
  * layout above (pm_tiled_steps: f16(code * d), the product in float32 rounded once),
  * so that its products are those of the float16 tiles bit for bit.
@@ -92,6 +94,7 @@ typedef struct pm_tiled {
     size_t tile_bytes;  /* bytes of one tile record */
     size_t scale_off;   /* offset of the scales in a record (mins follow: + ng * 32) */
     int coded;          /* 1: coded INT4 steps (above) */
+    int code_groups;    /* coded: groups per pair of steps (ng: one pair a row) */
     int zero_point;     /* > 0: no minimums stored, each -zero_point * its scale (above) */
     uint8_t *data;
 } pm_tiled;
@@ -108,7 +111,7 @@ POCKET_INLINE int pm_tiled_compact(const pm_tiled *w) { return w->coded || w->ze
 void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out);
 
 /* The coded steps of a tile record: its 16 rows' scale codes (uint8), minimum codes (int8)
- * and float16 steps d and dmin (16 each). */
+ * and float16 steps (16 d then 16 dmin for each run of code_groups groups). */
 POCKET_INLINE void pm_coded_parts(const pm_tiled *w, const uint8_t *rec, const uint8_t **sc,
                                   const int8_t **mc, const uint16_t **steps) {
     *sc = rec + w->scale_off;

@@ -155,9 +155,10 @@ int pm_tiled_alloc(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int huge, 
     t->block_bytes = t->bits == 4 ? 256 : t->bits == 5 ? 320 : 512;
     t->scale_off = (size_t)t->nb * t->block_bytes;
     t->coded = coded;
+    t->code_groups = coded ? (w->code_groups ? w->code_groups : t->ng) : 0;
     t->zero_point = zero_point;
     t->tile_bytes = pocket_round_up(
-        t->scale_off + (coded ? (size_t)t->ng * 32 + 64
+        t->scale_off + (coded ? (size_t)t->ng * 32 + 64 * (size_t)(t->ng / t->code_groups)
                               : (size_t)t->ng * 32 * (mins && !zero_point ? 2 : 1)),
         64);
     t->data = tiles_alloc((size_t)t->ntiles * t->tile_bytes, huge);
@@ -205,13 +206,17 @@ static int fill_coded(const pocket_weight *w, const pm_tiled *t, uint8_t *rec, s
     uint8_t *sc = rec + t->scale_off;
     int8_t *mc = (int8_t *)sc + ng * 16;
     uint16_t *st = (uint16_t *)(sc + ng * 32);
-    const uint16_t d = w->code_steps[2 * r], dmin = w->code_steps[2 * r + 1];
-    st[i] = d;
-    st[16 + i] = dmin;
+    const size_t gps = (size_t)t->code_groups, nsteps = ng / gps;
+    const uint16_t *steps = w->code_steps + r * 2 * nsteps; /* d, dmin of each run */
+    for (size_t k = 0; k < nsteps; k++) {
+        st[32 * k + (size_t)i] = steps[2 * k];
+        st[32 * k + 16 + (size_t)i] = steps[2 * k + 1];
+    }
     int bad = 0;
     for (size_t g = 0; g < ng; g++) {
         const uint8_t s = w->scale_codes[r * ng + g];
         const int8_t m = w->min_codes[r * ng + g];
+        const uint16_t d = steps[2 * (g / gps)], dmin = steps[2 * (g / gps) + 1];
         sc[16 * g + (size_t)i] = s;
         mc[16 * g + (size_t)i] = m;
         bad |= coded_step(s, d) != w->scales[r * ng + g] || coded_step(m, dmin) != w->mins[r * ng + g];
@@ -225,11 +230,13 @@ void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
     const int8_t *mc;
     const uint16_t *st;
     pm_coded_parts(w, rec, &sc, &mc, &st);
-    for (size_t g = 0; g < ng; g++)
+    for (size_t g = 0; g < ng; g++) {
+        const uint16_t *sg = st + 32 * (g / (size_t)w->code_groups); /* g's d, dmin */
         for (int i = 0; i < 16; i++) {
-            out[16 * g + (size_t)i] = coded_step(sc[16 * g + (size_t)i], st[i]);
-            out[16 * (ng + g) + (size_t)i] = coded_step(mc[16 * g + (size_t)i], st[16 + i]);
+            out[16 * g + (size_t)i] = coded_step(sc[16 * g + (size_t)i], sg[i]);
+            out[16 * (ng + g) + (size_t)i] = coded_step(mc[16 * g + (size_t)i], sg[16 + i]);
         }
+    }
 }
 
 int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
@@ -335,8 +342,9 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
         const uint16_t *st;
         pm_coded_parts(w, rec, &scode, &mcode, &st);
         for (size_t g = 0; g < ng; g++) {
-            steps[16 * g + (size_t)i] = coded_step(scode[16 * g + (size_t)i], st[i]);
-            steps[16 * (ng + g) + (size_t)i] = coded_step(mcode[16 * g + (size_t)i], st[16 + i]);
+            const uint16_t *sg = st + 32 * (g / (size_t)w->code_groups); /* g's d, dmin */
+            steps[16 * g + (size_t)i] = coded_step(scode[16 * g + (size_t)i], sg[i]);
+            steps[16 * (ng + g) + (size_t)i] = coded_step(mcode[16 * g + (size_t)i], sg[16 + i]);
         }
         sc = steps;
         mn = steps + ng * 16;

@@ -432,9 +432,13 @@ static inline TGTV void coded_steps_avx512(const pm_tiled *w, const uint8_t *rec
     const int8_t *mc;
     const uint16_t *st;
     pm_coded_parts(w, rec, &sc, &mc, &st);
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)st));
-    const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 16)));
+    const size_t gps = (size_t)w->code_groups;
+    __m512 d = _mm512_setzero_ps(), dm = d;
     for (size_t g = 0; g < ng; g++) {
+        if (g % gps == 0) { /* the next run's steps */
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 32 * (g / gps))));
+            dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 32 * (g / gps) + 16)));
+        }
         const __m512 s = _mm512_mul_ps(
             _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * g)))),
             d);

@@ -9,8 +9,10 @@
  *            [, mins_in_memory[, codes]]) with mins_in_memory a bool, or the zero point (an
  *            int) of minimums that are -zero_point * scales (pocket_weight.zero_point; INT5
  *            too), and codes None or (scale codes uint8 [rows, cols/32],
- *            min codes int8 [rows, cols/32], steps f16 [rows, 2]) for group 32
- *            (pocket_weight.scale_codes: scales and mins must be the codes' products),
+ *            min codes int8 [rows, cols/32], steps f16 [rows, 2 * nsteps][, groups per
+ *            step]) for group 32 (pocket_weight.scale_codes, code_groups: nsteps = cols / 32
+ *            / groups per step, default one pair a row; scales and mins must be the codes'
+ *            products),
  *            ("int5", qweight uint8 [rows, cols/32*20], scales f16, mins f16, group_size) or
  *            ("int8", qweight int8 [rows, cols], scales f16, group_size).
  *            Optional "layers.N.attn.k_smooth": float32 [kv_dim], the int8 KV cache's key
@@ -261,18 +263,33 @@ static int model_matrix(ModelObject *self, PyObject *weights, const char *name, 
             return -1;
         PyObject *codes = len == 7 ? PyTuple_GET_ITEM(obj, 6) : Py_None;
         if (codes != Py_None) {
-            if (!PyTuple_Check(codes) || PyTuple_GET_SIZE(codes) != 3 || gs != 32) {
+            const Py_ssize_t nc = PyTuple_Check(codes) ? PyTuple_GET_SIZE(codes) : 0;
+            if ((nc != 3 && nc != 4) || gs != 32) {
                 PyErr_Format(PyExc_TypeError,
                              "weight '%s': codes must be None or (scale codes, min codes, "
-                             "steps) of a group-32 weight",
+                             "steps[, groups per step]) of a group-32 weight",
                              name);
                 return -1;
             }
+            long per = 0; /* groups per pair of steps; 0: the whole row */
+            if (nc == 4) {
+                per = PyLong_AsLong(PyTuple_GET_ITEM(codes, 3));
+                if (per < 1 || per > ng || ng % per) {
+                    PyErr_Clear();
+                    PyErr_Format(PyExc_ValueError,
+                                 "weight '%s': groups per step must divide the %zd groups of "
+                                 "a row",
+                                 name, ng);
+                    return -1;
+                }
+            }
+            w->code_groups = (int)per;
+            const Py_ssize_t nsteps = per ? ng / per : 1;
             if (model_keep(self, PyTuple_GET_ITEM(codes, 0), name, 'B', 2, rows, ng,
                            (const void **)&w->scale_codes) ||
                 model_keep(self, PyTuple_GET_ITEM(codes, 1), name, 'b', 2, rows, ng,
                            (const void **)&w->min_codes) ||
-                model_keep(self, PyTuple_GET_ITEM(codes, 2), name, 'e', 2, rows, 2,
+                model_keep(self, PyTuple_GET_ITEM(codes, 2), name, 'e', 2, rows, 2 * nsteps,
                            (const void **)&w->code_steps))
                 return -1;
         }

@@ -59,7 +59,7 @@ import threading
 import numpy as np
 
 from ...errors import KernelError, PocketError
-from ...quant import QuantTensor
+from ...quant import QuantTensor, q4k_codes
 from ..adapters import find_adapters
 from ..settings import (  # noqa: F401 (DEFAULT_AMX_WEIGHTS, KV_FORMATS, LEVELS: public here)
     AMX_WEIGHT_TERMS,
@@ -372,6 +372,26 @@ def amx_weights_setting(settings: EngineSettings | None = None) -> str:
     return _settings(settings).amx_weights
 
 
+def coded_steps_of(w) -> tuple | None:
+    """The codes an INT4 tensor in a coded encoding hands the engine (pocket_weight.
+    scale_codes): ``(scale codes uint8, minimum codes int8, steps float16 [rows, 2 * nsteps],
+    groups per step)``: ``int4_c8``'s per row, GGUF Q4_K's per 256 columns (its minimums
+    ``-(dmin * m)`` as the codes ``m`` under the step ``-dmin``: the same float16 bits, a
+    zero's sign included); None for other tensors."""
+    encoding = getattr(w, "encoding", None)
+    s = getattr(w, "stored", None)
+    rows, cols = w.shape
+    if encoding == "int4_c8":
+        return s[".sc"], s[".mc"], s[".rd"], cols // 32
+    if encoding == "q4_k":
+        sc, mn = q4k_codes(s[".kscales"].reshape(rows, cols // 256, 12))
+        steps = np.array(s[".kd"]).view(np.uint16)  # d, dmin per super-block: dmin negated
+        steps[:, 1::2] ^= np.uint16(0x8000)
+        return (sc.reshape(rows, cols // 32), mn.astype(np.int8).reshape(rows, cols // 32),
+                steps.view(np.float16), 8)
+    return None
+
+
 def _engine_tensor(w):
     """The engine's form of a weight, or None if its layout is not supported."""
     if isinstance(w, QuantTensor):
@@ -388,10 +408,9 @@ def _engine_tensor(w):
                 # zero point lets the tiles hold none
                 return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size),
                         int(w.zero_point))
-            if getattr(w, "encoding", None) == "int4_c8":  # the codes the tiles may keep
-                s = w.stored
-                return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size), False,
-                        (s[".sc"], s[".mc"], s[".rd"]))
+            codes = coded_steps_of(w)
+            if codes is not None:  # the codes the tiles may keep
+                return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size), False, codes)
             return (w.kind, w.qweight, w.scales, w.mins, int(w.group_size))
         if w.qweight.dtype != np.int8 or w.scales.dtype != np.float16:
             return None
