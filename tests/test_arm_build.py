@@ -67,16 +67,9 @@ import numpy as np
 import pytest
 import torch_ref
 from test_native_forward import IDS, MODES
+from tiny_models import coded_int4, implicit_minimums
 
-from pocketlm.quant import (
-    EncodedQuantTensor,
-    QuantTensor,
-    code_steps,
-    implicit_mins,
-    quantize_int4,
-    quantize_int5,
-    quantize_int8,
-)
+from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
 from pocketlm.runtime import Runtime
 from pocketlm.runtime.kernels import native
 
@@ -116,20 +109,6 @@ KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8, "int4_c8": 14, "int4_zp": 24,
 
 # -- the model dump (format: the top of tests/native_harness.c) --------------------------------
 
-def _coded(qt):
-    """An INT4 group-32 tensor with its scales and minimums as codes (``int4_c8``)."""
-    sc, mc, rd = code_steps(qt.scales.astype(np.float32), qt.mins.astype(np.float32))
-    return EncodedQuantTensor("int4_c8", qt.shape, {"": qt.qweight, ".sc": sc, ".mc": mc,
-                                                    ".rd": rd})
-
-
-def _implicit(qt, zero_point):
-    """``qt`` with implicit minimums ``-zero_point * scales`` (the values are not refitted:
-    any codes make a valid tensor)."""
-    return QuantTensor(qt.kind, qt.shape, qt.group_size, qt.qweight, qt.scales,
-                       implicit_mins(qt.scales, zero_point), zero_point)
-
-
 def _weights(cfg, seed):
     """As test_native_forward._weights(quantized=True): INT4 layers, INT8 embedding / head;
     W_down in INT5 (the other weight layout of a keep-precision pack), W_gate and W_up in INT4
@@ -141,10 +120,10 @@ def _weights(cfg, seed):
         if w.ndim == 2:
             out[name] = (quantize_int8(w) if name in ("embed.weight", "lm_head.weight")
                          else quantize_int5(w, 32) if name.endswith("w_down.weight")
-                         else _coded(quantize_int4(w, 32))
+                         else coded_int4(quantize_int4(w, 32))
                          if name.endswith(("w_gate.weight", "w_up.weight"))
-                         else _implicit(quantize_int5(w, 32), 16) if name.endswith("w_k.weight")
-                         else _implicit(quantize_int4(w, 32), 8) if name.endswith("w_v.weight")
+                         else implicit_minimums(quantize_int5(w, 32), 16) if name.endswith("w_k.weight")
+                         else implicit_minimums(quantize_int4(w, 32), 8) if name.endswith("w_v.weight")
                          else quantize_int4(w, 32))
     return out
 

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny_models import random_state_dict, tiny_config
+from tiny_models import coded_int4, implicit_minimums, random_state_dict, tiny_config
 
 from pocketlm.quant import (
     EncodedQuantTensor,
     QuantTensor,
-    code_steps,
-    implicit_mins,
     quantize_int4,
     quantize_int5,
     quantize_int8,
@@ -30,17 +28,6 @@ pytestmark = pytest.mark.skipif(not native.engine_available(),
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3", "pocket"]
 IDS = [5, 17, 3, 250, 11, 9, 42, 7]
-
-
-def _coded(qt):
-    sc, mc, rd = code_steps(qt.scales.astype(np.float32), qt.mins.astype(np.float32))
-    return EncodedQuantTensor("int4_c8", qt.shape, {"": qt.qweight, ".sc": sc, ".mc": mc,
-                                                    ".rd": rd})
-
-
-def _implicit(qt, zero_point):
-    return QuantTensor(qt.kind, qt.shape, qt.group_size, qt.qweight, qt.scales,
-                       implicit_mins(qt.scales, zero_point), zero_point)
 
 
 def _q4_k(rows: int, cols: int, seed: int):
@@ -56,25 +43,27 @@ def _q4_k(rows: int, cols: int, seed: int):
 
 def _weights(cfg, seed=3):
     """Every compact layout beside the plain ones: coded INT4 (W_gate, W_up, and the tied
-    embedding / head where the model ties them), GGUF Q4_K codes (W_down: d_ff 512, two runs of steps a row), INT5
+    embedding / head where the model ties them; gemma3's in INT5 with zero point 16), GGUF Q4_K codes (W_down: d_ff 512, two runs of steps a row), INT5
     with zero point 16 (W_q, W_k), INT4 with zero point 8 (W_v), INT4 group 64 with zero
     point 8 (W_o)."""
     out = dict(random_state_dict(cfg, seed=seed))
     for name, w in list(out.items()):
         if w.ndim != 2:
             continue
-        if name in ("embed.weight", "lm_head.weight"):
-            out[name] = _coded(quantize_int4(w, 32)) if cfg.tie_embeddings else quantize_int8(w)
+        if name in ("embed.weight", "lm_head.weight"):  # tied: looked up in the head's tiles
+            out[name] = (quantize_int8(w) if not cfg.tie_embeddings
+                         else implicit_minimums(quantize_int5(w, 32), 16) if cfg.arch == "gemma3"
+                         else coded_int4(quantize_int4(w, 32)))
         elif name.endswith(("w_gate.weight", "w_up.weight")):
-            out[name] = _coded(quantize_int4(w, 32))
+            out[name] = coded_int4(quantize_int4(w, 32))
         elif name.endswith(("w_q.weight", "w_k.weight")):
-            out[name] = _implicit(quantize_int5(w, 32), 16)
+            out[name] = implicit_minimums(quantize_int5(w, 32), 16)
         elif name.endswith("w_o.weight") and w.shape[1] % 64 == 0:
-            out[name] = _implicit(quantize_int4(w, 64), 8)
+            out[name] = implicit_minimums(quantize_int4(w, 64), 8)
         elif name.endswith("w_down.weight"):
             out[name] = _q4_k(*w.shape, seed=len(name))
         else:
-            out[name] = _implicit(quantize_int4(w, 32), 8)
+            out[name] = implicit_minimums(quantize_int4(w, 32), 8)
     return out
 
 

@@ -129,3 +129,25 @@ def fake_quantize_int4(w: np.ndarray, group_size: int = 32) -> np.ndarray:
     q = np.clip(np.rint((groups - lo16) / scale16), 0, 15).astype(np.float32)
     deq = q * scale16 + lo16  # float32
     return deq.astype(np.float32).reshape(w.shape)
+
+
+# -------------------------------------------------------------------------------------------
+# the compact layouts of quantized weights (the engine's compact tiles)
+# -------------------------------------------------------------------------------------------
+def coded_int4(qt):
+    """An INT4 group-32 tensor with its scales and minimums as codes (``int4_c8``; the values
+    are not refitted to the coded steps: any codes make a valid tensor)."""
+    from pocketlm.quant import EncodedQuantTensor, code_steps
+
+    sc, mc, rd = code_steps(qt.scales.astype(np.float32), qt.mins.astype(np.float32))
+    return EncodedQuantTensor("int4_c8", qt.shape, {"": qt.qweight, ".sc": sc, ".mc": mc,
+                                                    ".rd": rd})
+
+
+def implicit_minimums(qt, zero_point: int):
+    """``qt`` with implicit minimums ``-zero_point * scales`` (a GGUF Q4_0 / Q5_0's layout;
+    the values are not refitted)."""
+    from pocketlm.quant import QuantTensor, implicit_mins
+
+    return QuantTensor(qt.kind, qt.shape, qt.group_size, qt.qweight, qt.scales,
+                       implicit_mins(qt.scales, zero_point), zero_point)

@@ -128,31 +128,26 @@ static inline TGT AI __m256i chunk_word(const int8_t *x, int c) {
 /* The float16 scales and minimums of coded tile record rec (pm_tiled_steps, bit for bit: the
  * code times the row's step in float32, rounded to nearest even once), 8 rows at a time. */
 static TGT void coded_steps_avx2(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
-    const size_t ng = (size_t)w->ng;
-    const uint8_t *sc;
-    const int8_t *mc;
-    const uint16_t *st;
-    pm_coded_parts(w, rec, &sc, &mc, &st);
-    const size_t gps = (size_t)w->code_groups;
+    const pm_coded c = pm_coded_parts(w, rec);
     for (int h = 0; h < 2; h++) {
         __m256 d = _mm256_setzero_ps(), dm = d;
-        for (size_t g = 0; g < ng; g++) {
-            if (g % gps == 0) { /* the next run's steps */
-                const uint16_t *sg = st + 32 * (g / gps) + 8 * h;
+        for (size_t g = 0; g < c.ng; g++) {
+            if (g % c.gps == 0) { /* the next run's steps */
+                const uint16_t *sg = c.st + 32 * (g / c.gps) + 8 * h;
                 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sg));
                 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sg + 16)));
             }
             const __m256 s = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(sc + 16 * g + 8 * (size_t)h)))),
+                    _mm_loadl_epi64((const __m128i *)(c.sc + 16 * g + 8 * (size_t)h)))),
                 d);
             const __m256 m = _mm256_mul_ps(
                 _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                    _mm_loadl_epi64((const __m128i *)(mc + 16 * g + 8 * (size_t)h)))),
+                    _mm_loadl_epi64((const __m128i *)(c.mc + 16 * g + 8 * (size_t)h)))),
                 dm);
             _mm_storeu_si128((__m128i *)(out + 16 * g + 8 * (size_t)h),
                              _mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-            _mm_storeu_si128((__m128i *)(out + 16 * (ng + g) + 8 * (size_t)h),
+            _mm_storeu_si128((__m128i *)(out + 16 * (c.ng + g) + 8 * (size_t)h),
                              _mm256_cvtps_ph(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
     }

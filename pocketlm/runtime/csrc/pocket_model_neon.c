@@ -256,21 +256,16 @@ static inline TGT AI void store_f16x4(uint16_t *out, float32x4_t v) {
 /* The float16 scales and minimums of coded tile record rec (pm_tiled_steps, bit for bit: the
  * code times the row's step in float32, rounded to nearest even once). */
 static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
-    const size_t ng = (size_t)w->ng;
-    const uint8_t *sc;
-    const int8_t *mc;
-    const uint16_t *st;
-    pm_coded_parts(w, rec, &sc, &mc, &st);
-    const size_t gps = (size_t)w->code_groups;
+    const pm_coded c = pm_coded_parts(w, rec);
     float32x4_t d[4], dm[4];
-    for (size_t g = 0; g < ng; g++) {
-        if (g % gps == 0) /* the next run's steps */
+    for (size_t g = 0; g < c.ng; g++) {
+        if (g % c.gps == 0) /* the next run's steps */
             for (int r = 0; r < 4; r++) {
-                d[r] = load_f16x4(st + 32 * (g / gps) + 4 * r);
-                dm[r] = load_f16x4(st + 32 * (g / gps) + 16 + 4 * r);
+                d[r] = load_f16x4(c.st + 32 * (g / c.gps) + 4 * r);
+                dm[r] = load_f16x4(c.st + 32 * (g / c.gps) + 16 + 4 * r);
             }
-        const uint8x16_t s8 = vld1q_u8(sc + 16 * g);
-        const int8x16_t m8 = vld1q_s8(mc + 16 * g);
+        const uint8x16_t s8 = vld1q_u8(c.sc + 16 * g);
+        const int8x16_t m8 = vld1q_s8(c.mc + 16 * g);
         const uint16x8_t s16[2] = {vmovl_u8(vget_low_u8(s8)), vmovl_u8(vget_high_u8(s8))};
         const int16x8_t m16[2] = {vmovl_s8(vget_low_s8(m8)), vmovl_s8(vget_high_s8(m8))};
         for (int r = 0; r < 4; r++) {
@@ -279,7 +274,7 @@ static TGT void coded_steps_neon(const pm_tiled *w, const uint8_t *rec, uint16_t
             const uint32x4_t s32 = r % 2 ? vmovl_u16(vget_high_u16(sh)) : vmovl_u16(vget_low_u16(sh));
             const int32x4_t m32 = r % 2 ? vmovl_s16(vget_high_s16(mh)) : vmovl_s16(vget_low_s16(mh));
             store_f16x4(out + 16 * g + 4 * (size_t)r, vmulq_f32(vcvtq_f32_u32(s32), d[r]));
-            store_f16x4(out + 16 * (ng + g) + 4 * (size_t)r, vmulq_f32(vcvtq_f32_s32(m32), dm[r]));
+            store_f16x4(out + 16 * (c.ng + g) + 4 * (size_t)r, vmulq_f32(vcvtq_f32_s32(m32), dm[r]));
         }
     }
 }

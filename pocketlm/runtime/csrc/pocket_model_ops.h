@@ -111,12 +111,22 @@ POCKET_INLINE int pm_tiled_compact(const pm_tiled *w) { return w->coded || w->ze
 void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out);
 
 /* The coded steps of a tile record: its 16 rows' scale codes (uint8), minimum codes (int8)
- * and float16 steps (16 d then 16 dmin for each run of code_groups groups). */
-POCKET_INLINE void pm_coded_parts(const pm_tiled *w, const uint8_t *rec, const uint8_t **sc,
-                                  const int8_t **mc, const uint16_t **steps) {
-    *sc = rec + w->scale_off;
-    *mc = (const int8_t *)*sc + (size_t)w->ng * 16;
-    *steps = (const uint16_t *)(*sc + (size_t)w->ng * 32);
+ * and float16 steps (16 d then 16 dmin for each run of gps groups), ng groups a row. */
+typedef struct pm_coded {
+    const uint8_t *sc;
+    const int8_t *mc;
+    const uint16_t *st;
+    size_t ng, gps;
+} pm_coded;
+
+POCKET_INLINE pm_coded pm_coded_parts(const pm_tiled *w, const uint8_t *rec) {
+    pm_coded c;
+    c.ng = (size_t)w->ng;
+    c.gps = (size_t)w->code_groups;
+    c.sc = rec + w->scale_off;
+    c.mc = (const int8_t *)c.sc + c.ng * 16;
+    c.st = (const uint16_t *)(c.sc + c.ng * 32);
+    return c;
 }
 
 /* Bytes of a block of 32 columns in a tile record for BITS-bit weights (pm_tiled.block_bytes),

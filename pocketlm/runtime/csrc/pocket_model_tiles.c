@@ -224,19 +224,19 @@ static int fill_coded(const pocket_weight *w, const pm_tiled *t, uint8_t *rec, s
     return bad;
 }
 
-void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
-    const size_t ng = (size_t)w->ng;
-    const uint8_t *sc;
-    const int8_t *mc;
-    const uint16_t *st;
-    pm_coded_parts(w, rec, &sc, &mc, &st);
-    for (size_t g = 0; g < ng; g++) {
-        const uint16_t *sg = st + 32 * (g / (size_t)w->code_groups); /* g's d, dmin */
-        for (int i = 0; i < 16; i++) {
-            out[16 * g + (size_t)i] = coded_step(sc[16 * g + (size_t)i], sg[i]);
-            out[16 * (ng + g) + (size_t)i] = coded_step(mc[16 * g + (size_t)i], sg[16 + i]);
-        }
+/* Lane i's float16 scales and minimums of coded tile record rec into out (the layout of
+ * pm_tiled_steps: [ng x 16 scales][ng x 16 mins], lane i of each group). */
+static void coded_lane(const pm_tiled *w, const uint8_t *rec, size_t i, uint16_t *out) {
+    const pm_coded c = pm_coded_parts(w, rec);
+    for (size_t g = 0; g < c.ng; g++) {
+        const uint16_t *sg = c.st + 32 * (g / c.gps); /* g's d, dmin */
+        out[16 * g + i] = coded_step(c.sc[16 * g + i], sg[i]);
+        out[16 * (c.ng + g) + i] = coded_step(c.mc[16 * g + i], sg[16 + i]);
     }
+}
+
+void pm_tiled_steps(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
+    for (size_t i = 0; i < 16; i++) coded_lane(w, rec, i, out);
 }
 
 int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int te,
@@ -326,36 +326,24 @@ void pm_tiled_row(const pm_tiled *w, size_t r, float *x) {
     const uint16_t *sc = (const uint16_t *)(rec + w->scale_off), *mn = sc + (size_t)w->ng * 16;
     const int i = (int)(r % 16), per_group = w->group_size;
     uint16_t steps[2 * 16 * PM_CODED_MAX_GROUPS]; /* a coded tile: lane i's steps decoded */
-    if (w->zero_point) { /* implicit minimums -zero_point * scale, exact in float32 */
-        for (int b = 0; b < w->nb; b++)
-            for (int k = 0; k < 32; k++) {
-                const int c = 32 * b + k, g = c / per_group;
-                const float s = pocket_f16_to_f32(sc[16 * g + i]);
-                x[c] = (float)pm_tiled_value(w, rec, b, k, i) * s + -(float)w->zero_point * s;
-            }
-        return;
-    }
     if (w->coded) {
-        const size_t ng = (size_t)w->ng;
-        const uint8_t *scode;
-        const int8_t *mcode;
-        const uint16_t *st;
-        pm_coded_parts(w, rec, &scode, &mcode, &st);
-        for (size_t g = 0; g < ng; g++) {
-            const uint16_t *sg = st + 32 * (g / (size_t)w->code_groups); /* g's d, dmin */
-            steps[16 * g + (size_t)i] = coded_step(scode[16 * g + (size_t)i], sg[i]);
-            steps[16 * (ng + g) + (size_t)i] = coded_step(mcode[16 * g + (size_t)i], sg[16 + i]);
-        }
+        coded_lane(w, rec, (size_t)i, steps);
         sc = steps;
-        mn = steps + ng * 16;
+        mn = steps + (size_t)w->ng * 16;
     }
     for (int b = 0; b < w->nb; b++)
         for (int k = 0; k < 32; k++) {
             const int c = 32 * b + k, g = c / per_group;
             const int q = pm_tiled_value(w, rec, b, k, i);
-            x[c] = w->bits != 8 ? (float)q * pocket_f16_to_f32(sc[16 * g + i]) +
-                                      pocket_f16_to_f32(mn[16 * g + i])
-                                : (float)(q - 128) * pocket_f16_to_f32(sc[16 * g + i]);
+            const float s = pocket_f16_to_f32(sc[16 * g + i]);
+            if (w->bits == 8) {
+                x[c] = (float)(q - 128) * s;
+                continue;
+            }
+            /* implicit minimums: -zero_point * scale, exact in float32 */
+            const float mv = w->zero_point ? -(float)w->zero_point * s
+                                           : pocket_f16_to_f32(mn[16 * g + i]);
+            x[c] = (float)q * s + mv;
         }
 }
 

@@ -427,26 +427,21 @@ static inline TGTV AI void tiled_tile(const int BITS, const int DIG, const int T
 /* The float16 scales and minimums of coded tile record rec (pm_tiled_steps, bit for bit: the
  * code times the row's step in float32, rounded to nearest even once). */
 static inline TGTV void coded_steps_avx512(const pm_tiled *w, const uint8_t *rec, uint16_t *out) {
-    const size_t ng = (size_t)w->ng;
-    const uint8_t *sc;
-    const int8_t *mc;
-    const uint16_t *st;
-    pm_coded_parts(w, rec, &sc, &mc, &st);
-    const size_t gps = (size_t)w->code_groups;
+    const pm_coded c = pm_coded_parts(w, rec);
     __m512 d = _mm512_setzero_ps(), dm = d;
-    for (size_t g = 0; g < ng; g++) {
-        if (g % gps == 0) { /* the next run's steps */
-            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 32 * (g / gps))));
-            dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(st + 32 * (g / gps) + 16)));
+    for (size_t g = 0; g < c.ng; g++) {
+        if (g % c.gps == 0) { /* the next run's steps */
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c.st + 32 * (g / c.gps))));
+            dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(c.st + 32 * (g / c.gps) + 16)));
         }
         const __m512 s = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(sc + 16 * g)))),
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c.sc + 16 * g)))),
             d);
         const __m512 m = _mm512_mul_ps(
-            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(mc + 16 * g)))),
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c.mc + 16 * g)))),
             dm);
         _mm256_storeu_si256((__m256i *)(out + 16 * g), _mm512_cvtps_ph(s, PM_RNE));
-        _mm256_storeu_si256((__m256i *)(out + 16 * (ng + g)), _mm512_cvtps_ph(m, PM_RNE));
+        _mm256_storeu_si256((__m256i *)(out + 16 * (c.ng + g)), _mm512_cvtps_ph(m, PM_RNE));
     }
 }
 
