@@ -168,26 +168,29 @@ static pm_tiled *pm_planes_of(pocket_model *m, int k) {
     return m->head_screen && k == 7 * m->c.n_layers ? &m->head_lo : NULL;
 }
 
-/* Whether weight w (tiled weight k) keeps its coded steps in its tiles: with config
- * compact_tiles, on a level whose products read them (all do), without the tile unit (its
- * products read float16 steps), and not as a screened head's planes. */
-static int coded_tiles(const pocket_model *m, const pocket_weight *w, int k) {
-    return m->c.compact_tiles && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
-           w->scale_codes && w->type == POCKET_WT_Q4 && w->group_size == 32 &&
-           w->cols / 32 <= PM_CODED_MAX_GROUPS;
+/* Whether tiled weight k may be held compactly (config compact_tiles): every level's products
+ * read compact tiles, the tile unit's (amx) read float16 steps, and a screened head's planes
+ * are INT8 (no minimums). Groups up to PM_CODED_MAX_GROUPS (a kernel's stack buffer). */
+static int compact_ok(pocket_model *m, const pocket_weight *w, int k) {
+    return m->c.compact_tiles && !m->amx && !pm_planes_of(m, k) &&
+           w->cols / w->group_size <= PM_CODED_MAX_GROUPS;
 }
 
-/* The zero point of weight w's tiles (tiled weight k): its implicit minimums' (INT4, INT5) on
- * the same terms as coded_tiles, else 0 (minimums stored). A power of two (the format's 8 and
- * 16), so that -zero_point * scale is exact in float32 and the kernels compute it where they
- * use it (the repack checks it equals each float16 minimum). */
-static int zero_point_tiles(const pocket_model *m, const pocket_weight *w, int k) {
-    return m->c.compact_tiles && m->ops->coded && !m->amx && !pm_planes_of((pocket_model *)m, k) &&
-                   w->zero_point > 0 && !(w->zero_point & (w->zero_point - 1)) &&
-                   !w->scale_codes &&
-                   (w->type == POCKET_WT_Q4 || w->type == POCKET_WT_Q5) &&
-                   w->cols / w->group_size <= PM_CODED_MAX_GROUPS
-               ? w->zero_point
+/* Whether weight w keeps its coded steps (an INT4 group-32 weight with codes). */
+static int coded_tiles(pocket_model *m, const pocket_weight *w, int k) {
+    return compact_ok(m, w, k) && w->scale_codes && w->type == POCKET_WT_Q4 &&
+           w->group_size == 32;
+}
+
+/* The zero point of weight w's tiles: its implicit minimums' (INT4, INT5, no codes), else 0
+ * (minimums stored). A power of two (the format's 8 and 16), so that -zero_point * scale is
+ * exact in float32 and the kernels compute it where they use it (the repack checks it equals
+ * each float16 minimum). */
+static int zero_point_tiles(pocket_model *m, const pocket_weight *w, int k) {
+    const int zp = w->zero_point;
+    return compact_ok(m, w, k) && zp > 0 && !(zp & (zp - 1)) && !w->scale_codes &&
+                   (w->type == POCKET_WT_Q4 || w->type == POCKET_WT_Q5)
+               ? zp
                : 0;
 }
 

@@ -221,9 +221,6 @@ typedef struct pm_ops {
      * NULL where a level has none (then no head is split). */
     void (*matmul_planes)(const pm_tiled *hi, const pm_tiled *lo, const pm_act *a, float *y,
                           size_t ystride, int tb, int te);
-    /* 1: matmul_tiled reads coded INT4 tiles (pm_tiled.coded); 0: only float16 steps (every
-     * level's products read them) */
-    int coded;
 } pm_ops;
 
 /* BITS values of the SIMD tile kernels for an INT8 matrix held as its two nibble planes
@@ -255,7 +252,7 @@ typedef struct pm_ops {
                    MATMUL_PLANES)                                                               \
     {                                                                                           \
         NAME, pm_rmsnorm_portable, ATTN, GLU, MATMUL_F32, pm_to_f16_portable, QUANT_ACT,        \
-            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP, MATMUL_PLANES, 1          \
+            MATMUL_TILED, pm_block_sums_portable, LORA_DOWN, LORA_UP, MATMUL_PLANES             \
     }
 #define PM_OPS(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, LORA_DOWN, LORA_UP, MATMUL_PLANES)      \
     PM_OPS_F32(NAME, ATTN, GLU, QUANT_ACT, MATMUL_TILED, pm_matmul_f32_portable, LORA_DOWN,     \

@@ -649,7 +649,6 @@ const pm_ops pm_ops_avx512 = {
     "avx512",          rmsnorm_avx512,        attn_avx512,             glu_avx512,
     pm_matmul_f32_avx2, to_f16_avx512,        quant_act_avx512,        matmul_tiled_avx512,
     block_sums_avx512, pm_lora_down_avx2,    pm_lora_up_avx2,       matmul_planes_avx512,
-    1, /* compact tiles */
 };
 
 #endif /* PM_HAVE_AVX512 */
