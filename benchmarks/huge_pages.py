@@ -21,8 +21,8 @@ bit (the same logits, or the line says so).
 round; the summary gives the medians of its prefill and decode tokens/s and their ratios.
 
 ``--one-process`` times greedy decode steps (48 after the prompt) of both settings alternating
-in one process, the model loaded once under each; since the model loaded second decoded up to
-~10 % faster on this VM whatever its setting, it runs once per load order (a process each) and
+in one process, the model loaded once under each; since the model loaded second decoded
+8-13 % faster on this VM whatever its setting, it runs once per load order (a process each) and
 the summary gives each order's paired ratio and their geometric mean (``x_decode_step``).
 
 One JSON line per worker, then one summary line per model: the medians over the rounds and the
@@ -254,7 +254,7 @@ def one_process_worker(name: str, variable: str, first: int, rounds: int, n_prom
 def run_one_process(models: list[str], rounds: int, n_prompt: int, threads: int, out,
                     setting: dict, steps: int = 48) -> None:
     """Decode steps of both settings alternating in one process, each load order in its own
-    process (the model loaded second decoded up to ~10 % faster on this VM whatever its
+    process (the model loaded second decoded 8-13 % faster on this VM whatever its
     setting): the paired ratio per order and their geometric mean."""
     from pocketlm.bench import machine_info
 

@@ -73,7 +73,7 @@ def report(environ: Mapping[str, str] | None = None) -> dict:
         # the advice only takes where the OS hands out transparent huge pages on request
         "hugepages": None if engine["huge_pages"] is None else int(engine["huge_pages"]),
         "head_screen": engine["head_screen"],
-        # coded INT4 scales stay coded in the tiles but for the AMX prefill's float16 steps
+        # compact tiles on every level, but not under the AMX prefill (float16 steps)
         "compact_tiles": None if engine["level"] is None else int(
             bool(settings.compact_tiles) and not engine["amx"]),
     }

@@ -29,8 +29,9 @@
  *            multiply-add pairs (the same results).
  *   config "huge_pages" true: the repacked weights ask for transparent huge pages
  *            (pocket_model_config.huge_pages; the same results).
- *   config "compact_tiles" true: INT4 weights with codes keep them in their tiles
- *            (pocket_model_config.compact_tiles; the same results).
+ *   config "compact_tiles" true: weights with codes keep them in their tiles, and weights
+ *            with a zero point keep no minimums (pocket_model_config.compact_tiles; the same
+ *            results).
  *   config "head_screen" K (0..256): an INT8 head screened through its high nibbles, its K
  *            best tiles of 16 rows refined (pocket_model_config.head_screen; 0: the INT8
  *            head). forward(screen=True), forward_batch / verify_batch(screen=bytes, one per
