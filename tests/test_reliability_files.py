@@ -8,6 +8,7 @@ import errno
 import hashlib
 import os
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -296,6 +297,19 @@ def test_full_disk_during_pack_names_the_file(gguf_file, tmp_path, capsys, monke
     code, _, err = run_cli(capsys, "pack", gguf_file, "-o", out)
     assert_one_line_error(code, err, str(out), "disk is full")
     assert not out.exists() and temps(out.parent) == []
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_force_never_replaces_a_fifo_or_device(gguf_file, tmp_path, capsys):
+    """``-o /dev/null --force`` (or a FIFO): refused in one line before any work; the finished
+    temp file renamed onto the node would have replaced the device itself."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for argv in (["pack", gguf_file, "-o", fifo, "--force"],
+                 ["export", gguf_file, "--to", "gguf", "-o", fifo, "--force"]):
+        code, out, err = run_cli(capsys, *argv)
+        assert_one_line_error(code, err, str(fifo), "not a regular file", "named pipe")
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and temps(tmp_path) == [] and not out
 
 
 def test_full_disk_during_pull_names_the_file(tiny_entry, capsys, monkeypatch):

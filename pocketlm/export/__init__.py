@@ -53,6 +53,9 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False) -> Path:
             raise PocketError(f"cannot write the folder {out}: a file of that name exists")
         if not folder and out.is_dir():
             raise PocketError(f"cannot write {out}: it is a folder")
+        from ..formats.pocketfile import refuse_special
+
+        refuse_special(out)  # a device or FIFO: the rename would replace the node itself
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():

@@ -236,11 +236,25 @@ def map_file(path: str | Path):
 
 
 # -- writing ---------------------------------------------------------------------------------
+def refuse_special(path: str | Path) -> None:
+    """Refuse to write ``path`` if it is a device, FIFO or socket: the temp file renamed onto
+    it would replace the node itself (``-o /dev/null --force`` would delete the device)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:  # nothing there (or nothing this process may see): the writer says why
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
+        kind = next((name for test, name in _FILE_KINDS if test(mode)), "not a file")
+        raise PocketError(f"cannot write {path}: it is not a regular file ({kind}); give the "
+                          "path of a file to create or replace")
+
+
 def _new_temp(path: Path) -> tuple[int, str]:
     """A temporary file beside ``path`` (which is replaced by it once written); an error that
     names ``path`` if its folder cannot hold one."""
     if path.is_dir():
         raise PocketError(f"cannot write {path}: it is a folder")
+    refuse_special(path)
     for folder in path.parents:
         if folder.exists():
             if not folder.is_dir():
