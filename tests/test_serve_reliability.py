@@ -545,6 +545,27 @@ def test_a_long_unknown_model_name_is_a_short_404(make_app):
     assert len(err["message"]) < 300
 
 
+@pytest.mark.parametrize("value", [True, 1.0])
+def test_best_of_is_the_integer_1_not_what_equals_it(make_app, value):
+    raw = json.dumps(completion("hi", max_tokens=1, best_of=value)).encode()
+    err = assert_openai_error(_post_raw(make_app(), raw), 400, "unsupported_value")
+    assert err["param"] == "best_of"
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ([1, 2], None, "invalid_type"),
+    ("x", None, "invalid_type"),
+    ({}, "tokens", "invalid_type"),
+    ({"tokens": 5}, "tokens", "invalid_type"),
+    ({"tokens": {"1": 2}}, "tokens", "invalid_type"),
+    ({"tokens": [1], "bogus": 1}, "bogus", "unknown_parameter"),
+])
+def test_detokenize_bodies_of_the_wrong_shape_get_a_400_saying_so(make_app, body, param, code):
+    r = _post_raw(make_app(), json.dumps(body).encode(), "/detokenize")
+    err = assert_openai_error(r, 400, code)
+    assert err["param"] == param and "NoneType" not in err["message"], err
+
+
 # -- who may call ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
@@ -632,6 +653,17 @@ def test_server_speculative_default_and_draft_max_range():
     for bad in (0, 17):
         with pytest.raises(pocketlm.errors.PocketError, match="--draft-max"):
             ServerConfig(model_name=NAME, speculative="lookup", draft_max=bad)
+
+
+@pytest.mark.parametrize("kw", [dict(max_memory_mb=float("nan")),
+                                dict(max_memory_mb=float("inf")),
+                                dict(prefix_cache_mb=float("nan"))], ids=str)
+def test_nan_and_infinite_memory_flags_are_refused_in_one_line(kw):
+    """``--max-memory-mb nan`` passed the ``<= 0`` check and died in ``int()`` with a
+    traceback once the model was loaded."""
+    flag = "--" + next(iter(kw)).replace("_", "-")
+    with pytest.raises(pocketlm.errors.PocketError, match=flag):
+        ServerConfig(model_name=NAME, **kw)
 
 
 # -- the command line ------------------------------------------------------------------------

@@ -176,9 +176,9 @@ class ServerConfig:
             raise PocketError(f"--max-queue must be >= 0, got {max_queue}")
         if max_body_kb < 1:
             raise PocketError(f"--max-body-kb must be >= 1, got {max_body_kb}")
-        if max_memory_mb is not None and max_memory_mb <= 0:
-            raise PocketError(f"--max-memory-mb must be positive, got {max_memory_mb}")
-        if prefix_cache_mb < 0:
+        if max_memory_mb is not None and not 0 < max_memory_mb < float("inf"):  # NaN too
+            raise PocketError(f"--max-memory-mb must be a positive number, got {max_memory_mb}")
+        if not prefix_cache_mb >= 0:  # NaN too
             raise PocketError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}")
         if not 0 < body_timeout_s < float("inf"):
             raise PocketError(f"--body-timeout must be a positive number of seconds, got "
@@ -475,7 +475,16 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         check_auth(request)
         check_json_type(request)
         body = P.decode_json(await read_body(request))
-        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(body, dict):
+            raise P.APIError(400, "the request body must be a JSON object", code="invalid_type")
+        unknown = set(body) - {"model", "tokens"}
+        if unknown:
+            raise P.APIError(400, f"unrecognized field '{P.shown(sorted(unknown)[0])}'",
+                             param=P.shown(sorted(unknown)[0]), code="unknown_parameter")
+        ids = body.get("tokens")
+        if not isinstance(ids, list):
+            raise P.APIError(400, "'tokens' (an array of token ids) is required",
+                             param="tokens", code="invalid_type")
         try:
             text = model.detokenize(ids)
         except PocketError as e:

@@ -190,7 +190,7 @@ def _as_written(v: Any) -> str:
 
 def _only(value, what: str):
     def check(v, name):
-        if v != value:
+        if type(v) is not type(value) or v != value:  # true and 1.0 equal 1, but are not
             raise _bad(f"'{name}' = {_as_written(v)} is not supported by this server ({what})",
                        name, "unsupported_value")
         return v
