@@ -196,6 +196,24 @@ def test_cli_suite_errors_are_one_line(capsys):
         assert message in err and err.count("\n") == 1, (argv, err)
 
 
+@pytest.mark.parametrize("tasks", ["", ",", " , "])
+def test_an_empty_tasks_list_is_refused_not_the_whole_suite(tasks, capsys, monkeypatch):
+    """``--tasks "$TASKS"`` with the variable unset named no task: it used to run every task
+    of the suite (hours) instead of saying so."""
+    from pocketlm.cli import main
+    from pocketlm.evaluate import cli as eval_cli
+
+    def no_engine(args):
+        raise AssertionError("the suite must not start")
+
+    monkeypatch.setattr(eval_cli, "_open_engine", no_engine)
+    assert main(["eval", "-m", "smollm2-135m", "--suite", "pocket", "--tasks", tasks]) == 1
+    err = capsys.readouterr().err
+    assert "--tasks names no task" in err and "mmlu-0shot" in err and err.count("\n") == 1
+    assert main(["eval", "-m", "smollm2-135m", "--task", "mmlu", "--tasks", tasks]) == 1
+    assert "use it with --suite" in capsys.readouterr().err
+
+
 # -- recipes ------------------------------------------------------------------------------
 
 

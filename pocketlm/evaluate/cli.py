@@ -130,7 +130,7 @@ def cmd_eval(args) -> int:
         if value is not None and value < floor:
             raise PocketError(f"--{flag.replace('_', '-')} must be "
                               f"{'non-negative' if floor == 0 else 'positive'}")
-    if args.tasks and not args.suite:
+    if args.tasks is not None and not args.suite:
         raise PocketError("--tasks names tasks of a suite; use it with --suite")
     if args.suite:
         return _cmd_suite(args)
@@ -197,7 +197,11 @@ def _cmd_suite(args) -> int:
     for flag in ("ppl", "shots", "seed", "chat", "strict", "window", "stride"):
         if getattr(args, flag):
             raise PocketError(f"--{flag} does not apply to --suite (its tasks fix their own)")
-    only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None \
+        else None
+    if only == []:  # `--tasks ""` (an unset variable): not the whole suite, hours of it
+        raise PocketError(f"--tasks names no task; give some of suite {args.suite}'s, "
+                          f"comma-separated: {', '.join(t.key for t in suite_tasks(args.suite))}")
     suite_tasks(args.suite, only)  # an unknown suite or task fails before the model loads
     engine = _open_engine(args)
     run = run_header(args.model, args.precision, args.suite, engine.name, args.n_ctx)
