@@ -388,6 +388,11 @@ def cmd_bench(args) -> int:
             print(f"[{engine} run {run + 1}: prefill {args.n_prompt / sample['prefill_s']:.1f} "
                   f"tok/s, decode {args.n_gen / sample['decode_s']:.1f} tok/s]", file=sys.stderr)
 
+    plot = None
+    if args.plot:  # an unwritable picture path fails now, not after the whole benchmark
+        from .export import check_output
+
+        plot = check_output(args.plot, force=True)
     threads = args.threads
     if threads is None:  # POCKET_THREADS (checked with the other engine settings), else 2
         from .runtime.settings import EngineSettings
@@ -405,10 +410,12 @@ def cmd_bench(args) -> int:
         if args.verbose:
             print()
             print(memory_breakdown(results))
-    if args.plot:
+    if plot is not None:
         from .bench.plot import to_svg
+        from .export import atomic_file
 
-        Path(args.plot).write_text(to_svg(results), encoding="utf-8")
+        with atomic_file(plot) as tmp:
+            tmp.write_text(to_svg(results), encoding="utf-8")
         print(f"[picture written to {args.plot}]", file=sys.stderr)
     return 0
 

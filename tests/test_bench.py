@@ -118,10 +118,29 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     (dict(vs=["mlc"]), "llama.cpp, mnn"),
     (dict(threads=0), "--threads must be a positive integer"),
     (dict(threads=99999), "--threads must be at most 1024, got 99999"),
+    (dict(watts_per_core=-3.0), "--watts-per-core must be a positive number"),
+    (dict(watts_per_core=float("nan")), "--watts-per-core must be a positive number"),
+    (dict(watts_per_core=0), "--watts-per-core must be a positive number"),
 ])
 def test_bench_bad_arguments(gguf, kwargs, match):
     with pytest.raises(PocketError, match=match):
         bench(str(gguf), **{"n_gen": 2, "runs": 1, **kwargs})
+
+
+def test_a_plot_that_cannot_be_written_fails_before_the_benchmark(gguf, tmp_path, capsys,
+                                                                  monkeypatch):
+    import pocketlm.bench
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the benchmark ran before the --plot path was checked")
+
+    monkeypatch.setattr(pocketlm.bench, "bench", ran)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for plot in (tmp_path, blocker / "bench.svg"):
+        assert cli.main(["bench", "-m", str(gguf), "--plot", str(plot)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("pocket: error: cannot write") and err.count("\n") == 1, err
 
 
 def test_vs_llama_cpp_needs_a_gguf(gguf, tmp_path, capsys):

@@ -182,6 +182,10 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
                               f"{value!r}")
     if threads > MAX_THREADS:
         raise PocketError(f"--threads must be at most {MAX_THREADS}, got {threads}")
+    if (isinstance(watts_per_core, bool) or not isinstance(watts_per_core, (int, float))
+            or not 0 < watts_per_core < float("inf")):
+        raise PocketError(f"--watts-per-core must be a positive number of watts, got "
+                          f"{watts_per_core!r}")
     vs = list(dict.fromkeys(vs or []))  # in order, once each
     unknown = [e for e in vs if e not in VS_ENGINES]
     if unknown:
