@@ -501,6 +501,8 @@ def _speculative(args):
     """The ``speculative`` argument of ``m.chat``/``m.stream`` from --speculative/--draft-max."""
     spec = getattr(args, "speculative", None)
     if spec is None:
+        if getattr(args, "draft_max", None) is not None:
+            raise PocketError("--draft-max applies with --speculative (lookup or a draft model)")
         return None
     spec = _argv_text(spec, "--speculative").strip()
     if not spec:

@@ -653,6 +653,8 @@ def test_server_speculative_default_and_draft_max_range():
     for bad in (0, 17):
         with pytest.raises(pocketlm.errors.PocketError, match="--draft-max"):
             ServerConfig(model_name=NAME, speculative="lookup", draft_max=bad)
+    with pytest.raises(pocketlm.errors.PocketError, match="--draft-max applies with"):
+        ServerConfig(model_name=NAME, draft_max=4)  # without --speculative: refused, not ignored
 
 
 @pytest.mark.parametrize("kw", [dict(max_memory_mb=float("nan")),

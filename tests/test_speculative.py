@@ -247,6 +247,7 @@ def test_cli_speculative(tmp_path):
     assert plain.stdout == spec.stdout
     assert "drafts accepted" in spec.stderr
     for args, match in [(["--speculative", "lookup", "--draft-max", "0"], "--draft-max"),
-                        (["--speculative", "nope"], "nope")]:
+                        (["--speculative", "nope"], "nope"),
+                        (["--draft-max", "4"], "--draft-max applies with --speculative")]:
         p = pocket("run", "-m", str(path), *args, "hi")
         assert p.returncode == 1 and match in p.stderr and p.stderr.count("\n") == 1

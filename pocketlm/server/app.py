@@ -193,6 +193,8 @@ class ServerConfig:
                               "only (--speculative lookup)")
         from ..speculative import DEFAULT_MAX_DRAFT, MAX_DRAFT
 
+        if draft_max is not None and speculative is None:  # it would be ignored
+            raise PocketError("--draft-max applies with --speculative lookup")
         draft_max = DEFAULT_MAX_DRAFT if draft_max is None else draft_max
         if not 1 <= draft_max <= MAX_DRAFT:
             raise PocketError(f"--draft-max must be from 1 to {MAX_DRAFT}, got {draft_max}")
