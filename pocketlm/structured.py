@@ -201,6 +201,13 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
         if matcher.is_error():
             raise GrammarError(f"the {grammar.describe()} is not usable: "
                                f"{_first_line(matcher.get_error())}", param=grammar.kind)
+        # llguidance compiles lazily: a grammar that fails at its first token (a schema that
+        # only refers to itself) is refused now, before a request has started generating
+        try:
+            Constraint(grammar, matcher.deep_copy(), ll.vocab_size).allowed()
+        except GrammarError as e:
+            raise GrammarError(f"the {grammar.describe()} is not usable: it cannot start ("
+                               f"{str(e).split(': ', 1)[-1]})", param=grammar.kind) from None
         entry = _Compiled(matcher)
         with _compiled_lock:
             _compiled[key] = entry

@@ -21,7 +21,7 @@ import tiny_gguf
 import pocketlm
 from pocketlm.errors import GrammarError
 from pocketlm.sampling import Sampler, SamplingParams
-from pocketlm.structured import Constraint, parse_grammar
+from pocketlm.structured import Constraint, constraint_for, parse_grammar
 from pocketlm.tools import Tool, call_grammar, closed, parse_calls, render_messages
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
@@ -74,6 +74,16 @@ def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match
         parse_grammar(**kwargs)
     assert e.value.param == param
     assert "\n" not in str(e.value)
+
+
+def test_a_schema_that_cannot_start_is_refused_when_compiled_not_mid_generation(tiny):
+    # llguidance compiles a self-referring schema and fails at its first token: refused here,
+    # before any request generates (and counts as failed)
+    with pytest.raises(GrammarError, match="not usable: it cannot start") as e:
+        constraint_for(tiny.tokenizer, tiny.config.vocab_size, json_schema={"$ref": "#"})
+    assert e.value.param == "json_schema" and "\n" not in str(e.value)
+    with pytest.raises(GrammarError, match="cannot start"):
+        tiny.generate("x", max_tokens=4, json_schema={"$ref": "#"})
 
 
 def test_gbnf_is_read_as_well_as_lark():
