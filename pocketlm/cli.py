@@ -38,10 +38,17 @@ environment:
 """
 
 
-def default_model() -> str:
-    from .registry import default_model
+def model_or_default(model: str | None) -> str:
+    """The -m/--model argument, or the default model when it was not given; an empty one (an
+    unset shell variable) is refused rather than taken for the default."""
+    if model is None:
+        from .registry import default_model
 
-    return default_model()
+        return default_model()
+    if not model.strip():
+        raise PocketError("-m/--model is empty: give a registry name (see `pocket list`) or "
+                          "the path of a model")
+    return model
 
 
 # -- verbs -----------------------------------------------------------------------------------
@@ -229,7 +236,7 @@ def cmd_inspect(args) -> int:
 def _load(args):
     import pocketlm
 
-    model = args.model or default_model()
+    model = model_or_default(args.model)
     t0 = time.time()
     m = pocketlm.load(model, n_ctx=args.ctx, quiet=False)
     if args.verbose:
@@ -326,7 +333,7 @@ def cmd_chat(args) -> int:
     if args.system:
         history.append({"role": "system", "content": _argv_text(args.system, "--system")})
     base = list(history)
-    print(f"pocket chat: {args.model or default_model()}  (/reset clears the conversation, "
+    print(f"pocket chat: {model_or_default(args.model)}  (/reset clears the conversation, "
           "/quit or Ctrl-D leaves)", file=sys.stderr)
     while True:
         try:
@@ -398,7 +405,7 @@ def cmd_bench(args) -> int:
         from .runtime.settings import EngineSettings
 
         threads = EngineSettings.from_env().threads or 2
-    results = bench(args.model or default_model(), threads=threads, n_prompt=args.n_prompt,
+    results = bench(model_or_default(args.model), threads=threads, n_prompt=args.n_prompt,
                     n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
                     watts_per_core=args.watts_per_core, progress=progress,
                     compare=args.compare, speculative=args.speculative)

@@ -296,6 +296,16 @@ def test_missing_model_file(tmp_path, capsys):
     assert_one_line_error(code, err, "nope.gguf")
 
 
+@pytest.mark.parametrize("verb", ["run", "chat", "bench", "serve"])
+def test_an_empty_model_is_refused_not_taken_for_the_default(verb, capsys):
+    # `-m "$MODEL"` with MODEL unset: an error, not a quiet run of smollm2-135m
+    code, _, err = run_cli(capsys, verb, "-m", "", *(["hello"] if verb == "run" else []))
+    assert_one_line_error(code, err, "-m/--model is empty")
+    if verb == "serve":
+        code, _, err = run_cli(capsys, "serve", "--model-name", " ")
+        assert_one_line_error(code, err, "--model-name is empty")
+
+
 def test_unknown_registry_name(capsys):
     code, _, err = run_cli(capsys, "run", "-m", "smollm2-13m", "hello")
     line = assert_one_line_error(code, err, "smollm2-13m", "known models")

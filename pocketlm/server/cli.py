@@ -175,12 +175,14 @@ def cmd_serve(args) -> int:
 
     import pocketlm
 
-    from ..registry import default_model
+    from ..cli import model_or_default
     from .app import ServerConfig, create_app
 
     if not 0 <= args.port <= 65535:
         raise PocketError(f"--port must be in 0..65535, got {args.port}")
-    model_arg = args.model or default_model()
+    model_arg = model_or_default(args.model)
+    if args.model_name is not None and not args.model_name.strip():
+        raise PocketError("--model-name is empty: give the id clients send in 'model'")
     cfg = ServerConfig(model_name=args.model_name or served_name(model_arg),
                        api_key=api_key_from(args, os.environ), max_batch=args.max_batch,
                        max_queue=args.max_queue, max_memory_mb=args.max_memory_mb,
