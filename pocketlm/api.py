@@ -150,6 +150,9 @@ class PocketModel:
                 f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx}; "
                 "shorten the prompt" + (" or load with a larger n_ctx"
                                         if self.n_ctx < self.config.max_context else ""))
+        if state is not None and not isinstance(state, GenerationState):
+            raise PocketError(f"state must be a GenerationState or None, got "
+                              f"{type(state).__name__}")
         state = state if state is not None else GenerationState()
         self.last_state = state
         text = TextStream(self.tokenizer, stop) if stop is not None else None
@@ -300,6 +303,10 @@ class PocketModel:
         does not depend on which conversations ran beside it. ``json_schema``, ``regex`` or
         ``grammar`` constrains every reply as in :meth:`stream`."""
         stops = _check_stop(stop)
+        if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations,
+                                                                             Iterable):
+            raise PocketError(f"conversations must be an iterable of message lists, got "
+                              f"{type(conversations).__name__}")
         constrain = _constrain(json_schema, regex, grammar)
         if constrain:
             self.constraint(**constrain)  # checked before anything runs

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .errors import SamplingError
 from .runtime import KVCache, Runtime
 from .sampling import Sampler
 from .sampling import logprobs as token_logprobs
@@ -166,8 +167,8 @@ def run_batch(runtime: Runtime, jobs: Iterable[tuple[Sequence, int]], *, max_bat
 
     Each row of a batched step computes bit for bit what it computes in any other batch, so a
     sequence's tokens do not depend on which others ran beside it, nor on ``max_batch``."""
-    if max_batch < 1:
-        raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise SamplingError(f"max_batch must be an integer of at least 1, got {max_batch!r}")
     pending = iter(enumerate(jobs))
     active: list[tuple[int, Sequence, KVCache, int, list[str]]] = []
 

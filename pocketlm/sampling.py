@@ -59,7 +59,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise SamplingError("logit_bias must map token ids to numbers")
             for k, v in self.logit_bias.items():
-                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+                if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or \
+                        not 0 <= k < 2**63:  # past int64: no token, and no index either
                     raise SamplingError(f"logit_bias keys must be token ids, got {k!r}")
                 if not -100 <= finite(f"logit_bias[{k}]", v) <= 100:
                     raise SamplingError(f"logit_bias[{k}] must be in [-100, 100], got {v}")

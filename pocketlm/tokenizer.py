@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import codecs
 import json
+import operator
 import re
 import sys
 import threading
@@ -219,7 +220,9 @@ class Tokenizer:
 
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes token ``id`` stands for (control tokens: their text as UTF-8)."""
-        id = int(id)
+        if isinstance(id, bool) or not hasattr(id, "__index__"):  # not a float: no int(1.5)
+            raise TokenIdError(f"token ids must be integers, got {id!r}")
+        id = operator.index(id)
         cached = self._byte_cache.get(id)
         if cached is not None:
             return cached

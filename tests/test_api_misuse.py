@@ -51,6 +51,13 @@ def test_no_accepted_parameter_makes_the_sampler_fail(temperature, penalty, top_
         assert 0 <= token < LOGITS.size
 
 
+@pytest.mark.parametrize("key", [2**63, 2**70, -1, True, 1.0])
+def test_a_logit_bias_key_that_is_no_token_id_is_refused(key):
+    # past int64: the sampler's id array overflowed (a raw OverflowError)
+    with pytest.raises(SamplingError, match="logit_bias keys must be token ids"):
+        Sampler(SamplingParams(logit_bias={key: 1.0}, temperature=1.0))
+
+
 def test_a_vanishing_temperature_samples_the_greedy_token():
     # every other token is exp(-gap / 1e-308) = 0 times as likely
     assert Sampler(SamplingParams(temperature=1e-308, seed=0))(LOGITS) == int(np.argmax(LOGITS))
@@ -113,6 +120,21 @@ MISUSE = [
      "U+D800"),
     ("chat(not a list)", lambda m: m.chat("hello"), PocketError, "messages"),
     ("stream_ids(floats)", lambda m: list(m.stream_ids([1.5])), TokenIdError, "integers"),
+    # these were a raw AttributeError / TypeError / ValueError, or ran: a float id truncated,
+    # max_batch=1.5 taken as a batch size
+    ("stream_ids(state='x')", lambda m: list(m.stream_ids([1], state="x")), PocketError,
+     "state must be a GenerationState"),
+    ("tokenizer.decode([1.5])", lambda m: m.tokenizer.decode([1.5]), TokenIdError, "integers"),
+    ("tokenizer.decode(['a'])", lambda m: m.tokenizer.decode(["a"]), TokenIdError,
+     "integers"),
+    ("chat_batch(None)", lambda m: list(m.chat_batch(None, max_tokens=1)), PocketError,
+     "conversations"),
+    ("chat_batch(max_batch=0)", lambda m: list(m.chat_batch(
+        [[{"role": "user", "content": "x"}]], max_tokens=1, max_batch=0)), SamplingError,
+     "max_batch"),
+    ("chat_batch(max_batch=1.5)", lambda m: list(m.chat_batch(
+        [[{"role": "user", "content": "x"}]], max_tokens=1, max_batch=1.5)), SamplingError,
+     "max_batch"),
 ]
 
 

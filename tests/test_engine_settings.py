@@ -4,15 +4,30 @@ of the runtime's two engines, and ``pocket doctor``."""
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
 import tiny_models
 
 from pocketlm import cli
-from pocketlm.errors import KernelError, UnsupportedError
+from pocketlm.errors import (
+    ContextLengthError,
+    FormatError,
+    KernelError,
+    PocketError,
+    TokenIdError,
+    UnsupportedError,
+)
 from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
-from pocketlm.runtime import Engine, NativeModelEngine, NumpyEngine, Runtime, settings
+from pocketlm.runtime import (
+    Engine,
+    KVCache,
+    NativeModelEngine,
+    NumpyEngine,
+    Runtime,
+    settings,
+)
 from pocketlm.runtime.kernels import native
 from pocketlm.runtime.settings import VARIABLES, EngineSettings
 
@@ -92,6 +107,11 @@ def test_an_empty_or_blank_variable_is_unset():
      "POCKET_AMX_WEIGHTS='half'; choose one of two-term, mixed, one-term"),
     ("POCKET_AVXVNNI", "on", KernelError, "POCKET_AVXVNNI='on'; choose 0 or 1"),
     ("POCKET_HUGEPAGES", "yes", KernelError, "POCKET_HUGEPAGES='yes'; choose 0 or 1"),
+    # a digit to str.isdigit() that int() refuses: was a raw ValueError
+    ("POCKET_HEAD_SCREEN", "\u00b2", KernelError,
+     "POCKET_HEAD_SCREEN='\u00b2'; choose 0 (off) or a number of tiles from 1 to 256"),
+    ("POCKET_HEAD_SCREEN", "-1", KernelError,
+     "POCKET_HEAD_SCREEN='-1'; choose 0 (off) or a number of tiles from 1 to 256"),
 ])
 def test_bad_values_are_rejected_with_the_message(var, raw, error, message):
     with pytest.raises(error) as info:
@@ -334,6 +354,157 @@ def test_a_cache_of_another_engine_is_refused(clean_env):
     b.native = None  # back to the reference
     assert b.engine == "numpy" and b.native is None
     b.forward([1], b.new_cache(8))
+
+
+def _runtimes(cfg, w):
+    yield Runtime(cfg, w, engine="numpy")
+    if ENGINE_BUILT:
+        rt = Runtime(cfg, w, engine="numpy")
+        rt.native = native.NativeEngine(cfg, w, act="f32", threads=1)
+        yield rt
+
+
+def _full(rt):
+    cache = rt.new_cache(2)
+    rt.forward([1, 2], cache)
+    return cache
+
+
+# every call a runtime refuses: (name, call, error, words); none may run, none may raise a
+# builtin exception (these were raw ValueError / TypeError / OverflowError / AttributeError,
+# or ran: a float id truncated, a string parsed, a 2-D array flattened, a float capacity kept)
+RUNTIME_MISUSE = [
+    ("forward([1.7])", lambda rt: rt.forward([1.7], rt.new_cache(4)), TokenIdError, "integers"),
+    ("forward(NaN array)", lambda rt: rt.forward(np.array([np.nan]), rt.new_cache(4)),
+     TokenIdError, "integers"),
+    ("forward('12')", lambda rt: rt.forward("12", rt.new_cache(4)), TokenIdError, "str"),
+    ("forward(None)", lambda rt: rt.forward(None, rt.new_cache(4)), TokenIdError, "NoneType"),
+    ("forward([True])", lambda rt: rt.forward([True], rt.new_cache(4)), TokenIdError,
+     "integers"),
+    ("forward(2-D)", lambda rt: rt.forward(np.ones((2, 2), np.int64), rt.new_cache(8)),
+     TokenIdError, "one-dimensional"),
+    ("forward(['a'])", lambda rt: rt.forward(np.array([1, "a"], object), rt.new_cache(4)),
+     TokenIdError, "integers"),
+    ("forward([2**63])", lambda rt: rt.forward([2**63], rt.new_cache(4)), TokenIdError,
+     "out of range"),
+    ("forward([2**70])", lambda rt: rt.forward([2**70], rt.new_cache(4)), TokenIdError,
+     "out of range"),
+    ("forward(uint64 max)", lambda rt: rt.forward(np.array([2**64 - 1], np.uint64),
+                                                  rt.new_cache(4)), TokenIdError, "out of range"),
+    ("forward([-1])", lambda rt: rt.forward([-1], rt.new_cache(4)), TokenIdError,
+     "out of range"),
+    ("forward([])", lambda rt: rt.forward([], rt.new_cache(4)), TokenIdError, "at least one"),
+    ("forward(cache=None)", lambda rt: rt.forward([1], None), KernelError, "NoneType"),
+    ("forward(screen='no')", lambda rt: rt.forward([1], rt.new_cache(4), screen="no"),
+     KernelError, "screen"),
+    ("forward(all_logits=[1])", lambda rt: rt.forward([1], rt.new_cache(4), all_logits=[1]),
+     KernelError, "all_logits"),
+    ("forward(full cache)", lambda rt: rt.forward([1], _full(rt)), ContextLengthError,
+     "do not fit"),
+    ("verify([])", lambda rt: rt.verify([], rt.new_cache(4)), TokenIdError, "1 to 128"),
+    ("verify([1.5])", lambda rt: rt.verify([1.5], rt.new_cache(4)), TokenIdError, "integers"),
+    ("forward_batch(caches=None)", lambda rt: rt.forward_batch([1], None), KernelError,
+     "list of caches"),
+    ("forward_batch([None])", lambda rt: rt.forward_batch([1], [None]), KernelError,
+     "NoneType"),
+    ("forward_batch(2 ids, 1 cache)", lambda rt: rt.forward_batch([1, 2], [rt.new_cache(4)]),
+     KernelError, "one per token"),
+    ("forward_batch(screen=5)", lambda rt: rt.forward_batch([1], [rt.new_cache(4)], screen=5),
+     KernelError, "screen"),
+    ("forward_batch(screen=['x'])",
+     lambda rt: rt.forward_batch([1], [rt.new_cache(4)], screen=["x"]), KernelError, "screen"),
+    ("verify_batch(None)", lambda rt: rt.verify_batch(None), KernelError, "pairs"),
+    ("verify_batch([1, 2])", lambda rt: rt.verify_batch([1, 2]), KernelError, "pairs"),
+    ("verify_batch(screen=3)", lambda rt: rt.verify_batch([([1], rt.new_cache(4))], screen=3),
+     KernelError, "screen"),
+    ("copy_prefix(n=1.5)", lambda rt: rt.copy_prefix(rt.new_cache(4), _full(rt), 1.5),
+     ContextLengthError, "whole number"),
+    ("copy_prefix(None, ..)", lambda rt: rt.copy_prefix(None, _full(rt), 1), KernelError,
+     "NoneType"),
+    ("new_cache(1.5)", lambda rt: rt.new_cache(1.5), ContextLengthError, "1.5"),
+    ("new_cache(True)", lambda rt: rt.new_cache(True), ContextLengthError, "True"),
+    ("new_cache('4')", lambda rt: rt.new_cache("4"), ContextLengthError, "'4'"),
+    ("cache_nbytes(-16)", lambda rt: rt.cache_nbytes(-16), ContextLengthError, "-16"),
+    ("truncate(1.5)", lambda rt: _full(rt).truncate(1.5), ContextLengthError, "1.5"),
+    ("truncate(-1)", lambda rt: _full(rt).truncate(-1), ContextLengthError, "-1"),
+    ("truncate(None)", lambda rt: _full(rt).truncate(None), ContextLengthError, "None"),
+]
+
+
+@pytest.mark.parametrize("call, error, words", [(c, e, w) for _, c, e, w in RUNTIME_MISUSE],
+                         ids=[n for n, *_ in RUNTIME_MISUSE])
+def test_runtime_misuse_is_a_typed_error(clean_env, call, error, words):
+    cfg = tiny_models.tiny_config("llama")
+    for rt in _runtimes(cfg, tiny_models.random_state_dict(cfg, seed=5)):
+        with pytest.raises(error) as info:
+            call(rt)
+        assert words in str(info.value), rt.engine
+    assert issubclass(error, PocketError)
+
+
+def test_a_cache_of_a_model_of_other_shapes_is_refused(clean_env):
+    """The reference took any numpy cache: another model's ran on (IndexError, or attention
+    over that model's keys)."""
+    small = tiny_models.tiny_config("llama")
+    big = tiny_models.tiny_config("llama", n_layers=small.n_layers + 1)
+    a = Runtime(small, tiny_models.random_state_dict(small, seed=5), engine="numpy")
+    b = Runtime(big, tiny_models.random_state_dict(big, seed=5), engine="numpy")
+    for rt, other in ((a, b), (b, a)):
+        with pytest.raises(KernelError, match="belongs to another runtime"):
+            rt.forward([1], other.new_cache(4))
+    a.forward([1], KVCache(small, 4))  # one made directly for its shapes runs
+    with pytest.raises(KernelError, match="belongs to another runtime"):
+        a.forward([1], KVCache(big, 4))
+
+
+def test_a_runtime_of_bad_parts_is_a_typed_error():
+    cfg = tiny_models.tiny_config("llama")
+    w = tiny_models.random_state_dict(cfg, seed=5)
+    with pytest.raises(FormatError, match="'norm.weight' must be a numpy array"):
+        Runtime(cfg, {**w, "norm.weight": [1.0] * cfg.d_model})  # was an AttributeError
+    with pytest.raises(KernelError, match="engine must be"):
+        Runtime(cfg, w, engine="gpu")
+
+
+def test_truncate_keeps_whole_positions():
+    cfg = tiny_models.tiny_config("llama")
+    rt = Runtime(cfg, tiny_models.random_state_dict(cfg, seed=5), engine="numpy")
+    cache = rt.new_cache(8)
+    rt.forward([1, 2, 3], cache)
+    cache.truncate(np.int64(2))
+    assert cache.length == 2 and type(cache.length) is int
+    cache.truncate(5)  # beyond the positions filled: forgets nothing
+    assert cache.length == 2
+
+
+@pytest.mark.skipif(not ENGINE_BUILT, reason="the native engine is not built")
+def test_one_cache_run_from_two_threads_is_refused_not_corrupted(clean_env):
+    """Two threads running one cache read the same length and wrote the same position: tokens
+    were silently lost (half of them here). Now a call that finds the cache in use is
+    refused, and every call that runs gets a position of its own."""
+    cfg = tiny_models.tiny_config("llama", max_context=256)
+    rt = Runtime(cfg, tiny_models.random_state_dict(cfg, seed=5), engine="native")
+    cache = rt.new_cache(256)
+    ran, refused = [0], [0]
+    start = threading.Barrier(2)
+
+    def work():
+        start.wait()
+        for _ in range(100):
+            try:
+                rt.forward([1], cache)
+                ran[0] += 1
+            except KernelError as e:
+                assert "in use by another call" in str(e)
+                refused[0] += 1
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ran[0] + refused[0] == 200 and cache.length == ran[0]
+    rt.forward([1], cache)  # free again once the calls are done
 
 
 # -- pocket doctor ----------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch_ref
 
+from pocketlm.errors import KernelError
 from pocketlm.quant import quantize_int4, quantize_int8
 from pocketlm.runtime.kernels import native
 
@@ -65,3 +66,28 @@ def test_avxvnni_keyword_is_checked(model_args, bad, error):
         native._native.NativeModel(cfg.to_dict(), tensors, 32, avxvnni=bad)
     with pytest.raises(error):
         native._native.ops_name(avxvnni=bad)
+
+
+# the wrapper's calls (kernels.native.NativeEngine): an int past C's int was a raw
+# OverflowError from the argument parser, an out-of-range head_screen a raw ValueError
+WRAPPER_MISUSE = [
+    ("capacity=2**31", lambda e, cfg, w: native.NativeEngine(cfg, w, capacity=2**31),
+     "capacity"),
+    ("new_kv(2**40)", lambda e, cfg, w: e.new_kv(2**40), "native kernel"),
+    ("kv_copy(n=2**40)", lambda e, cfg, w: e.kv_copy(e.new_kv(8), e.new_kv(8), 2**40),
+     "native kernel"),
+    ("forward(start_pos=2**70)",
+     lambda e, cfg, w: e.forward(e.new_kv(8), IDS[:1], 2**70, False), "native kernel"),
+    ("head_screen=300", lambda e, cfg, w: native.NativeEngine(cfg, w, head_screen=300),
+     "head_screen must be 0 to 256"),
+]
+
+
+@pytest.mark.parametrize("call, words", [(c, w) for _, c, w in WRAPPER_MISUSE],
+                         ids=[n for n, *_ in WRAPPER_MISUSE])
+def test_the_wrapper_turns_every_bad_argument_into_a_kernel_error(model_args, call, words):
+    cfg = torch_ref.tiny_config("llama", max_context=64)
+    w = torch_ref.random_state_dict(cfg, seed=3)
+    engine = native.NativeEngine(cfg, w, act="f32", threads=1)
+    with pytest.raises(KernelError, match=words):
+        call(engine, cfg, w)

@@ -15,6 +15,7 @@ ownership once, before calling them.
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -25,24 +26,37 @@ from .adapters import find_adapters
 from .kernels import numpy_ref as R
 
 
+def _check_capacity(capacity) -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or \
+            capacity <= 0:
+        raise ContextLengthError(f"KV cache capacity must be a positive number of positions, "
+                                 f"got {capacity!r}")
+    return int(capacity)
+
+
 class KVCache:
     """Keys and values of every layer for up to ``capacity`` positions (float32)."""
 
     def __init__(self, config: ModelConfig, capacity: int):
-        if capacity <= 0:
-            raise ContextLengthError(f"KV cache capacity must be positive, got {capacity}")
+        capacity = _check_capacity(capacity)
         self.capacity = capacity
         shape = (capacity, config.n_kv_heads, config.head_dim)
         self.k = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
         self.v = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
         self.length = 0  # positions filled
+        self.engine = None  # the engine that made it (None: made directly)
+        self.busy = threading.Lock()  # held by the runtime call that runs it
 
     def reset(self) -> None:
         self.length = 0
 
     def truncate(self, length: int) -> None:
-        """Forget positions from ``length`` on (to reuse a shared prompt prefix)."""
-        self.length = max(0, min(length, self.length))
+        """Forget positions from ``length`` on (to reuse a shared prompt prefix); a
+        ``length`` at or beyond the positions filled forgets nothing."""
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+            raise ContextLengthError(f"truncate() takes a number of positions >= 0, got "
+                                     f"{length!r}")
+        self.length = min(int(length), self.length)
 
     @property
     def nbytes(self) -> int:
@@ -57,11 +71,11 @@ class NativeKVCache(KVCache):
     ``nbytes``); usable only with the runtime that created it."""
 
     def __init__(self, engine, capacity: int):  # not KVCache.__init__: no numpy arrays
-        if capacity <= 0:
-            raise ContextLengthError(f"KV cache capacity must be positive, got {capacity}")
+        capacity = _check_capacity(capacity)
         self.capacity = capacity
         self.length = 0
         self.engine = engine
+        self.busy = threading.Lock()
         self.kv = engine.new_kv(capacity)
 
     @property
@@ -140,10 +154,18 @@ class NumpyEngine(Engine):
         self.observe = None
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.config, capacity)
+        cache = KVCache(self.config, capacity)
+        cache.engine = self
+        return cache
 
     def owns(self, cache) -> bool:
-        return isinstance(cache, KVCache) and not isinstance(cache, NativeKVCache)
+        """One of this engine's caches, or one made directly for this config's shapes."""
+        c = self.config
+        if not isinstance(cache, KVCache) or isinstance(cache, NativeKVCache):
+            return False
+        return cache.engine is self or (
+            cache.engine is None and len(cache.k) == c.n_layers
+            and all(np.shape(a)[1:] == (c.n_kv_heads, c.head_dim) for a in cache.k + cache.v))
 
     def cache_nbytes(self, capacity: int) -> int:
         c = self.config

@@ -26,10 +26,12 @@ bad value is an error whichever engine runs.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import ContextLengthError, FormatError
+from ..errors import ContextLengthError, FormatError, KernelError, TokenIdError
 from ..quant import EncodedQuantTensor, QuantTensor
 from . import kernels as K
 from .adapters import find_adapters
@@ -60,6 +62,9 @@ class Runtime:
             w = weights.get(name)
             if w is None:
                 raise FormatError(f"model weights lack tensor {name!r}")
+            if not isinstance(w, (np.ndarray, QuantTensor)):
+                raise FormatError(f"tensor {name!r} must be a numpy array or a QuantTensor, got "
+                                  f"{type(w).__name__}")
             if tuple(w.shape) != tuple(shape):
                 raise FormatError(f"tensor {name!r} has shape {tuple(w.shape)}, expected {shape}")
         # LoRA adapters kept beside the weights (runtime.adapters): checked here, whichever
@@ -69,7 +74,7 @@ class Runtime:
         self.w = weights
         self.engine_note = ""  # why the native engine is not in use
         if engine not in (None, "native", "numpy"):
-            raise ValueError(f"engine must be 'native', 'numpy' or None, got {engine!r}")
+            raise KernelError(f"engine must be 'native', 'numpy' or None, got {engine!r}")
         self.settings = EngineSettings.from_env() if settings is None else settings
         self._engine: Engine = NumpyEngine(config, weights)
         if engine == "native" or (engine is None and K.backend_name(self.settings) == "native"):
@@ -116,11 +121,79 @@ class Runtime:
         return self._engine.name
 
     def _check_cache(self, cache) -> None:
+        if not isinstance(cache, KVCache):
+            raise KernelError(f"expected a KV cache of this runtime (new_cache()), got "
+                              f"{type(cache).__name__}")
         if not self._engine.owns(cache):
-            raise ValueError("this KV cache belongs to another runtime")
+            raise KernelError("this KV cache belongs to another runtime")
+
+    def _token_ids(self, ids, what: str, empty: str = "needs at least one token"
+                   ) -> np.ndarray:
+        """``ids`` (a list, tuple or 1-D array of integers in the vocabulary) as int64; a
+        :class:`TokenIdError` for anything else (floats, strings, bools, other shapes), never a
+        silent conversion."""
+        if not isinstance(ids, (list, tuple, np.ndarray)):
+            raise TokenIdError(f"{what} takes a list or 1-D array of token ids, got "
+                               f"{type(ids).__name__}")
+        a = np.asarray(ids)  # Python ints beyond 64 bits: an object array
+        if a.ndim != 1:
+            raise TokenIdError(f"{what}: token ids must be one-dimensional, got shape {a.shape}")
+        if a.size == 0:
+            raise TokenIdError(f"{what} {empty}")
+        vocab = self.config.vocab_size
+        if a.dtype.kind == "O":
+            for i in a:
+                if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                    raise TokenIdError(f"{what}: token ids must be integers, got {i!r}")
+                if not 0 <= i < vocab:
+                    raise TokenIdError(f"token id {i} is out of range 0..{vocab - 1}")
+            return a.astype(np.int64)
+        if a.dtype.kind not in "iu":
+            raise TokenIdError(f"{what}: token ids must be integers, got an array of {a.dtype}")
+        if a.min() < 0 or a.max() >= vocab:
+            bad = a[(a < 0) | (a >= vocab)][0]
+            raise TokenIdError(f"token id {bad} is out of range 0..{vocab - 1}")
+        return a.astype(np.int64, copy=False)
+
+    @staticmethod
+    def _flags(screen, n: int | None, what: str):
+        """``screen`` checked: a bool (``n`` None), or None or ``n`` bools (one per row)."""
+        if n is None:
+            if not isinstance(screen, (bool, np.bool_)):
+                raise KernelError(f"{what} must be True or False, got {screen!r}")
+            return screen
+        if screen is None:
+            return None
+        if not isinstance(screen, (list, tuple, np.ndarray)) or len(screen) != n or not all(
+                isinstance(s, (bool, np.bool_)) for s in screen):
+            shown = f"{len(screen)} entries" if isinstance(screen, (list, tuple, np.ndarray)) \
+                else repr(screen)
+            raise KernelError(f"{what} must be None or {n} bools (one per row), got {shown}")
+        return screen
+
+    @staticmethod
+    @contextmanager
+    def _using(caches):
+        """Hold ``caches`` for one call: a cache serves one sequence, one call at a time (two
+        threads running the same cache would write the same positions)."""
+        held = []
+        try:
+            for c in caches:
+                if not c.busy.acquire(blocking=False):
+                    raise KernelError("this KV cache is in use by another call (another "
+                                      "thread): a cache serves one sequence, one call at a time")
+                held.append(c.busy)
+            yield
+        finally:
+            for lock in held:
+                lock.release()
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         cap = self.config.max_context if capacity is None else capacity
+        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)):
+            raise ContextLengthError(f"KV cache capacity must be a positive number of positions, "
+                                     f"got {cap!r}")
+        cap = int(cap)
         if cap > self.config.max_context:
             raise ContextLengthError(f"requested context {cap} exceeds the model's maximum "
                                      f"{self.config.max_context}")
@@ -132,7 +205,11 @@ class Runtime:
         """Bytes of keys and values that :meth:`new_cache` allocates for ``capacity``
         positions (the native engine rounds positions up to 16 and may store float16, or int8
         with a float16 scale per 16 values)."""
-        return self._engine.cache_nbytes(capacity)
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or \
+                capacity <= 0:
+            raise ContextLengthError(f"KV cache capacity must be a positive number of "
+                                     f"positions, got {capacity!r}")
+        return self._engine.cache_nbytes(int(capacity))
 
     def forward_batch(self, ids, caches: list[KVCache], *,
                       screen: list[bool] | None = None) -> np.ndarray:
@@ -143,39 +220,44 @@ class Runtime:
         for bit what :meth:`forward` of that one token computes, so results do not depend on
         who else is in the batch. The caches must be distinct. ``screen``: per row, as in
         :meth:`forward`."""
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = self._token_ids(ids, "forward_batch()")
         n = ids.shape[0]
-        if n == 0:
-            raise ValueError("forward_batch() needs at least one token")
-        if len(caches) != n:
-            raise ValueError(f"{len(caches)} caches for {n} tokens")
-        if len({id(c) for c in caches}) != n:
-            raise ValueError("a KV cache appears twice in one batch")
-        if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-            raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
-        for c in caches:
-            if c.length >= c.capacity:
-                raise ContextLengthError(f"{c.length + 1} tokens do not fit the context of "
-                                         f"{c.capacity}")
+        if not isinstance(caches, (list, tuple)) or len(caches) != n:
+            shown = len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__
+            raise KernelError(f"forward_batch() takes a list of caches, one per token: got "
+                              f"{shown} for {n} tokens")
         for c in caches:
             self._check_cache(c)
-        if screen is not None and len(screen) != n:
-            raise ValueError(f"screen has {len(screen)} entries for {n} tokens")
-        return self._engine.forward_batch(ids, caches, screen)
+        if len({id(c) for c in caches}) != n:
+            raise KernelError("a KV cache appears twice in one batch")
+        screen = self._flags(screen, n, "forward_batch() screen")
+        with self._using(caches):
+            for c in caches:
+                if c.length >= c.capacity:
+                    raise ContextLengthError(f"{c.length + 1} tokens do not fit the context of "
+                                             f"{c.capacity}")
+            return self._engine.forward_batch(ids, caches, screen)
 
     def copy_prefix(self, dst: KVCache, src: KVCache, n: int) -> None:
         """Make the first ``n`` positions of ``dst`` those of ``src`` (``dst.length = n``): a
         prompt prefix computed once serves another sequence."""
         if dst is src:
-            raise ValueError("copy_prefix() needs two different caches")
-        if not 0 <= n <= min(src.length, dst.capacity):
-            raise ContextLengthError(f"cannot copy {n} positions from a cache holding "
-                                     f"{src.length} into one of capacity {dst.capacity}")
+            raise KernelError("copy_prefix() needs two different caches")
+        for c in (dst, src):
+            if not isinstance(c, KVCache):
+                self._check_cache(c)  # names what it got
         if type(src) is not type(dst):
-            raise ValueError("copy_prefix() needs two caches of the same engine")
+            raise KernelError("copy_prefix() needs two caches of the same engine")
         self._check_cache(src)
         self._check_cache(dst)
-        self._engine.copy_prefix(dst, src, n)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise ContextLengthError(f"copy_prefix() copies a whole number of positions, got "
+                                     f"{n!r}")
+        with self._using([dst, src]):
+            if not 0 <= n <= min(src.length, dst.capacity):
+                raise ContextLengthError(f"cannot copy {n} positions from a cache holding "
+                                         f"{src.length} into one of capacity {dst.capacity}")
+            self._engine.copy_prefix(dst, src, int(n))
 
     def forward(self, ids, cache: KVCache, *, all_logits: bool = False,
                 screen: bool = False) -> np.ndarray:
@@ -187,19 +269,17 @@ class Runtime:
         engine with a screened head (``POCKET_HEAD_SCREEN``, docs/engine.md) then returns the
         head's values on its K best tiles of 16 rows and estimates elsewhere. Every other
         call gets every logit from the head."""
-        cfg = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = self._token_ids(ids, "forward()")
         n = ids.shape[0]
-        if n == 0:
-            raise ValueError("forward() needs at least one token")
-        start = cache.length
-        if start + n > cache.capacity:
-            raise ContextLengthError(f"{start + n} tokens do not fit the context of "
-                                     f"{cache.capacity}")
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
         self._check_cache(cache)
-        return self._engine.forward(ids, cache, all_logits, screen)
+        all_logits = self._flags(all_logits, None, "forward() all_logits")
+        screen = self._flags(screen, None, "forward() screen")
+        with self._using([cache]):
+            start = cache.length
+            if start + n > cache.capacity:
+                raise ContextLengthError(f"{start + n} tokens do not fit the context of "
+                                         f"{cache.capacity}")
+            return self._engine.forward(ids, cache, all_logits, screen)
 
     MAX_VERIFY = 128  # drafted tokens one verify() call checks at most
 
@@ -210,18 +290,17 @@ class Runtime:
         all of them. ``cache.length`` grows by ``len(ids)``; a caller that accepts only the
         first ``a`` rows calls ``cache.truncate(length + a)`` (the rest is overwritten later).
         ``screen``: as in :meth:`forward`, for every row."""
-        cfg = self.config
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids = self._token_ids(ids, "verify()", f"takes 1 to {self.MAX_VERIFY} tokens, got 0")
         n = ids.shape[0]
-        if not 1 <= n <= self.MAX_VERIFY:
-            raise ValueError(f"verify() takes 1 to {self.MAX_VERIFY} tokens, got {n}")
-        if cache.length + n > cache.capacity:
-            raise ContextLengthError(f"{cache.length + n} tokens do not fit the context of "
-                                     f"{cache.capacity}")
-        if ids.min() < 0 or ids.max() >= cfg.vocab_size:
-            raise ValueError(f"token id out of range 0..{cfg.vocab_size - 1}")
+        if n > self.MAX_VERIFY:
+            raise TokenIdError(f"verify() takes 1 to {self.MAX_VERIFY} tokens, got {n}")
         self._check_cache(cache)
-        return self._engine.verify(ids, cache, screen)
+        screen = self._flags(screen, None, "verify() screen")
+        with self._using([cache]):
+            if cache.length + n > cache.capacity:
+                raise ContextLengthError(f"{cache.length + n} tokens do not fit the context of "
+                                         f"{cache.capacity}")
+            return self._engine.verify(ids, cache, screen)
 
     def verify_batch(self, drafts: list[tuple[list[int], KVCache]], *,
                      screen: list[bool] | None = None) -> list[np.ndarray]:
@@ -229,25 +308,25 @@ class Runtime:
         list of ``(ids, cache)`` with distinct caches; returns each one's logits
         ``[len(ids), vocab]``, rows exactly as :meth:`verify` computes them (the speculative
         step of continuous batching). ``screen``: per sequence, as in :meth:`forward`."""
-        if not drafts:
-            raise ValueError("verify_batch() needs at least one sequence")
-        if len({id(c) for _, c in drafts}) != len(drafts):
-            raise ValueError("a KV cache appears twice in one batch")
+        if not isinstance(drafts, (list, tuple)) or not drafts or not all(
+                isinstance(d, (list, tuple)) and len(d) == 2 for d in drafts):
+            raise KernelError("verify_batch() takes a non-empty list of (token ids, cache) "
+                              "pairs")
         checked = []
-        total = 0
         for ids, cache in drafts:
-            ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-            if not 1 <= ids.shape[0] <= self.MAX_VERIFY:
-                raise ValueError(f"verify_batch() takes 1 to {self.MAX_VERIFY} tokens per "
-                                 f"sequence, got {ids.shape[0]}")
-            if cache.length + ids.shape[0] > cache.capacity:
-                raise ContextLengthError(f"{cache.length + ids.shape[0]} tokens do not fit the "
-                                         f"context of {cache.capacity}")
-            if ids.min() < 0 or ids.max() >= self.config.vocab_size:
-                raise ValueError(f"token id out of range 0..{self.config.vocab_size - 1}")
+            ids = self._token_ids(ids, "verify_batch()",
+                                  f"takes 1 to {self.MAX_VERIFY} tokens per sequence, got 0")
+            if ids.shape[0] > self.MAX_VERIFY:
+                raise TokenIdError(f"verify_batch() takes 1 to {self.MAX_VERIFY} tokens per "
+                                   f"sequence, got {ids.shape[0]}")
             self._check_cache(cache)
-            total += ids.shape[0]
             checked.append((ids, cache))
-        if screen is not None and len(screen) != len(drafts):
-            raise ValueError(f"screen has {len(screen)} entries for {len(drafts)} sequences")
-        return self._engine.verify_batch(checked, screen)
+        if len({id(c) for _, c in drafts}) != len(drafts):
+            raise KernelError("a KV cache appears twice in one batch")
+        screen = self._flags(screen, len(drafts), "verify_batch() screen")
+        with self._using([c for _, c in checked]):
+            for ids, cache in checked:
+                if cache.length + ids.shape[0] > cache.capacity:
+                    raise ContextLengthError(f"{cache.length + ids.shape[0]} tokens do not fit "
+                                             f"the context of {cache.capacity}")
+            return self._engine.verify_batch(checked, screen)

@@ -197,7 +197,7 @@ _hugepages = _zero_one("POCKET_HUGEPAGES")
 
 
 def _head_screen(raw: str) -> int:
-    if not raw.isdigit() or int(raw) > 256:
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > 256:  # not "²" (a digit to isdigit)
         raise KernelError(f"POCKET_HEAD_SCREEN={raw!r}; choose 0 (off) or a number of "
                           "tiles from 1 to 256")
     return int(raw)

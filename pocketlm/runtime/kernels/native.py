@@ -231,7 +231,7 @@ def _get_pool(threads: int):
 def _call(fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: too large for C
         raise KernelError(f"native kernel: {e}") from e
 
 
@@ -499,7 +499,7 @@ def _screen_rows(screen, n: int) -> bytes | None:
         return None
     flags = bytes(1 if s else 0 for s in screen)
     if len(flags) != n:
-        raise ValueError(f"screen has {len(flags)} entries for {n} rows")
+        raise KernelError(f"screen has {len(flags)} entries for {n} rows")
     return flags if any(flags) else None
 
 
@@ -559,6 +559,8 @@ class NativeEngine:
                          if self.kv_format == "q8" and smooth_keys else {})
         tensors.update(self.k_smooth)
         self.capacity = int(config.max_context if capacity is None else capacity)
+        if not 1 <= self.capacity <= 1 << 24:  # the extension's bound (an int, not a long)
+            raise KernelError(f"capacity must be in 1..{1 << 24}, got {self.capacity}")
         self.vocab_size = config.vocab_size
         if amx is None:  # POCKET_AMX, at the avx512 level (the one it extends)
             self.amx = amx_setting(self.act, settings) and LEVELS[level_id] == "avx512"
@@ -579,7 +581,7 @@ class NativeEngine:
         cfg["huge_pages"] = self.huge_pages
         self.head_screen = int(settings.head_screen if head_screen is None else head_screen)
         if not 0 <= self.head_screen <= 256:
-            raise ValueError(f"head_screen must be 0 to 256, got {self.head_screen}")
+            raise KernelError(f"head_screen must be 0 to 256, got {self.head_screen}")
         cfg["head_screen"] = self.head_screen
         self.compact_tiles = int(settings.compact_tiles if compact_tiles is None
                                 else bool(compact_tiles))
