@@ -13,10 +13,14 @@ __all__ = ["jsonl_lines", "read_text_file"]
 def read_text_file(path: str | Path, *, what: str = "text file") -> str:
     """The text of ``path``: a leading byte-order mark dropped, line ends as ``\\n``.
 
-    Refuses a missing path, a folder, an empty file, a binary file (a NUL byte) and bytes that
-    are not UTF-8, naming the file and the line and byte offset of the problem.
+    Refuses a missing path, a folder, a FIFO or device, an empty file, a binary file (a NUL
+    byte) and bytes that are not UTF-8, naming the file and the line and byte offset of the
+    problem.
     """
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        # a FIFO or device would block (or never end) instead of being read once
+        raise PocketError(f"{path}: not a regular file, expected a {what}")
     try:
         raw = path.read_bytes()
     except FileNotFoundError:

@@ -212,6 +212,34 @@ def test_bad_task_files(base, tmp_path):
 
 
 
+@pytest.mark.parametrize("extra,words", [
+    # NaN or inf trained to NaN weights, 0 to adapters that add nothing, exit 0
+    (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive finite"),
+    (["--lora-rank", "4", "--lora-alpha", "inf"], "--lora-alpha must be a positive finite"),
+    (["--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be a positive finite"),
+    (["--lora-alpha", "8"], "--lora-alpha scales LoRA adapters: give --lora-rank"),  # ignored
+    # refused only after the whole training
+    (["--export", "FOLDER"], "it is a folder"),
+    # unset shell variables: the run written into the current folder; no export, silently
+    (["--out", ""], "--out is empty"),
+    (["--export", ""], "--export is empty"),
+    (["--val-data", ""], "--val-data is empty"),
+])
+def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monkeypatch,
+                                                    extra, words):
+    from pocketlm.cli import main
+
+    monkeypatch.chdir(tmp_path)  # where an empty --out wrote the run
+    data = task_file(tmp_path / "task.jsonl", 12)
+    (tmp_path / "folder").mkdir()
+    extra = [str(tmp_path / "folder") if a == "FOLDER" else a for a in extra]
+    code = main(["finetune", "-m", str(base), "--data", str(data), "--out",
+                 str(tmp_path / "run"), "--steps", "1", *FT, *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "run").exists()
+
+
 def test_keep_lora_with_qat_trains_the_adapters_on_the_int4_base_the_file_keeps(base, tmp_path):
     """``--qat --keep-lora``: the frozen base is rounded to the INT4 grid before training, the
     adapters train in float beside it, and the deploy file stores exactly that base (no range

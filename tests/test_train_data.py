@@ -199,6 +199,35 @@ def test_too_small_and_damaged_sets(tok, tmp_path):
         TokenShards(tmp_path)
 
 
+@pytest.mark.parametrize("edit,match", [
+    (lambda m: m.pop("vocab_size"), "vocab_size and eos_id must be integers"),
+    (lambda m: m.update(eos_id="abc"), "vocab_size and eos_id must be integers"),
+    (lambda m: m.update(splits=[1, 2]), "'splits' is not an object"),
+    (lambda m: m["splits"].update(train="x"), "'splits' is not an object"),
+    (lambda m: m["splits"]["train"].update(files=[1]), "'files' is not a list"),
+    (lambda m: m["splits"]["train"].update(tokens="many"), "meta.json says"),
+])
+def test_a_malformed_meta_json_is_a_format_error(tok, tmp_path, edit, match):
+    # each was a raw KeyError / TypeError / AttributeError / ValueError from `pocket train`
+    prepare_shards(_docs(50), tok, tmp_path / "s", holdout=0.1, progress=False)
+    meta = json.loads((tmp_path / "s" / "meta.json").read_text())
+    edit(meta)
+    (tmp_path / "s" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(FormatError, match=match):
+        TokenShards(tmp_path / "s")
+
+
+def test_token_ids_past_the_vocabulary_are_a_format_error(tok, tmp_path):
+    # a damaged shard file: the id reached the embedding as a raw IndexError mid-training
+    prepare_shards(_docs(200), tok, tmp_path / "s", holdout=0.0, progress=False)
+    ts = TokenShards(tmp_path / "s")
+    assert ts.batch(0, 2, 16).max() < ts.vocab_size
+    with open(tmp_path / "s" / "train_000.bin", "r+b") as f:
+        f.write(b"\xff\xff" * ts.n_tokens)
+    with pytest.raises(FormatError, match="token id 65535.*damaged shard file"):
+        TokenShards(tmp_path / "s").batch(0, 2, 16)
+
+
 # -- why a split is too small to train on -------------------------------------------------------
 
 
@@ -303,6 +332,62 @@ def test_train_refuses_a_holdout_without_held_out_split_up_front(tmp_path, capsy
     if holdout == "0":
         assert "no held-out split" in line
     assert not (tmp_path / "run").exists()  # refused before any tokenizer or shard work
+
+
+@pytest.mark.parametrize("flag,value,words", [
+    # each trained to NaN weights (inf, NaN), climbed the loss (a negative clip flipped the
+    # gradient) or did nothing (clip 0), exit 0; a huge seed was a raw ValueError
+    ("--lr", "inf", "--lr must be a positive finite number"),
+    ("--weight-decay", "nan", "--weight-decay must be a non-negative finite number"),
+    ("--clip", "-1", "--clip must be a positive gradient norm"),
+    ("--clip", "0", "--clip must be a positive gradient norm"),
+    ("--seed", "-1", "--seed must be an integer from 0"),
+    ("--seed", str(2**70), "--seed must be an integer from 0"),
+    ("--threads", "-1", "--threads must be a positive integer"),
+    ("--distill-temperature", "inf", "distill_temperature > 0 (finite)"),
+    # unset shell variables: a tokenizer trained on the data instead, the flag ignored
+    ("--tokenizer", "", "--tokenizer is empty"),
+    ("--init", "", "--init is empty"),
+])
+def test_train_refuses_bad_numbers_and_empty_paths_up_front(tmp_path, capsys, flag, value,
+                                                            words):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
+    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run", flag, value)
+    assert words in _one_line(code, err)
+    assert not (tmp_path / "run").exists()  # refused before any tokenizer or shard work
+
+
+def test_a_fifo_as_data_is_refused_not_waited_on(tmp_path, capsys):
+    from pocketlm import cli
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    code, err = _train_cli(capsys, "--data", fifo, "--out", tmp_path / "run")
+    assert "not a regular file or a folder" in _one_line(code, err)
+    # `pocket data prepare --text FIFO` blocked forever reading it
+    code = cli.main(["data", "prepare", "--text", str(fifo), "--vocab-size", "300", "--out",
+                     str(tmp_path / "shards"), "-q"])
+    assert "not a regular file" in _one_line(code, capsys.readouterr().err)
+    assert not (tmp_path / "shards").exists()
+
+
+def test_train_refuses_shards_of_another_tokenizer(tmp_path, capsys, monkeypatch):
+    # a larger vocabulary trained on the other tokenizer's ids, silently (280 vs ~300 here)
+    pytest.importorskip("torch")
+    from pocketlm import cli
+    from pocketlm.train.tokenizer_train import train_tokenizer
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
+    assert cli.main(["data", "prepare", "--text", str(corpus), "--vocab-size", "280",
+                     "--holdout", "0.2", "--out", str(tmp_path / "p"), "-q"]) == 0
+    train_tokenizer([corpus], 300, tmp_path / "other", progress=False)
+    capsys.readouterr()
+    code, err = _train_cli(capsys, "--data", tmp_path / "p" / "shards", "--tokenizer",
+                           tmp_path / "other", "--out", tmp_path / "run", "--seq-len", "16")
+    assert "made with another tokenizer" in _one_line(code, err)
 
 
 # -- text files ---------------------------------------------------------------------------------

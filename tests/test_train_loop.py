@@ -222,6 +222,114 @@ def test_bad_input_is_refused_clearly(pretrained, tmp_path):
         preset_config("nope")
 
 
+def _tiny_run(tmp_path: Path, capsys, *extra: str):
+    from pocketlm.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.is_file():
+        make_corpus(corpus, n_docs=120)
+    code = main(["train", "--data", str(corpus), "--out", str(tmp_path / "run"), "--vocab-size",
+                 "300", "--holdout", "0.1", "--seq-len", "32", "--batch-size", "2",
+                 "--eval-batches", "1", "--warmup", "1", "--threads", "1", "--quiet", *extra])
+    return code, capsys.readouterr()
+
+
+def test_a_damaged_run_folder_resumes_or_says_why_not(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _tiny_run(tmp_path, capsys, "--steps", "2")[0] == 0
+    # metrics.jsonl with bytes that are not UTF-8: a raw UnicodeDecodeError on resume
+    with open(run / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\xfe{\"step\": 9\n")
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "3")
+    assert code == 0 and "Traceback" not in out.err
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2, 3]
+    # --steps below the checkpoint's step: it did nothing and said nothing, exit 0
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "1")
+    assert code == 1 and "at step 3, past --steps 1" in out.err.splitlines()[-1]
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "3")  # finished: it says where it is
+    assert code == 0 and out.out.startswith("step 3: loss")
+    # a checkpoint that loads but lacks what a run needs: raw KeyErrors
+    torch.save({"format": "pocketlm-checkpoint", "step": 3}, run / "checkpoint.pt")
+    (run / "train_config.json").unlink()
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "4")
+    assert code == 1 and "damaged training checkpoint" in out.err and "Traceback" not in out.err
+    p = pocket("export", str(run), "-o", str(tmp_path / "x.pocket"), check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "model_config" in p.stderr
+
+
+def test_an_interrupted_checkpoint_write_leaves_no_temporary(tmp_path, monkeypatch):
+    from pocketlm.train import trainer
+
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(b"the previous checkpoint")
+
+    def cut(obj, f):
+        Path(f).write_bytes(b"half")
+        raise SystemExit(143)  # SIGTERM, as pocket train turns it into
+
+    monkeypatch.setattr(trainer.torch, "save", cut)
+    with pytest.raises(SystemExit):
+        trainer._atomic_save({"x": 1}, path)
+    assert path.read_bytes() == b"the previous checkpoint"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+
+
+def test_sigterm_stops_training_cleanly_and_it_resumes(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus.txt", n_docs=120)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pocketlm.cli", "train", "--data", str(corpus), "--out",
+           str(run), "--vocab-size", "300", "--holdout", "0.1", "--seq-len", "32",
+           "--batch-size", "2", "--eval-batches", "1", "--eval-every", "1000", "--save-every",
+           "1", "--warmup", "1", "--threads", "1", "--quiet"]
+    proc = subprocess.Popen([*cmd, "--steps", "100000"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (run / "checkpoint.pt").is_file():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    # SIGTERM killed it outright (-15), possibly mid-write: checkpoint.pt.tmp was left behind
+    assert proc.returncode == 128 + signal.SIGTERM and b"Traceback" not in err
+    assert not [p.name for p in run.rglob("*.tmp")]
+    done = len(metrics(run))
+    p = subprocess.run([*cmd, "--steps", str(done + 2)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert [r["step"] for r in metrics(run)] == list(range(1, done + 3))
+
+
+def test_distill_data_refuses_bad_input_before_the_teacher_answers(tmp_path, capsys):
+    from pocketlm.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Where is the cat?\n", encoding="utf-8")
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9?\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "folder").mkdir()
+    cases = [
+        # a raw UnicodeDecodeError; a read of a FIFO that blocked forever
+        (["--prompts", str(latin), "-o", str(tmp_path / "a.jsonl")], "not UTF-8"),
+        (["--prompts", str(fifo), "-o", str(tmp_path / "a.jsonl")], "not a regular file"),
+        # refused only after every answer was generated (a .tmp file left), or the FIFO
+        # replaced by a regular file, or a raw ValueError
+        (["--prompts", str(prompts), "-o", str(tmp_path / "folder")], "it is a folder"),
+        (["--prompts", str(prompts), "-o", str(fifo)], "not a regular file"),
+        (["--prompts", str(prompts), "-o", ""], "-o/--output is empty"),
+        (["--prompts", str(prompts), "-o", str(tmp_path / "a.jsonl"), "--max-tokens", "0"],
+         "--max-tokens must be at least 1"),
+    ]
+    for argv, words in cases:
+        assert main(["distill-data", "--teacher", "no-such-teacher", *argv]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, (argv, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "folder", "latin.txt",
+                                                          "prompts.txt"]
+    assert not fifo.is_file()
+
+
 def test_logit_distillation_from_a_teacher_with_the_same_vocabulary(pretrained, tmp_path):
     root, run = pretrained
     shards, tok_dir = run / "data", run / "tokenizer"

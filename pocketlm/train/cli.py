@@ -37,6 +37,16 @@ def _need_torch(verb: str) -> None:
         raise PocketError(f"`pocket {verb}` needs PyTorch: pip install 'pocketlm[train]'") from None
 
 
+def _refuse_empty(*flags: tuple[str, str | None]) -> None:
+    """Refuse a path flag given as an empty string (an unset shell variable): it would
+    otherwise mean the current folder, or quietly nothing."""
+    for flag, value in flags:
+        if value is not None and not str(value).strip():
+            what = "a registry name or a path" if flag in (
+                "-m/--model", "--tokenizer", "--distill-from", "SRC") else "a path"
+            raise PocketError(f"{flag} is empty (an unset shell variable?): give {what}")
+
+
 def _tokenizer_from(spec: str):
     """A trained tokenizer folder, a registry model's tokenizer, or a model file's."""
     from ..tokenizer import Tokenizer
@@ -112,6 +122,8 @@ def cmd_train(args) -> int:
                   f"{r['peak_mb_512']:>7.1f}MB {r['peak_mb_1024']:>7.1f}MB  {r['about']}")
         print("(peak memory: an estimate for the INT4 deploy file at that context)")
         return 0
+    _refuse_empty(("--data", args.data), ("--out", args.out), ("--tokenizer", args.tokenizer),
+                  ("--init", args.init), ("--distill-from", args.distill_from))
     if args.recipe:
         return _run_recipe(args)
     if not args.data or not args.out:
@@ -124,6 +136,9 @@ def cmd_train(args) -> int:
     data = Path(args.data)
     if not data.exists():
         raise PocketError(f"{data}: no such file or folder")
+    if not data.is_file() and not data.is_dir():
+        raise PocketError(f"{data}: not a regular file or a folder (a FIFO or device); give a "
+                          "text file, a shard folder or a chats JSONL file")
     if args.mode == "pretrain" and data.is_file():
         _check_train_holdout(args.holdout)
     tokenizer = template = None
@@ -138,6 +153,17 @@ def cmd_train(args) -> int:
                               "or use another --out)")
         preset = ck_preset
     preset = preset or "tiny"
+    cfg = TrainConfig(
+        out=str(out), data=str(out / "data" if args.mode == "pretrain" and data.is_file()
+                               else data),
+        preset=preset, mode=args.mode, steps=args.steps,
+        batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
+        lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
+        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
+        seed=args.seed, dtype=args.dtype, init_from=args.init, distill_from=args.distill_from,
+        distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature,
+        fsdp=args.fsdp, threads=args.threads)
+    cfg.check()  # a bad number is refused before a tokenizer is trained or shards are cut
     if args.tokenizer:
         tokenizer, template = _tokenizer_from(args.tokenizer)
     if args.mode == "pretrain" and data.is_file():
@@ -160,7 +186,8 @@ def cmd_train(args) -> int:
             if tokenizer is None:
                 from .tokenizer_train import train_tokenizer
 
-                vocab = args.vocab_size or (4000 if preset == "tiny" else 16000)
+                vocab = args.vocab_size if args.vocab_size is not None else (
+                    4000 if preset == "tiny" else 16000)
                 print(f"[training a {vocab}-token tokenizer on {data} -> {out / 'tokenizer'}]",
                       file=sys.stderr)
                 tokenizer = train_tokenizer(documents, vocab, out / "tokenizer",
@@ -181,17 +208,12 @@ def cmd_train(args) -> int:
         from .data import check_trainable_splits
 
         check_trainable_splits(Path(data), args.seq_len, data=args.data)
-    cfg = TrainConfig(
-        out=str(out), data=str(data), preset=preset, mode=args.mode, steps=args.steps,
-        batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=args.seq_len,
-        lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
-        eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
-        seed=args.seed, dtype=args.dtype, init_from=args.init, distill_from=args.distill_from,
-        distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature,
-        fsdp=args.fsdp, threads=args.threads)
     if resuming:
         print(f"[resuming {out / CHECKPOINT}]", file=sys.stderr)
-    last = train(cfg, tokenizer=tokenizer, chat_template=template, progress=not args.quiet)
+    from ..cli import _exit_on_sigterm
+
+    with _exit_on_sigterm():  # SIGTERM: the checkpoint being written is not left half-written
+        last = train(cfg, tokenizer=tokenizer, chat_template=template, progress=not args.quiet)
     if last and int(os.environ.get("RANK", "0")) == 0:
         msg = f"step {last['step']}: loss {last['loss']:.4f}"
         if "val_loss" in last:
@@ -227,12 +249,20 @@ def _run_recipe(args) -> int:
 
 def cmd_finetune(args) -> int:
     _need_torch("finetune")
-    from ..cli import calibration_kwargs
+    from ..cli import _exit_on_sigterm, calibration_kwargs
     from .trainer import TrainConfig, train
 
     calibration = calibration_kwargs(args)  # checked before the training, not after it
+    _refuse_empty(("-m/--model", args.model), ("--data", args.data),
+                  ("--val-data", args.val_data), ("--out", args.out), ("--export", args.export))
     if args.keep_lora and not (args.export and args.lora_rank):
         raise PocketError("--keep-lora needs --export FILE and --lora-rank N")
+    if args.export:
+        from ..export import check_output
+
+        # a folder, a FIFO or an unwritable place is refused now, not after the training; the
+        # file itself is replaced, as running the same command again (resuming) does
+        check_output(args.export, force=True)
     out = Path(args.out)
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
@@ -244,7 +274,8 @@ def cmd_finetune(args) -> int:
         early_stop=args.early_stop, strict=args.strict,
         # --qat with --keep-lora: train on the INT4 base the file keeps, adapters beside it
         qat=args.qat and not args.keep_lora, qat_base=args.qat and args.keep_lora)
-    last = train(cfg, progress=not args.quiet)
+    with _exit_on_sigterm():  # SIGTERM: the checkpoint being written is not left half-written
+        last = train(cfg, progress=not args.quiet)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if last:
@@ -255,8 +286,9 @@ def cmd_finetune(args) -> int:
     if args.export:
         from .export import export
 
-        report = export(out, args.export, group_size=args.group_size,
-                        embed_bits=args.embed_bits, keep_lora=args.keep_lora, **calibration)
+        with _exit_on_sigterm():
+            report = export(out, args.export, group_size=args.group_size,
+                            embed_bits=args.embed_bits, keep_lora=args.keep_lora, **calibration)
         print(report.summary())
     return 0
 
@@ -264,6 +296,7 @@ def cmd_finetune(args) -> int:
 def cmd_export(args) -> int:
     from ..export import check_output
 
+    _refuse_empty(("SRC", args.run), ("-o/--output", args.output))
     target = args.to
     if target == "pocket" and args.output is not None and not args.output.endswith(".pocket"):
         # `-o model.gguf` or `-o DIR` without --to: say what is missing, write nothing
@@ -274,12 +307,13 @@ def cmd_export(args) -> int:
     out = check_output(args.output, force=args.force, folder=target == "hf")
     if target == "pocket":
         _need_torch("export")
-        from ..cli import calibration_kwargs
+        from ..cli import _exit_on_sigterm, calibration_kwargs
         from .export import export
 
-        report = export(args.run, out, group_size=args.group_size,
-                        embed_bits=args.embed_bits, best=False if args.last else None,
-                        keep_lora=args.keep_lora, **calibration_kwargs(args))
+        with _exit_on_sigterm():  # SIGTERM: the temporary file is removed
+            report = export(args.run, out, group_size=args.group_size,
+                            embed_bits=args.embed_bits, best=False if args.last else None,
+                            keep_lora=args.keep_lora, **calibration_kwargs(args))
         print(report.summary())
         return 0
     from ..api import deploy_file
@@ -314,6 +348,7 @@ def cmd_export(args) -> int:
 def cmd_tokenizer_train(args) -> int:
     from .tokenizer_train import train_tokenizer
 
+    _refuse_empty(("--out", args.out), *(("--data", d) for d in args.data))
     tok = train_tokenizer([Path(p) for p in args.data], args.vocab_size, Path(args.out),
                           min_frequency=args.min_frequency, seed=args.seed,
                           special_tokens=args.special_tokens, sample_lines=args.sample_lines,
@@ -325,6 +360,8 @@ def cmd_tokenizer_train(args) -> int:
 def cmd_data_prepare(args) -> int:
     from .data import prepare_mixture, prepare_text_file
 
+    _refuse_empty(("--out", args.out), ("--text", args.text), ("--mixture", args.mixture),
+                  ("--tokenizer", args.tokenizer), ("--chats-out", args.chats_out))
     given = [x for x in (args.corpora, args.mixture, args.text) if x]
     if len(given) != 1:
         raise PocketError("give exactly one of --corpora NAME..., --mixture FILE or --text FILE")
@@ -381,15 +418,23 @@ def cmd_distill_data(args) -> int:
     """Sequence-level distillation data: the teacher answers each prompt (runtime, greedy)."""
     import pocketlm
 
-    prompts = [line.strip() for line in Path(args.prompts).read_text(encoding="utf-8")
+    from ..cli import _exit_on_sigterm
+    from ..export import atomic_file, check_output
+    from ..textfile import read_text_file
+
+    _refuse_empty(("--prompts", args.prompts), ("-o/--output", args.output))
+    prompts = [line.strip() for line in read_text_file(args.prompts, what="prompt file")
                .splitlines() if line.strip()]
     if not prompts:
         raise PocketError(f"{args.prompts}: no prompts (one per line)")
     if not 1 <= args.batch <= 256:
         raise PocketError(f"--batch must be from 1 to 256, got {args.batch}")
+    if args.max_tokens < 1:
+        raise PocketError(f"--max-tokens must be at least 1 (the teacher's answer), got "
+                          f"{args.max_tokens}")
+    # a folder, a FIFO or an unwritable place is refused before the teacher answers (hours)
+    out = check_output(args.output, force=True)
     teacher = pocketlm.load(args.teacher)
-    out = Path(args.output)
-    tmp = out.with_name(out.name + ".tmp")
     from ..progress import bar as progress_bar
 
     answers: list[str | None] = [None] * len(prompts)
@@ -400,12 +445,11 @@ def cmd_distill_data(args) -> int:
                                              temperature=0.0, max_batch=args.batch):
             answers[i] = text
             bar.update(1)
-    with open(tmp, "w", encoding="utf-8") as f:
+    with _exit_on_sigterm(), atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for p, answer in zip(prompts, answers, strict=True):
             msgs = [{"role": "user", "content": p}]
             f.write(json.dumps({"messages": msgs + [{"role": "assistant", "content": answer}]},
                                ensure_ascii=False) + "\n")
-    tmp.replace(out)
     print(f"{out}: {len(prompts)} chats from {args.teacher}")
     return 0
 

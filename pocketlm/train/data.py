@@ -464,13 +464,22 @@ class TokenShards:
         if meta.get("dtype") not in ("uint16", "uint32"):
             raise FormatError(f"{meta_path}: unknown dtype {meta.get('dtype')!r}")
         splits = meta.get("splits") or {}
+        if not isinstance(splits, dict) or not all(isinstance(v, dict) for v in splits.values()):
+            raise FormatError(f"{meta_path}: 'splits' is not an object of split records")
         if split not in splits:
             raise PocketError(f"{self.path}: no split {split!r} (has: {', '.join(splits)})")
         self.meta = meta
-        self.vocab_size = int(meta["vocab_size"])
-        self.eos_id = int(meta["eos_id"])
+        try:
+            self.vocab_size = int(meta["vocab_size"])
+            self.eos_id = int(meta["eos_id"])
+        except (KeyError, TypeError, ValueError):
+            raise FormatError(f"{meta_path}: vocab_size and eos_id must be integers, got "
+                              f"{meta.get('vocab_size')!r} and {meta.get('eos_id')!r}") from None
         self.dtype = np.dtype(meta["dtype"]).newbyteorder("<")
         info = splits[split]
+        if not isinstance(info.get("files", []), list) or not all(
+                isinstance(f, str) for f in info.get("files", [])):
+            raise FormatError(f"{meta_path}: split {split!r}: 'files' is not a list of names")
         self._arrays: list[np.ndarray] = []
         total = 0
         for name in info.get("files", []):
@@ -484,7 +493,7 @@ class TokenShards:
             if size:
                 self._arrays.append(np.memmap(f, dtype=self.dtype, mode="r"))
             total += size // self.dtype.itemsize
-        if total != int(info.get("tokens", -1)):
+        if not isinstance(info.get("tokens"), int) or total != info["tokens"]:
             raise FormatError(
                 f"{self.path}: split {split!r} holds {total} tokens, meta.json says "
                 f"{info.get('tokens')} (truncated or modified shard files)"
@@ -524,6 +533,13 @@ class TokenShards:
             out[filled : filled + n] = arr[lo : lo + n]
             filled += n
             k += 1
+        if length and int(out.max()) >= self.vocab_size:
+            # a damaged shard file: the id would index past the embedding table
+            raise FormatError(
+                f"{self.path}: split {self.split!r} holds token id {int(out.max())} near token "
+                f"{start}, outside the {self.vocab_size}-token vocabulary of meta.json (a "
+                "damaged shard file; prepare the shards again)"
+            )
         return out
 
     def batch(

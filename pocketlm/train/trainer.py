@@ -107,13 +107,34 @@ class TrainConfig:
                                   f"got {v!r}")
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
             raise PocketError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
+        # NaN, inf or a negative value here trains to NaN weights or up the loss, silently
+        if not math.isfinite(self.lr):
+            raise PocketError(f"--lr must be a positive finite number, got {self.lr}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise PocketError(f"--weight-decay must be a non-negative finite number, got "
+                              f"{self.weight_decay}")
+        if not self.clip > 0:
+            raise PocketError(f"--clip must be a positive gradient norm, got {self.clip}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or \
+                not 0 <= self.seed < 2**63:
+            raise PocketError(f"--seed must be an integer from 0 to 2**63 - 1, got "
+                              f"{self.seed!r}")
+        if self.threads is not None and (isinstance(self.threads, bool) or
+                                         not isinstance(self.threads, int) or self.threads < 1):
+            raise PocketError(f"--threads must be a positive integer, got {self.threads!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise PocketError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-        if not 0 <= self.distill_alpha <= 1 or self.distill_temperature <= 0:
-            raise PocketError("need 0 <= distill_alpha <= 1 and distill_temperature > 0")
+        if not 0 <= self.distill_alpha <= 1 or not 0 < self.distill_temperature < math.inf:
+            raise PocketError("need 0 <= distill_alpha <= 1 and distill_temperature > 0 "
+                              "(finite)")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise PocketError(f"--lora-rank must be 0 (full fine-tuning) or positive, got "
                               f"{self.lora_rank!r}")
+        if self.lora_alpha is not None and not self.lora_rank:
+            raise PocketError("--lora-alpha scales LoRA adapters: give --lora-rank too")
+        if self.lora_alpha is not None and not 0 < self.lora_alpha < math.inf:
+            raise PocketError(f"--lora-alpha must be a positive finite number, got "
+                              f"{self.lora_alpha}")
         if (self.qat or self.qat_base) and not self.lora_rank:
             raise PocketError("--qat trains LoRA adapters against the INT4 grid: give "
                               "--lora-rank too")
@@ -367,10 +388,15 @@ def _set_rng_state(state: dict) -> None:
 
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        torch.save(obj, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # an error, Ctrl-C or SIGTERM mid-write: no half-written file left
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _checkpoint_path(path: str | Path) -> Path:
@@ -393,6 +419,12 @@ def load_checkpoint(path: str | Path) -> dict:
         raise FormatError(f"{p}: not a readable training checkpoint ({e})") from None
     if not isinstance(ck, dict) or ck.get("format") != "pocketlm-checkpoint":
         raise FormatError(f"{p}: not a pocketlm training checkpoint")
+    bad = [k for k, kind in (("step", int), ("model_config", dict), ("train_config", dict),
+                             ("model", dict), ("tokenizer", str))
+           if not isinstance(ck.get(k), kind) or isinstance(ck.get(k), bool)]
+    if bad:
+        raise FormatError(f"{p}: a damaged training checkpoint ({', '.join(bad)} missing or "
+                          "malformed)")
     return ck
 
 
@@ -634,6 +666,13 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         _load_weights(model, ck["model"], str(ck_path))
     model.to(dist.device)
     teacher = _teacher(cfg, tokenizer, dist.device) if cfg.distill_from else None
+    if cfg.mode == "pretrain" and (train_data.vocab_size, train_data.eos_id) != (
+            tokenizer.vocab_size, (tokenizer.eos_ids or [0])[0]):
+        # ids of another tokenizer would train the model on text it never sees, silently
+        raise PocketError(f"{cfg.data}: the shards were made with another tokenizer (vocabulary "
+                          f"{train_data.vocab_size}, end of text {train_data.eos_id}; this "
+                          f"run's: {tokenizer.vocab_size}, {(tokenizer.eos_ids or [0])[0]}); "
+                          "give --tokenizer the one they were made with, or prepare them again")
     wrapped: torch.nn.Module = model
     if dist.world > 1:
         if cfg.fsdp:
@@ -659,6 +698,9 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         best_val, bad_evals = ck.get("best_val", math.inf), ck.get("bad_evals", 0)
         if ck.get("stopped_early"):
             start = cfg.steps  # nothing left to do
+        elif start > cfg.steps:  # it cannot go back: say so, instead of doing nothing quietly
+            raise PocketError(f"{out} holds a run at step {start}, past --steps {cfg.steps}: "
+                              f"give --steps {start} or more to go on, or use another --out")
 
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
@@ -712,7 +754,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         bar = progress_bar(cfg.steps, f"{cfg.mode} {what}", "step", initial=start)
     model.train()
     t_last = time.perf_counter()
-    last: dict = {}
+    last: dict = dict(metrics[-1]) if metrics else {}  # a finished run: its last step
     for step in range(start, cfg.steps):
         lr = _lr_at(cfg, step)
         for g in opt.param_groups:
@@ -830,7 +872,8 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
     from ..textfile import jsonl_lines
 
     rows = []
-    for line in jsonl_lines(path.read_text(encoding="utf-8")):
+    # a damaged line (a hard stop, bytes that are not UTF-8) is skipped, not a traceback
+    for line in jsonl_lines(path.read_text(encoding="utf-8", errors="replace")):
         try:
             row = json.loads(line)
         except ValueError:
