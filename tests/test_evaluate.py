@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -511,6 +512,33 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert main(["eval", "--list-tasks", "--json"]) == 0
     names = [json.loads(line)["name"] for line in capsys.readouterr().out.splitlines()]
     assert names == list(RECIPES)
+
+
+@pytest.mark.parametrize("argv,words", [
+    # task flags with --ppl were silently ignored (no predictions file was written)
+    (["--ppl", "T", "--predictions", "p.jsonl"], "--predictions does not apply to --ppl"),
+    (["--ppl", "T", "--shots", "2"], "--shots does not apply to --ppl"),
+    (["--ppl", "T", "--chat"], "--chat does not apply to --ppl"),
+    (["--task", "T", "--window", "8"], "--window and --stride apply to --ppl"),
+    # an unset variable: no predictions written, silently
+    (["--task", "T", "--predictions", ""], "--predictions is empty"),
+    # a FIFO: opening it for writing blocked forever (after the model loaded)
+    (["--task", "T", "--predictions", "FIFO"], "not a regular file"),
+    # a FIFO to read: the read blocked forever
+    (["--ppl", "FIFO"], "not a regular file"),
+])
+def test_cli_refuses_flags_that_do_not_apply_and_fifos(tmp_path, capsys, argv, words):
+    from pocketlm.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text("hello there\n", encoding="utf-8")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    argv = [{"T": str(text), "FIFO": str(fifo)}.get(a, a) for a in argv]
+    assert main(["eval", "-m", "no-such-model", *argv]) == 1  # refused before the model loads
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and words in err, err
+    assert fifo.exists() and not fifo.is_file()
 
 
 # -- a real model (cached in POCKET_HOME) ---------------------------------------------------

@@ -132,6 +132,21 @@ def cmd_eval(args) -> int:
                               f"{'non-negative' if floor == 0 else 'positive'}")
     if args.tasks is not None and not args.suite:
         raise PocketError("--tasks names tasks of a suite; use it with --suite")
+    if args.ppl:  # flags of task scoring: refused rather than silently ignored
+        for flag in ("limit", "shots", "seed", "chat", "strict", "predictions"):
+            value = getattr(args, flag)
+            if value is not None and value is not False:
+                raise PocketError(f"--{flag} does not apply to --ppl (it scores tasks)")
+    elif args.window is not None or args.stride is not None:
+        raise PocketError("--window and --stride apply to --ppl")
+    if args.predictions is not None:
+        if not args.predictions.strip():
+            raise PocketError("--predictions is empty (an unset shell variable?): give a path")
+        from ..export import check_output
+
+        # a folder, a FIFO (opening it would block) or an unwritable place: refused before the
+        # model loads; an existing file is replaced (--suite resumes from it)
+        check_output(args.predictions, force=True)
     if args.suite:
         return _cmd_suite(args)
     if args.ppl:
