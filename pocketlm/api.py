@@ -264,6 +264,9 @@ class PocketModel:
     def chat_ids(self, messages: list[dict[str, Any]], **template_args: Any) -> list[int]:
         """The prompt's token ids: ``messages`` rendered with the chat template (extra
         template variables, such as ``tools``, in ``template_args``)."""
+        if isinstance(messages, list) and not messages:  # a prompt of nothing but the header
+            raise PocketError("messages is empty: give at least one {'role': str, "
+                              "'content': str} message")
         text = self.render_chat(messages, **template_args)
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None

@@ -31,6 +31,8 @@ class SamplingParams:
 
     def validate(self) -> SamplingParams:
         def finite(name: str, value) -> float:
+            if isinstance(value, (bool, np.bool_, str, bytes)):  # float() would take "0.5", True
+                raise SamplingError(f"{name} must be a number, got {value!r}")
             try:
                 v = float(value)
             except (TypeError, ValueError):

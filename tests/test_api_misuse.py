@@ -135,6 +135,19 @@ MISUSE = [
     ("chat_batch(max_batch=1.5)", lambda m: list(m.chat_batch(
         [[{"role": "user", "content": "x"}]], max_tokens=1, max_batch=1.5)), SamplingError,
      "max_batch"),
+    # a number as a string passed the check (float("0.5")) and failed deep in the sampler
+    # with a raw TypeError; True was taken for 1.0
+    ("generate(temperature='0.5')", lambda m: m.generate("hi", max_tokens=2,
+                                                         temperature="0.5"),
+     SamplingError, "temperature"),
+    ("generate(temperature=True)", lambda m: m.generate("hi", max_tokens=2, temperature=True),
+     SamplingError, "temperature"),
+    ("chat(top_p=True)", lambda m: m.chat([{"role": "user", "content": "x"}], max_tokens=2,
+                                          top_p=True), SamplingError, "top_p"),
+    # no messages: the reply to nothing but the assistant header ran
+    ("chat([])", lambda m: m.chat([], max_tokens=2), PocketError, "messages is empty"),
+    ("chat_batch([[]])", lambda m: list(m.chat_batch([[]], max_tokens=2)), PocketError,
+     "messages is empty"),
 ]
 
 
