@@ -258,6 +258,21 @@ def test_a_damaged_run_folder_resumes_or_says_why_not(tmp_path, capsys):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "model_config" in p.stderr
 
 
+def test_a_diverging_run_stops_before_its_weights_are_not_finite(tmp_path, capsys):
+    # --lr 1e30 is finite, so it passes the flag checks; the loss then overflows: the run
+    # stops in one line, and the checkpoint it keeps holds finite weights
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "6", "--save-every", "1", "--lr",
+                          "1e30")
+    assert code == 1 and "Traceback" not in out.err
+    line = out.err.splitlines()[-1]
+    assert "training diverged at step" in line and "lower --lr (now 1e+30)" in line
+    from pocketlm.train.trainer import load_checkpoint
+
+    ck = load_checkpoint(tmp_path / "run")
+    assert f"the checkpoint of step {ck['step']} is kept" in line
+    assert all(torch.isfinite(t).all() for t in ck["model"].values())
+
+
 def test_an_interrupted_checkpoint_write_leaves_no_temporary(tmp_path, monkeypatch):
     from pocketlm.train import trainer
 

@@ -755,6 +755,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     model.train()
     t_last = time.perf_counter()
     last: dict = dict(metrics[-1]) if metrics else {}  # a finished run: its last step
+    saved_step = start  # the step of the checkpoint in the run folder (0: none yet)
     for step in range(start, cfg.steps):
         lr = _lr_at(cfg, step)
         for g in opt.param_groups:
@@ -790,6 +791,14 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             tdist.all_reduce(t)
             loss_sum = float(t) / dist.world
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        # the loss is the global batch's and the gradients are synchronized, so every rank
+        # stops here together; the weights and the last checkpoint stay those of a finite step
+        if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):
+            kept = f"the checkpoint of step {saved_step} is kept" if saved_step else \
+                "no checkpoint was written"
+            raise PocketError(f"training diverged at step {step + 1}: loss "
+                              f"{loss_sum / cfg.grad_accum}, gradient norm {float(grad_norm)}; "
+                              f"{kept}; lower --lr (now {cfg.lr:g}) or raise --warmup")
         opt.step()
         opt.zero_grad(set_to_none=True)
         now = time.perf_counter()
@@ -819,6 +828,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
                 f.write(json.dumps(row) + "\n")
         if done % cfg.save_every == 0 or done == cfg.steps or stop_now:
             save(done, stopped_early=stop_now)
+            saved_step = done
             if dist.main:
                 _plot_losses(metrics, out / "loss.svg",
                              f"{cfg.preset or cfg.base} {cfg.mode}: {out.name}")
