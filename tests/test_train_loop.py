@@ -258,6 +258,18 @@ def test_a_damaged_run_folder_resumes_or_says_why_not(tmp_path, capsys):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "model_config" in p.stderr
 
 
+def test_shards_of_another_text_are_not_trained_on(tmp_path, capsys):
+    assert _tiny_run(tmp_path, capsys, "--steps", "1")[0] == 0
+    assert _tiny_run(tmp_path, capsys, "--steps", "2")[0] == 0  # the same text: it resumes
+    # the text changed (or another file given): its old shards must not be reused silently
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(corpus.read_text(encoding="utf-8") + "\n\nA new paragraph.\n",
+                      encoding="utf-8")
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "3")
+    assert code == 1 and "Traceback" not in out.err
+    assert "holds token shards cut from" in out.err.splitlines()[-1]
+
+
 def test_a_diverging_run_stops_before_its_weights_are_not_finite(tmp_path, capsys):
     # --lr 1e30 is finite, so it passes the flag checks; the loss then overflows: the run
     # stops in one line, and the checkpoint it keeps holds finite weights

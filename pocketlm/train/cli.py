@@ -8,6 +8,7 @@ extra) only when it runs, so the rest of the command line works without it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -85,6 +86,14 @@ def _run_train_config(path: Path) -> dict:
         from .trainer import load_checkpoint
 
         return load_checkpoint(path)["train_config"]
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _read_meta(shards: Path) -> dict | None:
@@ -169,6 +178,19 @@ def cmd_train(args) -> int:
     if args.mode == "pretrain" and data.is_file():
         shards = out / "data"
         meta = _read_meta(shards)
+        digest = _file_sha256(data)
+        if meta is not None:
+            cut_from = (meta.get("sources") or [{}])[0]
+            if not isinstance(cut_from, dict) or (
+                    cut_from.get("sha256") != digest if "sha256" in cut_from
+                    else cut_from.get("path") != str(data.resolve())):
+                # shards of another text (or of this file before it changed) would be trained
+                # on silently, or keep failing as "too small" after --data is fixed
+                shown = cut_from.get("path", "another text") if isinstance(cut_from, dict) \
+                    else "another text"
+                raise PocketError(f"{shards} holds token shards cut from {shown}, not from "
+                                  f"--data {data} as it is now: give another --out, or delete "
+                                  f"{shards} (and {out / 'tokenizer'}) to start from this text")
         if meta is None or (meta.get("holdout"), meta.get("seed")) != (args.holdout, args.seed):
             from .data import prepare_shards, read_text_documents
 
@@ -194,7 +216,8 @@ def cmd_train(args) -> int:
                                             progress=not args.quiet)
             print(f"[cutting {data} into token shards -> {shards}]", file=sys.stderr)
             prepare_shards(documents, tokenizer, shards, holdout=args.holdout, seed=args.seed,
-                           sources=[{"path": str(data.resolve()), "documents": len(documents)}],
+                           sources=[{"path": str(data.resolve()), "documents": len(documents),
+                                     "sha256": digest}],
                            progress=not args.quiet)
         elif tokenizer is None and not resuming and not args.init:
             from .tokenizer_train import load_trained_tokenizer
