@@ -39,16 +39,9 @@ environment:
 
 
 def model_or_default(model: str | None) -> str:
-    """The -m/--model argument, or the default model when it was not given; an empty one (an
-    unset shell variable) is refused rather than taken for the default."""
-    if model is None:
-        from .registry import default_model
+    from .registry import model_or_default
 
-        return default_model()
-    if not model.strip():
-        raise PocketError("-m/--model is empty: give a registry name (see `pocket list`) or "
-                          "the path of a model")
-    return model
+    return model_or_default(model)
 
 
 # -- verbs -----------------------------------------------------------------------------------

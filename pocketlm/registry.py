@@ -313,6 +313,17 @@ def default_model() -> str:
     return os.environ.get("POCKET_MODEL") or DEFAULT_MODEL
 
 
+def model_or_default(model: str | None) -> str:
+    """A -m/--model argument, or :func:`default_model` when it was not given; an empty one (an
+    unset shell variable) is refused rather than taken for the default."""
+    if model is None:
+        return default_model()
+    if not model.strip():
+        raise PocketError("-m/--model is empty: give a registry name (see `pocket list`) or "
+                          "the path of a model")
+    return model
+
+
 # --------------------------------------------------------------------------------------- paths
 
 

@@ -175,7 +175,7 @@ def cmd_serve(args) -> int:
 
     import pocketlm
 
-    from ..cli import model_or_default
+    from ..registry import model_or_default
     from .app import ServerConfig, create_app
 
     if not 0 <= args.port <= 65535:
