@@ -8,7 +8,6 @@ extra) only when it runs, so the rest of the command line works without it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import sys
@@ -86,14 +85,6 @@ def _run_train_config(path: Path) -> dict:
         from .trainer import load_checkpoint
 
         return load_checkpoint(path)["train_config"]
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _read_meta(shards: Path) -> dict | None:
@@ -178,7 +169,9 @@ def cmd_train(args) -> int:
     if args.mode == "pretrain" and data.is_file():
         shards = out / "data"
         meta = _read_meta(shards)
-        digest = _file_sha256(data)
+        from ..formats import sha256_file
+
+        digest = sha256_file(data)
         if meta is not None:
             cut_from = (meta.get("sources") or [{}])[0]
             if not isinstance(cut_from, dict) or (
