@@ -386,6 +386,19 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _atomic_text(path: Path, text: str) -> None:
+    """Write ``path`` through a temporary beside it; an error, Ctrl-C or SIGTERM mid-write
+    leaves neither a half-written file nor the temporary."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -539,9 +552,7 @@ def _plot_losses(metrics: list[dict], path: Path, title: str) -> None:
     out.append(f'<text x="{W - 190}" y="40" fill="#2f6fdf">training loss</text>')
     out.append(f'<text x="{W - 190}" y="56" fill="#e07b39">held-out loss</text>')
     out.append("</svg>")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("\n".join(out), encoding="utf-8")
-    os.replace(tmp, path)
+    _atomic_text(path, "\n".join(out))
 
 
 def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
@@ -894,7 +905,5 @@ def _read_metrics(path: Path, upto: int) -> list[dict]:
 
 
 def _write_metrics(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    _atomic_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
