@@ -84,20 +84,16 @@ class PocketModel:
     def _check_ids(self, ids, *, allow_empty: bool = False) -> list[int]:
         """``ids`` as a list of Python ints in the vocabulary; a :class:`TokenIdError` for
         anything else (floats, strings, bools, complex numbers, a bare number)."""
-        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-            raise TokenIdError(f"token ids must be a list of integers, got "
-                               f"{type(ids).__name__}")
-        if isinstance(ids, np.ndarray) and ids.ndim != 1:
-            raise TokenIdError(f"token ids must be one-dimensional, got shape {ids.shape}")
-        out = []
-        for i in ids:
-            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-                raise TokenIdError(f"token ids must be integers, got {i!r} "
-                                   f"({type(i).__name__})")
-            if not 0 <= i < self.config.vocab_size:
-                raise TokenIdError(f"token id {i} is out of range "
-                                   f"0..{self.config.vocab_size - 1}" + self._trimmed_note())
-            out.append(int(i))
+        from .runtime.model import check_token_ids
+
+        if not isinstance(ids, (str, bytes, np.ndarray)) and hasattr(ids, "__iter__"):
+            ids = list(ids)  # any iterable of ids
+        try:
+            out = check_token_ids(ids, self.config.vocab_size).tolist()
+        except TokenIdError as e:
+            if "out of range" in str(e):
+                raise TokenIdError(f"{e}{self._trimmed_note()}") from None
+            raise
         if not out and not allow_empty:
             raise TokenIdError("need at least one token")
         return out

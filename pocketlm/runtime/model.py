@@ -44,6 +44,36 @@ Weight = np.ndarray | QuantTensor
 __all__ = ["KVCache", "NativeKVCache", "Runtime", "Weight"]
 
 
+def check_token_ids(ids, vocab_size: int, what: str = "") -> np.ndarray:
+    """``ids`` (a list, tuple or 1-D array of integers in ``0 .. vocab_size - 1``) as int64; a
+    :class:`TokenIdError` for anything else (floats, strings, bools, other shapes), never a
+    silent conversion. ``what`` (e.g. ``"forward()"``) leads the messages."""
+    pre = f"{what}: " if what else ""
+    if not isinstance(ids, (list, tuple, np.ndarray)):
+        raise TokenIdError(f"{pre}token ids must be a list of integers, got "
+                           f"{type(ids).__name__}")
+    if isinstance(ids, np.ndarray) and ids.dtype.kind != "O":
+        if ids.ndim != 1:
+            raise TokenIdError(f"{pre}token ids must be one-dimensional, got shape {ids.shape}")
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TokenIdError(f"{pre}token ids must be integers, got an array of {ids.dtype}")
+        a = ids
+    else:  # a list, a tuple or an object array: each value is looked at (no bool taken as 1)
+        if isinstance(ids, np.ndarray) and ids.ndim != 1:
+            raise TokenIdError(f"{pre}token ids must be one-dimensional, got shape {ids.shape}")
+        for i in ids:
+            if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
+                raise TokenIdError(f"{pre}token ids must be integers, got {i!r} "
+                                   f"({type(i).__name__})")
+            if not 0 <= i < vocab_size:
+                raise TokenIdError(f"token id {i} is out of range 0..{vocab_size - 1}")
+        return np.asarray(ids, dtype=np.int64).reshape(-1)
+    if a.size and (a.min() < 0 or a.max() >= vocab_size):
+        bad = a[(a < 0) | (a >= vocab_size)][0]
+        raise TokenIdError(f"token id {bad} is out of range 0..{vocab_size - 1}")
+    return a.astype(np.int64, copy=False)
+
+
 class Runtime:
     def __init__(self, config: ModelConfig, weights: dict[str, Weight], *,
                  engine: str | None = None, file_backed: bool = False,
@@ -129,31 +159,10 @@ class Runtime:
 
     def _token_ids(self, ids, what: str, empty: str = "needs at least one token"
                    ) -> np.ndarray:
-        """``ids`` (a list, tuple or 1-D array of integers in the vocabulary) as int64; a
-        :class:`TokenIdError` for anything else (floats, strings, bools, other shapes), never a
-        silent conversion."""
-        if not isinstance(ids, (list, tuple, np.ndarray)):
-            raise TokenIdError(f"{what} takes a list or 1-D array of token ids, got "
-                               f"{type(ids).__name__}")
-        a = np.asarray(ids)  # Python ints beyond 64 bits: an object array
-        if a.ndim != 1:
-            raise TokenIdError(f"{what}: token ids must be one-dimensional, got shape {a.shape}")
-        if a.size == 0:
+        ids = check_token_ids(ids, self.config.vocab_size, what)
+        if ids.size == 0:
             raise TokenIdError(f"{what} {empty}")
-        vocab = self.config.vocab_size
-        if a.dtype.kind == "O":
-            for i in a:
-                if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-                    raise TokenIdError(f"{what}: token ids must be integers, got {i!r}")
-                if not 0 <= i < vocab:
-                    raise TokenIdError(f"token id {i} is out of range 0..{vocab - 1}")
-            return a.astype(np.int64)
-        if a.dtype.kind not in "iu":
-            raise TokenIdError(f"{what}: token ids must be integers, got an array of {a.dtype}")
-        if a.min() < 0 or a.max() >= vocab:
-            bad = a[(a < 0) | (a >= vocab)][0]
-            raise TokenIdError(f"token id {bad} is out of range 0..{vocab - 1}")
-        return a.astype(np.int64, copy=False)
+        return ids
 
     @staticmethod
     def _flags(screen, n: int | None, what: str):
