@@ -27,7 +27,6 @@ The same stages run under ``torchrun`` for the training steps (see docs/pocket-z
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -40,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PocketError
+from ..formats import sha256_file
 from ..textfile import jsonl_lines
 
 NAME = "pocket-zh-en"
@@ -115,14 +115,6 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     """The complete records of a JSONL file that may end in a half-written line."""
     rows = []
@@ -153,7 +145,7 @@ def stage_prompts(out: Path, recipe: Recipe) -> list[dict]:
     prompts = build_prompts(recipe.seed, recipe.counts)
     _atomic_write(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
     _atomic_write(meta, json.dumps({"key": key, "prompts": len(prompts),
-                                    "sha256": _sha256(path)}, indent=1))
+                                    "sha256": sha256_file(path)}, indent=1))
     return prompts
 
 
@@ -356,7 +348,7 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
               "characters": sum(len(c["messages"][0]["content"]) + len(c["messages"][1]
                                                                        ["content"])
                                 for c in chats),
-              "sha256": _sha256(path)}
+              "sha256": sha256_file(path)}
     if recipe.keep_cut_answers:
         report["cut_answers_kept"] = cut_kept
     _atomic_write(out / "data_report.json", json.dumps(report, indent=1, ensure_ascii=False))
@@ -607,6 +599,6 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
             return None
     path = timed("export", stage_export, out, recipe, progress=progress)
     report["deploy_file"] = {"path": str(path), "size": path.stat().st_size,
-                             "sha256": _sha256(path)}
+                             "sha256": sha256_file(path)}
     _atomic_write(report_path, json.dumps(report, indent=1))
     return path
