@@ -291,6 +291,9 @@ def test_cli_recipe_errors(tmp_path):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "unknown recipe" in p.stderr
     p = pocket("train", "--recipe", "pocket-zh-en", "--data", "x.txt", "--out", str(tmp_path))
     assert p.returncode == 1 and "drop --data" in p.stderr
+    p = pocket("train", "--recipe", "pocket-zh-en", "--holdout", "0.1", "--distill-alpha", "0.3",
+               "--out", str(tmp_path))  # the recipe fixes them: they used to be ignored
+    assert p.returncode == 1 and "drop --distill-alpha, --holdout" in p.stderr
     p = pocket("run", "-m", "pocket-zh-en", "hello")
     assert p.returncode == 1 and "pocket pull pocket-zh-en" in p.stderr
     assert p.stderr.count("\n") == 1

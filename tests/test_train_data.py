@@ -288,12 +288,13 @@ def test_enough_text_passes_and_too_little_says_so(tok, tmp_path):
     check_trainable_splits(tmp_path / "not-a-set", 64)  # left to TokenShards to refuse
 
 
-def _train_cli(capsys, *argv) -> tuple[int, str]:
+def _train_cli(capsys, *argv, vocab: bool = True) -> tuple[int, str]:
+    """``vocab``: size the tokenizer trained on a text file (not with --tokenizer or shards)."""
     pytest.importorskip("torch")
     from pocketlm import cli
 
     code = cli.main(["train", "--preset", "tiny", "--steps", "1", "--seq-len", "64",
-                     "--vocab-size", "300", "--quiet", *map(str, argv)])
+                     *(("--vocab-size", "300") if vocab else ()), "--quiet", *map(str, argv)])
     return code, capsys.readouterr().err
 
 
@@ -345,6 +346,9 @@ def test_train_refuses_a_holdout_without_held_out_split_up_front(tmp_path, capsy
     ("--seed", str(2**70), "--seed must be an integer from 0"),
     ("--threads", "-1", "--threads must be a positive integer"),
     ("--distill-temperature", "inf", "distill_temperature > 0 (finite)"),
+    # flags a run would have ignored
+    ("--distill-alpha", "0.7", "give it with --distill-from TEACHER"),
+    ("--tokenizer", "smollm2-135m", "--tokenizer gives one already"),
     # unset shell variables: a tokenizer trained on the data instead, the flag ignored
     ("--tokenizer", "", "--tokenizer is empty"),
     ("--init", "", "--init is empty"),
@@ -353,9 +357,44 @@ def test_train_refuses_bad_numbers_and_empty_paths_up_front(tmp_path, capsys, fl
                                                             words):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
-    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run", flag, value)
+    extra = ("--distill-from", "smollm2-135m") if flag == "--distill-temperature" else ()
+    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run", flag, value,
+                           *extra)
     assert words in _one_line(code, err)
     assert not (tmp_path / "run").exists()  # refused before any tokenizer or shard work
+
+
+@pytest.mark.parametrize("mode,flag,words", [
+    # each was ignored on prepared shards or chats: the split and the tokenizer are the data's
+    ("pretrain", "--holdout", "a shard folder"),
+    ("sft", "--holdout", "a chats file (--mode sft)"),
+    ("pretrain", "--vocab-size", "is read with --tokenizer"),
+])
+def test_train_refuses_data_flags_that_prepared_data_would_ignore(tmp_path, capsys, mode, flag,
+                                                                  words):
+    pytest.importorskip("torch")
+    from pocketlm import cli
+
+    data = tmp_path / "data"
+    if mode == "sft":
+        data = tmp_path / "chats.jsonl"
+        data.write_text('{"prompt": "a", "completion": "b"}\n')
+    else:
+        data.mkdir()
+    code = cli.main(["train", "--mode", mode, "--data", str(data), "--out", str(tmp_path / "run"),
+                     "-q", flag, "0.2" if flag == "--holdout" else "300"])
+    line = _one_line(code, capsys.readouterr().err)
+    assert flag in line and words in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_fsdp_in_one_process_says_it_does_not_shard(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
+    code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run", "--fsdp",
+                           "--lr", "inf")  # stops at the bad number, after the note
+    assert "this is one process" in err and code == 1
 
 
 def test_a_fifo_as_data_is_refused_not_waited_on(tmp_path, capsys):
@@ -386,7 +425,8 @@ def test_train_refuses_shards_of_another_tokenizer(tmp_path, capsys, monkeypatch
     train_tokenizer([corpus], 300, tmp_path / "other", progress=False)
     capsys.readouterr()
     code, err = _train_cli(capsys, "--data", tmp_path / "p" / "shards", "--tokenizer",
-                           tmp_path / "other", "--out", tmp_path / "run", "--seq-len", "16")
+                           tmp_path / "other", "--out", tmp_path / "run", "--seq-len", "16",
+                           vocab=False)
     assert "made with another tokenizer" in _one_line(code, err)
 
 

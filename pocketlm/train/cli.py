@@ -105,6 +105,35 @@ def _check_train_holdout(holdout: float) -> None:
                           f"{holdout}")
 
 
+def _refuse_inapplicable_train_flags(args, cuts_text: bool) -> None:
+    """Flags that would be ignored by this run are refused by name rather than dropped: a user
+    who set them believes they shaped the run. ``cuts_text``: --data is a text file that this
+    run cuts into shards (the only case where --holdout and a tokenizer trained on the data
+    apply)."""
+    if not args.distill_from:
+        for flag, value in (("--distill-alpha", args.distill_alpha),
+                            ("--distill-temperature", args.distill_temperature)):
+            if value is not None:
+                raise PocketError(f"{flag} weighs logit distillation; give it with "
+                                  "--distill-from TEACHER")
+    if args.holdout is not None and not cuts_text:
+        raise PocketError("--holdout splits a text file that pocket train cuts into shards; "
+                          f"--data {args.data} is "
+                          f"{'a chats file (--mode sft)' if args.mode == 'sft' else 'a shard folder'}"
+                          " (prepared shards keep the split `pocket data` gave them)")
+    if args.vocab_size is not None:
+        if args.tokenizer:
+            raise PocketError("--vocab-size sizes a tokenizer trained on --data; --tokenizer "
+                              "gives one already (leave one of them out)")
+        if not cuts_text:
+            raise PocketError("--vocab-size sizes a tokenizer trained on a text file given as "
+                              "--data; a shard folder or chats file is read with --tokenizer "
+                              "(the tokenizer it was made with)")
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        print("[--fsdp shards the model across torchrun processes; this is one process, so "
+              "the whole model trains here]", file=sys.stderr)
+
+
 def cmd_train(args) -> int:
     from .presets import preset_report
 
@@ -139,6 +168,9 @@ def cmd_train(args) -> int:
     if not data.is_file() and not data.is_dir():
         raise PocketError(f"{data}: not a regular file or a folder (a FIFO or device); give a "
                           "text file, a shard folder or a chats JSONL file")
+    _refuse_inapplicable_train_flags(args, cuts_text=args.mode == "pretrain" and data.is_file())
+    if args.holdout is None:
+        args.holdout = 0.01
     if args.mode == "pretrain" and data.is_file():
         _check_train_holdout(args.holdout)
     tokenizer = template = None
@@ -161,7 +193,9 @@ def cmd_train(args) -> int:
         lr=args.lr, warmup=args.warmup, weight_decay=args.weight_decay, clip=args.clip,
         eval_every=args.eval_every, eval_batches=args.eval_batches, save_every=args.save_every,
         seed=args.seed, dtype=args.dtype, init_from=args.init, distill_from=args.distill_from,
-        distill_alpha=args.distill_alpha, distill_temperature=args.distill_temperature,
+        distill_alpha=0.5 if args.distill_alpha is None else args.distill_alpha,
+        distill_temperature=1.0 if args.distill_temperature is None
+        else args.distill_temperature,
         fsdp=args.fsdp, threads=args.threads)
     cfg.check()  # a bad number is refused before a tokenizer is trained or shards are cut
     if args.tokenizer:
@@ -245,8 +279,9 @@ def _run_recipe(args) -> int:
 
     if args.recipe not in RECIPE_MODULES:
         raise PocketError(f"unknown recipe {args.recipe!r}; known: {', '.join(RECIPE_MODULES)}")
-    given = [f"--{k.replace('_', '-')}" for k in ("data", "preset", "init", "tokenizer",
-                                                  "distill_from") if getattr(args, k)]
+    given = [f"--{k.replace('_', '-')}" for k in (
+        "data", "preset", "init", "tokenizer", "distill_from", "distill_alpha",
+        "distill_temperature", "vocab_size", "holdout") if getattr(args, k) not in (None, False)]
     if given:
         raise PocketError(f"--recipe decides the data and the models itself; drop "
                           f"{', '.join(given)}")
@@ -506,16 +541,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps")
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
-    p.add_argument("--holdout", type=float, default=0.01,
-                   help="share of documents held out when --data is a text file")
+    p.add_argument("--holdout", type=float, default=None,
+                   help="share of documents held out when --data is a text file "
+                   "(default 0.01)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto: bf16 autocast on GPUs that have it, float32 on CPUs")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--fsdp", action="store_true", help="shard the model (FSDP) under torchrun")
     p.add_argument("--distill-from", help="teacher (same tokenizer) for logit distillation")
-    p.add_argument("--distill-alpha", type=float, default=0.5)
-    p.add_argument("--distill-temperature", type=float, default=1.0)
+    p.add_argument("--distill-alpha", type=float, default=None,
+                   help="with --distill-from: weight of the teacher's logits in the loss "
+                   "(default 0.5)")
+    p.add_argument("--distill-temperature", type=float, default=None,
+                   help="with --distill-from: softmax temperature of both models' logits "
+                   "(default 1)")
     p.add_argument("--recipe", metavar="NAME", help="run a whole model recipe (pocket-zh-en: "
                    "prompts, teacher answers, SFT, INT4 QAT, export; hours, resumable) in --out "
                    "(default $POCKET_HOME/recipes/NAME); see docs/pocket-zh-en.md")
