@@ -347,6 +347,9 @@ def test_distill_data_refuses_bad_input_before_the_teacher_answers(tmp_path, cap
         (["--prompts", str(prompts), "-o", ""], "-o/--output is empty"),
         (["--prompts", str(prompts), "-o", str(tmp_path / "a.jsonl"), "--max-tokens", "0"],
          "--max-tokens must be at least 1"),
+        # an earlier run's answers (hours of a teacher), or the prompts themselves, replaced
+        (["--prompts", str(prompts), "-o", str(latin)], "exists; pass --force"),
+        (["--prompts", str(prompts), "-o", str(prompts), "--force"], "is the --prompts file"),
     ]
     for argv, words in cases:
         assert main(["distill-data", "--teacher", "no-such-teacher", *argv]) == 1

@@ -485,6 +485,10 @@ def cmd_distill_data(args) -> int:
                           f"{args.max_tokens}")
     # a folder, a FIFO or an unwritable place is refused before the teacher answers (hours)
     out = check_output(args.output, force=True)
+    if out.exists() and Path(args.prompts).resolve() == out.resolve():
+        raise PocketError(f"-o {out} is the --prompts file; write the chats elsewhere")
+    if out.exists() and not args.force:  # an earlier run's answers: hours of a teacher
+        raise PocketError(f"{out} exists; pass --force to overwrite it")
     teacher = pocketlm.load(args.teacher)
     from ..progress import bar as progress_bar
 
@@ -716,4 +720,5 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=16,
                    help="prompts answered together (continuous batching; default 16)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_distill_data)
