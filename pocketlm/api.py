@@ -65,7 +65,8 @@ class PocketModel:
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
         """Token ids of ``text``, with a BOS token if the model adds one."""
         check_text(text)
-        return self.tokenizer.encode(text, add_bos=add_bos, special=special)
+        return self.tokenizer.encode(text, add_bos=_check_flag(add_bos, "add_bos", optional=True),
+                                     special=_check_flag(special, "special"))
 
     def detokenize(self, ids: list[int]) -> str:
         """The text of token ids (invalid UTF-8 between tokens becomes U+FFFD)."""
@@ -280,6 +281,7 @@ class PocketModel:
         (greedy, 256 tokens); ``speculative``, ``json_schema``, ``regex`` and ``grammar`` as
         in :meth:`stream`."""
         stops = _check_stop(stop)
+        stream = _check_flag(stream, "stream")
         ids = self.chat_ids(messages)
         pieces = self._stream_text(ids, 256, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -335,6 +337,15 @@ def _constrain(json_schema, regex, grammar) -> dict[str, Any] | None:
     given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex),
                                 ("grammar", grammar)) if v is not None}
     return given or None
+
+
+def _check_flag(value, name: str, *, optional: bool = False):
+    """A True/False switch as given (None too where ``optional``): ``stream="no"`` or
+    ``add_bos=0.5`` is refused rather than read by its truthiness."""
+    if isinstance(value, (bool, np.bool_)) or (optional and value is None):
+        return None if value is None else bool(value)
+    raise PocketError(f"{name} must be True or False{' (or None)' if optional else ''}, got "
+                      f"{value!r}")
 
 
 def _check_stop(stop) -> list[str]:
@@ -420,6 +431,7 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
     from .registry import resolve
 
     check_pack_options(group_size, embed_bits, keep_precision)  # before a model is pulled
+    quiet = _check_flag(quiet, "quiet")
     return ensure_packed(resolve(_model_name(model), quiet=quiet), group_size=group_size,
                          embed_bits=embed_bits, keep_precision=keep_precision, quiet=quiet)
 
@@ -453,8 +465,7 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
     _check_n_ctx(n_ctx)
     if precision not in ("int4", "float"):
         raise PocketError(f"precision must be 'int4' or 'float', got {precision!r}")
-    if not isinstance(verify, bool):
-        raise PocketError(f"verify must be True or False, got {verify!r}")
+    verify, quiet = _check_flag(verify, "verify"), _check_flag(quiet, "quiet")
     if precision == "float":
         path = resolve(_model_name(model), quiet=quiet)
         if sniff(path) == "pocket":

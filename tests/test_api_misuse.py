@@ -148,6 +148,15 @@ MISUSE = [
     ("chat([])", lambda m: m.chat([], max_tokens=2), PocketError, "messages is empty"),
     ("chat_batch([[]])", lambda m: list(m.chat_batch([[]], max_tokens=2)), PocketError,
      "messages is empty"),
+    # switches read by their truthiness: stream="no" streamed, add_bos="no" added a BOS
+    ("chat(stream='no')", lambda m: m.chat([{"role": "user", "content": "x"}], max_tokens=2,
+                                           stream="no"), PocketError, "stream must be True"),
+    ("tokenize(add_bos='no')", lambda m: m.tokenize("x", add_bos="no"), PocketError,
+     "add_bos must be True or False (or None)"),
+    ("generate(add_bos=1)", lambda m: m.generate("x", max_tokens=2, add_bos=1), PocketError,
+     "add_bos must be True"),
+    ("tokenize(special=None)", lambda m: m.tokenize("x", special=None), PocketError,
+     "special must be True"),
 ]
 
 
@@ -168,6 +177,7 @@ LOAD_MISUSE = [
     ("n_ctx=0", dict(n_ctx=0), "n_ctx"),
     ("n_ctx=1.5", dict(n_ctx=1.5), "n_ctx"),
     ("verify='no'", dict(verify="no"), "verify"),
+    ("quiet='no'", dict(quiet="no"), "quiet must be True"),
     ("precision='int3'", dict(precision="int3"), "precision"),
 ]
 
