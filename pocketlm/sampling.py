@@ -111,8 +111,8 @@ class Sampler:
             not generated or (p.presence_penalty == 0 and p.frequency_penalty == 0))
         if p.temperature == 0 and plain:
             if allowed is not None:
-                return int(np.argmax(np.where(allowed, logits, -np.inf)))
-            return int(np.argmax(logits))  # greedy: no copy needed (the same first maximum)
+                return _greedy(np.where(allowed, logits, -np.inf))
+            return _greedy(logits)  # greedy: no copy needed (the same first maximum)
         x = np.array(logits, dtype=np.float64)  # a copy: the caller's logits stay intact
         if allowed is not None:
             np.putmask(x, ~allowed, -np.inf)
@@ -129,7 +129,7 @@ class Sampler:
             ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
             x[ids] -= p.presence_penalty + p.frequency_penalty * counts
         if p.temperature == 0:
-            return int(np.argmax(x))
+            return _greedy(x)
         x = _finite_scores(x)
         # Shift before scaling: every score is then <= 0 with the best exactly 0, so dividing
         # by any positive temperature (1e-308 included) gives values in [-inf, 0], exp() gives
@@ -153,6 +153,16 @@ class Sampler:
         return int(self.rng.choice(probs.size, p=probs))
 
 
+def _greedy(x: np.ndarray) -> int:
+    """The first largest score, as ``np.argmax``; a NaN score (a broken model) is never the
+    choice, as in sampling. np.argmax returns the first NaN when there is one, so looking at
+    its choice alone costs nothing on finite scores."""
+    best = int(np.argmax(x))
+    if not np.isnan(x[best]):
+        return best
+    return int(np.argmax(_finite_scores(x)))
+
+
 def _finite_scores(x: np.ndarray) -> np.ndarray:
     """Scores with no NaN and no +inf, so that sampling from them is well defined.
 
@@ -168,7 +178,8 @@ def _finite_scores(x: np.ndarray) -> np.ndarray:
     x = np.where(np.isnan(x), -np.inf, x)
     if np.isneginf(x).all():
         raise SamplingError("every next-token score is NaN or -inf: the model produced no "
-                            "usable logits")
+                            "usable logits (damaged weights? a deploy file's checksums, "
+                            "load(..., verify=True), find which)")
     return x
 
 

@@ -96,6 +96,7 @@ static const char *status_name(int rc) {
     case POCKET_EINVAL: return "POCKET_EINVAL";
     case POCKET_ENOMEM: return "POCKET_ENOMEM";
     case POCKET_EUNSUPPORTED: return "POCKET_EUNSUPPORTED";
+    case POCKET_ECORRUPT: return "POCKET_ECORRUPT";
     default: return "unknown status";
     }
 }

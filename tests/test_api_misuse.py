@@ -73,6 +73,38 @@ def test_non_finite_logits_are_sampled_sensibly():
         s(np.array([np.nan, -np.inf], np.float32))
 
 
+@pytest.mark.parametrize("penalty", [1.0, 1.3])
+def test_greedy_never_picks_a_nan_logit(penalty):
+    # np.argmax takes the first NaN: damaged weights decoded token 0 over and over, silently
+    greedy = Sampler(SamplingParams(temperature=0, repetition_penalty=penalty))
+    x = np.array([np.nan, 0.5, 2.0, np.nan], np.float32)
+    assert greedy(x, history=[1]) == 2
+    assert greedy(x, allowed=np.array([True, True, False, True])) == 1
+    with pytest.raises(SamplingError, match="checksums"):
+        greedy(np.full(4, np.nan, np.float32), history=[1])
+
+
+def test_damaged_scales_loaded_without_checksums_are_named(env, tmp_path):
+    from pocketlm.api import deploy_file
+    from pocketlm.errors import KernelError
+    from pocketlm.formats.pocketfile import PocketFile
+
+    src = deploy_file(env["gguf"])
+    infos = PocketFile(src).infos
+    for name, words, error in (("layers.0.attn.w_q.weight.scales", "damaged", KernelError),
+                               ("embed.weight.scales", "no usable logits", SamplingError)):
+        data = bytearray(src.read_bytes())
+        info = infos[name]
+        data[info.start:info.end] = np.full((info.end - info.start) // 2, np.nan,
+                                            np.float16).tobytes()
+        bad = tmp_path / f"{name}.pocket"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(PocketError, match=f"{name}. is corrupt .CRC-32"):
+            pocketlm.load(bad)  # the default: the CRC-32 of each tensor names it
+        with pytest.raises(error, match=words):  # was "status -1", or token 0 as the answer
+            pocketlm.load(bad, verify=False).generate("hello", max_tokens=3)
+
+
 def test_generate_with_a_vanishing_temperature_is_greedy(m):
     greedy = m.generate("hello", max_tokens=6, temperature=0)
     assert m.generate("hello", max_tokens=6, temperature=1e-308, seed=3) == greedy

@@ -35,7 +35,9 @@ enum {
     POCKET_OK = 0,
     POCKET_EINVAL = -1,      /* an argument is out of range or inconsistent */
     POCKET_ENOMEM = -2,      /* a workspace allocation failed */
-    POCKET_EUNSUPPORTED = -3 /* the requested kernel level is not available on this CPU/build */
+    POCKET_EUNSUPPORTED = -3, /* the requested kernel level is not available on this CPU/build */
+    POCKET_ECORRUPT = -4      /* weights that contradict themselves (coded scales that do not
+                                 give the stored steps): a damaged file */
 };
 
 /* Kernel levels, lowest to highest within one architecture (x86-64: scalar < avx2 < avx512;

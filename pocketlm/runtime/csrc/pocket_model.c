@@ -269,7 +269,7 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
             for (int k = 0; k < n; k++)
                 if (J.w[k]) pm_tiled_release_source(J.w[k]);
         for (int t = 0; t < ntasks; t++)
-            if (J.bad[t]) rc = POCKET_EINVAL;
+            if (J.bad[t]) rc = POCKET_ECORRUPT;
     }
     free(J.w);
     free(J.pieces);

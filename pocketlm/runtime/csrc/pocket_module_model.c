@@ -577,6 +577,10 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         else if (rc == POCKET_EUNSUPPORTED)
             PyErr_SetString(PyExc_ValueError, "NativeModel: amx needs the avx512 kernel level "
                                               "and a CPU and OS with AMX-BF16");
+        else if (rc == POCKET_ECORRUPT)
+            PyErr_SetString(PyExc_ValueError, "NativeModel: a weight's quantization scales "
+                                              "contradict their stored codes: the weights are "
+                                              "damaged (a deploy file's checksums find which)");
         else
             PyErr_Format(PyExc_ValueError, "NativeModel: the engine rejected the model "
                                            "(status %d)", rc);
