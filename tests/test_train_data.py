@@ -741,3 +741,35 @@ def test_corpus_lines_takes_the_first_kept_lines_in_order():
              for ln in d.split("\n") if ln.endswith("。") and len(ln) > 30]
     assert kept == lines[:25]
     assert corpora.corpus_lines("peoples-daily", lambda ln: False, 3) == []  # reads all, none
+
+
+@pytest.mark.parametrize("argv,words", [
+    # each was ignored with --text (they shape a mixture): the user's filter never ran
+    (["--min-chars", "50"], "--min-chars shape a mixture"),
+    (["--no-near-dedup", "--max-repeat", "2"], "--max-repeat, --no-near-dedup shape"),
+    (["--tokenizer-sample", "10", "--tokenizer", "TOK"], "--tokenizer gives one already"),
+    # a file as --out: a tokenizer was trained first, then a raw "Not a directory"
+    (["--out", "CORPUS"], "a file of that name exists"),
+])
+def test_data_prepare_refuses_what_it_would_ignore_or_fail_late(tmp_path, capsys, argv, words):
+    from pocketlm import cli
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
+    argv = [str(corpus) if a == "CORPUS" else str(tmp_path) if a == "TOK" else a for a in argv]
+    size = [] if "--tokenizer" in argv else ["--vocab-size", "300"]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "p")]
+    code = cli.main(["data", "prepare", "--text", str(corpus), *size, *out, "-q", *argv])
+    assert words in _one_line(code, capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+
+
+@pytest.mark.parametrize("flag,value", [("--max-repeat", "nan"), ("--max-repeat", "0"),
+                                        ("--min-chars", "-1"), ("--total-chars", "0")])
+def test_data_prepare_refuses_bad_mixture_numbers_before_fetching(tmp_path, capsys, flag, value):
+    from pocketlm import cli
+
+    code = cli.main(["data", "prepare", "--corpora", "sharegpt", "--vocab-size", "300", "--out",
+                     str(tmp_path / "p"), "-q", flag, value])
+    assert flag in _one_line(code, capsys.readouterr().err)
+    assert not (tmp_path / "p").exists()

@@ -335,3 +335,24 @@ def test_compare_tokenizers(trained, corpus_file, tmp_path):
                                   "chars_per_token_zh", "embed_mb_f16", "embed_mb_int4"}
     with pytest.raises(PocketError, match="held-out"):
         compare_tokenizers({"big": tok}, [], held_zh)
+
+
+def test_tokenizer_train_cli_checks_its_output_before_training(tmp_path, capsys):
+    from pocketlm.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"hello world {i} 小猫 北京" for i in range(50)),
+                      encoding="utf-8")
+    args = ["tokenizer", "train", "--data", str(corpus), "--vocab-size", "300", "-q", "--out"]
+    # a file named --out was found only after the training, as a raw "File exists"
+    assert main([*args, str(corpus)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a file of that name exists" in err
+    out = tmp_path / "tok"
+    assert main([*args, str(out)]) == 0
+    first = (out / "tokenizer.json").read_bytes()
+    # a second run replaced the tokenizer that shards and runs were made with, silently
+    assert main([*args, str(out)]) == 1
+    assert "holds a tokenizer already; pass --force" in capsys.readouterr().err
+    assert main([*args, str(out), "--force"]) == 0
+    assert (out / "tokenizer.json").read_bytes() == first  # same data, same seed

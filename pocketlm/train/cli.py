@@ -397,9 +397,15 @@ def cmd_export(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
+    from ..export import check_output
     from .tokenizer_train import train_tokenizer
 
     _refuse_empty(("--out", args.out), *(("--data", d) for d in args.data))
+    # a file named --out, or an unwritable place, is refused before the training, not after
+    out = check_output(args.out, force=True, folder=True)
+    if (out / "tokenizer.json").exists() and not args.force:
+        # shards and runs made with it would no longer match it
+        raise PocketError(f"{out} holds a tokenizer already; pass --force to replace it")
     tok = train_tokenizer([Path(p) for p in args.data], args.vocab_size, Path(args.out),
                           min_frequency=args.min_frequency, seed=args.seed,
                           special_tokens=args.special_tokens, sample_lines=args.sample_lines,
@@ -416,6 +422,26 @@ def cmd_data_prepare(args) -> int:
     given = [x for x in (args.corpora, args.mixture, args.text) if x]
     if len(given) != 1:
         raise PocketError("give exactly one of --corpora NAME..., --mixture FILE or --text FILE")
+    mixing = {"--total-chars": args.total_chars, "--max-repeat": args.max_repeat,
+              "--min-chars": args.min_chars, "--no-near-dedup": args.no_near_dedup or None}
+    if args.text:  # they shape a mixture of corpora; a text file is read as it is
+        named = [flag for flag, value in mixing.items() if value is not None]
+        if named:
+            raise PocketError(f"{', '.join(named)} shape a mixture of corpora (--corpora, "
+                              "--mixture); --text reads its file as it is")
+    if args.tokenizer_sample is not None and not args.vocab_size:
+        raise PocketError("--tokenizer-sample samples the data for a tokenizer trained with "
+                          "--vocab-size; --tokenizer gives one already")
+    if args.max_repeat is not None and not 0 < args.max_repeat < float("inf"):
+        raise PocketError(f"--max-repeat must be a positive number, got {args.max_repeat}")
+    if args.min_chars is not None and args.min_chars < 0:
+        raise PocketError(f"--min-chars must be 0 or more, got {args.min_chars}")
+    if args.total_chars is not None and args.total_chars < 1:
+        raise PocketError(f"--total-chars must be positive, got {args.total_chars}")
+    from ..export import check_output
+
+    # a file named --out, or an unwritable place, is refused now, not after a tokenizer trained
+    check_output(args.out, force=True, folder=True)
     if args.chats_out:
         from ..data.corpora import export_chats
 
@@ -438,7 +464,8 @@ def cmd_data_prepare(args) -> int:
         config = Path(args.mixture) if args.mixture else {name: 1.0 for name in args.corpora}
         documents, sources = build_mixture(
             config, seed=args.seed, progress=not args.quiet, total_chars=args.total_chars,
-            max_repeat=args.max_repeat, min_chars=args.min_chars,
+            max_repeat=4.0 if args.max_repeat is None else args.max_repeat,
+            min_chars=16 if args.min_chars is None else args.min_chars,
             near_threshold=None if args.no_near_dedup else 0.8)
     if args.tokenizer:
         tokenizer, _ = _tokenizer_from(args.tokenizer)
@@ -678,6 +705,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="special tokens, ids 0, 1, ... (default <|endoftext|> <|im_start|> "
                    "<|im_end|> <|pad|>)")
     t.add_argument("--seed", type=int, default=0, help="seed of --sample-lines")
+    t.add_argument("--force", action="store_true", help="replace a tokenizer already in --out")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     t.set_defaults(func=cmd_tokenizer_train)
 
@@ -705,8 +733,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--total-chars", type=int, default=None,
                    help="size of the mixture in characters (default: the largest at which no "
                    "corpus repeats more than --max-repeat times)")
-    d.add_argument("--max-repeat", type=float, default=4.0)
-    d.add_argument("--min-chars", type=int, default=16, help="drop shorter documents")
+    d.add_argument("--max-repeat", type=float, default=None,
+                   help="most times a corpus repeats in the mixture (default 4)")
+    d.add_argument("--min-chars", type=int, default=None,
+                   help="drop shorter documents of the corpora (default 16)")
     d.add_argument("--no-near-dedup", action="store_true", help="exact deduplication only")
     d.add_argument("--chats-out", help="also write the ShareGPT chats as SFT JSONL here")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
