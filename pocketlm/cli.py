@@ -72,7 +72,7 @@ def cmd_pull(args) -> int:
     from .registry import pull, verify
 
     if args.verify:
-        path = verify(args.name, quiet=False)
+        path = verify(args.name, quiet=args.quiet)
         from .registry import RECIPES
 
         if args.name in RECIPES:  # made here: its hash against the recorded run's, if any
@@ -88,7 +88,7 @@ def cmd_pull(args) -> int:
         print(f"{args.name}: ok, sha256 matches the registry ({path})")
         return 0
     with _exit_on_sigterm():
-        path = pull(args.name, force=args.force)
+        path = pull(args.name, force=args.force, quiet=args.quiet)
     print(path)
     return 0
 
@@ -145,7 +145,15 @@ def cmd_inspect(args) -> int:
     from .formats import sniff
     from .formats.pocketfile import FORMAT_NAME, PocketFile
 
+    if not args.file.strip():  # an unset shell variable: not the current folder
+        raise PocketError("the file to inspect is empty: give a .pocket file or a registry name")
     path = Path(args.file)
+    if not path.exists():
+        from .api import deploy_file
+        from .registry import resolve
+
+        # a registry name: the deploy file `pocket run -m NAME` runs (packed on first use)
+        path = deploy_file(resolve(args.file), quiet=False)
     if sniff(path) != "pocket":
         raise PocketError(f"{path}: not a .pocket deploy file (inspect reads deploy files; "
                           "pack a GGUF or Hugging Face model with `pocket pack` first)")
@@ -706,6 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "build again, reusing its teacher answers where they still serve)")
     mode.add_argument("--verify", action="store_true", help="hash the pulled file again and "
                       "compare it with the registry's sha256 (exit 1 on a mismatch)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (the path "
+                   "is still printed)")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("list", help="list registry models",
@@ -735,7 +745,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("inspect", help="print a .pocket file's header")
-    p.add_argument("file")
+    p.add_argument("file", help="a .pocket file, or a registry name (its deploy file, as "
+                   "`pocket run -m NAME` uses it)")
     p.add_argument("--json", action="store_true", help="the header as one JSON object")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--no-verify", dest="verify", action="store_false",

@@ -291,6 +291,8 @@ def test_missing_model_file(tmp_path, capsys):
     assert_one_line_error(code, err, str(missing))
     code, stdout, err = run_cli(capsys, "inspect", missing)
     assert_one_line_error(code, err, str(missing))
+    code, stdout, err = run_cli(capsys, "inspect", "")
+    assert_one_line_error(code, err, "the file to inspect is empty")
     code, stdout, err = run_cli(capsys, "pack", tmp_path / "nope.gguf", "-o",
                                 tmp_path / "x.pocket")
     assert_one_line_error(code, err, "nope.gguf")

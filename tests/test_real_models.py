@@ -136,3 +136,14 @@ def test_registry_model_runs_from_the_api():
     out = m.generate("The capital of France is", max_tokens=8)
     assert "Paris" in out
     assert np.isfinite(m.logits(m.tokenize("Hello"))).all()
+
+
+@pytest.mark.real
+def test_inspect_takes_a_registry_name(capsys):
+    from pocketlm import cli
+    from pocketlm.api import deploy_file
+
+    # it used to answer "smollm2-135m: no such file or folder" where every other verb runs it
+    assert cli.main(["inspect", "smollm2-135m"]) == 0
+    out = capsys.readouterr().out
+    assert f"file:        {deploy_file('smollm2-135m')} " in out and "vocab 49152" in out
