@@ -483,6 +483,14 @@ def test_cli_ppl_and_task_json(tiny, tmp_path, capsys):
     rows = [json.loads(line) for line in preds.read_text(encoding="utf-8").splitlines()]
     assert [r["prediction"] in ("pos", "neg") for r in rows] == [True, True]
     assert out["accuracy"] == sum(r["correct"] for r in rows) / 2
+    # another file named by mistake was replaced by the predictions (a corpus lost)
+    assert main(["eval", "-m", model_path, "--task", str(task), "--predictions", str(text)]) == 1
+    assert "is not a predictions file" in capsys.readouterr().err
+    assert text.read_text(encoding="utf-8") == TEXT
+    # an earlier run's predictions are replaced, as before
+    assert main(["eval", "-m", model_path, "--task", str(task), "--json",
+                 "--predictions", str(preds)]) == 0
+    assert len(preds.read_text(encoding="utf-8").splitlines()) == 2
 
 
 def test_cli_instruction_task_prints_each_kind(tiny, tmp_path, capsys):
