@@ -398,9 +398,10 @@ def cmd_bench(args) -> int:
 
     plot = None
     if args.plot:  # an unwritable picture path fails now, not after the whole benchmark
-        from .export import check_output
+        from .export import check_replaceable
 
-        plot = check_output(args.plot, force=True)
+        plot = check_replaceable(args.plot, "--plot", "an SVG picture", lambda head: (
+            head.lstrip().startswith((b"<svg", b"<?xml"))))
     threads = args.threads
     if threads is None:  # POCKET_THREADS (checked with the other engine settings), else 2
         from .runtime.settings import EngineSettings

@@ -141,6 +141,13 @@ def test_a_plot_that_cannot_be_written_fails_before_the_benchmark(gguf, tmp_path
         assert cli.main(["bench", "-m", str(gguf), "--plot", str(plot)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("pocket: error: cannot write") and err.count("\n") == 1, err
+    # a typo naming another file (the JSON results) replaced it with the picture
+    results = tmp_path / "results.jsonl"
+    results.write_text('{"engine": "pocketlm"}\n')
+    assert cli.main(["bench", "-m", str(gguf), "--plot", str(results)]) == 1
+    err = capsys.readouterr().err
+    assert "is not an SVG picture" in err and err.count("\n") == 1, err
+    assert results.read_text() == '{"engine": "pocketlm"}\n'
 
 
 def test_vs_llama_cpp_needs_a_gguf(gguf, tmp_path, capsys):

@@ -750,6 +750,8 @@ def test_corpus_lines_takes_the_first_kept_lines_in_order():
     (["--tokenizer-sample", "10", "--tokenizer", "TOK"], "--tokenizer gives one already"),
     # a file as --out: a tokenizer was trained first, then a raw "Not a directory"
     (["--out", "CORPUS"], "a file of that name exists"),
+    # the corpus itself named as --chats-out was replaced by the ShareGPT chats
+    (["--chats-out", "CORPUS"], "is not a chats JSONL file"),
 ])
 def test_data_prepare_refuses_what_it_would_ignore_or_fail_late(tmp_path, capsys, argv, words):
     from pocketlm import cli
@@ -762,6 +764,7 @@ def test_data_prepare_refuses_what_it_would_ignore_or_fail_late(tmp_path, capsys
     code = cli.main(["data", "prepare", "--text", str(corpus), *size, *out, "-q", *argv])
     assert words in _one_line(code, capsys.readouterr().err)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus.txt"]
+    assert corpus.read_text() == "\n\n".join(_paragraphs(40)) + "\n"
 
 
 @pytest.mark.parametrize("flag,value", [("--max-repeat", "nan"), ("--max-repeat", "0"),

@@ -66,6 +66,23 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False) -> Path:
     return out
 
 
+def check_replaceable(out: str | Path, flag: str, what: str, looks_like) -> Path:
+    """``out`` for an output that replaces an earlier one of its kind in place (no --force):
+    refused like :func:`check_output`, and also when it names an existing file that is not
+    of that kind (``looks_like(first_bytes)`` is False), a typo that would lose another file."""
+    out = check_output(out, force=True)
+    if out.is_file() and out.stat().st_size:
+        try:
+            with open(out, "rb") as f:
+                head = f.read(4096)
+        except OSError as e:
+            raise PocketError(f"cannot read {out} ({e.strerror or e})") from None
+        if not looks_like(head):
+            raise PocketError(f"{flag} {out}: the file exists and is not {what}; name another "
+                              "file (it would be replaced)")
+    return out
+
+
 @contextlib.contextmanager
 def atomic_file(out: str | Path) -> Iterator[Path]:
     """A temporary path beside ``out``; when the block ends without an error it replaces

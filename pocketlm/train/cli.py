@@ -444,7 +444,10 @@ def cmd_data_prepare(args) -> int:
     check_output(args.out, force=True, folder=True)
     if args.chats_out:
         from ..data.corpora import export_chats
+        from ..export import check_replaceable
 
+        check_replaceable(args.chats_out, "--chats-out", "a chats JSONL file",
+                          lambda head: head.lstrip().startswith(b'{"messages"'))
         info = export_chats(Path(args.chats_out))
         print(f"{args.chats_out}: {info['chats']} chats", file=sys.stderr)
     if bool(args.tokenizer) == bool(args.vocab_size):
