@@ -294,6 +294,9 @@ def test_cli_recipe_errors(tmp_path):
     p = pocket("train", "--recipe", "pocket-zh-en", "--holdout", "0.1", "--distill-alpha", "0.3",
                "--out", str(tmp_path))  # the recipe fixes them: they used to be ignored
     assert p.returncode == 1 and "drop --distill-alpha, --holdout" in p.stderr
+    p = pocket("train", "--recipe", "pocket-zh-en", "--steps", "100", "--lr", "1e-4",
+               "--out", str(tmp_path))  # a shorter run was asked for, the whole one started
+    assert p.returncode == 1 and "drop --steps, --lr" in p.stderr
     p = pocket("run", "-m", "pocket-zh-en", "hello")
     assert p.returncode == 1 and "pocket pull pocket-zh-en" in p.stderr
     assert p.stderr.count("\n") == 1

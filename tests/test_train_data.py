@@ -349,6 +349,7 @@ def test_train_refuses_a_holdout_without_held_out_split_up_front(tmp_path, capsy
     # flags a run would have ignored
     ("--distill-alpha", "0.7", "give it with --distill-from TEACHER"),
     ("--tokenizer", "smollm2-135m", "--tokenizer gives one already"),
+    ("--until", "sft", "--until applies to --recipe NAME runs"),
     # unset shell variables: a tokenizer trained on the data instead, the flag ignored
     ("--tokenizer", "", "--tokenizer is empty"),
     ("--init", "", "--init is empty"),

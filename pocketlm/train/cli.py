@@ -105,6 +105,14 @@ def _check_train_holdout(holdout: float) -> None:
                           f"{holdout}")
 
 
+# `pocket train`'s settings of a training run: None in the parser, so that --recipe (which
+# fixes them itself) can tell which were given
+TRAIN_DEFAULTS = {"mode": "pretrain", "steps": 200, "batch_size": 8, "grad_accum": 1,
+                  "seq_len": 128, "lr": 3e-3, "warmup": 20, "weight_decay": 0.1, "clip": 1.0,
+                  "eval_every": 50, "eval_batches": 8, "save_every": 50, "seed": 0,
+                  "dtype": "auto"}
+
+
 def _refuse_inapplicable_train_flags(args, cuts_text: bool) -> None:
     """Flags that would be ignored by this run are refused by name rather than dropped: a user
     who set them believes they shaped the run. ``cuts_text``: --data is a text file that this
@@ -155,6 +163,12 @@ def cmd_train(args) -> int:
                   ("--init", args.init), ("--distill-from", args.distill_from))
     if args.recipe:
         return _run_recipe(args)
+    for flag, value in (("--until", args.until), ("--force", args.force or None)):
+        if value is not None:
+            raise PocketError(f"{flag} applies to --recipe NAME runs")
+    for key, default in TRAIN_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, default)
     if not args.data or not args.out:
         raise PocketError("pocket train needs --data and --out (or --list-presets, or "
                           "--recipe NAME)")
@@ -281,13 +295,16 @@ def _run_recipe(args) -> int:
         raise PocketError(f"unknown recipe {args.recipe!r}; known: {', '.join(RECIPE_MODULES)}")
     given = [f"--{k.replace('_', '-')}" for k in (
         "data", "preset", "init", "tokenizer", "distill_from", "distill_alpha",
-        "distill_temperature", "vocab_size", "holdout") if getattr(args, k) not in (None, False)]
+        "distill_temperature", "vocab_size", "holdout", "fsdp", *TRAIN_DEFAULTS)
+        if getattr(args, k) not in (None, False)]
     if given:
-        raise PocketError(f"--recipe decides the data and the models itself; drop "
+        raise PocketError(f"--recipe decides the data, the models and the training itself (the "
+                          f"recipe's version is the model); drop "
                           f"{', '.join(given)}")
     module = recipe_module(args.recipe)
     out = Path(args.out) if args.out else run_folder(args.recipe)
-    path = module.run(out, until=args.until, threads=args.threads, progress=not args.quiet,
+    path = module.run(out, until=args.until or "export", threads=args.threads,
+                      progress=not args.quiet,
                       force=args.force)
     if path is not None:
         print(f"{path}: {path.stat().st_size / 1e6:.1f} MB; run it with "
@@ -556,30 +573,34 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="with --list-presets: JSON lines")
     p.add_argument("--data", help="text file, shard folder, or chats JSONL (--mode sft)")
     p.add_argument("--out", help="run folder: checkpoint, metrics, loss curve")
-    p.add_argument("--mode", default="pretrain", choices=("pretrain", "sft"))
+    p.add_argument("--mode", default=None, choices=("pretrain", "sft"),
+                   help="pretrain (default: text or shards) or sft (chats JSONL)")
     p.add_argument("--tokenizer", help="tokenizer folder, registry model or model file "
                    "(default: trained on --data)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary of a tokenizer trained on --data (default 4000 for tiny, "
                    "else 16000)")
     p.add_argument("--init", help="start from this run's weights (e.g. SFT after pre-training)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default 200)")
-    p.add_argument("--batch-size", type=int, default=8,
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 200)")
+    p.add_argument("--batch-size", type=int, default=None,
                    help="sequences per process per micro-step (default 8)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-steps per step (default 1)")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default 128)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default 3e-3)")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--clip", type=float, default=1.0, help="gradient norm clip (default 1)")
-    p.add_argument("--eval-every", type=int, default=50, help="held-out loss every N steps")
-    p.add_argument("--eval-batches", type=int, default=8)
-    p.add_argument("--save-every", type=int, default=50, help="checkpoint every N steps")
+    p.add_argument("--grad-accum", type=int, default=None, help="micro-steps per step (default 1)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default 128)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-3)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 20)")
+    p.add_argument("--weight-decay", type=float, default=None, help="(default 0.1)")
+    p.add_argument("--clip", type=float, default=None, help="gradient norm clip (default 1)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="held-out loss every N steps (default 50)")
+    p.add_argument("--eval-batches", type=int, default=None,
+                   help="batches of each held-out evaluation (default 8)")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="checkpoint every N steps (default 50)")
     p.add_argument("--holdout", type=float, default=None,
                    help="share of documents held out when --data is a text file "
                    "(default 0.01)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+    p.add_argument("--seed", type=int, default=None, help="(default 0)")
+    p.add_argument("--dtype", default=None, choices=("auto", "bf16", "fp32"),
                    help="auto: bf16 autocast on GPUs that have it, float32 on CPUs")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--fsdp", action="store_true", help="shard the model (FSDP) under torchrun")
@@ -593,7 +614,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", metavar="NAME", help="run a whole model recipe (pocket-zh-en: "
                    "prompts, teacher answers, SFT, INT4 QAT, export; hours, resumable) in --out "
                    "(default $POCKET_HOME/recipes/NAME); see docs/pocket-zh-en.md")
-    p.add_argument("--until", default="export", metavar="STAGE",
+    p.add_argument("--until", default=None, metavar="STAGE",
                    choices=("prompts", "teacher", "data", "sft", "qat", "export"),
                    help="with --recipe: stop after this stage (prompts, teacher, data, sft, "
                    "qat, export)")
