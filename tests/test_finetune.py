@@ -224,6 +224,9 @@ def test_bad_task_files(base, tmp_path):
     (["--out", ""], "--out is empty"),
     (["--export", ""], "--export is empty"),
     (["--val-data", ""], "--val-data is empty"),
+    # deploy-file flags without a deploy file: trained, then ignored
+    (["--group-size", "64", "--awq"], "--group-size, --awq shape the deploy file"),
+    (["--bits-per-weight", "4.6"], "--bits-per-weight shape the deploy file"),
 ])
 def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monkeypatch,
                                                     extra, words):

@@ -325,6 +325,15 @@ def cmd_finetune(args) -> int:
                   ("--val-data", args.val_data), ("--out", args.out), ("--export", args.export))
     if args.keep_lora and not (args.export and args.lora_rank):
         raise PocketError("--keep-lora needs --export FILE and --lora-rank N")
+    if not args.export:  # they shape the deploy file: without one they were ignored
+        named = [flag for flag, value in (
+            ("--group-size", args.group_size), ("--embed-bits", args.embed_bits),
+            ("--calib", args.calib), ("--bits-per-weight", args.bits_per_weight),
+            ("--quant-method", args.quant_method), ("--awq", args.awq or None))
+            if value is not None]
+        if named:
+            raise PocketError(f"{', '.join(named)} shape the deploy file: give --export "
+                              "FILE.pocket (or pack the run later with `pocket export`)")
     if args.export:
         from ..export import check_output
 
@@ -355,8 +364,9 @@ def cmd_finetune(args) -> int:
         from .export import export
 
         with _exit_on_sigterm():
-            report = export(out, args.export, group_size=args.group_size,
-                            embed_bits=args.embed_bits, keep_lora=args.keep_lora, **calibration)
+            report = export(out, args.export, group_size=args.group_size or 32,
+                            embed_bits=args.embed_bits or 8, keep_lora=args.keep_lora,
+                            **calibration)
         print(report.summary())
     return 0
 
@@ -710,8 +720,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="with --export and --lora-rank: keep the adapters beside the quantized "
                    "base weights (float16, added at run time) instead of merging them before "
                    "rounding; with --qat they train on the INT4 base (docs/sentiment.md)")
-    p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
-    p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
+    p.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128),
+                   help="with --export: INT4 group size (default 32)")
+    p.add_argument("--embed-bits", type=int, default=None, choices=(4, 8),
+                   help="with --export: embedding bits (default 8)")
     add_calibration_options(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_finetune)
