@@ -150,10 +150,9 @@ def cmd_inspect(args) -> int:
     path = Path(args.file)
     if not path.exists():
         from .api import deploy_file
-        from .registry import resolve
 
         # a registry name: the deploy file `pocket run -m NAME` runs (packed on first use)
-        path = deploy_file(resolve(args.file), quiet=False)
+        path = deploy_file(args.file, quiet=False)
     if sniff(path) != "pocket":
         raise PocketError(f"{path}: not a .pocket deploy file (inspect reads deploy files; "
                           "pack a GGUF or Hugging Face model with `pocket pack` first)")

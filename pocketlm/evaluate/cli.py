@@ -170,8 +170,12 @@ def cmd_eval(args) -> int:
     task = resolve_task(args.task, strict=args.strict, warn=warn)
     if args.chat:
         task.chat = True
-    if args.predictions:
-        _check_task_predictions(Path(args.predictions))
+    if args.predictions:  # only an earlier --task run's file is replaced, never another
+        from ..export import check_replaceable
+
+        check_replaceable(args.predictions, "--predictions",
+                          "a predictions file of pocket eval --task",
+                          lambda head: head.lstrip().startswith(b'{"example"'))
     engine = _open_engine(args)
     sink = open(args.predictions, "w", encoding="utf-8") if args.predictions else None  # noqa: SIM115
 
@@ -206,21 +210,6 @@ def cmd_eval(args) -> int:
                   + ", ".join(f"{k} {v['passed']}/{v['given']}"
                               for k, v in result["instructions_by_check"].items()))
     return 0
-
-
-def _check_task_predictions(path: Path) -> None:
-    """``--task --predictions FILE`` replaces FILE: only a predictions file of an earlier
-    ``--task`` run may be replaced, never another file named by mistake (a corpus, a script)."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return
-    try:
-        with open(path, "rb") as f:
-            first = json.loads(f.readline())
-    except (OSError, ValueError, RecursionError):
-        first = None
-    if not (isinstance(first, dict) and "example" in first):
-        raise PocketError(f"{path} exists and is not a predictions file of pocket eval --task; "
-                          "name another file (it would be replaced)")
 
 
 def _cmd_suite(args) -> int:

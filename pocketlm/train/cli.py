@@ -433,7 +433,7 @@ def cmd_tokenizer_train(args) -> int:
     if (out / "tokenizer.json").exists() and not args.force:
         # shards and runs made with it would no longer match it
         raise PocketError(f"{out} holds a tokenizer already; pass --force to replace it")
-    tok = train_tokenizer([Path(p) for p in args.data], args.vocab_size, Path(args.out),
+    tok = train_tokenizer([Path(p) for p in args.data], args.vocab_size, out,
                           min_frequency=args.min_frequency, seed=args.seed,
                           special_tokens=args.special_tokens, sample_lines=args.sample_lines,
                           progress=not args.quiet)
