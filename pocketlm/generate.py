@@ -11,6 +11,7 @@ and never show any part of a stop string.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -100,12 +101,23 @@ class Sequence:
         return token
 
     def new_logprobs(self) -> list:
-        """The log-probabilities of the tokens taken since the last call."""
+        """The log-probabilities of the tokens shown since the last call: a token whose text is
+        still held back (it may begin a stop string) waits, and a stop string's tokens never
+        come (as llama.cpp and OpenAI leave them out)."""
         if self.state.logprobs is None:
             return []
-        out = self.state.logprobs[self._logprobs_sent:]
-        self._logprobs_sent = len(self.state.logprobs)
+        shown = self._shown_tokens()
+        out = self.state.logprobs[self._logprobs_sent:shown]
+        self._logprobs_sent = max(self._logprobs_sent, shown)
         return out
+
+    def _shown_tokens(self) -> int:
+        return self.text.shown_tokens if self.text is not None else len(self.state.generated)
+
+    def _drop_unshown(self) -> None:
+        """Once a stop string ended the text: forget the log-probabilities of its tokens."""
+        if self.state.logprobs is not None and self.text is not None and self.text.stopped:
+            del self.state.logprobs[self._shown_tokens():]
 
     def add(self, token: int, cache_full: bool = False) -> str | None:
         """Take ``token``: the text that can be shown now ("" while it is held back), or None
@@ -123,6 +135,7 @@ class Sequence:
         piece = self.text.add(token) if self.text is not None else ""
         if self.text is not None and self.text.stopped:
             self.state.finish_reason = "stop"
+            self._drop_unshown()
         elif self.constraint is not None and self.constraint.done:
             self.state.finish_reason = "stop"  # the grammar can only end: no step needed
         elif len(self.state.generated) >= self.max_tokens or cache_full:
@@ -136,6 +149,7 @@ class Sequence:
         tail = self.text.finish()
         if self.text.stopped:
             self.state.finish_reason = "stop"
+            self._drop_unshown()
         return tail
 
 
@@ -246,35 +260,52 @@ class TextStream:
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self._starts: list[int] = []  # per token taken: where its text starts (characters)
+        self._produced = 0  # characters the detokenizer has given
+        self._shown = 0  # characters given out
+        self._finished = False
+
+    @property
+    def shown_tokens(self) -> int:
+        """How many of the tokens taken so far are part of the text given out: those whose
+        text starts before its end (once finished without a stop string, all of them). The
+        tokens of a stop string, and any after it, never are."""
+        if self._finished and not self.stopped:
+            return len(self._starts)
+        return bisect.bisect_left(self._starts, self._shown)
 
     def add(self, token: int) -> str:
         """The text that can be shown now that ``token`` came."""
         if self.stopped:
             return ""
-        self._pending += self._detok.add(token)
-        return self._release(final=False)
+        self._starts.append(self._produced)
+        return self._release(self._detok.add(token), final=False)
 
     def finish(self) -> str:
         """The text still held back, once no more tokens come."""
         if self.stopped:
             return ""
-        self._pending += self._detok.flush()
-        return self._release(final=True)
+        self._finished = True
+        return self._release(self._detok.flush(), final=True)
 
-    def _release(self, final: bool) -> str:
-        pending = self._pending
+    def _release(self, text: str, final: bool) -> str:
+        self._produced += len(text)
+        pending = self._pending + text
         if not self._stops:
             self._pending = ""
-            return pending
-        cut = _find_stop(pending, self._stops)
-        if cut is not None:
+            out = pending
+        elif (cut := _find_stop(pending, self._stops)) is not None:
             self.stopped = True
             self._pending = ""
-            return pending[:cut]
-        # keep back a tail that could still become a stop string
-        safe = len(pending) if final else _partial_stop_start(pending, self._stops, self._hold)
-        self._pending = pending[safe:]
-        return pending[:safe]
+            out = pending[:cut]
+        else:
+            # keep back a tail that could still become a stop string
+            safe = len(pending) if final else _partial_stop_start(pending, self._stops,
+                                                                  self._hold)
+            self._pending = pending[safe:]
+            out = pending[:safe]
+        self._shown += len(out)
+        return out
 
 
 def stream_text(tokenizer: Tokenizer, tokens: Iterable[int], stop: list[str] | None = None,

@@ -304,6 +304,37 @@ def test_stream_text_holds_back_partial_stops(m, text, stops, expected):
     assert (state.finish_reason == "stop") == (expected != text)
 
 
+@pytest.mark.parametrize("text,stops,expected", [
+    ("the cat then the cow", ["the cow"], "the cat then "),
+    ("the cat then the cow", ["then the", "cat"], "the "),
+    ("abcabcabd", ["abd"], "abcabc"),
+    ("aaab", ["aab"], "a"),  # held-back tokens that turn out to be the stop string
+    ("hello world", ["worlds"], "hello world"),
+    ("hello world", None, "hello world"),
+])
+def test_text_stream_counts_the_tokens_it_shows(m, text, stops, expected):
+    """Log-probabilities go with the tokens whose text was shown: never a token still held
+    back (it may begin a stop string), never a stop string's token."""
+    from pocketlm.generate import TextStream
+
+    ids = m.tokenize(text, add_bos=False)
+    stream, shown, counts = TextStream(m.tokenizer, stops), "", []
+    for t in ids:
+        shown += stream.add(t)
+        counts.append(stream.shown_tokens)
+        if stream.stopped:
+            break
+    shown += stream.finish()
+    counts.append(stream.shown_tokens)
+    assert shown == expected and counts == sorted(counts)
+    for n in counts:  # each counted token's text has begun in what was shown by then
+        assert n == 0 or len(m.detokenize(ids[:n - 1])) < len(expected)
+    kept = counts[-1]
+    assert m.detokenize(ids[:kept]).startswith(expected)
+    assert kept == (len(ids) if expected == text else kept) and (kept < len(ids)) == (
+        expected != text)
+
+
 @pytest.mark.parametrize("n_ctx", [0, -5, 2.5, True])
 def test_bad_n_ctx(env, n_ctx):
     with pytest.raises(ContextLengthError, match="n_ctx"):

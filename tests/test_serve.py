@@ -740,6 +740,40 @@ def test_chat_logprobs_and_several_choices(server, local):
     assert [ch.index for ch in r.choices] == [0, 1, 2, 3]
 
 
+def test_logprobs_leave_out_the_stop_string(server):
+    """With a stop string, the log-probabilities cover the answer's tokens and none of the stop
+    string's, streamed or not (llama.cpp leaves them out too)."""
+    c = server.client(timeout=300)
+    args = dict(model=MODEL, prompt="The days of the week are", max_tokens=16, temperature=0,
+                logprobs=1)
+    tokens = c.completions.create(**args).choices[0].logprobs.tokens
+    whole = "".join(tokens)
+    cut = next(i for i in range(3, len(tokens) - 2) if tokens[i].strip()
+               and whole.find("".join(tokens[i:i + 2])) == len("".join(tokens[:i])))
+    stop = "".join(tokens[cut:cut + 2])
+    r = c.completions.create(**args, stop=[stop])
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == "".join(tokens[:cut])
+    assert r.choices[0].logprobs.tokens == tokens[:cut]
+    streamed = [t for ch in c.completions.create(**args, stop=[stop], stream=True)
+                if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.tokens]
+    assert streamed == tokens[:cut]
+    msgs = [{"role": "user", "content": "List three colours."}]
+    chat = dict(model=MODEL, messages=msgs, max_tokens=16, temperature=0, logprobs=True)
+    content = c.chat.completions.create(**chat).choices[0].logprobs.content
+    pieces = [x.token for x in content]
+    cut = next(i for i in range(2, len(pieces) - 1) if pieces[i].strip()
+               and "".join(pieces).find(pieces[i]) == len("".join(pieces[:i])))
+    r = c.chat.completions.create(**chat, stop=[pieces[cut]])
+    assert r.choices[0].message.content == "".join(pieces[:cut])
+    assert [x.token for x in r.choices[0].logprobs.content] == pieces[:cut]
+    streamed = [x.token for ch in c.chat.completions.create(**chat, stop=[pieces[cut]],
+                                                            stream=True)
+                if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+    assert streamed == pieces[:cut]
+
+
 def test_logit_bias_and_penalties(server, local):
     c = server.client(timeout=300)
     forced = local.tokenize(" capital")[0]
