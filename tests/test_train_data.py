@@ -280,6 +280,12 @@ def test_holdout_zero_is_named_as_the_cause(tok, tmp_path):
         check_trainable_splits(tmp_path / "s", 64)
 
 
+def test_a_holdout_that_leaves_nothing_to_train_on_writes_nothing(tok, tmp_path):
+    with pytest.raises(PocketError, match=r"--holdout 0.99 sent all 3 documents .* smaller"):
+        prepare_shards(_paragraphs(3), tok, tmp_path / "s", holdout=0.99, progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_enough_text_passes_and_too_little_says_so(tok, tmp_path):
     prepare_shards(_paragraphs(200), tok, tmp_path / "s", holdout=0.2, progress=False)
     check_trainable_splits(tmp_path / "s", 64)

@@ -119,6 +119,10 @@ def prepare_shards(
             w.close()
         if writers["train"].tokens == 0 and writers["val"].tokens == 0:
             raise PocketError("no documents to write: the document stream was empty")
+        if writers["train"].tokens == 0:
+            raise PocketError(f"--holdout {holdout} sent all {writers['val'].documents} "
+                              f"documents to the held-out split and none to train on; give a "
+                              f"smaller --holdout (the default is 0.01)")
         meta = {
             "format": SHARDS_FORMAT,
             "version": SHARDS_VERSION,
