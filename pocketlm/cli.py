@@ -436,7 +436,7 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
                    "(default: $POCKET_MODEL or smollm2-135m)")
     p.add_argument("-n", "--max-tokens", dest="n", type=int, default=None,
                    help=f"tokens to generate at most (default: the model's, else {n_default})")
-    p.add_argument("--temp", type=float, default=None, help="temperature; 0 = greedy "
+    p.add_argument("--temp", "--temperature", type=float, default=None, help="temperature; 0 = greedy "
                    "(default: the model's, else 0)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = "
                    "off (default: the model's, else 0)")

@@ -202,6 +202,9 @@ def test_run_sampling_and_chat_flags(files, capsys):
     code1, out1, _ = run_cli(capsys, *args)
     code2, out2, _ = run_cli(capsys, *args)
     assert code1 == code2 == 0 and out1 == out2
+    # --temperature (the OpenAI / Hugging Face name) is --temp
+    spelled = [("--temperature" if a == "--temp" else a) for a in args]
+    assert run_cli(capsys, *spelled)[:2] == (0, out1)
     code, out, err = run_cli(capsys, "run", "-m", files["pocket"], "hi", "-n", 4, "--chat",
                              "-v")
     assert code == 0
