@@ -108,7 +108,7 @@ class Sequence:
             return []
         shown = self._shown_tokens()
         out = self.state.logprobs[self._logprobs_sent:shown]
-        self._logprobs_sent = max(self._logprobs_sent, shown)
+        self._logprobs_sent = shown
         return out
 
     def _shown_tokens(self) -> int:
@@ -116,7 +116,7 @@ class Sequence:
 
     def _drop_unshown(self) -> None:
         """Once a stop string ended the text: forget the log-probabilities of its tokens."""
-        if self.state.logprobs is not None and self.text is not None and self.text.stopped:
+        if self.state.logprobs is not None:
             del self.state.logprobs[self._shown_tokens():]
 
     def add(self, token: int, cache_full: bool = False) -> str | None:
