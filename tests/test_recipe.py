@@ -316,3 +316,24 @@ def test_run_files_with_unicode_line_separators_read_back_whole(tmp_path):
     path.write_text(text, encoding="utf-8")
     assert _read_jsonl(path) == rows
     assert [v for _, v in read_jsonl(path, text, strict=True)[0]] == rows
+
+
+def test_the_estimate_follows_the_runs_own_recipe(tmp_path):
+    """A run with twice the recorded SFT steps is half done at the recorded run's last step,
+    and what is left is priced by its own steps (it said "sft done, 0.5 h left")."""
+    from pocketlm.recipes.pocket_zh_en import REFERENCE_MINUTES, Recipe, estimate
+
+    (tmp_path / "prompts.meta.json").write_text("{}")
+    (tmp_path / "prompts.jsonl").write_text(json.dumps({"id": 1, "gold": None}) + "\n")
+    (tmp_path / "teacher.jsonl").write_text(json.dumps({"id": 1}) + "\n")
+    (tmp_path / "data_report.json").write_text("{}")
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text(json.dumps({"step": 600}) + "\n")
+
+    recorded = estimate(tmp_path)
+    assert recorded.startswith("stages left: qat, export;")
+    longer = estimate(tmp_path, Recipe(sft_steps=1200, qat_steps=400))
+    assert longer.startswith("stages left: sft (50% done), qat, export;")
+    hours = (0.5 * 2 * REFERENCE_MINUTES["sft"] + 2 * REFERENCE_MINUTES["qat"]
+             + REFERENCE_MINUTES["export"]) / 60
+    assert f"about {hours:.1f} h" in longer

@@ -457,20 +457,22 @@ def disk_needed(n_params: int) -> int:
     return n_params * (12 * 2 + 4 * 2) + 10**9
 
 
-def estimate(out: Path) -> str:
+def estimate(out: Path, recipe: Recipe = RECIPE) -> str:
     """The stages left and the time they took on the reference machine, scaled by what is
-    left of a stage that is under way."""
+    left of a stage that is under way and, for the training stages, by ``recipe``'s steps
+    against the recorded recipe's."""
+    steps = {"sft": recipe.sft_steps / RECIPE.sft_steps, "qat": recipe.qat_steps / RECIPE.qat_steps}
     left, minutes = [], 0.0
     for stage in STAGES:
-        share = 1.0 - _stage_progress(out, stage)
+        share = 1.0 - _stage_progress(out, stage, recipe)
         if share > 0:
             left.append(stage if share >= 1 else f"{stage} ({1 - share:.0%} done)")
-            minutes += share * REFERENCE_MINUTES[stage]
+            minutes += share * REFERENCE_MINUTES[stage] * steps.get(stage, 1.0)
     return (f"stages left: {', '.join(left) or 'none'}; about {minutes / 60:.1f} h on a 2-core "
             "x86 CPU (the reference machine; scale by your cores), resumable at any point")
 
 
-def _stage_progress(out: Path, stage: str) -> float:
+def _stage_progress(out: Path, stage: str, recipe: Recipe = RECIPE) -> float:
     """How much of ``stage`` the run folder holds, from 0 to 1."""
     if stage == "prompts":
         return float((out / "prompts.meta.json").is_file())
@@ -482,7 +484,7 @@ def _stage_progress(out: Path, stage: str) -> float:
     if stage == "data":
         return float((out / "data_report.json").is_file())
     if stage in ("sft", "qat"):
-        cfg = _train_config(out, RECIPE, stage, None)
+        cfg = _train_config(out, recipe, stage, None)
         rows = _read_jsonl(Path(cfg.out) / "metrics.jsonl")
         return min(1.0, rows[-1].get("step", 0) / cfg.steps) if rows else 0.0
     return float((out / f"{NAME}.pocket").is_file())
@@ -546,7 +548,7 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     check_inputs(out, recipe, until)
     if not recipe_file.is_file():
         _atomic_write(recipe_file, json.dumps(recipe.to_dict(), indent=1))
-    _say(estimate(out))
+    _say(estimate(out, recipe))
     times = {}
     report_path = out / "recipe_report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else {"stages": {}}
