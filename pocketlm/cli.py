@@ -253,7 +253,7 @@ def _settings(args, m) -> dict:
 
 
 def cmd_run(args) -> int:
-    prompt = args.prompt
+    prompt = " ".join(args.prompt) if args.prompt else None
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         prompt = _read_stdin_text()
     elif prompt is not None:
@@ -644,12 +644,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --version: also what `pocket doctor` reports")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.commands = sub.choices  # each command's parser, by name
 
     p = sub.add_parser("run", help="generate text from a prompt (streams to stdout)",
                        description="Generate text from a prompt, streaming to stdout. A model "
                        "with a chat template gets the prompt as a user message (what instruct "
                        "models expect); --raw continues the text as given.")
-    p.add_argument("prompt", nargs="?", help="the prompt ('-' or piped stdin reads it)")
+    p.add_argument("prompt", nargs="*", help="the prompt ('-' or piped stdin reads it; words "
+                   "given unquoted are joined by spaces)")
     _add_model_args(p, n_default=128)
     _add_constraint_args(p)
     mode = p.add_mutually_exclusive_group()
@@ -781,7 +783,10 @@ def cmd_version(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command's own parser, so the hint is its --help
+        where = parser.commands.get(args.command, parser)
+        where.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.version:
         args.func = cmd_version
     elif not args.command:

@@ -227,6 +227,17 @@ def test_run_reads_the_prompt_from_stdin(files, capsys, monkeypatch):
     assert stdout == stdout2
 
 
+def test_run_joins_unquoted_prompt_words_and_names_its_help_on_unknown_flags(files, capsys):
+    quoted = run_cli(capsys, "run", "-m", files["pocket"], "hello there", "-n", 4, "--raw")
+    unquoted = run_cli(capsys, "run", "-m", files["pocket"], "hello", "there", "-n", 4, "--raw")
+    assert quoted[0] == unquoted[0] == 0 and quoted[1] == unquoted[1]
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["run", "-m", str(files["pocket"]), "hi", "--threads", "2"])
+    assert exc.value.code == 1
+    assert_one_line_error(1, capsys.readouterr().err,
+                          "unrecognized arguments: --threads 2 (see `pocket run --help`)")
+
+
 def test_module_entry_point(files, tmp_path):
     env = {**os.environ, "POCKET_HOME": str(tmp_path / "home"),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
