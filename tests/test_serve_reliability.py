@@ -146,6 +146,29 @@ def test_one_poisoned_request_among_eight_running_leaves_the_eight_unharmed(make
     assert s["running"] == 0 and s["kv_reserved_mb"] == 0
 
 
+@pytest.mark.parametrize("server_default", [None, "lookup"])
+def test_plain_requests_batched_with_a_speculative_one_are_unharmed(make_app, server_default):
+    """A step in which one request drafts verifies every row of the batch: the requests that
+    do not speculate (by default or with "speculative": false) get their own answers, not a
+    500 from the drafting bookkeeping they do not have."""
+    app = make_app(prefix_cache_mb=0, speculative=server_default)
+    plain = [completion(f"hello world, the {w}", speculative=False) for w in ("cat", "of")]
+    drafting = completion("hello world, the j wi wi wij wi wi wij wi wi",
+                          speculative={"min_ngram": 1, "max_ngram": 2})
+    alone = run(answers_alone(app, [*plain, drafting]))
+
+    async def together():
+        async with client(app) as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json=b)
+                                          for b in (plain[0], drafting, plain[1])])
+
+    rs = run(together())
+    assert [r.status_code for r in rs] == [200] * 3, [r.text[:300] for r in rs]
+    assert [r.json()["choices"][0]["text"] for r in rs] == [alone[0], alone[2], alone[1]]
+    s = stats(app)
+    assert s["failed"] == 0 and s["max_batch_seen"] >= 2 and s["running"] == 0
+
+
 @pytest.mark.parametrize("temperature", [1.7e-307, 5e-324])
 def test_a_tiny_temperature_fails_no_other_request(make_app, temperature):
     app = make_app()

@@ -533,11 +533,12 @@ class Scheduler:
                     req.next_token = None  # it is in the cache already (the next row's input)
                     continue
                 break  # the first token that is not a draft: the next step's input
-            req.lengths.update(len(drafts), accepted)
-            st = req.spec_stats
-            st.steps += 1
-            st.drafted += len(drafts)
-            st.accepted += accepted
+            if req.drafter is not None:  # a plain request in a drafting step keeps no stats
+                req.lengths.update(len(drafts), accepted)
+                st = req.spec_stats
+                st.steps += 1
+                st.drafted += len(drafts)
+                st.accepted += accepted
             if req.cache is not None:
                 req.cache.truncate(base + 1 + accepted)
         except Exception as e:  # noqa: BLE001 - this request alone fails
