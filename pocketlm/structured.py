@@ -139,7 +139,11 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         except (TypeError, ValueError) as e:
             raise GrammarError(f"the JSON schema cannot be written as JSON: {e}",
                                param=kind) from None
-        compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
+        try:
+            compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
+        except ValueError as e:  # e.g. "recursion limit exceeded" for a deeply nested schema
+            raise GrammarError(f"the JSON schema cannot be used: {_first_line(e)}",
+                               param=kind) from None
     else:
         if not isinstance(value, str) or not value.strip():
             raise GrammarError(f"{kind} must be a non-empty string", param=kind)

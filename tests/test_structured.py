@@ -45,6 +45,12 @@ PERSON = {
 }
 
 
+def _nested(schema: dict, levels: int) -> dict:
+    for _ in range(levels):
+        schema = {"anyOf": [schema]}
+    return schema
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"structured-{request.param}")
@@ -68,6 +74,7 @@ def tiny(request, tmp_path_factory):
     (dict(regex=""), "regex", "non-empty"),
     (dict(grammar="start: undefined_rule"), "grammar", "unknown name"),
     (dict(json_schema={}, regex="a"), "regex", "one of"),
+    (dict(json_schema=_nested({"type": "string"}, 70)), "json_schema", "recursion limit"),
 ])
 def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match):
     with pytest.raises(GrammarError, match=match) as e:
