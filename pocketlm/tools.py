@@ -139,15 +139,60 @@ def closed(schema: Any) -> Any:
     return out
 
 
+def _rerooted(params: Any, prefix: str, defs: dict) -> Any:
+    """``params`` (a function's parameter schema) for a place inside a larger schema: its
+    ``$defs`` / ``definitions`` move into ``defs`` under names starting with ``prefix`` and
+    every local ``$ref`` is rewritten to match; a reference into the parameters themselves
+    ("#", "#/properties/...") points at a copy of them in ``defs``. Pydantic and most
+    libraries write function parameters with ``$defs``, which would otherwise resolve against
+    the call's wrapper schema."""
+    if not isinstance(params, dict):
+        return params
+    names = {"$defs": prefix, "definitions": prefix + "definitions_"}
+    root_used = False
+
+    def ref(pointer: str) -> str:
+        nonlocal root_used
+        parts = pointer[1:].split("/", 2)  # "", section, name/rest
+        if len(parts) >= 3 and parts[0] == "" and parts[1] in names:
+            return f"#/$defs/{names[parts[1]]}{parts[2]}"
+        root_used = True
+        return f"#/$defs/{prefix}root{pointer[1:]}".rstrip("/")
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(x) for x in node]
+        if not isinstance(node, dict):
+            return node
+        return {k: (ref(v) if k == "$ref" and isinstance(v, str) and v.startswith("#")
+                    else walk(v)) for k, v in node.items()}
+
+    body = {k: v for k, v in params.items() if k not in names}
+    for section, name_prefix in names.items():
+        if isinstance(params.get(section), dict):
+            for name, schema in params[section].items():
+                defs[name_prefix + name] = walk(schema)
+    body = walk(body)
+    if root_used:
+        defs[prefix + "root"] = body
+    return body
+
+
 def call_grammar(tools: list[Tool], *, native: bool) -> Grammar:
     """The grammar of an answer that is a call (native: one or more) of one of ``tools``; the
-    arguments are held to each function's parameters, :func:`closed`."""
-    calls = [{"type": "object", "properties": {"name": {"const": t.name},
-                                               "arguments": closed(t.parameters or
-                                                                   {"type": "object"})},
+    arguments are held to each function's parameters, :func:`closed` (their ``$ref``s resolved
+    as in the parameters alone)."""
+    defs: dict[str, Any] = {}
+    calls = [{"type": "object", "properties": {
+                 "name": {"const": t.name},
+                 "arguments": _rerooted(closed(t.parameters or {"type": "object"}),
+                                        f"tool{i}_", defs)},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for t in tools]
-    schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls}, ensure_ascii=False)
+             for i, t in enumerate(tools)]
+    top = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if defs:
+        top = {**top, "$defs": defs}
+    schema = json.dumps(top, ensure_ascii=False)
     if native:
         lark = (f'start: WS call ("\\n" call)*\nWS: /[ \\t\\n]*/\n'
                 f'call: "{NATIVE_TRIGGER}\\n" args "\\n</tool_call>"\nargs: %json {schema}\n')

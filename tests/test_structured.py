@@ -226,6 +226,31 @@ def test_tool_calls_of_a_random_model_always_parse(tiny):
                     assert args == {}
 
 
+def test_tool_parameters_with_defs_and_refs_hold_as_they_do_alone(tiny):
+    """Function parameters as Pydantic writes them ($defs and $ref, and a reference to the
+    parameters themselves) constrain the call's arguments as they would alone; they were
+    refused ('/$defs/City' does not exist: the refs resolved against the call's wrapper)."""
+    city = {"$defs": {"City": {"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12}, "code": {"enum": ["A", "B"]}},
+        "required": ["name", "code"]}},
+        "type": "object", "properties": {"city": {"$ref": "#/$defs/City"}},
+        "required": ["city"]}
+    chain = {"type": "object", "properties": {"n": {"type": "integer"},
+                                              "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+             "required": ["n", "next"]}
+    tools = [Tool("weather", "", city), Tool("chain", "", chain)]
+    for native in (True, False):
+        grammar = call_grammar(tools, native=native)
+        assert tiny.constraint(grammar=grammar.source) is not None
+        for seed in range(2):
+            out = tiny.generate("call", max_tokens=1000, temperature=1.0, seed=seed,
+                                grammar=call_grammar(tools[:1], native=native).source)
+            calls = parse_calls(out, native=native)
+            assert calls, out
+            for call in calls:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), city)
+
+
 def test_cli_constraints(tmp_path):
     path = tmp_path / "tiny.gguf"
     tiny_gguf.write_tiny_gguf(path, "llama", seed=7, weight_type="Q4_0", max_context=1024)
