@@ -60,6 +60,7 @@ class PocketModel:
         self.n_ctx = min(_check_n_ctx(n_ctx) or DEFAULT_CONTEXT, config.max_context)
         self.last_state: GenerationState | None = None
         self.last_speculative: SpeculativeStats | None = None  # of the last speculative call
+        self._draft_models: dict[str, PocketModel] = {}  # draft models named by the calls
 
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:
@@ -213,7 +214,7 @@ class PocketModel:
             if isinstance(speculative, dict) else DEFAULT_MAX_DRAFT
         lengths = DraftLength(max_draft=max_draft)
         return make_drafter(speculative, target_tokenizer=self.tokenizer,
-                            capacity=self.n_ctx), lengths
+                            capacity=self.n_ctx, loaded=self._draft_models), lengths
 
     def stream(self, prompt: str, max_tokens: int | None = None,
                temperature: float | None = None, top_p: float | None = None,

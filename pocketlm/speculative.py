@@ -68,7 +68,9 @@ class SpeculativeStats:
 
     @property
     def tokens_per_step(self) -> float:
-        return self.tokens / self.steps if self.steps else 0.0
+        """Tokens each pass after the prompt gave (the first token comes from the prompt's
+        pass, which ``steps`` does not count)."""
+        return (self.tokens - 1) / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict:
         return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
@@ -174,10 +176,12 @@ class DraftModel:
         return out
 
 
-def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
+def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
+                 loaded: dict | None = None):
     """A drafter from a user's ``speculative`` argument: ``"lookup"`` (or a dict with
     ``{"method": "lookup", "max_ngram": N, "min_ngram": M}``), or ``{"draft": MODEL}`` (a model
-    name or path, or a loaded model) with the same vocabulary as the target."""
+    name or path, or a loaded model) with the same vocabulary as the target. ``loaded`` keeps
+    draft models loaded by name across calls (each call loaded its own otherwise)."""
     if spec is None or spec is False:
         return None
     if isinstance(spec, str):
@@ -197,7 +201,11 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0):
         model = spec["draft"]
         name = None if isinstance(model, api.PocketModel) else str(model)
         if name is not None:
-            model = api.load(model)
+            model = loaded.get(name) if loaded is not None else None
+            if model is None:
+                model = api.load(name)
+                if loaded is not None:
+                    loaded[name] = model
         return DraftModel(model, target_tokenizer, capacity, name)
     if spec.get("method", "lookup") != "lookup":
         raise PocketError(f"unknown speculative method {spec.get('method')!r}; known: lookup, "
@@ -391,6 +399,8 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
     drafter.reset(seq.prompt_ids)
     screen = seq.screen  # as run_sequence screens, so that the tokens are the same
     logits = runtime.forward(seq.prompt_ids, cache, screen=screen)
+    if seq.finished:  # max_tokens 0: no token, as run_sequence
+        return
     # the next token: sampled, taken, not yet run through the model
     token = seq.sample(logits)
     piece = seq.add(token, cache_full=cache.length >= cache.capacity)
@@ -402,7 +412,8 @@ def run_speculative(runtime: Runtime, cache: KVCache, seq: Sequence, drafter,
     while not seq.finished:
         base = cache.length  # positions in the cache; `token` goes at `base`
         room = cache.capacity - base - 1  # drafts that fit after it
-        k = min(lengths.next(), room, seq.max_tokens - len(seq.generated))
+        # a step gives up to its drafts + 1 tokens: no draft beyond max_tokens - 1
+        k = min(lengths.next(), room, seq.max_tokens - len(seq.generated) - 1)
         t0 = time.perf_counter()  # drafting counts: a draft model's passes are a cost too
         drafts = drafter.propose(k) if k > 0 else []
         stats.steps += 1

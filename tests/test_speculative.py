@@ -163,6 +163,67 @@ def test_a_draft_model_that_is_the_target_is_always_right(tiny):
     assert st.drafted > 0 and st.accepted == st.drafted and st.tokens_per_step > 1
 
 
+class Oracle:
+    """Drafts the plain answer's next tokens (every draft right), recording each length asked."""
+
+    def __init__(self, answer):
+        self.answer, self.done, self.asked = list(answer), 0, []
+
+    def reset(self, prompt_ids):
+        self.done = 0
+
+    def extend(self, ids):
+        self.done += len(ids)
+
+    def propose(self, k):
+        self.asked.append(k)
+        return self.answer[self.done:self.done + k]
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 4, 9])
+def test_drafts_stop_where_max_tokens_does_and_the_stats_count_the_passes(tiny, max_tokens):
+    """max_tokens 0 gives no token (as plain decoding); a step gives its drafts + 1 tokens,
+    so no step drafts past max_tokens - 1 (a row that would be thrown away); tokens per pass
+    leaves out the token the prompt's pass gave."""
+    from pocketlm.generate import run_sequence
+    from pocketlm.speculative import SpeculativeStats, run_speculative
+
+    m = tiny
+    ids = m.tokenize(REPEATS)
+
+    def sequence():
+        sampling = dict(temperature=0, top_k=None, top_p=None, min_p=None,
+                        repetition_penalty=None, seed=None)
+        return m._sequence(ids, 128, max_tokens, sampling, None, [], make_cache=False)[0]
+
+    plain = [t for t, _ in run_sequence(m.runtime, m.runtime.new_cache(100), sequence())]
+    oracle, stats = Oracle(plain + [0] * 16), SpeculativeStats()
+    got = [t for t, _ in run_speculative(m.runtime, m.runtime.new_cache(100), sequence(),
+                                         oracle, DraftLength(max_draft=8), stats)]
+    assert got == plain and len(plain) == max_tokens
+    produced = 1
+    for k in oracle.asked:
+        assert k <= max_tokens - produced - 1
+        produced += k + 1
+    if stats.steps:
+        assert stats.tokens_per_step == (len(plain) - 1) / stats.steps
+
+
+def test_a_draft_model_named_by_path_is_loaded_once(tiny, monkeypatch):
+    from pocketlm import api
+
+    loads = []
+    real = api.load
+    monkeypatch.setattr(api, "load", lambda *a, **k: loads.append(a) or real(*a, **k))
+    m = pocketlm.load(tiny.path)
+    loads.clear()
+    want = m.generate(REPEATS, max_tokens=12, temperature=0)
+    for _ in range(3):
+        assert m.generate(REPEATS, max_tokens=12, temperature=0,
+                          speculative={"draft": str(tiny.path)}) == want
+    assert len(loads) == 1
+
+
 def test_seeded_sampling_draws_the_same_tokens_and_distribution(tiny):
     m = tiny
     firsts_plain, firsts_spec = [], []

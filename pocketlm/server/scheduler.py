@@ -501,7 +501,8 @@ class Scheduler:
             return []
         try:
             room = req.cache.capacity - req.cache.length - 1
-            k = min(req.lengths.next(batch), room, req.max_tokens - len(req.seq.generated))
+            # a step gives up to its drafts + 1 tokens: no draft beyond max_tokens - 1
+            k = min(req.lengths.next(batch), room, req.max_tokens - len(req.seq.generated) - 1)
             return req.drafter.propose(k) if k > 0 else []
         except Exception:  # noqa: BLE001 - drafting is an optimization: decode plainly
             return []
