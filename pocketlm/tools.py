@@ -212,10 +212,13 @@ def call_constraint(tools: list[Tool], choice: str | dict, *, native: bool, toke
         name = choice["function"]["name"]
         tools = [t for t in tools if t.name == name]
     grammar = call_grammar(tools, native=native)
+    constraint = compile_grammar(grammar, tokenizer, n_vocab)
     if choice == "auto":
-        return Triggered(lambda: compile_grammar(grammar, tokenizer, n_vocab), tokenizer,
+        # compiled now, with the request (the server does this off its event loop), not when
+        # the answer turns out to be a call: by then the request decodes beside others
+        return Triggered(lambda: constraint, tokenizer,
                          NATIVE_TRIGGER if native else GENERIC_TRIGGER)
-    return compile_grammar(grammar, tokenizer, n_vocab)
+    return constraint
 
 
 def parse_calls(text: str, *, native: bool) -> list[dict] | None:

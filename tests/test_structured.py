@@ -22,7 +22,7 @@ import pocketlm
 from pocketlm.errors import GrammarError
 from pocketlm.sampling import Sampler, SamplingParams
 from pocketlm.structured import Constraint, constraint_for, parse_grammar
-from pocketlm.tools import Tool, call_grammar, closed, parse_calls, render_messages
+from pocketlm.tools import Tool, call_constraint, call_grammar, closed, parse_calls, render_messages
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -249,6 +249,24 @@ def test_tool_parameters_with_defs_and_refs_hold_as_they_do_alone(tiny):
             assert calls, out
             for call in calls:
                 jsonschema.validate(json.loads(call["function"]["arguments"]), city)
+
+
+def test_an_auto_tool_choice_compiles_its_grammar_with_the_request(tiny, monkeypatch):
+    """tool_choice "auto" compiled the call grammar when the output began with the trigger:
+    on the server's decoding thread, stalling every request beside it."""
+    from pocketlm import tools as tools_module
+
+    compiled = []
+    real = tools_module.compile_grammar
+    monkeypatch.setattr(tools_module, "compile_grammar",
+                        lambda *a, **k: compiled.append(a) or real(*a, **k))
+    tools = [Tool("f", "", {"type": "object", "properties": {"x": {"type": "integer"}}})]
+    auto = call_constraint(tools, "auto", native=False, tokenizer=tiny.tokenizer,
+                           n_vocab=tiny.config.vocab_size)
+    assert len(compiled) == 1 and not auto.active
+    for t in tiny.tokenize('{"name": "f", "arguments": {"x": 1}}'):
+        auto.consume(t)
+    assert auto.active and len(compiled) == 1
 
 
 def test_cli_constraints(tmp_path):
