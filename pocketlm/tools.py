@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import GrammarError
-from .structured import Grammar, Triggered, compile_grammar, parse_grammar
+from .structured import JSON_LAYOUT, Grammar, Triggered, compile_grammar, parse_grammar
 
 NATIVE_TRIGGER = "<tool_call>"
 GENERIC_TRIGGER = "{"
@@ -192,6 +192,9 @@ def call_grammar(tools: list[Tool], *, native: bool) -> Grammar:
     top = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if defs:
         top = {**top, "$defs": defs}
+    # the layout of response_format's JSON: one space after ", " and ": ", no other
+    # whitespace, so a small model cannot spend its tokens on blanks inside a call
+    top = {**top, "x-guidance": JSON_LAYOUT}
     schema = json.dumps(top, ensure_ascii=False)
     if native:
         lark = (f'start: WS call ("\\n" call)*\nWS: /[ \\t\\n]*/\n'
