@@ -128,6 +128,9 @@ def cmd_pack(args) -> int:
         out = Path(args.output)
         if out.exists() and not args.force:
             raise PocketError(f"{out} exists; pass --force to overwrite it")
+        from .export import check_output
+
+        check_output(out, force=True, inputs=(src,))
         if (calibration["bits_per_weight"] is None and calibration["calib"] is None
                 and (args.group_size, args.embed_bits, args.keep_precision) == (32, 8, None)):
             # a registry model's default pack is its registry bit budget (see pocket list)
@@ -252,7 +255,21 @@ def _settings(args, m) -> dict:
     return {**s, "seed": args.seed}
 
 
+def _check_generation_flags(args) -> None:
+    """The sampling flags given, checked before a model is loaded (or pulled and packed):
+    the same rules, and words, as when they reach the model."""
+    from .errors import SamplingError
+    from .sampling import SamplingParams
+
+    if args.n is not None and args.n < 0:
+        raise SamplingError(f"max_tokens must be a non-negative integer, got {args.n}")
+    given = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
+             "min_p": args.min_p, "repetition_penalty": args.repeat_penalty, "seed": args.seed}
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()
+
+
 def cmd_run(args) -> int:
+    _check_generation_flags(args)
     prompt = " ".join(args.prompt) if args.prompt else None
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         prompt = _read_stdin_text()
@@ -322,6 +339,7 @@ def _argv_text(text: str, what: str) -> str:
 
 
 def cmd_chat(args) -> int:
+    _check_generation_flags(args)  # a bad flag is one error and exit 1, not one per turn
     m = _load(args)
     speculative = _speculative(args)
     if speculative is not None:

@@ -709,7 +709,11 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
         path = Path(text).expanduser()
     except RuntimeError:  # "~user/..." of no such user: taken literally, as the shell would
         path = Path(text)
-    if text and path.exists():
+    try:
+        exists = bool(text) and path.exists()
+    except OSError:  # a name too long for the file system, say: not a file, maybe a name
+        exists = False
+    if exists:
         name = _registry_name_of(path)
         return pull(name, quiet=quiet) if name else path
     known = (*REGISTRY, *TRIMMED, *RECIPES)

@@ -453,3 +453,96 @@ def test_chat_session_reports_errors_and_goes_on(files, capsys, monkeypatch):
     assert code == 0
     assert "pocket: error:" in err and "context" in err
     assert stdout.count("\n") == 1
+
+
+# -- outputs that would destroy what they should not ---------------------------------------
+def test_force_never_replaces_the_input_nor_an_unrelated_folder(files, tmp_path, capsys,
+                                                                 monkeypatch):
+    import shutil
+
+    src = tmp_path / "same.gguf"
+    shutil.copy(files["gguf"], src)
+    before = src.read_bytes()
+    code, _, err = run_cli(capsys, "pack", src, "-o", src, "--force")
+    assert_one_line_error(code, err, "is the input")
+    assert src.read_bytes() == before
+    dep = tmp_path / "same.pocket"
+    shutil.copy(files["pocket"], dep)
+    code, _, err = run_cli(capsys, "export", dep, "--to", "gguf", "-o", dep, "--force")
+    assert_one_line_error(code, err, "is the input")
+    assert dep.read_bytes() == files["pocket"].read_bytes()
+
+    # --to hf --force replaces a whole folder: an earlier export, not a folder of other things
+    victim = tmp_path / "victim"
+    (victim / "sub").mkdir(parents=True)
+    (victim / "keep.txt").write_text("mine")
+    code, _, err = run_cli(capsys, "export", files["pocket"], "--to", "hf", "-o", victim,
+                           "--force")
+    assert_one_line_error(code, err, "holding other things")
+    assert (victim / "keep.txt").read_text() == "mine" and (victim / "sub").is_dir()
+    hf = tmp_path / "hf"
+    for _ in range(2):  # a second export replaces the first
+        assert run_cli(capsys, "export", files["pocket"], "--to", "hf", "-o", hf,
+                       "--force")[0] == 0
+    assert (hf / "config.json").is_file()
+    monkeypatch.chdir(victim)
+    for here in (".", ".."):
+        code, _, err = run_cli(capsys, "export", files["pocket"], "--to", "hf", "-o", here,
+                               "--force")
+        assert_one_line_error(code, err, "working folder")
+    assert (victim / "keep.txt").read_text() == "mine"
+
+
+def test_a_model_name_too_long_for_a_file_name_is_not_found():
+    import pocketlm
+    from pocketlm.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError):
+        pocketlm.load("a" * 300)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["-n", "-1"], "max_tokens must be a non-negative integer"),
+    (["--temp", "nan"], "temperature must be a finite number"),
+    (["--seed", "-3"], "seed must be a non-negative integer"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+])
+def test_bad_sampling_flags_are_refused_before_a_model_is_loaded(capsys, monkeypatch, flags,
+                                                                 words):
+    """A model that does not exist shows that nothing was loaded (or pulled, or packed) first;
+    chat says it once and exits 1, instead of once per line and exit 0."""
+    import io
+
+    code, _, err = run_cli(capsys, "run", "-m", "no-such-model", *flags, "hi")
+    assert_one_line_error(code, err, words)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nthere\n"))
+    code, _, err = run_cli(capsys, "chat", "-m", "no-such-model", *flags)
+    assert_one_line_error(code, err, words)
+
+
+def test_train_and_finetune_refuse_an_out_that_is_a_file_before_any_work(files, tmp_path,
+                                                                         capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("mine")
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world\n\n" * 50)
+    code, _, err = run_cli(capsys, "train", "--data", text, "--out", taken, "--steps", 1)
+    assert_one_line_error(code, err, "a file of that name exists")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "a"}, '
+                     '{"role": "assistant", "content": "b"}]}\n')
+    code, _, err = run_cli(capsys, "finetune", "-m", files["gguf"], "--data", chats, "--out",
+                           taken, "--steps", 1)
+    assert_one_line_error(code, err, "a file of that name exists")
+    assert taken.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == \
+        ["chats.jsonl", "corpus.txt", "taken"]
+
+
+def test_data_prepare_writes_its_chats_only_once_the_arguments_are_good(tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world\n\n" * 50)
+    chats = tmp_path / "chats.jsonl"
+    code, _, err = run_cli(capsys, "data", "prepare", "--text", text, "--out", tmp_path / "s",
+                           "--vocab-size", 300, "--holdout", 2, "--chats-out", chats)
+    assert_one_line_error(code, err, "--holdout")
+    assert not chats.exists() and not (tmp_path / "s").exists()

@@ -366,7 +366,11 @@ def test_existing_output_is_refused_without_force(trained, tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "--force" in err, err
     assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["keep.txt"]
-    # with --force it is replaced, and nothing else is left beside it
+    # --force replaces an earlier export (config.json), never a folder of other things
+    assert main(["export", str(deploy), "--to", "hf", "-o", str(out), "--force", "-q"]) == 1
+    assert "holding other things" in capsys.readouterr().err
+    assert os.listdir(out) == ["keep.txt"]
+    (out / "config.json").write_text("{}")
     assert main(["export", str(deploy), "--to", "hf", "-o", str(out), "--force", "-q"]) == 0
     assert sorted(os.listdir(tmp_path)) == ["out"] and "config.json" in os.listdir(out)
     assert not (out / "keep.txt").exists()
@@ -376,7 +380,7 @@ def test_a_failed_export_leaves_nothing_behind(trained, tmp_path, capsys, monkey
     deploy, _ = trained
     out = tmp_path / "out"
     out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    (out / "config.json").write_text("{}")  # an earlier export, which --force replaces
 
     def disk_full(path, *args, **kwargs):
         Path(path).write_bytes(b"partial")
@@ -387,7 +391,7 @@ def test_a_failed_export_leaves_nothing_behind(trained, tmp_path, capsys, monkey
     assert main(["export", str(deploy), "--to", "hf", "-o", str(out), "--force"]) == 1
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "disk is full" in err, err
-    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["keep.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["out"] and os.listdir(out) == ["config.json"]
     # a fresh name: not created at all
     assert main(["export", str(deploy), "--to", "hf", "-o", str(tmp_path / "new")]) == 1
     assert sorted(os.listdir(tmp_path)) == ["out"]

@@ -42,10 +42,30 @@ def refuse_adapters(pf, source) -> None:
                           "(its adapters are merged: pocket export RUN --to gguf|hf)")
 
 
-def check_output(out: str | Path, *, force: bool, folder: bool = False) -> Path:
+def check_output(out: str | Path, *, force: bool, folder: bool = False,
+                 inputs: tuple = (), replaces=None) -> Path:
     """``out`` as a Path, refused in one line before any work when it exists (without
-    ``force``), is the wrong kind of thing, or its folder cannot be written."""
+    ``force``), is the wrong kind of thing, is one of ``inputs`` (files the work reads:
+    ``--force`` would replace them), or its folder cannot be written. A folder output that
+    is replaced whole (``replaces`` given) must not be the working folder or one above it,
+    and if it exists and holds anything it must pass ``replaces(folder)`` (the kind of
+    folder the work writes): ``--force`` is no licence to remove an unrelated one."""
     out = Path(out)
+    if folder and replaces is not None:  # a folder replaced whole
+        try:
+            cwd = Path.cwd().resolve()
+            if out.resolve() == cwd or out.resolve() in cwd.parents:
+                raise PocketError(f"cannot write the folder {out}: it is the working folder or "
+                                  "one above it; name a new folder")
+        except OSError:
+            pass
+    for source in inputs:
+        try:
+            same = source is not None and out.exists() and os.path.samefile(out, source)
+        except OSError:
+            same = False
+        if same:
+            raise PocketError(f"{out} is the input {source}; write the output elsewhere")
     if out.exists() or out.is_symlink():
         if not force:
             raise PocketError(f"{out} exists; pass --force to overwrite it")
@@ -53,6 +73,9 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False) -> Path:
             raise PocketError(f"cannot write the folder {out}: a file of that name exists")
         if not folder and out.is_dir():
             raise PocketError(f"cannot write {out}: it is a folder")
+        if folder and replaces is not None and any(out.iterdir()) and not replaces(out):
+            raise PocketError(f"{out} is a folder holding other things; name a new folder "
+                              "(with --force the whole folder would be replaced)")
         from ..formats.pocketfile import refuse_special
 
         refuse_special(out)  # a device or FIFO: the rename would replace the node itself

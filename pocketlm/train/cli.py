@@ -173,9 +173,11 @@ def cmd_train(args) -> int:
         raise PocketError("pocket train needs --data and --out (or --list-presets, or "
                           "--recipe NAME)")
     _need_torch("train")
+    from ..export import check_output
     from .trainer import CHECKPOINT, TrainConfig, train
 
-    out = Path(args.out)
+    # a file named --out, or an unwritable place, is refused now, not after shards are cut
+    out = check_output(args.out, force=True, folder=True)
     data = Path(args.data)
     if not data.exists():
         raise PocketError(f"{data}: no such file or folder")
@@ -334,13 +336,13 @@ def cmd_finetune(args) -> int:
         if named:
             raise PocketError(f"{', '.join(named)} shape the deploy file: give --export "
                               "FILE.pocket (or pack the run later with `pocket export`)")
-    if args.export:
-        from ..export import check_output
+    from ..export import check_output
 
+    if args.export:
         # a folder, a FIFO or an unwritable place is refused now, not after the training; the
         # file itself is replaced, as running the same command again (resuming) does
         check_output(args.export, force=True)
-    out = Path(args.out)
+    out = check_output(args.out, force=True, folder=True)  # a file there: refused now
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,
@@ -382,7 +384,8 @@ def cmd_export(args) -> int:
         if suffix == ".gguf":
             raise PocketError(f"{args.output}: to write GGUF pass --to gguf (without --to, "
                               "export writes a .pocket deploy file)")
-    out = check_output(args.output, force=args.force, folder=target == "hf")
+    out = check_output(args.output, force=args.force, folder=target == "hf",
+                       inputs=(args.run,), replaces=lambda d: (d / "config.json").is_file())
     if target == "pocket":
         _need_torch("export")
         from ..cli import _exit_on_sigterm, calibration_kwargs
@@ -469,7 +472,13 @@ def cmd_data_prepare(args) -> int:
 
     # a file named --out, or an unwritable place, is refused now, not after a tokenizer trained
     check_output(args.out, force=True, folder=True)
-    if args.chats_out:
+    if bool(args.tokenizer) == bool(args.vocab_size):
+        raise PocketError("pocket data prepare needs --tokenizer (a folder from `pocket "
+                          "tokenizer train`, a registry model or a model file) or --vocab-size "
+                          "N to train one on the data (OUT/tokenizer)")
+    if not 0 <= args.holdout < 1:
+        raise PocketError(f"--holdout must be a share of documents in [0, 1), got {args.holdout}")
+    if args.chats_out:  # written once every argument is known to be good
         from ..data.corpora import export_chats
         from ..export import check_replaceable
 
@@ -477,12 +486,6 @@ def cmd_data_prepare(args) -> int:
                           lambda head: head.lstrip().startswith(b'{"messages"'))
         info = export_chats(Path(args.chats_out))
         print(f"{args.chats_out}: {info['chats']} chats", file=sys.stderr)
-    if bool(args.tokenizer) == bool(args.vocab_size):
-        raise PocketError("pocket data prepare needs --tokenizer (a folder from `pocket "
-                          "tokenizer train`, a registry model or a model file) or --vocab-size "
-                          "N to train one on the data (OUT/tokenizer)")
-    if not 0 <= args.holdout < 1:
-        raise PocketError(f"--holdout must be a share of documents in [0, 1), got {args.holdout}")
     out = Path(args.out)
     if args.text:
         from .data import read_text_documents
@@ -541,7 +544,7 @@ def cmd_distill_data(args) -> int:
         raise PocketError(f"--max-tokens must be at least 1 (the teacher's answer), got "
                           f"{args.max_tokens}")
     # a folder, a FIFO or an unwritable place is refused before the teacher answers (hours)
-    out = check_output(args.output, force=True)
+    out = check_output(args.output, force=True, inputs=(args.teacher,))
     if out.exists() and Path(args.prompts).resolve() == out.resolve():
         raise PocketError(f"-o {out} is the --prompts file; write the chats elsewhere")
     if out.exists() and not args.force:  # an earlier run's answers: hours of a teacher
