@@ -15,7 +15,7 @@ import tiny_gguf
 import torch
 import torch_ref
 
-from pocketlm.errors import FormatError
+from pocketlm.errors import FormatError, PocketError
 
 WORDS = ["red", "blue", "green", "black", "white", "gold"]
 
@@ -75,6 +75,15 @@ def test_lora_merge_equals_the_adapted_model():
     merged.load_state_dict(merge_lora_state(model.state_dict(), model.lora))
     with torch.no_grad():
         assert torch.allclose(merged(ids), adapted, atol=1e-5, rtol=1e-5)
+    # a rank past the narrowest adapted layer adds parameters, not expressiveness: refused
+    # (a rank of 100,000 on a 64-wide model wrote a 3.3 GB checkpoint)
+    from pocketlm.train.lora import DEFAULT_TARGETS
+
+    narrowest = min(min(c.in_features, c.out_features) for m in PocketLM(cfg).modules()
+                    for n, c in m.named_children()
+                    if n in DEFAULT_TARGETS and isinstance(c, torch.nn.Linear))
+    with pytest.raises(PocketError, match=f"at most {narrowest}"):
+        add_lora(PocketLM(cfg, init_seed=1), narrowest + 1)
 
 
 def test_qat_rounds_to_the_grid_the_export_stores():
@@ -196,6 +205,14 @@ def test_bad_task_files(base, tmp_path):
     empty.write_text("\n", encoding="utf-8")
     with pytest.raises(FormatError, match="no chats"):
         SFTData(empty, tok, None, 32)
+    # answers wholly past --seq-len leave nothing to learn: said, not a "diverged" NaN loss
+    long = tmp_path / "long.jsonl"
+    long.write_text("\n".join([json.dumps({"prompt": "say red " * 20, "completion": "red"}),
+                               good]) + "\n", encoding="utf-8")
+    short = SFTData(long, tok, None, 32, holdout=0.0)
+    assert short.cut == 1 and len(short.train) == 1
+    with pytest.raises(FormatError, match="raise --seq-len"):
+        SFTData(long, tok, None, 8)
     p = pocket("finetune", "-m", str(base), "--data", str(empty), "--out", str(tmp_path / "r"),
                check=False)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "no chats" in p.stderr

@@ -83,6 +83,12 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
         raise PocketError("LoRA trains against the INT4 grid either merged (qat_group) or "
                           "beside an INT4 base (base_grid), not both")
     alpha = float(2 * rank if alpha is None else alpha)
+    widths = [min(c.in_features, c.out_features) for m in model.modules()
+              for n, c in m.named_children() if n in targets and isinstance(c, nn.Linear)]
+    if widths and rank > min(widths):
+        # past a layer's narrower side an adapter adds parameters and no expressiveness
+        raise PocketError(f"--lora-rank {rank} is more than the narrowest adapted layer's "
+                          f"{min(widths)} (its smaller dimension); use at most {min(widths)}")
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(int(seed))

@@ -185,6 +185,7 @@ class SFTData:
         template = chat_template or CHATML
         examples: list[tuple[np.ndarray, np.ndarray]] = []
         bad: list[str] = []
+        cut = 0
         from ..textfile import jsonl_lines, read_text_file
 
         try:
@@ -223,13 +224,19 @@ class SFTData:
                 prev = full
             if tokenizer.add_bos and tokenizer.bos_id is not None:
                 ids, mask = [tokenizer.bos_id, *ids], [False, *mask]
-            if any(mask):
+            if any(mask[1: seq_len + 1]):  # an answer token within the window is a target
                 examples.append((np.asarray(ids[: seq_len + 1], dtype=np.int64),
                                  np.asarray(mask[: seq_len + 1], dtype=bool)))
-        if bad and not examples:
+            elif any(mask):
+                cut += 1
+        if bad and not examples and not cut:
             raise FormatError(f"{self.path}: no valid chat records ({bad[0]})")
+        if not examples and cut:
+            raise FormatError(f"{self.path}: every chat's answer starts after the first "
+                              f"{seq_len} tokens, so nothing is left to learn; raise --seq-len")
         if not examples:
             raise FormatError(f"{self.path}: no chats with an assistant message")
+        self.cut = cut  # chats whose answers lie wholly past seq_len: left out
         self.skipped = bad
         self.pad_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else 0
         order = np.random.default_rng(seed).permutation(len(examples))
@@ -633,9 +640,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         if cfg.val_data:
             val_data = SFTData(cfg.val_data, tokenizer, chat_template, cfg.seq_len,
                                seed=cfg.seed, strict=cfg.strict, holdout=1.0)
+        if train_data.cut and dist.main:
+            print(f"[{cfg.data}: left out {train_data.cut} chats whose answers start after "
+                  f"--seq-len {cfg.seq_len} tokens]", file=sys.stderr)
         if train_data.skipped and dist.main:
-            import sys
-
             print(f"[{cfg.data}: skipped {len(train_data.skipped)} malformed lines, first: "
                   f"{train_data.skipped[0]}; --strict refuses them]", file=sys.stderr)
 
@@ -669,8 +677,6 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
                            base_grid=32 if cfg.qat_base else None)
         lora = model.lora
         if dist.main and progress:
-            import sys
-
             print(f"[LoRA rank {cfg.lora_rank}: {n_train:,} trainable parameters of "
                   f"{sum(p.numel() for p in model.parameters()):,}]", file=sys.stderr)
     if resume:
@@ -851,8 +857,6 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             bar.update(1)
         if stop_now:
             if dist.main and progress:
-                import sys
-
                 print(f"\n[early stop at step {done}: held-out loss has not improved for "
                       f"{cfg.early_stop} evaluations; best {best_val:.4f} in {out / BEST}]",
                       file=sys.stderr)
