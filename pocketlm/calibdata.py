@@ -166,6 +166,8 @@ def check_text_file(path: str | Path, flag: str = "--calib") -> tuple[str, bytes
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PocketError(f"{flag} {path}: not UTF-8 text (byte {e.start})") from None
+    if not text.replace("\ufeff", "").strip():  # a byte-order mark, no-break spaces: no text
+        raise PocketError(f"{flag} {path}: the file holds no text (only whitespace)")
     return text, data
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
@@ -485,6 +486,22 @@ def corpus_record(languages: tuple[str, ...]) -> list[dict]:
     return out
 
 
+def _paragraphs(text: str, limit: int = 20_000) -> Iterator[str]:
+    """An app's text in pieces as it is written, line breaks kept: paragraphs (each with the
+    blank lines and spaces after it, up to the next word), a long one cut after a line break
+    near ``limit`` characters. A
+    tokenizer joins punctuation and the line breaks after it (".\n\n" is one piece of
+    Qwen's): cut into lines, the text would never show those pieces, and the trimmed
+    tokenizer would write the app's own text in other pieces than its source does."""
+    for para in re.split(r"(?<=\n\n)(?=\S)", text):  # blanks before a word stay with it
+        while len(para) > limit:
+            cut = para.rfind("\n", 0, limit) + 1 or limit
+            yield para[:cut]
+            para = para[cut:]
+        if para:
+            yield para
+
+
 def _count(tok: Tokenizer, texts: Iterable[str], counts: Counter, progress) -> int:
     """Add the pieces of ``texts`` to ``counts``; the characters read (``progress(n)`` is
     told each batch's)."""
@@ -560,7 +577,7 @@ def corpus_counts(tok: Tokenizer, spec: VocabSpec, *, progress: bool = False
 
         text, _ = check_text_file(spec.corpus, flag="--vocab-corpus")
         counts = Counter()
-        out["app"] = (counts, _count(tok, text.splitlines(), counts, tick))
+        out["app"] = (counts, _count(tok, _paragraphs(text), counts, tick))
         record["corpus_sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
     bar.close()
     record["corpus_characters"] = {k: chars for k, (_, chars) in out.items()}

@@ -140,6 +140,7 @@ class _Tok:
 
 @pytest.mark.parametrize("content,message", [
     (b"", "empty"), (b"  \n", "empty"), (b"abc\0def" * 40, "binary"),
+    ("\ufeff\n\u00a0\u3000\n".encode(), "no text"),  # a byte-order mark and wide blanks
     (b"caf\xe9 " * 100, "not UTF-8"), (b"short text", "shorter than one calibration"),
 ])
 def test_bad_calibration_files_are_refused_by_name(tmp_path, content, message):

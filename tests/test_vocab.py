@@ -369,6 +369,16 @@ def test_real_tokenizers_trim_exactly(real_tok, tmp_path):
     assert _exact_on_kept(tok, kept, new, lines) >= len(lines) * 3 // 4
     for text in OUTSIDE:
         assert new.decode(new.encode(text, add_bos=False, special=False)) == text
+    # an app's own multi-line text tokenizes as its source tokenizer writes it, the pieces
+    # that join punctuation and line breaks included (Qwen's ".\n\n"; it was read line by line)
+    letter = ("Dear team,\n\nThe report is ready.\nPlease review it:\n\n  - item one;\n"
+              "  - item two.\n\n谢谢！\n\n祝好，\n小明\n") * 3
+    (tmp_path / "letter.txt").write_text(letter, encoding="utf-8")
+    kept_l, _ = choose_kept(tok, VocabSpec(corpus=tmp_path / "letter.txt"),
+                            chat_template=template)
+    new_l = trim_tokenizer(tok, kept_l)
+    assert [int(kept_l[i]) for i in new_l.encode(letter, add_bos=False, special=False)] == \
+        tok.encode(letter, add_bos=False, special=False)
     # the chat template's pieces survive: a rendered turn tokenizes identically
     if template:
         from pocketlm.chat import render
@@ -493,6 +503,18 @@ def test_trimmed_model_refuses_ids_outside_its_vocabulary(smollm2_pair):
                                            r"model's vocabulary is trimmed to [\d,]+ of its "
                                            r"source's 49,152 pieces"):
         trim.logits([1, n])
+    # and over HTTP, a logit_bias id says so too
+    from starlette.testclient import TestClient
+
+    from pocketlm.server.app import ServerConfig, create_app
+
+    app = create_app(trim, ServerConfig(model_name="t"))
+    with TestClient(app) as c:
+        r = c.post("/v1/completions", json={"model": "t", "prompt": "hi", "max_tokens": 1,
+                                            "logit_bias": {str(n): 5}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    assert "vocabulary is trimmed" in r.json()["error"]["message"]
+    app.state.scheduler.close()
 
 
 @pytest.mark.real

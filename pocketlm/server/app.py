@@ -378,7 +378,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             bad = [t for t in g.logit_bias if t >= model.config.vocab_size]
             if bad:
                 raise P.APIError(400, f"'logit_bias' names token {bad[0]}, beyond the "
-                                 f"vocabulary (0..{model.config.vocab_size - 1})",
+                                 f"vocabulary (0..{model.config.vocab_size - 1})"
+                                 f"{model._trimmed_note()}",
                                  param="logit_bias", code="invalid_value")
         try:
             # with a seed, choice i draws with seed + i: several choices differ, reproducibly
