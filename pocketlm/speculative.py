@@ -126,6 +126,16 @@ class PromptLookup:
         return []
 
 
+def check_same_vocabulary(draft_tokenizer, target_tokenizer, name) -> None:
+    """A draft model's tokenizer must be the target's, piece for piece."""
+    a, b = draft_tokenizer, target_tokenizer
+    if a.vocab_size != b.vocab_size or any(
+            a.id_to_token(i) != b.id_to_token(i) for i in range(a.vocab_size)):
+        raise PocketError(f"the draft model {name} has another vocabulary ({a.vocab_size:,} "
+                          f"pieces vs {b.vocab_size:,}); a draft model must share the "
+                          "target's tokenizer")
+
+
 class DraftModel:
     """Drafts with a smaller model of the same vocabulary: its greedy continuation, run on a
     KV cache of its own that follows the accepted text."""
@@ -135,12 +145,7 @@ class DraftModel:
 
         if not isinstance(model, PocketModel):
             raise PocketError("a draft model must be a loaded pocketlm model")
-        a, b = model.tokenizer, target_tokenizer
-        if a.vocab_size != b.vocab_size or any(
-                a.id_to_token(i) != b.id_to_token(i) for i in range(a.vocab_size)):
-            raise PocketError(f"the draft model {name or model.path} has another vocabulary "
-                              f"({a.vocab_size:,} pieces vs {b.vocab_size:,}); a draft model "
-                              "must share the target's tokenizer")
+        check_same_vocabulary(model.tokenizer, target_tokenizer, name or model.path)
         self.model = model
         self.runtime = model.runtime
         self.cache = self.runtime.new_cache(min(capacity, model.n_ctx))

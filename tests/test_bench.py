@@ -171,6 +171,22 @@ def test_budget_line_states_measurement_and_budget():
                               "energy: PASS (5.00 J; budget <= 5.0)")
 
 
+def test_bench_refuses_a_draft_model_it_cannot_use_before_any_run(gguf, tmp_path):
+    from pocketlm.errors import ModelNotFoundError, PocketError
+
+    seen = []
+    with pytest.raises(ModelNotFoundError):
+        bench(str(gguf), threads=1, n_prompt=40, n_gen=4, runs=1, speculative="no-such-model",
+              progress=lambda *a: seen.append(a))
+    other = tmp_path / "other.gguf"
+    tiny_gguf.write_tiny_gguf(other, "llama", seed=3, weight_type="Q4_0", max_context=256,
+                              vocab_size=300)
+    with pytest.raises(PocketError, match="has another vocabulary"):
+        bench(str(gguf), threads=1, n_prompt=40, n_gen=4, runs=1, speculative=str(other),
+              progress=lambda *a: seen.append(a))
+    assert seen == []
+
+
 def test_bench_speculative_row_alternates_and_reports_its_drafting(gguf):
     seen = []
     results = bench(str(gguf), threads=1, n_prompt=40, n_gen=12, runs=2, speculative="lookup",

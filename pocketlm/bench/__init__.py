@@ -202,6 +202,14 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     if len(ids) + n_gen > config.max_context:
         raise PocketError(f"n_prompt + n_gen = {len(ids) + n_gen} exceeds the model's context "
                           f"of {config.max_context}")
+    if speculative and speculative != "lookup":
+        # a draft that does not exist or speaks another vocabulary is refused here, in one
+        # line, not in the worker (a traceback, then "ended unexpectedly")
+        from ..speculative import check_same_vocabulary
+
+        draft = deploy_file(resolve(speculative), quiet=False)
+        check_same_vocabulary(file_config_and_tokenizer(PocketFile(draft))[1], tokenizer,
+                              speculative)
     del tokenizer
     files["pocketlm"] = deploy
     prompts = {"pocketlm": ids}
