@@ -125,12 +125,9 @@ def cmd_pack(args) -> int:
     vocab = vocab_spec(args)
     with _exit_on_sigterm():
         src = resolve(args.src)
-        out = Path(args.output)
-        if out.exists() and not args.force:
-            raise PocketError(f"{out} exists; pass --force to overwrite it")
         from .export import check_output
 
-        check_output(out, force=True, inputs=(src,))
+        out = check_output(args.output, force=args.force, inputs=(src,))
         if (calibration["bits_per_weight"] is None and calibration["calib"] is None
                 and (args.group_size, args.embed_bits, args.keep_precision) == (32, 8, None)):
             # a registry model's default pack is its registry bit budget (see pocket list)

@@ -53,8 +53,8 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
     out = Path(out)
     if folder and replaces is not None:  # a folder replaced whole
         try:
-            cwd = Path.cwd().resolve()
-            if out.resolve() == cwd or out.resolve() in cwd.parents:
+            cwd, where = Path.cwd().resolve(), out.resolve()
+            if where == cwd or where in cwd.parents:
                 raise PocketError(f"cannot write the folder {out}: it is the working folder or "
                                   "one above it; name a new folder")
         except OSError:
