@@ -269,7 +269,9 @@ def cmd_run(args) -> int:
     _check_generation_flags(args)
     prompt = " ".join(args.prompt) if args.prompt else None
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        prompt = _read_stdin_text()
+        from .textfile import read_stdin_text
+
+        prompt = read_stdin_text()
     elif prompt is not None:
         prompt = _argv_text(prompt, "the prompt")
     if not prompt:
@@ -308,18 +310,6 @@ def cmd_run(args) -> int:
               f"{n / dt if dt else 0:.1f} tok/s, finish: {state.finish_reason}"
               f"{_speculative_line(m)}]", file=sys.stderr)
     return 0
-
-
-def _read_stdin_text() -> str:
-    """All of stdin as text; undecodable bytes are an error that says where."""
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-    if isinstance(data, str):
-        return _argv_text(data, "stdin")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PocketError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
-                          f"{exc.start}; convert it first (e.g. iconv -t UTF-8)") from None
 
 
 def _argv_text(text: str, what: str) -> str:

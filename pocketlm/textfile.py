@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import PocketError
 
-__all__ = ["jsonl_lines", "read_text_file"]
+__all__ = ["jsonl_lines", "read_stdin_text", "read_text_file"]
 
 
 def read_text_file(path: str | Path, *, what: str = "text file") -> str:
@@ -43,6 +43,26 @@ def read_text_file(path: str | Path, *, what: str = "text file") -> str:
             f"{path}:{line}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at byte offset "
             f"{e.start}); convert it with `iconv -t UTF-8`") from None
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
+
+
+def read_stdin_text() -> str:
+    """All of stdin as text; bytes that are not UTF-8 are an error that says where (Python's
+    own text stdin would hand them on as lone surrogates, refused far from their source)."""
+    import sys
+
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise PocketError(f"stdin is not UTF-8 text: an undecodable byte at character "
+                              f"{exc.start}; use UTF-8") from None
+        return data
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PocketError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
+                          f"{exc.start}; convert it first (e.g. iconv -t UTF-8)") from None
 
 
 def jsonl_lines(text: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -504,6 +505,25 @@ def test_cli_instruction_task_prints_each_kind(tiny, tmp_path, capsys):
     assert main(["eval", "-m", str(tiny["model"].path), "--task", str(task)]) == 0
     out = capsys.readouterr().out
     assert "by kind (passed/given): words_at_most 1/1" in out  # 8 tokens are under 100 words
+
+def test_cli_ppl_reads_stdin_as_utf8(tiny, capsys, monkeypatch):
+    import io
+
+    from pocketlm.cli import main
+
+    model_path = str(tiny["model"].path)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(TEXT.encode("utf-8"))))
+    assert main(["eval", "-m", model_path, "--ppl", "-", "--window", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ppl"] == pytest.approx(perplexity(tiny["model"], TEXT, window=32,
+                                                  progress=False)["ppl"], rel=1e-9)
+    # Latin-1 bytes were read as lone surrogates and refused as "not valid Unicode" far
+    # from their source; the error now names stdin and the byte
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait\n")))
+    assert main(["eval", "-m", model_path, "--ppl", "-"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "stdin is not UTF-8 text: byte 0xe9 at offset 3" in err
+
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     from pocketlm.cli import main

@@ -491,6 +491,17 @@ def test_existing_output_needs_force(small_pocket, tmp_path, capsys):
     assert code == 0 and out.read_bytes()[:4] == b"GGUF"
 
 
+@pytest.mark.parametrize("to", ["gguf", "hf"])
+@pytest.mark.parametrize("flag", [("--group-size", "64"), ("--embed-bits", "4")])
+def test_packing_flags_on_a_deploy_file_are_refused_not_ignored(small_pocket, tmp_path, capsys,
+                                                                to, flag):
+    # a .pocket file is exported with the layouts it holds: the flag changed nothing
+    out = tmp_path / ("m.gguf" if to == "gguf" else "hf")
+    code, err = _cli(capsys, "export", str(small_pocket), "--to", to, "-o", str(out), *flag)
+    assert code == 1 and err.count("\n") == 1 and flag[0] in err and ".pocket file" in err
+    assert not out.exists()
+
+
 def test_unwritable_folder_is_one_line(small_pocket, tmp_path, capsys):
     folder = tmp_path / "ro"
     folder.mkdir()

@@ -193,6 +193,8 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
                                f"{', '.join(VS_ENGINES)}")
     if mnn and "mnn" not in vs:
         raise PocketError("--mnn names the MNN export for --vs mnn: add --vs mnn")
+    if gguf and "llama.cpp" not in vs:
+        raise PocketError("--gguf names the GGUF for --vs llama.cpp: add --vs llama.cpp")
     name = model or DEFAULT_MODEL
     files = {"mnn": mnn_export(name, mnn)} if "mnn" in vs else {}
     src = resolve(name)

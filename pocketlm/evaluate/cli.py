@@ -98,9 +98,10 @@ def _open_engine(args):
 
 
 def _read_text(spec: str) -> tuple[str, str]:
+    from ..textfile import read_stdin_text, read_text_file
+
     if spec == "-":
-        return sys.stdin.read(), "<stdin>"
-    from ..textfile import read_text_file
+        return read_stdin_text(), "<stdin>"
 
     path = Path(spec)
     text = read_text_file(path)

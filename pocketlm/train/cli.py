@@ -392,8 +392,8 @@ def cmd_export(args) -> int:
         from .export import export
 
         with _exit_on_sigterm():  # SIGTERM: the temporary file is removed
-            report = export(args.run, out, group_size=args.group_size,
-                            embed_bits=args.embed_bits, best=False if args.last else None,
+            report = export(args.run, out, group_size=args.group_size or 32,
+                            embed_bits=args.embed_bits or 8, best=False if args.last else None,
                             keep_lora=args.keep_lora, **calibration_kwargs(args))
         print(report.summary())
         return 0
@@ -411,8 +411,16 @@ def cmd_export(args) -> int:
                               f"with it (pocket pack ... {flag}) instead")
     if target != "hf" and args.dtype is not None:
         raise PocketError("--dtype applies to --to hf")
-    source = deploy_file(args.run, group_size=args.group_size, embed_bits=args.embed_bits,
-                         quiet=args.quiet)
+    from ..formats import sniff
+
+    for flag, given in (("--group-size", args.group_size), ("--embed-bits", args.embed_bits)):
+        if given is not None and Path(args.run).is_file() and sniff(args.run) == "pocket":
+            # a deploy file is exported with the layouts it holds: the flag would be ignored
+            raise PocketError(f"{flag} applies when SRC is packed first; {args.run} is a "
+                              f".pocket file already (pack its source with {flag}, then "
+                              "export that)")
+    source = deploy_file(args.run, group_size=args.group_size or 32,
+                         embed_bits=args.embed_bits or 8, quiet=args.quiet)
     if target == "gguf":
         from ..export.gguf import export_gguf
 
@@ -660,8 +668,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="output format (default pocket)")
     p.add_argument("-o", "--output", required=True,
                    help="the file (pocket, gguf) or folder (hf) to write")
-    p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128))
-    p.add_argument("--embed-bits", type=int, default=8, choices=(4, 8))
+    p.add_argument("--group-size", type=int, default=None, choices=(32, 64, 128),
+                   help="INT4 group size when SRC is packed (default 32; a .pocket SRC keeps "
+                   "its own)")
+    p.add_argument("--embed-bits", type=int, default=None, choices=(4, 8),
+                   help="embedding bits when SRC is packed (default 8; a .pocket SRC keeps "
+                   "its own)")
     p.add_argument("--last", action="store_true",
                    help="export the latest checkpoint even when the run kept best.pt")
     p.add_argument("--keep-lora", action="store_true",
