@@ -259,8 +259,8 @@ TRIMMED: dict[str, TrimmedEntry] = {
             description="Qwen2.5-Coder 0.5B, vocabulary trimmed to Chinese + English "
             "(65,536 pieces)",
             languages=("en", "zh"), vocab_size=65536, kept=65536,
-            source_ids_sha256="1f1c4bb0fc374bec635fcd43c14962cf657aa1f67e56f3572cb8ec414dddde3a",
-            size=351_108_416,
+            source_ids_sha256="b7067ff08b96b82b207acd995585df57330583ecd4c1b848edcfc9f9ef28bd8c",
+            size=351_108_544,
         ),
     )
 }

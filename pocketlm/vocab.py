@@ -25,7 +25,7 @@ stay total: the merge intermediates (each kept piece is tokenized alone by the s
 algorithm and every piece formed on the way is kept: the merges within a final piece are the
 same whatever text surrounds it), all byte pieces (byte-level symbols, ``<0xNN>`` byte
 fallback), every special, control and user-defined token, the BOS / EOS / unknown pieces and
-the pieces the chat template renders to.
+the pieces the chat template renders to (its tools branch included).
 
 **Why it stays exact.** A BPE applies, at each step, the best-ranked merge (byte-level BPE: the
 earliest merge in the list; SentencePiece: the highest-scoring piece, leftmost on ties) whose
@@ -540,10 +540,23 @@ def template_ids(tok: Tokenizer, chat_template: str | None) -> set[int]:
                 {"role": "user", "content": "Thanks"}]
     bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
     eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+    renders: list[tuple[list[dict], dict]] = [(messages, {}), (messages[1:], {})]
+    if "tools" in chat_template:
+        # the tools branch's own text (Qwen's "<args-json-object>", a call, a tool's answer):
+        # a request with tools renders it, and a trimmed model must read it as its source does
+        tools = [{"type": "function", "function": {
+            "name": "get_weather", "description": "Get the weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                           "required": ["city"]}}}]
+        call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+        turns = [*messages[:2], call, {"role": "tool", "content": "sunny, 21 C"}]
+        renders += [(turns, {"tools": tools}), (turns[1:], {"tools": tools})]
     out: set[int] = set()
-    for msgs in (messages, messages[1:]):
+    for msgs, extra in renders:
         try:
-            text = render(chat_template, msgs, bos_token=bos or "", eos_token=eos or "")
+            text = render(chat_template, msgs, bos_token=bos or "", eos_token=eos or "",
+                          **extra)
         except PocketError:
             continue  # a template that refuses a system turn, say
         out.update(tok.encode(text, add_bos=False, special=True))

@@ -587,6 +587,34 @@ def test_trimmed_registry_model_is_built_checked_and_exact(name):
 
 
 @pytest.mark.real
+def test_trimmed_qwen_reads_a_tools_request_as_its_source_does():
+    # the template's tools branch ("<args-json-object>", a call, a tool's answer) was not in
+    # the kept set: a request with tools reached the trimmed model in other pieces
+    from pocketlm.chat import render
+    from pocketlm.formats import open_source
+    from pocketlm.registry import resolve
+    from pocketlm.vocab import read_trimmed
+
+    path = resolve("qwen2.5-0.5b-zh-en", quiet=True)
+    source_ids = read_trimmed(path)["source_ids"]
+    trimmed = open_source(path)
+    base = open_source(resolve("qwen2.5-0.5b", quiet=True))
+    tools = [{"type": "function", "function": {
+        "name": "lookup_order", "description": "Find an order by its number",
+        "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                       "required": ["order_id"]}}}]
+    messages = [{"role": "user", "content": "Where is order 42?"},
+                {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                 "function": {"name": "lookup_order", "arguments": {"order_id": "42"}}}]},
+                {"role": "tool", "content": "shipped"}]
+    text = render(base.chat_template, messages, tools=tools)
+    assert "<args-json-object>" in text and "<tool_response>" in text
+    want = base.tokenizer.encode(text, add_bos=False, special=True)
+    got = trimmed.tokenizer.encode(text, add_bos=False, special=True)
+    assert [source_ids[i] for i in got] == want
+
+
+@pytest.mark.real
 def test_damaged_trimmed_source_is_refused_by_name(tmp_path):
     from pocketlm.errors import FormatError
     from pocketlm.formats import open_source
