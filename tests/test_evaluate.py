@@ -358,6 +358,33 @@ def test_few_shot_from_the_examples_and_from_a_pool():
     assert (r["n"], r["shots"]) == (2, 1) and r["correct"] >= 1
 
 
+def test_an_empty_prompt_without_bos_is_refused():
+    # nothing to condition on: Engine.continuation_logprobs (the llama.cpp engine's) sliced
+    # no logits and raised IndexError
+    task = Task(name="e", type="classification", template="{text}", labels=["a", "b"],
+                examples=[{"text": "", "label": "a"}])
+    with pytest.raises(PocketError, match="prompt is empty and the model adds no BOS"):
+        evaluate_task(FakeEngine(bos=False), task, progress=False)
+    assert evaluate_task(FakeEngine(bos=True), task, progress=False)["n"] == 1
+
+
+def test_max_tokens_beyond_the_context_names_max_tokens():
+    # it said "the answer alone does not fit the model's context", which points at the data
+    task = Task(name="g", type="generation", template="Q: {q}", examples=[{"q": "x",
+                                                                          "answer": "1"}])
+    with pytest.raises(PocketError, match="max_tokens 256 leaves no room for the prompt in "
+                                          "the model's context of 200 tokens"):
+        evaluate_task(FakeEngine(max_context=200), task, progress=False)
+
+
+def test_perplexity_of_a_broken_model_is_inf_not_a_traceback():
+    # per-token losses past 709 nats (overflowing logits of a bad pack) made math.exp raise
+    # OverflowError
+    r = perplexity(FakeEngine(boost={"x": 1e5}), "ab ab ab ab", progress=False)
+    assert r["nll"] > 1e5 and r["ppl"] == math.inf and r["ppl_char"] == math.inf
+    assert math.isfinite(r["bits_per_char"])
+
+
 # -- task files and their errors ------------------------------------------------------------
 
 
@@ -409,6 +436,28 @@ def test_yaml_task_file_with_data_and_fewshot_files(tmp_path):
       json.dumps({"q": "x", "choices": ["a", "b"], "answer": 5})], r":2: answer 5"),
     ([json.dumps({"task": {"type": "multiple_choice", "template": "{q}", "colour": 1}}),
       json.dumps({"q": "x", "choices": ["a", "b"], "answer": 0})], "unknown task key"),
+    # a traceback (dict() of a list), and "chat": "false" read as true
+    ([json.dumps({"task": {"type": "classification", "template": "{text}", "source": [1, 2],
+                           "labels": ["pos", "neg"]}}),
+      json.dumps({"text": "x", "label": "pos"})], "'source' must be a mapping"),
+    ([json.dumps({"task": {"type": "classification", "template": "{text}", "chat": "false",
+                           "labels": ["pos", "neg"]}}),
+      json.dumps({"text": "x", "label": "pos"})], "'chat' must be true or false"),
+    # a list as a group's value: a TypeError (unhashable) once scoring began
+    ([json.dumps({"task": {"type": "generation", "template": "{q}", "fewshot_group": "g"}}),
+      json.dumps({"q": "x", "answer": "1", "g": [1]})], r":2: fewshot_group field 'g'"),
+    # what a check reads: a KeyError traceback mid-run, or an error naming no file or line
+    ([json.dumps({"task": {"type": "generation", "template": "{prompt}",
+                           "check": "humaneval"}}),
+      json.dumps({"prompt": "def f():\n", "answer": "pass"})],
+     r":2: a 'humaneval' example needs prompt, test, entry_point"),
+    ([json.dumps({"task": {"type": "generation", "template": "{prompt}",
+                           "check": "instructions"}}),
+      json.dumps({"prompt": "hi", "answer": "pass", "instructions": [{"check": "rhymes"}]})],
+     r":2: instruction 0: unknown checker 'rhymes'"),
+    ([json.dumps({"task": {"type": "generation", "template": "{prompt}",
+                           "check": "instructions"}}),
+      json.dumps({"prompt": "hi", "answer": "pass"})], r":2: an 'instructions' example needs"),
 ])
 def test_task_file_errors_are_one_line(tmp_path, lines, match):
     path = tmp_path / "bad.jsonl"
@@ -416,6 +465,16 @@ def test_task_file_errors_are_one_line(tmp_path, lines, match):
     with pytest.raises(PocketError, match=match) as info:
         load_task(path)
     assert "\n" not in str(info.value)
+
+
+def test_yaml_examples_with_number_keys_get_a_one_line_error(tmp_path):
+    # the message listed the example's fields with sorted(): str and int keys (YAML allows
+    # `1: x`) raised TypeError while the error was being written
+    (tmp_path / "t.yaml").write_text(
+        'type: classification\ntemplate: "{text}"\nlabels: [a, b]\nexamples:\n'
+        "  - {1: x, label: a}\n", encoding="utf-8")
+    with pytest.raises(PocketError, match=r"no field 'text' \(it has 1, label\)"):
+        load_task(tmp_path / "t.yaml")
 
 
 def test_binary_and_non_utf8_files(tmp_path):
@@ -494,6 +553,45 @@ def test_cli_ppl_and_task_json(tiny, tmp_path, capsys):
     assert len(preds.read_text(encoding="utf-8").splitlines()) == 2
 
 
+def test_cli_task_predictions_are_not_half_written(tiny, tmp_path, capsys):
+    """A run that failed mid-way left the first examples' lines in the file, in place of
+    the earlier run's predictions."""
+    from pocketlm.cli import main
+
+    model_path = str(tiny["model"].path)
+    assert not tiny["model"].tokenizer.add_bos  # an empty prompt fails at the 2nd example
+    task = _write(tmp_path / "t.jsonl", [HEADER, json.dumps({"text": "good", "label": "pos"}),
+                                         json.dumps({"text": "bad", "label": "neg"})])
+    preds = tmp_path / "p.jsonl"
+    assert main(["eval", "-m", model_path, "--task", str(task), "--json",
+                 "--predictions", str(preds)]) == 0
+    before = preds.read_bytes()
+    capsys.readouterr()
+    failing = _write(tmp_path / "f.jsonl", [
+        json.dumps({"task": {"type": "classification", "template": "{text}",
+                             "labels": ["pos", "neg"]}}),
+        json.dumps({"text": "good", "label": "pos"}), json.dumps({"text": "", "label": "neg"})])
+    for out in (preds, tmp_path / "new.jsonl"):
+        assert main(["eval", "-m", model_path, "--task", str(failing),
+                     "--predictions", str(out)]) == 1
+        assert "prompt is empty" in capsys.readouterr().err
+    assert preds.read_bytes() == before and not (tmp_path / "new.jsonl").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.jsonl", "p.jsonl", "t.jsonl"]
+
+
+def test_cli_seed_without_a_fewshot_pool_is_refused(tmp_path, capsys):
+    # the task's shots are its first examples: --seed changed nothing, silently
+    from pocketlm.cli import main
+
+    task = _write(tmp_path / "t.jsonl", [HEADER, json.dumps({"text": "good", "label": "pos"}),
+                                         json.dumps({"text": "bad", "label": "neg"})])
+    assert main(["eval", "-m", "no-such-model", "--task", str(task), "--shots", "1",
+                 "--seed", "3"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--seed draws few-shot examples from a task's 'fewshot' " \
+        "pool; task t takes its shots from its first examples" in err
+
+
 def test_cli_instruction_task_prints_each_kind(tiny, tmp_path, capsys):
     from pocketlm.cli import main
 
@@ -554,6 +652,9 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (["--task", "T", "--predictions", "FIFO"], "not a regular file"),
     # a FIFO to read: the read blocked forever
     (["--ppl", "FIFO"], "not a regular file"),
+    # llama.cpp runs the GGUF's weights: --precision float was ignored (and recorded)
+    (["--ppl", "T", "--engine", "llama.cpp", "--precision", "float"],
+     "--precision applies to --engine pocketlm"),
 ])
 def test_cli_refuses_flags_that_do_not_apply_and_fifos(tmp_path, capsys, argv, words):
     from pocketlm.cli import main

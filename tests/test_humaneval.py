@@ -236,3 +236,11 @@ def test_fork_and_subprocess_are_refused():
                 "import multiprocessing as m; p = m.Process(target=print); p.start(); p.join()"):
         status, message = run_program(src, timeout=10)
         assert status == "error" and "disabled" in message, (src, message)
+
+
+def test_a_real_time_signal_is_an_error_not_a_crash():
+    # signal.Signals has no member for real-time signals: the verdict raised ValueError in
+    # the evaluating process and ended the whole run with a traceback
+    status, message = run_program("import signal; signal.raise_signal(signal.SIGRTMIN + 6)",
+                                  timeout=10)
+    assert status == "error" and message.startswith("signal ")

@@ -215,6 +215,16 @@ def test_check_response_en_lowercase_postscript_loose():
     assert r["passed"] == [False, True] and r["correct_loose"]
 
 
+def test_json_checks_fail_a_degenerate_deep_nesting_instead_of_crashing():
+    # a small model looping on "[" wrote JSON nested past Python's parser: json.loads raised
+    # RecursionError, which the checks did not catch, and the whole run ended in a traceback
+    deep = "[" * 5000
+    assert not ins.json_valid(deep) and not ins.json_keys("{\"a\": " * 5000, ["a"])
+    r = check_response(deep, _prompt("zh-005"))
+    assert not r["correct"] and not r["correct_loose"]
+    assert ins.json_valid("[" * 50 + "]" * 50)  # ordinary nesting still parses
+
+
 def test_loose_variants():
     v = loose_variants("Sure:\n*one*\nBye")
     assert v[0] == "Sure:\n*one*\nBye" and "*one*\nBye" in v and "one" in v and len(v) == 8

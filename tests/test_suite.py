@@ -196,6 +196,41 @@ def test_cli_suite_errors_are_one_line(capsys):
         assert message in err and err.count("\n") == 1, (argv, err)
 
 
+@pytest.mark.parametrize("argv,message", [
+    # 0 is falsy: --shots 0 and --seed 0 were silently ignored
+    (["--shots", "0"], "--shots does not apply to --suite"),
+    (["--seed", "0"], "--seed does not apply to --suite"),
+    # a text file named by mistake: its first line is not JSON, which read as "no header
+    # yet", and the file was truncated
+    (["--predictions", "NOTES"], "is not a predictions file of pocket eval --suite"),
+])
+def test_cli_suite_refuses_flags_and_files_before_the_model_loads(tmp_path, capsys, argv,
+                                                                  message):
+    from pocketlm.cli import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n", encoding="utf-8")
+    argv = [str(notes) if a == "NOTES" else a for a in argv]
+    assert main(["eval", "-m", "no-such-model", "--suite", "pocket", *argv]) == 1
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert notes.read_text(encoding="utf-8") == "my notes\n"
+
+
+def test_predictions_never_truncate_a_file_that_is_not_one(tmp_path):
+    head = run_header("fake-model", "int4", "fake", "fake")
+    for text in ("my notes\nmore\n", "\n\nnotes after blank lines\n"):
+        other = tmp_path / "notes.txt"
+        other.write_text(text, encoding="utf-8")
+        with pytest.raises(PocketError, match="not a predictions file"):
+            Predictions(other, head)
+        assert other.read_text(encoding="utf-8") == text
+    torn = tmp_path / "torn.jsonl"  # killed while writing its header: started afresh
+    torn.write_text('{"run": {"suite": "fa', encoding="utf-8")
+    Predictions(torn, head).close()
+    assert json.loads(torn.read_text(encoding="utf-8"))["run"] == head
+
+
 @pytest.mark.parametrize("tasks", ["", ",", " , "])
 def test_an_empty_tasks_list_is_refused_not_the_whole_suite(tasks, capsys, monkeypatch):
     """``--tasks "$TASKS"`` with the variable unset named no task: it used to run every task

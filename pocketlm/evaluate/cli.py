@@ -6,6 +6,7 @@ Registered by :func:`add_commands` on the main parser.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -56,9 +57,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "instead of each task's fixed subset)")
     p.add_argument("--precision", choices=("int4", "float"), default="int4",
                    help="int4: the default deploy pack (default); float: the source's "
-                   "dequantized float32 weights, the reference")
+                   "dequantized float32 weights, the reference (--engine pocketlm)")
     p.add_argument("--shots", type=int, help="few-shot examples (default: the task's)")
-    p.add_argument("--seed", type=int, help="seed for drawing few-shot examples")
+    p.add_argument("--seed", type=int, help="seed for drawing few-shot examples from the "
+                   "task's fewshot pool")
     p.add_argument("--chat", action="store_true",
                    help="render each prompt as a user message with the model's chat template")
     p.add_argument("--strict", action="store_true",
@@ -140,6 +142,11 @@ def cmd_eval(args) -> int:
                 raise PocketError(f"--{flag} does not apply to --ppl (it scores tasks)")
     elif args.window is not None or args.stride is not None:
         raise PocketError("--window and --stride apply to --ppl")
+    if args.engine == "llama.cpp" and args.precision != "int4":
+        # llama.cpp runs the GGUF as it is: the flag was ignored, and a suite's result and
+        # predictions file still recorded "precision": "float"
+        raise PocketError("--precision applies to --engine pocketlm; llama.cpp runs the GGUF's "
+                          "own weights")
     if args.predictions is not None:
         if not args.predictions.strip():
             raise PocketError("--predictions is empty (an unset shell variable?): give a path")
@@ -148,6 +155,12 @@ def cmd_eval(args) -> int:
         # a folder, a FIFO (opening it would block) or an unwritable place: refused before the
         # model loads; an existing file is replaced (--suite resumes from it)
         check_output(args.predictions, force=True)
+        if args.suite:  # only an earlier --suite run's file is resumed, never another cut
+            from ..export import check_replaceable
+
+            check_replaceable(args.predictions, "--predictions",
+                              "a predictions file of pocket eval --suite",
+                              lambda head: head.lstrip().startswith(b'{"run"'))
     if args.suite:
         return _cmd_suite(args)
     if args.ppl:
@@ -171,6 +184,12 @@ def cmd_eval(args) -> int:
     task = resolve_task(args.task, strict=args.strict, warn=warn)
     if args.chat:
         task.chat = True
+    if args.seed is not None and (not task.fewshot or task.fewshot_group is not None):
+        # the seed draws shots from a few-shot pool only: without one it changed nothing
+        where = ("the other examples of each one's group" if task.fewshot_group is not None
+                 else "its first examples")
+        raise PocketError(f"--seed draws few-shot examples from a task's 'fewshot' pool; task "
+                          f"{task.name} takes its shots from {where}, which no seed changes")
     if args.predictions:  # only an earlier --task run's file is replaced, never another
         from ..export import check_replaceable
 
@@ -178,19 +197,22 @@ def cmd_eval(args) -> int:
                           "a predictions file of pocket eval --task",
                           lambda head: head.lstrip().startswith(b'{"example"'))
     engine = _open_engine(args)
-    sink = open(args.predictions, "w", encoding="utf-8") if args.predictions else None  # noqa: SIM115
+    with contextlib.ExitStack() as stack:
+        sink = None
+        if args.predictions:  # written beside it and renamed at the end: a run that fails
+            from ..export import atomic_file  # leaves no half file, and the earlier one whole
 
-    def record(index: int, example: dict, result: dict) -> None:
-        if sink is not None:
-            sink.write(json.dumps({"example": example, **result}, ensure_ascii=False) + "\n")
+            tmp = stack.enter_context(atomic_file(args.predictions))
+            sink = stack.enter_context(open(tmp, "w", encoding="utf-8"))
 
-    try:
+        def record(index: int, example: dict, result: dict) -> None:
+            if sink is not None:
+                sink.write(json.dumps({"example": example, **result}, ensure_ascii=False)
+                           + "\n")
+
         result = evaluate_task(engine, task, limit=args.limit or None, shots=args.shots,
                                seed=args.seed,
                                progress=not args.json, on_example=record)
-    finally:
-        if sink is not None:
-            sink.close()
     result = {**result, "model": args.model, "engine": engine.name, "chat": task.chat}
     if task.skipped:
         result["skipped_lines"] = task.skipped
@@ -217,7 +239,8 @@ def _cmd_suite(args) -> int:
     from .suite import Predictions, format_table, run_header, run_suite, suite_tasks
 
     for flag in ("ppl", "shots", "seed", "chat", "strict", "window", "stride"):
-        if getattr(args, flag):
+        value = getattr(args, flag)  # --shots 0 and --seed 0 are given too, not falsy
+        if value is not None and value is not False:
             raise PocketError(f"--{flag} does not apply to --suite (its tasks fix their own)")
     only = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks is not None \
         else None

@@ -372,7 +372,11 @@ def run_program(source: str, *, timeout: float = 10.0, memory_mb: int = 1024) ->
         if last.startswith("AssertionError"):
             return "failed", last
         if code < 0:
-            name = signal.Signals(-code).name
+            # real-time signals (signal.raise_signal(40)) have no member in signal.Signals
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
             why = {"SIGXCPU": "CPU time limit", "SIGXFSZ": "file size limit (output over "
                    f"{FILE_LIMIT >> 20} MiB?)", "SIGKILL": "killed"}.get(name, "signal")
             return "error", f"{name}: {why}" + (f"; {last}" if last else "")

@@ -170,22 +170,29 @@ def keyword_frequency_at_least(response: str, keyword: str, n: int) -> bool:
     return _mentions(response, keyword) >= n
 
 
+def _json_value(response: str):
+    """The JSON value of the response's body, or ``_NOT_JSON``. A degenerate output nested
+    deeper than Python's parser goes (``[[[[...``, a small model looping) raises
+    RecursionError, not ValueError: it fails the check instead of ending the whole run."""
+    try:
+        return json.loads(_json_body(response))
+    except (ValueError, RecursionError):
+        return _NOT_JSON
+
+
+_NOT_JSON = object()
+
+
 def json_valid(response: str) -> bool:
     """The response, stripped of surrounding whitespace and of one Markdown code fence that
-    encloses all of it, parses as JSON whose top level is an object or an array."""
-    try:
-        value = json.loads(_json_body(response))
-    except ValueError:
-        return False
-    return isinstance(value, dict | list)
+    encloses all of it, parses as JSON whose top level is an object or an array (nested no
+    deeper than Python's parser allows, about 1,000 levels)."""
+    return isinstance(_json_value(response), dict | list)
 
 
 def json_keys(response: str, keys: list[str]) -> bool:
     """As :func:`json_valid`, with a top-level object that has every key in ``keys``."""
-    try:
-        value = json.loads(_json_body(response))
-    except ValueError:
-        return False
+    value = _json_value(response)
     return isinstance(value, dict) and all(k in value for k in keys)
 
 

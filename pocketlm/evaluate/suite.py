@@ -125,6 +125,11 @@ class Predictions:
                 data = self.path.read_bytes()
             except OSError as e:
                 raise PocketError(f"{self.path}: cannot read ({e.strerror or e})") from None
+            if data.strip() and not data.lstrip().startswith(b'{"run"'):
+                # a first line that is not JSON (a text file named by mistake) read as "no
+                # header yet", and the file was truncated; a torn header still starts so
+                raise PocketError(f"{self.path}: not a predictions file of pocket eval "
+                                  "--suite; name another file")
             lines = data.split(b"\n")
             try:
                 head = json.loads(lines[0]) if lines[0].strip() else None

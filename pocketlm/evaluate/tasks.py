@@ -252,9 +252,18 @@ def perplexity(model, text: str, *, window: int | None = None, stride: int | Non
         bar.update(1)
     bar.close()
     chars = len(text)
-    return {"ppl": math.exp(nll / scored), "ppl_char": math.exp(nll / chars),
+    return {"ppl": _exp(nll / scored), "ppl_char": _exp(nll / chars),
             "bits_per_char": nll / chars / math.log(2), "tokens": scored, "chars": chars,
             "nll": nll, "window": window, "stride": stride}
+
+
+def _exp(x: float) -> float:
+    """``math.exp``, but inf past float range: a broken model (a bad pack, overflowing
+    logits) has per-token losses in the thousands of nats, and is reported, not a traceback."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 def as_engine(model) -> Engine:
@@ -357,8 +366,9 @@ def render_template(template: str, example: dict, *, where: str = "") -> str:
             return m.group(0)[0]
         name, index = m.group(1), m.group(2)
         if name not in example:
+            has = ", ".join(sorted(map(str, example)))  # YAML keys may be numbers
             raise PocketError(f"{where}template refers to unknown field {{{name}}}; the "
-                              f"example has {', '.join(sorted(example)) or 'no fields'}")
+                              f"example has {has or 'no fields'}")
         value = example[name]
         if index is not None:
             if not isinstance(value, list) or int(index) >= len(value):
@@ -558,10 +568,11 @@ def _task_from_header(header: Any, path: Path, *, strict: bool, warn, skipped: i
         fewshot_separator=header.get("fewshot_separator", "\n\n"),
         shots=header.get("shots", 0),
         seed=header.get("seed", 0),
-        chat=bool(header.get("chat", False)),
+        chat=header.get("chat", False),
         max_tokens=header.get("max_tokens", 256),
         stop=[header["stop"]] if isinstance(header.get("stop"), str) else header.get("stop"),
-        source=dict(header.get("source") or {}),
+        source=(dict(header["source"]) if isinstance(header.get("source"), dict)
+                else header.get("source") or {}),
         check=header.get("check"),
         fewshot_group=header.get("fewshot_group"),
         response_prefix=header.get("response_prefix", ""),
@@ -587,6 +598,17 @@ def check_task(task: Task, *, where: str = "task", located: list | None = None) 
             raise PocketError(f"{where}: {key!r} must be a non-negative integer, got {value!r}")
     if not isinstance(task.choice_prefix, str) or not isinstance(task.fewshot_separator, str):
         raise PocketError(f"{where}: 'choice_prefix' and 'fewshot_separator' must be strings")
+    # "chat": "false" was read as true (a non-empty string), and a list as "source" was a
+    # traceback
+    if not isinstance(task.chat, bool):
+        raise PocketError(f"{where}: 'chat' must be true or false, got {task.chat!r}")
+    if not isinstance(task.source, dict):
+        raise PocketError(f"{where}: 'source' must be a mapping (free-form provenance), got "
+                          f"{task.source!r}")
+    if task.fewshot_group is not None and (not isinstance(task.fewshot_group, str)
+                                           or not task.fewshot_group):
+        raise PocketError(f"{where}: 'fewshot_group' must be a field name, got "
+                          f"{task.fewshot_group!r}")
     if not isinstance(task.response_prefix, str) or (task.response_prefix and not task.chat):
         raise PocketError(f"{where}: 'response_prefix' must be a string, and is for chat tasks")
     if task.stop is not None and not (isinstance(task.stop, list)
@@ -620,8 +642,9 @@ def _check_example(task: Task, ex: dict, loc: str) -> None:
     fields = set(ex) | ({"options"} if task.type == "multiple_choice" else set())
     for name in template_fields(task.template):
         if name not in fields:
+            has = ", ".join(sorted(map(str, ex)))  # YAML keys may be numbers
             raise PocketError(f"{loc}: the template refers to {{{name}}} but the example has "
-                              f"no field {name!r} (it has {', '.join(sorted(ex)) or 'none'})")
+                              f"no field {name!r} (it has {has or 'none'})")
     if task.type == "multiple_choice":
         choices = ex.get("choices")
         if not isinstance(choices, list) or len(choices) < 2 or not all(
@@ -637,6 +660,37 @@ def _check_example(task: Task, ex: dict, loc: str) -> None:
         if not isinstance(ex.get("answer"), str | int | float) or isinstance(ex.get("answer"),
                                                                              bool):
             raise PocketError(f"{loc}: a generation example needs an 'answer' string")
+        _check_fields_of_check(task.check, ex, loc)
+    if task.fewshot_group is not None:
+        value = ex.get(task.fewshot_group)
+        # group_shots keys a dict by it: a list or mapping was a TypeError mid-run
+        if value is not None and not isinstance(value, str | int | float | bool):
+            raise PocketError(f"{loc}: fewshot_group field {task.fewshot_group!r} must be a "
+                              f"string or number, got {value!r}")
+
+
+def _check_fields_of_check(check: str | None, ex: dict, loc: str) -> None:
+    """Refuse an example that lacks what its task's ``check`` reads, before the model loads:
+    found while scoring, a missing ``test`` was a KeyError traceback, and a malformed
+    instruction an error naming no file or line, after the examples before it had run."""
+    if check in ("humaneval", "humaneval-script"):
+        needs = ("prompt", "test", "entry_point") if check == "humaneval" else ("test",
+                                                                               "entry_point")
+        for key in needs:
+            if not isinstance(ex.get(key), str) or not ex[key]:
+                raise PocketError(f"{loc}: a '{check}' example needs {', '.join(needs)} as "
+                                  f"non-empty strings; {key!r} is {ex.get(key)!r}")
+        if not ex["entry_point"].isidentifier():
+            raise PocketError(f"{loc}: entry_point {ex['entry_point']!r} is not a Python name")
+    elif check == "instructions":
+        from .instructions import validate_instruction
+
+        instructions = ex.get("instructions")
+        if not isinstance(instructions, list) or not instructions:
+            raise PocketError(f"{loc}: an 'instructions' example needs a non-empty "
+                              "'instructions' list")
+        for i, ins in enumerate(instructions):
+            validate_instruction(ins, f"{loc}: instruction {i}")
 
 
 def answer_index(ex: dict, loc: str = "example") -> int:
@@ -769,6 +823,11 @@ def _fit(bos: list[int], ids: list[int], room: int, task: Task) -> list[int]:
     if keep < 1:
         raise PocketError(f"task {task.name}: the answer alone does not fit the model's "
                           "context")
+    if not bos and not ids:
+        # an empty prompt and no BOS: nothing to condition on (Engine.continuation_logprobs,
+        # the llama.cpp engine's, took an empty slice of logits: an IndexError traceback)
+        raise PocketError(f"task {task.name}: an example's prompt is empty and the model adds "
+                          "no BOS token: there is nothing to score the answer after")
     return bos + ids[-keep:]
 
 
@@ -780,6 +839,11 @@ def score_example(engine: Engine, task: Task, ex: dict, shots: list[dict]) -> di
     prompt = build_prompt(task, ex, shots)
     if task.type == "generation":
         bos, ids, _ = encode_prompt(engine, task, prompt)
+        if engine.max_context - task.max_tokens - len(bos) < 1:  # not "the answer alone..."
+            raise PocketError(f"task {task.name}: max_tokens {task.max_tokens} leaves no room "
+                              f"for the prompt in the model's context of {engine.max_context} "
+                              "tokens; lower max_tokens or load the model with a larger "
+                              "context (--n-ctx)")
         ids = _fit(bos, ids, engine.max_context - task.max_tokens, task)
         stop = task.stop if task.stop is not None else ([] if task.chat else ["\n\n"])
         output = engine.generate(ids, task.max_tokens, stop)
