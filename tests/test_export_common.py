@@ -78,3 +78,45 @@ def test_names_are_matched_literally(tmp_path, name):
     lookalike = _file(tmp_path / ".m1.gguf.k1ll3d_a.tmp", stale=True)
     assert remove_stale_temporaries(tmp_path / name) == [mine]
     assert lookalike.exists()
+
+
+def test_a_folder_replaced_whole_must_not_hold_an_input(tmp_path):
+    """``pocket export out/m.pocket --to hf -o out --force`` would delete m.pocket with the
+    earlier export it replaces: refused before any work, like ``-o`` naming the input."""
+    from pocketlm.errors import PocketError
+    from pocketlm.export import check_output
+
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    (out / "config.json").write_text("{}")  # an earlier export, which --force replaces
+    for source in (out / "m.pocket", out / "sub" / "m.pocket"):
+        source.write_bytes(b"a model")
+        with pytest.raises(PocketError, match="holds the input") as info:
+            check_output(out, force=True, folder=True, inputs=(str(source),),
+                         replaces=lambda d: True)
+        assert "\n" not in str(info.value)
+    # a registry name, a file elsewhere, a new folder: written
+    elsewhere = _file(tmp_path / "m.pocket", stale=False)
+    for source in ("smollm2-135m", str(elsewhere)):
+        assert check_output(out, force=True, folder=True, inputs=(source,),
+                            replaces=lambda d: True) == out
+    assert check_output(tmp_path / "new", force=False, folder=True,
+                        inputs=(str(out / "m.pocket"),), replaces=lambda d: True)
+
+
+def test_a_failed_rename_puts_the_earlier_folder_back(tmp_path, monkeypatch):
+    out = tmp_path / "tiny-hf"
+    out.mkdir()
+    (out / "config.json").write_text("earlier")
+    real = os.replace
+
+    def failing(src, dst):
+        if Path(dst) == out and Path(src).name.endswith(".tmp"):  # the new folder's rename
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", failing)
+    with pytest.raises(KeyboardInterrupt), atomic_folder(out) as tmp:
+        (tmp / "config.json").write_text("new")
+    monkeypatch.undo()
+    assert (out / "config.json").read_text() == "earlier" and _names(tmp_path) == {"tiny-hf"}

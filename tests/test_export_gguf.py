@@ -172,12 +172,20 @@ def test_each_family_has_its_gguf_architecture(family, expected):
      "sliding"),
     ("gemma3", {"layer_types": ["global"] * 6}, "global layers"),
     ("gemma3", {"rope_theta_local": 20000.0}, "RoPE base"),
+    # no local base of its own: its sliding layers use the global one (1e6), named
+    ("gemma3", {"rope_theta_local": None}, "local RoPE base of 1e\\+06"),
     ("gemma3", {"attn_scale": 0.1}, "attention scale"),
 ])
 def test_what_llama_cpp_cannot_compute_is_refused(family, changes, word):
     with pytest.raises(UnsupportedError, match=word) as info:
         gguf_architecture(_config(family, **changes))
     assert "\n" not in str(info.value)
+
+
+def test_gemma3_without_a_local_rope_base_uses_the_global_one():
+    # its sliding layers rotate with rope_theta: 10000 is what llama.cpp fixes for them
+    assert gguf_architecture(_config("gemma3", rope_theta_local=None,
+                                     rope_theta=10000.0)) == "gemma3"
 
 
 # -------------------------------------------------------------------------------- tiny GGUFs
@@ -244,6 +252,39 @@ def _gguf_name(name: str) -> str:
     from pocketlm.export.gguf import _gguf_name as to_gguf
 
     return to_gguf(name)
+
+
+def test_source_encoded_tensors_are_decoded_one_at_a_time(tmp_path, monkeypatch):
+    """A deploy file packed from a Q4_K / Q6_K GGUF holds those tensors in their source bytes,
+    decoded to pocketlm's layout on use: the export decodes each as it writes it and lets it
+    go, so that the decoded layouts of the whole model are never resident together."""
+    from pocketlm.quant import EncodedQuantTensor
+
+    src = tmp_path / "src.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=3, weight_type="Q4_K", embed_type="Q6_K",
+                              d_model=256, d_ff=512, head_dim=64, max_context=128)
+    packed = tmp_path / "m.pocket"
+    pack(src, packed, progress=False)
+    read = []
+    real = PocketFile.weights
+    monkeypatch.setattr(PocketFile, "weights", lambda self: read.append(real(self)) or read[-1])
+    report = export_gguf(packed, tmp_path / "m.gguf", progress=False)
+    encoded = [w for w in read[0].values() if isinstance(w, EncodedQuantTensor)]
+    assert {w.encoding for w in encoded} == {"q4_k", "q6_k"}
+    assert [w for w in encoded if w._decoded is not None] == []
+    assert all(t.rel_error == 0.0 for t in report.tensors)
+    monkeypatch.undo()
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    by_name = {t.name: t for t in reader.tensors}
+    config = PocketFile(packed).config()
+    for name, w in PocketFile(packed).weights().items():
+        if isinstance(w, EncodedQuantTensor):
+            t = by_name[_gguf_name(name)]
+            got = dequantize(np.asarray(t.data), t.tensor_type).reshape(w.shape)
+            if name.endswith(("w_q.weight", "w_k.weight")):  # llama: rows in ggml's order
+                got = unpermute_rows(got, config.n_heads if name.endswith("w_q.weight")
+                                     else config.n_kv_heads)
+            assert np.array_equal(got, w.dequantize()), name
 
 
 # -------------------------------------------------------------------------------- the checks
@@ -440,6 +481,63 @@ def test_smollm2_export_holds_the_registry_gguf_tensors():
     assert np.array_equal(oracle.oracle_logits(out, ids), oracle.oracle_logits(source, ids))
 
 
+# -------------------------------------------------------------------------------- metadata
+def _fields(path: Path) -> dict:
+    return {k: f.contents() for k, f in gguf.GGUFReader(str(path)).fields.items()}
+
+
+def test_a_file_without_a_chat_template_gets_its_familys(tmp_path):
+    """pocketlm chats with the family's template (Gemma's) when the deploy file has none; so
+    must llama.cpp, which would otherwise fall back to its own (ChatML)."""
+    src = tmp_path / "src.gguf"
+    tiny_gguf.write_tiny_gguf(src, "gemma3", seed=1, weight_type="Q8_0", chat_template=None)
+    packed = tmp_path / "m.pocket"
+    pack(src, packed, progress=False)
+    assert not PocketFile(packed).text("chat_template")
+    out = tmp_path / "m.gguf"
+    export_gguf(packed, out, progress=False)
+    model = pocketlm.load(packed)
+    assert model.chat_template and \
+        _fields(out)["tokenizer.chat_template"] == model.chat_template
+
+
+@pytest.mark.parametrize("sampling", [
+    {"general.sampling.temp": 0.7},
+    {"general.sampling.temp": 0.6, "general.sampling.top_p": 0.9,
+     "general.sampling.penalty_repeat": 1.1},
+])
+def test_sampling_defaults_leave_no_filter_to_llama_cpp(tmp_path, sampling):
+    """llama.cpp takes each general.sampling key it finds and its own default for each one
+    missing (top-k 40, top-p 0.95, min-p 0.05): a model that samples with a filter off must
+    say so, or llama.cpp turns it on. pocket pack reads the same defaults back."""
+    from pocketlm.config import GenerationDefaults
+
+    src = tmp_path / "src.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=1, weight_type="Q8_0", metadata=sampling)
+    packed = tmp_path / "m.pocket"
+    pack(src, packed, progress=False)
+    out = tmp_path / "m.gguf"
+    export_gguf(packed, out, progress=False)
+    fields = _fields(out)
+    want = GenerationDefaults.from_dict(PocketFile(packed).json_object("generation", {}))
+    assert want.temperature > 0
+    assert {k: v for k, v in fields.items() if k.startswith("general.sampling.")} == \
+        pytest.approx({"general.sampling.temp": want.temperature,
+                       "general.sampling.top_k": want.top_k,
+                       "general.sampling.top_p": want.top_p,
+                       "general.sampling.min_p": want.min_p,
+                       "general.sampling.penalty_repeat": want.repetition_penalty})
+    back = tmp_path / "back.pocket"
+    pack(out, back, progress=False)
+    assert GenerationDefaults.from_dict(PocketFile(back).json_object("generation", {})) == want
+
+
+def test_no_sampling_defaults_write_no_sampling_keys(small_pocket, tmp_path):
+    out = tmp_path / "m.gguf"
+    export_gguf(small_pocket, out, progress=False)
+    assert not [k for k in _fields(out) if k.startswith("general.sampling.")]
+
+
 # -------------------------------------------------------------------------------- bad input
 @pytest.fixture(scope="module")
 def small_pocket(tmp_path_factory) -> Path:
@@ -500,6 +598,23 @@ def test_packing_flags_on_a_deploy_file_are_refused_not_ignored(small_pocket, tm
     code, err = _cli(capsys, "export", str(small_pocket), "--to", to, "-o", str(out), *flag)
     assert code == 1 and err.count("\n") == 1 and flag[0] in err and ".pocket file" in err
     assert not out.exists()
+
+
+def test_packing_flags_on_a_registry_model_that_is_a_deploy_file_are_refused(
+        small_pocket, tmp_path, capsys, monkeypatch):
+    # a recipe model (pocket-zh-en) resolves to a .pocket file: the name is no path, and the
+    # flag was ignored
+    import pocketlm.registry
+
+    real = pocketlm.registry.resolve
+    monkeypatch.setattr(pocketlm.registry, "resolve", lambda name, **kw: (
+        small_pocket if name == "made-by-a-recipe" else real(name, **kw)))
+    out = tmp_path / "m.gguf"
+    code, err = _cli(capsys, "export", "made-by-a-recipe", "--to", "gguf", "-o", str(out),
+                     "--group-size", "64")
+    assert code == 1 and err.count("\n") == 1 and "--group-size" in err
+    assert not out.exists()
+    assert cli_main(["export", "made-by-a-recipe", "--to", "gguf", "-o", str(out), "-q"]) == 0
 
 
 def test_unwritable_folder_is_one_line(small_pocket, tmp_path, capsys):

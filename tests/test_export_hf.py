@@ -321,6 +321,34 @@ def test_a_tensor_of_the_wrong_size_is_an_error(tmp_path):
                           "F32")
 
 
+def test_source_encoded_tensors_are_decoded_one_at_a_time(tmp_path, monkeypatch):
+    """A deploy file packed from a Q4_K / Q6_K GGUF holds those tensors in their source bytes,
+    decoded on use: the export dequantizes each and lets its decoded layout go, so that the
+    whole model's are never resident together."""
+    import tiny_gguf
+    from safetensors.numpy import load_file
+
+    from pocketlm.export.hf import hf_tensor_names
+    from pocketlm.quant import EncodedQuantTensor
+
+    tiny_gguf.write_tiny_gguf(tmp_path / "src.gguf", "qwen3", seed=3, weight_type="Q4_K",
+                              embed_type="Q6_K", d_model=256, d_ff=512, head_dim=64,
+                              max_context=128)
+    deploy = tmp_path / "m.pocket"
+    assert main(["pack", str(tmp_path / "src.gguf"), "-o", str(deploy)]) == 0
+    read = []
+    real = PocketFile.weights
+    monkeypatch.setattr(PocketFile, "weights", lambda self: read.append(real(self)) or read[-1])
+    export_hf(deploy, tmp_path / "hf", dtype="float32", progress=False)
+    encoded = {n: w for n, w in read[0].items() if isinstance(w, EncodedQuantTensor)}
+    assert {w.encoding for w in encoded.values()} == {"q4_k", "q6_k"}
+    assert [n for n, w in encoded.items() if w._decoded is not None] == []
+    written = load_file(tmp_path / "hf" / "model.safetensors")
+    names = hf_tensor_names(PocketFile(deploy).config())
+    for name, w in encoded.items():
+        assert np.array_equal(written[names[name]], w.dequantize()), name
+
+
 def _config(**changes) -> ModelConfig:
     base = dict(arch="pocket", vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
                 head_dim=16, d_ff=64, qk_norm=True)

@@ -48,8 +48,9 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
     ``force``), is the wrong kind of thing, is one of ``inputs`` (files the work reads:
     ``--force`` would replace them), or its folder cannot be written. A folder output that
     is replaced whole (``replaces`` given) must not be the working folder or one above it,
-    and if it exists and holds anything it must pass ``replaces(folder)`` (the kind of
-    folder the work writes): ``--force`` is no licence to remove an unrelated one."""
+    nor hold one of ``inputs``, and if it exists and holds anything it must pass
+    ``replaces(folder)`` (the kind of folder the work writes): ``--force`` is no licence to
+    remove an unrelated one."""
     out = Path(out)
     if folder and replaces is not None:  # a folder replaced whole
         try:
@@ -66,6 +67,9 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
             same = False
         if same:
             raise PocketError(f"{out} is the input {source}; write the output elsewhere")
+        if folder and replaces is not None and source is not None and _inside(source, out):
+            # the folder is replaced whole: the input in it would be deleted with it
+            raise PocketError(f"{out} holds the input {source}; write the output elsewhere")
     if out.exists() or out.is_symlink():
         if not force:
             raise PocketError(f"{out} exists; pass --force to overwrite it")
@@ -87,6 +91,16 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
                 raise PocketError(f"cannot write {out}: {parent} is not writable")
             break
     return out
+
+
+def _inside(path, folder: Path) -> bool:
+    """Whether the existing ``path`` lies under the existing folder ``folder`` (links
+    resolved)."""
+    try:
+        where, path = folder.resolve(strict=True), Path(path).resolve(strict=True)
+    except (OSError, RuntimeError, ValueError):  # absent, a link loop, a NUL in the name
+        return False
+    return where.is_dir() and where in path.parents
 
 
 def check_replaceable(out: str | Path, flag: str, what: str, looks_like) -> Path:
@@ -147,7 +161,13 @@ def atomic_folder(out: str | Path) -> Iterator[Path]:
         if out.exists():
             old = out.with_name(f".{out.name}.old.{os.getpid()}")
             os.replace(out, old)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            if old is not None:  # the earlier folder goes back under its name, not lost
+                with contextlib.suppress(OSError):
+                    os.replace(old, out)
+            raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from ..chat import FAMILY_TEMPLATES
 from ..config import GenerationDefaults, ModelConfig
 from ..errors import PocketError, UnsupportedError
 from ..formats.gguf import (
@@ -174,8 +175,11 @@ def gguf_architecture(config: ModelConfig) -> str:
         if config.layer_types != pattern:
             raise refuse(f"its global layers are {_layer_list(config.layer_types)}, not every "
                          f"{GEMMA3_SWA_PATTERN}th")
-        if config.rope_theta_local != GEMMA3_ROPE_LOCAL:
-            raise refuse(f"a local RoPE base of {config.rope_theta_local:g} (llama.cpp fixes "
+        # no local base of its own: the sliding layers rotate with the global one
+        local = config.rope_theta_local if config.rope_theta_local is not None \
+            else config.rope_theta
+        if local != GEMMA3_ROPE_LOCAL:
+            raise refuse(f"a local RoPE base of {local:g} (llama.cpp fixes "
                          f"{GEMMA3_ROPE_LOCAL:g})")
         if not math.isclose(config.embed_scale, math.sqrt(config.d_model), rel_tol=1e-6):
             raise refuse(f"an embedding scale of {config.embed_scale:g} (not sqrt(d_model))")
@@ -304,6 +308,7 @@ class _Planned:
     slices: Callable[[], Iterator[np.ndarray]]
     check: Callable[[], float] = lambda: 0.0
     pages: list[str] = field(default_factory=list)  # deploy file tensors to drop after
+    release: Callable[[], None] = lambda: None  # drops what was decoded to write it
 
 
 def _layout_name(qt: QuantTensor) -> str:
@@ -364,6 +369,10 @@ def _plan_tensor(gname: str, name: str, value, heads: int | None) -> _Planned:
                          None if qt.mins is None else permute_rows(qt.mins, heads),
                          qt.zero_point)
     type_name = ggml_type(qt)
+    # a tensor in a source encoding (Q4_K, Q6_K, int4_c8) keeps the layout it decoded to until
+    # released: decoded again when it is written, so that the model's are never all resident
+    release = getattr(value, "release", lambda: None)
+    release()
     rows, cols = qt.shape
     row_bytes = cols // BLOCK * BLOCK_BYTES[type_name]
     step = max(1, _SLICE_BYTES // row_bytes)
@@ -386,9 +395,11 @@ def _plan_tensor(gname: str, name: str, value, heads: int | None) -> _Planned:
         diff = np.linalg.norm(np.asarray(got, np.float64).reshape(want.shape) - want)
         return float(diff / max(np.linalg.norm(want.astype(np.float64)), 1e-30))
 
+    stored = (".scales", ".mins", *getattr(value, "stored", ()))  # a source encoding's arrays
     return _Planned(gname, _layout_name(value), type_name, (rows, cols), rows * row_bytes,
                     "copied", slices, check,
-                    pages=[name, name + ".scales", name + ".mins"])
+                    pages=list(dict.fromkeys(name + suffix for suffix in ("", *stored))),
+                    release=release)
 
 
 def _float_plan(gname: str, source: str, a: np.ndarray, how: str,
@@ -431,13 +442,18 @@ def _general_fields(pf: PocketFile, source: Path, plan: list[_Planned]) -> dict[
 
 
 def _sampling_fields(generation: GenerationDefaults) -> tuple[dict[str, tuple], list[str]]:
-    """The generation defaults that differ from the built-in ones, in the importer's
-    ``general.sampling.*`` keys; a note for what GGUF has no key for."""
+    """The generation defaults in the importer's ``general.sampling.*`` keys when the model
+    sets any (none when all are the built-in ones); a note for what GGUF has no key for.
+
+    All of them, not only those that differ: llama.cpp takes each key it finds and its own
+    default for each one missing (top-k 40, top-p 0.95, min-p 0.05), so a model that samples
+    with those filters off would be sampled with them on."""
     builtin = GenerationDefaults()
     fields: dict[str, tuple] = {}
-    for key, name in SAMPLING_KEYS.items():
-        value = getattr(generation, name)
-        if value != getattr(builtin, name):
+    if any(getattr(generation, name) != getattr(builtin, name)
+           for name in SAMPLING_KEYS.values()):
+        for key, name in SAMPLING_KEYS.items():
+            value = getattr(generation, name)
             fields[key] = ("i32", int(value)) if name == "top_k" else ("f32", float(value))
     notes = []
     if generation.max_tokens is not None:
@@ -494,6 +510,7 @@ def _write_tensors(f, align: int, plan: list[_Planned], pf: PocketFile,
                                   f"the deploy file's values (relative error {err:.3g}); this "
                                   "is a bug: please report it")
             tensors.append(TensorExport(p.name, p.source, p.type_name, p.nbytes, p.how, err))
+            p.release()
             for name in p.pages:
                 info = pf.infos.get(name)
                 if info is not None:
@@ -531,7 +548,8 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
                          + ("" if tok_info["exact"] else
                             " (no llama.cpp pre-tokenizer is the vocabulary's own: this is the "
                             "nearest, identical on the probes, not by construction)"))
-    template = pf.text("chat_template")
+    # what pocketlm chats with: the file's template, else its family's (as the runtime does)
+    template = pf.text("chat_template") or FAMILY_TEMPLATES.get(config.arch)
     sampling, notes = _sampling_fields(GenerationDefaults.from_dict(
         pf.json_object("generation", {})))
     if "vocab" in pf.metadata:

@@ -445,7 +445,8 @@ def _tensors(config: ModelConfig, weights: dict[str, Any], names: dict[str, str]
     for name, hf_name in names.items():
         w = weights[name]
         offset = 1.0 if config.arch == "gemma3" and name.endswith("norm.weight") else 0.0
-        stored = [pf.infos[n] for n in (name, name + ".scales", name + ".mins")
+        suffixes = ("", ".scales", ".mins", *getattr(w, "stored", ()))  # a source encoding's
+        stored = [pf.infos[n] for n in dict.fromkeys(name + s for s in suffixes)
                   if n in pf.infos]
         out.append((hf_name, tuple(w.shape), _chunks_of(w, offset, pf, stored)))
     return out
@@ -465,6 +466,8 @@ def _chunks_of(w: np.ndarray | QuantTensor, offset: float, pf: PocketFile, store
             yield block
         for info in stored:  # read once: the resident set need not keep them
             pf.drop_resident(info.start, info.end)
+        if hasattr(w, "release"):  # a source encoding decoded to dequantize: not all at once
+            w.release()
     return chunks
 
 

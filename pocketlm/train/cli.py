@@ -411,25 +411,31 @@ def cmd_export(args) -> int:
                               f"with it (pocket pack ... {flag}) instead")
     if target != "hf" and args.dtype is not None:
         raise PocketError("--dtype applies to --to hf")
+    from ..cli import _exit_on_sigterm
     from ..formats import sniff
+    from ..registry import resolve
 
-    for flag, given in (("--group-size", args.group_size), ("--embed-bits", args.embed_bits)):
-        if given is not None and Path(args.run).is_file() and sniff(args.run) == "pocket":
-            # a deploy file is exported with the layouts it holds: the flag would be ignored
-            raise PocketError(f"{flag} applies when SRC is packed first; {args.run} is a "
-                              f".pocket file already (pack its source with {flag}, then "
-                              "export that)")
-    source = deploy_file(args.run, group_size=args.group_size or 32,
-                         embed_bits=args.embed_bits or 8, quiet=args.quiet)
-    if target == "gguf":
-        from ..export.gguf import export_gguf
+    with _exit_on_sigterm():  # SIGTERM: the temporary file or folder is removed
+        src = resolve(args.run, quiet=args.quiet)  # a registry name: pulled, as it would be
+        for flag, given in (("--group-size", args.group_size),
+                            ("--embed-bits", args.embed_bits)):
+            if given is not None and sniff(src) == "pocket":
+                # a deploy file (a recipe model's too) is exported with the layouts it
+                # holds: the flag would be ignored
+                raise PocketError(f"{flag} applies when SRC is packed first; {args.run} is a "
+                                  f".pocket file already (pack its source with {flag}, then "
+                                  "export that)")
+        source = deploy_file(src, group_size=args.group_size or 32,
+                             embed_bits=args.embed_bits or 8, quiet=args.quiet)
+        if target == "gguf":
+            from ..export.gguf import export_gguf
 
-        report = export_gguf(source, out, progress=not args.quiet)
-    else:
-        from ..export.hf import export_hf
+            report = export_gguf(source, out, progress=not args.quiet)
+        else:
+            from ..export.hf import export_hf
 
-        report = export_hf(source, out, dtype=args.dtype or "bfloat16",
-                           progress=not args.quiet)
+            report = export_hf(source, out, dtype=args.dtype or "bfloat16",
+                               progress=not args.quiet)
     print(report.summary())
     return 0
 
