@@ -20,6 +20,7 @@ from .chat import FAMILY_TEMPLATES, render
 from .config import GenerationDefaults, ModelConfig
 from .errors import (
     ContextLengthError,
+    FormatError,
     ModelNotFoundError,
     PocketError,
     SamplingError,
@@ -400,12 +401,17 @@ def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = No
         if str(pf.path) in str(exc):
             raise
         raise type(exc)(f"{pf.path}: metadata field 'generation': {exc}") from None
-    model = PocketModel(
-        config, pf.weights(), tokenizer,
-        chat_template=pf.text("chat_template") or None, generation=generation,
-        path=Path(path), metadata={**pf.metadata, "header_verified": pf.header_verified},
-        n_ctx=n_ctx, file_backed=True,
-    )
+    try:
+        model = PocketModel(
+            config, pf.weights(), tokenizer,
+            chat_template=pf.text("chat_template") or None, generation=generation,
+            path=Path(path), metadata={**pf.metadata, "header_verified": pf.header_verified},
+            n_ctx=n_ctx, file_backed=True,
+        )
+    except FormatError as exc:  # the runtime's checks of the file's tensors (its adapters)
+        if str(pf.path) in str(exc):
+            raise
+        raise type(exc)(f"{pf.path}: {exc}") from None
     if model.runtime.native is not None:
         pf.drop_resident()  # the engine holds its own copy; mapped pages come back on demand
     release_free_heap()  # what loading freed goes back to the system, not to the heap

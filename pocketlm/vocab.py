@@ -927,7 +927,8 @@ def read_trimmed(path: str | Path) -> dict:
         if hashlib.sha256(ids.astype("<i4").tobytes()).hexdigest() != data["vocab"][
                 "source_ids_sha256"]:
             raise ValueError("its kept ids do not match their sha256")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError,
+            RecursionError) as exc:  # a huge id, a hostile nesting: refused by name
         raise FormatError(f"{path}: not a readable trimmed-model source ({exc}); delete it and "
                           "run the model again to rebuild it") from None
     data["source_ids"] = ids.astype(np.int32)

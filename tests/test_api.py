@@ -341,6 +341,25 @@ def test_bad_n_ctx(env, n_ctx):
         pocketlm.load(env["gguf"], n_ctx=n_ctx)
 
 
+def test_a_deploy_file_the_runtime_refuses_is_named(m, tmp_path):
+    """A deploy file whose tensors pass the file's checks but not the runtime's (a LoRA
+    adapter without its other half) is refused in an error that names the file."""
+    import re
+
+    from pocketlm.errors import FormatError
+    from pocketlm.formats.pocketfile import PocketFile, write_pocket
+
+    pf = PocketFile(m.path)
+    meta = {k: v for k, v in pf.metadata.items()
+            if k not in ("format", "format_version", "checksums", "header_checksum")}
+    tensors = [(n, np.asarray(pf.tensor(n))) for n in pf.infos if not n.startswith("_pad.")]
+    tensors.append(("layers.0.attn.w_q.lora_a", np.zeros((4, m.config.d_model), np.float16)))
+    bad = tmp_path / "bad.pocket"
+    write_pocket(bad, tensors, meta)
+    with pytest.raises(FormatError, match=f"^{re.escape(str(bad))}: tensor 'layers.0.attn.w_q.lora_a' has no "):
+        pocketlm.load(bad)
+
+
 def test_file_backed_native_engine_matches_the_reference(m):
     """The deploy file's pages are handed back once the native engine has its copy; what it
     computes afterwards (and the numpy reference reading the same mapping) is unchanged."""

@@ -583,3 +583,54 @@ def test_gguf_that_is_a_fifo_or_unreadable(tmp_path, monkeypatch):
     with pytest.raises(PocketError, match="permission denied") as info:
         open_source(path)
     assert f"cannot read {path}" in str(info.value)
+
+
+@pytest.mark.parametrize("arch,dropped", [
+    ("qwen3", ("attn_q_norm.weight", "attn_k_norm.weight")),
+    ("gemma3", ("attn_q_norm.weight", "attn_k_norm.weight")),
+    ("qwen2", ("attn_q.bias", "attn_k.bias", "attn_v.bias")),
+])
+def test_tensors_the_family_requires(tmp_path, arch, dropped):
+    """A Qwen 3 / Gemma 3 file without its QK-norm weights, or a Qwen 2 file without its q/k/v
+    biases, is missing tensors (llama.cpp refuses it too); it was read as a model without
+    them, which runs and computes something else."""
+    path = tmp_path / f"{arch}.gguf"
+    config, _ = tiny_gguf.write_tiny_gguf(path, arch)
+    drop = tuple(f"blk.{i}.{name}" for i in range(config.n_layers) for name in dropped)
+    tiny_gguf.write_tiny_gguf(path, arch, drop_tensors=drop)
+    with pytest.raises(FormatError, match="missing tensors.*layers.0.attn"):
+        open_source(path)
+
+
+@pytest.mark.parametrize("key,factor,refused", [
+    ("rope.scaling.factor", 4.0, True),
+    ("rope.scale_linear", 2.0, True),  # the older key name
+    ("rope.scaling.factor", 1.0, False),
+    ("rope.scaling.factor", 0.0, False),  # llama.cpp: no factor
+])
+def test_rope_scaling_factor_without_a_type(tmp_path, key, factor, refused):
+    """llama.cpp reads a left-out rope.scaling.type as linear and stretches positions by the
+    factor: such a file is refused (it was run unscaled), one without a factor is not."""
+    path = tmp_path / "scaled.gguf"
+    tiny_gguf.write_tiny_gguf(path, "llama", metadata={f"llama.{key}": factor})
+    if not refused:
+        assert open_source(path).config.rope_theta == 10000.0
+        return
+    with pytest.raises(UnsupportedError, match=f"RoPE scaling \\(linear, llama.{key} = "):
+        open_source(path)
+
+
+def test_gemma3_27b_attention_scale():
+    """llama.cpp scales Gemma 3 27B's scores (62 layers) by 1 / sqrt(d_model / n_heads), its
+    query_pre_attn_scalar 168, not by its head size 128; other sizes by the head size."""
+    from pocketlm.formats.gguf import config_from_fields
+
+    def fields(n_layers):
+        return {"general.architecture": "gemma3", "gemma3.embedding_length": 5376,
+                "gemma3.attention.head_count": 32, "gemma3.attention.head_count_kv": 16,
+                "gemma3.attention.key_length": 128, "gemma3.attention.value_length": 128,
+                "gemma3.block_count": n_layers, "gemma3.feed_forward_length": 21504,
+                "gemma3.vocab_size": 262208, "gemma3.attention.sliding_window": 1024}
+
+    assert config_from_fields(fields(62), set(), "x").scale == pytest.approx(168 ** -0.5)
+    assert config_from_fields(fields(48), set(), "x").scale == pytest.approx(128 ** -0.5)

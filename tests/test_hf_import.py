@@ -104,3 +104,88 @@ def test_rope_bases_from_rope_parameters():
     with pytest.raises(UnsupportedError, match="rope_parameters"):
         config_from_hf({**base, "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6,
                                                     "factor": 4.0}}, "x")
+
+
+_BASE = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4,
+         "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 256}
+
+
+@pytest.mark.parametrize("key", ["tie_word_embeddings", "attention_bias", "mlp_bias",
+                                 "use_sliding_window"])
+def test_switches_must_be_json_booleans(key):
+    """A switch written as a string is refused, not read by its truthiness: "false" is a true
+    string, and tie_word_embeddings read from it dropped the file's own output head."""
+    from pocketlm.formats.hf import config_from_hf
+
+    with pytest.raises(FormatError, match=f"x: config.json {key} must be true or false, got "
+                                          "'false'"):
+        config_from_hf({**_BASE, key: "false"}, "x")
+    assert config_from_hf({**_BASE, "tie_word_embeddings": None}, "x").tie_embeddings is False
+
+
+def test_untied_head_written_as_a_string_is_not_dropped(tmp_path):
+    write_tiny_hf(tmp_path / "m", "llama", tie_embeddings=False)
+    cfg = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**cfg,
+                                                            "tie_word_embeddings": "false"}))
+    with pytest.raises(FormatError, match="tie_word_embeddings must be true or false"):
+        open_source(tmp_path / "m")
+
+
+def test_gemma3_layer_types_must_be_known_kinds():
+    """An entry other than sliding_attention / full_attention is refused (it was read as a
+    global layer: a sliding one would attend past its window)."""
+    from pocketlm.formats.hf import config_from_hf
+
+    gemma = {**_BASE, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+             "head_dim": 16}
+    cfg = config_from_hf({**gemma, "layer_types": ["sliding_attention", "full_attention"]}, "x")
+    assert cfg.layer_types == ["sliding", "global"]
+    for types in (["sliding", "full_attention"], [{}, "full_attention"]):
+        with pytest.raises(FormatError, match=r"^x: config.json layer_types must list "
+                                              "'sliding_attention' or 'full_attention'"):
+            config_from_hf({**gemma, "layer_types": types}, "x")
+    # an error of a Gemma field names the folder once
+    with pytest.raises(FormatError, match=r"^x: config.json sliding_window_pattern must be an "
+                                          "integer"):
+        config_from_hf({**gemma, "sliding_window_pattern": "6"}, "x")
+
+
+def test_gemma3_activation_is_hidden_activation():
+    """Gemma 3's MLP (transformers) reads hidden_activation, whatever hidden_act says."""
+    from pocketlm.formats.hf import config_from_hf
+
+    gemma = {**_BASE, "model_type": "gemma3_text", "head_dim": 16}
+    cfg = config_from_hf({**gemma, "hidden_act": "gelu",
+                          "hidden_activation": "gelu_pytorch_tanh"}, "x")
+    assert cfg.activation == "gelu_tanh"
+    with pytest.raises(UnsupportedError, match="activation 'silu'"):
+        config_from_hf({**gemma, "hidden_act": "gelu_pytorch_tanh",
+                        "hidden_activation": "silu"}, "x")
+
+
+def test_tensor_in_two_files_is_refused(tmp_path):
+    """A tensor stored in two *.safetensors files (a stale consolidated file beside shards)
+    is refused by name, not taken from whichever file sorts last."""
+    from safetensors.numpy import save_file
+
+    _, sd = write_tiny_hf(tmp_path / "m", "llama")
+    save_file({"model.norm.weight": np.zeros(sd["norm.weight"].shape, np.float32)},
+              str(tmp_path / "m" / "zz-extra.safetensors"))
+    with pytest.raises(FormatError, match=r"model\.norm\.weight is stored twice.*zz-extra"):
+        open_source(tmp_path / "m")
+
+
+def test_unsupported_dtype_names_the_file(tmp_path):
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    write_tiny_hf(tmp_path / "m", "llama")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.float64)
+    save_file(tensors, str(path))
+    with pytest.raises(UnsupportedError, match=f"^{re.escape(str(path))}: tensor norm.weight: "
+                                               "dtype F64"):
+        open_source(tmp_path / "m")

@@ -629,6 +629,19 @@ def test_damaged_trimmed_source_is_refused_by_name(tmp_path):
         open_source(bad)
 
 
+@pytest.mark.parametrize("ids", ["[99999999999999999999999]", "[" * 100_000 + "]" * 100_000])
+def test_a_hostile_trimmed_source_is_refused_by_name(tmp_path, ids):
+    # a huge id was an OverflowError, a deep nesting a RecursionError: tracebacks
+    from pocketlm.errors import FormatError
+    from pocketlm.vocab import TRIMMED_FORMAT, read_trimmed
+
+    bad = tmp_path / "x.trim.json"
+    bad.write_text(f'{{"format": "{TRIMMED_FORMAT}", "base": "b", "source_ids": {ids}}}',
+                   encoding="utf-8")
+    with pytest.raises(FormatError, match="x.trim.json: not a readable trimmed-model source"):
+        read_trimmed(bad)
+
+
 def test_a_tokenizer_that_is_not_bpe_is_refused():
     import tokenizers
     from tokenizers.models import WordLevel

@@ -64,6 +64,7 @@ SAMPLING_KEYS = {
 # with RoPE base 10000.
 GEMMA3_SWA_PATTERN = 6
 GEMMA3_ROPE_LOCAL = 10000.0
+GEMMA3_27B_LAYERS = 62  # how llama.cpp tells the 27B model (its own attention scale)
 
 
 def map_name(gguf_name: str) -> str | None:
@@ -133,9 +134,18 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
     if rope_dim != head_dim:
         raise UnsupportedError(f"{origin}: partial rotary embeddings ({rope_dim} of {head_dim} "
                                "dimensions) are not supported")
-    scaling = get("rope.scaling.type", "none", required=False)
+    scaling = get("rope.scaling.type", None, required=False)
     if scaling not in ("none", None):
         raise UnsupportedError(f"{origin}: RoPE scaling {short_repr(scaling)} is not supported yet")
+    # llama.cpp reads a scaling type left out as "linear" and scales positions by the factor
+    # (rope.scaling.factor, or the older rope.scale_linear; 0 or 1: none), so a factor without
+    # a type stretches the positions too
+    key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in fields else \
+        "rope.scale_linear"
+    factor = number(key, get(key, 0.0, required=False), float)
+    if scaling is None and factor not in (0.0, 1.0):
+        raise UnsupportedError(f"{origin}: RoPE scaling (linear, {arch}.{key} = {factor:g}) is "
+                               "not supported yet")
     tokens = fields.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens) if isinstance(tokens, list) else 0
     vocab = get_int("vocab_size", n_tokens, required=False)
@@ -154,8 +164,10 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
         rope_theta=get_float("rope.freq_base", 10000.0),
         max_context=get_int("context_length", 2048, required=False),
         tie_embeddings="output.weight" not in tensor_names,
-        qkv_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        # the families whose llama.cpp graph requires them: a file without them is missing
+        # tensors (check_tensors says which), not a model that runs without them
+        qkv_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensor_names,
+        qk_norm=arch in ("qwen3", "gemma3") or "blk.0.attn_q_norm.weight" in tensor_names,
     )
     try:
         # the sizes are validated before anything (Gemma's layer list) is built from them
@@ -166,7 +178,7 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
                 sandwich_norms=True,
                 activation="gelu_tanh",
                 embed_scale=math.sqrt(config.d_model),
-                attn_scale=1.0 / math.sqrt(config.head_dim),
+                attn_scale=1.0 / math.sqrt(_gemma3_query_scalar(config)),
                 sliding_window=get_int("attention.sliding_window", 512, required=False),
                 rope_theta_local=GEMMA3_ROPE_LOCAL,
                 layer_types=[
@@ -177,6 +189,15 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
     except PocketError as exc:
         raise type(exc)(f"{origin}: {exc}") from None
     return config
+
+
+def _gemma3_query_scalar(config: ModelConfig) -> int:
+    """What a Gemma 3 GGUF scales attention scores by (1 / sqrt of it), as llama.cpp does: the
+    head size, except for the 27B model (62 layers), whose query_pre_attn_scalar is
+    d_model / n_heads (168, its head size 128): the file does not record it."""
+    if config.n_layers == GEMMA3_27B_LAYERS:
+        return config.d_model // config.n_heads
+    return config.head_dim
 
 
 def generation_from_fields(fields: dict[str, Any], origin: str):

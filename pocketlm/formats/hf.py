@@ -82,11 +82,22 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
         value = hf.get(key)
         return default if value is None else number(key, value, kind)
 
+    def flag(key: str, default: bool) -> bool:
+        """A switch: JSON true or false (null: ``default``). Its truthiness is not enough:
+        ``"false"`` is a true string, and a tied head read from it drops the file's own."""
+        value = hf.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise FormatError(f"{origin}: config.json {key} must be true or false, got "
+                              f"{short_repr(value)}")
+        return value
+
     hf = _with_rope_bases(hf, origin)
     if hf.get("rope_scaling") not in (None, {}):
         raise UnsupportedError(f"{origin}: rope_scaling {short_repr(hf['rope_scaling'])} is not "
                                "supported yet")
-    if hf.get("mlp_bias"):
+    if flag("mlp_bias", False):
         raise UnsupportedError(f"{origin}: MLP biases are not supported")
     d_model = number("hidden_size", req("hidden_size"), int)
     n_heads = number("num_attention_heads", req("num_attention_heads"), int)
@@ -103,11 +114,15 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
         norm_eps=opt("rms_norm_eps", 1e-6, float),
         rope_theta=opt("rope_theta", 10000.0, float),
         max_context=opt("max_position_embeddings", 2048, int),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", family == "gemma3")),
-        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
+        tie_embeddings=flag("tie_word_embeddings", family == "gemma3"),
+        qkv_bias=family == "qwen2" or flag("attention_bias", False),
         qk_norm=family in ("qwen3", "gemma3", "pocket"),
     )
-    act = hf.get("hidden_act") or hf.get("hidden_activation") or "silu"
+    # the key the family's transformers model reads first: Gemma's MLP takes
+    # hidden_activation (its configs may also carry another hidden_act), the others hidden_act
+    keys = ("hidden_activation", "hidden_act") if family == "gemma3" else \
+        ("hidden_act", "hidden_activation")
+    act = hf.get(keys[0]) or hf.get(keys[1]) or "silu"
     if family == "gemma3":
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UnsupportedError(f"{origin}: activation {short_repr(act)} is not supported "
@@ -117,7 +132,7 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
     elif act != "silu":
         raise UnsupportedError(f"{origin}: activation {short_repr(act)} is not supported for "
                                f"{family}")
-    elif hf.get("use_sliding_window") and hf.get("sliding_window"):
+    elif flag("use_sliding_window", False) and hf.get("sliding_window"):
         raise UnsupportedError(f"{origin}: sliding-window attention is only supported for gemma3")
     try:
         # the sizes are validated before anything (Gemma's layer list) is built from them
@@ -125,6 +140,8 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
         if family == "gemma3":
             config = _gemma3(config, hf, number, opt, origin)
     except PocketError as exc:
+        if str(exc).startswith(f"{origin}: "):  # number() and opt() name the folder already
+            raise
         raise type(exc)(f"{origin}: {exc}") from None
     return config
 
@@ -157,9 +174,13 @@ def _gemma3(config: ModelConfig, hf: dict[str, Any], number, opt, origin: str) -
     """Gemma 3's switches on a validated base config."""
     types = hf.get("layer_types")
     if types:
-        if not isinstance(types, list) or len(types) != config.n_layers:
-            raise FormatError(f"config.json layer_types must list one entry for each of the "
-                              f"{config.n_layers} layers, got {short_repr(types)}")
+        # each entry one of the two kinds transformers knows: anything else is not a full
+        # attention layer (read as one, a sliding layer would attend past its window)
+        if not isinstance(types, list) or len(types) != config.n_layers or not all(
+                t in ("sliding_attention", "full_attention") for t in types):
+            raise FormatError(f"config.json layer_types must list 'sliding_attention' or "
+                              f"'full_attention' for each of the {config.n_layers} layers, got "
+                              f"{short_repr(types)}")
     else:
         pattern = opt("sliding_window_pattern", 6, int)
         if pattern < 1:
@@ -209,8 +230,14 @@ def read_hf(path: str | Path) -> SourceModel:
                     continue  # derived from the config
                 unmapped.append(hf_name)
                 continue
+            if name in tensors:  # in two files: which one is meant is not ours to guess
+                raise FormatError(f"{origin}: tensor {hf_name} is stored twice (again in "
+                                  f"{file.name})")
             norm_offset = 1.0 if gemma and name.endswith("norm.weight") else 0.0
-            tensors[name] = _source_tensor(name, buf, info, norm_offset)
+            try:
+                tensors[name] = _source_tensor(name, buf, info, norm_offset)
+            except PocketError as exc:
+                raise type(exc)(f"{file}: {exc}") from None
     if unmapped:
         raise UnsupportedError(f"{origin}: tensors pocketlm does not map: {unmapped[:5]}"
                                f"{' ...' if len(unmapped) > 5 else ''}")
