@@ -149,6 +149,14 @@ def test_early_stopping_keeps_and_exports_the_best_weights(base, tmp_path):
     best = load_checkpoint(out / BEST)
     vals = [r["val_loss"] for r in rows if "val_loss" in r]
     assert best["best_val"] == min(vals)
+    # the run as the base of another tune (-m RUN, --init, a teacher) is the model export takes
+    # from it, its best weights: it was the latest, worse ones
+    from pocketlm.train.trainer import CHECKPOINT, _base_model
+
+    weights = _base_model(str(out))[1]()
+    latest = load_checkpoint(out / CHECKPOINT)["model"]
+    assert all(torch.equal(w, best["model"][k]) for k, w in weights.items())
+    assert not all(torch.equal(w, latest[k]) for k, w in weights.items())
     # running the command again does nothing more: the run has ended
     pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val), "--out",
            str(out), "--steps", "60", "--eval-every", "2", "--save-every", "50", "--lr", "0.3",
@@ -227,6 +235,80 @@ def test_bad_task_files(base, tmp_path):
                "4", "--lora-rank", "4", *FT, check=False)
     assert p.returncode == 1 and "LoRA" in p.stderr
 
+
+
+def test_sft_renders_the_bos_and_eos_tokens_as_the_runtime_does(base, tmp_path):
+    # a template that closes each answer with {{ eos_token }} rendered it as "" in training:
+    # the tuned model was never taught to stop; one that opens with {{ bos_token }} lost the
+    # BOS the runtime's prompt starts with
+    from pocketlm.formats import open_source
+    from pocketlm.train.trainer import SFTData
+
+    tok = open_source(base).tokenizer
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}"
+                "{{ '<|im_start|>user\n' + m['content'] + '\n' }}{% else %}"
+                "{{ '<|im_start|>assistant\n' + m['content'] + eos_token }}{% endif %}"
+                "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                "{% endif %}")
+    path = task_file(tmp_path / "eos.jsonl", 1)
+    data = SFTData(path, tok, template, 48, holdout=0.0)
+    ids, mask = data.train[0]
+    assert int(ids[0]) == tok.bos_id and int(ids[1]) != tok.bos_id  # once, as chat_ids has it
+    assert tok.decode([int(i) for i in ids[mask]]) == "red red" + tok.id_to_token(tok.eos_ids[0])
+    assert int(ids[mask][-1]) == tok.eos_ids[0]  # the answer's last target: end of sequence
+    import pocketlm
+
+    m = pocketlm.load(base)
+    m.chat_template = template
+    conv = [{"role": "user", "content": "say red"}]
+    assert m.chat_ids(conv) == [int(i) for i in ids[: len(m.chat_ids(conv))]]
+
+
+def test_held_out_chats_are_split_as_asked(base, tmp_path):
+    from pocketlm.formats import open_source
+    from pocketlm.train.trainer import SFTData
+
+    tok = open_source(base).tokenizer
+    # a --val-data file of one chat held out nothing: a held-out loss of 0.0 at every
+    # evaluation, which early stopping read as a model that never improves
+    one = SFTData(task_file(tmp_path / "one.jsonl", 1), tok, None, 48, holdout=1.0)
+    assert len(one.val) == 1
+    # with --val-data the training file holds nothing out, yet one chat was kept from training
+    train = SFTData(task_file(tmp_path / "two.jsonl", 2), tok, None, 48, holdout=0.0)
+    assert len(train.train) == 2
+    # one training chat and no --val-data: measured on it rather than on nothing
+    alone = SFTData(task_file(tmp_path / "alone.jsonl", 1), tok, None, 48)
+    assert len(alone.val) == 1
+    run = tmp_path / "run"
+    pocket("finetune", "-m", str(base), "--data", str(tmp_path / "two.jsonl"), "--val-data",
+           str(tmp_path / "one.jsonl"), "--out", str(run), "--steps", "2", "--eval-every", "1",
+           *FT)
+    assert all(r["val_loss"] > 0 for r in metrics(run))
+
+
+def test_a_line_the_template_or_tokenizer_refuses_is_one_bad_line(base, tmp_path):
+    # roles a template refuses (raise_exception) or a lone surrogate ended the whole run, in
+    # an error naming no line, even though malformed lines are skipped by default
+    from pocketlm.formats import open_source
+    from pocketlm.train.trainer import SFTData
+
+    tok = open_source(base).tokenizer
+    alternate = ("{% for m in messages %}{% if (m['role'] == 'user') != loop.index0 is even %}"
+                 "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+                 "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+                 "{% endif %}")
+    good = json.dumps({"prompt": "say red", "completion": "red red"})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join([
+        good, json.dumps({"messages": [{"role": "assistant", "content": "hi"},
+                                       {"role": "assistant", "content": "red"}]}),
+        '{"prompt": "say \\ud800", "completion": "red"}', good]) + "\n", encoding="utf-8")
+    data = SFTData(path, tok, alternate, 48)
+    assert [b.split(":")[0] for b in data.skipped] == ["line 2", "line 3"]
+    assert "alternate" in data.skipped[0] and "surrogate" in data.skipped[1]
+    with pytest.raises(FormatError, match="line 2: chat template: roles must alternate"):
+        SFTData(path, tok, alternate, 48, strict=True)
 
 
 @pytest.mark.parametrize("extra,words", [

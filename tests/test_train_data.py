@@ -437,6 +437,44 @@ def test_train_refuses_shards_of_another_tokenizer(tmp_path, capsys, monkeypatch
     assert "made with another tokenizer" in _one_line(code, err)
 
 
+def test_train_refuses_shards_of_another_tokenizer_of_the_same_size(tmp_path, capsys,
+                                                                    monkeypatch):
+    # two tokenizers trained to one size share the size and the end-of-text id: the shards of
+    # one were trained on with the other, silently (ids that stand for other text)
+    pytest.importorskip("torch")
+    from pocketlm import cli
+    from pocketlm.train.tokenizer_train import load_trained_tokenizer, train_tokenizer
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
+    assert cli.main(["data", "prepare", "--text", str(corpus), "--vocab-size", "280",
+                     "--holdout", "0.2", "--out", str(tmp_path / "p"), "-q"]) == 0
+    other = tmp_path / "other.txt"
+    other.write_text("\n".join(_corpus_of_other_words()) + "\n")
+    mine = train_tokenizer([other], 280, tmp_path / "other", progress=False)
+    made_with = load_trained_tokenizer(tmp_path / "p" / "tokenizer")
+    assert (mine.vocab_size, mine.eos_ids[0]) == (made_with.vocab_size, made_with.eos_ids[0])
+    capsys.readouterr()
+    code, err = _train_cli(capsys, "--data", tmp_path / "p" / "shards", "--tokenizer",
+                           tmp_path / "other", "--out", tmp_path / "run", "--seq-len", "16",
+                           vocab=False)
+    line = _one_line(code, err)
+    assert "made with another tokenizer" in line and "other tokens" in line
+    # the tokenizer they were made with trains
+    code, err = _train_cli(capsys, "--data", tmp_path / "p" / "shards", "--tokenizer",
+                           tmp_path / "p" / "tokenizer", "--out", tmp_path / "run2",
+                           "--seq-len", "16", "--eval-batches", "1", vocab=False)
+    assert code == 0, err
+
+
+def _corpus_of_other_words() -> list[str]:
+    words = ["river", "stone", "light", "paper", "garden", "quick", "brown", "jumps"]
+    rng = np.random.default_rng(3)
+    return [" ".join(words[j] for j in rng.integers(0, len(words), 30)) + f" {i}"
+            for i in range(200)]
+
+
 # -- text files ---------------------------------------------------------------------------------
 
 

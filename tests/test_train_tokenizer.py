@@ -301,6 +301,29 @@ def test_load_bad_config(trained, tmp_path):
         load_trained_tokenizer(tmp_path)
 
 
+def test_an_interrupted_save_leaves_no_tokenizer_without_its_config(corpus_file, tmp_path,
+                                                                     monkeypatch):
+    # tokenizer.json marks a folder as holding a tokenizer (pocket train resumes with it):
+    # written first, a Ctrl-C before its config left one that loads with another end of text
+    # and no chat template
+    import pocketlm.train.tokenizer_train as tt
+
+    real = tt.os.replace
+    calls = []
+
+    def replace(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(tt.os, "replace", replace)
+    with pytest.raises(KeyboardInterrupt):
+        train_tokenizer([corpus_file], 300, tmp_path, progress=False)
+    assert not (tmp_path / "tokenizer.json").exists()
+    assert not list(tmp_path.glob("*.partial"))  # nor a partial file
+
+
 # ----------------------------------------------------------------------------- comparing
 
 

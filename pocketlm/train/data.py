@@ -4,7 +4,7 @@ A shard set is a folder::
 
     meta.json        {"format": "pocketlm-shards", "version": 1, "dtype": "uint16"|"uint32",
                       "vocab_size", "eos_id", "splits": {"train": {"files", "tokens", "documents"},
-                      "val": {...}}, "tokenizer_sha256", "sources": [...]}
+                      "val": {...}}, "tokenizer_sha256", "vocabulary_sha256", "sources": [...]}
     train_000.bin    raw little-endian token ids, one document after another, each followed by
     train_001.bin    ``eos_id`` (``uint16`` when the vocabulary has at most 65535 tokens)
     val_000.bin
@@ -133,6 +133,7 @@ def prepare_shards(
             "holdout": float(holdout),
             "seed": int(seed),
             "tokenizer_sha256": tokenizer_sha256(tokenizer),
+            "vocabulary_sha256": vocabulary_sha256(tokenizer),
             "sources": list(sources or []),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n")
@@ -277,6 +278,19 @@ def tokenizer_sha256(tokenizer: Any) -> str | None:
     else:
         return None
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def vocabulary_sha256(tokenizer: Any) -> str | None:
+    """SHA-256 of the tokenizer's token strings by id, or None if it cannot list them.
+
+    Unlike :func:`tokenizer_sha256` it does not depend on how the tokenizer was stored (a GGUF
+    file's and a Hugging Face folder's copy of one vocabulary agree), so a training run can
+    refuse shards of another vocabulary without refusing the same one read another way: two
+    tokenizers trained to one size share the size and end-of-text id, and nothing else."""
+    if not hasattr(tokenizer, "id_to_token"):
+        return None
+    tokens = [tokenizer.id_to_token(i) for i in range(int(tokenizer.vocab_size))]
+    return hashlib.sha256(json.dumps(tokens, ensure_ascii=False).encode("utf-8")).hexdigest()
 
 
 def _doc_digest(doc: str, seed: int) -> int:

@@ -26,6 +26,7 @@ text per context) against the memory of the embedding table it needs at a given 
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import random
@@ -294,8 +295,13 @@ def _tokenizer_config(special_tokens: list[str], training: dict) -> dict:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # an error or Ctrl-C mid-write: no partial file left behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def train_tokenizer(
@@ -409,10 +415,12 @@ def train_tokenizer(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = _tokenizer_config(specials, training)
-    _write_atomic(out_dir / "tokenizer.json", hf.to_str(pretty=True))
+    # the config first: tokenizer.json is what marks a folder as holding a tokenizer (a run
+    # resumes with it), and read without its config it would lose its end-of-text and template
     _write_atomic(
         out_dir / "tokenizer_config.json", json.dumps(config, ensure_ascii=False, indent=2) + "\n"
     )
+    _write_atomic(out_dir / "tokenizer.json", hf.to_str(pretty=True))
     return Tokenizer.from_hf_file(out_dir / "tokenizer.json", config)
 
 

@@ -186,6 +186,12 @@ class SFTData:
         examples: list[tuple[np.ndarray, np.ndarray]] = []
         bad: list[str] = []
         cut = 0
+        # the token texts the runtime renders chats with (PocketModel.render_chat): a template
+        # that closes each turn with {{ eos_token }} must teach the model that token, or the
+        # tuned model never learns to stop
+        bos = tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+        eos = tokenizer.id_to_token(tokenizer.eos_ids[0]) if tokenizer.eos_ids else ""
+        bos, eos = bos or "", eos or ""
         from ..textfile import jsonl_lines, read_text_file
 
         try:
@@ -199,30 +205,40 @@ class SFTData:
                 continue
             try:
                 msgs = _chat_record(json.loads(line))
-            except (ValueError, KeyError, TypeError) as e:
+                ids: list[int] = []
+                mask: list[bool] = []
+                prev = ""
+                for i, m in enumerate(msgs):
+                    if m["role"] == "assistant":
+                        head = render_chat(template, msgs[:i], add_generation_prompt=True,
+                                           bos_token=bos, eos_token=eos)
+                        part = tokenizer.encode(head[len(prev):], add_bos=False)
+                        ids += part
+                        mask += [False] * len(part)
+                        prev = head
+                    full = render_chat(template, msgs[: i + 1], add_generation_prompt=False,
+                                       bos_token=bos, eos_token=eos)
+                    if not full.startswith(prev):
+                        raise FormatError(f"{self.path}: line {n}: the chat template does not "
+                                          "render conversations prefix by prefix; SFT needs "
+                                          "one that does")
+                    part = tokenizer.encode(full[len(prev):], add_bos=False)
+                    ids += part
+                    mask += [m["role"] == "assistant"] * len(part)
+                    prev = full
+            except FormatError:
+                raise  # the template itself, not this line: every line would fail
+            except (ValueError, KeyError, TypeError, PocketError) as e:
+                # a line the template refuses (roles that do not alternate) or text no
+                # tokenizer encodes (a lone surrogate) is as malformed as bad JSON: one line,
+                # skipped or (--strict) refused with its number, never the whole run
                 if strict:
                     raise FormatError(f"{self.path}: line {n}: {e}") from None
                 bad.append(f"line {n}: {e}")
                 continue
-            ids: list[int] = []
-            mask: list[bool] = []
-            prev = ""
-            for i, m in enumerate(msgs):
-                if m["role"] == "assistant":
-                    head = render_chat(template, msgs[:i], add_generation_prompt=True)
-                    part = tokenizer.encode(head[len(prev):], add_bos=False)
-                    ids += part
-                    mask += [False] * len(part)
-                    prev = head
-                full = render_chat(template, msgs[: i + 1], add_generation_prompt=False)
-                if not full.startswith(prev):
-                    raise FormatError(f"{self.path}: line {n}: the chat template does not render "
-                                      "conversations prefix by prefix; SFT needs one that does")
-                part = tokenizer.encode(full[len(prev):], add_bos=False)
-                ids += part
-                mask += [m["role"] == "assistant"] * len(part)
-                prev = full
-            if tokenizer.add_bos and tokenizer.bos_id is not None:
+            # as the runtime does: BOS unless the template wrote it already
+            if tokenizer.add_bos and tokenizer.bos_id is not None and not (
+                    bos and prev.startswith(bos)):
                 ids, mask = [tokenizer.bos_id, *ids], [False, *mask]
             if any(mask[1: seq_len + 1]):  # an answer token within the window is a target
                 examples.append((np.asarray(ids[: seq_len + 1], dtype=np.int64),
@@ -240,9 +256,20 @@ class SFTData:
         self.skipped = bad
         self.pad_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else 0
         order = np.random.default_rng(seed).permutation(len(examples))
-        n_val = max(1, int(round(holdout * len(examples)))) if len(examples) > 1 else 0
+        # holdout 0 (--val-data given): every chat trains; 1 (the --val-data file itself):
+        # every chat is held out, one chat as well; between: at least one each side
+        if holdout <= 0:
+            n_val = 0
+        elif holdout >= 1:
+            n_val = len(examples)
+        else:
+            n_val = max(1, int(round(holdout * len(examples)))) if len(examples) > 1 else 0
         self.val = [examples[i] for i in order[:n_val]]
         self.train = [examples[i] for i in order[n_val:]] or self.val
+        if holdout > 0 and not self.val:
+            # one chat cannot be split: measure it, rather than an empty held-out set's loss
+            # of 0 (which early stopping would read as a perfect model that never improves)
+            self.val = self.train
 
     @property
     def n_train(self) -> int:
@@ -481,7 +508,11 @@ def _base_model(spec: str):
     function that loads the weights (called once the data has been checked), the tokenizer and
     the chat template."""
     if Path(spec).is_dir() and (Path(spec) / CHECKPOINT).is_file():
-        ck = load_checkpoint(spec)
+        from ..formats import run_checkpoint
+
+        # the run's model is what export and the runtime take from the folder: its
+        # early-stopping best weights where it kept them, not the later, worse ones
+        ck = load_checkpoint(run_checkpoint(spec))
         return (ModelConfig.from_dict(ck["model_config"]), lambda: checkpoint_weights(ck),
                 Tokenizer.from_json(ck["tokenizer"]), ck.get("chat_template"))
     from ..formats import open_source, sniff
@@ -597,7 +628,11 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         model_cfg, base_state, tokenizer, base_template = _base_model(cfg.base)  # loads later
         chat_template = chat_template or base_template
     elif cfg.init_from:
-        init = load_checkpoint(cfg.init_from)
+        from ..formats import run_checkpoint
+
+        # a run folder: its best weights where early stopping kept them (as export takes it)
+        init = load_checkpoint(run_checkpoint(cfg.init_from) if Path(cfg.init_from).is_dir()
+                               else cfg.init_from)
         model_cfg = ModelConfig.from_dict(init["model_config"])
         tokenizer = Tokenizer.from_json(init["tokenizer"])
         chat_template = chat_template or init.get("chat_template")
@@ -683,13 +718,22 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         _load_weights(model, ck["model"], str(ck_path))
     model.to(dist.device)
     teacher = _teacher(cfg, tokenizer, dist.device) if cfg.distill_from else None
-    if cfg.mode == "pretrain" and (train_data.vocab_size, train_data.eos_id) != (
-            tokenizer.vocab_size, (tokenizer.eos_ids or [0])[0]):
-        # ids of another tokenizer would train the model on text it never sees, silently
-        raise PocketError(f"{cfg.data}: the shards were made with another tokenizer (vocabulary "
-                          f"{train_data.vocab_size}, end of text {train_data.eos_id}; this "
-                          f"run's: {tokenizer.vocab_size}, {(tokenizer.eos_ids or [0])[0]}); "
-                          "give --tokenizer the one they were made with, or prepare them again")
+    if cfg.mode == "pretrain":
+        from .data import vocabulary_sha256
+
+        theirs = (train_data.vocab_size, train_data.eos_id)
+        ours = (tokenizer.vocab_size, (tokenizer.eos_ids or [0])[0])
+        # two tokenizers trained to one size share the size and the end-of-text id: the token
+        # strings tell them apart (shards written before that digest: size and end of text)
+        made_with = train_data.meta.get("vocabulary_sha256")
+        if theirs != ours or made_with not in (None, vocabulary_sha256(tokenizer)):
+            # ids of another tokenizer would train the model on text it never sees, silently
+            differ = (f"vocabulary {theirs[0]}, end of text {theirs[1]}; this run's: "
+                      f"{ours[0]}, {ours[1]}" if theirs != ours else
+                      f"the same size, {ours[0]}, but other tokens")
+            raise PocketError(f"{cfg.data}: the shards were made with another tokenizer "
+                              f"({differ}); give --tokenizer the one they were made with, or "
+                              "prepare them again")
     wrapped: torch.nn.Module = model
     if dist.world > 1:
         if cfg.fsdp:
