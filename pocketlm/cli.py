@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import PocketError
+from .textfile import checked_text
 
 EPILOG = """examples:
   pocket run "Write a haiku about the sea"        # default model, pulled on first use
@@ -273,7 +274,7 @@ def cmd_run(args) -> int:
 
         prompt = read_stdin_text()
     elif prompt is not None:
-        prompt = _argv_text(prompt, "the prompt")
+        prompt = checked_text(prompt, "the prompt")
     if not prompt:
         raise PocketError("no prompt given: pocket run \"your prompt\" (or pipe text on stdin)")
     m = _load(args)
@@ -312,19 +313,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _argv_text(text: str, what: str) -> str:
-    """A command-line argument (or a line read from the terminal) as valid text.
-
-    Python reads undecodable bytes in argv and stdin as lone surrogates (surrogateescape);
-    they are named here, instead of failing deep in the tokenizer."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise PocketError(f"{what} is not UTF-8 text: an undecodable byte at character "
-                          f"{exc.start}; use UTF-8") from None
-    return text
-
-
 def cmd_chat(args) -> int:
     _check_generation_flags(args)  # a bad flag is one error and exit 1, not one per turn
     m = _load(args)
@@ -336,7 +324,7 @@ def cmd_chat(args) -> int:
         m.constraint(**constrain)  # a bad schema, regex or grammar fails here
     history: list[dict] = []
     if args.system:
-        history.append({"role": "system", "content": _argv_text(args.system, "--system")})
+        history.append({"role": "system", "content": checked_text(args.system, "--system")})
     base = list(history)
     print(f"pocket chat: {model_or_default(args.model)}  (/reset clears the conversation, "
           "/quit or Ctrl-D leaves)", file=sys.stderr)
@@ -363,7 +351,7 @@ def cmd_chat(args) -> int:
             print("[commands: /reset, /quit]", file=sys.stderr)
             continue
         try:
-            line = _argv_text(line, "that line")
+            line = checked_text(line, "that line")
         except PocketError as exc:
             print(f"pocket: error: {exc}", file=sys.stderr)
             continue
@@ -482,7 +470,7 @@ def _constrain(args) -> dict:
     """The ``json_schema`` / ``regex`` / ``grammar`` argument from the flags ({} for none)."""
     schema = getattr(args, "json_schema", None)
     if schema is not None:
-        schema = _argv_text(schema, "--json-schema")
+        schema = checked_text(schema, "--json-schema")
         text = schema.strip()
         if not text.startswith(("{", "[")) and text not in ("true", "false"):
             text = _read_flag_file(schema, "--json-schema")
@@ -491,9 +479,9 @@ def _constrain(args) -> dict:
         except ValueError as e:
             raise PocketError(f"--json-schema: not valid JSON ({e})") from None
     if getattr(args, "regex", None) is not None:
-        return {"regex": _argv_text(args.regex, "--regex")}
+        return {"regex": checked_text(args.regex, "--regex")}
     if getattr(args, "grammar", None) is not None:
-        return {"grammar": _read_flag_file(_argv_text(args.grammar, "--grammar"), "--grammar")}
+        return {"grammar": _read_flag_file(checked_text(args.grammar, "--grammar"), "--grammar")}
     return {}
 
 
@@ -517,7 +505,7 @@ def _speculative(args):
         if getattr(args, "draft_max", None) is not None:
             raise PocketError("--draft-max applies with --speculative (lookup or a draft model)")
         return None
-    spec = _argv_text(spec, "--speculative").strip()
+    spec = checked_text(spec, "--speculative").strip()
     if not spec:
         raise PocketError("--speculative needs 'lookup' or a draft model")
     from .speculative import DEFAULT_MAX_DRAFT, MAX_DRAFT

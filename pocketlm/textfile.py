@@ -7,7 +7,7 @@ from pathlib import Path
 
 from .errors import PocketError
 
-__all__ = ["jsonl_lines", "read_stdin_text", "read_text_file"]
+__all__ = ["checked_text", "jsonl_lines", "read_stdin_text", "read_text_file"]
 
 
 def read_text_file(path: str | Path, *, what: str = "text file") -> str:
@@ -45,6 +45,19 @@ def read_text_file(path: str | Path, *, what: str = "text file") -> str:
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
 
+def checked_text(text: str, what: str) -> str:
+    """``text`` (a command-line argument, a line read from the terminal) if it is valid text.
+
+    Python reads undecodable bytes in argv and stdin as lone surrogates (surrogateescape);
+    they are named here, instead of failing deep in the tokenizer."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PocketError(f"{what} is not UTF-8 text: an undecodable byte at character "
+                          f"{exc.start}; use UTF-8") from None
+    return text
+
+
 def read_stdin_text() -> str:
     """All of stdin as text; bytes that are not UTF-8 are an error that says where (Python's
     own text stdin would hand them on as lone surrogates, refused far from their source)."""
@@ -52,12 +65,7 @@ def read_stdin_text() -> str:
 
     data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     if isinstance(data, str):
-        try:
-            data.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise PocketError(f"stdin is not UTF-8 text: an undecodable byte at character "
-                              f"{exc.start}; use UTF-8") from None
-        return data
+        return checked_text(data, "stdin")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -418,17 +418,24 @@ def test_a_fifo_as_data_is_refused_not_waited_on(tmp_path, capsys):
     assert not (tmp_path / "shards").exists()
 
 
-def test_train_refuses_shards_of_another_tokenizer(tmp_path, capsys, monkeypatch):
-    # a larger vocabulary trained on the other tokenizer's ids, silently (280 vs ~300 here)
+def _shards_of_280(tmp_path, monkeypatch):
+    """Shards in tmp_path/p made with a 280-piece tokenizer of their own; the corpus."""
     pytest.importorskip("torch")
     from pocketlm import cli
-    from pocketlm.train.tokenizer_train import train_tokenizer
 
     monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
     assert cli.main(["data", "prepare", "--text", str(corpus), "--vocab-size", "280",
                      "--holdout", "0.2", "--out", str(tmp_path / "p"), "-q"]) == 0
+    return corpus
+
+
+def test_train_refuses_shards_of_another_tokenizer(tmp_path, capsys, monkeypatch):
+    # a larger vocabulary trained on the other tokenizer's ids, silently (280 vs ~300 here)
+    from pocketlm.train.tokenizer_train import train_tokenizer
+
+    corpus = _shards_of_280(tmp_path, monkeypatch)
     train_tokenizer([corpus], 300, tmp_path / "other", progress=False)
     capsys.readouterr()
     code, err = _train_cli(capsys, "--data", tmp_path / "p" / "shards", "--tokenizer",
@@ -441,15 +448,9 @@ def test_train_refuses_shards_of_another_tokenizer_of_the_same_size(tmp_path, ca
                                                                     monkeypatch):
     # two tokenizers trained to one size share the size and the end-of-text id: the shards of
     # one were trained on with the other, silently (ids that stand for other text)
-    pytest.importorskip("torch")
-    from pocketlm import cli
     from pocketlm.train.tokenizer_train import load_trained_tokenizer, train_tokenizer
 
-    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
-    assert cli.main(["data", "prepare", "--text", str(corpus), "--vocab-size", "280",
-                     "--holdout", "0.2", "--out", str(tmp_path / "p"), "-q"]) == 0
+    _shards_of_280(tmp_path, monkeypatch)
     other = tmp_path / "other.txt"
     other.write_text("\n".join(_corpus_of_other_words()) + "\n")
     mine = train_tokenizer([other], 280, tmp_path / "other", progress=False)
