@@ -234,6 +234,19 @@ def test_bad_task_files(base, tmp_path):
     p = pocket("finetune", "-m", str(base), "--data", str(mixed), "--out", str(run), "--steps",
                "4", "--lora-rank", "4", *FT, check=False)
     assert p.returncode == 1 and "LoRA" in p.stderr
+    # a LoRA run resumed with another --lora-alpha: its adapters would make another model
+    lora = tmp_path / "lora"
+    pocket("finetune", "-m", str(base), "--data", str(mixed), "--out", str(lora), "--steps",
+           "2", "--eval-every", "2", "--lora-rank", "4", *FT)
+    p = pocket("finetune", "-m", str(base), "--data", str(mixed), "--out", str(lora), "--steps",
+               "4", "--eval-every", "2", "--lora-rank", "4", "--lora-alpha", "2", *FT,
+               check=False)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and "--lora-alpha 8" in p.stderr
+    # the default alpha given explicitly is the same run; another seed is said, not refused
+    p = pocket("finetune", "-m", str(base), "--data", str(mixed), "--out", str(lora), "--steps",
+               "4", "--eval-every", "2", "--lora-rank", "4", "--lora-alpha", "8", "--seed",
+               "5", *FT)
+    assert "--seed 0 (now 5)" in p.stderr
 
 
 

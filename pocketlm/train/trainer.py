@@ -621,6 +621,21 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
                     (f" (LoRA rank {t[3]}{grid})" if t[3] else "")
             raise PocketError(f"{out} holds a {say(theirs)} run; this one is {say(ours)}: use "
                               "another --out, or the same settings to resume")
+        alpha = {c.lora_alpha if c.lora_alpha is not None else 2.0 * c.lora_rank
+                 for c in (cfg, saved)}
+        if cfg.lora_rank and len(alpha) > 1:
+            # the adapters trained so far were scaled by the run's alpha: another one would
+            # change the model they make, silently
+            raise PocketError(f"{out} holds a LoRA run with --lora-alpha "
+                              f"{saved.lora_alpha or 2 * saved.lora_rank:g}; resume it with "
+                              "the same --lora-alpha, or use another --out")
+        order = [f"--{k.replace('_', '-')} {getattr(saved, k)} (now {getattr(cfg, k)})"
+                 for k in ("seed", "batch_size", "grad_accum", "seq_len")
+                 if getattr(saved, k) != getattr(cfg, k)]
+        if order and dist.main:
+            print(f"[resuming {out} with other data settings than it ran with: "
+                  f"{', '.join(order)}; it goes on, but not as the uninterrupted run would]",
+                  file=sys.stderr)
         model_cfg = ModelConfig.from_dict(ck["model_config"])
         tokenizer = Tokenizer.from_json(ck["tokenizer"])
         chat_template = ck.get("chat_template")
