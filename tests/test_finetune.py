@@ -84,6 +84,12 @@ def test_lora_merge_equals_the_adapted_model():
                     if n in DEFAULT_TARGETS and isinstance(c, torch.nn.Linear))
     with pytest.raises(PocketError, match=f"at most {narrowest}"):
         add_lora(PocketLM(cfg, init_seed=1), narrowest + 1)
+    # --qat on a layer whose inputs do not cut into INT4 groups: one line, not a reshape error
+    odd = torch_ref.tiny_config("qwen2", d_ff=80)
+    for grid in ({"qat_group": 32}, {"base_grid": 32}):
+        with pytest.raises(PocketError, match="multiple of 32; this model has 80"):
+            add_lora(PocketLM(odd, init_seed=1), 4, **grid)
+    assert add_lora(PocketLM(odd, init_seed=1), 4) > 0  # in float it adapts as before
 
 
 def test_qat_rounds_to_the_grid_the_export_stores():

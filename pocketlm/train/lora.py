@@ -89,6 +89,17 @@ def add_lora(model: nn.Module, rank: int, alpha: float | None = None, *,
         # past a layer's narrower side an adapter adds parameters and no expressiveness
         raise PocketError(f"--lora-rank {rank} is more than the narrowest adapted layer's "
                           f"{min(widths)} (its smaller dimension); use at most {min(widths)}")
+    grid = qat_group or base_grid
+    if grid:
+        odd = sorted({c.in_features for m in model.modules() for n, c in m.named_children()
+                      if n in targets and isinstance(c, nn.Linear)
+                      and c.in_features % max(grid, 32)})
+        if odd:
+            # the INT4 grid is cut in groups of inputs: such a layer has no grid to train
+            # against (the pack refuses to quantize it), and the rounding was a traceback
+            raise PocketError(f"training against the INT4 grid (--qat) needs adapted layers "
+                              f"whose input width is a multiple of "
+                              f"{max(grid, 32)}; this model has {odd[0]}")
     for p in model.parameters():
         p.requires_grad_(False)
     gen = torch.Generator().manual_seed(int(seed))
