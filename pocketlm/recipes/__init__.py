@@ -8,6 +8,7 @@ registry model ``NAME``. Both resume where they stopped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -41,8 +42,10 @@ def _record_path(target: Path) -> Path:
 
 
 def _stat(target: Path) -> dict:
+    # the ctime too, as the registry's records do: a file swapped in with its size and mtime
+    # restored (cp -p, touch -r) has a new ctime, which no user call can set back
     st = target.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns}
 
 
 def built_record(target: Path) -> dict:
@@ -65,20 +68,23 @@ def recipe_state(entry, target: Path) -> str:
         record = json.loads(_record_path(target).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return "unverified"
+    if isinstance(record, dict) and "ctime_ns" not in record:
+        del stat["ctime_ns"]  # a record written before ctimes were recorded
     if not isinstance(record, dict) or any(record.get(k) != v for k, v in stat.items()):
         return "changed"
     return "yes"
 
 
 def _hash_and_record(entry, target: Path, *, quiet: bool) -> str:
-    from ..data.download import sha256_file
+    from ..data.download import atomic_file, sha256_file
 
+    stat = _stat(target)  # as of before the hash: a change during it is seen later
     sha = sha256_file(target)
-    record = {**_stat(target), "sha256": sha, "recipe": entry.recipe,
+    record = {**stat, "sha256": sha, "recipe": entry.recipe,
               "matches_reference": entry.sha256 is None or sha == entry.sha256}
-    tmp = _record_path(target).with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
-    os.replace(tmp, _record_path(target))
+    # a temp file the models folder's sweep knows, written under its writer lock
+    with atomic_file(_record_path(target)) as tmp:
+        tmp.write_text(json.dumps(record, indent=1), encoding="utf-8")
     if entry.sha256 and sha != entry.sha256 and not quiet:
         print(f"[{entry.name}: sha256 {sha[:16]}… differs from the recorded run's "
               f"{entry.sha256[:16]}… (the teacher's answers depend on the engine's kernel "
@@ -112,7 +118,17 @@ def build_recipe(entry, target: Path, *, quiet: bool = False, force: bool = Fals
     tmp = target.with_name(target.name + ".partial")
     import shutil
 
-    shutil.copyfile(built, tmp)
-    os.replace(tmp, target)
+    from ..data.download import writer_lock
+
+    # under the models folder's writer lock: another pull's sweep of that folder takes a
+    # .partial file no writer holds the lock for as stale, and deleted this one mid-copy
+    with writer_lock(target.parent):
+        try:
+            shutil.copyfile(built, tmp)
+            os.replace(tmp, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
     _hash_and_record(entry, target, quiet=quiet)
     return target

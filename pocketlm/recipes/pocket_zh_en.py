@@ -443,6 +443,9 @@ def check_inputs(out: Path, recipe: Recipe, until: str) -> None:
     except ImportError:
         raise PocketError("the recipe's training stages need PyTorch: pip install "
                           "'pocketlm[train]'") from None
+    runs = [_train_config(out, recipe, stage, None) for stage in ("sft", "qat")]
+    if all(_finished(Path(cfg.out), cfg.steps) for cfg in runs):
+        return  # no checkpoint left to write: an export again (--force) needs no such room
     need = disk_needed(open_source(paths[recipe.base]).config.n_params())
     free = shutil.disk_usage(out).free
     if free < need:
@@ -540,12 +543,13 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
                                   "starts again (or use another folder)")
             _set_aside(out, saved, recipe)
     final = out / f"{NAME}.pocket"
-    if final.is_file() and until == "export":
-        if not force:
-            _say(f"{final} is already built (--force writes it again from the checkpoints)")
-            return final
-        final.unlink()
+    rebuild = final.is_file() and until == "export"
+    if rebuild and not force:
+        _say(f"{final} is already built (--force writes it again from the checkpoints)")
+        return final
     check_inputs(out, recipe, until)
+    if rebuild:  # only once the inputs passed: a refusal there deleted the finished file
+        final.unlink()
     if not recipe_file.is_file():
         _atomic_write(recipe_file, json.dumps(recipe.to_dict(), indent=1))
     _say(estimate(out, recipe))
