@@ -40,6 +40,7 @@ from .quant import (
     QK_K,
     EncodedQuantTensor,
     QuantTensor,
+    check_finite,
     check_quantizable,
     code_steps,
     coded_steps,
@@ -167,6 +168,8 @@ STATS_REVISION = 2  # 2: float32 on disk
 
 def cached_stats(model, cset) -> Stats | None:
     """Statistics gathered before for the same source and calibration set, if any."""
+    import zipfile
+
     path = _stats_path(model, cset)
     if path is None or not path.is_file():
         return None
@@ -178,8 +181,8 @@ def cached_stats(model, cset) -> Stats | None:
                 st.h[site] = z[f"h{i}"]  # float32; each use upcasts what it needs
                 st.n[site] = int(z["n"][i])
             return st
-    except (OSError, ValueError, KeyError):
-        return None  # unreadable: gather again
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return None  # unreadable (a truncated or damaged file is not a zip): gather again
 
 
 def save_stats(model, cset, stats: Stats) -> None:
@@ -201,11 +204,13 @@ def save_stats(model, cset, stats: Stats) -> None:
                      n=np.array([stats.n[s] for s in sites]),
                      **{f"h{i}": stats.h[s].astype(np.float32) for i, s in enumerate(sites)})
         os.replace(tmp, path)
-    except OSError:
-        try:
+    except BaseException as exc:  # Ctrl-C or SIGTERM too: a cut-off temp file of up to
+        try:                      # gigabytes would stay in the cache folder for good
             os.unlink(tmp)
         except (OSError, UnboundLocalError):
             pass
+        if not isinstance(exc, OSError):
+            raise
 
 
 # -- output error ------------------------------------------------------------------------------
@@ -803,6 +808,41 @@ def _lossless(st) -> QuantTensor | None:
     return None
 
 
+def _exact_bytes(st, qt: QuantTensor, encodable: bool) -> int:
+    """Bytes of the source tensor ``st`` imported exactly as ``qt``, as the pack stores it:
+    without minimums where they are implicit, in the source's own blocks where those are
+    smaller (what :func:`candidates` counts)."""
+    zp = find_zero_point(qt)
+    stored = source_stored_bytes(st) if encodable else {}
+    return stored.get((qt.kind, qt.group_size, zp),
+                      layout_bytes(qt.kind, qt.group_size, qt.shape, zp))
+
+
+def _weight_error(w: np.ndarray, qt: QuantTensor, rows: int = 8192) -> float:
+    """``||W~ - W|| / ||W||``, a few rows at a time."""
+    num = den = 0.0
+    for r0 in range(0, w.shape[0], rows):
+        a = np.asarray(w[r0:r0 + rows], np.float64)
+        num += float(((qt.dequantize(slice(r0, r0 + rows)) - a) ** 2).sum())
+        den += float((a * a).sum())
+    return float(np.sqrt(num / den)) if den > 0 else float(np.sqrt(num))
+
+
+class _naming:
+    """Prefixes a refusal raised while quantizing a tensor with the tensor's name."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if isinstance(exc, UnsupportedError) and not str(exc).startswith(self.name):
+            raise UnsupportedError(f"{self.name}: {exc}") from None
+        return False
+
+
 def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float | None = None,
          default_bits, group_size: int = 32, progress: bool = True,
          stats: Stats | None = None, awq: bool = False):
@@ -812,8 +852,9 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     Without ``bits_per_weight`` each tensor keeps those bits and the pack's group size (a
     source grid that imports exactly stays exact) and every requantized INT4 / INT5 tensor is
     made by ``method``; with it, each tensor's layout is chosen by :func:`allocate`. Returns
-    ``({name: (QuantTensor, how, relative output error or None)}, calibration record,
-    {name: float32 array}``: the float tensors that channel scaling changed).
+    ``({name: (QuantTensor, how, relative output error or None, relative weight error
+    against the scaled matrix for a tensor channel scaling changed, else None)}, calibration
+    record, {name: float32 array}``: the float tensors that channel scaling changed).
 
     ``awq``: activation-aware channel scaling (:mod:`pocketlm.awq`) before rounding, on the
     sites whose tensors are all requantized (a tensor that imports exactly keeps its grid:
@@ -824,10 +865,14 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     from . import calibdata
 
     t0 = time.time()
-    cset = (calibdata.default_set(model.tokenizer) if str(calib) == "default"
-            else calibdata.file_set(calib, model.tokenizer))
+    # only the string names the built-in set: a file called "default" (pack passes files as
+    # paths, and str(Path("./default")) is "default") is the app's own text
+    cset = (calibdata.default_set(model.tokenizer) if isinstance(calib, str) and
+            calib == "default" else calibdata.file_set(calib, model.tokenizer))
     names = [n for n, st in model.tensors.items() if default_bits(n, st) is not None]
     weights = {n: st.to_float() for n, st in model.tensors.items()}
+    for n, w in weights.items():  # before minutes of statistics that NaN would fill
+        check_finite(n, w)
     if stats is None:
         stats = cached_stats(model, cset)
     if stats is None:
@@ -862,7 +907,8 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             keep = set()
             for n in names:
                 qt = _lossless(model.tensors[n])
-                if qt is not None and qt.bits_per_weight <= bpw:
+                if qt is not None and 8.0 * _exact_bytes(model.tensors[n], qt, may_encode(
+                        n, tied)) / qt.shape[0] / qt.shape[1] <= bpw:
                     keep.add(n)
             layout = dict.fromkeys(names, PROBE_LAYOUT)
         from .awq import scale_model
@@ -875,19 +921,23 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         probe: dict[str, QuantTensor] = {}
         for n in names:
             h = hessian(n)
-            cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
-                                  None if n in changed else _lossless(model.tensors[n]),
-                                  LAYOUTS if may_encode(n, tied) else PLAIN_LAYOUTS,
-                                  probe=probe, name=n, stored=source_stored_bytes(
-                                      model.tensors[n])
-                                  if n not in changed and may_encode(n, tied) else None)
+            with _naming(n):
+                cands[n] = candidates(weights[n], None if h is None else np.diag(h).copy(),
+                                      None if n in changed else _lossless(model.tensors[n]),
+                                      LAYOUTS if may_encode(n, tied) else PLAIN_LAYOUTS,
+                                      probe=probe, name=n, stored=source_stored_bytes(
+                                          model.tensors[n])
+                                      if n not in changed and may_encode(n, tied) else None)
             bar.update(1)
         bar.close()
         kappa = class_weights(model.config, weights, probe, cands,
                               cset.sequences[:PROBE_SEQUENCES])
         del probe
+        # a class none of whose widths group 64 divides (d_model 96, d_ff 160) was not
+        # probed: it takes the largest measured weight, or 1 when nothing could be probed
+        unprobed = max(kappa.values(), default=1.0)
         for n, cs in cands.items():
-            k = kappa.get(tensor_class(n), max(kappa.values()))
+            k = kappa.get(tensor_class(n), unprobed)
             for c in cs:
                 c.error *= k
         if bits_per_weight == "source":
@@ -910,12 +960,16 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
                 model.tensors[n].to_quant({"int4": 4, "int5": 5, "int8": 8}[kind], gs)
             how = "lossless"
         else:
-            qt = quantize_calibrated(w, kind, gs, h, method, zp)
+            with _naming(n):
+                qt = quantize_calibrated(w, kind, gs, h, method, zp)
             how = "calibrated" if h is not None and kind != "int8" else "requantized"
         err = None
         if h is not None:
             err = output_error(w, qt, h) / max(output_energy(w, h), 1e-30)
-        out[n] = (qt, how, err)
+        # a tensor channel scaling changed is judged against the matrix it was rounded from;
+        # the pack, which has only the source, measures the others itself
+        werr = _weight_error(w, qt) if n in changed else None
+        out[n] = (qt, how, err, werr)
         bar.update(1)
     bar.close()
     head_name = "embed.weight" if tied else "lm_head.weight"

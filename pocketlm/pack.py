@@ -45,6 +45,7 @@ from .quant import (
     GROUP_SIZES,
     EncodedQuantTensor,
     QuantTensor,
+    check_finite,
     check_quantizable,
     encode_as_source,
     find_zero_point,
@@ -282,7 +283,12 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         from .vocab import trim_source
 
         model = trim_source(model, vocab, progress=progress)
-    planned: dict[str, tuple[QuantTensor, str, float | None]] = {}
+    if awq and model.adapters:
+        # the scales are folded into the weights and norms; LoRA adapters kept beside the
+        # weights would still read the unscaled input (A x, not A (x / s)): another model
+        raise UnsupportedError("channel scaling (--awq) cannot be combined with LoRA adapters "
+                               "kept beside the weights (--keep-lora): drop one of them")
+    planned: dict[str, tuple[QuantTensor, str, float | None, float | None]] = {}
     scaled: dict[str, np.ndarray] = {}  # float tensors that channel scaling changed
     calibration = None
     if calib is not None:
@@ -311,23 +317,28 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         bits = choose_bits(name, embed_bits, st.dtype, keep_precision)
         if bits is None:
             values = scaled.pop(name) if name in scaled else st.to_float()
+            check_finite(name, values)
             arrays.append((name, np.ascontiguousarray(values, dtype=np.float32)))
             reports.append(TensorReport(name, st.dtype, "f32", "float", 0.0, count))
             continue
         ref = None
-        out_err = None
+        out_err = weight_err = None
         if name in planned:
-            qt, how, out_err = planned.pop(name)
+            qt, how, out_err, weight_err = planned.pop(name)
         else:
             qt = st.to_quant(bits, group_size)
             how = "lossless"
         if qt is None:
             check_quantizable(tuple(st.shape), group_size, name)  # names the tensor on error
             ref = st.to_float()
+            check_finite(name, ref)
             qt = quantize(ref, bits, group_size, search=int4_search)
             how = "requantized"
+        _check_steps(name, qt, how)
         err = 0.0
-        if measure_error:
+        if weight_err is not None:  # channel scaling changed it: measured against what was
+            err = weight_err        # rounded, not against the unscaled source
+        elif measure_error:
             ref = st.to_float() if ref is None else ref
             err = _chunked_rel_error(ref, qt)
         del ref
@@ -387,7 +398,11 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
                   "group_size": group_size, "embed_bits": stored_embed_bits or embed_bits,
                   "keep_precision": precision_record(keep_precision),
                   "tensors": layouts,
-                  **({"calibration": calibration} if calibration else {})},
+                  # a reproducible file leaves out the seconds calibrating took, as it
+                  # leaves out the packing time (the report still states them)
+                  **({"calibration": {k: v for k, v in calibration.items()
+                                      if not (reproducible and k == "seconds")}}
+                     if calibration else {})},
         **({"vocab": model.vocab} if model.vocab is not None else {}),
         **({"adapter": model.adapter} if model.adapters else {}),
         "provenance": {**model.provenance, "pocketlm_version": __version__,
@@ -428,6 +443,20 @@ def vocab_summary(v: dict) -> str:
                  f"{100 * costs['lines_costlier']:.0f} % of lines cost more tokens "
                  f"(+{100 * costs['extra_tokens']:.1f} % tokens)")
     return line
+
+
+def _check_steps(name: str, qt: QuantTensor, how: str) -> None:
+    """Refuse a tensor whose float16 scales or minimums are not finite (the engine would
+    compute NaN with them): weights beyond float16's range (a minimum is a weight, a scale
+    a fifteenth of a group's range), or a source's blocks that hold them."""
+    steps = [qt.scales] + ([] if qt.mins is None else [qt.mins])
+    if all(np.isfinite(a).all() for a in steps):
+        return
+    if how == "lossless":
+        raise PocketError(f"{name}: the source's quantized blocks hold NaN or infinite scales "
+                          "(a corrupt file); nothing was written")
+    raise UnsupportedError(f"{name}: its weights exceed what {qt.kind.upper()}'s float16 group "
+                           "scales and minimums can hold (65504); nothing was written")
 
 
 def _chunked_rel_error(ref: np.ndarray, qt: QuantTensor, rows: int = 8192) -> float:

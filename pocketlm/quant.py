@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import UnsupportedError
+from .errors import FormatError, UnsupportedError
 
 GROUP_SIZES = (32, 64, 128)
 KINDS = ("int4", "int5", "int8")
@@ -105,6 +105,16 @@ def find_zero_point(qt: QuantTensor) -> int | None:
     if not np.isfinite(m.astype(np.float32)).all():
         return None
     return zp if np.array_equal(m.view(np.uint16), np.asarray(qt.mins).view(np.uint16)) else None
+
+
+def check_finite(name: str, values: np.ndarray) -> None:
+    """Refuse a source tensor that holds NaN or infinite values: rounded, they become NaN
+    scales (or a NaN norm), and the deploy file would compute NaN for every token."""
+    # a float64 sum of float16/float32 values cannot overflow, so it is finite exactly when
+    # every value is, without a temporary the size of the tensor
+    if not np.isfinite(np.sum(values, dtype=np.float64)):
+        raise FormatError(f"{name}: the source holds NaN or infinite values (a corrupt or "
+                          "diverged model); nothing was written")
 
 
 def check_quantizable(shape: tuple[int, ...], group_size: int, name: str = "tensor") -> None:

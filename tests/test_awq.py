@@ -172,3 +172,53 @@ def test_cli_pack_awq_flag(tiny, tmp_path):
     shown = subprocess.run([sys.executable, "-m", "pocketlm.cli", "inspect", str(out)],
                            capture_output=True, text=True, timeout=120).stdout
     assert "channel scaling" in shown
+
+
+def test_reported_weight_errors_are_against_the_scaled_matrices(tiny, tmp_path):
+    # a scaled tensor's rounding was judged against the unscaled source: the INT8 output head
+    # (error ~0.005) reported 0.13, the scale itself counted as rounding error
+    out = tmp_path / "w.pocket"
+    rep = pack(tiny["src"], out, calib=tiny["text"], awq=True, keep_precision=False,
+               progress=False)
+    src = open_source(tiny["src"])
+    assert not np.array_equal(PocketFile(out).weights()["norm.weight"],
+                              src.tensors["norm.weight"].to_float())  # the head was scaled
+    head = next(t for t in rep.tensors if t.name == "lm_head.weight")
+    assert head.stored == "int8" and head.rel_error < 0.02
+    plain = {t.name: t.rel_error for t in pack(tiny["src"], tmp_path / "p.pocket",
+                                               calib=tiny["text"], keep_precision=False,
+                                               progress=False).tensors}
+    for t in rep.tensors:
+        if t.stored != "f32":
+            assert t.rel_error < 1.3 * plain[t.name] + 1e-3, t.name
+
+
+def test_a_budget_keeps_exact_imports_that_fit_it_unscaled(tmp_path):
+    # a Q4_0 tensor imports exactly in 4.5 bits (minimums implicit), which a 4.6-bit budget
+    # holds: scaling it would throw its exact grid away (it was judged at 5.0 bits, minimums
+    # counted, so every site was scaled)
+    src = tmp_path / "q.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=6, weight_type="Q4_0")
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    rep = pack(src, tmp_path / "q.pocket", calib=text, awq=True, bits_per_weight=4.6,
+               progress=False)
+    assert rep.calibration["channel_scaling"]["scaled"] == 0
+    assert rep.calibration["channel_scaling"]["sites"] == 0
+    assert rep.quant_bits_per_weight <= 4.6
+
+
+def test_awq_with_adapters_kept_beside_is_refused(tiny, tmp_path):
+    # the scales fold into the weights and norms, never into adapters kept beside them
+    # (--keep-lora): their A would read x / s instead of x, and the file computed another model
+    src = open_source(tiny["src"])
+    rng = np.random.default_rng(0)
+    stem = "layers.0.attn.w_q"
+    rows, cols = src.tensors[stem + ".weight"].shape
+    src.adapters = {stem: (rng.standard_normal((4, cols)).astype(np.float32),
+                           rng.standard_normal((rows, 4)).astype(np.float32))}
+    src.adapter = {"kind": "lora", "rank": 4, "alpha": 8.0, "weights": 1}
+    out = tmp_path / "l.pocket"
+    with pytest.raises(UnsupportedError, match="--keep-lora"):
+        pack(src, out, calib=tiny["text"], awq=True, progress=False)
+    assert not out.exists()

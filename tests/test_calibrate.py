@@ -387,3 +387,131 @@ def test_coded_scales_that_do_not_give_the_steps_are_refused(tiny, tmp_path):
         native_kernels.NativeEngine(src.config, weights, act="q8", compact_tiles=True, amx=False)
     # without coded tiles the codes are not used, and the model loads
     native_kernels.NativeEngine(src.config, weights, act="q8", compact_tiles=False, amx=False)
+
+
+def _poisoned(path, name, value):
+    """The source at ``path`` with one value of tensor ``name`` replaced by ``value``."""
+    model = open_source(path)
+    st = model.tensors[name]
+    clean = st.to_float
+
+    def to_float():
+        w = clean().copy()
+        w.reshape(-1)[3] = value
+        return w
+
+    st.to_float = to_float
+    return model
+
+
+@pytest.mark.parametrize("value,name", [
+    (np.nan, "layers.0.attn.w_q.weight"), (np.inf, "layers.1.mlp_norm.weight"),
+    (1e6, "layers.0.attn.w_q.weight"),  # finite, but its INT4 minimum overflows float16
+])
+@pytest.mark.parametrize("mode", ["plain", "calib", "budget"])
+def test_non_finite_or_overflowing_weights_are_refused_by_name(tiny, tmp_path, value, name,
+                                                               mode):
+    # they packed into NaN scales (or a NaN norm): a file that computes NaN for every token
+    kwargs = {"plain": {}, "calib": {"calib": tiny["text"]},
+              "budget": {"calib": tiny["text"], "bits_per_weight": 4.6}}[mode]
+    out = tmp_path / "n.pocket"
+    with pytest.raises(PocketError, match=name.replace(".", r"\.")):
+        pack(_poisoned(tiny["src"], name, value), out, progress=False, **kwargs)
+    assert not out.exists() and not list(tmp_path.glob("n.pocket*"))
+
+
+def test_corrupt_source_block_scales_are_refused(tmp_path):
+    # a lossless import copies the source's scales: a NaN one is a corrupt file, not a model
+    src = tmp_path / "q.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=6, weight_type="Q4_0")
+    model = open_source(src)
+    st = model.tensors["layers.0.mlp.w_up.weight"]
+    clean = st.to_quant
+
+    def to_quant(bits, gs):
+        qt = clean(bits, gs)
+        if qt is not None:
+            qt.scales = qt.scales.copy()
+            qt.scales[0, 0] = np.float16(np.nan)
+        return qt
+
+    st.to_quant = to_quant
+    with pytest.raises(PocketError, match=r"layers\.0\.mlp\.w_up\.weight.*NaN or infinite"):
+        pack(model, tmp_path / "q.pocket", progress=False)
+    assert not (tmp_path / "q.pocket").exists()
+
+
+def test_a_calibration_file_named_default_is_the_apps_text(tiny, tmp_path, monkeypatch):
+    # str(Path("./default")) is "default": the app's file was swapped for the built-in set
+    import hashlib
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "default").write_bytes(tiny["text"].read_bytes())
+
+    def builtin(*a, **k):
+        raise AssertionError("the built-in calibration set was used")
+
+    monkeypatch.setattr(calibdata, "default_set", builtin)
+    rep = pack(tiny["src"], tmp_path / "d.pocket", calib="./default", progress=False)
+    assert rep.calibration["set"]["sha256"] == hashlib.sha256(
+        tiny["text"].read_bytes()).hexdigest()
+
+
+def test_interrupted_statistics_save_leaves_no_temp_file(tiny, tmp_path, monkeypatch):
+    # Ctrl-C (or SIGTERM's SystemExit) while the second moments are written: the cut-off
+    # temp file (gigabytes for the larger models) must not stay in the cache folder
+    src = open_source(tiny["src"])
+    cs = calibdata.file_set(tiny["text"], src.tokenizer, n_sequences=2, seq_len=64)
+    st = calibrate.Stats()
+    st.add("head_in", np.ones((4, 8), np.float32))
+
+    def interrupted(f, **arrays):
+        f.write(b"PK\x03\x04 half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(np, "savez", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.save_stats(src, cs, st)
+    assert not list((tmp_path / "calib").iterdir())
+
+
+def test_damaged_statistics_file_is_gathered_again(tiny, tmp_path):
+    # a truncated cache file is not a zip at all (BadZipFile): it was a traceback
+    src = open_source(tiny["src"])
+    cs = calibdata.file_set(tiny["text"], src.tokenizer, n_sequences=2, seq_len=64)
+    st = calibrate.Stats()
+    st.add("head_in", np.ones((4, 8), np.float32))
+    calibrate.save_stats(src, cs, st)
+    path = calibrate._stats_path(src, cs)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    assert calibrate.cached_stats(src, cs) is None
+
+
+def test_budget_for_widths_that_group_64_does_not_divide(tmp_path):
+    # every width an odd multiple of 32: no tensor takes the probe layout (INT4 group 64), no
+    # class is weighed, and the budget died on max() of nothing (a traceback)
+    src = tmp_path / "w.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="F32", embed_type="F32",
+                              d_model=96, n_heads=3, n_kv_heads=1, head_dim=32, d_ff=160)
+    text = tmp_path / "app.txt"
+    text.write_text("The parcel left the depot this morning. 包裹今早已离开仓库。 " * 80,
+                    encoding="utf-8")
+    rep = pack(src, tmp_path / "w.pocket", calib=text, bits_per_weight=5.0, progress=False)
+    assert rep.quant_bits_per_weight <= 5.0
+
+
+def test_reproducible_calibrated_packs_are_the_same_bytes(tiny, tmp_path, monkeypatch):
+    # reproducible=True promises the same bytes for the same inputs; the calibration record
+    # kept the seconds it took (every call of the clock here is a second later than the last)
+    import time
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(time, "time", lambda: float(next(clock)))
+    files = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.pocket"
+        rep = pack(tiny["src"], out, calib=tiny["text"], reproducible=True, progress=False)
+        assert rep.calibration["seconds"] > 0  # the report still says how long it took
+        files.append(out.read_bytes())
+    assert files[0] == files[1]
