@@ -172,14 +172,19 @@ _FLOAT_TYPES = {"F32", "F16", "BF16", "F64"}
 
 def check_pack_options(group_size, embed_bits, keep_precision) -> None:
     """The packing options, checked before any work (and before they name a cache entry)."""
-    if isinstance(group_size, bool) or group_size not in GROUP_SIZES:
+    # integers only: 4.0 equals 4 but names another cache entry (a second pack of one model)
+    if not _integer(group_size) or group_size not in GROUP_SIZES:
         raise UnsupportedError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
                                f"got {group_size!r}")
-    if isinstance(embed_bits, bool) or embed_bits not in (4, 8):
+    if not _integer(embed_bits) or embed_bits not in (4, 8):
         raise UnsupportedError(f"embed_bits (--embed-bits) must be 4 or 8, got {embed_bits!r}")
     if keep_precision is not None and not isinstance(keep_precision, bool):
         raise UnsupportedError(f"keep_precision must be None, False or True, got "
                                f"{keep_precision!r}")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def precision_record(keep_precision: bool | None) -> bool | str:

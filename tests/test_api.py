@@ -110,6 +110,14 @@ def test_bad_precision(env):
         pocketlm.load(env["gguf"], precision="int3")
 
 
+@pytest.mark.parametrize("kw", [dict(embed_bits=4.0), dict(group_size=64.0),
+                                dict(embed_bits=True), dict(group_size=48)])
+def test_bad_pack_options(env, kw):
+    # 4.0 equals 4 but named another cache entry: a second pack of the same model
+    with pytest.raises(pocketlm.PocketError, match="must be"):
+        pocketlm.load(env["gguf"], **kw)
+
+
 # -- tokens and logits -----------------------------------------------------------------------
 def test_tokenize_detokenize_round_trip(m):
     for text in ["hello world", "  spaces\tand\nnewlines ", "caf\u00e9 \u4e2d\u6587 \U0001f600",
