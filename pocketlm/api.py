@@ -363,6 +363,15 @@ def _check_stop(stop) -> list[str]:
 
 
 # -- loading ---------------------------------------------------------------------------------
+def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> str | None:
+    """A line saying that a context larger than the model holds was cut to its own (``load``
+    takes the smaller of the two), or None."""
+    if asked is None or asked <= model.n_ctx:
+        return None
+    return (f"note: the model holds at most {model.n_ctx} tokens of context; {flag} {asked} "
+            f"gives {model.n_ctx}")
+
+
 def _check_n_ctx(n_ctx):
     if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int)
                               or n_ctx < 1):

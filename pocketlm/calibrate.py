@@ -706,8 +706,10 @@ def _greedy(hulls: dict[str, list[Candidate]], budget: float) -> dict[str, int] 
     return pos
 
 
-def allocate(cands: dict[str, list[Candidate]], budget_bytes: float) -> dict[str, Candidate]:
-    """One candidate per tensor, total bytes <= ``budget_bytes``, least total estimated error.
+def allocate(cands: dict[str, list[Candidate]], budget_bytes: float,
+             weights: int | None = None) -> dict[str, Candidate]:
+    """One candidate per tensor, total bytes <= ``budget_bytes``, least total estimated error
+    (``weights``: how many weights the tensors hold, for a refusal in bits per weight).
 
     Greedy marginal analysis: from each tensor's smallest candidate, repeatedly take the
     upgrade (along the lower convex hull of error against bytes) that removes the most error
@@ -720,8 +722,11 @@ def allocate(cands: dict[str, list[Candidate]], budget_bytes: float) -> dict[str
     hulls = {name: _hull(cs) for name, cs in cands.items()}
     smallest = sum(h[0].nbytes for h in hulls.values())
     if smallest > budget_bytes:
-        raise UnsupportedError(f"the bit budget ({budget_bytes / 1e6:.1f} MB) is below what "
-                               f"the smallest layouts reach ({smallest / 1e6:.1f} MB)")
+        def say(nbytes: float) -> str:
+            bits = f"{8.0 * nbytes / weights:.2f} bits per weight, " if weights else ""
+            return f"{bits}{nbytes / 1e6:.1f} MB"
+        raise UnsupportedError(f"the bit budget ({say(budget_bytes)}) is below what the "
+                               f"smallest layouts reach ({say(smallest)})")
     big = [n for n, h in hulls.items() if h[0].nbytes > budget_bytes / 10][:3]
     rest = {n: h for n, h in hulls.items() if n not in big}
     best = None
@@ -940,12 +945,10 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             k = kappa.get(tensor_class(n), unprobed)
             for c in cs:
                 c.error *= k
-        if bits_per_weight == "source":
-            budget = source_budget(model, names)
-        else:
-            budget = bits_per_weight / 8.0 * sum(int(np.prod(model.tensors[n].shape))
-                                                 for n in names)
-        picked = allocate(cands, budget)
+        count = sum(int(np.prod(model.tensors[n].shape)) for n in names)
+        budget = (source_budget(model, names) if bits_per_weight == "source"
+                  else bits_per_weight / 8.0 * count)
+        picked = allocate(cands, budget, count)
         choice = {n: (c.kind, c.group_size, c.lossless, c.zero_point)
                   for n, c in picked.items()}
 

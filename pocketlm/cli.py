@@ -236,10 +236,14 @@ def cmd_inspect(args) -> int:
 
 def _load(args):
     import pocketlm
+    from pocketlm.api import context_note
 
     model = model_or_default(args.model)
     t0 = time.time()
     m = pocketlm.load(model, n_ctx=args.ctx, quiet=False)
+    note = context_note(m, args.ctx)
+    if note:
+        print(note, file=sys.stderr)
     if args.verbose:
         print(f"[loaded {model} in {time.time() - t0:.2f} s]", file=sys.stderr)
     return m

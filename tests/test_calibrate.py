@@ -125,6 +125,11 @@ def test_allocate_meets_the_budget_and_spends_it_where_it_removes_most_error():
     assert last == pytest.approx(sum(min(c.error for c in cs) for cs in cands.values()))
     with pytest.raises(UnsupportedError, match="below what the smallest layouts reach"):
         calibrate.allocate(cands, small - 1)
+    # said in bits per weight, the unit of --bits-per-weight, when the weights are counted
+    count = 6 * 64 * 128
+    with pytest.raises(UnsupportedError, match=r"\(4\.\d\d bits per weight, .* MB\) is below "
+                       r"what the smallest layouts reach \(4\.\d\d bits per weight"):
+        calibrate.allocate(cands, small - 1, count)
 
 
 @pytest.mark.parametrize("value", [4.0, 8.5, -1, "many", float("nan"), True])

@@ -403,6 +403,19 @@ def test_bad_ctx_flag(files, capsys):
     assert_one_line_error(code, err, "n_ctx")
 
 
+def test_ctx_beyond_the_model_is_said(files, capsys):
+    """--ctx larger than the model's context is cut to it (as load does), and said so."""
+    import pocketlm
+
+    most = pocketlm.load(files["pocket"]).config.max_context
+    code, _, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 2, "--ctx",
+                           most + 1000)
+    assert code == 0
+    assert f"holds at most {most} tokens of context; --ctx {most + 1000} gives {most}" in err
+    code, _, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 2, "--ctx", most)
+    assert code == 0 and "holds at most" not in err
+
+
 def test_bad_threads_variable_is_a_one_line_error(files, capsys, monkeypatch):
     """A malformed POCKET_THREADS is reported by the command that uses it, not raised while
     the argument parser is built (which broke every command)."""

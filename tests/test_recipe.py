@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -235,6 +236,14 @@ def test_the_recipe_refuses_missing_inputs_before_any_work(tiny_recipe, tmp_path
     assert not (tmp_path / "r" / "prompts.jsonl").exists()
     with pytest.raises(PocketError, match="unknown stage"):
         _run(tmp_path / "r", tiny_recipe, until="nope")
+    # a damaged record of the run's recipe is one line naming it, and the run is left as it is
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for text in ("{", "[1, 2]", "\udcff"):
+        (damaged / "recipe.json").write_text(text, errors="surrogateescape")
+        with pytest.raises(PocketError, match=r"recipe\.json is damaged .*--force moves"):
+            _run(damaged, tiny_recipe)
+        assert os.listdir(damaged) == ["recipe.json"]
     need = pocket_zh_en.disk_needed(142_000_000)
     assert 4e9 < need < 7e9  # gemma3-270m-zh-en's checkpoints: a few GB, said before training
 

@@ -130,6 +130,15 @@ def _read_jsonl(path: Path) -> list[dict]:
     return rows
 
 
+def _read_record(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None when the file does not hold one (damaged)."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, OSError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 # -- stage 1: prompts ---------------------------------------------------------------------------
 
 
@@ -139,7 +148,8 @@ def stage_prompts(out: Path, recipe: Recipe) -> list[dict]:
     path = out / "prompts.jsonl"
     key = {"version": PROMPTS_VERSION, "seed": recipe.seed, "counts": recipe.counts}
     meta = out / "prompts.meta.json"
-    if path.is_file() and meta.is_file() and json.loads(meta.read_text())["key"] == key:
+    saved = _read_record(meta) if path.is_file() and meta.is_file() else None
+    if saved is not None and saved.get("key") == key:
         return _read_jsonl(path)
     _say("building the prompts from the corpora")
     prompts = build_prompts(recipe.seed, recipe.counts)
@@ -535,8 +545,14 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     out = Path(out)
     recipe_file = out / "recipe.json"
     if recipe_file.is_file():
-        saved = json.loads(recipe_file.read_text(encoding="utf-8"))
-        if saved != recipe.to_dict():
+        saved = _read_record(recipe_file)
+        if saved is None:
+            if not force:
+                raise PocketError(f"{recipe_file} is damaged (not the JSON record of a recipe); "
+                                  "--force moves the run aside and starts again (or use "
+                                  "another folder)")
+            _set_aside(out, {}, recipe)
+        elif saved != recipe.to_dict():
             if not force:
                 raise PocketError(f"{out} holds a run of another version of the recipe ("
                                   f"{_differences(saved, recipe)}); --force moves it aside and "
@@ -555,7 +571,9 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     _say(estimate(out, recipe))
     times = {}
     report_path = out / "recipe_report.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else {"stages": {}}
+    report = _read_record(report_path) if report_path.is_file() else None
+    if not isinstance((report or {}).get("stages"), dict):  # none yet, or a damaged one
+        report = {"stages": {}}
 
     lock = threading.Lock()
 

@@ -175,6 +175,7 @@ def cmd_serve(args) -> int:
 
     import pocketlm
 
+    from ..api import context_note
     from ..registry import model_or_default
     from .app import ServerConfig, create_app
 
@@ -193,6 +194,9 @@ def cmd_serve(args) -> int:
     try:
         t0 = time.time()
         model = pocketlm.load(model_arg, n_ctx=args.ctx, quiet=False)
+        note = context_note(model, args.ctx)
+        if note:
+            print(note, file=sys.stderr)
         app = create_app(model, cfg)
     except BaseException:
         sock.close()

@@ -780,8 +780,8 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
 
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "train_config.json").write_text(json.dumps(
-            {"train": cfg.to_dict(), "model": model_cfg.to_dict()}, indent=2), encoding="utf-8")
+        _atomic_text(out / "train_config.json", json.dumps(
+            {"train": cfg.to_dict(), "model": model_cfg.to_dict()}, indent=2))
         _write_metrics(out / "metrics.jsonl", metrics)
 
     def evaluate() -> float:
