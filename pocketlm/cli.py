@@ -70,8 +70,9 @@ def _exit_on_sigterm():
 
 
 def cmd_pull(args) -> int:
-    from .registry import pull, verify
+    from .registry import canonical_name, pull, verify
 
+    args.name = canonical_name(args.name)
     if args.verify:
         path = verify(args.name, quiet=args.quiet)
         from .registry import RECIPES

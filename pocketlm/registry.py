@@ -464,6 +464,7 @@ def verify(name: str, *, quiet: bool = True) -> Path:
     naming the file and the fix when it does not, :class:`ModelNotFoundError` when it is not
     pulled.
     """
+    name = canonical_name(name)
     if isinstance(name, str) and name in TRIMMED:
         verify(TRIMMED[name].base, quiet=quiet)
         from .vocab import build_trimmed
@@ -522,6 +523,7 @@ def pull(name: str, *, quiet: bool = False, force: bool = False) -> Path:
     model (:data:`RECIPES`) runs its recipe (hours; resumable) unless its deploy file is
     already there; ``force`` builds it again from the recipe's run folder.
     """
+    name = canonical_name(name)
     if isinstance(name, str) and name in RECIPES:
         target = model_path(name)
         if not force and verification_state(name) == "yes":
@@ -713,6 +715,15 @@ def _unknown_message(what: str, lead: str) -> str:
     return message
 
 
+def canonical_name(name):
+    """A registry name as the registry spells it (names are matched without case or
+    surrounding blanks: ``SmolLM2-135M`` is ``smollm2-135m``); anything else unchanged."""
+    if not isinstance(name, str):
+        return name
+    known = (*REGISTRY, *TRIMMED, *RECIPES)
+    return name if name in known or name.strip().lower() not in known else name.strip().lower()
+
+
 def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Path:
     """Turn a user's model argument into a path.
 
@@ -733,8 +744,7 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
     if exists:
         name = _registry_name_of(path)
         return pull(name, quiet=quiet) if name else path
-    known = (*REGISTRY, *TRIMMED, *RECIPES)
-    key = text if text in known else text.strip().lower()
+    key = canonical_name(text)
     if key in RECIPES:
         # hours of training are never started implicitly: only `pocket pull NAME` builds it
         if verification_state(key) == "no":

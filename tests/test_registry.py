@@ -399,6 +399,18 @@ def test_resolve_registry_name_pulls(fake):
     assert path == registry.model_path(entry.name) and path.read_bytes() == PART_A + PART_B
 
 
+def test_names_match_without_case_in_pull_verify_and_resolve(fake):
+    """`pocket pull SmolLM2-135M` pulls what `pocket run -m SmolLM2-135M` runs."""
+    entry = fake()
+    loud = f"  {entry.name.upper()} "
+    assert registry.canonical_name(loud) == entry.name
+    assert registry.canonical_name("Not-A-Model") == "Not-A-Model"
+    path = registry.pull(loud, quiet=True)
+    assert path == registry.model_path(entry.name) and path.read_bytes() == PART_A + PART_B
+    assert registry.verify(loud) == path
+    assert registry.resolve(loud, quiet=True) == path
+
+
 def test_resolve_unknown_lists_names(home):
     with pytest.raises(ModelNotFoundError) as info:
         registry.resolve("no-such-model-at-all")
