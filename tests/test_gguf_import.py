@@ -439,6 +439,15 @@ def test_missing_metadata(tmp_path, monkeypatch):
         open_source(path)
 
 
+def test_gemma3_without_its_sliding_window_is_refused(tmp_path, monkeypatch):
+    """llama.cpp requires gemma3.attention.sliding_window: no default fits every Gemma 3 (the
+    270M model slides over 512 tokens, the larger ones over 1024)."""
+    path = _write_with_field(monkeypatch, tmp_path / "noswa.gguf", "attention.sliding_window",
+                             None, arch="gemma3")
+    with pytest.raises(FormatError, match="attention.sliding_window"):
+        open_source(path)
+
+
 @pytest.mark.parametrize("keep", [0.999, 0.5, 0.05, 0.004, 10])
 def test_truncated_file(tmp_path, keep):
     path = tmp_path / "m.gguf"

@@ -164,6 +164,24 @@ def test_gemma3_activation_is_hidden_activation():
                         "hidden_activation": "silu"}, "x")
 
 
+def test_gemma3_keys_left_out_take_transformers_defaults():
+    """A Gemma 3 config.json without its attention and RoPE keys reads as transformers'
+    Gemma3TextConfig would: query_pre_attn_scalar 256, sliding_window 4096, rope_theta 1e6,
+    rope_local_base_freq 1e4, a global layer every 6th."""
+    from pocketlm.formats.hf import config_from_hf
+
+    gemma = {**_BASE, "model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh",
+             "head_dim": 16, "num_hidden_layers": 6}
+    cfg = config_from_hf(gemma, "x")
+    assert cfg.attn_scale == pytest.approx(256 ** -0.5)
+    assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_theta_local) == (4096, 1e6, 1e4)
+    assert cfg.layer_types == ["sliding"] * 5 + ["global"]
+    cfg = config_from_hf({**gemma, "query_pre_attn_scalar": 16, "sliding_window": 512,
+                          "rope_theta": 5e5, "rope_local_base_freq": 2e4}, "x")
+    assert cfg.attn_scale == pytest.approx(0.25)
+    assert (cfg.sliding_window, cfg.rope_theta, cfg.rope_theta_local) == (512, 5e5, 2e4)
+
+
 def test_tensor_in_two_files_is_refused(tmp_path):
     """A tensor stored in two *.safetensors files (a stale consolidated file beside shards)
     is refused by name, not taken from whichever file sorts last."""

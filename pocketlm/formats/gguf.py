@@ -179,7 +179,8 @@ def config_from_fields(fields: dict[str, Any], tensor_names: set[str], origin: s
                 activation="gelu_tanh",
                 embed_scale=math.sqrt(config.d_model),
                 attn_scale=1.0 / math.sqrt(_gemma3_query_scalar(config)),
-                sliding_window=get_int("attention.sliding_window", 512, required=False),
+                # required, as llama.cpp requires it: no default fits every Gemma 3
+                sliding_window=get_int("attention.sliding_window"),
                 rope_theta_local=GEMMA3_ROPE_LOCAL,
                 layer_types=[
                     "global" if (i % GEMMA3_SWA_PATTERN) == GEMMA3_SWA_PATTERN - 1 else "sliding"

@@ -188,7 +188,9 @@ def _gemma3(config: ModelConfig, hf: dict[str, Any], number, opt, origin: str) -
                               f"got {pattern}")
         types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                  for i in range(config.n_layers)]
-    query_scalar = opt("query_pre_attn_scalar", config.head_dim, float)
+    # a key the file leaves out takes transformers' Gemma3TextConfig default, as transformers
+    # itself would read the file (the real files write them all)
+    query_scalar = opt("query_pre_attn_scalar", 256, float)
     if not query_scalar > 0:
         raise FormatError(f"config.json query_pre_attn_scalar must be positive, got "
                           f"{query_scalar}")
@@ -198,7 +200,8 @@ def _gemma3(config: ModelConfig, hf: dict[str, Any], number, opt, origin: str) -
         activation="gelu_tanh",
         embed_scale=math.sqrt(config.d_model),
         attn_scale=query_scalar ** -0.5,
-        sliding_window=opt("sliding_window", 512, int),
+        rope_theta=opt("rope_theta", 1_000_000.0, float),
+        sliding_window=opt("sliding_window", 4096, int),
         rope_theta_local=opt("rope_local_base_freq", 10000.0, float),
         layer_types=["sliding" if t == "sliding_attention" else "global" for t in types],
     )
