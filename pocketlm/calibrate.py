@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import PocketError, UnsupportedError
+from .errors import FetchError, PocketError, UnsupportedError
 from .progress import bar as progress_bar
 from .quant import (
     Q4K_BLOCK_BYTES,
@@ -983,9 +983,12 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     if head_name in out:
         qt = out[head_name][0]
         enc = getattr(qt, "encoding", None)
-        record["head"] = {"layout": f"{qt.kind} g{qt.group_size}" + (f" {enc}" if enc else ""),
-                          "top1_vs_float": head_agreement(model.config, weights, qt,
-                                                          model.tokenizer)}
+        record["head"] = {"layout": f"{qt.kind} g{qt.group_size}" + (f" {enc}" if enc else "")}
+        try:
+            record["head"]["top1_vs_float"] = head_agreement(model.config, weights, qt,
+                                                             model.tokenizer)
+        except FetchError as e:  # --calib FILE offline: the held-out corpora are not here
+            record["head"]["not_measured"] = str(e)
     record["seconds"] = round(time.time() - t0, 1)
     floats = {n: weights[n] for n in changed if n not in out}
     return out, record, floats

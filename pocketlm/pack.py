@@ -129,11 +129,14 @@ class PackReport:
                              f"(mean alpha {cs['mean_alpha']}), estimated output error "
                              f"-{100 * cs['error_removed']:.1f} % before rounding")
             head = cal.get("head")
-            if head:
+            if head and "top1_vs_float" in head:
                 agree = ", ".join(f"{k} {100 * v:.1f} %" for k, v in
                                   head["top1_vs_float"].items())
                 lines.append(f"output head {head['layout']}: top-1 agreement with the float "
                              f"head on held-out text {agree}")
+            elif head:
+                lines.append(f"output head {head['layout']}: top-1 agreement with the float "
+                             f"head not measured (no held-out text: {head['not_measured']})")
         lines.append("largest relative errors (||W_q - W|| / ||W||):")
         for t in self.worst():
             lines.append(f"  {t.rel_error:8.5f}  {t.name}  ({t.source_dtype} -> {t.stored}, "

@@ -200,6 +200,25 @@ def test_statistics_are_kept_and_reused(tiny, tmp_path):
         np.testing.assert_allclose(again.hessian(site), st.hessian(site), rtol=1e-6)
 
 
+def test_pack_with_an_app_file_offline_says_the_head_was_not_measured(tiny, tmp_path,
+                                                                       monkeypatch):
+    """--calib FILE needs no corpora; offline, the head's agreement (measured on held-out
+    corpora) is said to be unmeasured instead of failing the pack after its calibration."""
+    from pocketlm.errors import FetchError
+
+    def offline(kind, chars=6000):
+        raise FetchError("cannot download the corpus (offline)")
+
+    monkeypatch.setattr(calibdata, "heldout_text", offline)
+    out = tmp_path / "o.pocket"
+    rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
+    head = rep.calibration["head"]
+    assert "top1_vs_float" not in head and "offline" in head["not_measured"]
+    assert "top-1 agreement with the float head not measured (no held-out text: cannot " \
+        "download" in rep.summary()
+    assert PocketFile(out).json("quant")["calibration"]["head"] == head
+
+
 def test_pack_with_a_bit_budget_meets_it_and_records_its_calibration(tiny, tmp_path):
     out = tmp_path / "b.pocket"
     rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
