@@ -275,9 +275,10 @@ int pocket_model_verify(pocket_model *model, pocket_kv *kv, const int32_t *ids, 
                         int start_pos, float *logits, pocket_pool *pool, int nthreads);
 
 /* Verification for several sequences in one pass: row i is ids[i] at position pos[i] of
- * kvs[i]; a sequence may have several rows (its drafts, at distinct positions, the keys below
- * each already in its cache or among the rows). Each row computes what a one-token forward at
- * its position computes, after its sequence's rows before it. logits [n, vocab]. */
+ * kvs[i]; a sequence may have several rows (its drafts, at increasing positions, the keys below
+ * each already in its cache or among its rows before it: rows run in blocks of 128, so a row
+ * never sees a later block's keys). Each row computes what a one-token forward at its position
+ * computes, after its sequence's rows before it. logits [n, vocab]. */
 int pocket_model_verify_batch(pocket_model *model, pocket_kv *const *kvs, const int32_t *ids,
                               const int32_t *pos, int n, float *logits, pocket_pool *pool,
                               int nthreads);

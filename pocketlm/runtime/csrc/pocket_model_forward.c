@@ -1018,7 +1018,7 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
 
 /* Rows of several sequences, each as a one-token decode at its position computes it (see
  * pocket_model_forward_batch and pocket_model_verify_batch); `repeats`: a cache may have
- * several rows, at distinct positions (verification), else one each (a decode step). */
+ * several rows, at increasing positions (verification), else one each (a decode step). */
 static int decode_rows(pocket_model *m, pocket_kv *const *kvs, const int32_t *ids,
                        const int32_t *pos, int n, float *logits, pocket_pool *pool, int nthreads,
                        int repeats) {
@@ -1033,7 +1033,7 @@ static int decode_rows(pocket_model *m, pocket_kv *const *kvs, const int32_t *id
             pos[i] >= kv->capacity)
             return POCKET_EINVAL;
         for (int k = 0; k < i; k++)
-            if (kvs[k] == kv && (!repeats || pos[k] == pos[i])) return POCKET_EINVAL;
+            if (kvs[k] == kv && (!repeats || pos[k] >= pos[i])) return POCKET_EINVAL;
         if (pos[i] + 1 > need) need = pos[i] + 1;
     }
     int rc = pm_ensure_rope(m, need);

@@ -48,7 +48,7 @@
  *   one token per sequence (continuous batching): ids, pos int32 [n]; kvs n distinct NativeKV;
  *   logits float32 [n, vocab].
  * model.verify_batch(kvs, ids, pos, logits, threads=1, pool=None)
- *   drafted tokens of one or more sequences (a KV cache may repeat, at distinct positions):
+ *   drafted tokens of one or more sequences (a KV cache may repeat, at increasing positions):
  *   logits float32 [n, vocab], each row what a one-token forward at its position computes.
  * model.kv_copy(dst, src, n): positions [0, n) of src into dst (a shared prompt prefix).
  */
@@ -226,7 +226,9 @@ static int model_matrix(ModelObject *self, PyObject *weights, const char *name, 
         return -1;
     }
     PyObject *ogs = PyTuple_GET_ITEM(obj, is8 ? 3 : 4);
-    w->mins_in_memory = len >= 6 && PyObject_IsTrue(PyTuple_GET_ITEM(obj, 5)) == 1;
+    const int mins_in_memory = len >= 6 ? PyObject_IsTrue(PyTuple_GET_ITEM(obj, 5)) : 0;
+    if (mins_in_memory < 0) return -1;
+    w->mins_in_memory = mins_in_memory;
     if (len >= 6 && PyLong_Check(PyTuple_GET_ITEM(obj, 5)) &&
         !PyBool_Check(PyTuple_GET_ITEM(obj, 5))) { /* the zero point of implicit minimums */
         const long zp = PyLong_AsLong(PyTuple_GET_ITEM(obj, 5));
@@ -480,8 +482,14 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "config: layer_types must be a list of n_layers "
                                               "strings");
+        types = weights = NULL;
         goto fail;
     }
+    /* read from copies: Python code that a value runs (a flag's __bool__, an int's __index__)
+     * must not free what is still being read by emptying the caller's dict or list */
+    types = PyList_AsTuple(types);
+    weights = types ? PyDict_Copy(weights) : NULL;
+    if (!weights) goto fail;
     if (model_matrix(self, weights, "embed.weight", c.vocab_size, d, &embed)) goto fail;
     /* like the reference: lm_head when present, else the (tied) embedding */
     if (PyDict_GetItemString(weights, "lm_head.weight") || !tie) {
@@ -492,7 +500,7 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     if (model_vector(self, weights, "norm.weight", d, &final_norm)) goto fail;
     for (int l = 0; l < c.n_layers; l++) {
         pocket_layer_weights *L = &layers[l];
-        PyObject *t = PyList_GET_ITEM(types, l);
+        PyObject *t = PyTuple_GET_ITEM(types, l);
         if (PyUnicode_Check(t) && PyUnicode_CompareWithASCIIString(t, "sliding") == 0)
             L->sliding = 1;
         else if (!(PyUnicode_Check(t) && PyUnicode_CompareWithASCIIString(t, "global") == 0)) {
@@ -587,9 +595,13 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         goto fail;
     }
     PyMem_Free(layers);
+    Py_DECREF(types);
+    Py_DECREF(weights);
     return (PyObject *)self;
 fail:
     PyMem_Free(layers);
+    Py_XDECREF(types);
+    Py_XDECREF(weights);
     Py_DECREF(self);
     return NULL;
 }
@@ -629,6 +641,18 @@ static int check_token_ids(const ModelObject *self, const int32_t *p, Py_ssize_t
             return -1;
         }
     return 0;
+}
+
+/* A copy of the int32 array `a`, or NULL with an exception: the engine reads the copy, so that
+ * another thread writing the caller's array while the engine runs without the GIL cannot
+ * change the checked ids or positions. */
+static int32_t *copy_int32(const Arr *a) {
+    int32_t *p = (int32_t *)PyMem_Malloc(a->v.len ? (size_t)a->v.len : 1);
+    if (p)
+        memcpy(p, a->v.buf, (size_t)a->v.len);
+    else
+        PyErr_NoMemory();
+    return p;
 }
 
 /* The caller's logits: a writable C-contiguous float32 array [rows, vocab] (or [vocab] when
@@ -677,8 +701,9 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
     KVObject *kvo = (KVObject *)okv;
     if (pocket_py_check_pool(opool, threads) < 0) return NULL;
     Arr ids = {0}, lg = {0};
+    int32_t *p = NULL;
     PyObject *result = NULL;
-    if (get_ids(oids, &ids) < 0) goto done;
+    if (get_ids(oids, &ids) < 0 || !(p = copy_int32(&ids))) goto done;
     {
         const Py_ssize_t n = ids.v.shape[0];
         if (n < 1) {
@@ -691,7 +716,6 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
                          start_pos, kvo->capacity);
             goto done;
         }
-        const int32_t *p = (const int32_t *)ids.v.buf;
         if (check_token_ids(self, p, n) < 0 ||
             get_logits(self, ologits, &lg, all_logits ? n : 1, !all_logits, &ids, NULL) < 0)
             goto done;
@@ -708,19 +732,25 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
         result = pocket_py_status_result(rc);
     }
 done:
+    PyMem_Free(p);
     arr_release(&ids);
     arr_release(&lg);
     return result;
 }
 
-/* A sequence of NativeKV objects of this model, distinct, as a new array of n pointers. */
-static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n, int repeats) {
-    PyObject *seq = PySequence_Fast(okvs, "kvs must be a sequence of NativeKV");
+/* A sequence of NativeKV objects of this model, distinct, as a new array of n pointers, and in
+ * *held a tuple of them that the caller keeps until the engine is done: a list could drop a
+ * cache (another thread emptying it) while the engine runs without the GIL. */
+static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n, int repeats,
+                           PyObject **held) {
+    PyObject *list = PySequence_Fast(okvs, "kvs must be a sequence of NativeKV");
+    PyObject *seq = list ? PySequence_Tuple(list) : NULL;
+    Py_XDECREF(list);
     if (!seq) return NULL;
     pocket_kv **out = NULL;
-    if (PySequence_Fast_GET_SIZE(seq) != n) {
-        PyErr_Format(PyExc_ValueError, "%zd KV caches for %zd tokens",
-                     PySequence_Fast_GET_SIZE(seq), n);
+    if (PyTuple_GET_SIZE(seq) != n) {
+        PyErr_Format(PyExc_ValueError, "%zd KV caches for %zd tokens", PyTuple_GET_SIZE(seq),
+                     n);
         goto done;
     }
     out = (pocket_kv **)PyMem_Calloc((size_t)(n ? n : 1), sizeof *out);
@@ -729,7 +759,7 @@ static pocket_kv **get_kvs(ModelObject *self, PyObject *okvs, Py_ssize_t n, int 
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *o = PyTuple_GET_ITEM(seq, i);
         if (!PyObject_TypeCheck(o, &KVType) || ((KVObject *)o)->owner != self) {
             PyErr_SetString(PyExc_TypeError, "kvs must be NativeKV objects created for this model");
             goto fail;
@@ -746,12 +776,15 @@ fail:
     PyMem_Free(out);
     out = NULL;
 done:
-    Py_DECREF(seq);
+    if (out)
+        *held = seq;
+    else
+        Py_DECREF(seq);
     return out;
 }
 
 /* forward_batch (one row per cache) and verify_batch (a cache may have several rows, at
- * distinct positions): the same arguments, the same checks. */
+ * increasing positions): the same arguments, the same checks. */
 static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, int repeats) {
     static char *kwlist[] = {"kvs", "ids", "pos", "logits", "threads", "pool", "screen", NULL};
     const char *name = repeats ? "verify_batch" : "forward_batch";
@@ -769,7 +802,8 @@ static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, i
     if (pocket_py_check_pool(opool, threads) < 0) return NULL;
     Arr ids = {0}, pos = {0}, lg = {0};
     pocket_kv **kvs = NULL;
-    PyObject *result = NULL;
+    int32_t *p = NULL, *ps = NULL;
+    PyObject *held = NULL, *result = NULL;
     if (get_ids(oids, &ids) < 0 || get_ids(opos, &pos) < 0) goto done;
     {
         const Py_ssize_t n = ids.v.shape[0];
@@ -778,8 +812,9 @@ static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, i
                          name);
             goto done;
         }
-        if (!(kvs = get_kvs(self, okvs, n, repeats))) goto done;
-        const int32_t *p = (const int32_t *)ids.v.buf, *ps = (const int32_t *)pos.v.buf;
+        if (!(kvs = get_kvs(self, okvs, n, repeats, &held)) || !(p = copy_int32(&ids)) ||
+            !(ps = copy_int32(&pos)))
+            goto done;
         if (check_token_ids(self, p, n) < 0) goto done;
         for (Py_ssize_t i = 0; i < n; i++) {
             if (ps[i] < 0 || ps[i] >= pocket_kv_capacity(kvs[i])) {
@@ -787,10 +822,12 @@ static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, i
                              (int)ps[i], i, pocket_kv_capacity(kvs[i]));
                 goto done;
             }
+            /* a row reads the keys below its position: those of its cache's rows before it */
             for (Py_ssize_t k = 0; k < i && repeats; k++)
-                if (kvs[k] == kvs[i] && ps[k] == ps[i]) {
-                    PyErr_Format(PyExc_ValueError, "rows %zd and %zd are one position of one "
-                                 "KV cache", k, i);
+                if (kvs[k] == kvs[i] && ps[k] >= ps[i]) {
+                    PyErr_Format(PyExc_ValueError, "rows %zd and %zd of one KV cache are at "
+                                 "positions %d and %d: its rows must come in increasing "
+                                 "positions", k, i, (int)ps[k], (int)ps[i]);
                     goto done;
                 }
         }
@@ -815,6 +852,9 @@ static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, i
     }
 done:
     PyMem_Free(kvs);
+    Py_XDECREF(held);
+    PyMem_Free(p);
+    PyMem_Free(ps);
     arr_release(&ids);
     arr_release(&pos);
     arr_release(&lg);
@@ -897,7 +937,7 @@ static PyMethodDef model_methods[] = {
      METH_VARARGS | METH_KEYWORDS,
      "verify_batch(kvs, ids, pos, logits, threads=1, pool=None)\n\n"
      "Drafted tokens of several sequences in one pass: row i is ids[i] at pos[i] of kvs[i]\n"
-     "(a sequence may have several rows, at distinct positions); each row what a one-token\n"
+     "(a sequence may have several rows, at increasing positions); each row what a one-token\n"
      "forward at its position computes. logits float32 [n, vocab]."},
     {"forward_batch", (PyCFunction)(void (*)(void))model_forward_batch,
      METH_VARARGS | METH_KEYWORDS,

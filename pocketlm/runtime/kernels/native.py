@@ -641,7 +641,7 @@ class NativeEngine:
     def verify_batch(self, kvs: list, ids: np.ndarray, pos: np.ndarray,
                      screen=None) -> np.ndarray:
         """Drafted tokens of several sequences: row ``i`` is ``ids[i]`` at ``pos[i]`` of
-        ``kvs[i]`` (a cache may repeat, at distinct positions); logits float32 ``[n, vocab]``,
+        ``kvs[i]`` (a cache may repeat, at increasing positions); logits float32 ``[n, vocab]``,
         each row what a one-token :meth:`forward` at its position computes. ``screen``: per
         row, as in :meth:`forward_batch`."""
         logits = np.empty((ids.shape[0], self.vocab_size), dtype=np.float32)
