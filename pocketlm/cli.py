@@ -199,9 +199,10 @@ def cmd_inspect(args) -> int:
         if isinstance(cs, dict):
             line += (f"; channel scaling on {cs.get('scaled', '?')} of {cs.get('sites', '?')} "
                      f"sites (mean alpha {cs.get('mean_alpha', '?')})")
-        if isinstance(agree, dict):
+        if isinstance(agree, dict):  # fractions (a hand-made 10**400 has no float to show)
             line += f"; head {head.get('layout', '?')} top-1 " + ", ".join(
-                f"{k} {v:.1%}" for k, v in agree.items() if isinstance(v, (int, float)))
+                f"{k} {v:.1%}" for k, v in agree.items()
+                if isinstance(v, (int, float)) and abs(v) <= 1)
         print(f"calibration: {line}")
     vocab = pf.json_object("vocab", None) if "vocab" in meta else None
     if isinstance(vocab, dict):
@@ -209,7 +210,7 @@ def cmd_inspect(args) -> int:
 
         try:
             print(f"vocabulary:  {vocab_summary(vocab).split(': ', 1)[1]}")
-        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        except (KeyError, TypeError, ValueError, ArithmeticError):  # overflow: 10**400 pieces
             print("vocabulary:  trimmed (record unreadable)")
     adapter = pf.json_object("adapter", None) if "adapter" in meta else None
     if isinstance(adapter, dict):

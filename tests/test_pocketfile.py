@@ -1130,6 +1130,11 @@ def test_malformed_metadata_and_tensor_table(tiny_pocket, tmp_path, edit, field)
     (_set_meta("provenance", "{bad"), False), (_set_meta("config", "5"), False),
     (_set_meta("config", "null"), False), (_set_meta("quant", "{bad"), False),
     (_set_meta("generation", "[1]"), False), (_set_meta("checksums", "[]"), False),
+    # numbers beyond a float's range in descriptive fields (OverflowError tracebacks before)
+    (_set_meta("vocab", json.dumps({"kept": 10**400, "source_vocab": 1, "rule": "x"})), True),
+    (_set_meta("vocab", json.dumps({"kept": 5, "source_vocab": 9, "rule": "x", "reference_cost":
+                                    {"lines_costlier": 10**400, "extra_tokens": 0}})), True),
+    (_set_json("quant", "calibration", {"head": {"top1_vs_float": {"en": 10**400}}}), True),
 ])
 def test_inspect_of_malformed_metadata_is_one_line(tiny_pocket, tmp_path, capsys, edit, ok):
     """Missing descriptive fields are shown as unknown; anything the model cannot be read
