@@ -468,6 +468,26 @@ def test_bad_tensor_entry(tmp_path, entry, match):
     assert match in msg and "'w'" in msg
 
 
+@pytest.mark.parametrize("v_range,shared", [([0, 12], True), ([4, 16], True), ([8, 20], True),
+                                            ([8, 8], False), ([0, 4], False), ([4, 4], False),
+                                            ([16, 24], False)])
+def test_tensors_that_share_bytes(tmp_path, v_range, shared):
+    """Two tensors over one byte range load one's values as the other's, whatever their CRCs
+    say (safetensors refuses such a table too): refused, naming both. Neighbours load."""
+    data = np.arange(6, dtype=np.float32).tobytes()
+    b, e = v_range
+    entries = {"w": {"dtype": "F32", "shape": [3], "data_offsets": [4, 16]},
+               "v": {"dtype": "F32", "shape": [(e - b) // 4], "data_offsets": [b, e]}}
+    path = craft(tmp_path / "o.pocket", {"__metadata__": _meta(w=zlib.crc32(data[4:16]),
+                                                               v=zlib.crc32(data[b:e])),
+                                         **entries}, data)
+    if not shared:
+        PocketFile(path)
+        return
+    msg = format_error(path)
+    assert "overlap" in msg and "'w'" in msg and "'v'" in msg, msg
+
+
 @pytest.mark.parametrize("meta,match", [
     ([1, 2], "__metadata__"),
     ("format=pocket", "__metadata__"),

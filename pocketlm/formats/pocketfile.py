@@ -153,6 +153,14 @@ def read_header(path: str | Path, buf) -> tuple[dict[str, str], dict[str, Tensor
             raise FormatError(f"{path}: truncated: tensor {name!r} ends at byte {base + e} "
                               f"but the file has {size} bytes")
         infos[name] = TensorInfo(name, dtype, tuple(shape), base + b, base + e)
+    # no two tensors share bytes (safetensors refuses such a file too): a table that maps one
+    # tensor onto another's range would run one's values as the other's, checksums and all
+    spans = sorted((i for i in infos.values() if i.end > i.start), key=lambda i: i.start)
+    for prev, cur in zip(spans, spans[1:]):
+        if cur.start < prev.end:
+            raise FormatError(f"{path}: tensors {prev.name!r} and {cur.name!r} overlap (bytes "
+                              f"[{prev.start}, {prev.end}) and [{cur.start}, {cur.end})): file "
+                              "corrupt or hand-edited; repack the model")
     return {str(k): v for k, v in metadata.items()}, infos
 
 
