@@ -392,7 +392,8 @@ def test_plain_safetensors_file(tmp_path):
     assert "pocket pack" in format_error(path)
 
 
-@pytest.mark.parametrize("version", ["0", "x", "1.0", "02", "-3", None, 2, [1], {"v": 1}])
+@pytest.mark.parametrize("version", ["0", "x", "1.0", "02", "-3", None, 2, [1], {"v": 1},
+                                     "\u00b2", "\u0665", "\uff15"])  # digits int() reads or not
 def test_wrong_format_version(good, version):
     def edit(h):
         if version is None:

@@ -390,8 +390,8 @@ class PocketFile:
             raise FormatError(f"{self.path}: a safetensors file, but not a pocketlm deploy file "
                               "(no 'format: pocket' metadata); convert it with `pocket pack`")
         raw = self.metadata.get("format_version")
-        if isinstance(raw, str) and raw.isdigit() and len(raw) < 10 and int(
-                raw) > FORMAT_VERSION:
+        if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) < 10 and int(
+                raw) > FORMAT_VERSION:  # ASCII: "²" is a digit int() cannot read
             raise UnsupportedError(f"{self.path}: deploy file format version {raw} was written "
                                    f"by a newer pocketlm (this one reads versions up to "
                                    f"{FORMAT_VERSION}); upgrade with `pip install -U pocketlm`")
