@@ -35,6 +35,34 @@ def _raise(message: str):
     raise PocketError(f"chat template: {message}")
 
 
+# what a template's `*` may build (characters or items) and the bits a `**` may reach: the
+# template is code from the model file, and "{{ messages[0].content * 10**9 }}" took the memory
+# of the machine (Jinja's sandbox limits range() to 100,000 items, not these)
+MAX_REPEAT = 1 << 20
+MAX_POWER_BITS = 1 << 16
+
+
+def _environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+    class Environment(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context, operator, left, right):
+            if operator == "*":
+                for seq, n in ((left, right), (right, left)):
+                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+                            len(seq) * n > MAX_REPEAT:
+                        raise SecurityError(f"a repetition of {len(seq)} x {n} is over the "
+                                            f"{MAX_REPEAT} a template may build")
+            elif isinstance(left, int) and isinstance(right, int) and right > 0 and \
+                    abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
+                raise SecurityError(f"{left} ** {right} is larger than a template may compute")
+            return super().call_binop(context, operator, left, right)
+
+    return Environment
+
+
 def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: str = "",
            eos_token: str = "", add_generation_prompt: bool = True, **extra: Any) -> str:
     if not template:
@@ -45,9 +73,7 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
         for m in messages
     ):
         raise PocketError("messages must be a list of {'role': str, 'content': str} objects")
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = _environment()(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
                                                               indent=indent)
     env.globals["raise_exception"] = _raise

@@ -253,6 +253,21 @@ def test_chat_renders_chatml(m):
     assert sampled == m.chat(messages, max_tokens=12, temperature=1.0, seed=2, top_k=20)
 
 
+@pytest.mark.parametrize("expr", ["messages[0]['content'] * 10**9", "10**9 * ['x']",
+                                  "(messages * 10**7) | length", "7 ** 1000000000"])
+def test_a_hostile_chat_template_is_refused_not_run(expr):
+    """The template is code from the model file: a repetition or power that would take the
+    machine's memory or time is refused in one error (a sandbox limits range(), not these)."""
+    from pocketlm.chat import render
+
+    msgs = [{"role": "user", "content": "hello"}]
+    with pytest.raises(pocketlm.PocketError, match="failed to render .*(template may build|"
+                                                    "larger than a template may compute)"):
+        render("{{ " + expr + " }}", msgs)
+    # what templates do compute stays: repeated separators, small powers
+    assert render("{{ '-' * 3 }}{{ 2 ** 10 }}{{ [1] * 2 }}{{ 3 * 4 }}", msgs) == "---1024[1, 1]12"
+
+
 def test_chat_bad_messages(m):
     with pytest.raises(pocketlm.PocketError):
         m.chat([{"role": "user"}])
