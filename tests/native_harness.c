@@ -443,7 +443,8 @@ int main(int argc, char **argv) {
     pocket_pool *pool = pocket_pool_create(HARNESS_THREADS);
     if (!pool) die("pocket_pool_create(%d) failed", HARNESS_THREADS);
     pocket_model *model = NULL;
-    check(pocket_model_create(&c, layers, &embed, &head, final_norm, kt, act_q8, NULL, 1, &model),
+    check(pocket_model_create(&c, layers, &embed, &head, final_norm, NULL, kt, act_q8, NULL, 1,
+                              &model),
           "pocket_model_create");
     pocket_kv *kva = NULL, *kvb = NULL;
     check(pocket_kv_create(model, capacity, kv_fmt, &kva), "pocket_kv_create (A)");

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import ContextLengthError
+from ..head_patch import head_patch_of
 from .adapters import find_adapters
 from .kernels import numpy_ref as R
 
@@ -146,6 +147,8 @@ class NumpyEngine(Engine):
         self.config = config
         self.w = weights
         self._head = weights.get("lm_head.weight", weights["embed.weight"])
+        # the head patch (pocketlm.head_patch): (INT8 rows, their ids), or None
+        self._patch = head_patch_of(weights, config.vocab_size, config.d_model)
         self._rope_cache: dict[float, tuple[np.ndarray, np.ndarray]] = {}
         self._adapters = None  # LoRA adapters (runtime.adapters), found on the first forward
         # observe(site, x): called with the input of each group of linear products (sites
@@ -260,6 +263,8 @@ class NumpyEngine(Engine):
         x = R.rmsnorm_ref(np.ascontiguousarray(x), w["norm.weight"], cfg.norm_eps)
         obs("head_in", x)
         logits = R.linear_ref(x, self._head)
+        if self._patch is not None:  # the patch's rows written over the head's
+            logits[:, self._patch[1]] = R.linear_ref(x, self._patch[0])
         return logits if all_logits else logits[0]
 
 

@@ -89,8 +89,9 @@ void pocket_model_destroy(pocket_model *m) {
     free(m->aml);
     free(m->ascr);
     if (m->tiled)
-        for (int k = 0; k < 7 * m->c.n_layers + 1; k++) pm_tiled_free(&m->tiled[k]);
+        for (int k = 0; k < PM_NTILED(m->c.n_layers); k++) pm_tiled_free(&m->tiled[k]);
     free(m->tiled);
+    free(m->patch_y);
     pm_tiled_free(&m->head_lo);
     free(m->part);
     free(m->tscr);
@@ -210,7 +211,7 @@ static void tiles_task(void *ctx, int task, int ntasks) {
  * into one tile range per task; the largest pieces go first, each to the task with the fewest
  * bytes so far. */
 static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
-    const int L = m->c.n_layers, n = 7 * L + 1;
+    const int L = m->c.n_layers, n = PM_NTILED(L);
     int ntasks = pool ? nthreads : 1;
     if (pool && ntasks > pocket_pool_size(pool)) ntasks = pocket_pool_size(pool);
     if (ntasks > PM_TILE_TASKS) ntasks = PM_TILE_TASKS;
@@ -232,6 +233,9 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
     }
     if (!rc && (m->tiled_f32 || (m->act_q8 & POCKET_Q8_HEAD)) && m->head.type != POCKET_WT_F32)
         J.w[7 * L] = &m->head;
+    /* the patch takes the head's products: tiled where the head's would be */
+    if (!rc && m->patch.rows && (m->tiled_f32 || (m->act_q8 & POCKET_Q8_HEAD)))
+        J.w[7 * L + 1] = &m->patch;
     size_t total = 0;
     for (int k = 0; k < n && !rc; k++)
         if (J.w[k] && !(rc = pm_tiled_alloc(J.w[k], &m->tiled[k], pm_planes_of(m, k),
@@ -278,7 +282,7 @@ static int build_tiles(pocket_model *m, pocket_pool *pool, int nthreads) {
 
 size_t pocket_model_tile_bytes(const pocket_model *m, size_t *coded) {
     size_t total = 0, in_coded = 0; /* in compact tiles (coded, or zero point) */
-    for (int k = 0; m && k < 7 * m->c.n_layers + 1; k++) {
+    for (int k = 0; m && k < PM_NTILED(m->c.n_layers); k++) {
         const size_t b = (size_t)m->tiled[k].ntiles * m->tiled[k].tile_bytes;
         total += b;
         if (pm_tiled_compact(&m->tiled[k])) in_coded += b;
@@ -360,8 +364,9 @@ int pocket_model_lora(const pocket_kernel_table *kernels, const pocket_weight *w
 
 int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
-                        const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
-                        pocket_pool *pool, int nthreads, pocket_model **out) {
+                        const float *final_norm, const pocket_head_patch *patch,
+                        const pocket_kernel_table *kernels, int act_q8, pocket_pool *pool,
+                        int nthreads, pocket_model **out) {
     if (!out) return POCKET_EINVAL;
     *out = NULL;
     if (!cfg || !layers || !embed || !head || !final_norm || !kernels) return POCKET_EINVAL;
@@ -396,6 +401,16 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     const int ff = c.d_ff;
     if (!weight_ok(embed, c.vocab_size, d, 1) || !weight_ok(head, c.vocab_size, d, 1))
         return POCKET_EINVAL;
+    if (patch) { /* INT8, d_model columns, ids strictly increasing within the vocabulary */
+        const pocket_weight *pw = &patch->weight;
+        if (pw->type != POCKET_WT_Q8 || pw->rows <= 0 || pw->rows > c.vocab_size ||
+            !weight_ok(pw, pw->rows, d, 1) || pw->lora_rank || !patch->ids)
+            return POCKET_EINVAL;
+        for (int k = 0; k < pw->rows; k++)
+            if (patch->ids[k] < 0 || patch->ids[k] >= c.vocab_size ||
+                (k > 0 && patch->ids[k] <= patch->ids[k - 1]))
+                return POCKET_EINVAL;
+    }
     int any_sliding = 0, lora_rank = 0;
     for (int l = 0; l < c.n_layers; l++) {
         const pocket_layer_weights *L = &layers[l];
@@ -430,6 +445,10 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
     m->embed = *embed;
     m->head = *head;
     m->final_norm = final_norm;
+    if (patch) {
+        m->patch = patch->weight;
+        m->patch_ids = patch->ids;
+    }
     m->kt = kernels;
     m->act_q8 = act_q8 & POCKET_Q8_ALL;
     m->one_digit = (act_q8 >> POCKET_Q8_ONE_DIGIT_SHIFT) & POCKET_Q8_ALL;
@@ -492,13 +511,17 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
             goto nomem;
     m->amx = c.amx;
     m->amx_one_term = c.amx ? c.amx_one_term : 0;
-    m->tiled = (pm_tiled *)calloc((size_t)7 * c.n_layers + 1, sizeof(pm_tiled));
+    m->tiled = (pm_tiled *)calloc((size_t)PM_NTILED(c.n_layers), sizeof(pm_tiled));
     if (!m->tiled) goto nomem;
     /* a screened head: an INT8 head, tiled for int8 activations, on a level with the plane
      * products; build_tiles then repacks it into its nibble planes */
     if (c.head_screen > 0 && head->type == POCKET_WT_Q8 && m->ops->matmul_planes &&
         (m->act_q8 & POCKET_Q8_HEAD))
         m->head_screen = c.head_screen;
+    if (m->head_screen && m->patch.rows) { /* a screened head leaves estimates: no patch */
+        pocket_model_destroy(m);
+        return POCKET_EINVAL;
+    }
     {
         int rc = build_tiles(m, pool, nthreads);
         if (rc) {

@@ -105,6 +105,18 @@ typedef struct pocket_layer_weights {
     const float *k_smooth;
 } pocket_layer_weights;
 
+/* Optional head patch (pocketlm/head_patch.py): `weight` rows of the output head held a second
+ * time in INT8 (POCKET_WT_Q8, [rows, d_model]), with their vocabulary ids (int32 [rows],
+ * strictly increasing, each < vocab_size). After the head's product, logits[ids[k]] = x .
+ * weight[k] on every path (prefill, decode, batched decode, verification), by the products
+ * the head takes (tiled for int8 head activations, so that a row's logits never depend on
+ * its batch). Not with a screened head (config.head_screen on an INT8 head). Not copied: the
+ * caller keeps them alive. */
+typedef struct pocket_head_patch {
+    pocket_weight weight;
+    const int32_t *ids;
+} pocket_head_patch;
+
 typedef struct pocket_model_config {
     int vocab_size, d_model, n_layers, n_heads, n_kv_heads, head_dim, d_ff;
     int qkv_bias, qk_norm, sandwich_norms;
@@ -152,7 +164,8 @@ typedef struct pocket_kv pocket_kv;
  * avx512 level, the OS grants the tile state: asked once per process), else 0. */
 int pocket_model_amx_available(void);
 
-/* Bytes of the model's repacked weights (its tiles; a screened head's two planes), and of
+/* Bytes of the model's repacked weights (its tiles; a screened head's two planes; a head
+ * patch's tiles), and of
  * those the compact tiles take (coded steps or no minimums, config.compact_tiles): what the
  * products stream. */
 size_t pocket_model_tile_bytes(const pocket_model *m, size_t *coded);
@@ -193,7 +206,7 @@ enum {
 #define POCKET_Q8_ONE_DIGIT_SHIFT 5
 
 /* Build a model over caller-owned weights (layers: n_layers entries, copied; head may equal
- * embed for tied embeddings). kernels: a table from pocket_kernels(); act_q8: a set of
+ * embed for tied embeddings; patch: a head patch, or NULL for none). kernels: a table from pocket_kernels(); act_q8: a set of
  * POCKET_Q8_* bits, the products whose activations are quantized to int8 (0: float
  * activations everywhere); the quantized weights of those products are repacked into a
  * layout for int8 dot products (pocket_model_ops.h), the same size as the original, by up to
@@ -202,8 +215,9 @@ enum {
  * Returns POCKET_OK and *out, or a negative status. */
 int pocket_model_create(const pocket_model_config *config, const pocket_layer_weights *layers,
                         const pocket_weight *embed, const pocket_weight *head,
-                        const float *final_norm, const pocket_kernel_table *kernels, int act_q8,
-                        pocket_pool *pool, int nthreads, pocket_model **out);
+                        const float *final_norm, const pocket_head_patch *patch,
+                        const pocket_kernel_table *kernels, int act_q8, pocket_pool *pool,
+                        int nthreads, pocket_model **out);
 void pocket_model_destroy(pocket_model *model);
 /* The name of the operations the model runs on ("portable", "avx2", "avx2+avxvnni", "avx512"
  * or "neon": see pocket_model_ops.h), chosen from the kernel table's level (and, at the avx2

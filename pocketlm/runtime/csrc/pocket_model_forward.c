@@ -936,6 +936,31 @@ static int screen_rows(pocket_model *m, const pm_act *act, float *y, int nrows,
     return POCKET_OK;
 }
 
+/* The head patch over the nrows rows of the head's input (act: as the head's products took
+ * it, or NULL), written over their logits y [nrows, vocab]: the same products as the head's
+ * (so a row's values never depend on the other rows), then a scatter by the patch's ids. */
+static int patch_rows(pocket_model *m, int nrows, float *y, pocket_pool *pool, int nthreads,
+                      const pm_act *act) {
+    const size_t K = (size_t)m->patch.rows, V = (size_t)m->c.vocab_size;
+    if (nrows > m->patch_cap) {
+        float *py = (float *)pm_zalloc((size_t)nrows * K, sizeof(float));
+        if (!py) return POCKET_ENOMEM;
+        free(m->patch_y);
+        m->patch_y = py;
+        m->patch_cap = nrows;
+    }
+    const pm_tiled *tp = m->tiled + (size_t)7 * m->c.n_layers + 1;
+    const int rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->patch, NULL, NULL, tp,
+                                act, m->patch_y, NULL, NULL, m->h, nrows, NULL);
+    if (rc) return rc;
+    for (int i = 0; i < nrows; i++) {
+        const float *pi = m->patch_y + (size_t)i * K;
+        float *yi = y + (size_t)i * V;
+        for (size_t k = 0; k < K; k++) yi[m->patch_ids[k]] = pi[k];
+    }
+    return POCKET_OK;
+}
+
 /* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. screened:
  * per row, whether a screened head may leave estimates outside its K best tiles (NULL:
  * every logit the head's). A screened head's rows that want every logit get the INT8 head's
@@ -952,9 +977,13 @@ static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_poo
     int nscreen = 0;
     for (int i = 0; m->head_screen && use && screened && i < nrows; i++)
         nscreen += screened[i] != 0;
-    if (!m->head_screen || !use)
-        return run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL, th,
-                            use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+    if (!m->head_screen || !use) {
+        const int rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL,
+                                    th, use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
+        /* a patch comes without a screened head (pocket_model_create) */
+        return rc || !m->patch.rows ? rc : patch_rows(m, nrows, y, pool, nthreads,
+                                                       use ? &act : NULL);
+    }
     const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
     for (int pass = nscreen ? 0 : 1; pass < (nscreen < nrows ? 2 : 1); pass++) {
         /* pass 0: the estimates (screened rows); pass 1: the INT8 values (the other rows) */

@@ -20,12 +20,21 @@
 
 #define PM_BLOCK 128 /* tokens per prefill block: the scratch buffers hold this many */
 #define PM_SCREEN_MAX 256 /* the largest config.head_screen */
+/* entries of pocket_model.tiled: 7 per layer, the head, the head patch */
+#define PM_NTILED(n_layers) (7 * (n_layers) + 2)
 
 struct pocket_model {
     pocket_model_config c;
     pocket_layer_weights *layers;
     pocket_weight embed, head;
     const float *final_norm;
+    /* the head patch (pocket_head_patch): patch.rows == 0 for none; its tiles are
+     * tiled[7 * n_layers + 1]; patch_y: its logits [patch_cap rows][patch.rows], grown on
+     * demand */
+    pocket_weight patch;
+    const int32_t *patch_ids;
+    float *patch_y;
+    int patch_cap;
     /* the norm weights and biases, copied out of the caller's memory: a few KB each, read every
      * token, and in a file mapping every touch would map the file's large folio around them */
     float *vecs;
@@ -41,7 +50,8 @@ struct pocket_model {
     int verify_call;  /* this call verifies drafted tokens: every row of the block computes
                        * what a one-token decode at its position computes (pocket_model_verify) */
     /* repacked weights of the int8-activation products: [layer * 7 + k] (k: q, k, v, o,
-     * gate, up, down), then the head; data == NULL where not used */
+     * gate, up, down), then the head, then the head patch (PM_NTILED entries); data == NULL
+     * where not used */
     pm_tiled *tiled;
     /* config.head_screen > 0 and an INT8 tiled head: tiled[7 * n_layers] is its high plane
      * (INT4 nibbles of q + 128 >> 4, then the matrix's float16 scales s, no minimums), head_lo

@@ -44,6 +44,7 @@ static inline const char *dtype_name(char code) {
     case 'e': return "float16";
     case 'B': return "uint8";
     case 'b': return "int8";
+    case 'i': return "int32";
     default: return "?";
     }
 }
@@ -64,9 +65,10 @@ static inline char format_code(const char *fmt) {
     return fmt[0];
 }
 
-/* Whether a buffer holds native scalars of element type `code` ('f', 'e', 'B' or 'b'). */
+/* Whether a buffer holds native scalars of element type `code` ('f', 'e', 'B', 'b' or 'i'). */
 static inline int has_dtype(const Py_buffer *v, char code) {
-    return format_code(v->format) == code && v->itemsize == (code == 'f' ? 4 : code == 'e' ? 2 : 1);
+    return format_code(v->format) == code &&
+           v->itemsize == (code == 'f' || code == 'i' ? 4 : code == 'e' ? 2 : 1);
 }
 
 static inline int overlaps(const Arr *a, const Arr *b) {

@@ -15,6 +15,9 @@
  *            products),
  *            ("int5", qweight uint8 [rows, cols/32*20], scales f16, mins f16, group_size) or
  *            ("int8", qweight int8 [rows, cols], scales f16, group_size).
+ *            Optional "head_patch.weight" ("int8" group 32, [K, d_model]) with "head_patch.ids"
+ *            (int32 [K], strictly increasing, < vocab_size): the head patch
+ *            (pocket_head_patch; not with a screened INT8 head).
  *            Optional "layers.N.attn.k_smooth": float32 [kv_dim], the int8 KV cache's key
  *            smoothing (pocket_layer_weights.k_smooth). With config "lora_rank" R > 0,
  *            optional LoRA adapters of the layer weights: "<weight>.lora_at" float32
@@ -498,6 +501,71 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         head = embed;
     }
     if (model_vector(self, weights, "norm.weight", d, &final_norm)) goto fail;
+    /* optional: the head patch, both tensors or neither */
+    pocket_head_patch patch;
+    int has_patch = 0;
+    {
+        PyObject *pw = PyDict_GetItemString(weights, "head_patch.weight");
+        PyObject *pi = PyDict_GetItemString(weights, "head_patch.ids");
+        if (!pw != !pi) {
+            PyErr_SetString(PyExc_ValueError, "weights 'head_patch.weight' and "
+                                              "'head_patch.ids' come together");
+            goto fail;
+        }
+        if (pw) {
+            memset(&patch, 0, sizeof patch);
+            if (!PyTuple_Check(pw) || PyTuple_GET_SIZE(pw) != 4 ||
+                !PyUnicode_Check(PyTuple_GET_ITEM(pw, 0)) ||
+                PyUnicode_CompareWithASCIIString(PyTuple_GET_ITEM(pw, 0), "int8") != 0) {
+                PyErr_SetString(PyExc_ValueError, "weight 'head_patch.weight' must be "
+                                                  "('int8', qweight, scales, 32)");
+                goto fail;
+            }
+            PyObject *ok = PyTuple_GET_ITEM(pw, 1);
+            Py_buffer pv;
+            if (!PyObject_CheckBuffer(ok) || PyObject_GetBuffer(ok, &pv, PyBUF_RECORDS_RO) < 0) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_TypeError, "weight 'head_patch.weight' must hold an int8 "
+                                                  "numpy array");
+                goto fail;
+            }
+            const Py_ssize_t K = pv.ndim == 2 ? pv.shape[0] : -1;
+            const Py_ssize_t cols = pv.ndim == 2 ? pv.shape[1] : -1;
+            PyBuffer_Release(&pv);
+            if (K < 1 || K > c.vocab_size || cols != d) {
+                PyErr_Format(PyExc_ValueError, "weight 'head_patch.weight' must have shape "
+                                               "(K, %d) with 1 <= K <= vocab_size (%d)",
+                             d, c.vocab_size);
+                goto fail;
+            }
+            if (model_matrix(self, weights, "head_patch.weight", (int)K, d, &patch.weight))
+                goto fail;
+            if (patch.weight.group_size != 32) {
+                PyErr_SetString(PyExc_ValueError, "weight 'head_patch.weight' must be INT8 "
+                                                  "group 32");
+                goto fail;
+            }
+            if (model_keep(self, pi, "head_patch.ids", 'i', 1, K, 0,
+                           (const void **)&patch.ids))
+                goto fail;
+            for (Py_ssize_t k = 0; k < K; k++)
+                if (patch.ids[k] < 0 || patch.ids[k] >= c.vocab_size ||
+                    (k > 0 && patch.ids[k] <= patch.ids[k - 1])) {
+                    PyErr_Format(PyExc_ValueError, "weight 'head_patch.ids' must be strictly "
+                                                   "increasing ids in 0..%d; ids[%zd] = %d",
+                                 c.vocab_size - 1, k, patch.ids[k]);
+                    goto fail;
+                }
+            if (c.head_screen > 0 && head.type == POCKET_WT_Q8 && (act_q8 & POCKET_Q8_HEAD)) {
+                PyErr_Format(PyExc_ValueError, "weight 'head_patch.weight': a head patch cannot "
+                                               "go with a screened INT8 head (head_screen %d); "
+                                               "set head_screen to 0",
+                             c.head_screen);
+                goto fail;
+            }
+            has_patch = 1;
+        }
+    }
     for (int l = 0; l < c.n_layers; l++) {
         pocket_layer_weights *L = &layers[l];
         PyObject *t = PyTuple_GET_ITEM(types, l);
@@ -577,8 +645,8 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 #undef LNAME
     }
     pocket_pool *pool = pocket_py_pool(opool);
-    rc = pocket_model_create(&c, layers, &embed, &head, final_norm, kt, act_q8, pool,
-                             pool ? threads : 1, &self->model);
+    rc = pocket_model_create(&c, layers, &embed, &head, final_norm, has_patch ? &patch : NULL,
+                             kt, act_q8, pool, pool ? threads : 1, &self->model);
     if (rc != POCKET_OK) {
         if (rc == POCKET_ENOMEM)
             PyErr_NoMemory();

@@ -59,6 +59,7 @@ import threading
 import numpy as np
 
 from ...errors import KernelError, PocketError
+from ...head_patch import PATCH, PATCH_IDS
 from ...quant import QuantTensor, q4k_codes
 from ..adapters import find_adapters
 from ..settings import (  # noqa: F401 (DEFAULT_AMX_WEIGHTS, KV_FORMATS, LEVELS: public here)
@@ -430,6 +431,8 @@ def engine_weights(config, weights: dict, *, adapters: bool = True
     names = list(config.tensor_shapes())
     if "lm_head.weight" in weights and "lm_head.weight" not in names:
         names.append("lm_head.weight")
+    if PATCH in weights:  # the head patch's INT8 rows (its ids follow below)
+        names.append(PATCH)
     out = {}
     for name in names:
         t = _engine_tensor(weights[name])
@@ -439,6 +442,8 @@ def engine_weights(config, weights: dict, *, adapters: bool = True
                           f"{getattr(w, 'kind', getattr(w, 'dtype', ''))}) is not in a layout "
                           "the native engine supports")
         out[name] = t
+    if PATCH_IDS in weights:
+        out[PATCH_IDS] = np.ascontiguousarray(weights[PATCH_IDS], np.int32)
     found = find_adapters(config, weights) if adapters else {}
     dtype = np.float16 if all(_exact_f16(t) for ab in found.values() for t in ab) \
         else np.float32
