@@ -161,3 +161,29 @@ def test_a_screened_head_takes_no_patch():
     rt = _native(cfg, w, "q8", head_screen=0)
     expected = _run(Runtime(cfg, w, engine="numpy"), IDS, len(IDS))
     assert _rel_err(_run(rt, IDS, 0), expected) <= MODES["q8"][3]
+
+
+def test_patch_bytes_are_counted_in_the_tiles():
+    # the engine's weight bytes (tile_bytes: what the products stream) hold the patch's INT8
+    # tiles: K rows rounded up to a tile of 16, each d_model int8 values and a float16 scale
+    # per 32
+    cfg, w, _ = _patched("qwen2")
+    plain = {k: v for k, v in w.items() if k not in (PATCH, PATCH_IDS)}
+    with_patch = native.NativeEngine(cfg, w, act="q8", threads=1).model.tile_bytes[0]
+    without = native.NativeEngine(cfg, plain, act="q8", threads=1).model.tile_bytes[0]
+    k, d = len(w[PATCH_IDS]), cfg.d_model
+    assert with_patch - without == -(-k // 16) * 16 * (d + d // 32 * 2)
+
+
+@pytest.mark.skipif(not native.amx_available(),
+                    reason="this CPU (or OS) has no AMX-BF16 tile unit")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_amx_prefill_takes_the_patch(arch):
+    # prefills of 16+ tokens run the head (and so the patch) on AMX-BF16: the q8 bound
+    cfg, w, _ = _patched(arch)
+    ids = (IDS * 3)[:35]
+    expected = _run(Runtime(cfg, w, engine="numpy"), ids, len(ids))
+    rt = Runtime(cfg, w, engine="numpy")
+    rt.native = native.NativeEngine(cfg, w, act="q8", amx=True, threads=2, head_screen=0)
+    for split in (len(ids), 20):
+        assert _rel_err(_run(rt, ids, split), expected) <= MODES["q8"][3]

@@ -404,7 +404,7 @@ def test_wrong_format_version(good, version):
     assert "format version" in format_error(good)
 
 
-@pytest.mark.parametrize("version", ["5", "17", "999999999"])
+@pytest.mark.parametrize("version", ["6", "17", "999999999"])
 def test_a_newer_format_version_asks_for_a_newer_pocketlm(good, version):
     rewrite_header(good, lambda h: h["__metadata__"].__setitem__("format_version", version))
     with pytest.raises(UnsupportedError, match=f"version {version} was written by a newer "
@@ -1307,3 +1307,118 @@ def test_a_damaged_coded_layout_is_refused_by_name(c8_pocket, tmp_path):
     ]:
         msg = load_error(edited(path, tmp_path, edit))
         assert name in msg and all(w in msg for w in words), (words, msg)
+
+
+# -- the head patch (format version 5) -------------------------------------------------------
+def _model_file(path: Path, cfg, weights: dict, *, layouts_edit=None, version=None) -> Path:
+    """A deploy file of ``weights`` (float32 arrays and QuantTensors) under config ``cfg``."""
+    arrays, layouts = [], {}
+    for name, w in weights.items():
+        if isinstance(w, QuantTensor):
+            arrays += [(name, w.qweight), (name + ".scales", w.scales)]
+            if w.mins is not None:
+                arrays.append((name + ".mins", w.mins))
+            layouts[name] = {"kind": w.kind, "shape": list(w.shape),
+                             "group_size": w.group_size}
+        else:
+            arrays.append((name, w))
+    if layouts_edit:
+        layouts_edit(layouts)
+    arrays.append(("pocket.tokenizer", np.frombuffer(b"{}", np.uint8)))
+    write_pocket(path, arrays, {"config": cfg.to_dict(), "quant": {"tensors": layouts}})
+    if version is not None:
+        rewrite_header(path, _set_meta("format_version", version), reseal=True)
+    return path
+
+
+def _patched_model():
+    from tiny_models import random_state_dict, tiny_config
+
+    from pocketlm.head_patch import PATCH, PATCH_IDS
+
+    cfg = tiny_config("qwen2")
+    sd = random_state_dict(cfg, seed=5)
+    w = {n: quantize_int4(t, 32) if t.ndim == 2 else t for n, t in sd.items()}
+    ids = np.array([1, 4, 9, 200, 319], np.int32)
+    w[PATCH] = quantize_int8(sd["lm_head.weight"][ids], 32)
+    w[PATCH_IDS] = ids
+    return cfg, w
+
+
+def test_head_patch_round_trip_is_version_5(tmp_path):
+    from pocketlm.head_patch import PATCH, PATCH_IDS
+    from pocketlm.runtime import Runtime
+
+    cfg, w = _patched_model()
+    path = _model_file(tmp_path / "p.pocket", cfg, w)
+    pf = PocketFile(path)
+    assert pf.format_version == 5 == pocketfile.PATCH_VERSION
+    pf.check_model(cfg)
+    got = pf.weights()
+    assert np.array_equal(got[PATCH_IDS], w[PATCH_IDS]) and got[PATCH_IDS].dtype == np.int32
+    assert got[PATCH].kind == "int8" and got[PATCH].group_size == 32
+    assert np.array_equal(got[PATCH].dequantize(), w[PATCH].dequantize())
+    ids = [3, 9, 11, 200]
+    outs = []
+    for weights in (got, w):
+        rt = Runtime(cfg, weights, engine="numpy")
+        outs.append(rt.forward(ids, rt.new_cache(8)))
+    np.testing.assert_array_equal(outs[0], outs[1])
+    # a file without a patch keeps the version older readers take
+    plain = {k: v for k, v in w.items() if k not in (PATCH, PATCH_IDS)}
+    assert PocketFile(_model_file(tmp_path / "q.pocket", cfg, plain)).format_version == 2
+
+
+def test_an_older_reader_refuses_a_patched_file(tmp_path, monkeypatch):
+    # what a pocketlm that reads versions up to 4 does with it: refuse by the version, never
+    # load the INT4 head alone
+    cfg, w = _patched_model()
+    path = _model_file(tmp_path / "p.pocket", cfg, w)
+    monkeypatch.setattr(pocketfile, "FORMAT_VERSION", 4)
+    monkeypatch.setattr(pocketfile, "READ_VERSIONS", (1, 2, 3, 4))
+    with pytest.raises(UnsupportedError, match="version 5 was written by a newer pocketlm"):
+        PocketFile(path)
+
+
+def _patch_error(tmp_path, cfg, w, when="check", **kw) -> str:
+    path = _model_file(tmp_path / "bad.pocket", cfg, w, **kw)
+    with pytest.raises(FormatError) as info:
+        pf = PocketFile(path)
+        pf.check_model(cfg) if when == "check" else pf.weights()
+    assert str(path) in str(info.value)
+    return str(info.value)
+
+
+def test_bad_head_patches_are_refused_by_name(tmp_path):
+    from pocketlm.head_patch import PATCH, PATCH_IDS
+
+    cfg, w = _patched_model()
+    ids = w[PATCH_IDS]
+
+    def with_(**change):
+        out = dict(w)
+        out.update({k.replace("__", "."): v for k, v in change.items()})
+        return out
+
+    # from the header alone
+    msg = _patch_error(tmp_path, cfg, {k: v for k, v in w.items() if k != PATCH_IDS})
+    assert PATCH in msg and PATCH_IDS in msg
+    msg = _patch_error(tmp_path, cfg, {k: v for k, v in w.items() if k != PATCH})
+    assert PATCH_IDS in msg
+    assert PATCH_IDS in _patch_error(tmp_path, cfg, with_(head_patch__ids=ids.astype(np.float32)))
+    assert PATCH_IDS in _patch_error(tmp_path, cfg, with_(head_patch__ids=ids[:-1].copy()))
+    src = w["lm_head.weight"].dequantize()
+    assert "int8 group 32" in _patch_error(
+        tmp_path, cfg, with_(head_patch__weight=quantize_int4(src[ids], 32)))
+    assert "int8 group 32" in _patch_error(
+        tmp_path, cfg, with_(head_patch__weight=quantize_int8(src[ids], 64)))
+    assert "int8 group 32" in _patch_error(
+        tmp_path, cfg, with_(head_patch__weight=quantize_int8(src[ids][:, :32], 32)))
+    msg = _patch_error(tmp_path, cfg, w, version="4")
+    assert PATCH in msg and "version 4" in msg
+    # from the values
+    msg = _patch_error(tmp_path, cfg, with_(head_patch__ids=ids[::-1].copy()), when="weights")
+    assert PATCH_IDS in msg and "increasing" in msg
+    bad = ids.copy()
+    bad[-1] = cfg.vocab_size
+    assert PATCH_IDS in _patch_error(tmp_path, cfg, with_(head_patch__ids=bad), when="weights")

@@ -64,6 +64,7 @@ import numpy as np
 
 from ..config import ModelConfig, short_repr
 from ..errors import ChecksumError, FormatError, PocketError, UnsupportedError
+from ..head_patch import PATCH, PATCH_GROUP, PATCH_IDS, check_head_patch
 from ..quant import (
     BLOCK_VALUES,
     ENCODINGS,
@@ -78,10 +79,14 @@ from ..quant import (
 )
 
 FORMAT_NAME = "pocket"
-FORMAT_VERSION = 4  # 2: header_checksum; 3: LoRA adapters beside the weights; 4: encodings
-READ_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # 2: header_checksum; 3: LoRA adapters beside the weights; 4: encodings;
+# 5: a head patch
+READ_VERSIONS = (1, 2, 3, 4, 5)
 ADAPTER_VERSION = 3  # files with LoRA adapters (a reader that ignored them would run the base)
 ENCODING_VERSION = 4  # files with tensors in a source encoding (pocketlm.quant.ENCODINGS)
+# files with a head patch (pocketlm.head_patch): a reader that ignored its two tensors would
+# run the INT4 head alone, quietly less exact
+PATCH_VERSION = 5
 HEADER_CHECKSUM = "header_checksum"
 CHECKSUM_CHUNK = 8 << 20  # bytes summed before their pages are dropped: bounds the resident set
 ALIGN = 64
@@ -310,7 +315,11 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
     encoded = isinstance(tensors, dict) and any(
         isinstance(q, dict) and "encoding" in q for q in tensors.values())
     encoded = encoded or TOKENIZER_ZLIB_TENSOR in seen
-    version = ENCODING_VERSION if encoded else ADAPTER_VERSION if adapters else 2
+    # a head patch makes it version 5, refused by the readers that would ignore it (other
+    # files keep their version, so that older readers still load them)
+    patched = PATCH in seen or PATCH_IDS in seen
+    version = PATCH_VERSION if patched else ENCODING_VERSION if encoded else \
+        ADAPTER_VERSION if adapters else 2
     meta = {"format": FORMAT_NAME, "format_version": str(version)}
     for k, v in metadata.items():
         if k == HEADER_CHECKSUM:
@@ -656,12 +665,43 @@ class PocketFile:
         if config.tie_embeddings and (head in layouts or head in self.infos):
             raise FormatError(f"{self.path}: the config ties the output head to the embedding "
                               f"(tie_embeddings) but the file has {head!r}; repack the model")
+        self._check_patch(config, layouts)
         tok = self.infos.get(self.tokenizer_tensor)
         if tok is None or tok.dtype != "U8" or len(tok.shape) != 1:
             shown = "none" if tok is None else f"{tok.dtype} {list(tok.shape)}"
             raise FormatError(f"{self.path}: tensor {self.tokenizer_tensor!r} must hold the "
                               f"tokenizer as bytes (U8, one dimension), found {shown}; repack "
                               "the model")
+
+    def _check_patch(self, config: ModelConfig, layouts: dict) -> None:
+        """The head patch's two tensors (pocketlm.head_patch), from the header: both or
+        neither, in a version 5 file or later, ``head_patch.weight`` INT8 group 32
+        ``[K, d_model]``, ``head_patch.ids`` int32 (I32) ``[K]`` with K <= vocab_size (their
+        values are checked by :meth:`weights`)."""
+        has_w = PATCH in layouts or PATCH in self.infos
+        has_ids = PATCH_IDS in self.infos
+        if not has_w and not has_ids:
+            return
+        if has_w != has_ids:
+            have, lack = (PATCH, PATCH_IDS) if has_w else (PATCH_IDS, PATCH)
+            raise FormatError(f"{self.path}: tensor {have!r} comes without {lack!r} (a head "
+                              "patch is both); the file is corrupt: repack the model")
+        if self.format_version < PATCH_VERSION:
+            raise FormatError(f"{self.path}: tensor {PATCH!r} in a format version "
+                              f"{self.format_version} file (head patches are version "
+                              f"{PATCH_VERSION}); the file is corrupt: repack the model")
+        kind, shape, gs = layouts.get(PATCH, (None, None, None))
+        if kind != "int8" or gs != PATCH_GROUP or shape[1] != config.d_model or not (
+                1 <= shape[0] <= config.vocab_size):
+            found = f"{kind} group {gs} {list(shape)}" if kind else "not quantized"
+            raise FormatError(f"{self.path}: tensor {PATCH!r} must be int8 group {PATCH_GROUP} "
+                              f"[K, {config.d_model}] with 1 <= K <= {config.vocab_size}, "
+                              f"found {found}; repack the model")
+        ids = self.infos[PATCH_IDS]
+        if ids.dtype != "I32" or list(ids.shape) != [shape[0]]:
+            raise FormatError(f"{self.path}: tensor {PATCH_IDS!r} must be I32 [{shape[0]}] (one "
+                              f"id per row of {PATCH!r}), found {ids.dtype} "
+                              f"{list(ids.shape)}; repack the model")
 
     def weights(self) -> dict[str, np.ndarray | QuantTensor]:
         """Every model tensor, quantized ones as :class:`QuantTensor` (views, no copies)."""
@@ -707,6 +747,14 @@ class PocketFile:
             ):
                 continue
             out[name] = self.tensor(name)
+        if PATCH in out or PATCH_IDS in out:  # its ids in range and increasing
+            config = self.config()
+            self._check_patch(config, self.quant_layouts())
+            try:
+                check_head_patch(out[PATCH], out[PATCH_IDS], config.vocab_size, config.d_model)
+            except ValueError as e:
+                raise FormatError(f"{self.path}: {e}; the file is corrupt: repack the "
+                                  "model") from None
         return out
 
     def _encoded(self, name: str, encoding: str, shape: tuple[int, int]) -> EncodedQuantTensor:
