@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import FetchError, PocketError, UnsupportedError
+from .head_patch import PATCH, PATCH_GROUP, PATCH_IDS
 from .progress import bar as progress_bar
 from .quant import (
     Q4K_BLOCK_BYTES,
@@ -765,10 +766,12 @@ HEADER_ALLOWANCE = 256 * 1024  # the deploy file's JSON header and alignment pad
 
 
 def head_agreement(config, weights: dict, head: QuantTensor, tokenizer,
-                   tokens: int = 256) -> dict[str, float]:
+                   tokens: int = 256, patch: tuple[QuantTensor, np.ndarray] | None = None
+                   ) -> dict[str, float]:
     """Top-1 agreement of the quantized output head with the float head, on the final hidden
     states of the float model over held-out English and Chinese text (never calibrated on):
-    ``{"en": fraction, "zh": fraction}``."""
+    ``{"en": fraction, "zh": fraction}``. ``patch``: the head patch (INT8 rows, their ids),
+    whose rows replace the head's (pocketlm.head_patch)."""
     from . import calibdata
     from .runtime.engine import KVCache, NumpyEngine
 
@@ -790,14 +793,124 @@ def head_agreement(config, weights: dict, head: QuantTensor, tokenizer,
         arg_q = np.zeros(len(ids), np.int64)
         for r0 in range(0, w.shape[0], 16384):
             sel = slice(r0, r0 + 16384)
+            rows = head.dequantize(sel)
+            if patch is not None:  # the patch's rows in this range, as the runtime takes them
+                inside = (patch[1] >= r0) & (patch[1] < r0 + rows.shape[0])
+                rows[patch[1][inside] - r0] = patch[0].dequantize(np.nonzero(inside)[0])
             for lg, best, arg in ((x @ w[sel].T, best_f, arg_f),
-                                  (x @ head.dequantize(sel).T, best_q, arg_q)):
+                                  (x @ rows.T, best_q, arg_q)):
                 m = lg.max(axis=1)
                 better = m > best
                 arg[better] = r0 + lg.argmax(axis=1)[better]
                 best[better] = m[better]
         out[lang] = round(float((arg_f == arg_q).mean()), 4)
     return out
+
+
+# -- the head patch ----------------------------------------------------------------------------
+# An INT4 head's most used rows also kept in INT8 (pocketlm.head_patch): the sizes tried, the
+# smallest first; the top-1 agreement with the float head on the calibration set's final
+# states that the smallest patch must reach (else the largest is taken); how many of the
+# float head's best rows each state counts (benchmarks/head_patch.py: "predictions")
+PATCH_ROWS = (1024, 2048, 4096, 8192, 16384)
+PATCH_TARGET = 0.995
+PATCH_TOP = 5
+
+
+def final_states(config, weights: dict, sequences: list[list[int]]) -> np.ndarray:
+    """The float model's head input (after the final norm) at every position of every
+    sequence: float32 ``[tokens, d_model]``."""
+    from .runtime.engine import KVCache, NumpyEngine
+
+    eng = NumpyEngine(config, weights)
+    eng._head = np.zeros((1, config.d_model), np.float32)  # the logits are not wanted here
+    out = []
+    for seq in sequences:
+        seen: dict[str, np.ndarray] = {}
+        eng.observe = seen.__setitem__  # keeps the last input of each site
+        eng.forward(np.asarray(seq, np.int64), KVCache(config, len(seq)), True)
+        out.append(seen["head_in"])
+    return np.concatenate(out)
+
+
+def patch_ranking(w: np.ndarray, xs: np.ndarray, sequences: list[list[int]],
+                  chunk: int = 128) -> np.ndarray:
+    """The head's rows, most used first: each token's occurrences in ``sequences`` (as a
+    next token) plus how many of the states ``xs`` the float head ``w`` ranks it among its
+    PATCH_TOP best; ties in id order."""
+    counts = np.zeros(w.shape[0], np.int64)
+    for seq in sequences:
+        np.add.at(counts, np.asarray(seq[1:], np.int64), 1)
+    top = min(PATCH_TOP, w.shape[0] - 1)
+    for r0 in range(0, len(xs), chunk):
+        lg = xs[r0:r0 + chunk] @ w.T
+        np.add.at(counts, np.argpartition(-lg, top, axis=1)[:, :top].ravel(), 1)
+    return np.argsort(-counts, kind="stable")
+
+
+def choose_patch(w: np.ndarray, head: QuantTensor, xs: np.ndarray, order: np.ndarray,
+                 sizes: tuple[int, ...], target: float = PATCH_TARGET, chunk: int = 128
+                 ) -> tuple[int, dict[int, float]]:
+    """The smallest size K of ``sizes`` whose patch (rows ``order[:K]`` of the float head
+    ``w`` in INT8 group 32 over the quantized ``head``) brings the top-1 agreement with the
+    float head on the states ``xs`` to ``target``, else the largest; and the agreement of
+    each size tried."""
+    kmax = max(sizes)
+    rows = order[:kmax]
+    w8 = quantize_int8(np.asarray(w[rows], np.float32), PATCH_GROUP).dequantize()
+    wq = head.dequantize()
+    hits = dict.fromkeys(sizes, 0)
+    for r0 in range(0, len(xs), chunk):
+        x = xs[r0:r0 + chunk]
+        ref = (x @ w.T).argmax(axis=1)
+        lq = x @ wq.T
+        l8 = x @ w8.T
+        for k in sizes:
+            lg = lq.copy()
+            lg[:, rows[:k]] = l8[:, :k]
+            hits[k] += int((lg.argmax(axis=1) == ref).sum())
+    agree = {k: round(hits[k] / max(len(xs), 1), 4) for k in sizes}
+    pick = next((k for k in sorted(sizes) if agree[k] >= target), kmax)
+    return pick, agree
+
+
+def patch_bytes(k: int, d_model: int) -> int:
+    """Bytes of a head patch of k rows: INT8 group 32 values and scales, int32 ids."""
+    return layout_bytes("int8", PATCH_GROUP, (k, d_model)) + 4 * k
+
+
+def _plan_patch(model, weights: dict, head_name: str, head: QuantTensor, cset, cands: dict,
+                picked: dict, budget: float, count: int, progress: bool) -> dict | None:
+    """The head patch of an INT4 ``head`` under a bit budget: its rows ranked and its size
+    chosen on the calibration set (:func:`patch_ranking`, :func:`choose_patch`), its bytes
+    reserved and the other tensors allocated again in the rest with the head's layout kept.
+    Returns its record (``rows``, ``bytes``, the calibration set's agreement of each size
+    tried, ``ids``: int32, increasing, and ``picked``: the new allocation), or None when no
+    size is below the vocabulary or none fits the budget."""
+    vocab, d = model.config.vocab_size, model.config.d_model
+    sizes = tuple(k for k in PATCH_ROWS if k < vocab)
+    if not sizes:
+        return None
+    bar = progress_bar(1, "sizing the head patch", "step", enabled=progress)
+    w = np.asarray(weights[head_name], np.float32)
+    xs = final_states(model.config, weights, cset.sequences)
+    order = patch_ranking(w, xs, cset.sequences)
+    k, agree = choose_patch(w, head, xs, order, sizes)
+    bar.update(1)
+    bar.close()
+    pinned = dict(cands)
+    pinned[head_name] = [picked[head_name]]
+    for k_try in [s for s in sorted(sizes, reverse=True) if s <= k]:  # the chosen, else less
+        try:
+            again = allocate(pinned, budget - patch_bytes(k_try, d), count)
+        except UnsupportedError:
+            continue
+        ids = np.sort(order[:k_try]).astype(np.int32)
+        return {"rows": k_try, "bytes": patch_bytes(k_try, d),
+                "top1_calibration": agree[k_try],
+                "top1_calibration_by_rows": {str(s): a for s, a in agree.items()},
+                "ids": ids, "picked": again}
+    return None
 
 
 # -- the pack plan -----------------------------------------------------------------------------
@@ -895,6 +1008,9 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         return h if site not in scales else h / np.outer(scales[site], scales[site])
 
     choice: dict[str, tuple] = {}  # name -> (kind, group size, lossless, zero point)
+    head_name = "embed.weight" if tied else "lm_head.weight"
+    early: dict[str, QuantTensor] = {}  # tensors quantized before the final pass (the head)
+    patch_record = None  # the head patch: its rows, ids, agreement (pocketlm.head_patch)
     if bits_per_weight is None:
         for n in names:
             bits = default_bits(n, model.tensors[n])
@@ -949,6 +1065,19 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         budget = (source_budget(model, names) if bits_per_weight == "source"
                   else bits_per_weight / 8.0 * count)
         picked = allocate(cands, budget, count)
+        # an INT4 head (requantized) takes a patch of its most used rows in INT8: its bytes
+        # reserved, the head's layout kept, and the other tensors allocated again in the rest
+        hc = picked.get(head_name)
+        if hc is not None and hc.kind == "int4" and not hc.lossless:
+            with _naming(head_name):
+                early[head_name] = quantize_calibrated(weights[head_name], hc.kind,
+                                                       hc.group_size, hessian(head_name),
+                                                       method, hc.zero_point)
+            patch = _plan_patch(model, weights, head_name, early[head_name], cset, cands,
+                                picked, budget, count, progress)
+            if patch is not None:
+                picked = patch.pop("picked")
+                patch_record = patch
         choice = {n: (c.kind, c.group_size, c.lossless, c.zero_point)
                   for n, c in picked.items()}
 
@@ -958,7 +1087,10 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         kind, gs, exact, zp = choice[n]
         w = weights[n]
         h = hessian(n)
-        if exact:
+        if n in early:  # the head, quantized already to size its patch
+            qt = early.pop(n)
+            how = "calibrated" if h is not None else "requantized"
+        elif exact:
             qt = _lossless(model.tensors[n]) if bits_per_weight is not None else \
                 model.tensors[n].to_quant({"int4": 4, "int5": 5, "int8": 8}[kind], gs)
             how = "lossless"
@@ -975,7 +1107,13 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         out[n] = (qt, how, err, werr)
         bar.update(1)
     bar.close()
-    head_name = "embed.weight" if tied else "lm_head.weight"
+    patch = None
+    if patch_record is not None:  # its INT8 rows, ids increasing
+        ids = patch_record.pop("ids")
+        w8 = quantize_int8(np.asarray(weights[head_name][ids], np.float32), PATCH_GROUP)
+        patch = (w8, ids)
+        out[PATCH] = (w8, "head patch", None, None)
+        out[PATCH_IDS] = (ids, "head patch", None, None)
     record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
               "tokens": stats.tokens}
     if scaled_record is not None:
@@ -984,9 +1122,11 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         qt = out[head_name][0]
         enc = getattr(qt, "encoding", None)
         record["head"] = {"layout": f"{qt.kind} g{qt.group_size}" + (f" {enc}" if enc else "")}
-        try:
+        if patch_record is not None:
+            record["head"]["patch"] = patch_record
+        try:  # the head as the runtime computes it: with its patch
             record["head"]["top1_vs_float"] = head_agreement(model.config, weights, qt,
-                                                             model.tokenizer)
+                                                             model.tokenizer, patch=patch)
         except FetchError as e:  # --calib FILE offline: the held-out corpora are not here
             record["head"]["not_measured"] = str(e)
     record["seconds"] = round(time.time() - t0, 1)

@@ -40,6 +40,7 @@ from .formats.pocketfile import (
     compress_tokenizer,
     write_pocket,
 )
+from .head_patch import PATCH, PATCH_IDS
 from .progress import track
 from .quant import (
     GROUP_SIZES,
@@ -94,7 +95,7 @@ class PackReport:
     def summary(self) -> str:
         lossless = sum(t.how == "lossless" for t in self.tensors)
         requant = sum(t.how in ("requantized", "calibrated") for t in self.tensors)
-        adapters = [t for t in self.tensors if t.how == "adapter"]
+        adapters = [t for t in self.tensors if t.how in ("adapter", "head patch")]
         lines = [
             f"wrote {self.path} ({self.file_bytes / 1e6:.1f} MB, {self.n_params / 1e6:.1f} M "
             f"parameters) in {self.seconds:.1f} s",
@@ -109,6 +110,7 @@ class PackReport:
             lines.append(f"{len(encoded)} tensors kept in their source's {' / '.join(kinds)} "
                          f"blocks ({sum(t.nbytes for t in encoded) / 1e6:.1f} MB), decoded at "
                          "load")
+        adapters = [t for t in adapters if t.how == "adapter"]
         if adapters:
             lines.append(f"LoRA adapters: {len(adapters) // 2} weights keep theirs beside them "
                          f"(float16, {sum(t.n_params for t in adapters) * 2 / 1e6:.1f} MB), "
@@ -129,10 +131,17 @@ class PackReport:
                              f"(mean alpha {cs['mean_alpha']}), estimated output error "
                              f"-{100 * cs['error_removed']:.1f} % before rounding")
             head = cal.get("head")
+            patch = (head or {}).get("patch")
+            if patch:
+                lines.append(f"output head patch: {patch['rows']} rows in INT8 "
+                             f"({patch['bytes'] / 1e6:.2f} MB, in the bit budget), top-1 "
+                             f"agreement with the float head on the calibration set "
+                             f"{100 * patch['top1_calibration']:.1f} %")
             if head and "top1_vs_float" in head:
                 agree = ", ".join(f"{k} {100 * v:.1f} %" for k, v in
                                   head["top1_vs_float"].items())
-                lines.append(f"output head {head['layout']}: top-1 agreement with the float "
+                lines.append(f"output head {head['layout']}"
+                             f"{' + patch' if patch else ''}: top-1 agreement with the float "
                              f"head on held-out text {agree}")
             elif head:
                 lines.append(f"output head {head['layout']}: top-1 agreement with the float "
@@ -381,6 +390,16 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
                                     qt.group_size, qt.nbytes, out_err, zp,
                                     qt.encoding if isinstance(qt, EncodedQuantTensor) else None))
 
+    if PATCH in planned:  # the INT4 head's patch (pocketlm.head_patch): INT8 rows, their ids
+        qt = planned.pop(PATCH)[0]
+        ids = np.ascontiguousarray(planned.pop(PATCH_IDS)[0], np.int32)
+        arrays += [(PATCH, qt.qweight), (PATCH + ".scales", qt.scales), (PATCH_IDS, ids)]
+        layouts[PATCH] = {"kind": qt.kind, "shape": list(qt.shape),
+                          "group_size": qt.group_size}
+        q_bytes += qt.nbytes + ids.nbytes  # in the budget: bytes over the head's weights
+        reports.append(TensorReport(PATCH, "F32", qt.kind, "head patch", 0.0,
+                                    qt.shape[0] * qt.shape[1], qt.group_size,
+                                    qt.nbytes + ids.nbytes))
     for stem, (a, b) in sorted((model.adapters or {}).items()):  # LoRA kept beside: float16
         for suffix, t in ((".lora_a", a), (".lora_b", b)):
             t16 = np.asarray(t, np.float32).astype(np.float16)

@@ -539,3 +539,104 @@ def test_reproducible_calibrated_packs_are_the_same_bytes(tiny, tmp_path, monkey
         assert rep.calibration["seconds"] > 0  # the report still says how long it took
         files.append(out.read_bytes())
     assert files[0] == files[1]
+
+
+# -- the head patch (pocketlm.head_patch) ----------------------------------------------------
+def test_patch_ranking_counts_occurrences_and_the_float_heads_top_5():
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((40, 32)).astype(np.float32)
+    xs = rng.standard_normal((7, 32)).astype(np.float32)
+    seqs = [[39, 6, 6, 6], [5, 3], [6]]
+    want = np.zeros(40, np.int64)
+    for seq in seqs:  # next tokens only: a sequence's first token is no prediction
+        for t in seq[1:]:
+            want[t] += 1
+    for x in xs:  # each state's five best rows of the float head
+        for r in np.argsort(-(w @ x))[:5]:
+            want[r] += 1
+    order = calibrate.patch_ranking(w, xs, seqs, chunk=3)
+    np.testing.assert_array_equal(order, np.argsort(-want, kind="stable"))
+    assert want[39] == (np.argsort(-(xs @ w.T), axis=1)[:, :5] == 39).sum()
+
+
+def test_patch_size_is_the_smallest_that_reaches_the_target():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((512, 64)).astype(np.float32)
+    xs = rng.standard_normal((300, 64)).astype(np.float32)
+    head = quantize(w, 4, 64)
+    order = np.argsort(-(xs @ w.T).max(axis=0), kind="stable")  # the states' best rows first
+    k, agree = calibrate.choose_patch(w, head, xs, order, (16, 64, 256, 511), target=0.0)
+    assert k == 16
+    values = [agree[s] for s in (16, 64, 256, 511)]
+    assert values == sorted(values) and values[-1] > values[0]
+    k, _ = calibrate.choose_patch(w, head, xs, order, (16, 64, 256, 511), target=1.01)
+    assert k == 511  # never reached: the largest
+    k, _ = calibrate.choose_patch(w, head, xs, order, (16, 64, 256, 511), target=agree[256])
+    assert k == min(s for s in (16, 64, 256, 511) if agree[s] >= agree[256])
+
+
+def test_budgeted_pack_patches_an_int4_head_within_the_budget(tiny, tmp_path, monkeypatch):
+    from pocketlm.head_patch import PATCH, PATCH_IDS, patched_head
+
+    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64, 128))  # the vocabulary is 320
+    out = tmp_path / "p.pocket"
+    rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
+    assert rep.quant_bits_per_weight <= 4.6  # the patch's bytes in the budget
+    head = rep.calibration["head"]
+    assert head["layout"].startswith("int4")
+    patch = head["patch"]
+    by_rows = patch["top1_calibration_by_rows"]
+    assert set(by_rows) == {"16", "32", "64", "128"} and \
+        patch["top1_calibration"] == by_rows[str(patch["rows"])]
+    assert "output head patch: " in rep.summary() and "+ patch" in rep.summary()
+    pf = PocketFile(out)
+    assert pf.format_version == 5
+    assert pf.json("quant")["calibration"]["head"]["patch"]["rows"] == patch["rows"]
+    w = pf.weights()
+    ids = w[PATCH_IDS]
+    assert w[PATCH].shape == (patch["rows"], pf.config().d_model) and len(ids) == patch["rows"]
+    assert (np.diff(ids) > 0).all()
+    src = open_source(tiny["src"])
+    fl = src.tensors["embed.weight"].to_float()  # tied: the embedding is the head
+    np.testing.assert_array_equal(w[PATCH].dequantize(),
+                                  quantize(fl[ids], 8, 32).dequantize())
+    # the rows are the ranking's first ones on the calibration set
+    cset = calibdata.file_set(tiny["text"], src.tokenizer)
+    floats = {n: t.to_float() for n, t in src.tensors.items()}
+    xs = calibrate.final_states(src.config, floats, cset.sequences)
+    order = calibrate.patch_ranking(fl, xs, cset.sequences)
+    assert list(ids) == sorted(order[:len(ids)])
+    # the held-out agreement is the patched head's
+    want = calibrate.head_agreement(src.config, floats, w["embed.weight"], src.tokenizer,
+                                    patch=(w[PATCH], ids))
+    assert head["top1_vs_float"] == want
+    # the runtime computes what the patched head is
+    prompt = np.asarray(src.tokenizer.encode("The parcel left the depot"))
+    rt = Runtime(src.config, w, engine="numpy")
+    got = rt.forward(prompt, rt.new_cache(32))
+    plain = {k: v for k, v in w.items() if k not in (PATCH, PATCH_IDS)}
+    plain["lm_head.weight"] = patched_head(w["embed.weight"].dequantize(), w[PATCH], ids)
+    rt2 = Runtime(src.config, plain, engine="numpy")
+    np.testing.assert_allclose(got, rt2.forward(prompt, rt2.new_cache(32)), rtol=0,
+                               atol=1e-5 * np.abs(got).max())
+
+
+def test_no_patch_without_an_int4_head_or_a_size_below_the_vocabulary(tiny, tmp_path,
+                                                                        monkeypatch):
+    from pocketlm.head_patch import PATCH
+
+    # the default sizes (1024 rows and up) are all beyond the tiny vocabulary of 320
+    rep = pack(tiny["src"], tmp_path / "a.pocket", calib=tiny["text"], bits_per_weight=4.6,
+               progress=False)
+    assert "patch" not in rep.calibration["head"]
+    assert PATCH not in PocketFile(tmp_path / "a.pocket").weights()
+    assert PocketFile(tmp_path / "a.pocket").format_version == 4
+    # without a budget the head keeps the pack's bits (INT8): no patch
+    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32))
+    rep = pack(tiny["src"], tmp_path / "b.pocket", calib=tiny["text"], progress=False)
+    assert "patch" not in rep.calibration["head"]
+    # a budget whose head is INT8 takes none either
+    rep = pack(tiny["src"], tmp_path / "c.pocket", calib=tiny["text"], bits_per_weight=8.0,
+               progress=False)
+    assert rep.calibration["head"]["layout"].startswith("int8")
+    assert "patch" not in rep.calibration["head"]

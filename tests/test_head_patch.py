@@ -123,7 +123,7 @@ def _bad(w, **change):
 @pytest.mark.parametrize("engine", ["numpy", "native"])
 def test_bad_patches_are_refused_by_name(engine):
     cfg, w, name = _patched("qwen2")
-    ids, pw = w[PATCH_IDS], w[PATCH]
+    ids = w[PATCH_IDS]
     src = w[name].dequantize()
 
     def refuse(weights, *words):
