@@ -67,6 +67,27 @@ def check_head_patch(w, ids, vocab_size: int, d_model: int) -> None:
                          f"{int(ids[at])} then {int(ids[at + 1])}")
 
 
+class PatchedHead:
+    """The head's float32 values with the patch's rows written over them, read a block of
+    rows at a time (``head[r0:r1]``): what exporters write for a patched head."""
+
+    def __init__(self, head, w: QuantTensor, ids: np.ndarray):
+        self.head, self.w, self.ids = head, w, np.asarray(ids, np.int64)
+        self.shape = tuple(head.shape)
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        r0, r1, step = rows.indices(self.shape[0])
+        if step != 1:
+            raise ValueError("a patched head is read in contiguous blocks of rows")
+        h = self.head
+        out = h.dequantize(slice(r0, r1)) if isinstance(h, QuantTensor) else \
+            np.array(h[r0:r1], np.float32)
+        inside = (self.ids >= r0) & (self.ids < r1)
+        if inside.any():
+            out[self.ids[inside] - r0] = self.w.dequantize(np.nonzero(inside)[0])
+        return out
+
+
 def patched_head(head: np.ndarray, w: QuantTensor, ids: np.ndarray) -> np.ndarray:
     """The float32 head ``[vocab, d_model]`` with rows ``ids`` replaced by the patch's values
     (what the patched head computes, as one matrix: exporters, agreement measurements)."""

@@ -707,3 +707,27 @@ def test_report_lists_every_tensor(small_pocket, tmp_path):
     assert len(summary.splitlines()) <= 5 and "peak memory" in summary
     assert report.peak_rss_bytes > 10e6 and report.seconds > 0
     assert math.isclose(sum(t.nbytes for t in report.tensors) / report.file_bytes, 1, rel_tol=0.2)
+
+
+def test_a_head_patch_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    # a GGUF tensor has one type: the patched INT4 head is refused by name, nothing written
+    from pocketlm import calibrate
+
+    src = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=5, weight_type="F32", embed_type="F32")
+    text = tmp_path / "app.txt"
+    text.write_text("The parcel left the depot this morning. 包裹今早已离开仓库。 " * 60,
+                    encoding="utf-8")
+    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32))
+    monkeypatch.setattr(calibrate, "_stats_path",
+                        lambda model, cset: tmp_path / "calib" / f"{cset.digest[:16]}.npz")
+    deploy = tmp_path / "p.pocket"
+    rep = pack(src, deploy, calib=text, bits_per_weight=4.6, progress=False)
+    assert "patch" in rep.calibration["head"]
+    out = tmp_path / "p.gguf"
+    with pytest.raises(UnsupportedError, match="head_patch.weight"):
+        export_gguf(deploy, out, progress=False)
+    assert not out.exists()
+    assert cli_main(["export", str(deploy), "--to", "gguf", "-o", str(out)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "head_patch.weight" in err and "\n" not in err and not out.exists()

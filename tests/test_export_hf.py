@@ -42,6 +42,7 @@ from pocketlm.errors import PocketError, UnsupportedError
 from pocketlm.export.hf import bfloat16_bits, export_hf, hf_target, write_safetensors
 from pocketlm.formats.hf import read_hf
 from pocketlm.formats.pocketfile import PocketFile, write_pocket
+from pocketlm.head_patch import PATCH, PATCH_IDS, patched_head
 from pocketlm.quant import QuantTensor
 
 EN = "The quick brown fox jumps over the lazy dog. It's 3.14 o'clock, isn't it?"
@@ -71,8 +72,9 @@ def float_reference(deploy: Path) -> PocketModel:
     (the caller sets POCKET_KERNELS=numpy)."""
     pf = PocketFile(deploy)
     config, tok = file_config_and_tokenizer(pf)
-    weights = {name: w.dequantize() if isinstance(w, QuantTensor) else np.array(w, np.float32)
-               for name, w in pf.weights().items()}
+    weights = {name: w.dequantize() if isinstance(w, QuantTensor) and name != PATCH
+               else w if name in (PATCH, PATCH_IDS) else np.array(w, np.float32)
+               for name, w in pf.weights().items()}  # a head patch stays as the runtime reads it
     model = PocketModel(config, weights, tok, chat_template=pf.text("chat_template") or None)
     assert model.runtime.engine == "numpy"
     return model
@@ -450,3 +452,35 @@ def _rmtree(path: Path) -> None:
 
     shutil.rmtree(path, ignore_errors=True)
 
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied, untied
+def test_a_head_patch_is_written_over_the_head(arch, tmp_path, monkeypatch):
+    """A budgeted pack's INT4 head with its patch: the exported lm_head holds the patch's rows
+    (a tied head becomes its own lm_head, the embedding staying the INT4 rows), and
+    transformers computes what pocketlm does."""
+    from safetensors.numpy import load_file
+
+    from pocketlm import calibrate
+    from pocketlm.pack import pack
+
+    write_tiny_hf(tmp_path / "src", arch, seed=3)
+    text = tmp_path / "app.txt"
+    text.write_text(f"{EN} {ZH}\n" * 40, encoding="utf-8")
+    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64))
+    monkeypatch.setattr(calibrate, "_stats_path",
+                        lambda model, cset: tmp_path / "calib" / f"{cset.digest[:16]}.npz")
+    deploy = tmp_path / "p.pocket"
+    rep = pack(tmp_path / "src", deploy, calib=text, bits_per_weight=4.6, progress=False)
+    assert "patch" in rep.calibration["head"], rep.calibration["head"]
+    export_hf(deploy, tmp_path / "hf", dtype="float32", progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    w = PocketFile(deploy).weights()
+    head = w.get("lm_head.weight", w["embed.weight"])
+    got = load_file(tmp_path / "hf" / "model.safetensors")
+    np.testing.assert_array_equal(got["lm_head.weight"],
+                                  patched_head(head.dequantize(), w[PATCH], w[PATCH_IDS]))
+    np.testing.assert_array_equal(got["model.embed_tokens.weight"],
+                                  w["embed.weight"].dequantize())
+    check_transformers(deploy, tmp_path / "hf", monkeypatch)

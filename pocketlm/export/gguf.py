@@ -77,6 +77,7 @@ from ..formats.gguf import (
     SAMPLING_KEYS,
 )
 from ..formats.pocketfile import PocketFile
+from ..head_patch import PATCH
 from ..quant import BLOCK, QuantTensor, find_zero_point
 from ..tokenizer import Tokenizer, release_free_heap
 from . import atomic_file, refuse_adapters
@@ -532,6 +533,10 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
     refuse_adapters(pf, source)
     config = pf.config()
     pf.check_model(config)
+    if PATCH in pf.infos:  # a GGUF tensor has one type: the INT4 head's rows or the patch's
+        raise UnsupportedError(f"{source}: its INT4 output head has a head patch ({PATCH!r}: "
+                               "INT8 rows over it), which GGUF cannot hold beside the head; "
+                               "repack without a bit budget (an INT8 head) to export it")
     arch = gguf_architecture(config)
 
     tok = Tokenizer.from_json(pf.tokenizer_json())
