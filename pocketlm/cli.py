@@ -199,8 +199,11 @@ def cmd_inspect(args) -> int:
         if isinstance(cs, dict):
             line += (f"; channel scaling on {cs.get('scaled', '?')} of {cs.get('sites', '?')} "
                      f"sites (mean alpha {cs.get('mean_alpha', '?')})")
+        patch = head.get("patch") if isinstance(head.get("patch"), dict) else None
         if isinstance(agree, dict):  # fractions (a hand-made 10**400 has no float to show)
-            line += f"; head {head.get('layout', '?')} top-1 " + ", ".join(
+            shown = str(head.get("layout", "?")) + (
+                f" + patch of {patch.get('rows', '?')} rows" if patch else "")
+            line += f"; head {shown} top-1 " + ", ".join(
                 f"{k} {v:.1%}" for k, v in agree.items()
                 if isinstance(v, (int, float)) and abs(v) <= 1)
         print(f"calibration: {line}")

@@ -589,6 +589,7 @@ def test_budgeted_pack_patches_an_int4_head_within_the_budget(tiny, tmp_path, mo
     assert set(by_rows) == {"16", "32", "64", "128"} and \
         patch["top1_calibration"] == by_rows[str(patch["rows"])]
     assert "output head patch: " in rep.summary() and "+ patch" in rep.summary()
+    assert f"+ patch of {patch['rows']} rows top-1" in _cli("inspect", out).stdout
     pf = PocketFile(out)
     assert pf.format_version == 5
     assert pf.json("quant")["calibration"]["head"]["patch"]["rows"] == patch["rows"]
@@ -619,6 +620,20 @@ def test_budgeted_pack_patches_an_int4_head_within_the_budget(tiny, tmp_path, mo
     rt2 = Runtime(src.config, plain, engine="numpy")
     np.testing.assert_allclose(got, rt2.forward(prompt, rt2.new_cache(32)), rtol=0,
                                atol=1e-5 * np.abs(got).max())
+    # and the native engine, from the file, the same greedy tokens as the reference (float
+    # activations: no int8 rounding near a tie)
+    monkeypatch.setenv("POCKET_ACT", "f32")
+    runs = []
+    for engine in ("native", "numpy"):
+        rt = Runtime(src.config, PocketFile(out).weights(), engine=engine)
+        cache = rt.new_cache(64)
+        ids_run = list(prompt)
+        logits = rt.forward(prompt, cache)
+        for _ in range(16):
+            ids_run.append(int(np.argmax(logits)))
+            logits = rt.forward(np.asarray(ids_run[-1:]), cache)
+        runs.append(ids_run)
+    assert runs[0] == runs[1]
 
 
 def test_no_patch_without_an_int4_head_or_a_size_below_the_vocabulary(tiny, tmp_path,
