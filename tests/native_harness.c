@@ -57,6 +57,8 @@
  *     [qkv_bias] layers.i.attn.w_q.bias, layers.i.attn.w_k.bias, layers.i.attn.w_v.bias,
  *     [qk_norm] layers.i.attn.q_norm.weight, layers.i.attn.k_norm.weight,
  *     [sandwich_norms] layers.i.post_attn_norm.weight, layers.i.post_mlp_norm.weight
+ *   optionally a head patch (pocket_head_patch): char[4] "PTCH", then the tensors
+ *     head_patch.weight (kind 8, [K, d_model]) and head_patch.ids (kind 32: int32 [K], cols 0)
  *   char[4]  "END!"
  *
  * Output (little-endian): char[8] "PLMLOGIT", int32 rows, int32 vocab, float32 [rows, vocab]:
@@ -424,6 +426,30 @@ int main(int argc, char **argv) {
 #undef LNAME
     }
     rd_bytes(&r, magic, 4, "end marker");
+    pocket_head_patch patch;
+    int has_patch = 0;
+    if (memcmp(magic, "PTCH", 4) == 0) { /* the optional head patch */
+        int kind, rows, cols, gs;
+        rd_tensor_head(&r, "head_patch.weight", &kind, &rows, &cols, &gs);
+        if (kind != POCKET_WT_Q8 || rows < 1 || rows > c.vocab_size || cols != d || gs != 32)
+            die("tensor 'head_patch.weight': expected INT8 group 32 (K, %d)", d);
+        memset(&patch, 0, sizeof patch);
+        patch.weight.type = POCKET_WT_Q8;
+        patch.weight.rows = rows;
+        patch.weight.cols = d;
+        patch.weight.group_size = 32;
+        patch.weight.data = rd_array(&r, (size_t)rows * (size_t)d, "head_patch.weight");
+        patch.weight.scales = (const uint16_t *)rd_array(
+            &r, (size_t)rows * (size_t)(d / 32) * sizeof(uint16_t), "head_patch.weight");
+        int krows, kcols;
+        rd_tensor_head(&r, "head_patch.ids", &kind, &krows, &kcols, &gs);
+        if (kind != 32 || krows != rows || kcols != 0)
+            die("tensor 'head_patch.ids': expected int32 [%d]", rows);
+        patch.ids = (const int32_t *)rd_array(&r, (size_t)rows * sizeof(int32_t),
+                                              "head_patch.ids");
+        has_patch = 1;
+        rd_bytes(&r, magic, 4, "end marker");
+    }
     if (memcmp(magic, "END!", 4) != 0)
         die("%s: bad end marker (tensor order or sizes differ)", model_path);
     if (fgetc(r.f) != EOF) die("%s: trailing bytes after the end marker", model_path);
@@ -443,8 +469,8 @@ int main(int argc, char **argv) {
     pocket_pool *pool = pocket_pool_create(HARNESS_THREADS);
     if (!pool) die("pocket_pool_create(%d) failed", HARNESS_THREADS);
     pocket_model *model = NULL;
-    check(pocket_model_create(&c, layers, &embed, &head, final_norm, NULL, kt, act_q8, NULL, 1,
-                              &model),
+    check(pocket_model_create(&c, layers, &embed, &head, final_norm, has_patch ? &patch : NULL,
+                              kt, act_q8, NULL, 1, &model),
           "pocket_model_create");
     pocket_kv *kva = NULL, *kvb = NULL;
     check(pocket_kv_create(model, capacity, kv_fmt, &kva), "pocket_kv_create (A)");

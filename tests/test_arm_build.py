@@ -69,6 +69,7 @@ import torch_ref
 from test_native_forward import IDS, MODES
 from tiny_models import coded_int4, implicit_minimums
 
+from pocketlm.head_patch import PATCH, PATCH_IDS
 from pocketlm.quant import quantize_int4, quantize_int5, quantize_int8
 from pocketlm.runtime import Runtime
 from pocketlm.runtime.kernels import native
@@ -104,7 +105,8 @@ NEON_CPU = "max"  # qemu's CPU model for the neon runs: reports asimddp (SDOT) i
 NO_DOTPROD_CPU = "cortex-a53"  # ARMv8.0-A: NEON without the dot-product extension
 OPS = {"scalar": "portable", "neon": "neon"}  # level -> the engine's operations (pm_ops_*)
 
-KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8, "int4_c8": 14, "int4_zp": 24, "int5_zp": 25}
+KIND = {"f32": 1, "int4": 4, "int5": 5, "int8": 8, "int4_c8": 14, "int4_zp": 24, "int5_zp": 25,
+        "i32": 32}
 
 
 # -- the model dump (format: the top of tests/native_harness.c) --------------------------------
@@ -170,6 +172,9 @@ def _tensor_record(name: str, t) -> bytes:
         cols = {"int4": q.shape[1] * 2, "int4_c8": q.shape[1] * 2, "int4_zp": q.shape[1] * 2,
                 "int5": q.shape[1] // 20 * 32, "int5_zp": q.shape[1] // 20 * 32,
                 "int8": q.shape[1]}[kind]
+    elif t.dtype == np.int32:  # the head patch's ids
+        kind, gs, arrays = "i32", 0, [t]
+        rows, cols = t.shape[0], 0
     else:  # float32 matrix or vector
         assert t.dtype == np.float32
         kind, gs, arrays = "f32", 0, [t]
@@ -210,8 +215,11 @@ def write_dump(cfg, weights, path: Path) -> None:
         struct.pack(f"<{cfg.n_layers}i", *(int(t == "sliding") for t in cfg.layer_types)),
     ]
     order = _tensor_order(cfg, has_head)
-    assert sorted(order) == sorted(tensors), "the dump must hold every tensor exactly once"
+    patch = [n for n in (PATCH, PATCH_IDS) if n in tensors]
+    assert sorted(order + patch) == sorted(tensors), "the dump must hold every tensor once"
     parts += [_tensor_record(name, tensors[name]) for name in order]
+    if patch:
+        parts += [b"PTCH"] + [_tensor_record(name, tensors[name]) for name in patch]
     parts.append(b"END!")
     path.write_bytes(b"".join(parts))
 
@@ -471,3 +479,32 @@ def test_neon_level_needs_arm64_with_dotprod(builds, tmp_path):
         p = harness("host", None, "neon")
         assert p.returncode == 1 and "'neon' is not compiled in" in p.stderr, (
             p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # tied, untied head
+def test_arm64_head_patch_matches_host_scalar_and_neon(arch, builds, tmp_path):
+    """An INT4 head with a head patch (pocketlm/head_patch.py): the ARM64 build equals the
+    host's with the math library pinned, its neon level its scalar level bit for bit, and both
+    the numpy reference within the mode's bound (the patch's rows take the head's products)."""
+    cfg = torch_ref.tiny_config(arch)
+    w = _weights(cfg, 21)
+    name = "lm_head.weight" if "lm_head.weight" in w else "embed.weight"
+    head = w[name].dequantize()
+    w[name] = quantize_int4(head, 32)
+    ids = np.array([0, 5, 17, 42, 101, 250, 300, cfg.vocab_size - 1], np.int32)
+    w[PATCH] = quantize_int8(head[ids], 32)
+    w[PATCH_IDS] = ids
+    dump = tmp_path / "model.bin"
+    write_dump(cfg, w, dump)
+    expected = _reference(Runtime(cfg, w, engine="numpy"))
+    V = cfg.vocab_size
+    for act_q8, kv_fmt in ((0, 0), (31, 1)):
+        mode = f"{arch}, act_q8={act_q8}, kv_fmt={kv_fmt}, patched"
+        pin_host, pin_arm = (builds.run(t, "pinned", dump, act_q8, kv_fmt, V)
+                             for t in ("host", "arm64"))
+        assert np.array_equal(pin_arm, pin_host), f"{mode}: {_where(pin_arm, pin_host)}"
+        bound = MODES[BOUND_MODE[act_q8, kv_fmt]][3]
+        assert _rel_err(pin_host, expected) <= bound, mode
+        scalar = builds.run("arm64", "libc", dump, act_q8, kv_fmt, V)
+        neon = builds.run("arm64", "libc", dump, act_q8, kv_fmt, V, level="neon")
+        assert np.array_equal(neon, scalar), f"{mode}: {_where(neon, scalar)}"
