@@ -143,8 +143,12 @@ def test_bad_patches_are_refused_by_name(engine):
     refuse(_bad(w, **{PATCH: quantize_int8(np.zeros((len(ids), 96), np.float32))}), PATCH)
     if engine == "numpy":  # the checks of pocketlm.head_patch (the engine takes the tuples)
         refuse(_bad(w, **{PATCH_IDS: ids.astype(np.int64)}), PATCH_IDS, "int32")
-        refuse(_bad(w, **{PATCH: quantize_int4(src[ids], 32)}), PATCH, "INT8")
-        refuse(_bad(w, **{PATCH: quantize_int8(src[ids], 64)}), PATCH, "group 32")
+    else:  # the extension's dtype check: ids are never converted on the way
+        with pytest.raises(ValueError, match="head_patch.ids.*int32"):
+            native.NativeEngine(cfg, _bad(w, **{PATCH_IDS: ids.astype(np.int64)}), act="q8",
+                                threads=1, head_screen=0)
+    refuse(_bad(w, **{PATCH: quantize_int4(src[ids], 32)}), PATCH, "8")  # INT8, ('int8', ..
+    refuse(_bad(w, **{PATCH: quantize_int8(src[ids], 64)}), PATCH, "group 32")
     alone = {k: v for k, v in w.items() if k != PATCH_IDS}
     refuse(alone, PATCH_IDS)
 

@@ -442,8 +442,8 @@ def engine_weights(config, weights: dict, *, adapters: bool = True
                           f"{getattr(w, 'kind', getattr(w, 'dtype', ''))}) is not in a layout "
                           "the native engine supports")
         out[name] = t
-    if PATCH_IDS in weights:
-        out[PATCH_IDS] = np.ascontiguousarray(weights[PATCH_IDS], np.int32)
+    if PATCH_IDS in weights:  # int32 [K], checked by the extension (never converted here)
+        out[PATCH_IDS] = weights[PATCH_IDS]
     found = find_adapters(config, weights) if adapters else {}
     dtype = np.float16 if all(_exact_f16(t) for ab in found.values() for t in ab) \
         else np.float32
