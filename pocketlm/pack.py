@@ -397,7 +397,8 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
         layouts[PATCH] = {"kind": qt.kind, "shape": list(qt.shape),
                           "group_size": qt.group_size}
         q_bytes += qt.nbytes + ids.nbytes  # in the budget: bytes over the head's weights
-        reports.append(TensorReport(PATCH, "F32", qt.kind, "head patch", 0.0,
+        head = "lm_head.weight" if "lm_head.weight" in model.tensors else "embed.weight"
+        reports.append(TensorReport(PATCH, model.tensors[head].dtype, qt.kind, "head patch", 0.0,
                                     qt.shape[0] * qt.shape[1], qt.group_size,
                                     qt.nbytes + ids.nbytes))
     for stem, (a, b) in sorted((model.adapters or {}).items()):  # LoRA kept beside: float16
