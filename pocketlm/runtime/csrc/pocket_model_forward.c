@@ -936,29 +936,26 @@ static int screen_rows(pocket_model *m, const pm_act *act, float *y, int nrows,
     return POCKET_OK;
 }
 
-/* The head patch over the nrows rows of the head's input (act: as the head's products took
- * it, or NULL), written over their logits y [nrows, vocab]: the same products as the head's
- * (so a row's values never depend on the other rows), then a scatter by the patch's ids. */
-static int patch_rows(pocket_model *m, int nrows, float *y, pocket_pool *pool, int nthreads,
-                      const pm_act *act) {
+/* Room for the head patch's logits of nrows rows (m->patch_y [nrows][patch.rows]). */
+static int patch_room(pocket_model *m, int nrows) {
+    if (nrows <= m->patch_cap) return POCKET_OK;
+    float *py = (float *)pm_zalloc((size_t)nrows * (size_t)m->patch.rows, sizeof(float));
+    if (!py) return POCKET_ENOMEM;
+    free(m->patch_y);
+    m->patch_y = py;
+    m->patch_cap = nrows;
+    return POCKET_OK;
+}
+
+/* The head patch's logits of nrows rows (m->patch_y) written over theirs in y [nrows, vocab],
+ * by the patch's ids. */
+static void patch_scatter(const pocket_model *m, int nrows, float *y) {
     const size_t K = (size_t)m->patch.rows, V = (size_t)m->c.vocab_size;
-    if (nrows > m->patch_cap) {
-        float *py = (float *)pm_zalloc((size_t)nrows * K, sizeof(float));
-        if (!py) return POCKET_ENOMEM;
-        free(m->patch_y);
-        m->patch_y = py;
-        m->patch_cap = nrows;
-    }
-    const pm_tiled *tp = m->tiled + (size_t)7 * m->c.n_layers + 1;
-    const int rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->patch, NULL, NULL, tp,
-                                act, m->patch_y, NULL, NULL, m->h, nrows, NULL);
-    if (rc) return rc;
     for (int i = 0; i < nrows; i++) {
         const float *pi = m->patch_y + (size_t)i * K;
         float *yi = y + (size_t)i * V;
         for (size_t k = 0; k < K; k++) yi[m->patch_ids[k]] = pi[k];
     }
-    return POCKET_OK;
 }
 
 /* Output head over rows [rows0, rows0 + nrows) of the block: y [nrows, vocab]. screened:
@@ -969,20 +966,25 @@ static int head_rows(pocket_model *m, int rows0, int nrows, float *y, pocket_poo
                      int nthreads, const uint8_t *screened) {
     const int d = m->c.d_model;
     m->ops->rmsnorm(m->x + (size_t)rows0 * d, m->final_norm, nrows, d, m->c.norm_eps, m->h);
-    const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers;
+    const pm_tiled *th = m->tiled + (size_t)7 * m->c.n_layers; /* the head, then the patch */
+    const int np = m->patch.rows > 0;
     pm_act act;
-    const int use = plan_act(m, POCKET_Q8_HEAD, th, 1, m->h, nrows, d, 0,
+    const int use = plan_act(m, POCKET_Q8_HEAD, th, 1 + np, m->h, nrows, d, 0,
                              !m->head_screen && pm_amx_path(m, nrows), &act);
     if (use) prepare_act(m, &act, 0, nrows);
     int nscreen = 0;
     for (int i = 0; m->head_screen && use && screened && i < nrows; i++)
         nscreen += screened[i] != 0;
     if (!m->head_screen || !use) {
-        const int rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1, &m->head, NULL, NULL,
-                                    th, use ? &act : NULL, y, NULL, NULL, m->h, nrows, NULL);
-        /* a patch comes without a screened head (pocket_model_create) */
-        return rc || !m->patch.rows ? rc : patch_rows(m, nrows, y, pool, nthreads,
-                                                       use ? &act : NULL);
+        /* a head patch (never beside a screened head: pocket_model_create) is one more matrix
+         * of the same product region, its rows computed as the head's are, then scattered */
+        int rc = np ? patch_room(m, nrows) : POCKET_OK;
+        if (rc == POCKET_OK)
+            rc = run_products(m, pool, nthreads, PM_JOB_CONCAT, 1 + np, &m->head,
+                              np ? &m->patch : NULL, NULL, th, use ? &act : NULL, y,
+                              np ? m->patch_y : NULL, NULL, m->h, nrows, NULL);
+        if (rc == POCKET_OK && np) patch_scatter(m, nrows, y);
+        return rc;
     }
     const int tasks = m->head_lo.ntiles < nthreads ? m->head_lo.ntiles : nthreads;
     for (int pass = nscreen ? 0 : 1; pass < (nscreen < nrows ? 2 : 1); pass++) {
