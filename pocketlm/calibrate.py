@@ -815,6 +815,7 @@ def head_agreement(config, weights: dict, head: QuantTensor, tokenizer,
 PATCH_ROWS = (1024, 2048, 4096, 8192, 16384)
 PATCH_TARGET = 0.995
 PATCH_TOP = 5
+PATCH_HOLDOUT = 4  # one calibration sequence in 4 is held back to choose the size on
 
 
 def final_states(config, weights: dict, sequences: list[list[int]]) -> np.ndarray:
@@ -884,19 +885,32 @@ def _plan_patch(model, weights: dict, head_name: str, head: QuantTensor, cset, c
     """The head patch of an INT4 ``head`` under a bit budget: its rows ranked and its size
     chosen on the calibration set (:func:`patch_ranking`, :func:`choose_patch`), its bytes
     reserved and the other tensors allocated again in the rest with the head's layout kept.
-    Returns its record (``rows``, ``bytes``, the calibration set's agreement of each size
-    tried, ``ids``: int32, increasing, and ``picked``: the new allocation), or None when no
+    Returns its record (``rows``, ``bytes``, the agreement of each size tried on a held-back
+    quarter of the calibration set, ``ids``: int32, increasing, and ``picked``: the new allocation), or None when no
     size is below the vocabulary or none fits the budget."""
     vocab, d = model.config.vocab_size, model.config.d_model
     sizes = tuple(k for k in PATCH_ROWS if k < vocab)
     if not sizes:
         return None
-    bar = progress_bar(1, "sizing the head patch", "step", enabled=progress)
+    bar = progress_bar(4, "sizing the head patch", "step", enabled=progress)
     w = np.asarray(weights[head_name], np.float32)
-    xs = final_states(model.config, weights, cset.sequences)
-    order = patch_ranking(w, xs, cset.sequences)
-    k, agree = choose_patch(w, head, xs, order, sizes)
+    # the size is chosen on a held-back quarter of the sequences, for rows ranked on the rest:
+    # measured on the states its rows were ranked on, a patch looks better than it is
+    # (smollm2-135m: 99.6 % there, 98.0 % on held-out text); the rows kept are then ranked on
+    # every sequence
+    seqs = cset.sequences
+    held = [s for i, s in enumerate(seqs) if i % PATCH_HOLDOUT == PATCH_HOLDOUT - 1]
+    fit = [s for i, s in enumerate(seqs) if i % PATCH_HOLDOUT != PATCH_HOLDOUT - 1]
+    if not held or not fit:  # too few sequences to hold any back
+        held = fit = seqs
+    xs_fit = final_states(model.config, weights, fit)
+    xs_held = final_states(model.config, weights, held) if held is not fit else xs_fit
     bar.update(1)
+    k, agree = choose_patch(w, head, xs_held, patch_ranking(w, xs_fit, fit), sizes)
+    bar.update(1)
+    xs = np.concatenate([xs_fit, xs_held]) if held is not fit else xs_fit
+    order = patch_ranking(w, xs, fit + held if held is not fit else seqs)
+    bar.update(2)
     bar.close()
     pinned = dict(cands)
     pinned[head_name] = [picked[head_name]]

@@ -607,6 +607,17 @@ def test_budgeted_pack_patches_an_int4_head_within_the_budget(tiny, tmp_path, mo
     xs = calibrate.final_states(src.config, floats, cset.sequences)
     order = calibrate.patch_ranking(fl, xs, cset.sequences)
     assert list(ids) == sorted(order[:len(ids)])
+    # its size was chosen on a held-back quarter of the sequences, for rows ranked on the rest
+    # (on the states its rows were ranked on, a patch looks better than it is)
+    q = calibrate.PATCH_HOLDOUT
+    held = [s for i, s in enumerate(cset.sequences) if i % q == q - 1]
+    fit = [s for i, s in enumerate(cset.sequences) if i % q != q - 1]
+    assert held and fit
+    _, agree = calibrate.choose_patch(
+        fl, w["embed.weight"], calibrate.final_states(src.config, floats, held),
+        calibrate.patch_ranking(fl, calibrate.final_states(src.config, floats, fit), fit),
+        (16, 32, 64, 128))
+    assert by_rows == {str(k): a for k, a in agree.items()}
     # the held-out agreement is the patched head's
     want = calibrate.head_agreement(src.config, floats, w["embed.weight"], src.tokenizer,
                                     patch=(w[PATCH], ids))
