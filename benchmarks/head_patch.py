@@ -40,18 +40,6 @@ sys.path.insert(0, str(ROOT))
 KS = (0, 1024, 2048, 4096, 8192, 16384)
 
 
-def final_states(config, weights, ids) -> np.ndarray:
-    """The float model's head input (after the final norm) at every position of ``ids``."""
-    from pocketlm.runtime.engine import KVCache, NumpyEngine
-
-    eng = NumpyEngine(config, weights)
-    eng._head = np.zeros((1, config.d_model), np.float32)  # the logits are not wanted here
-    seen: dict[str, np.ndarray] = {}
-    eng.observe = seen.__setitem__  # keeps the last input of each site
-    eng.forward(np.asarray(ids, np.int64), KVCache(config, len(ids)), True)
-    return seen["head_in"]
-
-
 def scores(x: np.ndarray, w: np.ndarray, targets: np.ndarray, rows: int = 16384):
     """(argmax, log-probability of each target) of ``x @ w.T``, a few head rows at a time."""
     n = len(x)
@@ -76,6 +64,7 @@ def scores(x: np.ndarray, w: np.ndarray, targets: np.ndarray, rows: int = 16384)
 
 def study(name: str, positions: int, n_calib: int) -> list[dict]:
     from pocketlm import calibdata, calibrate, registry
+    from pocketlm.calibrate import final_states
     from pocketlm.formats import open_source
     from pocketlm.quant import quantize_int8
 
@@ -87,7 +76,7 @@ def study(name: str, positions: int, n_calib: int) -> list[dict]:
     t0 = time.time()
     cset = calibdata.default_set(model.tokenizer)
     seqs = cset.sequences[:n_calib]
-    xs = np.concatenate([final_states(cfg, weights, s) for s in seqs])
+    xs = final_states(cfg, weights, seqs)
     h = (xs.T.astype(np.float64) @ xs.astype(np.float64)) / len(xs)
     counts = {"targets": np.zeros(w.shape[0], np.int64)}
     for s in seqs:
@@ -101,7 +90,7 @@ def study(name: str, positions: int, n_calib: int) -> list[dict]:
     for lang in ("en", "zh"):
         ids = model.tokenizer.encode(calibdata.heldout_text(lang, 8 * (positions + 1)),
                                      add_bos=False, special=False)[:positions + 1]
-        held[lang] = (final_states(cfg, weights, ids[:-1]), np.asarray(ids[1:], np.int64))
+        held[lang] = (final_states(cfg, weights, [ids[:-1]]), np.asarray(ids[1:], np.int64))
     ref = {k: scores(x, w, t) for k, (x, t) in held.items()}
     q4 = calibrate.quantize_calibrated(w, "int4", 32, h, "gptq", calibrate.CODED)
     w4 = q4.dequantize(slice(0, w.shape[0]))

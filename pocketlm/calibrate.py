@@ -773,30 +773,23 @@ def head_agreement(config, weights: dict, head: QuantTensor, tokenizer,
     ``{"en": fraction, "zh": fraction}``. ``patch``: the head patch (INT8 rows, their ids),
     whose rows replace the head's (pocketlm.head_patch)."""
     from . import calibdata
-    from .runtime.engine import KVCache, NumpyEngine
+    from .head_patch import PatchedHead
 
     name = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
     w = weights[name]
+    quantized = head if patch is None else PatchedHead(head, *patch)  # as the runtime takes it
     out = {}
     for lang, kind in (("en", "en"), ("zh", "zh")):
         ids = tokenizer.encode(calibdata.heldout_text(kind, 8 * tokens), add_bos=False,
                                special=False)[:tokens]
-        eng = NumpyEngine(config, weights)
-        eng._head = np.zeros((1, config.d_model), np.float32)
-        seen: dict[str, np.ndarray] = {}
-        eng.observe = seen.__setitem__  # keeps the last input of each site
-        eng.forward(np.asarray(ids, np.int64), KVCache(config, len(ids)), True)
-        x = seen["head_in"]
+        x = final_states(config, weights, [ids])
         best_f = np.full(len(ids), -np.inf, np.float32)
         best_q = np.full(len(ids), -np.inf, np.float32)
         arg_f = np.zeros(len(ids), np.int64)
         arg_q = np.zeros(len(ids), np.int64)
         for r0 in range(0, w.shape[0], 16384):
             sel = slice(r0, r0 + 16384)
-            rows = head.dequantize(sel)
-            if patch is not None:  # the patch's rows in this range, as the runtime takes them
-                inside = (patch[1] >= r0) & (patch[1] < r0 + rows.shape[0])
-                rows[patch[1][inside] - r0] = patch[0].dequantize(np.nonzero(inside)[0])
+            rows = quantized.dequantize(sel) if patch is None else quantized[sel]
             for lg, best, arg in ((x @ w[sel].T, best_f, arg_f),
                                   (x @ rows.T, best_q, arg_q)):
                 m = lg.max(axis=1)
