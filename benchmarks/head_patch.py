@@ -62,11 +62,11 @@ def scores(x: np.ndarray, w: np.ndarray, targets: np.ndarray, rows: int = 16384)
     return arg, tgt - (m + np.log(s))
 
 
-def study(name: str, positions: int, n_calib: int) -> list[dict]:
+def study(name: str, positions: int, n_calib: int, residual: bool = False) -> list[dict]:
     from pocketlm import calibdata, calibrate, registry
     from pocketlm.calibrate import final_states
     from pocketlm.formats import open_source
-    from pocketlm.quant import quantize_int8
+    from pocketlm.quant import quantize_int4, quantize_int8
 
     model = open_source(registry.resolve(name, quiet=True))
     cfg = model.config
@@ -95,21 +95,33 @@ def study(name: str, positions: int, n_calib: int) -> list[dict]:
     q4 = calibrate.quantize_calibrated(w, "int4", 32, h, "gptq", calibrate.CODED)
     w4 = q4.dequantize(slice(0, w.shape[0]))
     w8 = quantize_int8(w, 32).dequantize(slice(0, w.shape[0]))
+    if residual:  # the patch as an INT4 correction added to the INT4 rows' logits
+        layouts = {f"int4 residual g{g}": (g, 4 + 32 / g) for g in (32, 64)}
+    else:
+        layouts = {"int8": (32, 8.5)}
     print(f"{name}: calibration states and heads in {time.time() - t0:.0f} s", file=sys.stderr)
     out = []
     for how, c in counts.items():
+        if residual and how == "targets":
+            continue
         order = np.argsort(-c, kind="stable")
-        for k in KS:
-            if k == 0 and how != "targets":
+        for (layout, (g, bits)), k in ((lb, k) for lb in layouts.items() for k in KS):
+            if k == 0 and (how != "targets" or residual):
                 continue
             wk = w4.copy()
-            wk[order[:k]] = w8[order[:k]]
+            rows = order[:k]
+            if residual:
+                wk[rows] += quantize_int4(w[rows] - w4[rows], g).dequantize(slice(0, k))
+            else:
+                wk[rows] = w8[rows]
             row = {"bench": "head_patch", "model": name, "head": head,
                    "vocab": int(w.shape[0]), "d_model": int(w.shape[1]),
                    "layout": "int4_c8 gptq", "ranking": how if k else None, "patch_rows": k,
                    "rows_counted": int((c > 0).sum()),
-                   "added_bits_per_head_weight": round(k * 8.5 / w.shape[0], 3),
+                   "added_bits_per_head_weight": round(k * bits / w.shape[0], 3),
                    "calib_sequences": len(seqs), "positions": positions}
+            if k:
+                row["patch_layout"] = layout
             for lang, (x, t) in held.items():
                 arg, lp = scores(x, wk, t)
                 row[f"top1_{lang}"] = round(float((arg == ref[lang][0]).mean()), 4)
@@ -127,12 +139,15 @@ def main() -> None:
     ap.add_argument("--positions", type=int, default=512, help="held-out tokens of each text")
     ap.add_argument("--calib", type=int, default=128,
                     help="calibration sequences counted (the pack's default set has 128)")
+    ap.add_argument("--residual", action="store_true",
+                    help="patch rows as an INT4 correction of the INT4 rows (added to their "
+                         "logits) instead of INT8 rows written over them")
     ap.add_argument("--out", help="append the JSON lines to this file")
     args = ap.parse_args()
     from pocketlm.bench import machine_info
 
     for name in args.model:
-        for row in study(name, args.positions, args.calib):
+        for row in study(name, args.positions, args.calib, args.residual):
             row.update(date=time.strftime("%Y-%m-%d"), machine=machine_info(),
                        command=" ".join(["python", *sys.argv]))
             line = json.dumps(row, ensure_ascii=False)
