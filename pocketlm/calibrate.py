@@ -811,6 +811,25 @@ PATCH_TOP = 5
 PATCH_HOLDOUT = 4  # one calibration sequence in 4 is held back to choose the size on
 
 
+def check_head_patch_option(value) -> str | int:
+    """``--head-patch``: ``"auto"`` (None too: the size rule above), ``"off"`` (0: no patch),
+    or a number of rows >= 1 (that many, or a refusal where the budget cannot hold them)."""
+    if value is None or value == "auto":
+        return "auto"
+    if value == "off":
+        return 0
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise UnsupportedError(f"--head-patch must be 'auto', 'off' or a number of rows, "
+                                   f"got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise UnsupportedError(f"--head-patch must be 'auto', 'off' or a number of rows "
+                               f">= 1, got {value!r}")
+    return int(value)
+
+
 def final_states(config, weights: dict, sequences: list[list[int]]) -> np.ndarray:
     """The float model's head input (after the final norm) at every position of every
     sequence: float32 ``[tokens, d_model]``."""
@@ -874,15 +893,17 @@ def patch_bytes(k: int, d_model: int) -> int:
 
 
 def _plan_patch(model, weights: dict, head_name: str, head: QuantTensor, cset, cands: dict,
-                picked: dict, budget: float, count: int, progress: bool) -> dict | None:
+                picked: dict, budget: float, count: int, progress: bool,
+                rows: int | None = None) -> dict | None:
     """The head patch of an INT4 ``head`` under a bit budget: its rows ranked and its size
     chosen on the calibration set (:func:`patch_ranking`, :func:`choose_patch`), its bytes
     reserved and the other tensors allocated again in the rest with the head's layout kept.
     Returns its record (``rows``, ``bytes``, the agreement of each size tried on a held-back
-    quarter of the calibration set, ``ids``: int32, increasing, and ``picked``: the new allocation), or None when no
-    size is below the vocabulary or none fits the budget."""
+    quarter of the calibration set, ``ids``: int32, increasing, and ``picked``: the new
+    allocation), or None when no size is below the vocabulary or none fits the budget.
+    ``rows``: that size only (``--head-patch N``), measured the same way."""
     vocab, d = model.config.vocab_size, model.config.d_model
-    sizes = tuple(k for k in PATCH_ROWS if k < vocab)
+    sizes = (rows,) if rows else tuple(k for k in PATCH_ROWS if k < vocab)
     if not sizes:
         return None
     bar = progress_bar(4, "sizing the head patch", "step", enabled=progress)
@@ -970,7 +991,7 @@ class _naming:
 
 def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float | None = None,
          default_bits, group_size: int = 32, progress: bool = True,
-         stats: Stats | None = None, awq: bool = False):
+         stats: Stats | None = None, awq: bool = False, head_patch: str | int = "auto"):
     """Calibrate ``model`` (a SourceModel) and quantize its tensors.
 
     ``default_bits(name, source_tensor)``: the pack's bits for a tensor (None: kept in float).
@@ -984,7 +1005,12 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     ``awq``: activation-aware channel scaling (:mod:`pocketlm.awq`) before rounding, on the
     sites whose tensors are all requantized (a tensor that imports exactly keeps its grid:
     without a budget, one that the pack keeps exact; with one, one whose exact layout fits the
-    budget's bits per weight)."""
+    budget's bits per weight).
+
+    ``head_patch`` (:func:`check_head_patch_option`): under a budget that rounds the head to
+    INT4, ``"auto"`` sizes its patch by the held-back agreement, 0 keeps none, and a number of
+    rows asks for that size (refused where the budget cannot hold it, or where the head is
+    not requantized INT4)."""
     import time
 
     from . import calibdata
@@ -992,6 +1018,14 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     t0 = time.time()
     # only the string names the built-in set: a file called "default" (pack passes files as
     # paths, and str(Path("./default")) is "default") is the app's own text
+    head_patch = check_head_patch_option(head_patch)
+    if head_patch and head_patch != "auto":
+        if bits_per_weight is None:
+            raise UnsupportedError("--head-patch needs --bits-per-weight: a patch is part of a "
+                                   "bit budget's INT4 head")
+        if head_patch >= model.config.vocab_size:
+            raise UnsupportedError(f"--head-patch {head_patch}: the head has only "
+                                   f"{model.config.vocab_size} rows (ask for fewer, or 'auto')")
     cset = (calibdata.default_set(model.tokenizer) if isinstance(calib, str) and
             calib == "default" else calibdata.file_set(calib, model.tokenizer))
     names = [n for n, st in model.tensors.items() if default_bits(n, st) is not None]
@@ -1075,16 +1109,31 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         # an INT4 head (requantized) takes a patch of its most used rows in INT8: its bytes
         # reserved, the head's layout kept, and the other tensors allocated again in the rest
         hc = picked.get(head_name)
-        if hc is not None and hc.kind == "int4" and not hc.lossless:
+        if hc is not None and hc.kind == "int4" and not hc.lossless and head_patch != 0:
             with _naming(head_name):
                 early[head_name] = quantize_calibrated(weights[head_name], hc.kind,
                                                        hc.group_size, hessian(head_name),
                                                        method, hc.zero_point)
+            forced = None if head_patch == "auto" else head_patch
             patch = _plan_patch(model, weights, head_name, early[head_name], cset, cands,
-                                picked, budget, count, progress)
+                                picked, budget, count, progress, rows=forced)
             if patch is not None:
                 picked = patch.pop("picked")
                 patch_record = patch
+            elif forced:
+                raise UnsupportedError(
+                    f"--head-patch {forced}: {forced} INT8 rows "
+                    f"({patch_bytes(forced, model.config.d_model):,} bytes) do not fit "
+                    f"the bit budget beside the other tensors at their smallest layouts; "
+                    f"raise --bits-per-weight or ask for fewer rows")
+        elif isinstance(head_patch, int) and head_patch > 0:
+            layout = "not quantized" if hc is None else (
+                f"{hc.kind} group {hc.group_size}" + (" (the source's own grid)"
+                                                      if hc.lossless else ""))
+            raise UnsupportedError(f"--head-patch {head_patch}: the bit budget keeps the "
+                                   f"output head {head_name!r} in {layout}; a patch applies "
+                                   f"to a requantized INT4 head only (a lower "
+                                   f"--bits-per-weight gives one)")
         choice = {n: (c.kind, c.group_size, c.lossless, c.zero_point)
                   for n, c in picked.items()}
 
@@ -1123,6 +1172,8 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         out[PATCH_IDS] = (ids, "head patch", None, None)
     record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
               "tokens": stats.tokens}
+    if head_patch != "auto":
+        record["head_patch"] = head_patch  # what was asked: 0 (off) or a number of rows
     if scaled_record is not None:
         record["channel_scaling"] = scaled_record
     if head_name in out:

@@ -231,7 +231,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
          embed_bits: int = 8, keep_precision: bool | None = None, measure_error: bool = True,
          progress: bool = True, int4_search: bool = True, calib: str | Path | None = None,
          bits_per_weight: float | None = None, quant_method: str | None = None,
-         awq: bool = False, vocab=None, reproducible: bool = False) -> PackReport:
+         awq: bool = False, vocab=None, reproducible: bool = False,
+         head_patch: str | int | None = None) -> PackReport:
     """Quantize ``source`` and write the deploy file ``out``; returns a report.
     ``keep_precision``: None (keep the source's quantized types above 4 bits), False (all
     INT4) or True (also float weights in INT8), as in the module docstring.
@@ -247,6 +248,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     chooses each tensor's layout (INT4 / INT5 / INT8, group 32-128, or the source's own grid)
     to meet that average over all quantized tensors, scales included. ``awq``: activation-aware
     channel scaling before rounding (:mod:`pocketlm.awq`; implies ``calib="default"`` too).
+    ``head_patch`` (with ``bits_per_weight``): ``"auto"`` (None), ``"off"`` or a number of rows
+    for an INT4 head's patch (:mod:`pocketlm.head_patch`, :func:`pocketlm.calibrate.plan`).
 
     ``vocab`` (a :class:`pocketlm.vocab.VocabSpec`) trims the vocabulary to an app's languages
     before anything else (:mod:`pocketlm.vocab`: the kept pieces tokenize exactly as before)."""
@@ -265,6 +268,13 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
 
         bits_per_weight = check_bits_per_weight(bits_per_weight)
         calib = "default" if calib is None else calib
+    if head_patch is not None:
+        from .calibrate import check_head_patch_option
+
+        head_patch = check_head_patch_option(head_patch)
+        if head_patch != "auto" and bits_per_weight is None:
+            raise UnsupportedError("--head-patch needs --bits-per-weight: a patch is part of a "
+                                   "bit budget's INT4 head")
     if quant_method is not None:
         from .calibrate import METHODS
 
@@ -286,14 +296,14 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
                      keep_precision=keep_precision, measure_error=measure_error,
                      progress=progress, int4_search=int4_search, calib=calib,
                      bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq,
-                     vocab=vocab, reproducible=reproducible)
+                     vocab=vocab, reproducible=reproducible, head_patch=head_patch)
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,
           keep_precision: bool | None, measure_error: bool, progress: bool,
           int4_search: bool, calib=None, bits_per_weight=None,
           quant_method=None, awq: bool = False, vocab=None,
-          reproducible: bool = False) -> PackReport:
+          reproducible: bool = False, head_patch=None) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     if vocab is not None:
@@ -316,7 +326,8 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
             bits_per_weight=bits_per_weight,
             default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
                                                       keep_precision),
-            group_size=group_size, progress=progress, awq=awq)
+            group_size=group_size, progress=progress, awq=awq,
+            head_patch="auto" if head_patch is None else head_patch)
     arrays: list[tuple[str, np.ndarray]] = []
     layouts: dict[str, Any] = {}
     reports: list[TensorReport] = []

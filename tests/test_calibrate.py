@@ -3,6 +3,7 @@ without minimums, and the pack path's refusals (pocketlm.calibrate, pocketlm.cal
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -666,3 +667,44 @@ def test_no_patch_without_an_int4_head_or_a_size_below_the_vocabulary(tiny, tmp_
                progress=False)
     assert rep.calibration["head"]["layout"].startswith("int8")
     assert "patch" not in rep.calibration["head"]
+
+
+def test_head_patch_option_off_or_a_number_of_rows(tiny, tmp_path, monkeypatch):
+    from pocketlm.head_patch import PATCH
+
+    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64, 128))  # the vocabulary is 320
+    rep = pack(tiny["src"], tmp_path / "off.pocket", calib=tiny["text"], bits_per_weight=4.6,
+               progress=False, head_patch="off")
+    assert rep.calibration["head"]["layout"].startswith("int4")
+    assert "patch" not in rep.calibration["head"] and rep.calibration["head_patch"] == 0
+    assert PATCH not in PocketFile(tmp_path / "off.pocket").weights()
+    # a size outside the rule's sizes: that size, measured on the held-back quarter
+    rep = pack(tiny["src"], tmp_path / "n.pocket", calib=tiny["text"], bits_per_weight=4.6,
+               progress=False, head_patch="12")
+    patch = rep.calibration["head"]["patch"]
+    assert patch["rows"] == 12 and set(patch["top1_calibration_by_rows"]) == {"12"}
+    assert PocketFile(tmp_path / "n.pocket").weights()[PATCH].shape[0] == 12
+    assert rep.quant_bits_per_weight <= 4.6
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bits_per_weight": 4.6, "head_patch": "many"}, "--head-patch must be 'auto', 'off' or"),
+    ({"bits_per_weight": 4.6, "head_patch": -3}, "--head-patch must be 'auto', 'off' or"),
+    ({"head_patch": 16}, "--head-patch needs --bits-per-weight"),
+    ({"bits_per_weight": 4.6, "head_patch": 320}, "the head has only 320 rows"),
+    ({"bits_per_weight": 8.0, "head_patch": 16}, "a patch applies to a requantized INT4 head"),
+    ({"bits_per_weight": 4.6, "head_patch": 64}, "do not fit the bit budget"),
+])
+def test_bad_head_patch_options_are_refused_and_leave_no_file(tiny, tmp_path, kwargs, message):
+    (tmp_path / "out").mkdir()
+    with pytest.raises(PocketError, match=re.escape(message)):
+        pack(tiny["src"], tmp_path / "out" / "x.pocket", calib=tiny["text"], progress=False,
+             **kwargs)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_head_patch_flag_in_the_cli(tiny, tmp_path):
+    r = _cli("pack", tiny["src"], "-o", tmp_path / "x.pocket", "--head-patch", "off")
+    assert r.returncode == 1 and r.stderr.count("\n") == 1
+    assert "--head-patch needs --bits-per-weight" in r.stderr
+    assert not (tmp_path / "x.pocket").exists()
