@@ -133,8 +133,7 @@ def gather(config, weights: dict, sequences: list[list[int]], *, progress: bool 
     if not sequences:
         raise PocketError("calibration needs at least one sequence")
     t0 = time.time()
-    eng = NumpyEngine(config, weights)
-    eng._head = np.zeros((1, config.d_model), np.float32)  # statistics need no logits
+    eng = NumpyEngine(config, weights, logits=False)  # statistics need no logits
     stats = Stats()
     eng.observe = stats.add
     bar = progress_bar(len(sequences), "calibrating", "seq", enabled=progress)
@@ -835,8 +834,7 @@ def final_states(config, weights: dict, sequences: list[list[int]]) -> np.ndarra
     sequence: float32 ``[tokens, d_model]``."""
     from .runtime.engine import KVCache, NumpyEngine
 
-    eng = NumpyEngine(config, weights)
-    eng._head = np.zeros((1, config.d_model), np.float32)  # the logits are not wanted here
+    eng = NumpyEngine(config, weights, logits=False)
     out = []
     for seq in sequences:
         seen: dict[str, np.ndarray] = {}

@@ -708,3 +708,22 @@ def test_head_patch_flag_in_the_cli(tiny, tmp_path):
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "--head-patch needs --bits-per-weight" in r.stderr
     assert not (tmp_path / "x.pocket").exists()
+
+
+def test_an_engine_without_logits_observes_what_the_full_engine_does(tiny):
+    from pocketlm.runtime.engine import KVCache, NumpyEngine
+
+    src = open_source(tiny["src"])
+    w = {n: t.to_float() for n, t in src.tensors.items()}
+    ids = np.asarray(src.tokenizer.encode("The parcel left the depot"), np.int64)
+    seen = []
+    for logits in (True, False):
+        eng = NumpyEngine(src.config, w, logits=logits)
+        got: dict[str, np.ndarray] = {}
+        eng.observe = got.__setitem__
+        out = eng.forward(ids, KVCache(src.config, len(ids)), True)
+        assert out.shape == ((len(ids), src.config.vocab_size) if logits else (len(ids), 0))
+        seen.append(got)
+    assert seen[0].keys() == seen[1].keys()
+    for site in seen[0]:
+        np.testing.assert_array_equal(seen[0][site], seen[1][site])

@@ -143,9 +143,12 @@ class NumpyEngine(Engine):
 
     name = "numpy"
 
-    def __init__(self, config: ModelConfig, weights: dict):
+    def __init__(self, config: ModelConfig, weights: dict, *, logits: bool = True):
+        """``logits=False``: the forward pass stops at the head's input (what calibration
+        observes) and returns ``[rows, 0]`` logits, without the head's products."""
         self.config = config
         self.w = weights
+        self.logits = logits
         self._head = weights.get("lm_head.weight", weights["embed.weight"])
         # the head patch (pocketlm.head_patch): (INT8 rows, their ids), or None
         self._patch = head_patch_of(weights, config.vocab_size, config.d_model)
@@ -262,6 +265,8 @@ class NumpyEngine(Engine):
             x = x[-1:]
         x = R.rmsnorm_ref(np.ascontiguousarray(x), w["norm.weight"], cfg.norm_eps)
         obs("head_in", x)
+        if not self.logits:
+            return np.zeros((len(x), 0) if all_logits else (0,), np.float32)
         logits = R.linear_ref(x, self._head)
         if self._patch is not None:  # the patch's rows written over the head's
             logits[:, self._patch[1]] = R.linear_ref(x, self._patch[0])
