@@ -46,6 +46,16 @@ still exact. A tensor is converted a slice of rows at a time and written straigh
 so memory holds one slice, never the model; the few rows of each tensor decoded back with the
 ``gguf`` library's own dequantizer must equal the deploy file's values, or the export stops.
 
+**A head patch** (:mod:`pocketlm.head_patch`: INT8 rows computed over an INT4 head's) has no
+place beside the head: a GGUF tensor has one type. The head is written as ``output.weight`` in
+Q8_0, quantized (by the ``gguf`` library, bit for bit ggml's reference) from the patched head's
+float values a slice of rows at a time: the patch's rows come out as its own INT8 blocks (a
+group whose largest ``|q|`` is 127 requantizes to the same scale and integers), the INT4 rows
+are rounded to Q8_0's grid (within 0.56 of its step ``max |w| / 127`` per weight of a 32-value
+block, the float16 scale's rounding included). A tied head becomes untied, as for Hugging Face: ``token_embd.weight`` keeps the INT4
+rows the lookups read, and llama.cpp's llama, qwen2, qwen3 and gemma3 loaders take an
+``output.weight`` when the file has one.
+
 **Tokenizer.** The deploy file's tokenizer becomes the ``tokenizer.ggml.*`` keys, checked on
 probe texts against the tokenizer llama.cpp will build from them, in
 :mod:`pocketlm.export.gguf_vocab`: a vocabulary no GGUF tokenizer reproduces is refused before
@@ -55,6 +65,7 @@ keys (``general.sampling.*``) go along.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -77,7 +88,7 @@ from ..formats.gguf import (
     SAMPLING_KEYS,
 )
 from ..formats.pocketfile import PocketFile
-from ..head_patch import PATCH
+from ..head_patch import PATCH, PATCH_IDS, PatchedHead, head_patch_of
 from ..quant import BLOCK, QuantTensor, find_zero_point
 from ..tokenizer import Tokenizer, release_free_heap
 from . import atomic_file, refuse_adapters
@@ -110,7 +121,9 @@ class TensorExport:
     source: str  # the deploy file's layout: "int4 g32", "int5 g64 zp16", "f32", ...
     gguf_type: str  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F32
     nbytes: int
-    how: str  # "copied" (same integers and scales) | "float" | "added" (zero biases)
+    # "copied" (same integers and scales) | "float" | "added" (zero biases) | "requantized"
+    # (a patched head, quantized to Q8_0 from its float values)
+    how: str
     rel_error: float = 0.0  # ||written - deploy file|| / ||deploy file||: 0 where lossless
 
 
@@ -133,6 +146,7 @@ class ExportReport:
     def summary(self) -> str:
         copied = sum(t.how == "copied" for t in self.tensors)
         floats = sum(t.how in ("float", "added") for t in self.tensors)
+        requantized = sum(t.how == "requantized" for t in self.tensors)
         types = ", ".join(f"{k} x{v}" for k, v in self.type_counts().items())
         worst = max((t.rel_error for t in self.tensors), default=0.0)
         tok = self.tokenizer
@@ -140,7 +154,9 @@ class ExportReport:
             f"wrote {self.path} ({self.file_bytes / 1e6:.1f} MB, GGUF {self.architecture}) in "
             f"{self.seconds:.1f} s, peak memory {self.peak_rss_bytes / 1e6:.0f} MB",
             f"tensors: {len(self.tensors)} ({types}): {copied} quantized ones copied bit for "
-            f"bit, {floats} in float, largest relative error {worst:.3g}",
+            f"bit, {floats} in float"
+            + (f", {requantized} requantized" if requantized else "")
+            + f", largest relative error {worst:.3g}",
             f"tokenizer: {tok.get('model')} ({tok.get('kind')}), {tok.get('tokens')} tokens"
             + (f", pre-tokenizer {tok['pre']}" if tok.get("pre") else "")
             + f"; {tok.get('check')}",
@@ -346,6 +362,10 @@ def _plan(config: ModelConfig, arch: str, weights: dict, origin: str) -> list[_P
             heads = config.n_heads
         elif arch == "llama" and name.endswith(("attn.w_k.weight", "attn.w_k.bias")):
             heads = config.n_kv_heads
+        if isinstance(value, PatchedHead):  # read from the tied embedding's rows, or its own
+            source = "embed.weight" if value.head is weights.get("embed.weight") else name
+            plan.append(_patched_head_plan(_gguf_name(name), source, value))
+            continue
         plan.append(_plan_tensor(_gguf_name(name), name, value, heads))
     if arch == "qwen2" and not config.qkv_bias:  # qwen2's graph reads biases: zeros are exact
         for i in range(config.n_layers):
@@ -401,6 +421,40 @@ def _plan_tensor(gname: str, name: str, value, heads: int | None) -> _Planned:
                     "copied", slices, check,
                     pages=list(dict.fromkeys(name + suffix for suffix in ("", *stored))),
                     release=release)
+
+
+def _patched_head_plan(gname: str, name: str, head: PatchedHead) -> _Planned:
+    """The patched head ``head`` (read from the deploy file's ``name`` and the patch) as Q8_0,
+    quantized from its float values a slice of rows at a time (module docstring); its check
+    is the relative error of the whole tensor, measured as it is written."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    q8_0 = GGMLQuantizationType.Q8_0
+    rows, cols = head.shape
+    step = max(1, _SLICE_BYTES // (cols * 4))  # float32 values in a slice
+    squares = [0.0, 0.0]  # sums of (written - patched)^2 and of patched^2, over the tensor
+
+    def slices() -> Iterator[np.ndarray]:
+        squares[:] = [0.0, 0.0]
+        for r0 in range(0, rows, step):
+            values = head[r0:r0 + step]
+            blocks = quantize(values, q8_0)
+            back = dequantize(blocks, q8_0).reshape(values.shape)
+            squares[0] += float(np.square(back - values, dtype=np.float64).sum())
+            squares[1] += float(np.square(values, dtype=np.float64).sum())
+            yield blocks
+
+    def check() -> float:
+        return math.sqrt(squares[0] / max(squares[1], 1e-30))
+
+    source = f"{_layout_name(head.head)} + patch of {len(head.ids)} int8 rows"
+    stored = (".scales", ".mins", *getattr(head.head, "stored", ()))
+    pages = [name + suffix for suffix in ("", *stored)] + [PATCH, PATCH + ".scales", PATCH_IDS]
+    return _Planned(gname, source, "Q8_0", (rows, cols),
+                    rows * (cols // BLOCK) * BLOCK_BYTES["Q8_0"], "requantized", slices, check,
+                    pages=list(dict.fromkeys(pages)),
+                    release=getattr(head.head, "release", lambda: None))
 
 
 def _float_plan(gname: str, source: str, a: np.ndarray, how: str,
@@ -533,10 +587,6 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
     refuse_adapters(pf, source)
     config = pf.config()
     pf.check_model(config)
-    if PATCH in pf.infos:  # a GGUF tensor has one type: the INT4 head's rows or the patch's
-        raise UnsupportedError(f"{source}: its INT4 output head has a head patch ({PATCH!r}: "
-                               "INT8 rows over it), which GGUF cannot hold beside the head; "
-                               "repack without a bit budget (an INT8 head) to export it")
     arch = gguf_architecture(config)
 
     tok = Tokenizer.from_json(pf.tokenizer_json())
@@ -548,7 +598,16 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
     n_probes = len(probe_texts(tok))
     del tok
     release_free_heap()  # the tokenizers built for the check: gone before the weights come
-    plan = _plan(config, arch, pf.weights(), str(source))
+    weights = pf.weights()
+    patch = head_patch_of(weights, config.vocab_size, config.d_model)
+    if patch is not None:
+        # a GGUF tensor has one type: the head goes out as Q8_0 from its patched values, and
+        # a tied head becomes untied so that the embedding's lookups keep the INT4 rows
+        head = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
+        weights["lm_head.weight"] = PatchedHead(weights[head], *patch)
+        del weights[PATCH], weights[PATCH_IDS]
+        config = dataclasses.replace(config, tie_embeddings=False)
+    plan = _plan(config, arch, weights, str(source))
     tok_info["check"] = (f"tokenizes {n_probes} probe texts exactly as the deploy file"
                          + ("" if tok_info["exact"] else
                             " (no llama.cpp pre-tokenizer is the vocabulary's own: this is the "
@@ -585,6 +644,14 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
                                      progress)
         finally:
             writer.close()
+    if patch is not None:
+        t = next(t for t in tensors if t.how == "requantized")
+        notes.append(f"{t.name}: the head and its head patch ({t.source}) written as Q8_0 from "
+                     f"the patched values, relative error {t.rel_error:.3g}: a GGUF tensor has "
+                     "one type, and Q8_0 is the type of the patch's INT8 rows"
+                     + (f"; the head was tied: token_embd.weight keeps the "
+                        f"{weights['embed.weight'].kind.upper()} rows the lookups read"
+                        if head == "embed.weight" else ""))
     return ExportReport(path=out, source=source, architecture=arch,
                         file_bytes=out.stat().st_size, seconds=time.perf_counter() - t0,
                         peak_rss_bytes=_peak_rss(), tensors=tensors, tokenizer=tok_info,
