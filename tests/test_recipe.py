@@ -248,6 +248,51 @@ def test_the_recipe_refuses_missing_inputs_before_any_work(tiny_recipe, tmp_path
     assert 4e9 < need < 7e9  # gemma3-270m-zh-en's checkpoints: a few GB, said before training
 
 
+def test_a_run_records_its_prompt_construction_and_refuses_another(tiny_recipe, tmp_path,
+                                                                   monkeypatch):
+    """recipe.json did not record the version of the prompt construction: a run resumed after
+    it changed (new prompts.jsonl, the old teacher answers and checkpoints kept) trained on
+    prompts of two versions without a word."""
+    import re
+
+    from pocketlm.recipes import prompts
+
+    version = prompts.PROMPTS_VERSION
+    out = tmp_path / "run"
+    recipe_file = out / "recipe.json"
+    assert _run(out, tiny_recipe, until="prompts") is None
+    record = json.loads(recipe_file.read_text())
+    assert record["prompts_version"] == version
+    files = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def refused(old, new):
+        with pytest.raises(PocketError) as e:
+            _run(out, tiny_recipe, until="prompts")
+        assert re.fullmatch(rf"{re.escape(str(recipe_file))} records a run of another version "
+                            rf"of the recipe \(prompts_version {old} -> {new}\); --force .*",
+                            str(e.value))
+        assert "\n" not in str(e.value)
+        assert sorted(os.listdir(out)) == sorted(files)  # the run is left as it is
+
+    monkeypatch.setattr(prompts, "PROMPTS_VERSION", version + 1)
+    refused(version, version + 1)
+    # a record made before the version was recorded was made at version 1
+    recipe_file.write_text(json.dumps(tiny_recipe.to_dict(), indent=1))
+    refused(1, version + 1)
+    monkeypatch.setattr(prompts, "PROMPTS_VERSION", 1)
+    assert _run(out, tiny_recipe, until="prompts") is None
+    assert (out / "prompts.jsonl").read_bytes() == files["prompts.jsonl"]
+    # --force moves the run aside and builds the prompts again; the teacher's answers are not
+    # reused (they answer the other version's prompts)
+    (out / "teacher.jsonl").write_text("")
+    monkeypatch.setattr(prompts, "PROMPTS_VERSION", 2)
+    assert _run(out, tiny_recipe, until="prompts", force=True) is None
+    assert (tmp_path / "run.previous-1" / "teacher.jsonl").is_file()
+    assert not (out / "teacher.jsonl").exists()
+    assert json.loads(recipe_file.read_text())["prompts_version"] == 2
+    assert json.loads((out / "prompts.meta.json").read_text())["key"]["version"] == 2
+
+
 # -- the registry entry -----------------------------------------------------------------------
 
 

@@ -89,6 +89,10 @@ class Recipe:
 
 
 _ADDED_LATER = {"constraint_share": 0.0, "data_version": 1, "keep_cut_answers": False}
+# what a run's recipe.json records besides the recipe, with the value a record made before it
+# was recorded stands for: the version of the prompt construction (prompts.PROMPTS_VERSION),
+# which is the code's, not a field of the recipe (nor of the deploy file's provenance)
+_RECORDED_LATER = {"prompts_version": 1}
 
 # The fields the prompts and the teacher's answers depend on: a version of the recipe that
 # changes none of them reuses a run's prompts.jsonl and teacher.jsonl (hours of teacher time).
@@ -503,14 +507,24 @@ def _stage_progress(out: Path, stage: str, recipe: Recipe = RECIPE) -> float:
     return float((out / f"{NAME}.pocket").is_file())
 
 
+def run_record(recipe: Recipe) -> dict:
+    """What a run's ``recipe.json`` records: the recipe, and the version of the prompt
+    construction its prompts were built with (a run resumed after that changed would train on
+    prompts of two versions)."""
+    from .prompts import PROMPTS_VERSION
+
+    return {**recipe.to_dict(), "prompts_version": PROMPTS_VERSION}
+
+
 def _saved_field(saved: dict, name: str):
-    return saved.get(name, _ADDED_LATER.get(name))
+    """A field of a record, a field absent from it being the value it had before it was
+    recorded."""
+    return saved.get(name, _ADDED_LATER.get(name, _RECORDED_LATER.get(name)))
 
 
-def _differences(saved: dict, recipe: Recipe) -> str:
-    names = [k for k in {**saved, **recipe.to_dict()}
-             if _saved_field(saved, k) != getattr(recipe, k, None)]
-    return ", ".join(f"{k} {_saved_field(saved, k)!r} -> {getattr(recipe, k, None)!r}"
+def _differences(saved: dict, record: dict) -> str:
+    names = [k for k in {**saved, **record} if _saved_field(saved, k) != _saved_field(record, k)]
+    return ", ".join(f"{k} {_saved_field(saved, k)!r} -> {_saved_field(record, k)!r}"
                      for k in names)
 
 
@@ -523,7 +537,9 @@ def _set_aside(out: Path, saved: dict, recipe: Recipe) -> Path:
         n += 1
     os.replace(out, aside)
     out.mkdir(parents=True)
-    reuse = all(_saved_field(saved, k) == getattr(recipe, k) for k in _TEACHER_FIELDS)
+    record = run_record(recipe)
+    reuse = all(_saved_field(saved, k) == _saved_field(record, k)
+                for k in (*_TEACHER_FIELDS, "prompts_version"))
     if reuse:
         for name in _TEACHER_FILES:
             if (aside / name).is_file():
@@ -552,10 +568,10 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
                                   "--force moves the run aside and starts again (or use "
                                   "another folder)")
             _set_aside(out, {}, recipe)
-        elif saved != recipe.to_dict():
+        elif differences := _differences(saved, run_record(recipe)):
             if not force:
-                raise PocketError(f"{out} holds a run of another version of the recipe ("
-                                  f"{_differences(saved, recipe)}); --force moves it aside and "
+                raise PocketError(f"{recipe_file} records a run of another version of the "
+                                  f"recipe ({differences}); --force moves it aside and "
                                   "starts again (or use another folder)")
             _set_aside(out, saved, recipe)
     final = out / f"{NAME}.pocket"
@@ -567,7 +583,7 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     if rebuild:  # only once the inputs passed: a refusal there deleted the finished file
         final.unlink()
     if not recipe_file.is_file():
-        _atomic_write(recipe_file, json.dumps(recipe.to_dict(), indent=1))
+        _atomic_write(recipe_file, json.dumps(run_record(recipe), indent=1))
     _say(estimate(out, recipe))
     times = {}
     report_path = out / "recipe_report.json"
