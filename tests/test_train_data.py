@@ -469,6 +469,72 @@ def test_train_refuses_shards_of_another_tokenizer_of_the_same_size(tmp_path, ca
     assert code == 0, err
 
 
+@pytest.mark.parametrize("failure", [OSError(28, "No space left on device"), KeyboardInterrupt])
+def test_data_prepare_replaces_its_tokenizer_only_with_its_shards(tmp_path, capsys,
+                                                                  monkeypatch, failure):
+    """``--vocab-size`` wrote the new tokenizer before the shards: an error or Ctrl-C while
+    they were written left OUT/tokenizer beside shards made with the one it replaced."""
+    from pocketlm import cli
+    from pocketlm.train import data
+    from pocketlm.train.tokenizer_train import load_trained_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
+    out = tmp_path / "p"
+
+    def prepare(vocab: int) -> int:
+        return cli.main(["data", "prepare", "--text", str(corpus), "--vocab-size", str(vocab),
+                         "--holdout", "0.2", "--out", str(out), "-q"])
+
+    def files() -> dict:
+        return {str(f.relative_to(out)): f.read_bytes() for f in sorted(out.rglob("*"))
+                if f.is_file()}
+
+    def consistent() -> None:
+        meta = json.loads((out / "shards" / "meta.json").read_text())
+        tokenizer = load_trained_tokenizer(out / "tokenizer")
+        assert meta["tokenizer_sha256"] == data.tokenizer_sha256(tokenizer)
+        assert meta["vocab_size"] == tokenizer.vocab_size
+
+    assert prepare(280) == 0
+    consistent()
+    before = files()
+    written = []
+
+    def add(self, *args, **kwargs):
+        if len(written) == 20:
+            raise failure
+        written.append(1)
+        return add_real(self, *args, **kwargs)
+
+    add_real = data._SplitWriter.add
+    monkeypatch.setattr(data._SplitWriter, "add", add)
+    assert prepare(300) == (130 if failure is KeyboardInterrupt else 1)
+    capsys.readouterr()
+    assert written and files() == before  # tokenizer, shards: both as they were
+    assert sorted(os.listdir(out)) == ["shards", "tokenizer"]  # no temp folder left
+    consistent()
+    monkeypatch.undo()
+    assert prepare(300) == 0
+    assert files()["tokenizer/tokenizer.json"] != before["tokenizer/tokenizer.json"]
+    consistent()
+    assert sorted(os.listdir(out)) == ["shards", "tokenizer"]
+
+
+def test_data_prepare_keeps_a_tokenizer_folder_holding_more(tmp_path, capsys):
+    # --vocab-size replaces OUT/tokenizer whole: a folder with other files in it is not
+    from pocketlm import cli
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
+    (tmp_path / "p" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "p" / "tokenizer" / "notes.txt").write_text("mine")
+    code = cli.main(["data", "prepare", "--text", str(corpus), "--vocab-size", "280",
+                     "--out", str(tmp_path / "p"), "-q"])
+    assert "holds more than a tokenizer" in _one_line(code, capsys.readouterr().err)
+    assert os.listdir(tmp_path / "p") == ["tokenizer"]
+
+
 def _corpus_of_other_words() -> list[str]:
     words = ["river", "stone", "light", "paper", "garden", "quick", "brown", "jumps"]
     rng = np.random.default_rng(3)

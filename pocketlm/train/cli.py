@@ -8,6 +8,7 @@ extra) only when it runs, so the rest of the command line works without it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -492,6 +493,12 @@ def cmd_data_prepare(args) -> int:
                           "N to train one on the data (OUT/tokenizer)")
     if not 0 <= args.holdout < 1:
         raise PocketError(f"--holdout must be a share of documents in [0, 1), got {args.holdout}")
+    tokenizer_dir = Path(args.out) / "tokenizer"
+    if args.vocab_size and tokenizer_dir.exists() and (not tokenizer_dir.is_dir() or set(
+            os.listdir(tokenizer_dir)) - {"tokenizer.json", "tokenizer_config.json"}):
+        # the folder is replaced whole by the tokenizer trained
+        raise PocketError(f"{tokenizer_dir} holds more than a tokenizer; --vocab-size replaces "
+                          "it with the tokenizer it trains: choose another --out")
     if args.chats_out:  # written once every argument is known to be good
         from ..data.corpora import export_chats
         from ..export import check_replaceable
@@ -514,25 +521,35 @@ def cmd_data_prepare(args) -> int:
             max_repeat=4.0 if args.max_repeat is None else args.max_repeat,
             min_chars=16 if args.min_chars is None else args.min_chars,
             near_threshold=None if args.no_near_dedup else 0.8)
-    if args.tokenizer:
-        tokenizer, _ = _tokenizer_from(args.tokenizer)
-    else:
-        from .tokenizer_train import train_tokenizer
+    with contextlib.ExitStack() as stack:
+        if args.tokenizer:
+            tokenizer, _ = _tokenizer_from(args.tokenizer)
+        else:
+            from .data import replace_folder, staged_folder
+            from .tokenizer_train import train_tokenizer
 
-        print(f"[training a {args.vocab_size}-token tokenizer on the data -> "
-              f"{out / 'tokenizer'}]", file=sys.stderr)
-        tokenizer = train_tokenizer(documents, args.vocab_size, out / "tokenizer",
-                                    seed=args.seed, sample_lines=args.tokenizer_sample,
-                                    progress=not args.quiet)
-    if args.text:
-        meta = prepare_text_file(Path(args.text), tokenizer, out / "shards" if not
-                                 args.tokenizer else out, holdout=args.holdout, seed=args.seed,
-                                 shard_tokens=args.shard_tokens, progress=not args.quiet)
-    else:
-        meta = prepare_mixture(config, tokenizer, out / "shards" if not args.tokenizer else out,
-                               holdout=args.holdout, seed=args.seed,
-                               shard_tokens=args.shard_tokens, progress=not args.quiet,
-                               mixture=(documents, sources))
+            # trained into a temp folder that replaces OUT/tokenizer only once the shards made
+            # with it are in place: an error or Ctrl-C while they are written leaves the
+            # tokenizer and the shards as they were, a pair that matches (a new tokenizer
+            # beside old shards was trained on with ids that stand for other text)
+            staged = stack.enter_context(staged_folder(out / "tokenizer"))
+            print(f"[training a {args.vocab_size}-token tokenizer on the data -> "
+                  f"{out / 'tokenizer'}]", file=sys.stderr)
+            tokenizer = train_tokenizer(documents, args.vocab_size, staged, seed=args.seed,
+                                        sample_lines=args.tokenizer_sample,
+                                        progress=not args.quiet)
+        if args.text:
+            meta = prepare_text_file(Path(args.text), tokenizer, out / "shards" if not
+                                     args.tokenizer else out, holdout=args.holdout,
+                                     seed=args.seed, shard_tokens=args.shard_tokens,
+                                     progress=not args.quiet)
+        else:
+            meta = prepare_mixture(config, tokenizer, out / "shards" if not args.tokenizer
+                                   else out, holdout=args.holdout, seed=args.seed,
+                                   shard_tokens=args.shard_tokens, progress=not args.quiet,
+                                   mixture=(documents, sources))
+        if not args.tokenizer:
+            replace_folder(staged, out / "tokenizer")
     splits = {k: v.get("tokens") for k, v in meta["splits"].items()}
     where = out if args.tokenizer else out / "shards"
     print(f"{where}: " + ", ".join(f"{k} {n:,} tokens" for k, n in splits.items()))

@@ -35,6 +35,7 @@ import shutil
 import uuid
 from array import array
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -85,9 +86,7 @@ def prepare_shards(
     dtype = np.dtype("<u2") if vocab_size <= 65535 else np.dtype("<u4")
     _check_replaceable(out_dir)
 
-    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    _sweep_dead_writers(out_dir)
+    tmp = _temp_sibling(out_dir)
     tmp.mkdir()
     try:
         writers = {s: _SplitWriter(tmp, s, dtype, int(shard_tokens)) for s in SPLITS}
@@ -422,9 +421,35 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+def _temp_sibling(out_dir: Path) -> Path:
+    """A new name (``.{name}.tmp-{pid}-{hex}``) beside ``out_dir`` to write its next version
+    under; the parent is made, and the temp folders of dead writers of ``out_dir`` removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_dead_writers(out_dir)
+    return out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+@contextmanager
+def staged_folder(out_dir: Path) -> Iterator[Path]:
+    """A temp sibling of ``out_dir`` (not yet made) to write a new version of that folder
+    into, for :func:`replace_folder` to put in place; removed if that has not happened when
+    the block ends (an error or Ctrl-C before it)."""
+    tmp = _temp_sibling(Path(out_dir))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _swap_into_place(tmp: Path, out_dir: Path) -> None:
     """Rename the finished ``tmp`` folder to ``out_dir``, replacing an older shard set."""
     _check_replaceable(out_dir)
+    replace_folder(tmp, out_dir)
+
+
+def replace_folder(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished ``tmp`` folder to ``out_dir``; a folder there is replaced whole
+    (moved aside, then removed once the new one is in place)."""
     old = None
     if out_dir.exists():
         old = out_dir.parent / f".{out_dir.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
