@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tiny_gguf
 import torch
@@ -281,6 +282,76 @@ def test_sft_renders_the_bos_and_eos_tokens_as_the_runtime_does(base, tmp_path):
     m.chat_template = template
     conv = [{"role": "user", "content": "say red"}]
     assert m.chat_ids(conv) == [int(i) for i in ids[: len(m.chat_ids(conv))]]
+
+
+@pytest.mark.parametrize("name", [  # as in test_real_models: the larger two are slow
+    pytest.param("smollm2-135m", marks=pytest.mark.real),
+    pytest.param("qwen2.5-0.5b", marks=[pytest.mark.real, pytest.mark.slow]),
+    pytest.param("gemma3-270m", marks=[pytest.mark.real, pytest.mark.slow])])
+def test_sft_ids_before_each_answer_are_the_prompt_the_runtime_encodes(name, tmp_path):
+    """SFT encodes a chat piece by piece (SFTData's docstring says why). On the registry
+    tokenizers with the template training uses, on ShareGPT chats and on answers that start or
+    end with whitespace: the ids before each answer are exactly the prompt ids the runtime
+    encodes for that turn (the rendered prompt as one text, as PocketModel.chat_ids does), the
+    answer's ids are its text past that prompt, and a chat whose answers start with no
+    whitespace gets the ids of its rendered text as one text. An answer starting with newlines
+    encoded with its prompt as one text merges into the prompt's last token (byte-level BPE;
+    Gemma's template trims answers): a prompt the runtime never has, so not what SFT trains."""
+    from itertools import islice
+
+    from pocketlm.chat import FAMILY_TEMPLATES, render
+    from pocketlm.data.corpora import ReadReport, corpus, fetch_source, sharegpt_chats
+    from pocketlm.formats import open_source
+    from pocketlm.registry import pull
+    from pocketlm.train.trainer import CHATML, SFTData
+
+    src = open_source(pull(name, quiet=True))
+    tok = src.tokenizer
+    template = src.chat_template or FAMILY_TEMPLATES.get(src.config.arch) or CHATML  # train()'s
+    bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
+    eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+
+    def text(msgs, prompt):
+        return render(template, msgs, bos_token=bos or "", eos_token=eos or "",
+                      add_generation_prompt=prompt)
+
+    def encode(text):  # PocketModel.chat_ids: BOS unless the template wrote it
+        return tok.encode(text, add_bos=tok.add_bos and not (bos and text.startswith(bos)))
+
+    shared = [c["messages"] for c in islice(sharegpt_chats(fetch_source(corpus("sharegpt")
+                                                                        .source),
+                                                           ReadReport()), 120)
+              if sum(len(m["content"]) for m in c["messages"]) < 3000
+              and c["messages"][0]["role"] != "assistant"][:30]
+    user = {"role": "user", "content": "请用一句话介绍长城。"}
+    crafted = [[{"role": "system", "content": "You are a helpful assistant."}, user,
+                {"role": "assistant", "content": "长城是中国古代的军事防御工程。"},
+                {"role": "user", "content": "Show it in Python."},
+                {"role": "assistant", "content": "```python\nprint('长城')\n```"}]]
+    crafted += [[user, {"role": "assistant", "content": answer}] for answer in (
+        "\n\nleading newlines", "\nleading newline", " leading space", "  \t spaces",
+        "trailing space ", "trailing newline\n")]
+    assert len(shared) >= 20
+    for n, msgs in enumerate(shared + crafted):
+        path = tmp_path / f"{n}.jsonl"
+        path.write_text(json.dumps({"messages": msgs}) + "\n")
+        ids, mask = SFTData(path, tok, template, 1 << 20, holdout=0.0).train[0]
+        ids = [int(i) for i in ids]
+        starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
+        turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        assert len(starts) == len(turns)
+        for start, i in zip(starts, turns):
+            prompt = encode(text(msgs[:i], True))
+            assert ids[:start] == prompt, (name, n, i)
+            end = start + int(np.argmin(mask[start:])) if not mask[start:].all() else len(ids)
+            assert ids[start:end] == tok.encode(text(msgs[: i + 1], False)[len(text(msgs[:i],
+                                                                                  True)):],
+                                                add_bos=False)
+        whole = encode(text(msgs, False))
+        if not any(msgs[i]["content"][:1].isspace() for i in turns):
+            assert ids == whole, (name, n)
+        elif msgs[-1]["content"].startswith("\n\n") and name != "gemma3-270m":
+            assert whole[: len(prompt)] != prompt  # a token across the prompt's end
 
 
 def test_held_out_chats_are_split_as_asked(base, tmp_path):

@@ -174,6 +174,16 @@ class SFTData:
     The chat template renders each prefix of the conversation; the ids of message ``i`` are the
     tokens of ``render(messages[:i+1])`` past ``render(messages[:i])`` (with the generation
     prompt for an assistant turn), so any template whose turns end in a special token works.
+
+    Why piece by piece, not the rendered chat as one text: the pieces start with a turn's
+    special token (no BPE merge crosses one, so there the ids are the one text's), except an
+    answer, which starts after its generation prompt. That is where the runtime cuts too: it
+    encodes the prompt up to the generation prompt as one text (``chat_ids``) and the answer's
+    tokens follow it. An answer starting with whitespace ("\n\nSure") would, encoded with its
+    prompt as one text, merge with the prompt's last newline into a token across the two, a
+    prompt the runtime never has (tests/test_finetune.py checks this on the registry
+    tokenizers). The one place these ids are not the runtime's: such an answer as history of a
+    later turn, which the runtime encodes with the history as one text.
     """
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, chat_template: str | None,
