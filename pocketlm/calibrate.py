@@ -1001,8 +1001,9 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     record, {name: float32 array}``: the float tensors that channel scaling changed).
 
     ``awq``: activation-aware channel scaling (:mod:`pocketlm.awq`) before rounding, on the
-    sites whose tensors are all requantized (a tensor that imports exactly keeps its grid:
-    without a budget, one that the pack keeps exact; with one, one whose exact layout fits the
+    sites whose tensors are all requantized (a tensor that imports exactly keeps its grid, and
+    one stored in its source's own blocks keeps them: without a budget, one that the pack
+    keeps exact or in those blocks; with one, one whose exact layout or blocks fit the
     budget's bits per weight).
 
     ``head_patch`` (:func:`check_head_patch_option`): under a budget that rounds the head to
@@ -1058,17 +1059,23 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     scaled_record = None
     changed: set[str] = set()
     if awq:
+        # a tensor that imports exactly, or that the pack stores in its source's own blocks
+        # (a Q6_K's INT8 as the Q6_K blocks: 6.5625 bits a weight), is left unscaled: scaled,
+        # it would leave its grid, or be stored in 8.5 bits
         if bits_per_weight is None:
-            keep = {n for n, c in choice.items() if c[2]}
+            keep = {n for n, c in choice.items() if c[2] or may_encode(n, tied) and (
+                c[0], c[1], c[3]) in source_stored_bytes(model.tensors[n])}
             layout = {n: c[:2] + (c[3],) for n, c in choice.items()}
         else:
             bpw = (bits_per_weight if bits_per_weight != "source" else 8.0 * source_budget(
                 model, names) / sum(int(np.prod(model.tensors[n].shape)) for n in names))
             keep = set()
             for n in names:
-                qt = _lossless(model.tensors[n])
-                if qt is not None and 8.0 * _exact_bytes(model.tensors[n], qt, may_encode(
-                        n, tied)) / qt.shape[0] / qt.shape[1] <= bpw:
+                st = model.tensors[n]
+                qt = _lossless(st)
+                sizes = [_exact_bytes(st, qt, may_encode(n, tied))] if qt is not None else []
+                sizes += source_stored_bytes(st).values() if may_encode(n, tied) else []
+                if sizes and 8.0 * min(sizes) / int(np.prod(st.shape)) <= bpw:
                     keep.add(n)
             layout = dict.fromkeys(names, PROBE_LAYOUT)
         from .awq import scale_model

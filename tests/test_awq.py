@@ -146,6 +146,38 @@ def test_exact_imports_are_never_scaled(tmp_path):
     assert {t.how for t in rep.tensors if t.stored != "f32"} == {"lossless"}
 
 
+def test_tensors_kept_in_their_source_blocks_are_never_scaled(tmp_path):
+    # a Q6_K tensor is packed as INT8 stored in its own Q6_K blocks (6.5625 bits a weight):
+    # channel scaling moved it off them, into plain INT8 (8.5 bits), and a Q6_K file grew by
+    # a quarter under --awq. Its sites are left alone, as those of exact imports are: the
+    # tensors are byte for byte the plain pack's, while the other sites are still scaled
+    src = tmp_path / "k.gguf"
+    six = {f"layers.{i}.{t}.weight": "Q6_K" for i in range(3) for t in ("attn.w_v", "mlp.w_down")}
+    tiny_gguf.write_tiny_gguf(src, "qwen2", seed=11, weight_type="F32", embed_type="F32",
+                              tensor_types=six, d_model=256, d_ff=512, n_heads=4, n_kv_heads=2,
+                              head_dim=64)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    pack(src, tmp_path / "p.pocket", progress=False)
+    rep = pack(src, tmp_path / "a.pocket", calib=text, awq=True, progress=False)
+    assert rep.calibration["channel_scaling"]["scaled"] >= 1  # the mlp_in sites, the head's
+    a, p = PocketFile(tmp_path / "a.pocket"), PocketFile(tmp_path / "p.pocket")
+    assert {n for n, e in a.encodings().items() if e == "q6_k"} == set(six)
+    for name in six:
+        stored = sorted(k for k in p.infos if k == name or k.startswith(name + "."))
+        assert sorted(k for k in a.infos if k == name or k.startswith(name + ".")) == stored
+        for k in stored:
+            assert a.tensor(k).tobytes() == p.tensor(k).tobytes(), k
+    # all Q6_K: nothing is left to scale, and the file is the plain pack's size
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=11, weight_type="Q6_K", d_model=256,
+                              d_ff=512, n_heads=4, n_kv_heads=2, head_dim=64)
+    plain = pack(src, tmp_path / "p.pocket", progress=False)
+    rep = pack(src, tmp_path / "a.pocket", calib=text, awq=True, progress=False)
+    assert rep.calibration["channel_scaling"]["scaled"] == 0
+    assert {t.encoding for t in rep.tensors if t.stored != "f32"} == {"q6_k"}
+    assert rep.file_bytes < plain.file_bytes + 4096  # the calibration record
+
+
 def test_a_budgeted_awq_pack_meets_its_budget(tiny, tmp_path):
     rep = pack(tiny["src"], tmp_path / "b.pocket", calib=tiny["text"], awq=True,
                bits_per_weight=4.6, progress=False)

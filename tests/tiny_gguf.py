@@ -194,6 +194,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
                     drop_tensors: tuple[str, ...] = (), tokenizer_model: str = "gpt2",
                     tokenizer_pre: str | None = None, chat_template: str | None = CHATML_TEMPLATE,
                     metadata: dict[str, int | float | str] | None = None,
+                    tensor_types: dict[str, str] | None = None,
                     **config_overrides) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Write a tiny ``arch`` model as a GGUF file at ``path``.
 
@@ -203,7 +204,8 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
     ``gguf_arch`` overrides ``general.architecture`` (the metadata keys keep ``arch``);
     ``extra_tensors`` (GGUF name -> array) and ``drop_tensors`` (GGUF names) make broken files.
     ``metadata`` adds fields (key -> value: an int as int32, a float as float32, a string), as
-    the sampling defaults ``general.sampling.*``.
+    the sampling defaults ``general.sampling.*``. ``tensor_types`` (pocketlm name -> type)
+    overrides the type of single tensors, for files that mix types as llama.cpp's do.
 
     Returns ``(config, state_dict)``: the config the file describes and the float32 weights
     under pocketlm names as the file holds them (after quantization, before any permutation).
@@ -262,6 +264,7 @@ def write_tiny_gguf(path, arch: str = "llama", seed: int = 0, weight_type: str =
             qtype = embed_type
         else:
             qtype = weight_type
+        qtype = (tensor_types or {}).get(name, qtype)
         stored, raw_dtype, values = _store(qtype, w)
         state[name] = values
         permute = None
