@@ -6,7 +6,8 @@ end-of-turn id, a stop string, ``max_tokens``, a full context) and says which te
 shown. The drivers around it make the forward calls: :func:`stream_tokens` and
 :func:`stream_sequence` one sequence at a time, the server's scheduler many rows in one batch.
 ``stream_text`` turns any token stream into text pieces that never split a UTF-8 character
-and never show any part of a stop string.
+and never show any part of a stop string; a character the last token left unfinished is
+left out, not shown as U+FFFD.
 """
 
 from __future__ import annotations
@@ -282,11 +283,12 @@ class TextStream:
         return self._release(self._detok.add(token), final=False)
 
     def finish(self) -> str:
-        """The text still held back, once no more tokens come."""
+        """The text still held back, once no more tokens come (without the bytes of a
+        character the last token left unfinished: a token limit can cut one in two)."""
         if self.stopped:
             return ""
         self._finished = True
-        return self._release(self._detok.flush(), final=True)
+        return self._release(self._detok.flush(drop_incomplete=True), final=True)
 
     def _release(self, text: str, final: bool) -> str:
         self._produced += len(text)

@@ -570,8 +570,15 @@ class StreamingDetokenizer:
             return ""
         return self._emit(self._decoder.decode(self.tokenizer.token_bytes(id), final=False))
 
-    def flush(self) -> str:
-        """Whatever is left (invalid trailing bytes become U+FFFD); the stream can go on."""
+    def flush(self, *, drop_incomplete: bool = False) -> str:
+        """Whatever is left: the first bytes of a character whose last bytes never came
+        become U+FFFD, as in :meth:`Tokenizer.decode`, or with ``drop_incomplete`` are left
+        out (the end of generation: a token limit or an end token can fall inside a
+        character, and the U+FFFD would stand for nothing the model wrote). Any other
+        invalid byte already came out of :meth:`add` as U+FFFD. The stream can go on."""
+        if drop_incomplete:
+            self._decoder.reset()  # holds only the start of one character, never more
+            return ""
         return self._emit(self._decoder.decode(b"", final=True))
 
     def reset(self) -> None:

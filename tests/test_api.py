@@ -207,6 +207,27 @@ def test_max_tokens_zero(m):
     assert m.last_state.finish_reason == "length"
 
 
+def test_a_token_limit_inside_a_character_leaves_it_out(m):
+    """The regex makes every token one byte of 你: one or two of them end the text inside
+    the character, which is then left out, not shown as U+FFFD."""
+    for n, expected in [(1, ""), (2, ""), (3, "你")]:
+        assert m.generate(PROMPT, n, regex="你+") == expected
+        assert "".join(m.stream(PROMPT, n, regex="你+")) == expected
+        assert len(m.last_state.generated) == n and m.last_state.finish_reason == "length"
+        assert m.chat([{"role": "user", "content": "hi"}], n, regex="你+") == expected
+    assert m.generate(PROMPT, 5, regex="你你+", speculative="lookup") == "你"
+
+
+def test_stream_text_keeps_a_replacement_character_the_model_wrote(m):
+    from pocketlm.generate import stream_text
+    from pocketlm.tokenizer import BYTE_TO_CHAR
+
+    byte = {b: m.tokenizer.token_to_id(BYTE_TO_CHAR[b]) for b in b"a\xef\xbf\xbd\xff\xe4\xbd"}
+    ids = [byte[b] for b in b"a\xef\xbf\xbd\xffa\xe4\xbd"]  # U+FFFD, an invalid byte, 你 cut
+    assert "".join(stream_text(m.tokenizer, ids)) == "a\ufffd\ufffda"
+    assert "".join(stream_text(m.tokenizer, ids, ["\ufffda"])) == "a\ufffd"
+
+
 def test_stop_strings_cut_the_output(m):
     # sample until the output is long enough to hold a stop string that spans tokens
     for seed in range(20):

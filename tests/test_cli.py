@@ -181,6 +181,15 @@ def test_run_streams_text(files, capsys):
     assert echoed == "hello" + stdout
 
 
+def test_run_never_ends_in_half_a_character(files, capsys):
+    # every token is one byte of 你: -n 2 stops inside it, -n 3 after it
+    for n, expected in [(2, "\n"), (3, "你\n")]:
+        for mode in ("--raw", "--chat"):
+            code, stdout, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", n,
+                                      "--regex", "你+", mode)
+            assert (code, stdout) == (0, expected)
+
+
 def test_run_uses_the_chat_template_by_default(files, capsys):
     code, stdout, _ = run_cli(capsys, "run", "-m", files["pocket"], "hello", "-n", 5)
     assert code == 0

@@ -529,6 +529,33 @@ def test_a_pair_of_surrogate_escapes_is_text(make_app):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_a_token_limit_inside_a_character_leaves_it_out(make_app, model, stream):
+    """The bias makes the one token the first byte of 你: the answer is empty, not U+FFFD."""
+    from pocketlm.tokenizer import BYTE_TO_CHAR
+
+    first = model.tokenizer.token_to_id(BYTE_TO_CHAR["你".encode()[0]])
+    body = completion("hello world", max_tokens=1, logit_bias={str(first): 100}, stream=stream,
+                      logprobs=1)
+
+    async def call():
+        async with client(make_app()) as c:
+            return await c.post("/v1/completions", json=body)
+
+    r = run(call())
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n")
+                  if e and e != "data: [DONE]"]
+        text = "".join(c["text"] for e in events for c in e["choices"])
+        tokens = [t for e in events for c in e["choices"] if c.get("logprobs")
+                  for t in c["logprobs"]["tokens"]]
+    else:
+        choice = r.json()["choices"][0]
+        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+    assert text == "" and len(tokens) == 1
+
+
 NUMBERS_AND_NESTING = [  # (raw JSON, param)
     b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
     b'{"model": "tiny", "prompt": "hi", "seed": -' + b"9" * 4400 + b"}",

@@ -387,6 +387,18 @@ def test_streaming_flush_replaces_incomplete_bytes():
     assert s.flush() == "\ufffd"
 
 
+def test_streaming_flush_can_drop_an_unfinished_character():
+    """The end of generation can fall inside a character: its first bytes are left out, an
+    invalid byte that came before stays U+FFFD, and the stream goes on afterwards."""
+    tok = tokenizer_from_gguf_fields(byte_bpe_fields())
+    byte = {b: tok.token_to_id(BYTE_TO_CHAR[b]) for b in range(256)}
+    s = StreamingDetokenizer(tok)
+    pieces = [s.add(byte[b]) for b in b"a\xffb\xe4\xbd"]
+    assert "".join(pieces) == "a\ufffdb"
+    assert s.flush(drop_incomplete=True) == ""
+    assert "".join(s.add(byte[b]) for b in "你".encode()) + s.flush() == "你"
+
+
 def test_streaming_skips_special_tokens():
     tok = tokenizer_from_gguf_fields(byte_bpe_fields())
     ids = tok.encode("<|im_start|>hello<|im_end|>")
