@@ -257,8 +257,10 @@ class PocketModel:
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
+        name = f"the chat template of {self.path}" if self.path else "the model's chat template"
         return render(self.chat_template, messages, bos_token=bos or "", eos_token=eos or "",
-                      add_generation_prompt=add_generation_prompt, **template_args)
+                      add_generation_prompt=add_generation_prompt, template_name=name,
+                      **template_args)
 
     def chat_ids(self, messages: list[dict[str, Any]], **template_args: Any) -> list[int]:
         """The prompt's token ids: ``messages`` rendered with the chat template (extra

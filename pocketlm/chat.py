@@ -1,7 +1,8 @@
 """Chat templates: render a conversation with the model's own Jinja template.
 
 Templates run in a sandboxed Jinja environment with the helpers Hugging Face templates expect
-(``raise_exception``, ``strftime_now``, ``tojson``). Models whose file carries no template get
+(``raise_exception``, ``strftime_now``, ``tojson``), and with a budget per render of loop
+iterations and calls and of the text they may build. Models whose file carries no template get
 their family's published format when pocketlm knows it.
 """
 
@@ -40,13 +41,66 @@ def _raise(message: str):
 # of the machine (Jinja's sandbox limits range() to 100,000 items, not these)
 MAX_REPEAT = 1 << 20
 MAX_POWER_BITS = 1 << 16
+# the work of one render: loop iterations and calls together (two nested range() loops ran
+# 10**10 iterations, a macro that calls itself twice 2**depth; the shipped templates take about
+# one per message, and a render that goes over fails in a second or two), and the characters
+# (or items) that a `+`, a `~` or a text a template writes (its output, a macro's, a set
+# block's) may hold: far more than any context window's text, far less than the machine's memory
+MAX_STEPS = 1 << 17
+MAX_TEXT = 1 << 24
 
 
 def _environment():
+    from jinja2 import nodes
+    from jinja2.runtime import LoopContext
     from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+    from jinja2.visitor import NodeTransformer
 
     class Environment(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**"])
+        """The sandbox, with a budget of work and text for each template it compiles (one
+        environment renders one conversation)."""
+
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.steps = 0
+
+        def step(self) -> None:
+            self.steps += 1
+            if self.steps > MAX_STEPS:
+                raise SecurityError(f"it took over the {MAX_STEPS} loop iterations and calls "
+                                    "a render may take")
+
+        def iterate(self, items):
+            """Every loop's items come through here (the template compiles so)."""
+            for item in items:
+                self.step()
+                yield item
+
+        def sized(self, value):
+            if isinstance(value, (str, list, tuple)) and len(value) > MAX_TEXT:
+                raise SecurityError(f"it built a text of {len(value)} characters or items, "
+                                    f"over the {MAX_TEXT} a template may build")
+            return value
+
+        def concat(self, pieces) -> str:
+            """What a template writes, joined (its output, a macro's, a set block's)."""
+            out, n = [], 0
+            for piece in pieces:
+                n += len(piece)
+                if n > MAX_TEXT:
+                    raise SecurityError(f"it wrote over the {MAX_TEXT} characters a template "
+                                        "may write")
+                out.append(piece)
+            return "".join(out)
+
+        def call(__self, __context, __obj, *args, **kwargs):
+            # Jinja's names: a template's call may pass any keyword, "self" included
+            __self.step()
+            if isinstance(__obj, LoopContext) and args:  # loop(children) of a recursive loop
+                args = (__self.iterate(args[0]), *args[1:])
+            return super().call(__context, __obj, *args, **kwargs)
 
         def call_binop(self, context, operator, left, right):
             if operator == "*":
@@ -55,16 +109,47 @@ def _environment():
                             len(seq) * n > MAX_REPEAT:
                         raise SecurityError(f"a repetition of {len(seq)} x {n} is over the "
                                             f"{MAX_REPEAT} a template may build")
+            elif operator == "+":
+                if isinstance(left, (str, list, tuple)) and isinstance(right, type(left)) and \
+                        len(left) + len(right) > MAX_TEXT:
+                    raise SecurityError(f"a sum of {len(left)} + {len(right)} characters or "
+                                        f"items is over the {MAX_TEXT} a template may build")
             elif isinstance(left, int) and isinstance(right, int) and right > 0 and \
                     abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
                 raise SecurityError(f"{left} ** {right} is larger than a template may compute")
             return super().call_binop(context, operator, left, right)
 
+        def compile_budgeted(self, source: str):
+            """``source`` as a template whose loops take their items through :meth:`iterate`
+            and whose ``~`` results pass :meth:`sized` (environment attributes: no name the
+            template sets can take their place)."""
+            return self.from_string(_Budgeted().visit(self.parse(source)))
+
+    class _Budgeted(NodeTransformer):
+        def visit_For(self, node):
+            node = self.generic_visit(node)
+            node.iter = _call("iterate", node.iter)
+            return node
+
+        def visit_Concat(self, node):
+            return _call("sized", self.generic_visit(node))
+
+    def _call(method: str, arg):
+        return nodes.Call(nodes.EnvironmentAttribute(method), [arg], [], None, None,
+                          lineno=arg.lineno)
+
     return Environment
 
 
 def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: str = "",
-           eos_token: str = "", add_generation_prompt: bool = True, **extra: Any) -> str:
+           eos_token: str = "", add_generation_prompt: bool = True,
+           template_name: str = "the model's chat template", **extra: Any) -> str:
+    """``messages`` rendered with ``template`` (``extra``: more template variables);
+    ``template_name`` says whose template it is in errors.
+
+    The template is code from the model file: it runs in a sandbox, with a budget of loop
+    iterations and calls (``MAX_STEPS``) and of the text it may build (``MAX_TEXT``) per
+    render; one that goes over, or fails in any other way, is a :class:`PocketError`."""
     if not template:
         raise UnsupportedError("this model has no chat template; use `pocket run` / "
                                "generate() with a plain prompt instead")
@@ -81,11 +166,11 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
     if not isinstance(template, str):
         raise PocketError(f"chat template must be a string, got {type(template).__name__}")
     try:
-        return env.from_string(template).render(
+        return env.compile_budgeted(template).render(
             messages=messages, bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, **extra)
     except PocketError:
         raise  # raise_exception() in the template: its own message
     except Exception as exc:  # the template is code from the model file: any failure is its own
-        raise PocketError(f"the model's chat template failed to render ({type(exc).__name__}: "
-                          f"{exc}); fix the template or pass a plain prompt") from None
+        raise PocketError(f"{template_name} failed to render ({type(exc).__name__}: {exc}); fix the "
+                          "template or pass a plain prompt") from None

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -287,6 +290,113 @@ def test_a_hostile_chat_template_is_refused_not_run(expr):
         render("{{ " + expr + " }}", msgs)
     # what templates do compute stays: repeated separators, small powers
     assert render("{{ '-' * 3 }}{{ 2 ** 10 }}{{ [1] * 2 }}{{ 3 * 4 }}", msgs) == "---1024[1, 1]12"
+
+
+@contextlib.contextmanager
+def deadline(seconds: float):
+    """Fails what runs past ``seconds`` instead of hanging the suite (a BaseException: no
+    ``except Exception`` of the code under test can take it for its own failure)."""
+
+    class Overdue(BaseException):
+        pass
+
+    def alarm(signum, frame):
+        raise Overdue(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+ENDLESS_TEMPLATES = {  # each ran for hours or built gigabytes before a render had a budget
+    "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                    "{% endfor %}{{ messages[0].content }}",
+    "recursive loop": "{% for i in range(100000) recursive %}{% if loop.depth < 3 %}"
+                      "{{ loop(range(100000)) }}{% endif %}{% endfor %}",
+    "macro calling itself twice": "{% macro f(n) %}{% if n %}{{ f(n - 1) }}{{ f(n - 1) }}"
+                                  "{% endif %}{% endmacro %}{{ f(60) }}",
+    "doubling with ~": "{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                       "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s | length }}",
+    "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                       "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}",
+    "long output": "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("template", ENDLESS_TEMPLATES.values(), ids=ENDLESS_TEMPLATES.keys())
+def test_a_chat_template_without_end_fails_fast_naming_the_template(m, monkeypatch, template):
+    """A render has a budget of loop iterations and calls, and of the text it builds: a
+    deploy file's template that would run for hours (nested loops each within the sandbox's
+    range() limit) fails in one error naming the file."""
+    from pocketlm.chat import render
+
+    monkeypatch.setattr(m, "chat_template", template)
+    msgs = [{"role": "user", "content": "hello"}]
+    with deadline(30), pytest.raises(pocketlm.PocketError, match=(
+            f"^the chat template of {re.escape(str(m.path))} failed to render .*"
+            "(loop iterations and calls a render may take|a template may (build|write))")):
+        m.chat(msgs, max_tokens=1)
+    with deadline(30), pytest.raises(pocketlm.PocketError, match="^the model's chat template"):
+        render(template, msgs)
+
+
+def test_the_shipped_chat_templates_render_as_jinja_renders_them():
+    """The budget changes no output: every template pocketlm and its tests ship renders what
+    Jinja's own sandbox renders, for a long conversation and one with tools."""
+    import tiny_hf
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pocketlm.chat import FAMILY_TEMPLATES, render
+    from pocketlm.train.tokenizer_train import CHATML_TEMPLATE
+
+    templates = [*FAMILY_TEMPLATES.values(), CHATML_TEMPLATE, tiny_gguf.CHATML_TEMPLATE,
+                 tiny_hf.CHATML]
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} 你好"}
+             for i in range(2001)]
+    for template in templates:
+        for msgs in ([{"role": "system", "content": "Be brief."}, *turns], turns[:1]):
+            expected = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True
+                                                     ).from_string(template).render(
+                messages=msgs, bos_token="<s>", eos_token="</s>", add_generation_prompt=True)
+            assert render(template, msgs, bos_token="<s>", eos_token="</s>") == expected
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param("smollm2-135m", marks=pytest.mark.real),
+    pytest.param("gemma3-270m", marks=[pytest.mark.real, pytest.mark.slow]),
+    pytest.param("qwen2.5-0.5b", marks=[pytest.mark.real, pytest.mark.slow]),
+])
+def test_the_registry_models_chat_templates_render_as_jinja_renders_them(name):
+    import json
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pocketlm.chat import FAMILY_TEMPLATES, render
+    from pocketlm.formats import open_source
+    from pocketlm.registry import pull
+
+    source = open_source(pull(name, quiet=True))
+    template = source.chat_template or FAMILY_TEMPLATES[source.config.arch]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                              indent=indent)
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} 你好"}
+             for i in range(2001)]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    for msgs, extra in [([{"role": "system", "content": "Be brief."}, *turns], {}),
+                        ([turns[0], call, {"role": "tool", "content": "sunny"}],
+                         {"tools": tools} if "tools" in template else {})]:
+        expected = env.from_string(template).render(messages=msgs, bos_token="<s>",
+                                                    eos_token="</s>", add_generation_prompt=True,
+                                                    **extra)
+        assert render(template, msgs, bos_token="<s>", eos_token="</s>", **extra) == expected
 
 
 def test_chat_bad_messages(m):
