@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from .errors import PocketError, UnsupportedError
+from .formats.pocketfile import SOURCE_IDS_TENSOR
 from .tokenizer import BYTE_TO_CHAR, DROPPED_BYTE, SPACE_MARK, SpmTokenizer, Tokenizer
 
 __all__ = [
@@ -72,7 +73,6 @@ __all__ = [
     "trim_tokenizer",
 ]
 
-SOURCE_IDS_TENSOR = "pocket.vocab.source_ids"
 RULES = ("corpus", "script")
 # Bumped when the kept set chosen for the same inputs changes (the corpus, the rule, the
 # closure), so that derived caches are rebuilt.

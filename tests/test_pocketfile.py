@@ -1422,3 +1422,129 @@ def test_bad_head_patches_are_refused_by_name(tmp_path):
     bad = ids.copy()
     bad[-1] = cfg.vocab_size
     assert PATCH_IDS in _patch_error(tmp_path, cfg, with_(head_patch__ids=bad), when="weights")
+
+
+# -- every tensor in a file is one pocketlm reads -----------------------------------------------
+def _with_tensors(src: Path, path: Path, extra: dict[str, np.ndarray]) -> Path:
+    """A copy of deploy file ``src`` with the tensors ``extra`` added, written as a pack
+    writes (checksums, header checksum, version); its (odd-sized) tokenizer first, so that
+    padding follows it."""
+    pf = PocketFile(src)
+    meta = {k: v for k, v in pf.metadata.items()
+            if k not in ("format", "format_version", "checksums", "header_checksum")}
+    arrays = sorted(((n, pf.tensor(n)) for n in pf.infos if not n.startswith("_pad.")),
+                    key=lambda item: item[0] != pf.tokenizer_tensor)
+    write_pocket(path, [*arrays, *extra.items()], meta)
+    return path
+
+
+@pytest.mark.parametrize("name", [
+    "layers.0.attn.w_q.weight_old",  # a leftover of an edit
+    "model.layers.0.self_attn.q_proj.weight",  # a source's name, never mapped
+    "layers.3.mlp.w_up.weight",  # a layer beyond the config's three
+    "lm_head.weight.scales",  # scales of a head the tied config does not have
+    "embed.weight.mins",  # INT8 has no minimums
+    "layers.0.attn.w_q.weight.mins",  # Q4_0 imports with implicit minimums: none stored
+    "layers.0.attn.w_q.weight.kd",  # an encoding's array beside a tensor not in it
+    "pocket.tokenizer",  # the uncompressed tokenizer beside the compressed one
+    "pocket.extra",
+])
+def test_a_tensor_nothing_reads_is_refused_by_name(tiny_pocket, tmp_path, capsys, name):
+    """A deploy file holding a tensor no part of pocketlm reads is refused, by load and by
+    inspect, in one error naming the tensor and the file: run, it would be another model than
+    the one the file holds."""
+    from pocketlm import cli
+
+    path = _with_tensors(tiny_pocket, tmp_path / "extra.pocket",
+                         {name: np.zeros(64, np.float32)})
+    msg = load_error(path)
+    assert f"tensor {name!r} is nothing pocketlm reads" in msg and "repack" in msg, msg
+    assert cli.main(["inspect", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and repr(name) in err
+
+
+def test_a_layout_or_padding_of_no_tensor_pocketlm_reads_is_refused(tiny_pocket, tmp_path):
+    from pocketlm.api import load_pocket
+
+    def edit(h):
+        q = json.loads(h["__metadata__"]["quant"])
+        q["tensors"]["layers.0.attn.w_x.weight"] = q["tensors"]["layers.0.attn.w_q.weight"]
+        h["__metadata__"]["quant"] = json.dumps(q)
+
+    msg = load_error(edited(tiny_pocket, tmp_path, edit))
+    assert "tensor 'layers.0.attn.w_x.weight' is nothing pocketlm reads" in msg
+    # padding is named _pad.<n> (and, as older writers did, may go without a checksum)
+    padded = _with_tensors(tiny_pocket, tmp_path / "padded.pocket", {})
+    load_pocket(padded)
+    msg = load_error(edited(padded, tmp_path, _rename("_pad.0", "_pad.x")))
+    assert "tensor '_pad.x' is nothing pocketlm reads" in msg
+
+
+PACKS = {  # kind -> (GGUF options, pack options, tensors beyond the config's that it writes)
+    "int4, implicit minimums": (dict(weight_type="Q4_0"), {}, {".scales"}),
+    "int4 with minimums": (dict(weight_type="Q4_1"), {}, {".scales", ".mins"}),
+    "int5": (dict(weight_type="Q5_0"), {}, {".scales"}),
+    "int8": (dict(weight_type="Q8_0"), {}, {".scales"}),
+    "q4_k": (dict(weight_type="Q4_K", d_model=256, d_ff=512, head_dim=64, n_layers=1), {},
+             {".kscales", ".kd"}),
+    "q6_k": (dict(weight_type="Q6_K", d_model=256, d_ff=512, head_dim=64, n_layers=1), {},
+             set()),
+    "budget, coded scales": (dict(weight_type="F32", embed_type="F32"),
+                             dict(bits_per_weight=4.6), {".sc", ".mc", ".rd"}),
+    "budget, head patch": (dict(weight_type="F32", embed_type="F32"),
+                           dict(bits_per_weight=4.6, patch=True),
+                           {"head_patch.weight", "head_patch.weight.scales", "head_patch.ids"}),
+    "awq": (dict(weight_type="F32", embed_type="F32"), dict(awq=True), {".scales", ".mins"}),
+    "trimmed vocabulary": (dict(weight_type="Q4_0"), dict(vocab=True), {"pocket.vocab.source_ids"}),
+    "lora kept beside": (dict(weight_type="Q4_0"), dict(lora=True), {".lora_a", ".lora_b"}),
+}
+
+
+@pytest.mark.parametrize("kind", PACKS)
+def test_every_kind_of_pack_holds_only_tensors_pocketlm_reads(tmp_path, monkeypatch, kind):
+    """What each writer of pocketlm puts in a deploy file (layouts, encodings, a calibrated
+    budget's coded scales and head patch, channel scaling, a trimmed vocabulary's map, LoRA
+    adapters) passes the check of the tensors a file may hold, and loads."""
+    import tiny_gguf
+
+    from pocketlm import calibdata, calibrate
+    from pocketlm.api import load_pocket
+    from pocketlm.errors import FetchError
+    from pocketlm.formats import open_source
+    from pocketlm.pack import pack
+    from pocketlm.vocab import VocabSpec
+
+    def offline(kind, chars=6000):
+        raise FetchError("offline")
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(calibdata, "heldout_text", offline)
+    gguf, options, written = PACKS[kind]
+    tiny_gguf.write_tiny_gguf(tmp_path / "m.gguf", "llama", seed=5, **gguf)
+    text = tmp_path / "app.txt"
+    text.write_text("The parcel left the depot this morning; 包裹今早已离开仓库。 " * 60,
+                    encoding="utf-8")
+    options = dict(options)
+    src = tmp_path / "m.gguf"
+    if options.pop("patch", False):  # sizes below the vocabulary of 320
+        monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64, 128))
+    if options.pop("vocab", False):
+        options["vocab"] = VocabSpec(corpus=text)
+    if options.pop("lora", False):
+        src = open_source(src)
+        rng = np.random.default_rng(0)
+        rows, cols = src.tensors["layers.0.attn.w_q.weight"].shape
+        src.adapters = {"layers.0.attn.w_q": (rng.standard_normal((4, cols), np.float32),
+                                              rng.standard_normal((rows, 4), np.float32))}
+        src.adapter = {"kind": "lora", "rank": 4, "alpha": 8.0, "weights": 1}
+    if options:
+        options["calib"] = text
+    pack(src, tmp_path / "m.pocket", progress=False, **options)
+    pf = PocketFile(tmp_path / "m.pocket")
+    extra = set(pf.infos) - set(pf.config().tensor_shapes())
+    for marker in written:  # the kind did write what it stands for
+        assert any(n.endswith(marker) for n in extra), (marker, sorted(extra))
+    pf.check_model(pf.config())
+    logits = load_pocket(tmp_path / "m.pocket").logits([1, 2, 3])
+    assert logits.shape == (3, pf.config().vocab_size) and np.isfinite(logits).all()

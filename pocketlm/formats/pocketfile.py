@@ -50,6 +50,7 @@ import json
 import math
 import mmap
 import os
+import re
 import stat
 import struct
 import tempfile
@@ -95,6 +96,9 @@ TOKENIZER_TENSOR = "pocket.tokenizer"
 # carries one of the two
 TOKENIZER_ZLIB_TENSOR = "pocket.tokenizer.zlib"
 MAX_TOKENIZER_BYTES = 256 << 20  # what a compressed tokenizer may inflate to
+# a trimmed vocabulary's map back to its source's ids (pocketlm.vocab), int32 [vocab_size]
+SOURCE_IDS_TENSOR = "pocket.vocab.source_ids"
+ADAPTER_SUFFIXES = (".lora_a", ".lora_b")  # LoRA adapters (pocketlm.runtime.adapters)
 MAX_HEADER = 100_000_000  # the safetensors limit
 
 DTYPES = {
@@ -104,6 +108,9 @@ DTYPES = {
 }
 _NP_TO_DTYPE = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
                 np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8", np.dtype(np.int32): "I32"}
+
+
+_PADDING = re.compile(r"_pad\.[0-9]+")  # what write_pocket names the gaps
 
 
 # -- safetensors container (shared with the Hugging Face importer) ---------------------------
@@ -306,7 +313,7 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
         seen.add(name)
     # version 2 unless the file holds LoRA adapters (pocketlm.runtime.adapters), which a
     # version 2 reader would load and ignore: those files are version 3, refused by it
-    adapters = any(name.endswith((".lora_a", ".lora_b")) for name, _ in items)
+    adapters = any(name.endswith(ADAPTER_SUFFIXES) for name, _ in items)
     # and files with tensors in a source encoding are version 4: an older reader would find
     # their arrays unlike its layouts (and say the file is corrupt)
     quant = metadata.get("quant")
@@ -672,6 +679,34 @@ class PocketFile:
             raise FormatError(f"{self.path}: tensor {self.tokenizer_tensor!r} must hold the "
                               f"tokenizer as bytes (U8, one dimension), found {shown}; repack "
                               "the model")
+        self._check_read(config, layouts)
+
+    def _check_read(self, config: ModelConfig, layouts: dict) -> None:
+        """Every tensor in the file is one pocketlm reads, as a pack writes them: a weight the
+        config calls for (quantized: its values, ``.scales``, ``.mins`` unless implicit, or
+        its encoding's arrays), LoRA adapters (``.lora_a`` / ``.lora_b``, checked by the
+        runtime), the head patch, the tokenizer, a trimmed vocabulary's source ids and the
+        padding. Anything else would be loaded and never used, so the file would run as
+        another model than the one it holds: it is refused by name."""
+        read = {*config.tensor_shapes(), PATCH, PATCH_IDS, self.tokenizer_tensor,
+                SOURCE_IDS_TENSOR}
+        zero_points, encodings = self.zero_points(), self.encodings()
+        for name, (kind, shape, _) in layouts.items():
+            if name not in read:
+                continue  # the layout of a tensor this model lacks: refused below
+            if name in encodings:
+                read.update(name + suffix for suffix in encoded_arrays(encodings[name], shape))
+            else:
+                read.add(name + ".scales")
+                if kind != "int8" and name not in zero_points:
+                    read.add(name + ".mins")
+        for name in [*self.infos, *layouts]:
+            if name in read or name.endswith(ADAPTER_SUFFIXES) or _PADDING.fullmatch(name):
+                continue
+            raise FormatError(f"{self.path}: tensor {name!r} is nothing pocketlm reads (not a "
+                              f"weight of this {config.arch} model, a quantized weight's scales "
+                              "or minimums, an adapter, the head patch or the tokenizer); the "
+                              "file was edited or written by another tool: repack the model")
 
     def _check_patch(self, config: ModelConfig, layouts: dict) -> None:
         """The head patch's two tensors (pocketlm.head_patch), from the header: both or
