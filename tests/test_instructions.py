@@ -36,8 +36,12 @@ CASES = {
     "sentences_at_least": ({"n": 3}, ["One. Two. Three", "好的。明天见！再见。"],
                            ["One. Two.", "你好。再见"]),
     "bullets_exactly": ({"n": 2}, ["Tips:\n- charge less\n- dim the screen",
-                                   "* 少用蓝牙\n  *  降低亮度\n---"],
-                        ["- one\n- two\n- three", "-one\n-two", "1. one\n2. two", "**a**\n**b**"]),
+                                   "* 少用蓝牙\n  *  降低亮度\n---",
+                                   # horizontal rules are no bullets
+                                   "- one\n* * *\n- two\n- - -\n***\n  _ _ _  \n",
+                                   "* one\n\n *  *  * \r\n* two"],
+                        ["- one\n- two\n- three", "-one\n-two", "1. one\n2. two", "**a**\n**b**",
+                         "* * *\n- one", "- one\n- - -", "- - -\n* * *\n- - - -"]),
     "paragraphs_exactly": ({"n": 2}, ["First part.\n\nSecond part.", "第一段。\n \n第二段。\n"],
                            ["One paragraph\nstill one.", "a\n\nb\n\nc"]),
     "keywords_include": ({"keywords": ["offline", "书签"]},
@@ -187,6 +191,25 @@ def test_check_response_en_bullets():
     r = check_response(bad, ex)
     assert not r["correct"] and not r["correct_loose"] and r["passed"] == [False, True]
     json.dumps(r)
+    ruled = "- Strong passwords.\n- Autofill.\n\n* * *\n\nStay safe."  # two bullets, a rule
+    assert check_response(ruled, ex)["passed"] == [False, True]
+    assert check_response(good.replace("\n- It fills", "\n- - -\n- It fills"), ex)["correct"]
+
+
+def test_the_instructions_version_is_the_recipes_and_names_its_built_file(tmp_path,
+                                                                         monkeypatch):
+    """A change of a prompt or a checker bumps INSTRUCTIONS_VERSION: the recipe shows it
+    (--list-tasks), the built task file records it and is built again under the new version
+    (not read from the old version's file)."""
+    from pocketlm.evaluate.recipes import RECIPES, load_recipe, recipe_path
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path))
+    assert RECIPES["ifeval-pocket"].source.version == f"instructions-{INSTRUCTIONS_VERSION}"
+    path = recipe_path("ifeval-pocket")
+    assert path.name.endswith(f"-instructions-{INSTRUCTIONS_VERSION}.jsonl")
+    head = json.loads(path.read_text(encoding="utf-8").partition("\n")[0])
+    assert head["task"]["source"]["version"] == INSTRUCTIONS_VERSION
+    assert load_recipe("ifeval-pocket").source["version"] == INSTRUCTIONS_VERSION
 
 
 def test_check_response_zh_json_and_loose():

@@ -10,6 +10,7 @@ from test_evaluate import FakeEngine
 
 from pocketlm.errors import PocketError
 from pocketlm.evaluate.suite import (
+    SUITE_VERSION,
     SUITES,
     Predictions,
     SuiteTask,
@@ -306,7 +307,7 @@ def test_smollm2_suite_smoke_has_fixed_scores(tmp_path, capsys):
             "--predictions", str(preds)]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["suite_version"] == 1 and out["precision"] == "int4"
+    assert out["suite_version"] == SUITE_VERSION and out["precision"] == "int4"
     assert {t["task"]: t["correct"] for t in out["tasks"]} == SMOLLM2_LIMIT3
     assert all(t["n"] == 3 and t["seconds"] > 0 and t["tokens"] > 0 for t in out["tasks"])
     humaneval = [json.loads(x) for x in preds.read_text(encoding="utf-8").splitlines()

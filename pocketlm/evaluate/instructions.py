@@ -39,7 +39,9 @@ from collections.abc import Callable
 
 from ..errors import PocketError
 
-INSTRUCTIONS_VERSION = 1  # bumped when a prompt, an instruction or a checker changes
+# bumped when a prompt, an instruction or a checker changes (2: bullets_exactly no longer counts
+# a horizontal rule such as "* * *" as a bullet)
+INSTRUCTIONS_VERSION = 2
 
 ZH_MIN_CJK_SHARE = 0.5  # language_zh: CJK ideographs / letters
 EN_MIN_LATIN_SHARE = 0.95  # language_en: Latin letters (ASCII, U+00C0-U+024F) / letters
@@ -50,7 +52,9 @@ _CJK_CHAR = re.compile(f"[{_CJK}]")
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['’\-][A-Za-z0-9]+)*")
 _ASCII_RUN = re.compile(r"[A-Za-z0-9]+")
 _SENTENCE_END = re.compile(r"[.!?。！？…]+(?:[\"'”’)）\]]*)(?=\s|$)|[。！？]+")
-_BULLET = re.compile(r"^[ \t]*[-*][ \t]+\S", re.M)
+_BULLET = re.compile(r"[ \t]*[-*][ \t]+\S")
+# a Markdown horizontal rule: three or more of one of - * _, spaces between them allowed
+_RULE = re.compile(r"[ \t]*([-*_])(?:[ \t]*\1){2,}\s*")
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
 _FENCE = re.compile(r"^```[A-Za-z]*[ \t]*\n(.*?)\n?```$", re.S)
 _TITLE = re.compile(r"<<[^<>\n]*\S[^<>\n]*>>")
@@ -144,9 +148,11 @@ def sentences_at_least(response: str, n: int) -> bool:
 
 def bullets_exactly(response: str, n: int) -> bool:
     """Exactly ``n`` bullet lines: a line that starts (after indentation) with ``-`` or ``*``,
-    then spaces, then text (``- tip``, ``*  tip``; not ``-tip``, ``**bold**`` or ``---``).
-    Nested bullets count too; other lines may surround them."""
-    return len(_BULLET.findall(response)) == n
+    then spaces, then text (``- tip``, ``*  tip``; not ``-tip``, ``**bold**``, nor a Markdown
+    horizontal rule: ``---``, ``***``, ``- - -``, ``* * *``). Nested bullets count too; other
+    lines may surround them."""
+    return sum(1 for line in response.split("\n")
+               if _BULLET.match(line) and not _RULE.fullmatch(line)) == n
 
 
 def paragraphs_exactly(response: str, n: int) -> bool:

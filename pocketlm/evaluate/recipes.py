@@ -36,6 +36,7 @@ from ..errors import PocketError
 from ..registry import pocket_home
 from ..textfile import jsonl_lines
 from .humaneval import HUMANEVAL_SOURCE
+from .instructions import INSTRUCTIONS_VERSION
 from .tasks import Task, load_task
 
 # Bumped when a recipe builds its task file differently, so cached files are rebuilt.
@@ -412,8 +413,8 @@ def _build(module: str, func: str) -> Callable[[], tuple[dict, list[dict]]]:
     return build
 
 
-_INSTRUCTIONS = CorpusSource("project", "pocketlm", "instructions-1", "module",
-                             "Apache-2.0 (written for this project)", "")
+_INSTRUCTIONS = CorpusSource("project", "pocketlm", f"instructions-{INSTRUCTIONS_VERSION}",
+                             "module", "Apache-2.0 (written for this project)", "")
 
 
 @dataclass(frozen=True)
@@ -448,7 +449,11 @@ def recipe_path(name: str) -> Path:
     """The task file that recipe ``name`` builds (built on first use)."""
     if name not in RECIPES:
         raise PocketError(f"no task recipe named {name!r}; known: {', '.join(RECIPES)}")
-    path = eval_dir() / f"{name}-r{RECIPE_REVISION}.jsonl"
+    source = RECIPES[name].source
+    # a recipe written in this package changes with its code: its version names the file too
+    # (ifeval-pocket's prompts, instructions and checkers: INSTRUCTIONS_VERSION)
+    tag = f"-{source.version}" if source.archive == "module" else ""
+    path = eval_dir() / f"{name}-r{RECIPE_REVISION}{tag}.jsonl"
     if path.is_file():
         return path
     header, examples = RECIPES[name].build()

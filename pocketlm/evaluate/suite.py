@@ -31,7 +31,8 @@ from typing import Any
 from ..errors import PocketError
 from .tasks import Engine, Task, evaluate_task, split_shots, wilson_interval
 
-SUITE_VERSION = 1
+# 2: ifeval-pocket's bullets_exactly counts no horizontal rule (INSTRUCTIONS_VERSION 2)
+SUITE_VERSION = 2
 
 
 @dataclass(frozen=True)
