@@ -300,6 +300,27 @@ def test_instruction_task_counts_each_kind_of_instruction():
     assert again["instructions_by_check"] == r["instructions_by_check"] and again["resumed"] == 3
 
 
+def test_normalize_compares_numbers_by_their_exact_decimal_value():
+    """Numbers keep every digit (through float, 20-digit integers a unit apart were one
+    number), and only plain decimal numerals are numbers (float() also read nan, inf,
+    infinity, exponents and underscores)."""
+    assert normalize("12345678901234567891") == "12345678901234567891"
+    assert normalize("12345678901234567891") != normalize("12345678901234567890")
+    assert normalize(last_number("so 12345678901234567891 in all")) != \
+        normalize("12345678901234567890")
+    assert normalize("0.1") != normalize("0.10000000000000001")
+    assert normalize("$1,234.50") == "1234.5" and normalize("18.00") == normalize(" 18. ") == "18"
+    assert normalize(".5") == normalize("0.50") == "0.5" and normalize(".5") != normalize("5")
+    assert normalize("-.5") == "-0.5" and normalize("-0") == normalize("0.000") == "0"
+    assert normalize("+7") == normalize("$7") == normalize("007") == "7"
+    assert normalize("-$5") == normalize("$-5") == "-5"
+    assert normalize("0.000001") == "0.000001" and normalize("1e-06") == "1e-06"
+    for text in ("nan", "NaN", "inf", "-inf", "Infinity", "1e3", "1E3", "1_000", "0x10"):
+        assert normalize(text) == text.casefold(), text
+    assert normalize("1e3") != normalize("1000") and normalize("inf") != normalize("infinity")
+    assert normalize("١٢") == "12"  # any script's decimal digits, as the extractors find them
+
+
 def test_answer_extraction_rules():
     assert last_number("a\n#### 1,234") == "1,234"
     assert last_number("x 3 then #### 72 dollars 9") == "72"

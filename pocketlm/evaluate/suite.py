@@ -31,7 +31,8 @@ from typing import Any
 from ..errors import PocketError
 from .tasks import Engine, Task, evaluate_task, split_shots, wilson_interval
 
-# 2: ifeval-pocket's bullets_exactly counts no horizontal rule (INSTRUCTIONS_VERSION 2)
+# 2: ifeval-pocket's bullets_exactly counts no horizontal rule (INSTRUCTIONS_VERSION 2), and
+# exact matches (gsm8k-cot) compare numbers by their exact decimal value (tasks.normalize)
 SUITE_VERSION = 2
 
 

@@ -20,6 +20,7 @@ A *task* (:class:`Task`) is a header (type, prompt template, few-shot settings) 
 
 from __future__ import annotations
 
+import decimal
 import json
 import math
 import random
@@ -274,20 +275,35 @@ def as_engine(model) -> Engine:
 # -- answer extraction --------------------------------------------------------------------------
 
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+# what normalize() takes for a number: the forms _NUMBER extracts, with a sign and a "$" either
+# way round; its digits and fraction
+_NUMERAL = re.compile(r"(?:[+-]\$?|\$[+-]?)?(\d[\d,]*(?:\.\d+)?|\.\d+)")
+_EDGE = " .,:;!?。，：；！？\"'`"  # punctuation normalize() strips from either end
 
 
 def normalize(text: str) -> str:
     """Exact-match normal form: casefolded, whitespace collapsed, edge punctuation stripped,
-    and a number written canonically (``$1,234.50`` → ``1234.5``, ``18.00`` → ``18``)."""
-    text = " ".join(str(text).casefold().split()).strip(" .,:;!?。，：；！？\"'`")
-    number = text.replace(",", "").replace("$", "")
-    try:
-        value = float(number)
-    except ValueError:
+    and a number written canonically (``$1,234.50`` → ``1234.5``, ``18.00`` → ``18``,
+    ``-0`` → ``0``, ``.5`` → ``0.5``).
+
+    A number is a plain decimal numeral: an optional sign and ``$``, digits (``,`` among
+    them ignored), an optional fraction. Its value is kept exactly (``decimal.Decimal``: no
+    two numerals of different values are one form, however many digits they have). Anything
+    else is text, compared as written: exponents (``1e3``), ``nan``, ``inf``, ``1_000``."""
+    text = " ".join(str(text).casefold().split()).rstrip(_EDGE)
+    start = len(text) - len(text.lstrip(_EDGE))
+    if start and text[start - 1] == "." and text[start:start + 1].isdigit():
+        start -= 1  # the point of ".5", not punctuation
+    text = text[start:]
+    numeral = _NUMERAL.fullmatch(text)
+    if numeral is None:
         return text
-    if math.isfinite(value) and value == int(value):
-        return str(int(value))
-    return repr(value)
+    digits = numeral.group(1).replace(",", "")
+    sign = "-" if "-" in text[:numeral.start(1)] else ""
+    with decimal.localcontext() as ctx:
+        ctx.prec = len(digits)  # normalize() rounds to the context's precision: never here
+        value = decimal.Decimal(sign + digits).normalize()
+    return format(value, "f") if value else "0"
 
 
 def last_number(text: str) -> str | None:
