@@ -53,6 +53,7 @@ POCKET_METHODS: dict[str, dict] = {
     "pocket-gptq-int4": {"keep_precision": False, "calib": "default"},
     "pocket-budget-source": {"bits_per_weight": "source"},
     "pocket-bpw-4.6": {"bits_per_weight": 4.6},
+    "pocket-bpw-4.6-patch": {"bits_per_weight": 4.6, "head_patch": "auto"},
     "pocket-awq-int4": {"keep_precision": False, "calib": "default", "awq": True},
     "pocket-awq-bpw-4.6": {"bits_per_weight": 4.6, "awq": True},
     "pocket-awq-budget-source": {"bits_per_weight": "source", "awq": True},
@@ -181,6 +182,8 @@ METHOD_LABELS = {
     "pocket-bpw-4.6-r9": "pocketlm `--bits-per-weight 4.6` before coded scales (requantized "
                          "INT4 at 4.5 bits only in group 64 or zero point 8)",
     "pocket-bpw-4.6": "pocketlm `--bits-per-weight 4.6`",
+    "pocket-bpw-4.6-patch": "pocketlm `--bits-per-weight 4.6 --head-patch auto` (the head's "
+                            "most used rows also in INT8, inside the budget)",
     "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
     "pocket-awq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --awq`",

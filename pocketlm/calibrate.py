@@ -811,12 +811,14 @@ PATCH_HOLDOUT = 4  # one calibration sequence in 4 is held back to choose the si
 
 
 def check_head_patch_option(value) -> str | int:
-    """``--head-patch``: ``"auto"`` (None too: the size rule above), ``"off"`` (0: no patch),
-    or a number of rows >= 1 (that many, or a refusal where the budget cannot hold them)."""
-    if value is None or value == "auto":
-        return "auto"
-    if value == "off":
+    """``--head-patch``: ``"off"`` (None too, the default: 0, no patch), ``"auto"`` (the size
+    rule above) or a number of rows >= 1 (that many, or a refusal where the budget cannot hold
+    them). Off by default: at a fixed budget the patch's bytes come from the other tensors,
+    and on smollm2-135m at 4.6 bits that cost more than the head gained (docs/quantization.md)."""
+    if value is None or value == "off":
         return 0
+    if value == "auto":
+        return "auto"
     if isinstance(value, str):
         try:
             value = int(value)
@@ -989,7 +991,7 @@ class _naming:
 
 def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float | None = None,
          default_bits, group_size: int = 32, progress: bool = True,
-         stats: Stats | None = None, awq: bool = False, head_patch: str | int = "auto"):
+         stats: Stats | None = None, awq: bool = False, head_patch: str | int = 0):
     """Calibrate ``model`` (a SourceModel) and quantize its tensors.
 
     ``default_bits(name, source_tensor)``: the pack's bits for a tensor (None: kept in float).
@@ -1007,9 +1009,9 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     budget's bits per weight).
 
     ``head_patch`` (:func:`check_head_patch_option`): under a budget that rounds the head to
-    INT4, ``"auto"`` sizes its patch by the held-back agreement, 0 keeps none, and a number of
-    rows asks for that size (refused where the budget cannot hold it, or where the head is
-    not requantized INT4)."""
+    INT4, 0 (the default) keeps no patch, ``"auto"`` sizes one by the held-back agreement, and
+    a number of rows asks for that size (refused where the budget cannot hold it, or where the
+    head is not requantized INT4)."""
     import time
 
     from . import calibdata
@@ -1018,10 +1020,10 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     # only the string names the built-in set: a file called "default" (pack passes files as
     # paths, and str(Path("./default")) is "default") is the app's own text
     head_patch = check_head_patch_option(head_patch)
-    if head_patch and head_patch != "auto":
-        if bits_per_weight is None:
-            raise UnsupportedError("--head-patch needs --bits-per-weight: a patch is part of a "
-                                   "bit budget's INT4 head")
+    if head_patch != 0 and bits_per_weight is None:
+        raise UnsupportedError("--head-patch needs --bits-per-weight: a patch is part of a "
+                               "bit budget's INT4 head")
+    if head_patch not in (0, "auto"):
         if head_patch >= model.config.vocab_size:
             raise UnsupportedError(f"--head-patch {head_patch}: the head has only "
                                    f"{model.config.vocab_size} rows (ask for fewer, or 'auto')")
@@ -1177,8 +1179,8 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         out[PATCH_IDS] = (ids, "head patch", None, None)
     record = {"set": cset.record(), "method": method, "bits_per_weight": bits_per_weight,
               "tokens": stats.tokens}
-    if head_patch != "auto":
-        record["head_patch"] = head_patch  # what was asked: 0 (off) or a number of rows
+    if head_patch != 0:
+        record["head_patch"] = head_patch  # what was asked: "auto" or a number of rows
     if scaled_record is not None:
         record["channel_scaling"] = scaled_record
     if head_name in out:

@@ -563,10 +563,11 @@ def add_calibration_options(parser: argparse.ArgumentParser) -> None:
                         "GGUF); calibrates on the default set unless --calib is given")
     parser.add_argument("--head-patch", metavar="ROWS", default=None,
                         help="with --bits-per-weight, when the output head is rounded to INT4: "
-                        "'auto' (default) keeps its most used rows also in INT8, as many as "
-                        "bring the top-1 agreement with the float head to 99.5 %% on held-back "
-                        "calibration text and fit the budget; 'off' keeps none; a number "
-                        "asks for that many rows (refused if the budget cannot hold them)")
+                        "'off' (default) keeps no patch; 'auto' keeps its most used rows also "
+                        "in INT8, as many as bring the top-1 agreement with the float head to "
+                        "99.5 %% on held-back calibration text and fit the budget (their "
+                        "bytes come from the other tensors); a number asks for that many rows "
+                        "(refused if the budget cannot hold them)")
     parser.add_argument("--quant-method", choices=("rtn", "act", "gptq"), default=None,
                         help="how calibrated tensors are rounded (default gptq)")
     parser.add_argument("--awq", action="store_true",
@@ -635,7 +636,7 @@ def calibration_kwargs(args) -> dict:
         from .calibrate import check_head_patch_option
 
         head_patch = check_head_patch_option(head_patch)
-        if head_patch != "auto" and args.bits_per_weight is None:
+        if head_patch != 0 and args.bits_per_weight is None:
             raise PocketError("--head-patch needs --bits-per-weight: a patch is part of a "
                               "bit budget's INT4 head")
     return {"calib": args.calib, "bits_per_weight": args.bits_per_weight,

@@ -248,8 +248,9 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     chooses each tensor's layout (INT4 / INT5 / INT8, group 32-128, or the source's own grid)
     to meet that average over all quantized tensors, scales included. ``awq``: activation-aware
     channel scaling before rounding (:mod:`pocketlm.awq`; implies ``calib="default"`` too).
-    ``head_patch`` (with ``bits_per_weight``): ``"auto"`` (None), ``"off"`` or a number of rows
-    for an INT4 head's patch (:mod:`pocketlm.head_patch`, :func:`pocketlm.calibrate.plan`).
+    ``head_patch`` (with ``bits_per_weight``): ``"off"`` (None, the default), ``"auto"`` or a
+    number of rows for an INT4 head's patch (:mod:`pocketlm.head_patch`,
+    :func:`pocketlm.calibrate.plan`).
 
     ``vocab`` (a :class:`pocketlm.vocab.VocabSpec`) trims the vocabulary to an app's languages
     before anything else (:mod:`pocketlm.vocab`: the kept pieces tokenize exactly as before)."""
@@ -272,7 +273,7 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
         from .calibrate import check_head_patch_option
 
         head_patch = check_head_patch_option(head_patch)
-        if head_patch != "auto" and bits_per_weight is None:
+        if head_patch != 0 and bits_per_weight is None:
             raise UnsupportedError("--head-patch needs --bits-per-weight: a patch is part of a "
                                    "bit budget's INT4 head")
     if quant_method is not None:
@@ -327,7 +328,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
             default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
                                                       keep_precision),
             group_size=group_size, progress=progress, awq=awq,
-            head_patch="auto" if head_patch is None else head_patch)
+            head_patch=0 if head_patch is None else head_patch)
     arrays: list[tuple[str, np.ndarray]] = []
     layouts: dict[str, Any] = {}
     reports: list[TensorReport] = []

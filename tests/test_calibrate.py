@@ -581,7 +581,8 @@ def test_budgeted_pack_patches_an_int4_head_within_the_budget(tiny, tmp_path, mo
 
     monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64, 128))  # the vocabulary is 320
     out = tmp_path / "p.pocket"
-    rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
+    rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False,
+               head_patch="auto")
     assert rep.quant_bits_per_weight <= 4.6  # the patch's bytes in the budget
     head = rep.calibration["head"]
     assert head["layout"].startswith("int4")
@@ -654,17 +655,14 @@ def test_no_patch_without_an_int4_head_or_a_size_below_the_vocabulary(tiny, tmp_
 
     # the default sizes (1024 rows and up) are all beyond the tiny vocabulary of 320
     rep = pack(tiny["src"], tmp_path / "a.pocket", calib=tiny["text"], bits_per_weight=4.6,
-               progress=False)
+               progress=False, head_patch="auto")
     assert "patch" not in rep.calibration["head"]
     assert PATCH not in PocketFile(tmp_path / "a.pocket").weights()
     assert PocketFile(tmp_path / "a.pocket").format_version == 4
-    # without a budget the head keeps the pack's bits (INT8): no patch
-    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32))
-    rep = pack(tiny["src"], tmp_path / "b.pocket", calib=tiny["text"], progress=False)
-    assert "patch" not in rep.calibration["head"]
     # a budget whose head is INT8 takes none either
+    monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32))
     rep = pack(tiny["src"], tmp_path / "c.pocket", calib=tiny["text"], bits_per_weight=8.0,
-               progress=False)
+               progress=False, head_patch="auto")
     assert rep.calibration["head"]["layout"].startswith("int8")
     assert "patch" not in rep.calibration["head"]
 
@@ -673,11 +671,13 @@ def test_head_patch_option_off_or_a_number_of_rows(tiny, tmp_path, monkeypatch):
     from pocketlm.head_patch import PATCH
 
     monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64, 128))  # the vocabulary is 320
-    rep = pack(tiny["src"], tmp_path / "off.pocket", calib=tiny["text"], bits_per_weight=4.6,
-               progress=False, head_patch="off")
-    assert rep.calibration["head"]["layout"].startswith("int4")
-    assert "patch" not in rep.calibration["head"] and rep.calibration["head_patch"] == 0
-    assert PATCH not in PocketFile(tmp_path / "off.pocket").weights()
+    for name, option in (("default", {}), ("off", {"head_patch": "off"})):  # off by default
+        out = tmp_path / f"{name}.pocket"
+        rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False,
+                   **option)
+        assert rep.calibration["head"]["layout"].startswith("int4")
+        assert "patch" not in rep.calibration["head"] and "head_patch" not in rep.calibration
+        assert PATCH not in PocketFile(out).weights()
     # a size outside the rule's sizes: that size, measured on the held-back quarter
     rep = pack(tiny["src"], tmp_path / "n.pocket", calib=tiny["text"], bits_per_weight=4.6,
                progress=False, head_patch="12")
@@ -691,6 +691,7 @@ def test_head_patch_option_off_or_a_number_of_rows(tiny, tmp_path, monkeypatch):
     ({"bits_per_weight": 4.6, "head_patch": "many"}, "--head-patch must be 'auto', 'off' or"),
     ({"bits_per_weight": 4.6, "head_patch": -3}, "--head-patch must be 'auto', 'off' or"),
     ({"head_patch": 16}, "--head-patch needs --bits-per-weight"),
+    ({"head_patch": "auto"}, "--head-patch needs --bits-per-weight"),
     ({"bits_per_weight": 4.6, "head_patch": 320}, "the head has only 320 rows"),
     ({"bits_per_weight": 8.0, "head_patch": 16}, "a patch applies to a requantized INT4 head"),
     ({"bits_per_weight": 4.6, "head_patch": 64}, "do not fit the bit budget"),
@@ -704,7 +705,7 @@ def test_bad_head_patch_options_are_refused_and_leave_no_file(tiny, tmp_path, kw
 
 
 def test_head_patch_flag_in_the_cli(tiny, tmp_path):
-    r = _cli("pack", tiny["src"], "-o", tmp_path / "x.pocket", "--head-patch", "off")
+    r = _cli("pack", tiny["src"], "-o", tmp_path / "x.pocket", "--head-patch", "auto")
     assert r.returncode == 1 and r.stderr.count("\n") == 1
     assert "--head-patch needs --bits-per-weight" in r.stderr
     assert not (tmp_path / "x.pocket").exists()

@@ -755,7 +755,8 @@ def patched_deploy(tmp_path_factory):
             mp.setattr(calibrate, "PATCH_ROWS", (16, 32))
             mp.setattr(calibrate, "_stats_path",
                        lambda model, cset: root / "calib" / f"{cset.digest[:16]}.npz")
-            rep = pack(src, deploy, calib=text, bits_per_weight=4.6, progress=False)
+            rep = pack(src, deploy, calib=text, bits_per_weight=4.6, progress=False,
+                       head_patch="auto")
         assert "patch" in rep.calibration["head"], rep.calibration["head"]
         made[label] = deploy
         return deploy

@@ -471,7 +471,8 @@ def test_a_head_patch_is_written_over_the_head(arch, tmp_path, monkeypatch):
     monkeypatch.setattr(calibrate, "_stats_path",
                         lambda model, cset: tmp_path / "calib" / f"{cset.digest[:16]}.npz")
     deploy = tmp_path / "p.pocket"
-    rep = pack(tmp_path / "src", deploy, calib=text, bits_per_weight=4.6, progress=False)
+    rep = pack(tmp_path / "src", deploy, calib=text, bits_per_weight=4.6, progress=False,
+               head_patch="auto")
     assert "patch" in rep.calibration["head"], rep.calibration["head"]
     export_hf(deploy, tmp_path / "hf", dtype="float32", progress=False)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

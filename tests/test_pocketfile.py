@@ -1529,6 +1529,7 @@ def test_every_kind_of_pack_holds_only_tensors_pocketlm_reads(tmp_path, monkeypa
     src = tmp_path / "m.gguf"
     if options.pop("patch", False):  # sizes below the vocabulary of 320
         monkeypatch.setattr(calibrate, "PATCH_ROWS", (16, 32, 64, 128))
+        options["head_patch"] = "auto"
     if options.pop("vocab", False):
         options["vocab"] = VocabSpec(corpus=text)
     if options.pop("lora", False):
