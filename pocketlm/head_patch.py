@@ -94,3 +94,19 @@ def patched_head(head: np.ndarray, w: QuantTensor, ids: np.ndarray) -> np.ndarra
     out = np.array(head, np.float32, copy=True)
     out[ids] = w.dequantize()
     return out
+
+
+def patched_head_for_export(weights: dict, config):
+    """For exporters, whose formats hold one head: the patch (if any) taken out of
+    ``weights`` and the head replaced by a :class:`PatchedHead` under ``lm_head.weight``; a
+    tied head becomes untied, so that the embedding's lookups keep the INT4 rows. Returns the
+    config to write (untied where a patch was applied, else ``config`` itself)."""
+    import dataclasses
+
+    patch = head_patch_of(weights, config.vocab_size, config.d_model)
+    if patch is None:
+        return config
+    head = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
+    weights["lm_head.weight"] = PatchedHead(weights[head], *patch)
+    del weights[PATCH], weights[PATCH_IDS]
+    return dataclasses.replace(config, tie_embeddings=False)

@@ -65,7 +65,6 @@ keys (``general.sampling.*``) go along.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sys
 import time
@@ -88,7 +87,7 @@ from ..formats.gguf import (
     SAMPLING_KEYS,
 )
 from ..formats.pocketfile import PocketFile
-from ..head_patch import PATCH, PATCH_IDS, PatchedHead, head_patch_of
+from ..head_patch import PATCH, PATCH_IDS, PatchedHead, patched_head_for_export
 from ..quant import BLOCK, QuantTensor, find_zero_point
 from ..tokenizer import Tokenizer, release_free_heap
 from . import atomic_file, refuse_adapters
@@ -599,14 +598,10 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
     del tok
     release_free_heap()  # the tokenizers built for the check: gone before the weights come
     weights = pf.weights()
-    patch = head_patch_of(weights, config.vocab_size, config.d_model)
-    if patch is not None:
-        # a GGUF tensor has one type: the head goes out as Q8_0 from its patched values, and
-        # a tied head becomes untied so that the embedding's lookups keep the INT4 rows
-        head = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
-        weights["lm_head.weight"] = PatchedHead(weights[head], *patch)
-        del weights[PATCH], weights[PATCH_IDS]
-        config = dataclasses.replace(config, tie_embeddings=False)
+    # a GGUF tensor has one type: a patched head goes out as Q8_0 from its patched values
+    tied = config.tie_embeddings
+    config = patched_head_for_export(weights, config)
+    patched = isinstance(weights.get("lm_head.weight"), PatchedHead)
     plan = _plan(config, arch, weights, str(source))
     tok_info["check"] = (f"tokenizes {n_probes} probe texts exactly as the deploy file"
                          + ("" if tok_info["exact"] else
@@ -644,14 +639,14 @@ def export_gguf(source: str | Path, out: str | Path, *, progress: bool = True) -
                                      progress)
         finally:
             writer.close()
-    if patch is not None:
+    if patched:
         t = next(t for t in tensors if t.how == "requantized")
         notes.append(f"{t.name}: the head and its head patch ({t.source}) written as Q8_0 from "
                      f"the patched values, relative error {t.rel_error:.3g}: a GGUF tensor has "
                      "one type, and Q8_0 is the type of the patch's INT8 rows"
                      + (f"; the head was tied: token_embd.weight keeps the "
                         f"{weights['embed.weight'].kind.upper()} rows the lookups read"
-                        if head == "embed.weight" else ""))
+                        if tied else ""))
     return ExportReport(path=out, source=source, architecture=arch,
                         file_bytes=out.stat().st_size, seconds=time.perf_counter() - t0,
                         peak_rss_bytes=_peak_rss(), tensors=tensors, tokenizer=tok_info,

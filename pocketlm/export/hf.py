@@ -46,7 +46,6 @@ post-processor) when the model's does.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import struct
@@ -63,7 +62,7 @@ from ..config import GenerationDefaults, ModelConfig
 from ..errors import FormatError, PocketError, UnsupportedError
 from ..formats.hf import GLOBAL_NAMES, LAYER_NAMES_GEMMA, LAYER_NAMES_STD
 from ..formats.pocketfile import PocketFile
-from ..head_patch import PATCH, PATCH_IDS, PatchedHead, head_patch_of
+from ..head_patch import PatchedHead, patched_head_for_export
 from ..progress import track
 from ..quant import QuantTensor
 from ..tokenizer import DROPPED_BYTE, SpmTokenizer, Tokenizer
@@ -142,14 +141,8 @@ def export_hf(source: str | Path, out: str | Path, *, dtype: str = "bfloat16",
     refuse_adapters(pf, source)
     config, tokenizer = file_config_and_tokenizer(pf)
     weights = pf.weights()
-    patch = head_patch_of(weights, config.vocab_size, config.d_model)
-    if patch is not None:
-        # the head patch's rows written over the head's (what the runtime computes); a tied
-        # head becomes its own lm_head, so that the embedding's lookups stay the INT4 rows
-        head = "lm_head.weight" if "lm_head.weight" in weights else "embed.weight"
-        weights["lm_head.weight"] = PatchedHead(weights[head], *patch)
-        del weights[PATCH], weights[PATCH_IDS]
-        config = dataclasses.replace(config, tie_embeddings=False)
+    # the head patch's rows written over the head's (what the runtime computes)
+    config = patched_head_for_export(weights, config)
     config_json = hf_config(config, tokenizer, dtype=dtype)  # refuses before anything is written
     names = hf_tensor_names(config)
     extra = sorted(set(weights) - set(names))
