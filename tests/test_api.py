@@ -344,6 +344,76 @@ def test_a_chat_template_without_end_fails_fast_naming_the_template(m, monkeypat
         render(template, msgs)
 
 
+DOUBLED = ("{% set ns = namespace(s='x') %}{% for i in range(23) %}{% set ns.s = ns.s ~ ns.s %}"
+           "{% endfor %}")  # 8 Mi characters, within the budget
+TEXT_BOMBS = {  # each built gigabytes in one operation before its size was checked first
+    "% width": "{{ '%999999999d' % 1 }}",
+    "% precision": "{{ '%.999999999f' % 1.0 }}",
+    "% width from the values": "{{ '%*d' % (-999999999, 1) }}",
+    "% many fields": DOUBLED + "{{ ('%(a)s' * 1000) % {'a': ns.s} }}",
+    "format filter": "{{ '%999999999d'|format(1) }}",
+    "ljust": "{{ 'x'.ljust(10**10) }}",
+    "rjust": "{{ 'x'.rjust(10**10) }}",
+    "center": "{{ 'x'.center(10**10) }}",
+    "zfill": "{{ 'x'.zfill(10**10) }}",
+    "expandtabs": "{{ '\\t'.expandtabs(10**9) }}",
+    "str.format width": "{{ '{:999999999}'.format(1) }}",
+    "str.format nested width": "{{ '{:{w}}'.format(1, w=999999999) }}",
+    "str.format_map": "{{ '{a:999999999}'.format_map({'a': 1}) }}",
+    "str.format many fields": DOUBLED + "{{ ('{0}' * 1000).format(ns.s) }}",
+    "center filter": "{{ 'x'|center(10**10) }}",
+    "indent filter": "{{ ('x\\n' * 1000)|indent(10**6) }}",
+    "replace filter": "{{ ('x' * 1000000)|replace('x', 'y' * 1000) }}",
+    "str.replace": "{{ ('x' * 1000).replace('', 'y' * 1000000) }}",
+    "str.translate": "{{ ('x' * 100000).translate({120: 'y' * 1000}) }}",
+    "join filter": DOUBLED + "{{ ([ns.s] * 1000)|map('string')|join }}",
+    "str.join": DOUBLED + "{{ ''.join([ns.s] * 1000) }}",
+    "batch filter": "{{ [1]|batch(10**9, 0)|list|length }}",
+    "slice filter": "{{ [1]|slice(10**9)|list|length }}",
+    "lipsum": "{{ lipsum(10**9) }}",
+}
+
+
+@pytest.mark.parametrize("template", TEXT_BOMBS.values(), ids=TEXT_BOMBS.keys())
+def test_a_chat_template_building_a_huge_text_at_once_is_refused_first(m, monkeypatch, template):
+    """A width, a count or a replacement that one operation would allocate (a printf or
+    str.format width, ljust, replace, join, ...) is checked against the text budget before
+    it runs: the render fails at once, naming the file, instead of taking the memory."""
+    from pocketlm.chat import render
+
+    monkeypatch.setattr(m, "chat_template", template)
+    msgs = [{"role": "user", "content": "hello"}]
+    with deadline(5), pytest.raises(pocketlm.PocketError, match=(
+            f"^the chat template of {re.escape(str(m.path))} failed to render "
+            r"\(SecurityError: .* may build \d+ characters or items, over the \d+ a template")):
+        m.chat(msgs, max_tokens=1)
+    with deadline(1), pytest.raises(pocketlm.PocketError, match="^the model's chat template"):
+        render(template, msgs)
+
+
+def test_the_text_building_operations_render_as_jinja_renders_them():
+    """Within the budget the guarded operations give what Jinja gives."""
+    import datetime
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pocketlm.chat import render
+
+    template = (
+        "{{ '%s: %5.2f|%-4d|%*d|%%' % ('a', 3.14159, 7, 3, 1) }}{{ '%(k)s'|format(k='z') }}"
+        "{{ '{:%Y}|{:>5}|{:.2f}|{a}'.format(day, 'b', 2.5, a=1) }}{{ '{b}'.format_map({'b': 2}) }}"
+        "{{ 'ab'.center(6) }}{{ '7'.zfill(3) }}{{ 'a\\tb'.expandtabs(4) }}{{ 'x'|center(5) }}"
+        "{{ 'a\\nb'|indent(2, true) }}{{ 'a\\nb'|indent('--') }}{{ 'aXb'|replace('X', '--') }}"
+        "{{ 'aXbX'.replace('X', '-', 1) }}{{ 'abc'.translate({97: 'zz'}) }}{{ [1, 2]|join(',') }}"
+        "{{ messages|map(attribute='role')|join('/') }}{{ ','.join(['a', 'b']) }}{{ 7 % 3 }}"
+        "{{ [1, 2, 3]|batch(2, 0)|list }}{{ [1, 2, 3]|slice(2)|list }}{{ lipsum(2)|length > 9 }}")
+    msgs = [{"role": "user", "content": "hello"}]
+    day = datetime.date(2024, 1, 1)
+    expected = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        template).render(messages=msgs, day=day)
+    assert render(template, msgs, day=day) == expected
+
+
 def test_the_shipped_chat_templates_render_as_jinja_renders_them():
     """The budget changes no output: every template pocketlm and its tests ship renders what
     Jinja's own sandbox renders, for a long conversation and one with tools."""
