@@ -812,8 +812,8 @@ PATCH_HOLDOUT = 4  # one calibration sequence in 4 is held back to choose the si
 
 def check_head_patch_option(value) -> str | int:
     """``--head-patch``: ``"off"`` (None too, the default: 0, no patch), ``"auto"`` (the size
-    rule above) or a number of rows >= 1 (that many, or a refusal where the budget cannot hold
-    them). Off by default: at a fixed budget the patch's bytes come from the other tensors,
+    rule above) or a number of rows (that many, or a refusal where the budget cannot hold
+    them; 0 is off). Off by default: at a fixed budget the patch's bytes come from the other tensors,
     and on smollm2-135m at 4.6 bits that cost more than the head gained (docs/quantization.md)."""
     if value is None or value == "off":
         return 0
@@ -827,7 +827,7 @@ def check_head_patch_option(value) -> str | int:
                                    f"got {value!r}") from None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
         raise UnsupportedError(f"--head-patch must be 'auto', 'off' or a number of rows "
-                               f">= 1, got {value!r}")
+                               f"(0 is off), got {value!r}")
     return int(value)
 
 
@@ -1019,10 +1019,7 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
     t0 = time.time()
     # only the string names the built-in set: a file called "default" (pack passes files as
     # paths, and str(Path("./default")) is "default") is the app's own text
-    head_patch = check_head_patch_option(head_patch)
-    if head_patch != 0 and bits_per_weight is None:
-        raise UnsupportedError("--head-patch needs --bits-per-weight: a patch is part of a "
-                               "bit budget's INT4 head")
+    head_patch = check_head_patch_option(head_patch)  # pack() refused it without a budget
     if head_patch not in (0, "auto"):
         if head_patch >= model.config.vocab_size:
             raise UnsupportedError(f"--head-patch {head_patch}: the head has only "
