@@ -401,6 +401,35 @@ def test_a_line_the_template_or_tokenizer_refuses_is_one_bad_line(base, tmp_path
         SFTData(path, tok, alternate, 48, strict=True)
 
 
+def test_a_chat_the_template_renders_differently_as_a_prefix_is_one_bad_line(base, tmp_path):
+    # a template whose text for a chat that opens with an answer changes once a later message
+    # is added (as a default system turn does) ended the whole file, not that one chat
+    from pocketlm.formats import open_source
+    from pocketlm.train.trainer import SFTData
+
+    tok = open_source(base).tokenizer
+    alone = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+             "{% if messages|length == 1 and messages[0]['role'] == 'assistant' %}"
+             "{{ '(alone)\n' }}{% endif %}{% if add_generation_prompt %}{{ 'assistant: ' }}"
+             "{% endif %}")
+    good = json.dumps({"prompt": "say red", "completion": "red red"})
+    opens = json.dumps({"messages": [{"role": "assistant", "content": "hi"},
+                                     {"role": "user", "content": "say red"},
+                                     {"role": "assistant", "content": "red"}]})
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join([good, opens, good]) + "\n", encoding="utf-8")
+    data = SFTData(path, tok, alone, 48, holdout=0.0)
+    assert len(data.train) == 2 and [b.split(":")[0] for b in data.skipped] == ["line 2"]
+    assert "prefix by prefix" in data.skipped[0]
+    with pytest.raises(FormatError, match="line 2: the chat template does not render"):
+        SFTData(path, tok, alone, 48, strict=True)
+    # a template that renders no chat prefix by prefix is the template's fault: said so
+    only = tmp_path / "only.jsonl"
+    only.write_text(opens + "\n", encoding="utf-8")
+    with pytest.raises(FormatError, match="does not render conversations prefix by prefix"):
+        SFTData(only, tok, alone, 48)
+
+
 @pytest.mark.parametrize("extra,words", [
     # NaN or inf trained to NaN weights, 0 to adapters that add nothing, exit 0
     (["--lora-rank", "4", "--lora-alpha", "nan"], "--lora-alpha must be a positive finite"),

@@ -378,3 +378,22 @@ def test_a_recipe_file_or_archive_that_fails_its_checksum_is_refused(tmp_path, m
     assert main(["eval", "-m", "smollm2-135m", "--task", "mmlu", "--limit", "1"]) == 1
     err = capsys.readouterr().err
     assert "fails its checksum" in err and "lm_eval-0.4.13" in err
+
+
+@pytest.mark.real
+def test_a_recipe_file_built_from_another_package_version_is_built_again(tmp_path, monkeypatch):
+    from pocketlm.evaluate import recipes
+
+    built = recipes.recipe_path("sentiment-zh")
+    monkeypatch.setattr(recipes, "eval_dir", lambda: tmp_path)  # the package stays where it is
+    copy = tmp_path / built.name
+    head, _, rest = built.read_text(encoding="utf-8").partition("\n")
+    header = json.loads(head)
+    header["task"]["source"]["version"] = "0.0.1"  # what an older pin of the package built
+    copy.write_text(json.dumps(header, ensure_ascii=False) + "\n" + rest, encoding="utf-8")
+    assert recipes.recipe_path("sentiment-zh") == copy
+    assert copy.read_text(encoding="utf-8") == built.read_text(encoding="utf-8")
+    recipes.check_recipe_file(copy)
+    # the same version is not built again (a file built here is used as it is)
+    before = copy.stat().st_mtime_ns
+    assert recipes.recipe_path("sentiment-zh") == copy and copy.stat().st_mtime_ns == before

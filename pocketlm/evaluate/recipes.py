@@ -454,8 +454,9 @@ def recipe_path(name: str) -> Path:
     # (ifeval-pocket's prompts, instructions and checkers: INSTRUCTIONS_VERSION)
     tag = f"-{source.version}" if source.archive == "module" else ""
     path = eval_dir() / f"{name}-r{RECIPE_REVISION}{tag}.jsonl"
-    if path.is_file():
-        return path
+    if path.is_file() and (tag or _built_from(path) in (None, (source.package, source.version))):
+        return path  # (a header that cannot be read is refused by check_recipe_file)
+    # not built yet, or built from another version of its package: (re)built from this one
     header, examples = RECIPES[name].build()
     lines = [json.dumps(ex, ensure_ascii=False) for ex in examples]
     header = {**header, "source": {**header.get("source", {}),
@@ -466,6 +467,16 @@ def recipe_path(name: str) -> Path:
         for line in lines:
             f.write(line + "\n")
     return path
+
+
+def _built_from(path: Path) -> tuple[str, str] | None:
+    """The (package, version) a built recipe file's header names, or None when unreadable."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = json.loads(f.readline())["task"]["source"]
+        return str(source["package"]), str(source["version"])
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None
 
 
 def check_recipe_file(path: Path) -> None:

@@ -196,6 +196,7 @@ class SFTData:
         examples: list[tuple[np.ndarray, np.ndarray]] = []
         bad: list[str] = []
         cut = 0
+        unfit = 0  # chats the template does not render prefix by prefix
         # the token texts the runtime renders chats with (PocketModel.render_chat): a template
         # that closes each turn with {{ eos_token }} must teach the model that token, or the
         # tuned model never learns to stop
@@ -229,15 +230,19 @@ class SFTData:
                     full = render_chat(template, msgs[: i + 1], add_generation_prompt=False,
                                        bos_token=bos, eos_token=eos)
                     if not full.startswith(prev):
-                        raise FormatError(f"{self.path}: line {n}: the chat template does not "
-                                          "render conversations prefix by prefix; SFT needs "
-                                          "one that does")
+                        # a template that adds a system turn unless the chat opens with one
+                        # renders a chat that opens with an answer one way alone and another
+                        # way after the answer: this chat, not every chat (unless all fail)
+                        unfit += 1
+                        raise ValueError("the chat template does not render this conversation "
+                                         "prefix by prefix (its text changes once a later "
+                                         "message is added)")
                     part = tokenizer.encode(full[len(prev):], add_bos=False)
                     ids += part
                     mask += [m["role"] == "assistant"] * len(part)
                     prev = full
             except FormatError:
-                raise  # the template itself, not this line: every line would fail
+                raise  # the template itself (it does not parse): every line would fail
             except (ValueError, KeyError, TypeError, PocketError) as e:
                 # a line the template refuses (roles that do not alternate) or text no
                 # tokenizer encodes (a lone surrogate) is as malformed as bad JSON: one line,
@@ -255,6 +260,9 @@ class SFTData:
                                  np.asarray(mask[: seq_len + 1], dtype=bool)))
             elif any(mask):
                 cut += 1
+        if bad and not examples and not cut and unfit == len(bad):
+            raise FormatError(f"{self.path}: the chat template does not render conversations "
+                              "prefix by prefix; SFT needs one that does")
         if bad and not examples and not cut:
             raise FormatError(f"{self.path}: no valid chat records ({bad[0]})")
         if not examples and cut:
