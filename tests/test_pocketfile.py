@@ -1464,6 +1464,30 @@ def test_a_tensor_nothing_reads_is_refused_by_name(tiny_pocket, tmp_path, capsys
     assert err.count("\n") == 1 and str(path) in err and repr(name) in err
 
 
+@pytest.mark.parametrize("name, value, words", [
+    ("pocket.vocab.source_ids", np.arange(7, dtype=np.int32), "must map each of the"),
+    ("pocket.vocab.source_ids", np.zeros((320,), np.float32), "found F32 [320]"),
+    ("_pad.99", np.zeros(4096, np.uint8), "not the padding a pack writes"),
+    ("_pad.98", np.zeros(8, np.int8), "not the padding a pack writes"),
+])
+def test_a_vocabulary_map_or_padding_of_the_wrong_shape_is_refused(tiny_pocket, tmp_path,
+                                                                   name, value, words):
+    """The tensors a file may hold beside the weights are checked for their type and shape
+    too: a trimmed vocabulary's map has one int32 source id per piece, padding fills a gap
+    to the next 64-byte boundary."""
+    assert PocketFile(tiny_pocket).config().vocab_size == 320
+    path = _with_tensors(tiny_pocket, tmp_path / "bad.pocket", {"zz": value})
+
+    def rename(h):  # as a crafted file would name it (the writer keeps these names its own)
+        h[name] = h.pop("zz")
+        sums = json.loads(h["__metadata__"]["checksums"])
+        sums[name] = sums.pop("zz")
+        h["__metadata__"]["checksums"] = json.dumps(sums)
+
+    msg = load_error(rewrite_header(path, rename, reseal=True))
+    assert repr(name) in msg and words in msg and "repack" in msg, msg
+
+
 def test_a_layout_or_padding_of_no_tensor_pocketlm_reads_is_refused(tiny_pocket, tmp_path):
     from pocketlm.api import load_pocket
 

@@ -679,6 +679,18 @@ class PocketFile:
             raise FormatError(f"{self.path}: tensor {self.tokenizer_tensor!r} must hold the "
                               f"tokenizer as bytes (U8, one dimension), found {shown}; repack "
                               "the model")
+        ids = self.infos.get(SOURCE_IDS_TENSOR)
+        if ids is not None and (ids.dtype != "I32" or ids.shape != (config.vocab_size,)):
+            raise FormatError(f"{self.path}: tensor {SOURCE_IDS_TENSOR!r} must map each of the "
+                              f"{config.vocab_size} pieces to its source id (I32 "
+                              f"[{config.vocab_size}]), found {ids.dtype} {list(ids.shape)}; "
+                              "repack the model")
+        for name, info in self.infos.items():
+            if _PADDING.fullmatch(name) and (info.dtype != "U8" or len(info.shape) != 1 or
+                                             info.shape[0] >= ALIGN):
+                raise FormatError(f"{self.path}: tensor {name!r} is {info.dtype} "
+                                  f"{list(info.shape)}, not the padding a pack writes (U8, "
+                                  f"fewer than {ALIGN} bytes); repack the model")
         self._check_read(config, layouts)
 
     def _check_read(self, config: ModelConfig, layouts: dict) -> None:
