@@ -95,7 +95,9 @@ TOKENIZER_TENSOR = "pocket.tokenizer"
 # the tokenizer's JSON compressed (zlib, RFC 1950), in format version 4 files: a deploy file
 # carries one of the two
 TOKENIZER_ZLIB_TENSOR = "pocket.tokenizer.zlib"
-MAX_TOKENIZER_BYTES = 256 << 20  # what a compressed tokenizer may inflate to
+# what a compressed tokenizer may inflate to: far above what a pack writes (Gemma 3's 262,144
+# pieces: 7 MB), and parsing JSON takes several times its size in memory
+MAX_TOKENIZER_BYTES = 64 << 20
 # a trimmed vocabulary's map back to its source's ids (pocketlm.vocab), int32 [vocab_size]
 SOURCE_IDS_TENSOR = "pocket.vocab.source_ids"
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")  # LoRA adapters (pocketlm.runtime.adapters)
