@@ -1116,9 +1116,15 @@ def test_malformed_tokenizer_bytes(tiny_pocket, tmp_path, fill):
 def test_a_tokenizer_that_inflates_too_far_is_refused(tiny_pocket, monkeypatch):
     import pocketlm.formats.pocketfile as pocketfile
 
-    monkeypatch.setattr(pocketfile, "MAX_TOKENIZER_BYTES", 64)
+    stored = PocketFile(tiny_pocket).infos["pocket.tokenizer.zlib"].shape[0]
+    assert len(PocketFile(tiny_pocket).tokenizer_json().encode()) > stored + 1
+    monkeypatch.setattr(pocketfile, "MAX_TOKENIZER_BYTES", stored + 1)  # it is stored in less
     msg = load_error(tiny_pocket)
     assert "pocket.tokenizer.zlib" in msg and "at most" in msg
+    # and what a file stores as its tokenizer, compressed or not, is refused from the header
+    monkeypatch.setattr(pocketfile, "MAX_TOKENIZER_BYTES", stored - 1)
+    msg = load_error(tiny_pocket)
+    assert "pocket.tokenizer.zlib" in msg and f"holds {stored} bytes" in msg
 
 
 def _set_raw_meta(key, value):

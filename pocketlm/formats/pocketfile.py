@@ -681,6 +681,10 @@ class PocketFile:
             raise FormatError(f"{self.path}: tensor {self.tokenizer_tensor!r} must hold the "
                               f"tokenizer as bytes (U8, one dimension), found {shown}; repack "
                               "the model")
+        if tok.shape[0] > MAX_TOKENIZER_BYTES:
+            raise FormatError(f"{self.path}: tensor {self.tokenizer_tensor!r} holds "
+                              f"{tok.shape[0]} bytes, over the {MAX_TOKENIZER_BYTES >> 20} MB a "
+                              "tokenizer may take; repack the model")
         ids = self.infos.get(SOURCE_IDS_TENSOR)
         if ids is not None and (ids.dtype != "I32" or ids.shape != (config.vocab_size,)):
             raise FormatError(f"{self.path}: tensor {SOURCE_IDS_TENSOR!r} must map each of the "
