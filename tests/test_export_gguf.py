@@ -845,6 +845,30 @@ def test_a_patched_head_is_written_as_q8_0(patched_deploy, tmp_path, monkeypatch
     assert np.array_equal(ours.argmax(-1), ref.argmax(-1))
 
 
+def test_a_patched_export_packs_again_as_an_untied_int8_head(patched_deploy, tmp_path):
+    """The GGUF of a patched tied head packs again: its Q8_0 output.weight imports exactly as
+    an INT8 head of its own (the config untied), the embedding keeps its INT4 rows, and the
+    greedy choice at every position is the patched deploy file's (the Q8_0 rounding is far
+    inside the margins, as the test above bounds)."""
+    from pocketlm.head_patch import PATCH
+
+    deploy = patched_deploy("llama")
+    out = tmp_path / "p.gguf"
+    export_gguf(deploy, out, progress=False)
+    again = tmp_path / "again.pocket"
+    pack(out, again, progress=False)
+    pf = PocketFile(again)
+    w = pf.weights()
+    assert pf.config().tie_embeddings is False and PATCH not in w
+    assert (w["lm_head.weight"].kind, w["embed.weight"].kind) == ("int8", "int4")
+    written = np.asarray({t.name: t for t in gguf.GGUFReader(str(out)).tensors}[
+        "output.weight"].data).reshape(pf.config().vocab_size, -1)
+    assert np.array_equal(ggml_blocks(w["lm_head.weight"], "Q8_0"), written)
+    prompt = pocketlm.load(deploy).tokenizer.encode(PATCH_PROMPT)
+    ours, theirs = pocketlm.load(deploy).logits(prompt), pocketlm.load(again).logits(prompt)
+    assert np.array_equal(ours.argmax(-1), theirs.argmax(-1))
+
+
 def test_the_cli_says_how_a_patched_head_was_written(patched_deploy, tmp_path, capsys):
     deploy = patched_deploy("llama")
     out = tmp_path / "p.gguf"
