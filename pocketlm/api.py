@@ -37,7 +37,7 @@ from .generate import (
     stream_sequence,
 )
 from .runtime import KVCache, Runtime
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, shown
 from .speculative import SpeculativeStats
 from .tokenizer import Tokenizer, check_text, release_free_heap
 
@@ -141,7 +141,8 @@ class PocketModel:
         prompt_ids = self._check_ids(prompt_ids)
         max_tokens = self.settings(builtin_max_tokens, max_tokens=max_tokens)["max_tokens"]
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            raise SamplingError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+            raise SamplingError(f"max_tokens must be a non-negative integer, got "
+                                f"{shown(max_tokens)}")
         sampler = Sampler(self.sampling_params(**sampling))
         constraint = self.constraint(**constrain) if constrain else None
         if len(prompt_ids) >= self.n_ctx:

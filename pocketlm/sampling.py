@@ -15,6 +15,17 @@ import numpy as np
 from .errors import SamplingError
 
 
+def shown(value) -> str:
+    """``value`` as an error message quotes it: its repr, or for an integer too long to write
+    out (Python refuses beyond 4,300 digits) its sign and number of digits."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) \
+            and abs(int(value)) >= 10**40:
+        v = int(value)
+        return (f"{'a negative' if v < 0 else 'an'} integer of "
+                f"{math.floor(math.log10(abs(v))) + 1} digits")
+    return repr(value)
+
+
 @dataclass
 class SamplingParams:
     temperature: float = 0.0
@@ -35,10 +46,12 @@ class SamplingParams:
                 raise SamplingError(f"{name} must be a number, got {value!r}")
             try:
                 v = float(value)
+            except OverflowError:  # an integer beyond float's range
+                v = math.inf
             except (TypeError, ValueError):
-                raise SamplingError(f"{name} must be a number, got {value!r}") from None
+                raise SamplingError(f"{name} must be a number, got {shown(value)}") from None
             if not math.isfinite(v):
-                raise SamplingError(f"{name} must be a finite number, got {value!r}")
+                raise SamplingError(f"{name} must be a finite number, got {shown(value)}")
             return v
 
         t = finite("temperature", self.temperature)
@@ -63,19 +76,19 @@ class SamplingParams:
             for k, v in self.logit_bias.items():
                 if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or \
                         not 0 <= k < 2**63:  # past int64: no token, and no index either
-                    raise SamplingError(f"logit_bias keys must be token ids, got {k!r}")
+                    raise SamplingError(f"logit_bias keys must be token ids, got {shown(k)}")
                 if not -100 <= finite(f"logit_bias[{k}]", v) <= 100:
                     raise SamplingError(f"logit_bias[{k}] must be in [-100, 100], got {v}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or (
             self.top_k < 0
         ):
             raise SamplingError(f"top_k must be a non-negative integer (0 = off), got "
-                                f"{self.top_k!r}")
+                                f"{shown(self.top_k)}")
         if self.seed is not None and (
             isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
             or self.seed < 0
         ):
-            raise SamplingError(f"seed must be a non-negative integer, got {self.seed!r}")
+            raise SamplingError(f"seed must be a non-negative integer, got {shown(self.seed)}")
         return self
 
 

@@ -189,6 +189,19 @@ MISUSE = [
      "add_bos must be True"),
     ("tokenize(special=None)", lambda m: m.tokenize("x", special=None), PocketError,
      "special must be True"),
+    # an integer beyond float's range was a raw OverflowError; one too long to write out made
+    # the message itself fail with a raw ValueError
+    ("generate(temperature=10**400)", lambda m: m.generate("hi", max_tokens=2,
+                                                           temperature=10**400),
+     SamplingError, "temperature must be a finite number, got an integer of 401 digits"),
+    ("chat(top_p=-10**400)", lambda m: m.chat([{"role": "user", "content": "x"}], max_tokens=2,
+                                              top_p=-10**400), SamplingError, "top_p"),
+    ("generate(top_k=-10**5000)", lambda m: m.generate("hi", max_tokens=2, top_k=-10**5000),
+     SamplingError, "top_k must be a non-negative integer (0 = off), got a negative integer"),
+    ("generate(seed=-10**5000)", lambda m: m.generate("hi", max_tokens=2, seed=-10**5000),
+     SamplingError, "seed"),
+    ("generate(max_tokens=-10**5000)", lambda m: m.generate("hi", max_tokens=-10**5000),
+     SamplingError, "max_tokens"),
 ]
 
 
