@@ -123,6 +123,9 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     (dict(watts_per_core=0), "--watts-per-core must be a positive number"),
     # a GGUF named without --vs llama.cpp was silently not benchmarked
     (dict(gguf="model.gguf"), "--gguf names the GGUF for --vs llama.cpp: add --vs llama.cpp"),
+    # an empty --speculative was silently a benchmark without the speculative row
+    (dict(speculative=""), "--speculative needs 'lookup' or a draft model"),
+    (dict(speculative="  "), "--speculative needs 'lookup' or a draft model"),
 ])
 def test_bench_bad_arguments(gguf, kwargs, match):
     with pytest.raises(PocketError, match=match):

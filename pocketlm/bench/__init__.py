@@ -186,6 +186,11 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             or not 0 < watts_per_core < float("inf")):
         raise PocketError(f"--watts-per-core must be a positive number of watts, got "
                           f"{watts_per_core!r}")
+    if speculative is not None:  # an empty one (an unset shell variable) is no request to skip
+        if not isinstance(speculative, str) or not speculative.strip():
+            raise PocketError("--speculative needs 'lookup' or a draft model, got "
+                              f"{speculative!r}")
+        speculative = speculative.strip()
     vs = list(dict.fromkeys(vs or []))  # in order, once each
     unknown = [e for e in vs if e not in VS_ENGINES]
     if unknown:
