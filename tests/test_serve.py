@@ -352,6 +352,11 @@ def test_bad_chat_requests(server):
         ({"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"model": MODEL, "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
         ({"model": MODEL, "messages": [{"role": "user", "content": "x", "x": 1}]}, "messages[0]"),
+        # a name or refusal of another type was taken and ignored
+        ({"model": MODEL, "messages": [{"role": "user", "content": "x", "name": 5}]},
+         "messages[0].name"),
+        ({"model": MODEL, "messages": [{"role": "assistant", "content": "x", "refusal": []}]},
+         "messages[0].refusal"),
     ]:
         r = _post(server, "/v1/chat/completions", body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

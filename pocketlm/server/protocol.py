@@ -222,6 +222,10 @@ def _messages(v, name):
         if unknown:
             raise _bad(f"unrecognized field '{where}.{shown(sorted(unknown)[0])}'", where,
                        "unknown_parameter")
+        for key in ("name", "refusal"):  # typed as in OpenAI's API (a tool's name is rendered)
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise _bad(f"'{where}.{key}' must be a string, got {_type_name(m[key])}",
+                           f"{where}.{key}", "invalid_type")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise _bad(f"'{where}.role' must be one of system, developer, user, assistant, "
