@@ -810,6 +810,14 @@ def test_tokenizer_endpoints(server, local):
     for path, body, param in [("/tokenize", {"prompt": 3}, "prompt"),
                               ("/tokenize", {"prompt": "x", "bogus": 1}, "bogus"),
                               ("/detokenize", {"tokens": [10**9]}, "tokens"),
-                              ("/detokenize", {"tokens": "abc"}, "tokens")]:
+                              ("/detokenize", {"tokens": "abc"}, "tokens"),
+                              ("/tokenize", {"prompt": "x", "model": 5}, "model"),
+                              ("/detokenize", {"tokens": [1], "model": ["x"]}, "model")]:
         bad = _post(server, path, body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    # the model named is the one served, as on /v1 (another was answered with this tokenizer)
+    assert _post(server, "/tokenize", {"prompt": "x", "model": MODEL}).status_code == 200
+    for path, body in [("/tokenize", {"prompt": "x", "model": "gpt-4o"}),
+                       ("/detokenize", {"tokens": [1], "model": "gpt-4o"})]:
+        bad = _post(server, path, body)
+        assert bad.status_code == 404 and bad.json()["error"]["code"] == "model_not_found"

@@ -309,6 +309,16 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              f"serves '{cfg.model_name}'", param="model",
                              code="model_not_found")
 
+    def check_named_model(body: dict) -> None:
+        """The ``model`` a tokenizer request may name: absent or null, else the served one."""
+        name = body.get("model")
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise P.APIError(400, "'model' must be a string", param="model",
+                             code="invalid_type")
+        check_model(name)
+
     native_tools = is_native(model.chat_template)
 
     def calls_mode(g: P.GenerationRequest) -> bool:
@@ -454,6 +464,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         if unknown:
             raise P.APIError(400, f"unrecognized field '{P.shown(sorted(unknown)[0])}'",
                              param=P.shown(sorted(unknown)[0]), code="unknown_parameter")
+        check_named_model(body)
         add = body.get("add_special_tokens", True)
         if not isinstance(add, bool):
             raise P.APIError(400, "'add_special_tokens' must be a boolean",
@@ -484,6 +495,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         if unknown:
             raise P.APIError(400, f"unrecognized field '{P.shown(sorted(unknown)[0])}'",
                              param=P.shown(sorted(unknown)[0]), code="unknown_parameter")
+        check_named_model(body)
         ids = body.get("tokens")
         if not isinstance(ids, list):
             raise P.APIError(400, "'tokens' (an array of token ids) is required",
