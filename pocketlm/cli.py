@@ -809,6 +809,11 @@ def main(argv: list[str] | None = None) -> int:
     elif not args.command:
         parser.print_help()
         return 1
+    if sys.stdout is None:  # started with its standard output closed (`>&-`): print() drops all
+        if sys.stderr is not None:
+            print("pocket: error: standard output is closed; redirect it to a file or "
+                  "/dev/null instead (`> /dev/null`)", file=sys.stderr)
+        return 1
     try:
         return args.func(args)
     except PocketError as exc:

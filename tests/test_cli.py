@@ -262,6 +262,19 @@ def test_module_entry_point(files, tmp_path):
     assert_one_line_error(proc.returncode, proc.stderr, "missing.pocket")
 
 
+@pytest.mark.parametrize("verb", ["list", "run"])
+def test_a_closed_standard_output_is_one_line_error(files, tmp_path, verb):
+    # without a stdout, Python's print() wrote nothing and `pocket list >&-` exited 0, while
+    # run's sys.stdout.write (and serve's logging set-up) were a traceback
+    env = {**os.environ, "POCKET_HOME": str(tmp_path / "home"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    args = ["list"] if verb == "list" else ["run", "-m", str(files["pocket"]), "hi", "-n", "2"]
+    proc = subprocess.run([sys.executable, "-m", "pocketlm.cli", *args], stdout=None,
+                          stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+    assert_one_line_error(proc.returncode, proc.stderr, "standard output is closed")
+
+
 # -- help and list ---------------------------------------------------------------------------
 @pytest.mark.parametrize("verb", [None, "run", "chat", "pull", "list", "pack", "inspect"])
 def test_help(verb, capsys):
