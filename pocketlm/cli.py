@@ -278,7 +278,7 @@ def _check_generation_flags(args) -> None:
 def cmd_run(args) -> int:
     _check_generation_flags(args)
     prompt = " ".join(args.prompt) if args.prompt else None
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+    if prompt == "-" or (prompt is None and sys.stdin is not None and not sys.stdin.isatty()):
         from .textfile import read_stdin_text
 
         prompt = read_stdin_text()
@@ -324,6 +324,9 @@ def cmd_run(args) -> int:
 
 def cmd_chat(args) -> int:
     _check_generation_flags(args)  # a bad flag is one error and exit 1, not one per turn
+    if sys.stdin is None:  # started with it closed (`<&-`): input() has nothing to read
+        raise PocketError("stdin is closed: pocket chat reads its lines there (use pocket run "
+                          "\"PROMPT\" for one answer)")
     m = _load(args)
     speculative = _speculative(args)
     if speculative is not None:

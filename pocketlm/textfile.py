@@ -63,6 +63,9 @@ def read_stdin_text() -> str:
     own text stdin would hand them on as lone surrogates, refused far from their source)."""
     import sys
 
+    if sys.stdin is None:  # started with it closed (`<&-`)
+        raise PocketError("stdin is closed: there is no text to read; pipe the text in, or "
+                          "give it as an argument or a file")
     data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     if isinstance(data, str):
         return checked_text(data, "stdin")

@@ -273,6 +273,21 @@ def test_chat_names_a_non_utf8_line_and_goes_on(env):
     assert "not UTF-8" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("args,words", [
+    (["run", "-n", "2"], "no prompt given"),
+    (["run", "-n", "2", "-"], "stdin is closed"),
+    (["chat", "-n", "2"], "stdin is closed"),
+    (["eval", "--ppl", "-"], "stdin is closed"),
+])
+def test_a_closed_stdin_is_one_line(env, args, words):
+    # sys.stdin is None then: each of these was a traceback (isatty, read, input())
+    environ = {**os.environ, "POCKET_HOME": str(env["root"] / "home"), "LC_ALL": "C.UTF-8"}
+    proc = subprocess.run([sys.executable, "-m", "pocketlm.cli", args[0], "-m",
+                           str(env["gguf"]), *args[1:]], capture_output=True, env=environ,
+                          cwd=REPO, timeout=300, stdin=None, preexec_fn=lambda: os.close(0))
+    assert_one_line(proc, words)
+
+
 # -- evaluation task files -------------------------------------------------------------------
 def task_header(**extra) -> dict:
     return {"type": "generation", "template": "Q: {question}\nA:", "extract": "last_number",
