@@ -112,6 +112,10 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.",
 def test_models_and_health(server):
     c = server.client()
     assert [m.id for m in c.models.list().data] == [MODEL]
+    assert c.models.retrieve(MODEL).id == MODEL  # GET /v1/models/{model}
+    with pytest.raises(openai.NotFoundError) as info:
+        c.models.retrieve("gpt-4o")
+    assert info.value.body["code"] == "model_not_found"
     h = server.health()
     assert h["status"] == "ok" and h["model"] == MODEL and h["engine"] == "native"
 

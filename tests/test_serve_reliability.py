@@ -616,6 +616,30 @@ def test_detokenize_bodies_of_the_wrong_shape_get_a_400_saying_so(make_app, body
     assert err["param"] == param and "NoneType" not in err["message"], err
 
 
+@pytest.mark.parametrize("endpoint, body, method", [
+    ("/v1/completions", completion("hello world", max_tokens=2), "tokenize"),
+    ("/v1/chat/completions", {"model": NAME, "max_tokens": 2, "temperature": 0,
+                              "messages": [{"role": "user", "content": "hello"}]}, "chat_ids"),
+])
+def test_a_body_is_parsed_and_tokenized_off_the_event_loop(make_app, model, monkeypatch,
+                                                            endpoint, body, method):
+    """Rendering and tokenizing a large body (a megabyte of chat: over a second) on the
+    event loop stalled every other request's stream meanwhile: it runs in a worker thread."""
+    app = make_app()
+    threads = []
+    real = getattr(model, method)
+    monkeypatch.setattr(model, method, lambda *a, **k: threads.append(threading.get_ident())
+                        or real(*a, **k))
+
+    async def go():
+        async with client(app) as c:
+            return threading.get_ident(), await c.post(endpoint, json=body)
+
+    loop_thread, r = run(go())
+    assert r.status_code == 200, r.text
+    assert threads and loop_thread not in threads
+
+
 # -- who may call ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",

@@ -3,6 +3,7 @@
     GET  /                      the chat page (plain HTML + JS, streaming)
     GET  /health                {"status": "ok", ...} with the scheduler's counters
     GET  /v1/models             the served model
+    GET  /v1/models/{model}     the served model by name (404 for another)
     POST /v1/completions        text completion (stream=true: server-sent events)
     POST /v1/chat/completions   chat with the model's own template (idem)
     GET  /tokenizer_info        the tokenizer's special tokens and limits (as vLLM's)
@@ -431,12 +432,21 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              "memory_mb": round(current_rss() / MB, 1),
                              "max_memory_mb": cfg.max_memory_mb, **scheduler.snapshot()})
 
+    def model_object() -> dict:
+        return {"id": cfg.model_name, "object": "model", "created": started,
+                "owned_by": "pocketlm", "context_length": model.n_ctx}
+
     async def models(request: HTTPRequest) -> Response:
         check_origin(request)
         check_auth(request)
-        return JSONResponse({"object": "list", "data": [
-            {"id": cfg.model_name, "object": "model", "created": started,
-             "owned_by": "pocketlm", "context_length": model.n_ctx}]})
+        return JSONResponse({"object": "list", "data": [model_object()]})
+
+    async def retrieve_model(request: HTTPRequest) -> Response:
+        """OpenAI's GET /v1/models/{model}: the served model, 404 for any other name."""
+        check_origin(request)
+        check_auth(request)
+        check_model(request.path_params["model"])
+        return JSONResponse(model_object())
 
     # -- the tokenizer, as vLLM's server exposes it (evaluation harnesses tokenize with it) ----
     async def tokenizer_info(request: HTTPRequest) -> Response:
@@ -510,14 +520,20 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         check_origin(request)
         check_auth(request)
         check_json_type(request)
-        g = P.parse_request(P.decode_json(await read_body(request)), chat=chat)
-        check_model(g.model)
+        body = await read_body(request)
+
+        def prepare() -> tuple[P.GenerationRequest, list[list[int]]]:
+            g = P.parse_request(P.decode_json(body), chat=chat)
+            check_model(g.model)
+            return g, [prompt_ids(g, prompt) for prompt in ([None] if chat else g.prompts)]
+
+        # parsing, rendering and tokenizing a large body takes a while: not on the event loop,
+        # where it would stall every other request's stream meanwhile
+        g, prompts = await asyncio.to_thread(prepare)
         loop = asyncio.get_running_loop()
-        prompts = [None] if chat else g.prompts
         # one request per (prompt, choice): they decode together like any others
         reqs: list[Request] = []
-        for prompt in prompts:
-            ids = prompt_ids(g, prompt)
+        for ids in prompts:
             reqs += [build(g, ids, loop, choice) for choice in range(g.n)]
         if g.json_schema is not None or calls_mode(g):
             # compiling a new schema (and, once, the vocabulary's index) must not stall the
@@ -778,6 +794,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
     app = Starlette(
         middleware=cors,
         routes=[Route("/", index), Route("/health", health), Route("/v1/models", models),
+                Route("/v1/models/{model:path}", retrieve_model),
                 Route("/v1/completions", completions, methods=["POST"]),
                 Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                 Route("/tokenizer_info", tokenizer_info),
