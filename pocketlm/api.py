@@ -140,9 +140,11 @@ class PocketModel:
         for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity)."""
         prompt_ids = self._check_ids(prompt_ids)
         max_tokens = self.settings(builtin_max_tokens, max_tokens=max_tokens)["max_tokens"]
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+        if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(
+                max_tokens, (int, np.integer)) or max_tokens < 0:
             raise SamplingError(f"max_tokens must be a non-negative integer, got "
                                 f"{shown(max_tokens)}")
+        max_tokens = int(max_tokens)  # a numpy integer too, as seed and top_k take them
         sampler = Sampler(self.sampling_params(**sampling))
         constraint = self.constraint(**constrain) if constrain else None
         if len(prompt_ids) >= self.n_ctx:

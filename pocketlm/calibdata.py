@@ -153,7 +153,8 @@ def check_text_file(path: str | Path, flag: str = "--calib") -> tuple[str, bytes
     name when it is missing, empty, binary or not UTF-8."""
     path = Path(path)
     if not path.is_file():
-        raise PocketError(f"{flag} {path}: no such file")
+        what = "is a folder, expected a text file" if path.is_dir() else "no such file"
+        raise PocketError(f"{flag} {path}: {what}")
     try:
         data = path.read_bytes()
     except OSError as e:

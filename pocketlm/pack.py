@@ -288,7 +288,8 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     if calib is not None and calib != "default":
         calib = Path(calib)
         if not calib.is_file():
-            raise PocketError(f"--calib {calib}: no such file")
+            what = "is a folder, expected a text file" if calib.is_dir() else "no such file"
+            raise PocketError(f"--calib {calib}: {what}")
     out = Path(out)
     check_writable(out)  # before the quantization, not after it
     sweep_stale_temps(out.parent, out.name)  # what a killed pack to the same file left

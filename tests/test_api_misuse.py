@@ -110,6 +110,13 @@ def test_generate_with_a_vanishing_temperature_is_greedy(m):
     assert m.generate("hello", max_tokens=6, temperature=1e-308, seed=3) == greedy
 
 
+def test_numpy_integers_are_taken_as_lengths_seeds_and_top_k(m):
+    # a count from an array (np.int64) was refused as max_tokens while seed and top_k took it
+    plain = m.generate("hello", max_tokens=4, temperature=0.8, seed=3, top_k=20)
+    assert m.generate("hello", max_tokens=np.int64(4), temperature=0.8, seed=np.int64(3),
+                      top_k=np.int32(20)) == plain
+
+
 # -- the API misuse table --------------------------------------------------------------------
 MISUSE = [
     ("logits([1.9])", lambda m: m.logits([1.9]), TokenIdError, "integers"),

@@ -332,6 +332,14 @@ def test_missing_model_file(tmp_path, capsys):
     code, stdout, err = run_cli(capsys, "pack", tmp_path / "nope.gguf", "-o",
                                 tmp_path / "x.pocket")
     assert_one_line_error(code, err, "nope.gguf")
+    # an unset shell variable: not the working folder ("." exists), nor a folder as a text file
+    src = tmp_path / "m.gguf"
+    src.write_bytes(b"GGUF")  # refused before it is read
+    code, stdout, err = run_cli(capsys, "pack", src, "-o", "")
+    assert_one_line_error(code, err, "-o/--output is empty")
+    code, stdout, err = run_cli(capsys, "pack", src, "-o", tmp_path / "x.pocket",
+                                "--bits-per-weight", "4.6", "--calib", tmp_path)
+    assert_one_line_error(code, err, f"--calib {tmp_path}: is a folder, expected a text file")
 
 
 @pytest.mark.parametrize("verb", ["run", "chat", "bench", "serve"])

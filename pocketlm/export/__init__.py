@@ -51,6 +51,8 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
     nor hold one of ``inputs``, and if it exists and holds anything it must pass
     ``replaces(folder)`` (the kind of folder the work writes): ``--force`` is no licence to
     remove an unrelated one."""
+    if not str(out).strip():  # an unset shell variable: Path("") is the working folder
+        raise PocketError("-o/--output is empty (an unset shell variable?): give a path")
     out = Path(out)
     if folder and replaces is not None:  # a folder replaced whole
         try:
