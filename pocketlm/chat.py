@@ -2,8 +2,9 @@
 
 Templates run in a sandboxed Jinja environment with the helpers Hugging Face templates expect
 (``raise_exception``, ``strftime_now``, ``tojson``), and with a budget per render of loop
-iterations and calls and of the text they may build. Models whose file carries no template get
-their family's published format when pocketlm knows it.
+iterations and calls and of the text they may build, the text of a list or a dict they print,
+join, format or serialize included. Models whose file carries no template get their family's
+published format when pocketlm knows it.
 """
 
 from __future__ import annotations
@@ -47,7 +48,10 @@ MAX_POWER_BITS = 1 << 16
 # 10**10 iterations, a macro that calls itself twice 2**depth; the shipped templates take about
 # one per message, and a render that goes over fails in a second or two), and the characters
 # (or items) that a `+`, a `~` or a text a template writes (its output, a macro's, a set
-# block's) may hold: far more than any context window's text, far less than the machine's memory
+# block's) may hold: far more than any context window's text, far less than the machine's memory.
+# A container turned into text (printed, joined, formatted, serialized) counts too, before its
+# text is built: "{{ [[s] * 1000] * 1000 }}" holds two lists and a string, and its text is a
+# million copies of s
 MAX_STEPS = 1 << 17
 MAX_TEXT = 1 << 24
 
@@ -56,13 +60,142 @@ MAX_TEXT = 1 << 24
 _PRINTF = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?[hlL]?(.)", re.S)
 
 
+# the characters of a string that its repr() or its JSON may escape, each into at most six
+# (ASCII controls, quotes, backslashes, the <>& an HTML-safe JSON escapes, all of non-ASCII),
+# and those escaped into twelve (beyond the BMP: a JSON surrogate pair)
+_ESCAPED = re.compile(r"""[\x00-\x1f\x7f-\U0010ffff"'\\<>&]""")
+_ASTRAL = re.compile(r"[\U00010000-\U0010ffff]")
+_VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
+# the filter that counts a value turned into text (a name no template can write)
+_COUNTED = "counted text"
+
+
+def _tojson(value, indent=None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _str_size(s: str) -> int:
+    """An upper bound on the characters of ``repr(s)`` and of ``s`` in JSON."""
+    n = len(s)
+    size = n + 2 + 5 * (n - len(_ESCAPED.sub("", s)))
+    return size if s.isascii() else size + 6 * (n - len(_ASTRAL.sub("", s)))
+
+
+def _text_sizer():
+    """A function giving an upper bound on the characters of ``str(value)``, ``repr(value)``
+    and ``value`` in JSON, with how deep its containers nest and how far pprint may indent a
+    line within it: ``(characters, depth, indent)``.
+
+    Each object is counted once however often it recurs, in all the values the function is
+    given ("[[s] * 1000] * 1000" takes two thousand steps, not a million); a container stops
+    counting once it is past MAX_TEXT, and one that holds itself (a namespace set into itself)
+    is refused: counted so, its text has no bound."""
+    from jinja2.sandbox import SecurityError
+    from jinja2.utils import Namespace
+
+    known: dict[int, tuple[int, int, int]] = {}
+    open_: set[int] = set()
+
+    def bound(x) -> tuple[int, int, int]:
+        key = id(x)
+        if key in known:
+            return known[key]
+        kind = type(x)
+        if isinstance(x, str):
+            size = (_str_size(x) + (0 if kind is str else len(kind.__name__) + 2), 0, 0)
+        elif isinstance(x, (bool, float)) or x is None:
+            size = (24, 0, 0)
+        elif isinstance(x, int):
+            size = (x.bit_length() * 31 // 100 + 2, 0, 0)  # its digits (log10(2) < 0.31)
+        elif isinstance(x, (bytes, bytearray)):
+            size = (4 * len(x) + len(kind.__name__) + 3, 0, 0)
+        elif isinstance(x, (list, tuple, set, frozenset, dict, Namespace, *_VIEWS)):
+            if key in open_:
+                raise SecurityError(f"it turned into text a {kind.__name__} that holds itself")
+            open_.add(key)
+            size = container(x, kind)
+            open_.discard(key)
+        else:  # an object a template cannot fill (a macro, a loop, undefined): its own text
+            size = (len(repr(x)), 0, 0)
+        known[key] = size
+        return size
+
+    def container(x, kind) -> tuple[int, int, int]:
+        prefix = len(kind.__name__) + 4  # "frozenset({", "dict_items([", "])"
+        chars, depth, reach = prefix, 0, 0
+        if isinstance(x, Namespace):
+            chars, depth, reach = bound(object.__getattribute__(x, "_Namespace__attrs"))
+            return chars + prefix, depth, reach
+        if isinstance(x, (dict, _VIEWS[2])):  # per entry "key: value, " or "(key, value), "
+            for k, v in (x.items() if isinstance(x, dict) else x.mapping.items()):
+                key_chars = (known.get(id(k)) or bound(k))[0]
+                c, d, r = known.get(id(v)) or bound(v)
+                chars += key_chars + c + 6  # 6: JSON quotes a key that is not a string
+                depth, reach = max(depth, d), max(reach, key_chars + 2 + r)
+                if chars > MAX_TEXT:
+                    break
+        else:
+            if isinstance(x, tuple):  # a named tuple's "name=" for each field
+                chars += sum(len(f) + 1 for f in getattr(kind, "_fields", ()))
+            for item in x:
+                c, d, r = known.get(id(item)) or bound(item)
+                chars += c + 2
+                depth, reach = max(depth, d), max(reach, r)
+                if chars > MAX_TEXT:
+                    break
+        return chars, depth + 1, reach + prefix
+
+    return bound
+
+
+def _text_bound(value) -> tuple[int, int, int]:
+    """See :func:`_text_sizer`."""
+    return _text_sizer()(value)
+
+
+def _text_size(value) -> int:
+    """An upper bound on the characters of ``str(value)`` (see :func:`_text_bound`)."""
+    return _text_bound(value)[0]
+
+
+def _json_bound(value, indent=None) -> int:
+    """An upper bound on the characters of ``value`` in JSON, each line indented by
+    ``indent`` per level (a line holds at least one character of the compact text)."""
+    chars, depth, _ = _text_bound(value)
+    if indent is None:
+        return chars
+    width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
+    return chars * (2 + max(width, 0) * depth)
+
+
+def _pprint_bound(value) -> int:
+    """An upper bound on the characters of ``pprint.pformat(value)``: a line holds at least
+    one character of the compact text, and is indented by at most the prefixes and keys it
+    is nested in (a long string is split into a line for each of its words)."""
+    chars, _, reach = _text_bound(value)
+    return chars * (6 + reach)
+
+
+def _join_bound(sep: int, items) -> int | None:
+    """An upper bound on the characters of ``items`` joined with a separator of ``sep``
+    characters: each string item's own, any other's text."""
+    if isinstance(items, str):
+        return len(items) * (sep + 1)
+    if not isinstance(items, (list, tuple)):
+        return None
+    others = [i for i in items if not isinstance(i, str)]
+    return (sum(len(i) for i in items if isinstance(i, str)) + len(items) * sep
+            + (_text_size(others) if others else 0))
+
+
 def _printf_bound(fmt: str, values) -> int:
-    """An upper bound on the characters of ``fmt % values`` (strings and numbers; a
-    container's text is not counted)."""
-    if isinstance(values, dict):
-        values = list(values.values())
-    elif not isinstance(values, tuple):
-        values = (values,)
+    """An upper bound on the characters of ``fmt % values``."""
+    if isinstance(values, tuple):
+        size = _text_sizer()
+        longest = max((size(v)[0] for v in values), default=0)
+    else:  # one value, or a mapping of them ("%s" takes all of it, "%(name)s" one)
+        longest = _text_size(values)
+        values = list(values.values()) if isinstance(values, dict) else (values,)
     widest, n = 0, 0
     for width, precision, kind in _PRINTF.findall(fmt):
         if kind == "%":
@@ -72,8 +205,7 @@ def _printf_bound(fmt: str, values) -> int:
             if number == "*":  # taken from the values: count the largest there
                 number = max((abs(v) for v in values if isinstance(v, int)), default=0)
             widest = max(widest, int(number or 0))
-    longest = max((len(v) for v in values if isinstance(v, str)), default=0)
-    return len(fmt) + n * (max(widest, longest) + 400)  # 400: the digits of a float or int
+    return len(fmt) + n * (max(widest, longest) + 400)  # 400: the digits of a float
 
 
 def _method_bound(s: str, name: str, args: tuple, kwargs: dict) -> int | None:
@@ -94,23 +226,55 @@ def _method_bound(s: str, name: str, args: tuple, kwargs: dict) -> int | None:
         return len(s) + n * len(new)
     if name == "translate" and args and isinstance(args[0], dict):
         return len(s) * max((len(v) for v in args[0].values() if isinstance(v, str)), default=1)
-    if name == "join" and args and isinstance(args[0], (list, tuple)):
-        items = args[0]
-        return sum(len(i) for i in items if isinstance(i, str)) + len(items) * len(s)
+    if name == "join" and args:
+        return _join_bound(len(s), args[0])
     return None
 
 
+# the filters and tests whose value and arguments are not counted as text: those that never
+# turn them into text ("messages | length" in a loop stays one step), and join, which counts its
+# items itself (a string item's own text, not its repr)
+_UNCOUNTED_FILTERS = frozenset([
+    "abs", "attr", "batch", "count", "d", "default", "dictsort", "first", "float", "groupby",
+    "int", "items", "join", "last", "length", "list", "map", "max", "min", "random", "reject",
+    "rejectattr", "reverse", "round", "select", "selectattr", "slice", "sort", "sum", "unique"])
+_UNCOUNTED_TESTS = frozenset([
+    "defined", "undefined", "filter", "test", "none", "boolean", "false", "true", "integer",
+    "float", "string", "mapping", "number", "sequence", "iterable", "callable", "sameas",
+    "escaped", "in", "==", "eq", "equalto", "!=", "ne", ">", "gt", "greaterthan", ">=", "ge",
+    "<", "lt", "lessthan", "<=", "le"])
+# the filters whose result is a string, whatever they are given
+_TEXT_FILTERS = frozenset([
+    "capitalize", "center", "e", "escape", "filesizeformat", "forceescape", "format", "indent",
+    "join", "lower", "pprint", "replace", "safe", "string", "striptags", "title", "tojson", "trim",
+    "truncate", "upper", "urlencode", "urlize", "wordwrap", "xmlattr"])
+
+
 def _environment():
+    from collections.abc import Iterator
+
     from jinja2 import nodes
-    from jinja2.runtime import LoopContext
+    from jinja2.runtime import LoopContext, markup_join, str_join
     from jinja2.sandbox import (
         ImmutableSandboxedEnvironment,
         SandboxedEscapeFormatter,
         SandboxedFormatter,
         SecurityError,
     )
+    from jinja2.utils import Namespace
     from jinja2.visitor import NodeTransformer
     from markupsafe import Markup
+
+    # the values whose text may be far larger than they are: containers (their text holds their
+    # items' repr, however often one recurs) and bytes
+    textual = (list, tuple, set, frozenset, dict, bytes, bytearray, Namespace, *_VIEWS)
+
+    def printed(value):
+        """``value``, about to be turned into text: refused first when it is a container whose
+        text may be over MAX_TEXT."""
+        if type(value) is not str and isinstance(value, textual):
+            Environment.bounded(f"the text of a {type(value).__name__}", _text_size(value))
+        return value
 
     class Environment(ImmutableSandboxedEnvironment):
         """The sandbox, with a budget of work and text for each template it compiles (one
@@ -121,6 +285,11 @@ def _environment():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.steps = 0
+            # what {{ }} writes, and what a filter or a test takes (see _Budgeted)
+            self.filters[_COUNTED] = printed
+            self.filters["tojson"] = _tojson
+            self.globals["raise_exception"] = lambda message: _raise(printed(message))
+            self.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
             # the filters whose result may be far larger than their input, each checked first
             self.guard("format", lambda value, *args, **kwargs: _printf_bound(
                 value, kwargs or args) if isinstance(value, str) else None)
@@ -130,29 +299,67 @@ def _environment():
                 str(s).count("\n") + 1) * (len(width) if isinstance(width, str) else width))
             self.guard("replace", lambda ctx, s, old, new, count=None: _method_bound(
                 str(s), "replace", (str(old), str(new), -1 if count is None else count), {}))
-            self.guard("join", lambda ctx, items, d="", attribute=None: _method_bound(
-                str(d), "join", (items,), {}) if attribute is None else None)
+            # (a join's items count as the text it makes of them: a string's own, not its repr)
+            self.guard("join", lambda ctx, items, d="", attribute=None: _join_bound(
+                len(d) if isinstance(d, str) else _text_size(d), items) if attribute is None
+                else _text_size(items) + len(items) * _text_size(d))
+            self.guard("tojson", lambda value, indent=None: _json_bound(value, indent))
+            self.guard("pprint", lambda value: _pprint_bound(value))
+            self.guard("urlencode", lambda value: 12 * (  # %XX for each byte of UTF-8
+                len(value) if isinstance(value, str) else _text_size(value)))
+            self.guard("wordwrap", lambda ctx, s, width=79, break_long_words=True,
+                       wrapstring=None, *rest, **kwargs: None if wrapstring is None else
+                       len(str(s)) * (1 + len(str(wrapstring))))
             # and those that loop or fill to a count they are given: its items
             self.guard("batch", lambda value, count, fill_with=None: count)
             self.guard("slice", lambda ctx, value, count, fill_with=None: count)
             self.guard("lipsum", lambda n=5, html=True, min=20, max=100: n * (max * 14 + 20),
                        self.globals)
+            # the tests that format a string with `%`
+            for name in ("odd", "even"):
+                self.guard(name, lambda value: _printf_bound(value, 2) if isinstance(
+                    value, str) else None, self.tests)
+            self.guard("divisibleby", lambda value, num: _printf_bound(value, num) if isinstance(
+                value, str) else None, self.tests)
 
         def guard(self, name: str, bound, where=None) -> None:
-            """The filter ``name`` (or the function in ``where``), refused when ``bound`` (of
-            its arguments) is over MAX_TEXT."""
-            what = f"the {name} filter" if where is None else f"{name}()"
+            """The filter ``name`` (or the test or function in ``where``), refused when
+            ``bound`` (of its arguments) is over MAX_TEXT."""
             where = self.filters if where is None else where
+            what = f"the {name} filter" if where is self.filters else (
+                f"the {name} test" if where is self.tests else f"{name}()")
             original = where[name]
+            # the position of the value (after the context a pass_context filter takes first)
+            first = 1 if getattr(original, "jinja_pass_arg", None) else 0
+            iterates = (str, list, tuple) if name == "join" else None
 
-            @functools.wraps(original)  # keeps Jinja's pass_eval_context mark
             def guarded(*args, **kwargs):
-                if name == "join" and not isinstance(args[1], (list, tuple)):
-                    args = (args[0], list(args[1]), *args[2:])  # an iterator, counted once
+                if len(args) > first and (iterates and not isinstance(args[first], iterates) or
+                                          name == "urlencode" and isinstance(args[first],
+                                                                             Iterator)):
+                    # an iterator, a set or a mapping: its items, counted once
+                    args = (*args[:first], list(args[first]), *args[first + 1:])
                 self.bounded(what, bound(*args, **kwargs))
                 return original(*args, **kwargs)
 
+            guarded.__dict__.update(getattr(original, "__dict__", {}))  # Jinja's pass_* mark
             where[name] = guarded
+
+        def call_filter(self, name, value, args=None, kwargs=None, context=None,
+                        eval_ctx=None):
+            """A filter called by its name (``map``), its value and arguments counted as in
+            a filter the template applies (see :class:`_Budgeted`)."""
+            if name not in _UNCOUNTED_FILTERS:
+                for v in (value, *(args or ()), *(kwargs or {}).values()):
+                    printed(v)
+            return super().call_filter(name, value, args, kwargs, context, eval_ctx)
+
+        def call_test(self, name, value, args=None, kwargs=None, context=None, eval_ctx=None):
+            """A test called by its name (``select``), counted as :meth:`call_filter`."""
+            if name not in _UNCOUNTED_TESTS:
+                for v in (value, *(args or ()), *(kwargs or {}).values()):
+                    printed(v)
+            return super().call_test(name, value, args, kwargs, context, eval_ctx)
 
         def step(self) -> None:
             self.steps += 1
@@ -166,11 +373,19 @@ def _environment():
                 self.step()
                 yield item
 
-        def sized(self, value):
-            if isinstance(value, (str, list, tuple)) and len(value) > MAX_TEXT:
-                raise SecurityError(f"it built a text of {len(value)} characters or items, "
-                                    f"over the {MAX_TEXT} a template may build")
-            return value
+        def joined(self, values: tuple, context) -> str:
+            """A ``~``'s operands joined (escaped where the template autoescapes), refused
+            first when their text may be over MAX_TEXT."""
+            n, size = 0, None
+            for value in values:
+                if isinstance(value, str):
+                    n += len(value)
+                else:
+                    size = size or _text_sizer()
+                    n += size(value)[0]
+            self.bounded("a ~", n)
+            eval_ctx = context.eval_ctx
+            return (markup_join if eval_ctx.volatile or eval_ctx.autoescape else str_join)(values)
 
         @staticmethod
         def bounded(what: str, size: int | None) -> None:
@@ -197,6 +412,8 @@ def _environment():
             owner = getattr(__obj, "__self__", None)
             if isinstance(owner, str):
                 name = getattr(__obj, "__name__", "")
+                if name == "join" and args and not isinstance(args[0], (str, list, tuple)):
+                    args = (list(args[0]), *args[1:])  # an iterator or a mapping, counted once
                 __self.bounded(f"str.{name}()", _method_bound(owner, name, args, kwargs))
             if isinstance(__obj, LoopContext) and args:  # loop(children) of a recursive loop
                 args = (__self.iterate(args[0]), *args[1:])
@@ -243,8 +460,9 @@ def _environment():
 
         def compile_budgeted(self, source: str):
             """``source`` as a template whose loops take their items through :meth:`iterate`
-            and whose ``~`` results pass :meth:`sized` (environment attributes: no name the
-            template sets can take their place)."""
+            and whose ``~`` operands are joined by :meth:`joined` (environment attributes: no
+            name the template sets can take their place), and whose ``{{ }}``, filters and tests
+            take what may be a container through the ``_COUNTED`` filter before it is text."""
             return self.from_string(_Budgeted().visit(self.parse(source)))
 
     class _Fields:
@@ -252,6 +470,11 @@ def _environment():
         before anything sees them), and all of them together too."""
 
         built = 0
+
+        def convert_field(self, value, conversion):
+            if conversion in ("r", "a") or not isinstance(value, (str, int, float)):
+                Environment.bounded("a format field", self.built + _text_size(value))
+            return super().convert_field(value, conversion)
 
         def format_field(self, value, spec: str) -> str:
             Environment.bounded("a format field", max(map(int, re.findall(r"\d+", spec)),
@@ -273,12 +496,64 @@ def _environment():
             node.iter = _call("iterate", node.iter)
             return node
 
-        def visit_Concat(self, node):
-            return _call("sized", self.generic_visit(node))
+        def visit_Output(self, node):
+            texts = [_is_text(child) for child in node.nodes]
+            node = self.generic_visit(node)
+            node.nodes = [child if text or isinstance(child, nodes.TemplateData) else
+                          _count(child) for child, text in zip(node.nodes, texts)]
+            return node
 
-    def _call(method: str, arg):
-        return nodes.Call(nodes.EnvironmentAttribute(method), [arg], [], None, None,
-                          lineno=arg.lineno)
+        def visit_Filter(self, node):
+            return _counted(self.generic_visit(node), _UNCOUNTED_FILTERS)
+
+        def visit_Test(self, node):
+            return _counted(self.generic_visit(node), _UNCOUNTED_TESTS)
+
+        def visit_Concat(self, node):
+            node = self.generic_visit(node)
+            try:
+                node.as_const()
+                return node  # the template's own constants, joined as it compiles
+            except nodes.Impossible:
+                pass
+            return _call("joined", nodes.Tuple(node.nodes, "load", lineno=node.lineno),
+                         nodes.ContextReference(lineno=node.lineno))
+
+    def _counted(node, uncounted: frozenset):
+        """A filter or test that may turn its value or arguments into text, each of them
+        (constants aside) passed through the ``_COUNTED`` filter first: a direct call, far
+        cheaper than a wrapper around the filter."""
+        if node.name not in uncounted:
+            node.node = _count(node.node)
+            node.args = [_count(arg) for arg in node.args]
+            for keyword in node.kwargs:
+                keyword.value = _count(keyword.value)
+            node.dyn_args, node.dyn_kwargs = _count(node.dyn_args), _count(node.dyn_kwargs)
+        return node
+
+    def _is_text(node) -> bool:
+        """Whether ``node`` is a string when it is not an error (no container to count)."""
+        if isinstance(node, nodes.Const):
+            return isinstance(node.value, str)
+        if isinstance(node, nodes.Filter):
+            return node.name in _TEXT_FILTERS
+        if isinstance(node, nodes.Add):  # a string added to anything but a string fails
+            return _is_text(node.left) or _is_text(node.right)
+        if isinstance(node, nodes.Mod):
+            return _is_text(node.left)
+        if isinstance(node, nodes.CondExpr):
+            return _is_text(node.expr1) and node.expr2 is not None and _is_text(node.expr2)
+        return isinstance(node, nodes.Concat)
+
+    def _count(node):
+        if node is None or isinstance(node, nodes.Const) and not isinstance(node.value, textual):
+            return node  # a filter block's text, or the template's own constant
+        return nodes.Filter(node, _COUNTED, [], [], None, None, lineno=node.lineno,
+                            environment=node.environment)
+
+    def _call(method: str, *args):
+        return nodes.Call(nodes.EnvironmentAttribute(method), list(args), [], None, None,
+                          lineno=args[0].lineno)
 
     return Environment
 
@@ -301,10 +576,6 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
     ):
         raise PocketError("messages must be a list of {'role': str, 'content': str} objects")
     env = _environment()(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
-                                                              indent=indent)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     if not isinstance(template, str):
         raise PocketError(f"chat template must be a string, got {type(template).__name__}")
     try:

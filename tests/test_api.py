@@ -371,6 +371,10 @@ TEXT_BOMBS = {  # each built gigabytes in one operation before its size was chec
     "batch filter": "{{ [1]|batch(10**9, 0)|list|length }}",
     "slice filter": "{{ [1]|slice(10**9)|list|length }}",
     "lipsum": "{{ lipsum(10**9) }}",
+    "tojson indent": "{{ [[1, 2]] | tojson(indent=10**8) }}",
+    "wordwrap": "{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 1000000) }}",
+    "odd test": "{{ '%999999999d' is odd }}",
+    "divisibleby test": "{{ '%999999999d' is divisibleby 3 }}",
 }
 
 
@@ -389,6 +393,103 @@ def test_a_chat_template_building_a_huge_text_at_once_is_refused_first(m, monkey
         m.chat(msgs, max_tokens=1)
     with deadline(1), pytest.raises(pocketlm.PocketError, match="^the model's chat template"):
         render(template, msgs)
+
+
+HUGE = "{% set s = 'x' * 1000000 %}{% set l = [s] * 1000 %}"  # l's text: a gigabyte
+CONTAINER_TEXTS = {  # each built the text of a list of references (gigabytes) at once
+    "{{ }}": HUGE + "{{ l }}",
+    "{{ }} nested": HUGE + "{{ [l] * 1000 }}",  # a terabyte, counted in two thousand steps
+    "~": HUGE + "{{ l ~ '' }}",
+    "~ of many": "{% set m = ['x' * 1000000] * 10 %}{{ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m"
+                 " ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m ~ m }}",
+    "string filter": HUGE + "{{ l | string }}",
+    "upper filter": HUGE + "{{ l | upper }}",
+    "tojson filter": HUGE + "{{ l | tojson }}",
+    "pprint filter": HUGE + "{{ l | pprint }}",
+    "% of a tuple": HUGE + "{{ '%s' % (l,) }}",
+    "% of one value": HUGE + "{{ '%s' % l }}",
+    "format filter": HUGE + "{{ '%s' | format(l) }}",
+    "str.format": HUGE + "{{ '{}'.format([l] * 1000) }}",
+    "str.format !r": HUGE + "{{ '{!r}'.format([l] * 1000) }}",
+    "join filter": HUGE + "{{ [l] | join }}",
+    "join filter of an iterator": HUGE + "{{ [l] | reverse | join }}",
+    "join filter attribute": HUGE + "{{ [{'a': l}] | join(attribute='a') }}",
+    "join filter separator": HUGE + "{{ [1, 2] | join([l] * 1000) }}",
+    "str.join of an iterator": HUGE + "{{ ''.join(l | map('string')) }}",
+    "Markup.join": HUGE + "{{ ('' | safe).join([l]) }}",
+    "namespace": HUGE + "{% set ns = namespace() %}{% set ns.x = l %}{{ ns }}",
+    "dict": HUGE + "{{ {'a': l} }}",
+    "dict items": HUGE + "{{ {'a': l}.items() }}",
+    "tuple": HUGE + "{{ (l,) }}",
+    "lower test": HUGE + "{{ l is lower }}",
+    "urlencode of an iterator": HUGE + "{{ {'a': l} | items | urlencode }}",
+    "raise_exception": HUGE + "{{ raise_exception(l) }}",
+}
+
+
+@pytest.mark.parametrize("template", CONTAINER_TEXTS.values(), ids=CONTAINER_TEXTS.keys())
+def test_a_chat_template_turning_a_container_into_huge_text_is_refused_first(m, monkeypatch,
+                                                                              template):
+    """A list of a thousand references to one string is small, its text is not: printed,
+    joined, formatted or serialized, a container's text counts against the text budget
+    before it is built (each object once, however often it recurs)."""
+    from pocketlm.chat import render
+
+    monkeypatch.setattr(m, "chat_template", template)
+    msgs = [{"role": "user", "content": "hello"}]
+    with deadline(5), pytest.raises(pocketlm.PocketError, match=(
+            f"^the chat template of {re.escape(str(m.path))} failed to render "
+            r"\(SecurityError: .* may build \d+ characters or items, over the \d+ a template")):
+        m.chat(msgs, max_tokens=1)
+    with deadline(1), pytest.raises(pocketlm.PocketError, match="^the model's chat template"):
+        render(template, msgs)
+
+
+def test_a_container_that_holds_itself_is_refused_when_turned_into_text():
+    from pocketlm.chat import render
+
+    msgs = [{"role": "user", "content": "hello"}]
+    with pytest.raises(pocketlm.PocketError, match=r"\(SecurityError: .* Namespace that holds "
+                                                    "itself"):
+        render("{% set ns = namespace() %}{% set ns.x = [ns] %}{{ ns }}", msgs)
+
+
+def test_containers_turned_into_text_render_as_jinja_renders_them():
+    """Within the budget a container's text is what Jinja makes of it: printed, joined,
+    formatted, serialized, as the Hugging Face templates do with tools and tool calls."""
+    import json
+
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from pocketlm.chat import render
+
+    assert render("{{ [1, 'a'] }}|{{ {'a': 1} | tojson }}", [{"role": "user", "content": ""}]) \
+        == """[1, 'a']|{"a": 1}"""
+    template = (
+        "{{ messages }}{{ messages | tojson }}{{ messages | tojson(indent=2) }}"
+        "{{ tools | tojson(indent=4) }}{% for m in messages %}{{ m.content | tojson }}"
+        "{% if m.tool_calls %}{{ m.tool_calls | tojson }}{% endif %}{% endfor %}"
+        "{{ messages | selectattr('role', 'equalto', 'user') | list }}{{ messages | length }}"
+        "{{ messages | pprint }}{{ {'a': 1}.items() }}{{ {'a': 1}.keys() }}{{ (1, 'b') }}"
+        "{% set ns = namespace(a=[1], b='x') %}{{ ns }}{{ [1, 2] ~ (3,) ~ 'x' ~ 4 ~ none }}"
+        "{{ [1, 2] | string }}{{ [1, 2] | upper }}{{ '%s|%r' % ([1], 'a') }}{{ '%s' % {'a': 1} }}"
+        "{{ '{}|{!r}|{a}'.format([1], 'b', a={'c': 2}) }}{{ [[1], [2, 3]] | join(',') }}"
+        "{{ '-'.join(messages | map(attribute='role')) }}{{ '-'.join({'a': 1, 'b': 2}) }}"
+        "{{ messages | groupby('role') }}{{ [1, 2] is lower }}{{ {'a': [1]} | urlencode }}"
+        "{{ {'k': [1, {'z': (2, 3)}]} | pprint }}{{ [none, true, 1.5, -3, 10**30] | e }}"
+        "{% set l = [[1, tools[0].type] * 500] * 1000 %}{{ l | tojson | length }}"
+        "{{ l | string | length }}")
+    msgs = [{"role": "system", "content": "Be <brief> & 'kind', \"ok\"\n\t\x01 é 😀"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}}]}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False,
+                                                              indent=indent)
+    expected = env.from_string(template).render(messages=msgs, tools=tools)
+    assert render(template, msgs, tools=tools) == expected
 
 
 def test_the_text_building_operations_render_as_jinja_renders_them():
