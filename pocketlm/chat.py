@@ -13,6 +13,8 @@ import datetime
 import functools
 import json
 import re
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from .errors import PocketError, UnsupportedError
@@ -250,6 +252,7 @@ _TEXT_FILTERS = frozenset([
     "truncate", "upper", "urlencode", "urlize", "wordwrap", "xmlattr"])
 
 
+@functools.cache
 def _environment():
     from collections.abc import Iterator
 
@@ -558,6 +561,31 @@ def _environment():
     return Environment
 
 
+# the templates compiled in each thread, the most recently used last: compiling one takes
+# milliseconds, a short chat renders in a fraction of that (each thread its own environments,
+# since an environment counts the work of the render it runs)
+_compiled_here = threading.local()
+MAX_COMPILED = 8
+
+
+def _compiled(template: str):
+    """``template`` compiled in its own sandbox (see :func:`_environment`), its work budget
+    reset for a new render."""
+    cache = getattr(_compiled_here, "templates", None)
+    if cache is None:
+        cache = _compiled_here.templates = OrderedDict()
+    found = cache.get(template)
+    if found is None:
+        env = _environment()(trim_blocks=True, lstrip_blocks=True)
+        found = cache[template] = (env, env.compile_budgeted(template))
+        if len(cache) > MAX_COMPILED:
+            cache.popitem(last=False)
+    cache.move_to_end(template)
+    env, compiled = found
+    env.steps = 0
+    return compiled
+
+
 def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: str = "",
            eos_token: str = "", add_generation_prompt: bool = True,
            template_name: str = "the model's chat template", **extra: Any) -> str:
@@ -575,11 +603,10 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
         for m in messages
     ):
         raise PocketError("messages must be a list of {'role': str, 'content': str} objects")
-    env = _environment()(trim_blocks=True, lstrip_blocks=True)
     if not isinstance(template, str):
         raise PocketError(f"chat template must be a string, got {type(template).__name__}")
     try:
-        return env.compile_budgeted(template).render(
+        return _compiled(template).render(
             messages=messages, bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, **extra)
     except PocketError:

@@ -536,6 +536,44 @@ def test_the_shipped_chat_templates_render_as_jinja_renders_them():
             assert render(template, msgs, bos_token="<s>", eos_token="</s>") == expected
 
 
+def test_a_compiled_template_is_reused_with_a_fresh_budget_for_each_render():
+    """Templates are compiled once per thread (compiling took milliseconds, rendering a short
+    chat microseconds): each render still has the whole budget, and renders in several threads
+    at once each count their own work."""
+    import threading
+
+    from pocketlm import chat
+    from pocketlm.chat import MAX_STEPS, render
+
+    # three quarters of the budget a render: twice in a row is over it, if it carried over
+    template = ("{% for i in range(" + str(3 * MAX_STEPS // 4) + ") %}{% endfor %}"
+                "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    assert render(template, msgs) == render(template, msgs) == "hi"
+    assert chat._compiled(template) is chat._compiled(template)  # the same compiled template
+    results, errors = [], []
+
+    def renders(k):
+        try:
+            for j in range(3):
+                results.append(render(template, [{"role": "user", "content": f"{k}.{j}"}]))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=renders, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and sorted(results) == sorted(f"{k}.{j}" for k in range(4)
+                                                    for j in range(3))
+    # and a cache of a few templates: the least recently used goes first
+    for k in range(chat.MAX_COMPILED + 1):
+        render("{{ messages[0]['content'] }}" + "." * k, msgs)
+    assert template not in chat._compiled_here.templates
+    assert len(chat._compiled_here.templates) == chat.MAX_COMPILED
+
+
 @pytest.mark.parametrize("name", [
     pytest.param("smollm2-135m", marks=pytest.mark.real),
     pytest.param("gemma3-270m", marks=[pytest.mark.real, pytest.mark.slow]),
