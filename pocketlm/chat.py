@@ -190,6 +190,20 @@ def _join_bound(sep: int, items) -> int | None:
             + (_text_size(others) if others else 0))
 
 
+def _sum_bound(items, start) -> int | None:
+    """The items a ``sum`` of sequences copies: each partial sum is a new one, so a sum of n
+    one-item lists copies n * n / 2 items (None: numbers)."""
+    if not isinstance(start, (list, tuple, str)) or not isinstance(items, (list, tuple)):
+        return None
+    running = copied = len(start)
+    for item in items:
+        running += len(item) if isinstance(item, (list, tuple, str)) else 1
+        copied += running
+        if copied > MAX_TEXT:
+            break
+    return copied
+
+
 def _printf_bound(fmt: str, values) -> int:
     """An upper bound on the characters of ``fmt % values``."""
     if isinstance(values, tuple):
@@ -314,6 +328,10 @@ def _environment():
                        wrapstring=None, *rest, **kwargs: None if wrapstring is None else
                        len(str(s)) * (1 + len(str(wrapstring))))
             # and those that loop or fill to a count they are given: its items
+            self.guard("sum", lambda env, items, attribute=None, start=0: _sum_bound(
+                items, start) if attribute is None else None)
+            self.guard("list", lambda ctx, value: len(value) if isinstance(value, str) else None,
+                       limit=MAX_REPEAT)  # a string: an object for each of its characters
             self.guard("batch", lambda value, count, fill_with=None: count)
             self.guard("slice", lambda ctx, value, count, fill_with=None: count)
             self.guard("lipsum", lambda n=5, html=True, min=20, max=100: n * (max * 14 + 20),
@@ -325,16 +343,16 @@ def _environment():
             self.guard("divisibleby", lambda value, num: _printf_bound(value, num) if isinstance(
                 value, str) else None, self.tests)
 
-        def guard(self, name: str, bound, where=None) -> None:
+        def guard(self, name: str, bound, where=None, limit: int = MAX_TEXT) -> None:
             """The filter ``name`` (or the test or function in ``where``), refused when
-            ``bound`` (of its arguments) is over MAX_TEXT."""
+            ``bound`` (of its arguments) is over ``limit``."""
             where = self.filters if where is None else where
             what = f"the {name} filter" if where is self.filters else (
                 f"the {name} test" if where is self.tests else f"{name}()")
             original = where[name]
             # the position of the value (after the context a pass_context filter takes first)
             first = 1 if getattr(original, "jinja_pass_arg", None) else 0
-            iterates = (str, list, tuple) if name == "join" else None
+            iterates = (str, list, tuple) if name in ("join", "sum") else None
 
             def guarded(*args, **kwargs):
                 if len(args) > first and (iterates and not isinstance(args[first], iterates) or
@@ -342,7 +360,7 @@ def _environment():
                                                                              Iterator)):
                     # an iterator, a set or a mapping: its items, counted once
                     args = (*args[:first], list(args[first]), *args[first + 1:])
-                self.bounded(what, bound(*args, **kwargs))
+                self.bounded(what, bound(*args, **kwargs), limit)
                 return original(*args, **kwargs)
 
             guarded.__dict__.update(getattr(original, "__dict__", {}))  # Jinja's pass_* mark
@@ -351,7 +369,9 @@ def _environment():
         def call_filter(self, name, value, args=None, kwargs=None, context=None,
                         eval_ctx=None):
             """A filter called by its name (``map``), its value and arguments counted as in
-            a filter the template applies (see :class:`_Budgeted`)."""
+            a filter the template applies (see :class:`_Budgeted`); each call a step of the
+            render's budget ("s | map('upper')" over sixteen million characters)."""
+            self.step()
             if name not in _UNCOUNTED_FILTERS:
                 for v in (value, *(args or ()), *(kwargs or {}).values()):
                     printed(v)
@@ -359,6 +379,7 @@ def _environment():
 
         def call_test(self, name, value, args=None, kwargs=None, context=None, eval_ctx=None):
             """A test called by its name (``select``), counted as :meth:`call_filter`."""
+            self.step()
             if name not in _UNCOUNTED_TESTS:
                 for v in (value, *(args or ()), *(kwargs or {}).values()):
                     printed(v)
@@ -391,12 +412,12 @@ def _environment():
             return (markup_join if eval_ctx.volatile or eval_ctx.autoescape else str_join)(values)
 
         @staticmethod
-        def bounded(what: str, size: int | None) -> None:
+        def bounded(what: str, size: int | None, limit: int = MAX_TEXT) -> None:
             """Refuses ``what`` before it allocates when it may build ``size`` characters
-            over MAX_TEXT."""
-            if size is not None and size > MAX_TEXT:
+            (or items) over ``limit``."""
+            if size is not None and size > limit:
                 raise SecurityError(f"{what} may build {size} characters or items, over the "
-                                    f"{MAX_TEXT} a template may build")
+                                    f"{limit} a template may build")
 
         def concat(self, pieces) -> str:
             """What a template writes, joined (its output, a macro's, a set block's)."""
@@ -425,10 +446,16 @@ def _environment():
         def call_binop(self, context, operator, left, right):
             if operator == "*":
                 for seq, n in ((left, right), (right, left)):
-                    if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and \
+                    if isinstance(seq, (str, list, tuple, bytes)) and isinstance(n, int) and \
                             len(seq) * n > MAX_REPEAT:
                         raise SecurityError(f"a repetition of {len(seq)} x {n} is over the "
                                             f"{MAX_REPEAT} a template may build")
+                if isinstance(left, int) and isinstance(right, int) and \
+                        left.bit_length() + right.bit_length() > MAX_POWER_BITS:
+                    # a number squared in a loop doubles its digits each time
+                    raise SecurityError("a product of integers of "
+                                        f"{left.bit_length()} and {right.bit_length()} bits is "
+                                        "larger than a template may compute")
             elif operator == "+":
                 if isinstance(left, (str, list, tuple)) and isinstance(right, type(left)) and \
                         len(left) + len(right) > MAX_TEXT:
@@ -441,6 +468,13 @@ def _environment():
                     abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
                 raise SecurityError(f"{left} ** {right} is larger than a template may compute")
             return super().call_binop(context, operator, left, right)
+
+        def is_safe_attribute(self, obj, attr, value) -> bool:
+            # no bytes: the text budget counts characters, and nothing a chat template writes
+            # needs them (b"x" * n, b"%999999999d" % 1 and bytes.ljust would go uncounted)
+            if attr in ("encode", "to_bytes"):
+                return False
+            return super().is_safe_attribute(obj, attr, value)
 
         def wrap_str_format(self, value):
             """str.format and str.format_map, formatted by :class:`_Formatter` (Jinja's

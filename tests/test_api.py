@@ -278,7 +278,8 @@ def test_chat_renders_chatml(m):
 
 
 @pytest.mark.parametrize("expr", ["messages[0]['content'] * 10**9", "10**9 * ['x']",
-                                  "(messages * 10**7) | length", "7 ** 1000000000"])
+                                  "(messages * 10**7) | length", "7 ** 1000000000",
+                                  "(7 ** 20000) * (7 ** 20000)"])
 def test_a_hostile_chat_template_is_refused_not_run(expr):
     """The template is code from the model file: a repetition or power that would take the
     machine's memory or time is refused in one error (a sandbox limits range(), not these)."""
@@ -312,6 +313,17 @@ def deadline(seconds: float):
         signal.signal(signal.SIGALRM, old)
 
 
+def test_a_chat_template_cannot_make_bytes():
+    """The text budget counts characters: bytes (b"x" * 10**10, b"%999999999d" % 1, ljust)
+    would go uncounted, and no chat template needs them."""
+    from pocketlm.chat import render
+
+    msgs = [{"role": "user", "content": "hello"}]
+    for expr in ["'x'.encode() * 10**10", "(1).to_bytes(10**9, 'big')"]:
+        with pytest.raises(pocketlm.PocketError, match="attribute '(encode|to_bytes)'.* unsafe"):
+            render("{{ " + expr + " }}", msgs)
+
+
 ENDLESS_TEMPLATES = {  # each ran for hours or built gigabytes before a render had a budget
     "nested loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
                     "{% endfor %}{{ messages[0].content }}",
@@ -324,6 +336,13 @@ ENDLESS_TEMPLATES = {  # each ran for hours or built gigabytes before a render h
     "doubling with +": "{% set ns = namespace(s='x') %}{% for i in range(26) %}"
                        "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s | length }}",
     "long output": "{% set s = 'x' * 1000000 %}{% for i in range(100) %}{{ s }}{% endfor %}",
+    # a number squared in a loop: its digits double each time (2**40 bits after 40)
+    "squaring": "{% set ns = namespace(x=3) %}{% for i in range(40) %}{% set ns.x = ns.x * ns.x"
+                " %}{% endfor %}{{ ns.x > 0 }}",
+    # a filter applied to each of sixteen million characters, by name
+    "map over a long text": "{% set ns = namespace(s='x') %}{% for i in range(24) %}"
+                            "{% set ns.s = ns.s ~ ns.s %}{% endfor %}"
+                            "{{ ns.s | map('upper') | select('ne', 'y') | list | length }}",
 }
 
 
@@ -338,7 +357,7 @@ def test_a_chat_template_without_end_fails_fast_naming_the_template(m, monkeypat
     msgs = [{"role": "user", "content": "hello"}]
     with deadline(30), pytest.raises(pocketlm.PocketError, match=(
             f"^the chat template of {re.escape(str(m.path))} failed to render .*"
-            "(loop iterations and calls a render may take|a template may (build|write))")):
+            "(loop iterations and calls a render may take|a template may (build|write|compute))")):
         m.chat(msgs, max_tokens=1)
     with deadline(30), pytest.raises(pocketlm.PocketError, match="^the model's chat template"):
         render(template, msgs)
@@ -375,6 +394,9 @@ TEXT_BOMBS = {  # each built gigabytes in one operation before its size was chec
     "wordwrap": "{{ ('a ' * 1000) | wordwrap(1, wrapstring='x' * 1000000) }}",
     "odd test": "{{ '%999999999d' is odd }}",
     "divisibleby test": "{{ '%999999999d' is divisibleby 3 }}",
+    # a sum of lists copies every partial sum: a million one-item lists, 5 * 10**11 items
+    "sum of lists": "{{ ([[1]] * 1000000) | sum(start=[]) | length }}",
+    "list of a long string": DOUBLED + "{{ (ns.s ~ '字') | list | length }}",
 }
 
 
