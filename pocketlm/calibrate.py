@@ -187,9 +187,10 @@ def cached_stats(model, cset) -> Stats | None:
 
 def save_stats(model, cset, stats: Stats) -> None:
     """Keep ``stats`` for the next pack of the same source and set (atomically; a failure
-    to write only costs the next pack the gathering)."""
-    import os
-    import tempfile
+    to write only costs the next pack the gathering). The temp file is one that
+    :func:`~pocketlm.data.download.sweep_stale_temps` knows: Ctrl-C or SIGTERM remove it at
+    once, and what a SIGKILL left (up to gigabytes) is removed by the next save."""
+    from .data.download import atomic_file, sweep_stale_temps
 
     path = _stats_path(model, cset)
     if path is None:
@@ -198,19 +199,13 @@ def save_stats(model, cset, stats: Stats) -> None:
     sites = sorted(stats.h)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".stats-", suffix=".npz")
-        with os.fdopen(fd, "wb") as f:
+        sweep_stale_temps(path.parent)
+        with atomic_file(path) as tmp, open(tmp, "wb") as f:
             np.savez(f, sites=np.array(sites), tokens=stats.tokens,
                      n=np.array([stats.n[s] for s in sites]),
                      **{f"h{i}": stats.h[s].astype(np.float32) for i, s in enumerate(sites)})
-        os.replace(tmp, path)
-    except BaseException as exc:  # Ctrl-C or SIGTERM too: a cut-off temp file of up to
-        try:                      # gigabytes would stay in the cache folder for good
-            os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass
-        if not isinstance(exc, OSError):
-            raise
+    except OSError:
+        pass
 
 
 # -- output error ------------------------------------------------------------------------------

@@ -500,6 +500,39 @@ def test_interrupted_statistics_save_leaves_no_temp_file(tiny, tmp_path, monkeyp
     assert not list((tmp_path / "calib").iterdir())
 
 
+def test_statistics_save_killed_outright_leaves_nothing_after_the_next_save(tmp_path,
+                                                                           monkeypatch):
+    # SIGKILL (the OOM killer) while the second moments are written: no cleanup runs, and
+    # the cut-off temp file must still not stay in the cache folder for good
+    path = tmp_path / "calib" / "stats.npz"
+    script = f"""
+import os, signal
+import numpy as np
+from pathlib import Path
+from pocketlm import calibrate
+
+def killed(f, **arrays):
+    f.write(b"PK\\x03\\x04 half")
+    f.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+calibrate._stats_path = lambda model, cset: Path({str(path)!r})
+np.savez = killed
+st = calibrate.Stats()
+st.add("head_in", np.ones((4, 8), np.float32))
+calibrate.save_stats(None, None, st)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr.decode()
+    assert list(path.parent.iterdir()) and not path.exists()  # the cut-off temp file
+    monkeypatch.setattr(calibrate, "_stats_path", lambda model, cset: path)
+    st = calibrate.Stats()
+    st.add("head_in", np.ones((4, 8), np.float32))
+    calibrate.save_stats(None, None, st)
+    assert [p.name for p in path.parent.iterdir()] == ["stats.npz"]
+    assert calibrate.cached_stats(None, None).n == {"head_in": 4}
+
+
 def test_damaged_statistics_file_is_gathered_again(tiny, tmp_path):
     # a truncated cache file is not a zip at all (BadZipFile): it was a traceback
     src = open_source(tiny["src"])
