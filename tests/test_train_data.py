@@ -6,6 +6,9 @@ import io
 import itertools
 import json
 import os
+import signal
+import subprocess
+import sys
 import tarfile
 import zipfile
 
@@ -518,6 +521,42 @@ def test_data_prepare_replaces_its_tokenizer_only_with_its_shards(tmp_path, caps
     assert prepare(300) == 0
     assert files()["tokenizer/tokenizer.json"] != before["tokenizer/tokenizer.json"]
     consistent()
+    assert sorted(os.listdir(out)) == ["shards", "tokenizer"]
+
+
+def test_sigterm_during_data_prepare_leaves_no_temp_folder(tmp_path):
+    """SIGTERM while the shards are written ends ``pocket data prepare`` as it ends the other
+    writers: exit status 143, no traceback, and its temp tokenizer and shard folders removed
+    (a default SIGTERM left them, gigabytes for a large corpus, until the next prepare)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(80)) + "\n")
+    out = tmp_path / "p"
+    script = f"""
+import os, signal, sys
+from pocketlm import cli
+from pocketlm.train import data
+
+add_real, written = data._SplitWriter.add, []
+
+def add(self, *args, **kwargs):
+    written.append(1)
+    if len(written) == 20:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return add_real(self, *args, **kwargs)
+
+data._SplitWriter.add = add
+sys.exit(cli.main(["data", "prepare", "--text", {str(corpus)!r}, "--vocab-size", "280",
+                   "--holdout", "0.2", "--out", {str(out)!r}, "-q"]))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in proc.stderr, \
+        proc.stderr
+    assert not out.exists() or not os.listdir(out)
+    proc = subprocess.run([sys.executable, "-m", "pocketlm.cli", "data", "prepare", "--text",
+                           str(corpus), "--vocab-size", "280", "--holdout", "0.2", "--out",
+                           str(out), "-q"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
     assert sorted(os.listdir(out)) == ["shards", "tokenizer"]
 
 

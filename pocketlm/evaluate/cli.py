@@ -111,6 +111,13 @@ def _read_text(spec: str) -> tuple[str, str]:
 
 
 def cmd_eval(args) -> int:
+    from ..cli import _exit_on_sigterm
+
+    with _exit_on_sigterm():  # SIGTERM: a --task run's temporary predictions file is removed
+        return _eval(args)
+
+
+def _eval(args) -> int:
     from .recipes import RECIPES, resolve_task
     from .tasks import evaluate_task, perplexity
 

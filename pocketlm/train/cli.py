@@ -164,6 +164,15 @@ def cmd_train(args) -> int:
                   ("--init", args.init), ("--distill-from", args.distill_from))
     if args.recipe:
         return _run_recipe(args)
+    from ..cli import _exit_on_sigterm
+
+    # SIGTERM: the tokenizer, shards or checkpoint being written are not left half-written,
+    # nor their temporaries behind
+    with _exit_on_sigterm():
+        return _train(args)
+
+
+def _train(args) -> int:
     for flag, value in (("--until", args.until), ("--force", args.force or None)):
         if value is not None:
             raise PocketError(f"{flag} applies to --recipe NAME runs")
@@ -277,10 +286,7 @@ def cmd_train(args) -> int:
         check_trainable_splits(Path(data), args.seq_len, data=args.data)
     if resuming:
         print(f"[resuming {out / CHECKPOINT}]", file=sys.stderr)
-    from ..cli import _exit_on_sigterm
-
-    with _exit_on_sigterm():  # SIGTERM: the checkpoint being written is not left half-written
-        last = train(cfg, tokenizer=tokenizer, chat_template=template, progress=not args.quiet)
+    last = train(cfg, tokenizer=tokenizer, chat_template=template, progress=not args.quiet)
     if last and int(os.environ.get("RANK", "0")) == 0:
         msg = f"step {last['step']}: loss {last['loss']:.4f}"
         if "val_loss" in last:
@@ -442,6 +448,13 @@ def cmd_export(args) -> int:
 
 
 def cmd_tokenizer_train(args) -> int:
+    from ..cli import _exit_on_sigterm
+
+    with _exit_on_sigterm():  # SIGTERM: no half-written file, nor its temporary, is left
+        return _tokenizer_train(args)
+
+
+def _tokenizer_train(args) -> int:
     from ..export import check_output
     from .tokenizer_train import train_tokenizer
 
@@ -460,6 +473,13 @@ def cmd_tokenizer_train(args) -> int:
 
 
 def cmd_data_prepare(args) -> int:
+    from ..cli import _exit_on_sigterm
+
+    with _exit_on_sigterm():  # SIGTERM: the temporary tokenizer and shard folders are removed
+        return _data_prepare(args)
+
+
+def _data_prepare(args) -> int:
     from .data import prepare_mixture, prepare_text_file
 
     _refuse_empty(("--out", args.out), ("--text", args.text), ("--mixture", args.mixture),
