@@ -379,3 +379,42 @@ def test_tokenizer_train_cli_checks_its_output_before_training(tmp_path, capsys)
     assert "holds a tokenizer already; pass --force" in capsys.readouterr().err
     assert main([*args, str(out), "--force"]) == 0
     assert (out / "tokenizer.json").read_bytes() == first  # same data, same seed
+
+
+def test_sigterm_while_replacing_a_tokenizer_leaves_no_mismatched_pair(tmp_path):
+    """SIGTERM as ``pocket tokenizer train --force`` puts its files in place: exit status 143,
+    no ``.partial`` file left, and never the earlier tokenizer.json beside the new config (its
+    special tokens and template would be read with the earlier vocabulary); the folder then
+    holds no tokenizer, and the same command without --force writes one."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"hello world {i} 小猫 北京" for i in range(50)),
+                      encoding="utf-8")
+    out = tmp_path / "tok"
+    args = ["tokenizer", "train", "--data", str(corpus), "--vocab-size", "300", "-q", "--out",
+            str(out)]
+    assert subprocess.run([sys.executable, "-m", "pocketlm.cli", *args],
+                          capture_output=True).returncode == 0
+    first = (out / "tokenizer.json").read_bytes()
+    script = f"""
+import os, signal, sys
+from pocketlm import cli
+
+replace = os.replace
+
+def replace_then_stop(src, dst):
+    if os.path.basename(dst) == "tokenizer.json":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return replace(src, dst)
+
+os.replace = replace_then_stop
+sys.exit(cli.main({[*args, "--force", "--special-tokens", "<|end|>", "<|user|>"]!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr
+    assert not list(out.glob("*.partial"))
+    assert not (out / "tokenizer.json").exists()
+    proc = subprocess.run([sys.executable, "-m", "pocketlm.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "tokenizer.json").read_bytes() == first  # same data, same seed

@@ -293,14 +293,25 @@ def _tokenizer_config(special_tokens: list[str], training: dict) -> dict:
     return config
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".partial")
+def _write_atomic(out_dir: Path, files: dict[str, str]) -> None:
+    """Write ``files`` (name: text) into ``out_dir`` as one: each to a temporary first, so that
+    an error or Ctrl-C while they are written leaves no partial file and an earlier set as it
+    was; then they are renamed into place in their order, an earlier copy of the last one
+    removed before the first rename (the last, tokenizer.json, marks a folder as holding a
+    tokenizer: a stop between the renames leaves none, never the earlier one read with this
+    one's config)."""
+    temps = {name: out_dir / (name + ".partial") for name in files}
     try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:  # an error or Ctrl-C mid-write: no partial file left behind
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        for name, text in files.items():
+            temps[name].write_text(text, encoding="utf-8")
+        with contextlib.suppress(FileNotFoundError):
+            (out_dir / list(files)[-1]).unlink()
+        for name, tmp in temps.items():
+            os.replace(tmp, out_dir / name)
+    except BaseException:  # no partial file left behind
+        for tmp in temps.values():
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
 
 
@@ -417,10 +428,10 @@ def train_tokenizer(
     config = _tokenizer_config(specials, training)
     # the config first: tokenizer.json is what marks a folder as holding a tokenizer (a run
     # resumes with it), and read without its config it would lose its end-of-text and template
-    _write_atomic(
-        out_dir / "tokenizer_config.json", json.dumps(config, ensure_ascii=False, indent=2) + "\n"
-    )
-    _write_atomic(out_dir / "tokenizer.json", hf.to_str(pretty=True))
+    _write_atomic(out_dir, {
+        "tokenizer_config.json": json.dumps(config, ensure_ascii=False, indent=2) + "\n",
+        "tokenizer.json": hf.to_str(pretty=True),
+    })
     return Tokenizer.from_hf_file(out_dir / "tokenizer.json", config)
 
 
