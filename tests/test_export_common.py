@@ -1,15 +1,20 @@
 """The output handling every export target shares (pocketlm/export/__init__.py): a killed
-export's temporary file or folder beside the output is removed by the next export to that name
-once it is an hour old; fresh ones (an export still running) and other outputs' are kept."""
+export's temporary file or folder beside the output is removed by the next export to that name,
+at once when no writer holds the folder's lock, else once it is an hour old; fresh ones (an
+export still running) and other outputs' are kept."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from pocketlm.data.download import writer_lock
 from pocketlm.export import STALE_SECONDS, atomic_file, atomic_folder, remove_stale_temporaries
 
 HOURS_AGO = time.time() - 2 * STALE_SECONDS
@@ -40,7 +45,7 @@ def test_a_killed_exports_temporary_file_goes_with_the_next_export(tmp_path):
     fresh = _file(tmp_path / ".m.gguf.running.tmp", stale=False)  # an export still writing
     other = _file(tmp_path / ".m.gguf.bak.abcd1234.tmp", stale=True)  # m.gguf.bak's
     unrelated = _file(tmp_path / ".m.gguf.notes", stale=True)
-    with atomic_file(tmp_path / "m.gguf") as tmp:
+    with writer_lock(tmp_path), atomic_file(tmp_path / "m.gguf") as tmp:  # a writer is alive
         assert not stale.exists()
         tmp.write_bytes(b"GGUF")
     assert (tmp_path / "m.gguf").read_bytes() == b"GGUF"
@@ -51,11 +56,35 @@ def test_a_killed_exports_temporary_folder_goes_with_the_next_export(tmp_path):
     stale = _folder(tmp_path / ".tiny-hf.k1ll3d_a.tmp", stale=True)
     # a folder whose mtime is old but whose file is still being written is not stale
     busy = _age(_folder(tmp_path / ".tiny-hf.running.tmp", stale=False))
-    with atomic_folder(tmp_path / "tiny-hf") as tmp:
+    with writer_lock(tmp_path), atomic_folder(tmp_path / "tiny-hf") as tmp:
         (tmp / "config.json").write_text("{}")
     assert not stale.exists() and (busy / "model.safetensors").exists()
     assert _names(tmp_path) == {"tiny-hf", busy.name}
     assert _names(tmp_path / "tiny-hf") == {"config.json"}
+
+
+@pytest.mark.parametrize("kind", ["atomic_file", "atomic_folder"])
+def test_a_killed_exports_temporary_goes_with_the_next_export_at_once(tmp_path, kind):
+    """SIGKILL (the OOM killer on a large export) mid-write: nothing cleans up, and the
+    temporary, as large as the model, stayed beside the output when the export was run again
+    at once (it was removed only by an export to that name an hour later, if one came)."""
+    out = tmp_path / "m.gguf"
+    script = f"""
+import os, signal
+from pathlib import Path
+from pocketlm import export
+
+with export.{kind}({str(out)!r}) as tmp:
+    (tmp / "model.safetensors" if tmp.is_dir() else tmp).write_bytes(b"half a model")
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()
+    left = _names(tmp_path)
+    assert len(left) == 1 and left.pop().startswith(".m.gguf.")
+    with {"atomic_file": atomic_file, "atomic_folder": atomic_folder}[kind](out) as tmp:
+        (tmp / "config.json" if tmp.is_dir() else tmp).write_bytes(b"GGUF")
+    assert _names(tmp_path) == {"m.gguf"}
 
 
 def test_removal_is_best_effort(tmp_path, monkeypatch):

@@ -6,8 +6,9 @@
 or a GGUF file, Hugging Face folder or training run (packed first, as ``pocket run`` would).
 Outputs are written beside their final name and moved there only when complete, so a failed or
 interrupted export leaves nothing half-written under that name; the temporary file or folder
-(``.NAME.*.tmp``) of a killed export is removed by the next export to that name, once it is
-:data:`STALE_SECONDS` old.
+(``.NAME.*.tmp``) of a killed export is removed by the next export to that name: at once when no
+pocketlm writer holds the folder's writer lock (:func:`pocketlm.data.download.writer_lock`, held
+by every export while its temporary exists), else once it is :data:`STALE_SECONDS` old.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..data.download import writer_lock
 from ..errors import PocketError
 
 __all__ = ["STALE_SECONDS", "TARGETS", "atomic_file", "atomic_folder", "check_output",
@@ -28,7 +30,8 @@ __all__ = ["STALE_SECONDS", "TARGETS", "atomic_file", "atomic_folder", "check_ou
 
 # what --to accepts: the deploy file itself (a training run packed), GGUF, a Hugging Face folder
 TARGETS = ("pocket", "gguf", "hf")
-# a temporary output untouched this long is a killed export's, not a running one's
+# a temporary output untouched this long is a killed export's, not a running one's (the rule
+# while another writer holds the folder's lock, or where the filesystem has no flock)
 STALE_SECONDS = 3600
 
 
@@ -125,64 +128,73 @@ def check_replaceable(out: str | Path, flag: str, what: str, looks_like) -> Path
 @contextlib.contextmanager
 def atomic_file(out: str | Path) -> Iterator[Path]:
     """A temporary path beside ``out``; when the block ends without an error it replaces
-    ``out`` (one rename), otherwise it is removed."""
+    ``out`` (one rename), otherwise it is removed. The folder's writer lock is held meanwhile."""
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     except OSError as e:
         raise PocketError(f"cannot write {out} ({e.strerror or e})") from None
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    remove_stale_temporaries(out)
+    with writer_lock(out.parent):
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        except OSError as e:
+            raise PocketError(f"cannot write {out} ({e.strerror or e})") from None
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
 
 @contextlib.contextmanager
 def atomic_folder(out: str | Path) -> Iterator[Path]:
     """A temporary folder beside ``out``; when the block ends without an error it takes
     ``out``'s place (an existing ``out`` is moved aside first and removed after), otherwise it
-    is removed."""
+    is removed. The folder's writer lock is held meanwhile."""
     out = Path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(out)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     except OSError as e:
         raise PocketError(f"cannot write {out} ({e.strerror or e})") from None
-    try:
-        yield tmp
-        os.chmod(tmp, 0o777 & ~_umask())
-        old = None
-        if out.exists():
-            old = out.with_name(f".{out.name}.old.{os.getpid()}")
-            os.replace(out, old)
+    remove_stale_temporaries(out)
+    with writer_lock(out.parent):
         try:
-            os.replace(tmp, out)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+        except OSError as e:
+            raise PocketError(f"cannot write {out} ({e.strerror or e})") from None
+        try:
+            yield tmp
+            os.chmod(tmp, 0o777 & ~_umask())
+            old = None
+            if out.exists():
+                old = out.with_name(f".{out.name}.old.{os.getpid()}")
+                os.replace(out, old)
+            try:
+                os.replace(tmp, out)
+            except BaseException:
+                if old is not None:  # the earlier folder goes back under its name, not lost
+                    with contextlib.suppress(OSError):
+                        os.replace(old, out)
+                raise
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
         except BaseException:
-            if old is not None:  # the earlier folder goes back under its name, not lost
-                with contextlib.suppress(OSError):
-                    os.replace(old, out)
+            shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def remove_stale_temporaries(out: str | Path, *, older_than: float = STALE_SECONDS) -> list[Path]:
     """Remove the temporary files and folders beside ``out`` that :func:`atomic_file` and
-    :func:`atomic_folder` name after it (``.NAME.XXXXXXXX.tmp``) and that nothing has touched
-    for ``older_than`` seconds (a folder counts as touched when anything in it is): those of a
-    killed export. Best effort: what cannot be read or removed is left. Returns what was
-    removed."""
+    :func:`atomic_folder` name after it (``.NAME.XXXXXXXX.tmp``) and that were left by a
+    killed export: all of them when no pocketlm writer holds the folder's writer lock (a killed
+    process's lock went with it), else those nothing has touched for ``older_than`` seconds (a
+    folder counts as touched when anything in it is). Best effort: what cannot be read or
+    removed is left. Returns what was removed."""
     out = Path(out)
     pattern = re.compile(rf"\.{re.escape(out.name)}\.[^.]+\.tmp")
     cutoff = time.time() - older_than
@@ -191,20 +203,49 @@ def remove_stale_temporaries(out: str | Path, *, older_than: float = STALE_SECON
         candidates = [p for p in out.parent.iterdir() if pattern.fullmatch(p.name)]
     except OSError:
         return removed
-    for path in candidates:
-        try:
-            if path.is_dir() and not path.is_symlink():
-                if _latest_mtime(path) >= cutoff:
-                    continue
-                shutil.rmtree(path)
-            else:
-                if path.lstat().st_mtime >= cutoff:
-                    continue
-                path.unlink()
-        except OSError:
-            continue
-        removed.append(path)
+    if not candidates:
+        return removed
+    with _no_live_writer(out.parent) as alone:
+        for path in candidates:
+            try:
+                if path.is_dir() and not path.is_symlink():
+                    if not alone and _latest_mtime(path) >= cutoff:
+                        continue
+                    shutil.rmtree(path)
+                else:
+                    if not alone and path.lstat().st_mtime >= cutoff:
+                        continue
+                    path.unlink()
+            except OSError:
+                continue
+            removed.append(path)
     return removed
+
+
+@contextlib.contextmanager
+def _no_live_writer(folder: Path) -> Iterator[bool]:
+    """Whether no writer holds ``folder``'s writer lock: the lock taken exclusively without
+    waiting (and held for the block, so that no writer starts meanwhile). False where that
+    cannot be told (no flock, an unreadable folder)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover
+        yield False
+        return
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            alone = True
+        except OSError:
+            alone = False
+        yield alone
+    finally:
+        os.close(fd)
 
 
 def _latest_mtime(folder: Path) -> float:
