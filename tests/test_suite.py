@@ -182,6 +182,30 @@ def test_predictions_resume_and_refuse_another_run(monkeypatch, tmp_path):
         Predictions(other, head)
 
 
+def test_a_last_line_cut_before_its_newline_is_kept_and_the_next_starts_a_line(monkeypatch,
+                                                                              tmp_path):
+    """A run killed after the last record but before its newline: that record is whole and
+    kept, and the resumed run's first record goes on a line of its own, not glued to it (a
+    line that no later resume could read, losing it and everything after it)."""
+    load = _fake_suite(monkeypatch)
+    path = tmp_path / "p.jsonl"
+    head = run_header("fake-model", "int4", "fake", "fake")
+    preds = Predictions(path, head)
+    run_suite(FakeEngine(outputs={"N0=": "0", "N1=": "1"}), "fake", load=load, limit=2,
+              predictions=preds, progress=False)
+    preds.close()
+    path.write_bytes(path.read_bytes()[:-1])  # the last newline never written
+    for limit, resumed in ((3, [2, 2]), (3, [3, 3])):
+        fake = FakeEngine(outputs={"N0=": "0", "N1=": "1"})
+        preds = Predictions(path, head)
+        again = run_suite(fake, "fake", load=load, limit=limit, predictions=preds,
+                          progress=False)
+        preds.close()
+        assert [t["resumed"] for t in again["tasks"]] == resumed
+    lines = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+    assert len(lines) == 1 + 6 and all("result" in x for x in lines[1:])
+
+
 def test_cli_suite_errors_are_one_line(capsys):
     from pocketlm.cli import main
 

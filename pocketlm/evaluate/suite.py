@@ -115,7 +115,7 @@ def prepared_task(st: SuiteTask, load: Callable[[str], Task]) -> Task:
 class Predictions:
     """A predictions file: a run header, then one line per scored example. Opening an existing
     file for the same run reads what it holds (to resume); a torn last line (the process was
-    killed while writing) is dropped."""
+    killed while writing) is dropped, and one that lacks only its newline is kept and ended."""
 
     def __init__(self, path: str | Path, run: dict):
         self.path = Path(path)
@@ -164,6 +164,8 @@ class Predictions:
             self._file.seek(good)
             if good == 0:
                 self._write({"run": run})
+            elif not data[:good].endswith(b"\n"):  # whole, but killed before its newline
+                self._file.write(b"\n")
         except OSError as e:
             raise PocketError(f"{self.path}: cannot write ({e.strerror or e})") from None
 
