@@ -600,6 +600,43 @@ def test_cli_task_predictions_are_not_half_written(tiny, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f.jsonl", "p.jsonl", "t.jsonl"]
 
 
+def test_sigterm_during_a_task_run_leaves_no_temporary_predictions_file(tiny, tmp_path):
+    """SIGTERM while examples are scored: exit status 143, no traceback, the earlier
+    predictions file as it was and no temporary beside it (SIGTERM's default action ended the
+    process at once, leaving the temporary there)."""
+    import signal
+    import subprocess
+
+    task = _write(tmp_path / "t.jsonl", [HEADER, json.dumps({"text": "good", "label": "pos"}),
+                                         json.dumps({"text": "bad", "label": "neg"})])
+    preds = tmp_path / "p.jsonl"
+    preds.write_text('{"example": {"text": "earlier"}}\n', encoding="utf-8")
+    argv = ["eval", "-m", str(tiny["model"].path), "--task", str(task), "--predictions",
+            str(preds)]
+    script = f"""
+import os, signal, sys
+from pocketlm.cli import main
+from pocketlm.evaluate import tasks
+
+real = tasks.evaluate_task
+
+def evaluate_task(*args, on_example, **kwargs):
+    def stop_after_one(*a):
+        on_example(*a)
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*args, on_example=stop_after_one, **kwargs)
+
+tasks.evaluate_task = evaluate_task
+sys.exit(main({argv!r}))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in proc.stderr, \
+        proc.stderr
+    assert preds.read_text(encoding="utf-8") == '{"example": {"text": "earlier"}}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.jsonl", "t.jsonl"]
+
+
 def test_cli_seed_without_a_fewshot_pool_is_refused(tmp_path, capsys):
     # the task's shots are its first examples: --seed changed nothing, silently
     from pocketlm.cli import main
