@@ -108,11 +108,13 @@ def test_temp_folders_of_killed_writers_are_swept(tok, tmp_path):
     dead = tmp_path / ".s.tmp-999999999-abcdef12"  # beyond pid_max: no such process
     alive = tmp_path / f".s.tmp-{os.getppid()}-abcdef12"  # our parent: still running
     other = tmp_path / ".t.tmp-999999999-abcdef12"  # another set's
-    for d in (dead, alive, other):
+    # the earlier set, moved aside by a writer killed before it renamed the new one in
+    aside = tmp_path / ".s.old-999999999-abcdef12"
+    for d in (dead, alive, other, aside):
         d.mkdir()
         (d / "train_000.bin").write_bytes(b"\x00\x00")
     prepare_shards(_docs(20), tok, tmp_path / "s", holdout=0.0, progress=False)
-    assert not dead.exists() and alive.exists() and other.exists()
+    assert not dead.exists() and alive.exists() and other.exists() and not aside.exists()
 
 
 def test_uint32_for_large_vocab(tmp_path):

@@ -399,8 +399,10 @@ def _check_replaceable(out_dir: Path) -> None:
 
 def _sweep_dead_writers(out_dir: Path) -> None:
     """Remove the temp folders (``.{name}.tmp-{pid}-{hex}``) that writers of ``out_dir`` killed
-    by a signal left behind: those whose process is gone (a reused pid keeps its folder)."""
-    pattern = re.compile(re.escape(f".{out_dir.name}.tmp-") + r"(\d+)-[0-9a-f]{8}")
+    by a signal left behind: those whose process is gone (a reused pid keeps its folder); also
+    the earlier folder that :func:`replace_folder` had moved aside (``.{name}.old-{pid}-{hex}``)
+    when a kill came between its two renames."""
+    pattern = re.compile(re.escape(f".{out_dir.name}.") + r"(?:tmp|old)-(\d+)-[0-9a-f]{8}")
     try:
         entries = list(out_dir.parent.iterdir())
     except OSError:
