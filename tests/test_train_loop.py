@@ -402,6 +402,55 @@ def test_sequence_level_distillation_data(pretrained, tmp_path):
         for q in ("Where is the cat?", "小猫在哪里？")]
 
 
+def test_distill_data_stopped_and_started_again_asks_only_for_the_missing_answers(
+        pretrained, tmp_path, monkeypatch, capsys):
+    """The teacher's answers (hours, for a real teacher) are kept as they end: a stopped run
+    started again asks for the rest, and writes what an uninterrupted run writes."""
+    from pocketlm.api import PocketModel
+    from pocketlm.cli import main
+
+    root, run = pretrained
+    teacher = root / "teacher.pocket"
+    if not teacher.is_file():
+        pocket("export", str(run), "-o", str(teacher))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Where is the cat?\n小猫在哪里？\nA dog.\nThe sea.\n", encoding="utf-8")
+    args = ["distill-data", "--teacher", str(teacher), "--prompts", str(prompts),
+            "--max-tokens", "6"]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*args, "-o", str(whole)]) == 0
+    real, asked = PocketModel.chat_batch, []
+
+    def stopped_after_two(self, convs, **kw):
+        convs = list(convs)
+        asked.append(len(convs))
+        for n, item in enumerate(real(self, convs, **kw)):
+            if n == 2 and len(asked) == 1:
+                raise KeyboardInterrupt  # Ctrl-C with two answers made
+            yield item
+
+    monkeypatch.setattr(PocketModel, "chat_batch", stopped_after_two)
+    out = tmp_path / "d.jsonl"
+    partial = tmp_path / "d.jsonl.partial"
+    assert main([*args, "-o", str(out)]) == 130
+    assert not out.exists() and partial.is_file()
+    with partial.open("a", encoding="utf-8") as f:
+        f.write('{"i": 3, "answ')  # a line cut by a kill: asked again
+    capsys.readouterr()
+    assert main([*args, "-o", str(out)]) == 0
+    assert "2 of 4 answers already made" in capsys.readouterr().err
+    assert asked == [4, 2] and not partial.exists()
+    assert out.read_text(encoding="utf-8") == whole.read_text(encoding="utf-8")
+    # the answers of another run are not taken for this one's
+    partial.write_text(json.dumps({"run": {"teacher": "another"}}) + "\n", encoding="utf-8")
+    assert main([*args, "-o", str(tmp_path / "d.jsonl")]) == 1  # exists: refused first
+    assert main([*args, "-o", str(tmp_path / "e.jsonl")]) == 0  # another output, its own file
+    (tmp_path / "f.jsonl.partial").write_text(partial.read_text(), encoding="utf-8")
+    assert main([*args, "-o", str(tmp_path / "f.jsonl")]) == 1
+    assert "another distill-data run" in capsys.readouterr().err
+    assert main([*args, "-o", str(tmp_path / "f.jsonl"), "--force"]) == 0
+
+
 def test_bf16_on_a_cpu_without_it_is_warned_about(monkeypatch, capsys):
     from pocketlm.train import trainer
 

@@ -577,7 +577,12 @@ def _data_prepare(args) -> int:
 
 
 def cmd_distill_data(args) -> int:
-    """Sequence-level distillation data: the teacher answers each prompt (runtime, greedy)."""
+    """Sequence-level distillation data: the teacher answers each prompt (runtime, greedy).
+    Each answer is kept in ``OUT.partial`` as it ends, so a run that is stopped and started
+    again asks the teacher only for the answers still missing (greedy answers are what the
+    teacher says alone, in any batch: the file is the one an uninterrupted run writes)."""
+    import hashlib
+
     import pocketlm
 
     from ..cli import _exit_on_sigterm
@@ -600,24 +605,76 @@ def cmd_distill_data(args) -> int:
         raise PocketError(f"-o {out} is the --prompts file; write the chats elsewhere")
     if out.exists() and not args.force:  # an earlier run's answers: hours of a teacher
         raise PocketError(f"{out} exists; pass --force to overwrite it")
+    partial = out.with_name(out.name + ".partial")
+    if args.force:
+        partial.unlink(missing_ok=True)
     teacher = pocketlm.load(args.teacher)
+    run = {"teacher": args.teacher, "teacher_file": str(teacher.path),
+           "teacher_header": teacher.metadata.get("header_checksum"),
+           "max_tokens": args.max_tokens, "prompts_sha256": hashlib.sha256(
+               "\n".join(prompts).encode("utf-8")).hexdigest()}
+    answers: list[str | None] = [None] * len(prompts)
+    done = _distill_resume(partial, run, prompts, answers)
     from ..progress import bar as progress_bar
 
-    answers: list[str | None] = [None] * len(prompts)
-    convs = ([{"role": "user", "content": p}] for p in prompts)
-    with progress_bar(len(prompts), "teacher", "prompt") as bar:
+    todo = [i for i, a in enumerate(answers) if a is None]
+    if done:
+        print(f"{partial}: {done} of {len(prompts)} answers already made; asking for the "
+              f"other {len(todo)}", file=sys.stderr)
+    convs = ([{"role": "user", "content": prompts[i]}] for i in todo)
+    with open(partial, "a", encoding="utf-8") as log, progress_bar(
+            len(prompts), "teacher", "prompt", initial=done) as bar:
+        if not done:
+            log.write(json.dumps({"run": run}, ensure_ascii=False) + "\n")
         # answers come as they end; each is what chat() alone gives (greedy)
-        for i, text, _ in teacher.chat_batch(convs, max_tokens=args.max_tokens,
+        for k, text, _ in teacher.chat_batch(convs, max_tokens=args.max_tokens,
                                              temperature=0.0, max_batch=args.batch):
+            i = todo[k]
             answers[i] = text
+            log.write(json.dumps({"i": i, "answer": text}, ensure_ascii=False) + "\n")
+            log.flush()
             bar.update(1)
     with _exit_on_sigterm(), atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for p, answer in zip(prompts, answers, strict=True):
             msgs = [{"role": "user", "content": p}]
             f.write(json.dumps({"messages": msgs + [{"role": "assistant", "content": answer}]},
                                ensure_ascii=False) + "\n")
+    partial.unlink(missing_ok=True)
     print(f"{out}: {len(prompts)} chats from {args.teacher}")
     return 0
+
+
+def _distill_resume(partial: Path, run: dict, prompts: list[str],
+                    answers: list[str | None]) -> int:
+    """Fill ``answers`` from the answers an earlier run of the same teacher, prompts and
+    length kept in ``partial`` (a line cut by a kill is dropped); returns how many. A file of
+    another run is refused: --force starts afresh."""
+    if not partial.is_file():
+        return 0
+    try:
+        lines = partial.read_text(encoding="utf-8").splitlines()
+        head = json.loads(lines[0])["run"] if lines else None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        head = None
+    if head != run:
+        raise PocketError(f"{partial} holds the answers of another distill-data run (another "
+                          "teacher, prompt file or --max-tokens); pass --force to start afresh")
+    good, n = len(lines[0]) + 1, 0
+    for line in lines[1:]:
+        try:
+            rec = json.loads(line)
+            i, text = rec["i"], rec["answer"]
+            if not (isinstance(i, int) and 0 <= i < len(prompts) and isinstance(text, str)):
+                break
+        except (ValueError, KeyError, TypeError):
+            break  # a line cut by a kill: it and anything after it are asked again
+        if answers[i] is None:
+            n += 1
+        answers[i] = text
+        good += len(line.encode("utf-8")) + 1
+    with open(partial, "r+b") as f:  # drop what could not be read, so appends stay whole
+        f.truncate(good)
+    return n
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
