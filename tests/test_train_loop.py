@@ -380,11 +380,17 @@ def test_logit_distillation_from_a_teacher_with_the_same_vocabulary(pretrained, 
     assert p.returncode == 1 and "vocabulary" in p.stderr and "distill-data" in p.stderr
 
 
-def test_sequence_level_distillation_data(pretrained, tmp_path):
+def exported_teacher(pretrained) -> Path:
+    """The pretrained run as a deploy file (exported once for the module)."""
     root, run = pretrained
     teacher = root / "teacher.pocket"
     if not teacher.is_file():
         pocket("export", str(run), "-o", str(teacher))
+    return teacher
+
+
+def test_sequence_level_distillation_data(pretrained, tmp_path):
+    teacher = exported_teacher(pretrained)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Where is the cat?\n\n小猫在哪里？\n", encoding="utf-8")
     out = tmp_path / "distill.jsonl"
@@ -409,10 +415,7 @@ def test_distill_data_stopped_and_started_again_asks_only_for_the_missing_answer
     from pocketlm.api import PocketModel
     from pocketlm.cli import main
 
-    root, run = pretrained
-    teacher = root / "teacher.pocket"
-    if not teacher.is_file():
-        pocket("export", str(run), "-o", str(teacher))
+    teacher = exported_teacher(pretrained)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Where is the cat?\n小猫在哪里？\nA dog.\nThe sea.\n", encoding="utf-8")
     args = ["distill-data", "--teacher", str(teacher), "--prompts", str(prompts),
