@@ -30,7 +30,7 @@ from pocketlm.sampling import Sampler, SamplingParams
 from pocketlm.server import app as app_module
 from pocketlm.server import scheduler as scheduler_module
 from pocketlm.server.app import ServerConfig, create_app
-from pocketlm.server.cli import api_key_from, bind_socket
+from pocketlm.server.cli import api_key_from, bind_socket, uvicorn_config
 from pocketlm.server.scheduler import GenerationError, Request, Scheduler
 
 NAME = "tiny"
@@ -416,7 +416,7 @@ def live_server(app):
     import uvicorn
 
     sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="critical", lifespan="off"))
+    server = uvicorn.Server(uvicorn_config(app, log_level="critical", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -488,6 +488,29 @@ def test_a_slow_body_is_cut_off_with_408(make_app, how):
         s = stats(app)
         assert s["requests"] == 0 and s["running"] == 0 and s["waiting"] == 0
         # the server goes on serving
+        r = httpx.post(f"http://{host}:{port}/v1/completions", timeout=10,
+                       json=completion("hello", max_tokens=2))
+        assert r.status_code == 200
+
+
+@pytest.mark.parametrize("head", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+    b"Content-Length: 6\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",
+], ids=["content-length-abc", "two-lengths", "request-line", "header-line"])
+def test_a_request_http_cannot_parse_gets_a_json_400_and_the_server_goes_on(make_app, head):
+    app = make_app()
+    with live_server(app) as (host, port):
+        got, closed = _raw_exchange(host, port, head, [], pause=0)
+        assert got.startswith(b"HTTP/1.1 400"), got[:200]
+        assert closed
+        top, raw = got.split(b"\r\n\r\n", 1)
+        assert b"content-type: application/json" in top.lower()
+        err = json.loads(raw)["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == "bad_http_request"
+        assert "Content-Length" in err["message"]
         r = httpx.post(f"http://{host}:{port}/v1/completions", timeout=10,
                        json=completion("hello", max_tokens=2))
         assert r.status_code == 200

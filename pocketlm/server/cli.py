@@ -104,6 +104,40 @@ def _uvicorn_server():
     return Server
 
 
+def _json_400_protocol():
+    """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a ``Content-Length:
+    abc``, a broken request line or header) with OpenAI's JSON error object like every other
+    400 of the server, not uvicorn's plain text: such a request never reaches the app."""
+    import json
+
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from .protocol import APIError
+
+    body = json.dumps(APIError(
+        400, "malformed HTTP request: its request line or headers (e.g. Content-Length) "
+        "cannot be parsed", code="bad_http_request").body()).encode()
+
+    class Protocol(H11Protocol):
+        def send_400_response(self, msg: str) -> None:
+            headers = [(b"content-type", b"application/json"),
+                       (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+            for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+                          h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+
+    return Protocol
+
+
+def uvicorn_config(app, **kw):
+    """The uvicorn config ``pocket serve`` runs ``app`` under (tests use it too)."""
+    import uvicorn
+
+    return uvicorn.Config(app, http=_json_400_protocol(), **kw)
+
+
 def served_name(model_arg: str) -> str:
     """The id clients send: a registry name as given, a file or folder by its stem."""
     path = Path(model_arg)
@@ -171,7 +205,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def cmd_serve(args) -> int:
     _require_stack()
-    import uvicorn
 
     import pocketlm
 
@@ -201,7 +234,7 @@ def cmd_serve(args) -> int:
     except BaseException:
         sock.close()
         raise
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5)
     server = _uvicorn_server()(config)
 
