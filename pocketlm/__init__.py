@@ -7,7 +7,6 @@
 
 __version__ = "0.1.0"
 
-from .api import PocketModel, load  # noqa: E402
 from .errors import (  # noqa: E402
     ChecksumError,
     ContextLengthError,
@@ -23,3 +22,17 @@ __all__ = [
     "load", "PocketModel", "PocketError", "FormatError", "ChecksumError", "UnsupportedError",
     "ModelNotFoundError", "ContextLengthError", "SamplingError", "FetchError", "__version__",
 ]
+
+
+def __getattr__(name: str):
+    # the runtime (numpy, the native engine: about half a second) is imported on first use, so
+    # that `pocket` is interruptible and quick to start; `pocketlm.load` works as before
+    if name in ("load", "PocketModel"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'pocketlm' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | {"load", "PocketModel"})

@@ -802,7 +802,11 @@ def cmd_version(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:  # building the parser imports the subcommands' modules (numpy, the engine): ~0.5 s
+        parser = build_parser()
+    except KeyboardInterrupt:
+        print("\npocket: interrupted", file=sys.stderr)
+        return 130
     args, extra = parser.parse_known_args(argv)
     if extra:  # named by the command's own parser, so the hint is its --help
         where = parser.commands.get(args.command, parser)

@@ -302,6 +302,26 @@ def test_version(capsys):
     assert pocketlm.__version__ in capsys.readouterr().out
 
 
+def test_ctrl_c_while_the_commands_load_is_one_line(capsys, monkeypatch):
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["run", "hi"]) == 130
+    assert capsys.readouterr().err.strip() == "pocket: interrupted"
+
+
+def test_importing_pocketlm_and_its_cli_loads_no_runtime():
+    # so that Ctrl-C at once lands in main's handler, not in an import's traceback
+    code = ("import sys, pocketlm, pocketlm.cli; "
+            "print(sorted(m for m in ('numpy', 'pocketlm.api', 'pocketlm._native') "
+            "if m in sys.modules)); print(pocketlm.load.__module__, "
+            "pocketlm.PocketModel.__name__, 'load' in dir(pocketlm))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["[]", "pocketlm.api PocketModel True"]
+
+
 def test_list_is_offline(capsys, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("list must not fetch anything")
