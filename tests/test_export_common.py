@@ -149,3 +149,16 @@ def test_a_failed_rename_puts_the_earlier_folder_back(tmp_path, monkeypatch):
         (tmp / "config.json").write_text("new")
     monkeypatch.undo()
     assert (out / "config.json").read_text() == "earlier" and _names(tmp_path) == {"tiny-hf"}
+
+
+@pytest.mark.parametrize("where", ["/proc", "/sys"])
+def test_an_output_in_a_folder_nothing_can_be_made_in_is_refused_before_the_work(tmp_path,
+                                                                                 where):
+    # root may "access" /proc and /sys; the check makes (and removes) a file to be sure
+    from pocketlm.errors import PocketError
+    from pocketlm.export import check_output
+
+    with pytest.raises(PocketError, match=f"{where} is not writable"):
+        check_output(f"{where}/pocket-out.svg", force=False)
+    assert check_output(tmp_path / "x.svg", force=False) == tmp_path / "x.svg"
+    assert list(tmp_path.iterdir()) == []  # the probe is gone

@@ -92,10 +92,24 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
         if parent.exists():
             if not parent.is_dir():
                 raise PocketError(f"cannot write {out}: {parent} is not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
+            if not os.access(parent, os.W_OK | os.X_OK) or not _can_create_in(parent):
                 raise PocketError(f"cannot write {out}: {parent} is not writable")
             break
     return out
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made in ``folder``, tried (and removed at once): ``os.access`` says
+    yes to root for /proc, /sys and read-only mounts, where the write would fail only at the
+    end of the work."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".pocket-probe.", dir=folder)
+    except OSError:
+        return False
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.unlink(probe)
+    return True
 
 
 def _inside(path, folder: Path) -> bool:
