@@ -32,6 +32,7 @@ probe every few steps to notice when it pays again.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -203,8 +204,15 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
     if "draft" in spec:
         from . import api
 
+        lookup = set(spec) & {"method", "max_ngram", "min_ngram"}
+        if lookup:  # prompt lookup's options: a draft model would ignore them
+            raise PocketError(f"speculative option(s) {', '.join(sorted(lookup))} are prompt "
+                              "lookup's; a draft model takes only max_draft")
         model = spec["draft"]
-        name = None if isinstance(model, api.PocketModel) else str(model)
+        if not isinstance(model, (str, os.PathLike, api.PocketModel)):  # str(None) is no name
+            raise PocketError(f"speculative draft must be a model name, a path or a loaded "
+                              f"model, got {type(model).__name__}")
+        name = None if isinstance(model, api.PocketModel) else os.fspath(model)
         if name is not None:
             model = loaded.get(name) if loaded is not None else None
             if model is None:
@@ -215,8 +223,13 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
     if spec.get("method", "lookup") != "lookup":
         raise PocketError(f"unknown speculative method {spec.get('method')!r}; known: lookup, "
                           "or {'draft': MODEL}")
-    return PromptLookup(int(spec.get("max_ngram", LOOKUP_MAX_NGRAM)),
-                        int(spec.get("min_ngram", LOOKUP_MIN_NGRAM)))
+    sizes = []
+    for key, default in (("max_ngram", LOOKUP_MAX_NGRAM), ("min_ngram", LOOKUP_MIN_NGRAM)):
+        n = spec.get(key, default)
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+            raise PocketError(f"speculative {key} must be an integer from 1 to 8, got {n!r}")
+        sizes.append(int(n))
+    return PromptLookup(*sizes)
 
 
 class StepCost:
@@ -281,10 +294,11 @@ class DraftLength:
 
     def __init__(self, max_draft: int = DEFAULT_MAX_DRAFT, probe_every: int = 8,
                  row_cost: float = 0.25, cost: StepCost | None = None, prior: float = 2 / 3):
-        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or \
-                not 1 <= max_draft <= MAX_DRAFT:
+        if isinstance(max_draft, (bool, np.bool_)) or not isinstance(
+                max_draft, (int, np.integer)) or not 1 <= max_draft <= MAX_DRAFT:
             raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
                               f"{max_draft!r}")
+        max_draft = int(max_draft)  # a numpy integer too, as max_tokens and top_k take them
         if not 0.0 < prior < 1.0:
             raise PocketError(f"prior acceptance must be between 0 and 1, got {prior!r}")
         self.max_draft, self.probe_every = max_draft, probe_every

@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import tiny_gguf
 
@@ -265,6 +266,27 @@ def test_bad_speculative_arguments(tiny):
                        ({"method": "lookup", "max_ngram": 9}, "n-gram")]:
         with pytest.raises(PocketError, match=match):
             m.generate("hi", max_tokens=3, speculative=bad)
+
+
+def test_speculative_options_of_the_wrong_kind_are_refused_by_name(tiny):
+    """Lookup sizes that are not integers, a draft that is no name, path or model, and lookup
+    options beside a draft model (which ignores them) are refused, not coerced by int() or
+    str(); numpy integers are taken as the other lengths are."""
+    m = tiny
+    want = m.generate(REPEATS, max_tokens=6)
+    for bad, match in [({"max_ngram": "abc"}, "max_ngram must be an integer"),
+                       ({"max_ngram": None}, "max_ngram must be an integer"),
+                       ({"min_ngram": 1.9}, "min_ngram must be an integer"),
+                       ({"max_ngram": True, "min_ngram": True}, "must be an integer"),
+                       ({"draft": None}, "draft must be a model name"),
+                       ({"draft": 3}, "draft must be a model name"),
+                       ({"draft": m, "max_ngram": 3}, "max_ngram are prompt lookup's"),
+                       ({"draft": m, "method": "lookup"}, "method are prompt lookup's")]:
+        with pytest.raises(PocketError, match=match):
+            m.generate(REPEATS, max_tokens=6, speculative=bad)
+    assert m.generate(REPEATS, max_tokens=6) == want
+    spec = {"max_draft": np.int64(3), "max_ngram": np.int64(4), "min_ngram": np.int32(2)}
+    assert m.generate(REPEATS, max_tokens=6, speculative=spec) == want
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
