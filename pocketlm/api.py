@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping, Set
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,9 @@ class PocketModel:
         anything else (floats, strings, bools, complex numbers, a bare number)."""
         from .runtime.model import check_token_ids
 
+        if isinstance(ids, (Set, Mapping)):  # no order: the text would be any permutation
+            raise TokenIdError(f"token ids must be a list of integers, got "
+                               f"{type(ids).__name__}")
         if not isinstance(ids, (str, bytes, np.ndarray)) and hasattr(ids, "__iter__"):
             ids = list(ids)  # any iterable of ids
         try:

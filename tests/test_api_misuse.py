@@ -132,6 +132,10 @@ MISUSE = [
     ("detokenize(huge)", lambda m: m.detokenize([10**9]), TokenIdError, "out of range"),
     ("detokenize(['a'])", lambda m: m.detokenize(["a"]), TokenIdError, "integers"),
     ("detokenize(None)", lambda m: m.detokenize(None), TokenIdError, "list of integers"),
+    # a set or a dict has no order (a dict's keys were taken): the text was any permutation
+    ("detokenize(set)", lambda m: m.detokenize({5, 9}), TokenIdError, "got set"),
+    ("detokenize(dict)", lambda m: m.detokenize({5: 1}), TokenIdError, "got dict"),
+    ("logits(frozenset)", lambda m: m.logits(frozenset({5})), TokenIdError, "got frozenset"),
     ("tokenize(None)", lambda m: m.tokenize(None), TextError, "str"),
     ("tokenize(bytes)", lambda m: m.tokenize(b"hi"), TextError, "str"),
     ("tokenize(surrogate)", lambda m: m.tokenize("a\ud800"), TextError, "U+D800"),
