@@ -265,7 +265,9 @@ class PocketModel:
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""
         name = f"the chat template of {self.path}" if self.path else "the model's chat template"
         return render(self.chat_template, messages, bos_token=bos or "", eos_token=eos or "",
-                      add_generation_prompt=add_generation_prompt, template_name=name,
+                      add_generation_prompt=_check_flag(add_generation_prompt,
+                                                        "add_generation_prompt"),
+                      template_name=name,
                       **template_args)
 
     def chat_ids(self, messages: list[dict[str, Any]], **template_args: Any) -> list[int]:

@@ -200,6 +200,9 @@ MISUSE = [
      "add_bos must be True"),
     ("tokenize(special=None)", lambda m: m.tokenize("x", special=None), PocketError,
      "special must be True"),
+    ("chat_ids(add_generation_prompt='no')", lambda m: m.chat_ids(
+        [{"role": "user", "content": "x"}], add_generation_prompt="no"), PocketError,
+     "add_generation_prompt must be True or False"),
     # an integer beyond float's range was a raw OverflowError; one too long to write out made
     # the message itself fail with a raw ValueError
     ("generate(temperature=10**400)", lambda m: m.generate("hi", max_tokens=2,
