@@ -383,10 +383,13 @@ def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> 
 
 
 def _check_n_ctx(n_ctx):
-    if n_ctx is not None and (isinstance(n_ctx, bool) or not isinstance(n_ctx, int)
-                              or n_ctx < 1):
-        raise ContextLengthError(f"n_ctx must be a positive number of tokens, got {n_ctx!r}")
-    return n_ctx
+    if n_ctx is None:
+        return None
+    if isinstance(n_ctx, (bool, np.bool_)) or not isinstance(n_ctx, (int, np.integer)) \
+            or n_ctx < 1:
+        raise ContextLengthError(f"n_ctx must be a positive number of tokens, got "
+                                 f"{shown(n_ctx)}")
+    return int(n_ctx)  # a numpy integer too, as max_tokens takes it
 
 
 def file_config_and_tokenizer(pf: PocketFile) -> tuple[ModelConfig, Tokenizer]:

@@ -117,6 +117,12 @@ def test_numpy_integers_are_taken_as_lengths_seeds_and_top_k(m):
                       top_k=np.int32(20)) == plain
 
 
+def test_a_numpy_integer_is_taken_as_n_ctx(env):
+    # it was refused as "not a positive number of tokens" while max_tokens took it
+    m = pocketlm.load(env["gguf"], n_ctx=np.int64(16))
+    assert m.n_ctx == 16 and type(m.n_ctx) is int
+
+
 # -- the API misuse table --------------------------------------------------------------------
 MISUSE = [
     ("logits([1.9])", lambda m: m.logits([1.9]), TokenIdError, "integers"),
