@@ -245,6 +245,10 @@ class PocketModel:
         check_text(prompt, "prompt")
         stops = _check_stop(stop)
         ids = self.tokenize(prompt, add_bos=add_bos)
+        if not ids:  # "need at least one token" would not say which argument
+            raise TokenIdError("the prompt is empty and no BOS token is added: give at least "
+                               "one character" + (" (or add_bos=True)"
+                                                  if self.tokenizer.bos_id is not None else ""))
         return self._stream_text(ids, 128, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, seed=seed), speculative,
