@@ -158,6 +158,10 @@ class PocketModel:
         if state is not None and not isinstance(state, GenerationState):
             raise PocketError(f"state must be a GenerationState or None, got "
                               f"{type(state).__name__}")
+        if state is not None and state != GenerationState():  # it would carry on from there
+            raise PocketError("state must be a new GenerationState: this one already records "
+                              f"a generation ({len(state.generated)} tokens, finish_reason="
+                              f"{state.finish_reason!r})")
         state = state if state is not None else GenerationState()
         self.last_state = state
         text = TextStream(self.tokenizer, stop) if stop is not None else None

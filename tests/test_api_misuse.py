@@ -117,6 +117,19 @@ def test_numpy_integers_are_taken_as_lengths_seeds_and_top_k(m):
                       top_k=np.int32(20)) == plain
 
 
+def test_a_used_generation_state_is_refused(m):
+    # a state that already recorded a generation made the next one yield nothing: it read as
+    # finished, its tokens counted toward max_tokens
+    from pocketlm.generate import GenerationState
+
+    state = GenerationState()
+    first = list(m.stream_ids([1, 2, 3], max_tokens=3, state=state))
+    assert first and state.generated == first
+    with pytest.raises(PocketError, match="state must be a new GenerationState"):
+        m.stream_ids([1, 2, 3], max_tokens=3, state=state)
+    assert list(m.stream_ids([1, 2, 3], max_tokens=3, state=GenerationState())) == first
+
+
 def test_a_numpy_integer_is_taken_as_n_ctx(env):
     # it was refused as "not a positive number of tokens" while max_tokens took it
     m = pocketlm.load(env["gguf"], n_ctx=np.int64(16))
