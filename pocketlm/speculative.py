@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import PocketError
+from .errors import ModelNotFoundError, PocketError
 from .generate import Sequence
 from .runtime import KVCache, Runtime
 
@@ -216,7 +216,11 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
         if name is not None:
             model = loaded.get(name) if loaded is not None else None
             if model is None:
-                model = api.load(name)
+                try:
+                    model = api.load(name)
+                except ModelNotFoundError as e:  # say which argument named it
+                    raise ModelNotFoundError(f"speculative draft model: {e} (prompt lookup is "
+                                             "speculative='lookup')") from None
                 if loaded is not None:
                     loaded[name] = model
         return DraftModel(model, target_tokenizer, capacity, name)

@@ -260,6 +260,7 @@ def test_chat_stream_and_stop_strings_with_speculation(tiny):
 def test_bad_speculative_arguments(tiny):
     m = tiny
     for bad, match in [("nope-model", "nope-model"), (42, "speculative must be"),
+                       ("Lookup", "speculative draft model: 'Lookup'"),
                        ({"method": "medusa"}, "unknown speculative method"),
                        ({"max_drafts": 3}, "unknown speculative option"),
                        ({"method": "lookup", "max_draft": 0}, "max_draft"),
