@@ -107,6 +107,9 @@ class Grammar:
                 "grammar": "grammar"}[self.kind]
 
 
+_TOO_DEEP = "the JSON schema nests arrays or objects too deeply"
+
+
 def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
                   grammar: str | None = None) -> Grammar | None:
     """The one constraint among ``json_schema`` (a dict, or its JSON text), ``regex`` and
@@ -129,16 +132,21 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
             except ValueError as e:
                 raise GrammarError(f"the JSON schema is not valid JSON: {e}",
                                    param=kind) from None
+            except RecursionError:
+                raise GrammarError(_TOO_DEEP, param=kind) from None
         if isinstance(value, bool):
             value = {} if value else {"not": {}}
         if not isinstance(value, dict):
             raise GrammarError(f"a JSON schema must be an object, got "
                                f"{type(value).__name__}", param=kind)
         try:
-            source = json.dumps(value, ensure_ascii=False)  # key order is output order
+            # key order is output order; NaN would be written as no JSON parser reads it
+            source = json.dumps(value, ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"the JSON schema cannot be written as JSON: {e}",
                                param=kind) from None
+        except RecursionError:
+            raise GrammarError(_TOO_DEEP, param=kind) from None
         try:
             compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
         except ValueError as e:  # e.g. "recursion limit exceeded" for a deeply nested schema

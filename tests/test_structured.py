@@ -75,6 +75,12 @@ def tiny(request, tmp_path_factory):
     (dict(grammar="start: undefined_rule"), "grammar", "unknown name"),
     (dict(json_schema={}, regex="a"), "regex", "one of"),
     (dict(json_schema=_nested({"type": "string"}, 70)), "json_schema", "recursion limit"),
+    # deeper than Python's own recursion limit: a raw RecursionError from json
+    (dict(json_schema=_nested({"type": "string"}, 5000)), "json_schema", "too deeply"),
+    (dict(json_schema="[" * 100_000 + "]" * 100_000), "json_schema", "too deeply"),
+    # NaN was written as JSON that llguidance could not read ("expected value at column 31")
+    (dict(json_schema={"type": "number", "minimum": float("nan")}), "json_schema",
+     "cannot be written as JSON"),
 ])
 def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match):
     with pytest.raises(GrammarError, match=match) as e:
