@@ -169,6 +169,29 @@ def test_plain_requests_batched_with_a_speculative_one_are_unharmed(make_app, se
     assert s["failed"] == 0 and s["max_batch_seen"] >= 2 and s["running"] == 0
 
 
+@pytest.mark.parametrize("extra,param", [(dict(n=4), "n"),
+                                         (dict(prompt=["a", "b", "c", "d"]), "prompt"),
+                                         (dict(prompt=["a", "b"], n=2), "n")])
+def test_more_choices_than_the_server_ever_holds_get_a_400_not_a_429(make_app, extra, param):
+    """Choices beyond --max-batch + --max-queue can never be queued, even on an idle server:
+    a 429 with Retry-After had clients (the OpenAI one retries 429s itself) retry in vain."""
+    app = make_app(max_batch=2, max_queue=1)
+    bad = {**completion("hello world", max_tokens=2), **extra}
+
+    async def go():
+        async with client(app) as c:
+            return (await c.post("/v1/completions", json=bad),
+                    await c.post("/v1/completions", json=completion("hello world", n=3,
+                                                                    max_tokens=2)))
+
+    r, fits = run(go())
+    err = assert_openai_error(r, 400, "invalid_value")
+    assert err["param"] == param and "--max-queue" in err["message"], err
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 3
+    s = stats(app)
+    assert s["requests"] == 3 and s["cancelled"] == 0 and s["rejected"] == 0, s
+
+
 @pytest.mark.parametrize("temperature", [1.7e-307, 5e-324])
 def test_a_tiny_temperature_fails_no_other_request(make_app, temperature):
     app = make_app()

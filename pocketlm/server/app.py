@@ -530,6 +530,15 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         # parsing, rendering and tokenizing a large body takes a while: not on the event loop,
         # where it would stall every other request's stream meanwhile
         g, prompts = await asyncio.to_thread(prepare)
+        # more choices than the batch and the waiting line hold together never fit: a 429
+        # would have the client retry what no retry can serve
+        choices = len(prompts) * g.n
+        if choices > cfg.max_batch + cfg.max_queue:
+            raise P.APIError(400, f"this request asks for {choices} choices ({len(prompts)} "
+                             f"prompt(s) x n {g.n}) but the server takes at most "
+                             f"{cfg.max_batch + cfg.max_queue} at once (--max-batch "
+                             f"{cfg.max_batch} + --max-queue {cfg.max_queue}); ask for fewer",
+                             param="n" if g.n > 1 else "prompt", code="invalid_value")
         loop = asyncio.get_running_loop()
         # one request per (prompt, choice): they decode together like any others
         reqs: list[Request] = []
