@@ -756,6 +756,26 @@ def test_allowed_origins_and_api_keys(make_app):
     assert _with_origin(anyone, "http://evil.example").status_code == 200
 
 
+@pytest.mark.parametrize("origin,method,headers,status,code", [
+    ("http://evil.example", "POST", "content-type", 403, "origin_not_allowed"),
+    ("null", "POST", None, 403, "origin_not_allowed"),
+    ("http://app.example:3000", "DELETE", None, 400, "cors_not_allowed"),
+    ("http://app.example:3000", "POST", "content-type, x-custom", 400, "cors_not_allowed"),
+])
+def test_a_refused_cors_preflight_gets_a_json_error(make_app, origin, method, headers, status,
+                                                    code):
+    """Starlette's CORS middleware answers the preflights it refuses in plain text
+    ("Disallowed CORS origin"); they get the API's error object like every other refusal."""
+    app = make_app(allow_origins=["http://app.example:3000"])
+    h = {"Access-Control-Request-Method": method,
+         **({"Access-Control-Request-Headers": headers} if headers else {})}
+    r = _with_origin(app, origin, method="OPTIONS", headers=h)
+    err = assert_openai_error(r, status, code)
+    assert "preflight" in err["message"] and r.headers["content-type"] == "application/json"
+    assert "access-control-allow-methods" in r.headers
+    assert stats(app)["requests"] == 0
+
+
 @pytest.mark.parametrize("bad", ["localhost:3000", "ftp://x", "http://x/path", "http://x:99999"])
 def test_an_allow_origin_that_is_not_an_origin_is_refused(model, bad):
     with pytest.raises(pocketlm.errors.PocketError, match="--allow-origin"):

@@ -153,6 +153,30 @@ def error_response(exc: P.APIError) -> Response:
     return ErrorResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+class JSONCORSMiddleware(CORSMiddleware):
+    """Starlette's CORS, with a preflight it refuses answered by the API's error object (403
+    ``origin_not_allowed`` for an origin not allowed, 400 ``cors_not_allowed`` for a method or
+    header) instead of plain text."""
+
+    def preflight_response(self, request_headers) -> Response:
+        refused = super().preflight_response(request_headers)
+        if refused.status_code < 400:
+            return refused
+        origin = request_headers["origin"]
+        what = bytes(refused.body).decode("utf-8", "replace").removeprefix("Disallowed CORS ")
+        refusal = f"the CORS preflight is refused (disallowed {what})"
+        if not self.is_allowed_origin(origin=origin):
+            exc = P.APIError(403, f"{refusal}: the web origin '{P.shown(origin)}' is not one "
+                             "this server allows (--allow-origin)", code="origin_not_allowed")
+        else:
+            exc = P.APIError(400, f"{refusal}: this server allows cross-origin "
+                             f"{', '.join(self.allow_methods)} with the headers "
+                             f"{', '.join(self.allow_headers)}", code="cors_not_allowed")
+        exc.headers = {k: v for k, v in refused.headers.items()
+                       if k.lower() not in ("content-type", "content-length")}
+        return error_response(exc)
+
+
 def generation_failure(error: Exception) -> P.APIError:
     """The API error a request that failed in the scheduler gets."""
     if isinstance(error, ShuttingDownError):
@@ -796,7 +820,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         yield
         scheduler.close()
 
-    cors = [Middleware(CORSMiddleware, allow_origins=sorted(cfg.allow_origins),
+    cors = [Middleware(JSONCORSMiddleware, allow_origins=sorted(cfg.allow_origins),
                        allow_methods=["GET", "POST"],
                        allow_headers=["Authorization", "Content-Type"])] \
         if cfg.allow_origins else []
