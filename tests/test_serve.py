@@ -659,6 +659,14 @@ def test_tool_calls_round_trip_with_the_real_client(server):
         "name": "x", "schema": {"not": {}}}}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    # a schema or a key the server would ignore, and wrong types beside the schema
+    ({"response_format": {"type": "json_object", "json_schema": {"schema": {}}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {}, "strict": "yes"}}}, "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": 5, "schema": {}}}}, "response_format.json_schema.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "strin"}}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},

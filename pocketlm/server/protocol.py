@@ -348,7 +348,15 @@ def _response_format(v, name):
     the output to."""
     if not isinstance(v, dict):
         raise _bad(f"'{name}' must be an object, got {_type_name(v)}", name, "invalid_type")
+    unknown = set(v) - {"type", "json_schema"}
+    if unknown:
+        raise _bad(f"unrecognized field '{name}.{shown(sorted(unknown)[0])}'", name,
+                   "unknown_parameter")
     kind = v.get("type")
+    if kind in ("text", "json_object") and v.get("json_schema") is not None:
+        # a schema that would be ignored: the client believes its output is held to it
+        raise _bad(f"'{name}.json_schema' goes with type 'json_schema', not "
+                   f"{_as_written(kind)}", f"{name}.json_schema")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -364,6 +372,9 @@ def _response_format(v, name):
     if unknown:
         raise _bad(f"unrecognized field '{name}.json_schema.{shown(sorted(unknown)[0])}'",
                    f"{name}.json_schema", "unknown_parameter")
+    for key, check in (("name", _string), ("description", _string), ("strict", _boolean)):
+        if spec.get(key) is not None:
+            check(spec[key], f"{name}.json_schema.{key}")
     schema = spec.get("schema", {})
     if not isinstance(schema, (dict, bool)):
         raise _bad(f"'{name}.json_schema.schema' must be a JSON Schema object, got "
