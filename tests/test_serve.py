@@ -328,8 +328,10 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "speculative": 3}, 400, "invalid_type", "speculative"),
     ({"model": MODEL, "prompt": "x", "speculative": {"max_draft": 0}}, 400, "invalid_value",
      "speculative.max_draft"),
-    ({"model": MODEL, "prompt": "x", "speculative": {"draft": "m"}}, 400, "invalid_value",
+    ({"model": MODEL, "prompt": "x", "speculative": {"draft": "m"}}, 400, "unknown_parameter",
      "speculative"),
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "invalid_value", "stream_options"),
 ]
 
 
@@ -520,6 +522,22 @@ def test_chat_page_streams_an_answer_in_chromium(server, local):
 GROUNDED = ("The city council met on Tuesday to discuss the new budget. Mayor Linda Park said "
             "the budget would add 12 new buses and repair the Main Street bridge. Council "
             "member Tom Reyes asked how the buses would be paid for. The vote is on March 3.")
+
+
+def test_the_servers_draft_max_is_a_requests_default_and_its_cap():
+    from pocketlm.server.app import ServerConfig, request_speculative
+
+    default = ServerConfig(model_name="m", speculative="lookup", draft_max=4).speculative
+    lookup = {"method": "lookup"}
+    assert request_speculative(default, None) == {"method": "lookup", "max_draft": 4}
+    assert request_speculative(default, lookup) == {"method": "lookup", "max_draft": 4}
+    assert request_speculative(default, {**lookup, "max_draft": 16, "max_ngram": 3}) == \
+        {"method": "lookup", "max_draft": 4, "max_ngram": 3}
+    assert request_speculative(default, {**lookup, "max_draft": 2})["max_draft"] == 2
+    assert request_speculative(default, False) is None
+    # a server without --speculative: a request drafts as it asks (max_draft default 8)
+    assert request_speculative(None, None) is None
+    assert request_speculative(None, {**lookup, "max_draft": 16}) == {**lookup, "max_draft": 16}
 
 
 def test_speculative_requests_get_the_same_answers_alone_and_batched(server, local):

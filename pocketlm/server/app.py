@@ -177,6 +177,17 @@ class JSONCORSMiddleware(CORSMiddleware):
         return error_response(exc)
 
 
+def request_speculative(default: dict | None, asked: dict | bool | None) -> dict | None:
+    """A request's drafting options: what it asked (None: the server's ``default``, False:
+    none). With ``pocket serve --speculative lookup``, ``--draft-max`` is both the default
+    draft length and the most a request's own ``max_draft`` gets."""
+    spec = default if asked is None else asked or None
+    if spec is not None and default is not None:
+        cap = default["max_draft"]
+        spec = {**spec, "max_draft": min(spec.get("max_draft", cap), cap)}
+    return spec
+
+
 def generation_failure(error: Exception) -> P.APIError:
     """The API error a request that failed in the scheduler gets."""
     if isinstance(error, ShuttingDownError):
@@ -427,7 +438,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             sampler = Sampler(params)
         except PocketError as e:
             raise P.APIError(400, str(e)) from None
-        spec = cfg.speculative if g.speculative is None else g.speculative or None
+        spec = request_speculative(cfg.speculative, g.speculative)
         return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=sampler,
                        stop=g.stop, loop=loop, ignore_eos=g.ignore_eos, speculative=spec,
                        logprobs=g.logprobs,

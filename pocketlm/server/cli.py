@@ -71,7 +71,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "('speculative': 'lookup'). The same answers, several tokens per pass where "
                    "the answer copies the prompt")
     p.add_argument("--draft-max", type=int, default=None, metavar="N",
-                   help="with --speculative: draft at most N tokens per step (1-16, default 8)")
+                   help="with --speculative: draft at most N tokens per step (1-16, default 8); "
+                   "also the most a request's own 'max_draft' gets")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a "
                    "slot or memory; more get 429 (default 64)")
     p.add_argument("--max-memory-mb", type=float, default=None, help="memory budget of the "

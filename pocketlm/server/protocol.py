@@ -464,7 +464,7 @@ def _speculative(v, name):
     unknown = set(v) - {"method", "max_draft", "max_ngram", "min_ngram"}
     if unknown:
         raise _bad(f"'{name}' has an unknown field {shown(sorted(unknown)[0])} (known: method, "
-                   "max_draft, max_ngram, min_ngram)", name)
+                   "max_draft, max_ngram, min_ngram)", name, "unknown_parameter")
     if v.get("method", "lookup") != "lookup":
         raise _bad(f"'{name}.method' must be 'lookup', got {_as_written(v.get('method'))}",
                    name, "unsupported_value")
@@ -558,6 +558,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         raise _bad("'response_format' with 'tools' is not supported: a call is held to its "
                    "function's schema, a plain answer is free (use tool_choice 'none' for a "
                    "formatted answer)", "response_format", "unsupported_value")
+    if v.get("stream_options") is not None and not v.get("stream"):
+        raise _bad("'stream_options' is only allowed with 'stream': true", "stream_options")
     if chat:
         if v.get("top_logprobs") is not None and not v.get("logprobs"):
             raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
