@@ -739,6 +739,20 @@ def test_prompt_scoring_with_echo_equals_the_models_logits(server, local):
     assert scores[1:len(ids)] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
     assert r2.choices[0].text.startswith(prompt)
     assert len(r2.choices[0].logprobs.tokens) == len(ids) + r2.usage.completion_tokens
+    # streamed: the same text and log-probabilities, the prompt's in the echo chunk
+    got = {"text": "", "tokens": [], "token_logprobs": [], "text_offset": []}
+    for ch in c.completions.create(model=MODEL, prompt=ids, max_tokens=4, echo=True,
+                                   logprobs=1, stream=True):
+        if ch.choices:
+            got["text"] += ch.choices[0].text
+            for key in ("tokens", "token_logprobs", "text_offset") * bool(
+                    ch.choices[0].logprobs):
+                got[key] += getattr(ch.choices[0].logprobs, key)
+    whole = r2.choices[0].logprobs
+    assert got["text"] == r2.choices[0].text and got["tokens"] == whole.tokens
+    assert got["text_offset"] == whole.text_offset
+    assert got["token_logprobs"][0] is None
+    assert got["token_logprobs"][1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-6)
 
 
 def test_chat_logprobs_and_several_choices(server, local):

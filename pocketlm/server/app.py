@@ -746,17 +746,31 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                 offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
             return body
 
+        def echo(index: int) -> str:
+            """The chunk that echoes a completion's prompt (and its log-probabilities)."""
+            req = reqs[index]
+            text = model.detokenize(req.prompt_ids)
+            offsets[index] = len(text)
+            lps = None if g.logprobs is None else logprobs_body(
+                [], False, prompt=req.prompt_ids, prompt_entries=req.prompt_logprobs,
+                generated=[])
+            return sse(P.chunk_body(rid, cfg.model_name, chat=False, text=text, index=index,
+                                    logprobs=lps))
+
         try:
             if chat:
                 for i in range(len(reqs)):
                     yield sse(P.chunk_body(rid, cfg.model_name, chat=True, role=True, index=i))
-            elif g.echo:
-                for i, req in enumerate(reqs):
-                    text = model.detokenize(req.prompt_ids)
-                    offsets[i] = len(text)
-                    yield sse(P.chunk_body(rid, cfg.model_name, chat=False, text=text, index=i))
+            elif g.echo and g.logprobs is None:
+                for i in range(len(reqs)):
+                    yield echo(i)
+            # with logprobs a choice's echo waits for its first event: its prompt is scored
+            echo_due = [g.echo and not chat and g.logprobs is not None] * len(reqs)
             while finished < len(reqs):
                 i, ev = await merged.get()
+                if echo_due[i]:
+                    echo_due[i] = False
+                    yield echo(i)
                 if ev[0] == "text":
                     entries = ev[2] if len(ev) > 2 else []
                     if triggers[i] is not None:
