@@ -126,6 +126,10 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     # an empty --speculative was silently a benchmark without the speculative row
     (dict(speculative=""), "--speculative needs 'lookup' or a draft model"),
     (dict(speculative="  "), "--speculative needs 'lookup' or a draft model"),
+    # an empty --gguf / --mnn (an unset shell variable) was taken for none given
+    (dict(gguf="", vs=["llama.cpp"]), "--gguf is empty"),
+    (dict(mnn=" ", vs=["mnn"]), "--mnn is empty"),
+    (dict(gguf=""), "--gguf is empty"),
 ])
 def test_bench_bad_arguments(gguf, kwargs, match):
     with pytest.raises(PocketError, match=match):
@@ -153,6 +157,20 @@ def test_a_plot_that_cannot_be_written_fails_before_the_benchmark(gguf, tmp_path
     err = capsys.readouterr().err
     assert "is not an SVG picture" in err and err.count("\n") == 1, err
     assert results.read_text() == '{"engine": "pocketlm"}\n'
+
+
+def test_an_empty_plot_path_fails_before_the_benchmark(gguf, capsys, monkeypatch):
+    # `--plot "$SVG"` with SVG unset ran the whole benchmark and drew no picture
+    import pocketlm.bench
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the benchmark ran before the --plot path was checked")
+
+    monkeypatch.setattr(pocketlm.bench, "bench", ran)
+    for plot in ("", " "):
+        assert cli.main(["bench", "-m", str(gguf), "--plot", plot]) == 1
+        err = capsys.readouterr().err
+        assert err == "pocket: error: --plot is empty (an unset shell variable?): give a path\n"
 
 
 def test_vs_llama_cpp_needs_a_gguf(gguf, tmp_path, capsys):

@@ -126,6 +126,8 @@ def check_replaceable(out: str | Path, flag: str, what: str, looks_like) -> Path
     """``out`` for an output that replaces an earlier one of its kind in place (no --force):
     refused like :func:`check_output`, and also when it names an existing file that is not
     of that kind (``looks_like(first_bytes)`` is False), a typo that would lose another file."""
+    if not str(out).strip():  # named by its own flag, not as -o/--output
+        raise PocketError(f"{flag} is empty (an unset shell variable?): give a path")
     out = check_output(out, force=True)
     if out.is_file() and out.stat().st_size:
         try:
