@@ -376,6 +376,25 @@ def test_train_refuses_bad_numbers_and_empty_paths_up_front(tmp_path, capsys, fl
     assert not (tmp_path / "run").exists()  # refused before any tokenizer or shard work
 
 
+def test_train_refuses_a_bad_vocab_size_before_reading_the_text(tmp_path, capsys,
+                                                                monkeypatch):
+    # it was refused only once the whole text was read and hashed, under the announcement
+    # "[training a 5-token tokenizer ...]"
+    import pocketlm.train.data
+
+    def read(*args, **kwargs):
+        raise AssertionError("the text was read before --vocab-size was checked")
+
+    monkeypatch.setattr(pocketlm.train.data, "read_text_documents", read)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
+    for size in ("5", "0", "-1", str(10**9)):
+        code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run",
+                               "--vocab-size", size)
+        assert f"vocab_size {size} is " in _one_line(code, err) and "[training" not in err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("mode,flag,words", [
     # each was ignored on prepared shards or chats: the split and the tokenizer are the data's
     ("pretrain", "--holdout", "a shard folder"),
@@ -928,6 +947,10 @@ def test_corpus_lines_takes_the_first_kept_lines_in_order():
     (["--min-chars", "50"], "--min-chars shape a mixture"),
     (["--no-near-dedup", "--max-repeat", "2"], "--max-repeat, --no-near-dedup shape"),
     (["--tokenizer-sample", "10", "--tokenizer", "TOK"], "--tokenizer gives one already"),
+    # refused only after the text was read (a mixture fetched) or a tokenizer trained
+    (["--vocab-size", "5"], "vocab_size 5 is too small"),
+    (["--tokenizer-sample", "0"], "--tokenizer-sample must be a positive number"),
+    (["--shard-tokens", "0"], "--shard-tokens must be at least 1"),
     # a file as --out: a tokenizer was trained first, then a raw "Not a directory"
     (["--out", "CORPUS"], "a file of that name exists"),
     # the corpus itself named as --chats-out was replaced by the ShareGPT chats

@@ -48,6 +48,15 @@ def _refuse_empty(*flags: tuple[str, str | None]) -> None:
             raise PocketError(f"{flag} is empty (an unset shell variable?): give {what}")
 
 
+def _check_vocab_size(vocab_size: int | None) -> None:
+    """``--vocab-size`` of a tokenizer to be trained on the data, checked before the data is
+    read (a corpus can take minutes to read, a mixture to fetch)."""
+    if vocab_size is not None:
+        from .tokenizer_train import DEFAULT_SPECIAL_TOKENS, _check_vocab_size
+
+        _check_vocab_size(vocab_size, len(DEFAULT_SPECIAL_TOKENS))
+
+
 def _tokenizer_from(spec: str):
     """A trained tokenizer folder, a registry model's tokenizer, or a model file's."""
     from ..tokenizer import Tokenizer
@@ -195,6 +204,7 @@ def _train(args) -> int:
         raise PocketError(f"{data}: not a regular file or a folder (a FIFO or device); give a "
                           "text file, a shard folder or a chats JSONL file")
     _refuse_inapplicable_train_flags(args, cuts_text=args.mode == "pretrain" and data.is_file())
+    _check_vocab_size(args.vocab_size)
     if args.holdout is None:
         args.holdout = 0.01
     if args.mode == "pretrain" and data.is_file():
@@ -494,7 +504,7 @@ def _data_prepare(args) -> int:
         if named:
             raise PocketError(f"{', '.join(named)} shape a mixture of corpora (--corpora, "
                               "--mixture); --text reads its file as it is")
-    if args.tokenizer_sample is not None and not args.vocab_size:
+    if args.tokenizer_sample is not None and args.vocab_size is None:
         raise PocketError("--tokenizer-sample samples the data for a tokenizer trained with "
                           "--vocab-size; --tokenizer gives one already")
     if args.max_repeat is not None and not 0 < args.max_repeat < float("inf"):
@@ -503,14 +513,20 @@ def _data_prepare(args) -> int:
         raise PocketError(f"--min-chars must be 0 or more, got {args.min_chars}")
     if args.total_chars is not None and args.total_chars < 1:
         raise PocketError(f"--total-chars must be positive, got {args.total_chars}")
+    if args.shard_tokens < 1:
+        raise PocketError(f"--shard-tokens must be at least 1, got {args.shard_tokens}")
+    if args.tokenizer_sample is not None and args.tokenizer_sample < 1:
+        raise PocketError(f"--tokenizer-sample must be a positive number of lines, got "
+                          f"{args.tokenizer_sample}")
     from ..export import check_output
 
     # a file named --out, or an unwritable place, is refused now, not after a tokenizer trained
     check_output(args.out, force=True, folder=True)
-    if bool(args.tokenizer) == bool(args.vocab_size):
+    if bool(args.tokenizer) == (args.vocab_size is not None):
         raise PocketError("pocket data prepare needs --tokenizer (a folder from `pocket "
                           "tokenizer train`, a registry model or a model file) or --vocab-size "
                           "N to train one on the data (OUT/tokenizer)")
+    _check_vocab_size(args.vocab_size)  # before the data is read or fetched
     if not 0 <= args.holdout < 1:
         raise PocketError(f"--holdout must be a share of documents in [0, 1), got {args.holdout}")
     tokenizer_dir = Path(args.out) / "tokenizer"
