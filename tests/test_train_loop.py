@@ -360,6 +360,25 @@ def test_distill_data_refuses_bad_input_before_the_teacher_answers(tmp_path, cap
     assert not fifo.is_file()
 
 
+def test_distill_data_writes_into_a_new_folder(tmp_path, capsys):
+    # -o in a folder not made yet failed once the teacher was loaded ("d.jsonl.partial: No
+    # such file or directory"); every other output's folder is made
+    import tiny_gguf
+
+    from pocketlm.cli import main
+
+    teacher = tmp_path / "teacher.gguf"
+    tiny_gguf.write_tiny_gguf(teacher, "llama", seed=1, max_context=256)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Where is the cat?\nA dog.\n", encoding="utf-8")
+    out = tmp_path / "new" / "sub" / "d.jsonl"
+    assert main(["distill-data", "--teacher", str(teacher), "--prompts", str(prompts), "-o",
+                 str(out), "--max-tokens", "2"]) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert [r["messages"][0]["content"] for r in rows] == ["Where is the cat?", "A dog."]
+    assert sorted(p.name for p in out.parent.iterdir()) == ["d.jsonl"]
+
+
 def test_logit_distillation_from_a_teacher_with_the_same_vocabulary(pretrained, tmp_path):
     root, run = pretrained
     shards, tok_dir = run / "data", run / "tokenizer"

@@ -638,6 +638,7 @@ def cmd_distill_data(args) -> int:
         print(f"{partial}: {done} of {len(prompts)} answers already made; asking for the "
               f"other {len(todo)}", file=sys.stderr)
     convs = ([{"role": "user", "content": prompts[i]}] for i in todo)
+    partial.parent.mkdir(parents=True, exist_ok=True)  # -o in a new folder, as other outputs
     with open(partial, "a", encoding="utf-8") as log, progress_bar(
             len(prompts), "teacher", "prompt", initial=done) as bar:
         if not done:
