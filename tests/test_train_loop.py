@@ -358,6 +358,12 @@ def test_distill_data_refuses_bad_input_before_the_teacher_answers(tmp_path, cap
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "folder", "latin.txt",
                                                           "prompts.txt"]
     assert not fifo.is_file()
+    # an unset shell variable as the teacher was named only as '' ("neither an existing file
+    # or directory nor a registry model")
+    assert main(["distill-data", "--teacher", " ", "--prompts", str(prompts), "-o",
+                 str(tmp_path / "a.jsonl")]) == 1
+    assert capsys.readouterr().err == ("pocket: error: --teacher is empty (an unset shell "
+                                       "variable?): give a registry name or a path\n")
 
 
 def test_distill_data_writes_into_a_new_folder(tmp_path, capsys):

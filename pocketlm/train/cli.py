@@ -44,7 +44,7 @@ def _refuse_empty(*flags: tuple[str, str | None]) -> None:
     for flag, value in flags:
         if value is not None and not str(value).strip():
             what = "a registry name or a path" if flag in (
-                "-m/--model", "--tokenizer", "--distill-from", "SRC") else "a path"
+                "-m/--model", "--tokenizer", "--distill-from", "--teacher", "SRC") else "a path"
             raise PocketError(f"{flag} is empty (an unset shell variable?): give {what}")
 
 
@@ -605,7 +605,8 @@ def cmd_distill_data(args) -> int:
     from ..export import atomic_file, check_output
     from ..textfile import read_text_file
 
-    _refuse_empty(("--prompts", args.prompts), ("-o/--output", args.output))
+    _refuse_empty(("--teacher", args.teacher), ("--prompts", args.prompts),
+                  ("-o/--output", args.output))
     prompts = [line.strip() for line in read_text_file(args.prompts, what="prompt file")
                .splitlines() if line.strip()]
     if not prompts:
