@@ -356,7 +356,12 @@ def test_train_refuses_a_holdout_without_held_out_split_up_front(tmp_path, capsy
     ("--seed", "-1", "--seed must be an integer from 0"),
     ("--seed", str(2**70), "--seed must be an integer from 0"),
     ("--threads", "-1", "--threads must be a positive integer"),
-    ("--distill-temperature", "inf", "distill_temperature > 0 (finite)"),
+    ("--distill-temperature", "inf", "--distill-temperature must be a positive finite number"),
+    # named only as "need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0"
+    ("--lr", "0", "--lr must be a positive finite number, got 0.0"),
+    ("--lr", "nan", "--lr must be a positive finite number, got nan"),
+    ("--warmup", "-1", "--warmup must be 0 or more steps, got -1"),
+    ("--distill-alpha", "1.5", "--distill-alpha must be from 0 to 1, got 1.5"),
     # flags a run would have ignored
     ("--distill-alpha", "0.7", "give it with --distill-from TEACHER"),
     ("--tokenizer", "smollm2-135m", "--tokenizer gives one already"),
@@ -369,7 +374,8 @@ def test_train_refuses_bad_numbers_and_empty_paths_up_front(tmp_path, capsys, fl
                                                             words):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(_paragraphs(40)) + "\n")
-    extra = ("--distill-from", "smollm2-135m") if flag == "--distill-temperature" else ()
+    extra = ("--distill-from", "smollm2-135m") if flag == "--distill-temperature" or (
+        flag, value) == ("--distill-alpha", "1.5") else ()
     code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run", flag, value,
                            *extra)
     assert words in _one_line(code, err)

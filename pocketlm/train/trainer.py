@@ -105,11 +105,13 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PocketError(f"--{name.replace('_', '-')} must be a positive integer, "
                                   f"got {v!r}")
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup < 0:
-            raise PocketError("need lr > 0, 0 <= min_lr_ratio <= 1 and warmup >= 0")
         # NaN, inf or a negative value here trains to NaN weights or up the loss, silently
-        if not math.isfinite(self.lr):
+        if not 0 < self.lr < math.inf:
             raise PocketError(f"--lr must be a positive finite number, got {self.lr}")
+        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
+            raise PocketError(f"--warmup must be 0 or more steps, got {self.warmup!r}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise PocketError(f"min_lr_ratio must be from 0 to 1, got {self.min_lr_ratio}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise PocketError(f"--weight-decay must be a non-negative finite number, got "
                               f"{self.weight_decay}")
@@ -124,9 +126,11 @@ class TrainConfig:
             raise PocketError(f"--threads must be a positive integer, got {self.threads!r}")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise PocketError(f"dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-        if not 0 <= self.distill_alpha <= 1 or not 0 < self.distill_temperature < math.inf:
-            raise PocketError("need 0 <= distill_alpha <= 1 and distill_temperature > 0 "
-                              "(finite)")
+        if not 0 <= self.distill_alpha <= 1:
+            raise PocketError(f"--distill-alpha must be from 0 to 1, got {self.distill_alpha}")
+        if not 0 < self.distill_temperature < math.inf:
+            raise PocketError(f"--distill-temperature must be a positive finite number, got "
+                              f"{self.distill_temperature}")
         if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise PocketError(f"--lora-rank must be 0 (full fine-tuning) or positive, got "
                               f"{self.lora_rank!r}")
