@@ -438,6 +438,9 @@ def test_a_chat_the_template_renders_differently_as_a_prefix_is_one_bad_line(bas
     (["--lora-alpha", "8"], "--lora-alpha scales LoRA adapters: give --lora-rank"),  # ignored
     # refused only after the whole training
     (["--export", "FOLDER"], "it is a folder"),
+    # the training chats replaced by the deploy file; the run folder itself as the file
+    (["--export", "DATA"], "is the input"),
+    (["--export", "RUN"], "is the --out run folder"),
     # unset shell variables: the run written into the current folder; no export, silently
     (["--out", ""], "--out is empty"),
     (["--export", ""], "--export is empty"),
@@ -453,7 +456,8 @@ def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monk
     monkeypatch.chdir(tmp_path)  # where an empty --out wrote the run
     data = task_file(tmp_path / "task.jsonl", 12)
     (tmp_path / "folder").mkdir()
-    extra = [str(tmp_path / "folder") if a == "FOLDER" else a for a in extra]
+    names = {"FOLDER": tmp_path / "folder", "DATA": data, "RUN": tmp_path / "run"}
+    extra = [str(names.get(a, a)) for a in extra]
     code = main(["finetune", "-m", str(base), "--data", str(data), "--out",
                  str(tmp_path / "run"), "--steps", "1", *FT, *extra])
     err = capsys.readouterr().err

@@ -356,9 +356,14 @@ def cmd_finetune(args) -> int:
     from ..export import check_output
 
     if args.export:
-        # a folder, a FIFO or an unwritable place is refused now, not after the training; the
-        # file itself is replaced, as running the same command again (resuming) does
-        check_output(args.export, force=True)
+        # a folder, a FIFO, an unwritable place or a file the run reads is refused now, not
+        # after the training; the file itself is replaced, as running the same command again
+        # (resuming) does
+        export = check_output(args.export, force=True,
+                              inputs=(args.data, args.val_data, args.model))
+        if export.resolve() == Path(args.out).resolve():
+            raise PocketError(f"--export {args.export} is the --out run folder; name the "
+                              ".pocket file to write (it may lie in that folder)")
     out = check_output(args.out, force=True, folder=True)  # a file there: refused now
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
