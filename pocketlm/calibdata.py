@@ -151,9 +151,13 @@ def default_set(tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
 def check_text_file(path: str | Path, flag: str = "--calib") -> tuple[str, bytes]:
     """The text of an app's text file (``flag`` names the option it came from), refused by
     name when it is missing, empty, binary or not UTF-8."""
+    if not str(path).strip():  # an unset shell variable: Path("") is the working folder
+        raise PocketError(f"{flag} is empty (an unset shell variable?): give a text file")
     path = Path(path)
     if not path.is_file():
-        what = "is a folder, expected a text file" if path.is_dir() else "no such file"
+        what = ("is a folder, expected a text file" if path.is_dir() else
+                "not a regular file (a FIFO or device), expected a text file" if path.exists()
+                else "no such file")
         raise PocketError(f"{flag} {path}: {what}")
     try:
         data = path.read_bytes()

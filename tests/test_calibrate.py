@@ -3,6 +3,7 @@ without minimums, and the pack path's refusals (pocketlm.calibrate, pocketlm.cal
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -155,6 +156,19 @@ def test_bad_calibration_files_are_refused_by_name(tmp_path, content, message):
     with pytest.raises(PocketError, match=message) as e:
         calibdata.file_set(path, _Tok(), seq_len=64)
     assert str(path) in str(e.value)
+
+
+def test_a_calibration_path_that_is_no_text_file_is_named_for_what_it_is(tmp_path):
+    # a FIFO or /dev/null was "no such file", an empty --calib "--calib .: is a folder"
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path, message in ((fifo, "not a regular file"), ("/dev/null", "not a regular file"),
+                          (tmp_path / "none.txt", "no such file"), (tmp_path, "is a folder")):
+        with pytest.raises(PocketError, match=message):
+            calibdata.check_text_file(path)
+    for path in ("", " "):
+        with pytest.raises(PocketError, match="^--vocab-corpus is empty"):
+            calibdata.check_text_file(path, flag="--vocab-corpus")
 
 
 def test_calibration_file_is_cut_into_sequences(tmp_path):
