@@ -604,6 +604,20 @@ def test_packing_flags_on_a_deploy_file_are_refused_not_ignored(small_pocket, tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag,words", [
+    # the hint named `pocket pack ... --last`, a flag pack does not have
+    (("--last",), "pocket export RUN -o FILE.pocket --last"),
+    (("--calib", "default"), "pocket pack ... --calib"),
+    (("--quant-method", "rtn"), "pocket pack ... --quant-method"),
+])
+def test_deploy_file_flags_with_another_target_are_refused_with_a_working_hint(
+        small_pocket, tmp_path, capsys, flag, words):
+    out = tmp_path / "m.gguf"
+    code, err = _cli(capsys, "export", str(small_pocket), "--to", "gguf", "-o", str(out), *flag)
+    assert code == 1 and err.count("\n") == 1 and f"{flag[0]} applies to --to pocket" in err
+    assert words in err and not out.exists()
+
+
 def test_packing_flags_on_a_registry_model_that_is_a_deploy_file_are_refused(
         small_pocket, tmp_path, capsys, monkeypatch):
     # a recipe model (pocket-zh-en) resolves to a .pocket file: the name is no path, and the

@@ -425,9 +425,11 @@ def cmd_export(args) -> int:
         raise PocketError("--keep-lora applies to --to pocket: GGUF files and Hugging Face "
                           "folders have no place for adapters kept apart (without the flag "
                           "they get the run's weights with its adapters merged)")
-    for flag, given in (("--last", args.last), ("--calib", args.calib),
-                        ("--bits-per-weight", args.bits_per_weight), ("--awq", args.awq),
-                        ("--quant-method", args.quant_method)):
+    if args.last:  # pack has no --last: the run's latest checkpoint is exported to a file
+        raise PocketError("--last applies to --to pocket; export the run's latest checkpoint "
+                          "first (pocket export RUN -o FILE.pocket --last), then that file")
+    for flag, given in (("--calib", args.calib), ("--bits-per-weight", args.bits_per_weight),
+                        ("--awq", args.awq), ("--quant-method", args.quant_method)):
         if given:
             raise PocketError(f"{flag} applies to --to pocket; export the deploy file made "
                               f"with it (pocket pack ... {flag}) instead")
