@@ -130,6 +130,8 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     (dict(gguf="", vs=["llama.cpp"]), "--gguf is empty"),
     (dict(mnn=" ", vs=["mnn"]), "--mnn is empty"),
     (dict(gguf=""), "--gguf is empty"),
+    # named only as '' ("neither an existing file or directory nor a registry model")
+    (dict(compare=[""]), "--compare is empty"),
 ])
 def test_bench_bad_arguments(gguf, kwargs, match):
     with pytest.raises(PocketError, match=match):

@@ -196,9 +196,11 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     if unknown:
         raise UnsupportedError(f"--vs {unknown[0]!r}: supported engines to compare with: "
                                f"{', '.join(VS_ENGINES)}")
-    for flag, value in (("--gguf", gguf), ("--mnn", mnn)):
+    named = [("--gguf", gguf), ("--mnn", mnn), *(("--compare", c) for c in compare or ())]
+    for flag, value in named:
         if value is not None and not str(value).strip():  # an unset shell variable: not "none"
-            raise PocketError(f"{flag} is empty (an unset shell variable?): give a path")
+            raise PocketError(f"{flag} is empty (an unset shell variable?): give "
+                              f"{'a model' if flag == '--compare' else 'a path'}")
     if mnn and "mnn" not in vs:
         raise PocketError("--mnn names the MNN export for --vs mnn: add --vs mnn")
     if gguf and "llama.cpp" not in vs:
