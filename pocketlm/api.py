@@ -280,15 +280,41 @@ class PocketModel:
 
     def chat_ids(self, messages: list[dict[str, Any]], **template_args: Any) -> list[int]:
         """The prompt's token ids: ``messages`` rendered with the chat template (extra
-        template variables, such as ``tools``, in ``template_args``)."""
+        template variables, such as ``tools``, in ``template_args``). The template's control
+        tokens are tokens; a message's text is text, even where it spells one (a user who
+        writes ``<|im_end|>`` cannot end their turn), as OpenAI's API treats it."""
         if isinstance(messages, list) and not messages:  # a prompt of nothing but the header
             raise PocketError("messages is empty: give at least one {'role': str, "
                               "'content': str} message")
-        text = self.render_chat(messages, **template_args)
         tok = self.tokenizer
+        controls = [t for t in tok.special_tokens if t]
+        marked = _mark_control_text(messages, controls)
+        if marked is None:
+            text = self.render_chat(messages, **template_args)
+            pieces = [(text, True)]
+        else:  # message text holding control-token text: rendered by marker, then as text
+            import re
+
+            marked_messages, contents, nonce = marked
+            text = self.render_chat(marked_messages, **template_args)
+            parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
+            if any(nonce in p for p in parts[::2]):
+                raise PocketError("a message's content holds control-token text (such as "
+                                  f"{shown(controls[0])}) and the chat template alters it, so "
+                                  "it cannot be kept as plain text; remove that text")
+            pieces = [(p, True) if i % 2 == 0 else (contents[int(p)], False)
+                      for i, p in enumerate(parts)]
+            text = "".join(p for p, _ in pieces)
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        return tok.encode(text, add_bos=add_bos, special=True)
+        if len(pieces) == 1:
+            return tok.encode(text, add_bos=add_bos, special=True)
+        # the template's own control tokens are tokens; a message's text is text, always
+        ids = [tok.bos_id] if add_bos and tok.bos_id is not None else []
+        for piece, special in pieces:
+            if piece:
+                ids += tok.encode(piece, add_bos=False, special=special)
+        return ids
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None,
@@ -388,6 +414,27 @@ def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> 
         return None
     return (f"note: the model holds at most {model.n_ctx} tokens of context; {flag} {asked} "
             f"gives {model.n_ctx}")
+
+
+def _mark_control_text(messages, controls: list[str]):
+    """None when no message's content holds the text of a control token (``<|im_end|>``);
+    else (the messages with each such content replaced by a marker, those contents, the
+    markers' nonce), so that the text a user wrote is tokenized as text and cannot open or
+    close a turn of its own (OpenAI's API treats it so)."""
+    if not isinstance(messages, list) or not controls:
+        return None
+    hit = [i for i, m in enumerate(messages) if isinstance(m, dict)
+           and isinstance(m.get("content"), str) and any(c in m["content"] for c in controls)]
+    if not hit:
+        return None
+    import secrets
+
+    nonce = secrets.token_hex(8)
+    marked, contents = list(messages), []
+    for i in hit:
+        marked[i] = {**messages[i], "content": f"\ue000{nonce}{len(contents)}\ue001"}
+        contents.append(messages[i]["content"])
+    return marked, contents, nonce
 
 
 def _check_n_ctx(n_ctx):
