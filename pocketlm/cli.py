@@ -281,7 +281,7 @@ def cmd_run(args) -> int:
     if prompt == "-" or (prompt is None and sys.stdin is not None and not sys.stdin.isatty()):
         from .textfile import read_stdin_text
 
-        prompt = read_stdin_text()
+        prompt = read_stdin_text("prompt")
     elif prompt is not None:
         prompt = checked_text(prompt, "the prompt")
     if not prompt:

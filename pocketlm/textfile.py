@@ -31,16 +31,22 @@ def read_text_file(path: str | Path, *, what: str = "text file") -> str:
         raise PocketError(f"{path}: cannot read: {e.strerror or e}") from None
     if not raw.strip():
         raise PocketError(f"{path}: the file is empty")
+    return _text_of(raw, str(path), what)
+
+
+def _text_of(raw: bytes, where: str, what: str) -> str:
+    """``raw`` as text, as every text file is read: a NUL byte (binary data) and bytes that are
+    not UTF-8 refused naming ``where``; a leading byte-order mark dropped, line ends as ``\n``."""
     nul = raw.find(b"\x00")
     if nul >= 0:
-        raise PocketError(f"{path}: looks like a binary file (NUL byte at byte offset {nul}), "
+        raise PocketError(f"{where}: looks like a binary file (NUL byte at byte offset {nul}), "
                           f"not a UTF-8 {what}")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise PocketError(
-            f"{path}:{line}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at byte offset "
+            f"{where}:{line}: not UTF-8 text (invalid byte 0x{raw[e.start]:02x} at byte offset "
             f"{e.start}); convert it with `iconv -t UTF-8`") from None
     return text.removeprefix("\ufeff").replace("\r\n", "\n").replace("\r", "\n")
 
@@ -58,9 +64,11 @@ def checked_text(text: str, what: str) -> str:
     return text
 
 
-def read_stdin_text() -> str:
-    """All of stdin as text; bytes that are not UTF-8 are an error that says where (Python's
-    own text stdin would hand them on as lone surrogates, refused far from their source)."""
+def read_stdin_text(what: str = "text") -> str:
+    """All of stdin as text, read as a text file is (:func:`read_text_file`: a NUL byte or
+    bytes that are not UTF-8 are an error that says where, a byte-order mark is dropped, line
+    ends become ``\n``): piping a file in or naming it gives the same text. (Python's own text
+    stdin would hand undecodable bytes on as lone surrogates, refused far from their source.)"""
     import sys
 
     if sys.stdin is None:  # started with it closed (`<&-`)
@@ -68,12 +76,8 @@ def read_stdin_text() -> str:
                           "give it as an argument or a file")
     data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
     if isinstance(data, str):
-        return checked_text(data, "stdin")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PocketError(f"stdin is not UTF-8 text: byte 0x{data[exc.start]:02x} at offset "
-                          f"{exc.start}; convert it first (e.g. iconv -t UTF-8)") from None
+        data = checked_text(data, "stdin").encode("utf-8")
+    return _text_of(data, "stdin", what)
 
 
 def jsonl_lines(text: str) -> list[str]:

@@ -294,7 +294,7 @@ def assert_one_line(proc: subprocess.CompletedProcess, *words: str) -> None:
 
 def test_non_utf8_stdin_is_one_line(env):
     proc = pocket(env, ["run", "-m", str(env["gguf"]), "-n", "4"], stdin=b"hi \xff\xfe")
-    assert_one_line(proc, "stdin is not UTF-8", "0xff", "offset 3")
+    assert_one_line(proc, "stdin:1: not UTF-8", "0xff", "offset 3")
 
 
 def test_non_utf8_argument_is_one_line(env):

@@ -662,7 +662,7 @@ def test_cli_instruction_task_prints_each_kind(tiny, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "by kind (passed/given): words_at_most 1/1" in out  # 8 tokens are under 100 words
 
-def test_cli_ppl_reads_stdin_as_utf8(tiny, capsys, monkeypatch):
+def test_cli_ppl_reads_stdin_as_utf8(tiny, capsys, monkeypatch, tmp_path):
     import io
 
     from pocketlm.cli import main
@@ -678,7 +678,23 @@ def test_cli_ppl_reads_stdin_as_utf8(tiny, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait\n")))
     assert main(["eval", "-m", model_path, "--ppl", "-"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "stdin is not UTF-8 text: byte 0xe9 at offset 3" in err
+    assert err.count("\n") == 1 and "stdin:1: not UTF-8 text (invalid byte 0xe9 at byte " \
+        "offset 3)" in err
+    # piped in, a file is read as it is when named: the same text, so the same perplexity
+    raw = b"\xef\xbb\xbf" + f"{TEXT}\r\n{TEXT}\r\n".encode()  # a BOM, CRLF
+    named = tmp_path / "crlf.txt"
+    named.write_bytes(raw)
+    scores = []
+    for source in (str(named), "-"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+        assert main(["eval", "-m", model_path, "--ppl", source, "--window", "32",
+                     "--json"]) == 0
+        scores.append(json.loads(capsys.readouterr().out)["ppl"])
+    assert scores[0] == scores[1]
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"text\x00more\n")))
+    assert main(["eval", "-m", model_path, "--ppl", "-"]) == 1
+    assert "stdin: looks like a binary file (NUL byte at byte offset 4)" in \
+        capsys.readouterr().err
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

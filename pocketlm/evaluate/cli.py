@@ -103,7 +103,7 @@ def _read_text(spec: str) -> tuple[str, str]:
     from ..textfile import read_stdin_text, read_text_file
 
     if spec == "-":
-        return read_stdin_text(), "<stdin>"
+        return read_stdin_text("text to score"), "<stdin>"
 
     path = Path(spec)
     text = read_text_file(path)
