@@ -722,6 +722,10 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (["--task", "T", "--window", "8"], "--window and --stride apply to --ppl"),
     # an unset variable: no predictions written, silently
     (["--task", "T", "--predictions", ""], "--predictions is empty"),
+    # an unset variable: the generic "needs --ppl FILE, --task TASK or --suite" named none
+    (["--ppl", ""], "--ppl is empty"),
+    (["--task", ""], "--task is empty"),
+    (["--suite", ""], "--suite is empty"),
     # a FIFO: opening it for writing blocked forever (after the model loaded)
     (["--task", "T", "--predictions", "FIFO"], "not a regular file"),
     # a FIFO to read: the read blocked forever

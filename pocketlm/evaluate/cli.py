@@ -131,6 +131,10 @@ def _eval(args) -> int:
                 print(f"{name:<14} {r.description}  [{r.source.package} {r.source.version}, "
                       f"{r.source.license.split(' ')[0]}]")
         return 0
+    for flag, value in (("--ppl", args.ppl), ("--task", args.task), ("--suite", args.suite)):
+        if value is not None and not str(value).strip():  # an unset shell variable
+            raise PocketError(f"{flag} is empty (an unset shell variable?): give "
+                              f"{'a text file' if flag == '--ppl' else 'a name'}")
     if not args.ppl and not args.task and not args.suite:
         raise PocketError("pocket eval needs --ppl FILE, --task TASK (see --list-tasks) or "
                           "--suite pocket")
