@@ -287,20 +287,19 @@ class PocketModel:
             raise PocketError("messages is empty: give at least one {'role': str, "
                               "'content': str} message")
         tok = self.tokenizer
-        controls = [t for t in tok.special_tokens if t]
-        marked = _mark_control_text(messages, controls)
+        marked = _mark_control_text(messages, tok)
         if marked is None:
             text = self.render_chat(messages, **template_args)
             pieces = [(text, True)]
         else:  # message text holding control-token text: rendered by marker, then as text
             import re
 
-            marked_messages, contents, nonce = marked
+            marked_messages, contents, nonce, example = marked
             text = self.render_chat(marked_messages, **template_args)
             parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
             if any(nonce in p for p in parts[::2]):
                 raise PocketError("a message's content holds control-token text (such as "
-                                  f"{shown(controls[0])}) and the chat template alters it, so "
+                                  f"{shown(example)}) and the chat template alters it, so "
                                   "it cannot be kept as plain text; remove that text")
             pieces = [(p, True) if i % 2 == 0 else (contents[int(p)], False)
                       for i, p in enumerate(parts)]
@@ -416,15 +415,16 @@ def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> 
             f"gives {model.n_ctx}")
 
 
-def _mark_control_text(messages, controls: list[str]):
+def _mark_control_text(messages, tok):
     """None when no message's content holds the text of a control token (``<|im_end|>``);
     else (the messages with each such content replaced by a marker, those contents, the
-    markers' nonce), so that the text a user wrote is tokenized as text and cannot open or
-    close a turn of its own (OpenAI's API treats it so)."""
-    if not isinstance(messages, list) or not controls:
+    markers' nonce, one such text), so that the text a user wrote is tokenized as text and
+    cannot open or close a turn of its own (OpenAI's API treats it so)."""
+    if not isinstance(messages, list):
         return None
-    hit = [i for i, m in enumerate(messages) if isinstance(m, dict)
-           and isinstance(m.get("content"), str) and any(c in m["content"] for c in controls)]
+    found = {i: tok.control_text_in(m["content"]) for i, m in enumerate(messages)
+             if isinstance(m, dict) and isinstance(m.get("content"), str)}
+    hit = [i for i, text in found.items() if text is not None]
     if not hit:
         return None
     import secrets
@@ -434,7 +434,7 @@ def _mark_control_text(messages, controls: list[str]):
     for i in hit:
         marked[i] = {**messages[i], "content": f"\ue000{nonce}{len(contents)}\ue001"}
         contents.append(messages[i]["content"])
-    return marked, contents, nonce
+    return marked, contents, nonce, found[hit[0]]
 
 
 def _check_n_ctx(n_ctx):

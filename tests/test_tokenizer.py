@@ -615,3 +615,36 @@ def test_real_json_roundtrip(real):
     for special in (True, False):
         assert again.encode(MIXED_TEXT, special=special) == tok.encode(MIXED_TEXT, special=special)
     assert (again.bos_id, again.eos_ids, again.add_bos) == (tok.bos_id, tok.eos_ids, tok.add_bos)
+
+
+def test_the_token_text_finder_matches_the_longest_text_as_the_alternation_does():
+    """SpmTokenizer cuts user-defined and control texts out of the text with one regex; as a
+    trie it must find what the plain alternation (longest first) finds, at every place."""
+    import random
+    import re
+
+    from pocketlm.tokenizer import _longest_literal_pattern
+
+    texts = ["\n" * k for k in range(1, 8)] + [" " * k for k in range(1, 5)] + \
+        [f"<unused{i}>" for i in range(200)] + ["<start_of_turn>", "<start>", "<s>", "[x]",
+                                                "<", "ab", "abc", "abd", "b"]
+    plain = re.compile("|".join(re.escape(t) for t in sorted(texts, key=lambda t: (-len(t), t))))
+    trie = re.compile(_longest_literal_pattern(texts))
+    rng = random.Random(0)
+    alphabet = texts + ["a", "x", "<unused", "<unused2", "start_of", ">", "\t", "你"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        assert [m.span() for m in trie.finditer(text)] == \
+            [m.span() for m in plain.finditer(text)], repr(text)
+
+
+def test_control_text_in_names_the_first_control_text():
+    class Fake(Tokenizer):
+        def __init__(self):
+            self.special_tokens = {"<|im_end|>": 2, "<|im_start|>": 1, "<unused12>": 9, "": 3}
+
+    tok = Fake()
+    assert tok.control_text_in("plain <b>text</b> <|im") is None
+    assert tok.control_text_in("a <unused12> then <|im_end|>") == "<unused12>"
+    assert tok.control_text_in("<|im_start|>") == "<|im_start|>"
+    assert tok.control_text_in("") is None
