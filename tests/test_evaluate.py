@@ -691,6 +691,13 @@ def test_cli_ppl_reads_stdin_as_utf8(tiny, capsys, monkeypatch, tmp_path):
                      "--json"]) == 0
         scores.append(json.loads(capsys.readouterr().out)["ppl"])
     assert scores[0] == scores[1]
+    # a context beyond the model's is cut to it, and said (as pocket run says it of --ctx)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(raw)))
+    assert main(["eval", "-m", model_path, "--ppl", "-", "--window", "32", "--json",
+                 "--n-ctx", "99999999"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["ppl"] == scores[0]
+    assert "--n-ctx 99999999 gives" in got.err
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"text\x00more\n")))
     assert main(["eval", "-m", model_path, "--ppl", "-"]) == 1
     assert "stdin: looks like a binary file (NUL byte at byte offset 4)" in \

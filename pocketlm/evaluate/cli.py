@@ -93,10 +93,13 @@ def _open_engine(args):
             raise PocketError(f"--engine llama.cpp runs GGUF files; {args.model} is not one "
                               "(a trimmed model or deploy file runs with --engine pocketlm)")
         return LlamaCppEngine(path, n_ctx=args.n_ctx)
-    from ..api import load
+    from ..api import context_note, load
 
-    return PocketEngine(load(args.model, n_ctx=args.n_ctx, quiet=args.json,
-                             precision=args.precision))
+    model = load(args.model, n_ctx=args.n_ctx, quiet=args.json, precision=args.precision)
+    note = context_note(model, args.n_ctx, "--n-ctx")  # as pocket run says it of --ctx
+    if note:
+        print(note, file=sys.stderr)
+    return PocketEngine(model)
 
 
 def _read_text(spec: str) -> tuple[str, str]:
