@@ -268,6 +268,10 @@ class PocketModel:
     # -- chat --------------------------------------------------------------------------------
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     **template_args: Any) -> str:
+        reserved = sorted(set(template_args) & {"bos_token", "eos_token", "template_name"})
+        if reserved:  # the model's own: a template sees what the tokenizer has
+            raise PocketError(f"template variable {reserved[0]!r} is the model's own (from its "
+                              "tokenizer); it cannot be given")
         tok = self.tokenizer
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else ""
         eos = tok.id_to_token(tok.eos_ids[0]) if tok.eos_ids else ""

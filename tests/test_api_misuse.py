@@ -226,6 +226,10 @@ MISUSE = [
     ("chat_ids(add_generation_prompt='no')", lambda m: m.chat_ids(
         [{"role": "user", "content": "x"}], add_generation_prompt="no"), PocketError,
      "add_generation_prompt must be True or False"),
+    # Python's own "got multiple values for keyword argument 'bos_token'"
+    ("chat_ids(bos_token='X')", lambda m: m.chat_ids(
+        [{"role": "user", "content": "x"}], bos_token="X"), PocketError,
+     "template variable 'bos_token' is the model's own"),
     # an integer beyond float's range was a raw OverflowError; one too long to write out made
     # the message itself fail with a raw ValueError
     ("generate(temperature=10**400)", lambda m: m.generate("hi", max_tokens=2,
