@@ -37,7 +37,7 @@ from .generate import (
     stream_sequence,
 )
 from .runtime import KVCache, Runtime
-from .sampling import Sampler, SamplingParams, shown
+from .sampling import Sampler, SamplingParams, is_integer, shown
 from .speculative import SpeculativeStats
 from .tokenizer import Tokenizer, check_text, release_free_heap
 
@@ -143,8 +143,7 @@ class PocketModel:
         for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity)."""
         prompt_ids = self._check_ids(prompt_ids)
         max_tokens = self.settings(builtin_max_tokens, max_tokens=max_tokens)["max_tokens"]
-        if isinstance(max_tokens, (bool, np.bool_)) or not isinstance(
-                max_tokens, (int, np.integer)) or max_tokens < 0:
+        if not is_integer(max_tokens) or max_tokens < 0:
             raise SamplingError(f"max_tokens must be a non-negative integer, got "
                                 f"{shown(max_tokens)}")
         max_tokens = int(max_tokens)  # a numpy integer too, as seed and top_k take them
@@ -444,8 +443,7 @@ def _mark_control_text(messages, tok):
 def _check_n_ctx(n_ctx):
     if n_ctx is None:
         return None
-    if isinstance(n_ctx, (bool, np.bool_)) or not isinstance(n_ctx, (int, np.integer)) \
-            or n_ctx < 1:
+    if not is_integer(n_ctx) or n_ctx < 1:
         raise ContextLengthError(f"n_ctx must be a positive number of tokens, got "
                                  f"{shown(n_ctx)}")
     return int(n_ctx)  # a numpy integer too, as max_tokens takes it

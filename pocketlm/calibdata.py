@@ -29,7 +29,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import PocketError
+from .errors import PocketError, refuse_empty
 
 CALIB_REVISION = 1
 KINDS = ("zh", "en", "code")
@@ -151,8 +151,7 @@ def default_set(tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
 def check_text_file(path: str | Path, flag: str = "--calib") -> tuple[str, bytes]:
     """The text of an app's text file (``flag`` names the option it came from), refused by
     name when it is missing, empty, binary or not UTF-8."""
-    if not str(path).strip():  # an unset shell variable: Path("") is the working folder
-        raise PocketError(f"{flag} is empty (an unset shell variable?): give a text file")
+    refuse_empty(flag, path, "a text file")  # Path("") would be the working folder
     path = Path(path)
     if not path.is_file():
         what = ("is a folder, expected a text file" if path.is_dir() else

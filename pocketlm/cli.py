@@ -401,7 +401,7 @@ def cmd_bench(args) -> int:
                   f"tok/s, decode {args.n_gen / sample['decode_s']:.1f} tok/s]", file=sys.stderr)
 
     plot = None
-    if args.plot is not None:  # an empty or unwritable picture path fails now, not after the whole benchmark
+    if args.plot is not None:  # an empty or unwritable path fails now, not after the benchmark
         from .export import check_replaceable
 
         plot = check_replaceable(args.plot, "--plot", "an SVG picture", lambda head: (

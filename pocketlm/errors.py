@@ -61,3 +61,11 @@ class GrammarError(PocketError, ValueError):
     def __init__(self, message: str, *, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+def refuse_empty(flag: str, value, what: str = "a path") -> None:
+    """Refuse ``flag`` given as an empty string (an unset shell variable), which would
+    otherwise mean the working folder, the default, or quietly nothing; None (not given)
+    passes."""
+    if value is not None and not str(value).strip():
+        raise PocketError(f"{flag} is empty (an unset shell variable?): give {what}")

@@ -15,11 +15,15 @@ import numpy as np
 from .errors import SamplingError
 
 
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer, a numpy one included (not a bool)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
 def shown(value) -> str:
     """``value`` as an error message quotes it: its repr, or for an integer too long to write
     out (Python refuses beyond 4,300 digits) its sign and number of digits."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) \
-            and abs(int(value)) >= 10**40:
+    if is_integer(value) and abs(int(value)) >= 10**40:
         v = int(value)
         return (f"{'a negative' if v < 0 else 'an'} integer of "
                 f"{math.floor(math.log10(abs(v))) + 1} digits")

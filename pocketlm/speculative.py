@@ -42,6 +42,7 @@ import numpy as np
 from .errors import ModelNotFoundError, PocketError
 from .generate import Sequence
 from .runtime import KVCache, Runtime
+from .sampling import is_integer
 
 __all__ = ["DraftLength", "DraftModel", "PromptLookup", "SpeculativeStats", "StepCost",
            "make_drafter", "run_speculative"]
@@ -230,7 +231,7 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
     sizes = []
     for key, default in (("max_ngram", LOOKUP_MAX_NGRAM), ("min_ngram", LOOKUP_MIN_NGRAM)):
         n = spec.get(key, default)
-        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        if not is_integer(n):
             raise PocketError(f"speculative {key} must be an integer from 1 to 8, got {n!r}")
         sizes.append(int(n))
     return PromptLookup(*sizes)
@@ -298,8 +299,7 @@ class DraftLength:
 
     def __init__(self, max_draft: int = DEFAULT_MAX_DRAFT, probe_every: int = 8,
                  row_cost: float = 0.25, cost: StepCost | None = None, prior: float = 2 / 3):
-        if isinstance(max_draft, (bool, np.bool_)) or not isinstance(
-                max_draft, (int, np.integer)) or not 1 <= max_draft <= MAX_DRAFT:
+        if not is_integer(max_draft) or not 1 <= max_draft <= MAX_DRAFT:
             raise PocketError(f"max_draft must be an integer from 1 to {MAX_DRAFT}, got "
                               f"{max_draft!r}")
         max_draft = int(max_draft)  # a numpy integer too, as max_tokens and top_k take them

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import KernelError, PocketError, UnsupportedError
+from ..errors import KernelError, PocketError, UnsupportedError, refuse_empty
 from ..runtime.kernels.native import MAX_THREADS
 from .prompt import benchmark_ids, ids_hash
 
@@ -196,11 +196,10 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     if unknown:
         raise UnsupportedError(f"--vs {unknown[0]!r}: supported engines to compare with: "
                                f"{', '.join(VS_ENGINES)}")
-    named = [("--gguf", gguf), ("--mnn", mnn), *(("--compare", c) for c in compare or ())]
-    for flag, value in named:
-        if value is not None and not str(value).strip():  # an unset shell variable: not "none"
-            raise PocketError(f"{flag} is empty (an unset shell variable?): give "
-                              f"{'a model' if flag == '--compare' else 'a path'}")
+    refuse_empty("--gguf", gguf)
+    refuse_empty("--mnn", mnn)
+    for c in compare or ():
+        refuse_empty("--compare", c, "a model")
     if mnn and "mnn" not in vs:
         raise PocketError("--mnn names the MNN export for --vs mnn: add --vs mnn")
     if gguf and "llama.cpp" not in vs:

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import PocketError
+from ..errors import PocketError, refuse_empty
 
 EVAL_EPILOG = """examples:
   pocket eval -m qwen2.5-0.5b --suite pocket
@@ -134,10 +134,9 @@ def _eval(args) -> int:
                 print(f"{name:<14} {r.description}  [{r.source.package} {r.source.version}, "
                       f"{r.source.license.split(' ')[0]}]")
         return 0
-    for flag, value in (("--ppl", args.ppl), ("--task", args.task), ("--suite", args.suite)):
-        if value is not None and not str(value).strip():  # an unset shell variable
-            raise PocketError(f"{flag} is empty (an unset shell variable?): give "
-                              f"{'a text file' if flag == '--ppl' else 'a name'}")
+    refuse_empty("--ppl", args.ppl, "a text file")
+    refuse_empty("--task", args.task, "a name")
+    refuse_empty("--suite", args.suite, "a name")
     if not args.ppl and not args.task and not args.suite:
         raise PocketError("pocket eval needs --ppl FILE, --task TASK (see --list-tasks) or "
                           "--suite pocket")
@@ -162,8 +161,7 @@ def _eval(args) -> int:
         raise PocketError("--precision applies to --engine pocketlm; llama.cpp runs the GGUF's "
                           "own weights")
     if args.predictions is not None:
-        if not args.predictions.strip():
-            raise PocketError("--predictions is empty (an unset shell variable?): give a path")
+        refuse_empty("--predictions", args.predictions)
         from ..export import check_output
 
         # a folder, a FIFO (opening it would block) or an unwritable place: refused before the

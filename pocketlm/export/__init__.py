@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..data.download import writer_lock
-from ..errors import PocketError
+from ..errors import PocketError, refuse_empty
 
 __all__ = ["STALE_SECONDS", "TARGETS", "atomic_file", "atomic_folder", "check_output",
            "remove_stale_temporaries"]
@@ -54,8 +54,7 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
     nor hold one of ``inputs``, and if it exists and holds anything it must pass
     ``replaces(folder)`` (the kind of folder the work writes): ``--force`` is no licence to
     remove an unrelated one."""
-    if not str(out).strip():  # an unset shell variable: Path("") is the working folder
-        raise PocketError("-o/--output is empty (an unset shell variable?): give a path")
+    refuse_empty("-o/--output", out)  # Path("") would be the working folder
     out = Path(out)
     if folder and replaces is not None:  # a folder replaced whole
         try:
@@ -126,8 +125,7 @@ def check_replaceable(out: str | Path, flag: str, what: str, looks_like) -> Path
     """``out`` for an output that replaces an earlier one of its kind in place (no --force):
     refused like :func:`check_output`, and also when it names an existing file that is not
     of that kind (``looks_like(first_bytes)`` is False), a typo that would lose another file."""
-    if not str(out).strip():  # named by its own flag, not as -o/--output
-        raise PocketError(f"{flag} is empty (an unset shell variable?): give a path")
+    refuse_empty(flag, out)  # named by its own flag, not as -o/--output
     out = check_output(out, force=True)
     if out.is_file() and out.stat().st_size:
         try:

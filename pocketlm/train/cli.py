@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import PocketError
+from ..errors import PocketError, refuse_empty
 
 TRAIN_EPILOG = """examples:
   pocket train --preset tiny --data corpus.txt --steps 200 --out runs/tiny
@@ -42,10 +42,8 @@ def _refuse_empty(*flags: tuple[str, str | None]) -> None:
     """Refuse a path flag given as an empty string (an unset shell variable): it would
     otherwise mean the current folder, or quietly nothing."""
     for flag, value in flags:
-        if value is not None and not str(value).strip():
-            what = "a registry name or a path" if flag in (
-                "-m/--model", "--tokenizer", "--distill-from", "--teacher", "SRC") else "a path"
-            raise PocketError(f"{flag} is empty (an unset shell variable?): give {what}")
+        refuse_empty(flag, value, "a registry name or a path" if flag in (
+            "-m/--model", "--tokenizer", "--distill-from", "--teacher", "SRC") else "a path")
 
 
 def _check_vocab_size(vocab_size: int | None) -> None:
