@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .chat import FAMILY_TEMPLATES, render
+from .chat import FAMILY_TEMPLATES, encode_rendered, mark_control_text, render
 from .config import GenerationDefaults, ModelConfig
 from .errors import (
     ContextLengthError,
@@ -290,33 +290,11 @@ class PocketModel:
             raise PocketError("messages is empty: give at least one {'role': str, "
                               "'content': str} message")
         tok = self.tokenizer
-        marked = _mark_control_text(messages, tok)
-        if marked is None:
-            text = self.render_chat(messages, **template_args)
-            pieces = [(text, True)]
-        else:  # message text holding control-token text: rendered by marker, then as text
-            import re
-
-            marked_messages, contents, nonce, example = marked
-            text = self.render_chat(marked_messages, **template_args)
-            parts = re.split(f"\ue000{nonce}(\\d+)\ue001", text)
-            if any(nonce in p for p in parts[::2]):
-                raise PocketError("a message's content holds control-token text (such as "
-                                  f"{shown(example)}) and the chat template alters it, so "
-                                  "it cannot be kept as plain text; remove that text")
-            pieces = [(p, True) if i % 2 == 0 else (contents[int(p)], False)
-                      for i, p in enumerate(parts)]
-            text = "".join(p for p, _ in pieces)
+        marked = mark_control_text(messages, tok)
+        text = self.render_chat(marked.messages if marked else messages, **template_args)
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
-        add_bos = tok.add_bos and not (bos and text.startswith(bos))
-        if len(pieces) == 1:
-            return tok.encode(text, add_bos=add_bos, special=True)
-        # the template's own control tokens are tokens; a message's text is text, always
-        ids = [tok.bos_id] if add_bos and tok.bos_id is not None else []
-        for piece, special in pieces:
-            if piece:
-                ids += tok.encode(piece, add_bos=False, special=special)
-        return ids
+        add_bos = tok.add_bos and tok.bos_id is not None and not (bos and text.startswith(bos))
+        return [tok.bos_id] * add_bos + encode_rendered(tok, text, marked)
 
     def chat(self, messages: list[dict[str, Any]], max_tokens: int | None = None,
              temperature: float | None = None, top_p: float | None = None,
@@ -416,28 +394,6 @@ def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> 
         return None
     return (f"note: the model holds at most {model.n_ctx} tokens of context; {flag} {asked} "
             f"gives {model.n_ctx}")
-
-
-def _mark_control_text(messages, tok):
-    """None when no message's content holds the text of a control token (``<|im_end|>``);
-    else (the messages with each such content replaced by a marker, those contents, the
-    markers' nonce, one such text), so that the text a user wrote is tokenized as text and
-    cannot open or close a turn of its own (OpenAI's API treats it so)."""
-    if not isinstance(messages, list):
-        return None
-    found = {i: tok.control_text_in(m["content"]) for i, m in enumerate(messages)
-             if isinstance(m, dict) and isinstance(m.get("content"), str)}
-    hit = [i for i, text in found.items() if text is not None]
-    if not hit:
-        return None
-    import secrets
-
-    nonce = secrets.token_hex(8)
-    marked, contents = list(messages), []
-    for i in hit:
-        marked[i] = {**messages[i], "content": f"\ue000{nonce}{len(contents)}\ue001"}
-        contents.append(messages[i]["content"])
-    return marked, contents, nonce, found[hit[0]]
 
 
 def _check_n_ctx(n_ctx):

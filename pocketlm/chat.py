@@ -15,7 +15,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import PocketError, UnsupportedError
 
@@ -648,3 +648,56 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
     except Exception as exc:  # the template is code from the model file: any failure is its own
         raise PocketError(f"{template_name} failed to render ({type(exc).__name__}: {exc}); fix the "
                           "template or pass a plain prompt") from None
+
+
+class MarkedChat(NamedTuple):
+    """A chat whose message texts spell control tokens, each such text replaced by a marker."""
+
+    messages: list[dict[str, Any]]  # the chat, those contents replaced by markers
+    contents: list[str]  # the replaced contents, in marker order
+    nonce: str  # the markers' nonce: no message text holds it
+    example: str  # one control token's text found, for errors
+
+
+def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
+    """None when no message's content spells a control token's text (``<|im_end|>``); else
+    the chat with each such content replaced by a marker, for :func:`encode_rendered`: the
+    text a user wrote is tokenized as text, so it cannot close a turn or open one of its own
+    (OpenAI's API treats it so). Inference (``PocketModel.chat_ids``) and training
+    (``SFTData``) both encode chats so, so a tuned model learns the prompts it will be given."""
+    if not isinstance(messages, list):
+        return None
+    found = {i: tokenizer.control_text_in(m["content"]) for i, m in enumerate(messages)
+             if isinstance(m, dict) and isinstance(m.get("content"), str)}
+    hit = [i for i, text in found.items() if text is not None]
+    if not hit:
+        return None
+    import secrets
+
+    nonce = secrets.token_hex(8)
+    marked, contents = list(messages), []
+    for i in hit:
+        marked[i] = {**messages[i], "content": f"\ue000{nonce}{len(contents)}\ue001"}
+        contents.append(messages[i]["content"])
+    return MarkedChat(marked, contents, nonce, found[hit[0]])
+
+
+def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int]:
+    """The ids (no BOS) of ``text``, a chat (or part of one) rendered from ``marked.messages``:
+    the template's own control-token texts are those tokens, each marker is its message's
+    text tokenized as text. A template that altered a marker (sliced or rewrote the content)
+    cannot be followed: refused, not guessed."""
+    if marked is None:
+        return tokenizer.encode(text, add_bos=False, special=True)
+    parts = re.split(f"\ue000{marked.nonce}(\\d+)\ue001", text)
+    if any(marked.nonce in p for p in parts[::2]):
+        raise PocketError("a message's content holds control-token text (such as "
+                          f"{marked.example!r}) and the chat template alters it, so it cannot "
+                          "be kept as plain text; remove that text")
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        special = i % 2 == 0
+        piece = part if special else marked.contents[int(part)]
+        if piece:
+            ids += tokenizer.encode(piece, add_bos=False, special=special)
+    return ids

@@ -192,6 +192,7 @@ class SFTData:
 
     def __init__(self, path: str | Path, tokenizer: Tokenizer, chat_template: str | None,
                  seq_len: int, *, holdout: float = 0.05, seed: int = 0, strict: bool = False):
+        from ..chat import encode_rendered, mark_control_text
         from ..chat import render as render_chat
 
         self.path = Path(path)
@@ -220,6 +221,10 @@ class SFTData:
                 continue
             try:
                 msgs = _chat_record(json.loads(line))
+                # a message's text is text, even where it spells a control token, as the
+                # runtime encodes it (PocketModel.chat_ids): rendered with markers for it
+                marked = mark_control_text(msgs, tokenizer)
+                msgs = marked.messages if marked else msgs
                 ids: list[int] = []
                 mask: list[bool] = []
                 prev = ""
@@ -227,7 +232,7 @@ class SFTData:
                     if m["role"] == "assistant":
                         head = render_chat(template, msgs[:i], add_generation_prompt=True,
                                            bos_token=bos, eos_token=eos)
-                        part = tokenizer.encode(head[len(prev):], add_bos=False)
+                        part = encode_rendered(tokenizer, head[len(prev):], marked)
                         ids += part
                         mask += [False] * len(part)
                         prev = head
@@ -241,7 +246,7 @@ class SFTData:
                         raise ValueError("the chat template does not render this conversation "
                                          "prefix by prefix (its text changes once a later "
                                          "message is added)")
-                    part = tokenizer.encode(full[len(prev):], add_bos=False)
+                    part = encode_rendered(tokenizer, full[len(prev):], marked)
                     ids += part
                     mask += [m["role"] == "assistant"] * len(part)
                     prev = full
