@@ -81,6 +81,12 @@ class PocketModel:
         if len(ids) > self.config.max_context:
             raise ContextLengthError(f"{len(ids)} tokens exceed the model's context of "
                                      f"{self.config.max_context}")
+        need = len(ids) * self.config.vocab_size * 4
+        free = _available_memory()
+        if free is not None and need > free:  # refused, not left to the kernel's OOM killer
+            raise PocketError(f"the logits of {len(ids):,} tokens over {self.config.vocab_size:,} "
+                              f"pieces take {need / 2**30:.1f} GiB and {free / 2**30:.1f} GiB "
+                              "of memory is available; ask for fewer tokens at a time")
         cache = self.runtime.new_cache(len(ids))
         return self.runtime.forward(ids, cache, all_logits=True)
 
@@ -394,6 +400,19 @@ def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> 
         return None
     return (f"note: the model holds at most {model.n_ctx} tokens of context; {flag} {asked} "
             f"gives {model.n_ctx}")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), or None
+    where it does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _check_n_ctx(n_ctx):

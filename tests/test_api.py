@@ -157,6 +157,22 @@ def test_logits_bad_ids(m):
         m.logits([1] * (m.config.max_context + 1))
 
 
+def test_logits_beyond_the_memory_available_are_refused_before_the_work(m, monkeypatch):
+    # [n, vocab] float32: 8,192 ids of gemma3 are 8.6 GB; refused by size, not left to the OOM
+    # killer, and the model still answers after
+    import pocketlm.api as api
+
+    ids = m.tokenize(PROMPT)
+    need = len(ids) * m.config.vocab_size * 4
+    monkeypatch.setattr(api, "_available_memory", lambda: need - 1)
+    with pytest.raises(pocketlm.PocketError, match="GiB of memory is available; ask for fewer"):
+        m.logits(ids)
+    monkeypatch.setattr(api, "_available_memory", lambda: need)
+    assert m.logits(ids).shape == (len(ids), m.config.vocab_size)
+    monkeypatch.undo()
+    assert api._available_memory() > 0  # this machine (Linux) says
+
+
 # -- generation ------------------------------------------------------------------------------
 def test_greedy_is_the_argmax_chain(m):
     n = 12
