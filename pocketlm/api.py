@@ -393,6 +393,12 @@ def _check_stop(stop) -> list[str]:
 
 
 # -- loading ---------------------------------------------------------------------------------
+def check_context_flag(asked: int | None, flag: str = "--ctx") -> None:
+    """A context flag's value checked before anything is loaded, naming the flag."""
+    if asked is not None and asked < 1:
+        raise ContextLengthError(f"{flag} must be a positive number of tokens, got {asked}")
+
+
 def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> str | None:
     """A line saying that a context larger than the model holds was cut to its own (``load``
     takes the smaller of the two), or None."""

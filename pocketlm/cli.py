@@ -265,14 +265,23 @@ def _settings(args, m) -> dict:
 def _check_generation_flags(args) -> None:
     """The sampling flags given, checked before a model is loaded (or pulled and packed):
     the same rules, and words, as when they reach the model."""
+    from .api import check_context_flag
     from .errors import SamplingError
     from .sampling import SamplingParams
 
+    check_context_flag(args.ctx)
     if args.n is not None and args.n < 0:
-        raise SamplingError(f"max_tokens must be a non-negative integer, got {args.n}")
+        raise SamplingError(f"--max-tokens must be a non-negative integer, got {args.n}")
     given = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
              "min_p": args.min_p, "repetition_penalty": args.repeat_penalty, "seed": args.seed}
-    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()
+    try:
+        SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()
+    except SamplingError as e:  # the rule's words, with the flag's name for the parameter's
+        flags = {"temperature": "--temp", "repetition_penalty": "--repeat-penalty"}
+        name, _, rest = str(e).partition(" ")
+        if name not in given:
+            raise
+        raise SamplingError(f"{flags.get(name, '--' + name.replace('_', '-'))} {rest}") from None
 
 
 def cmd_run(args) -> int:

@@ -416,18 +416,18 @@ def test_foreign_file(tmp_path, capsys):
     assert_one_line_error(code, err)
 
 
-@pytest.mark.parametrize("flags,word", [
-    (["--temp", "nan"], "temperature"),
-    (["--temp", "-1"], "temperature"),
-    (["--temp", "inf"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--top-p", "1.5"], "top_p"),
-    (["--top-p", "nan"], "top_p"),
-    (["--top-k", "-3"], "top_k"),
-    (["--min-p", "2"], "min_p"),
-    (["--repeat-penalty", "0"], "repetition_penalty"),
-    (["--seed", "-1"], "seed"),
-    (["-n", "-1"], "max_tokens"),
+@pytest.mark.parametrize("flags,word", [  # the flag named, not the Python parameter
+    (["--temp", "nan"], "--temp must"),
+    (["--temp", "-1"], "--temp must"),
+    (["--temp", "inf"], "--temp must"),
+    (["--top-p", "0"], "--top-p must"),
+    (["--top-p", "1.5"], "--top-p must"),
+    (["--top-p", "nan"], "--top-p must"),
+    (["--top-k", "-3"], "--top-k must"),
+    (["--min-p", "2"], "--min-p must"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must"),
+    (["--seed", "-1"], "--seed must"),
+    (["-n", "-1"], "--max-tokens must"),
 ])
 def test_bad_sampling_flags(files, capsys, flags, word):
     code, stdout, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", *flags)
@@ -565,10 +565,14 @@ def test_a_model_name_too_long_for_a_file_name_is_not_found():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["-n", "-1"], "max_tokens must be a non-negative integer"),
-    (["--temp", "nan"], "temperature must be a finite number"),
-    (["--seed", "-3"], "seed must be a non-negative integer"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["-n", "-1"], "--max-tokens must be a non-negative integer"),
+    (["--temp", "nan"], "--temp must be a finite number"),
+    (["--temperature", "-1"], "--temp must be >= 0 (0 = greedy)"),
+    (["--seed", "-3"], "--seed must be a non-negative integer"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-k", "-1"], "--top-k must be a non-negative integer"),
+    (["--min-p", "2"], "--min-p must be in [0, 1]"),
+    (["--repeat-penalty", "0"], "--repeat-penalty must be > 0"),
 ])
 def test_bad_sampling_flags_are_refused_before_a_model_is_loaded(capsys, monkeypatch, flags,
                                                                  words):
@@ -581,6 +585,18 @@ def test_bad_sampling_flags_are_refused_before_a_model_is_loaded(capsys, monkeyp
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nthere\n"))
     code, _, err = run_cli(capsys, "chat", "-m", "no-such-model", *flags)
     assert_one_line_error(code, err, words)
+
+
+@pytest.mark.parametrize("command, flag", [(["run"], "--ctx"), (["chat"], "--ctx"),
+                                           (["serve"], "--ctx"), (["eval", "--ppl", "x.txt"],
+                                                                   "--n-ctx")])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_a_context_flag_below_one_token_is_named_before_a_model_is_loaded(capsys, command,
+                                                                         flag, value):
+    # the flag, not load()'s n_ctx, and before the model is pulled, packed or loaded
+    code, _, err = run_cli(capsys, command[0], "-m", "no-such-model", *command[1:], flag, value,
+                           *(["hi"] if command == ["run"] else []))
+    assert_one_line_error(code, err, f"{flag} must be a positive number of tokens, got {value}")
 
 
 def test_train_and_finetune_refuse_an_out_that_is_a_file_before_any_work(files, tmp_path,

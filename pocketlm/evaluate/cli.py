@@ -134,6 +134,9 @@ def _eval(args) -> int:
                 print(f"{name:<14} {r.description}  [{r.source.package} {r.source.version}, "
                       f"{r.source.license.split(' ')[0]}]")
         return 0
+    from ..api import check_context_flag
+
+    check_context_flag(args.n_ctx, "--n-ctx")
     refuse_empty("--ppl", args.ppl, "a text file")
     refuse_empty("--task", args.task, "a name")
     refuse_empty("--suite", args.suite, "a name")

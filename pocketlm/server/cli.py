@@ -209,10 +209,11 @@ def cmd_serve(args) -> int:
 
     import pocketlm
 
-    from ..api import context_note
+    from ..api import check_context_flag, context_note
     from ..registry import model_or_default
     from .app import ServerConfig, create_app
 
+    check_context_flag(args.ctx)
     if not 0 <= args.port <= 65535:
         raise PocketError(f"--port must be in 0..65535, got {args.port}")
     model_arg = model_or_default(args.model)
