@@ -340,6 +340,55 @@ def test_a_failure_in_one_request_ends_it_alone(model, monkeypatch, stage):
     assert snap["running"] == 0 and snap["kv_reserved_mb"] == 0
 
 
+class BlockingSampler(Sampler):
+    """A sampler that, on its third token, waits until the test lets it go."""
+
+    def __init__(self, params):
+        super().__init__(params)
+        self.calls = 0
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, logits, history=None, **kwargs):
+        self.calls += 1
+        if self.calls == 3:
+            self.inside.set()
+            self.release.wait(30)
+        return super().__call__(logits, history, **kwargs)
+
+
+@pytest.mark.parametrize("when", ["prefill", "decode"])
+def test_the_http_side_never_waits_on_a_requests_sampling(model, when):
+    """Submitting, cancelling and the health check take the scheduler's lock from the event
+    loop: sampling a batch's tokens (a sort of 262k logits for top-p, a grammar's mask) runs
+    outside it, so one slow sampler stalls no other client's HTTP traffic."""
+    async def main():
+        sched = Scheduler(model, prefix_cache_mb=0)
+        try:
+            loop = asyncio.get_running_loop()
+            slow = BlockingSampler(SamplingParams())
+            if when == "prefill":
+                slow.calls = 2  # its first token, sampled at the end of the prompt
+            req = _request(model, "hello world, the slow one", loop, sampler=slow)
+            sched.submit(req)
+            assert await asyncio.to_thread(slow.inside.wait, 30)
+            t0 = time.perf_counter()
+            other = _request(model, "hello world, the other", loop)
+            sched.submit(other)  # the lock is free while the sampler works
+            snap = sched.snapshot()
+            sched.cancel(other)
+            held = time.perf_counter() - t0
+            slow.release.set()
+            text, reason = await _outcome(req)
+            return held, snap, reason
+        finally:
+            slow.release.set()
+            sched.close()
+
+    held, snap, reason = run(main())
+    assert held < 5, held  # not the 30 s the sampler waits
+    assert snap["running"] >= 1 and reason == "length"
+
+
 def test_a_fault_of_the_scheduler_itself_ends_what_is_in_flight_and_it_goes_on(model,
                                                                               monkeypatch):
     real_admit = Scheduler._admit

@@ -347,28 +347,31 @@ class Scheduler:
         req.reserved = 0
 
     def _fail(self, req: Request, error: GenerationError) -> None:
-        """(Lock held.) End ``req`` alone with ``error`` and free its cache (a cancelled request
-        is left to :meth:`_drop_cancelled`, which counts it)."""
-        if req.cancelled:
-            return
-        req.emit("error", error)
-        self.stats["failed"] += 1
-        self._finish(req, None)
+        """End ``req`` alone with ``error`` and free its cache (a cancelled request is left to
+        :meth:`_drop_cancelled`, which counts it). Takes the lock (re-entrant)."""
+        with self._lock:
+            if req.cancelled:
+                return
+            req.emit("error", error)
+            self.stats["failed"] += 1
+            self._finish(req, None)
 
     def _finish(self, req: Request, reason: str | None) -> None:
-        """(Lock held.) Flush the held-back text, report, and free the cache."""
-        if reason is not None:
-            tail = req.seq.finish() if req.seq is not None else ""
-            rest = req.seq.new_logprobs() if req.seq is not None else []
-            if tail or rest:
-                req.emit("text", tail, rest)
-            if req.seq is not None:
-                reason = req.seq.state.finish_reason or reason
-            req.emit("done", reason)
-            self.stats["completed"] += 1
-        if req in self._running:
-            self._running.remove(req)
-        self._release(req)
+        """Flush the held-back text, report, and free the cache. Takes the lock
+        (re-entrant: the scheduler's condition holds an RLock)."""
+        with self._lock:
+            if reason is not None:
+                tail = req.seq.finish() if req.seq is not None else ""
+                rest = req.seq.new_logprobs() if req.seq is not None else []
+                if tail or rest:
+                    req.emit("text", tail, rest)
+                if req.seq is not None:
+                    reason = req.seq.state.finish_reason or reason
+                req.emit("done", reason)
+                self.stats["completed"] += 1
+            if req in self._running:
+                self._running.remove(req)
+            self._release(req)
 
     # -- prefix cache ------------------------------------------------------------------------
     def _best_prefix(self, ids: list[int]) -> tuple[int | None, int]:
@@ -454,8 +457,8 @@ class Scheduler:
         if end == len(ids):
             with self._lock:
                 self._remember_prefix(req)
-                if not req.cancelled:
-                    self._take(req, logits)
+            if not req.cancelled:  # sampled outside the lock, as in decode steps
+                self._take(req, logits)
         return end - start
 
     def _decode_step(self) -> None:
@@ -470,21 +473,21 @@ class Scheduler:
         drafts = [self._drafts(r, len(batch)) if allow else [] for r in batch]
         self.stats["steps"] += 1
         if not any(drafts):
-            rows = self._forward_rows(batch)
-            with self._lock:
-                for req, row in rows:
-                    req.next_token = None
-                    if not req.cancelled:
-                        self._take(req, row)
+            # sampled and detokenized outside the lock: the HTTP side (submit, cancel, the
+            # health check) never waits on a batch's sampling; only this thread touches a
+            # running request's sequence and cache, and ending one takes the lock
+            for req, row in self._forward_rows(batch):
+                req.next_token = None
+                if not req.cancelled:
+                    self._take(req, row)
         else:
             # speculative step: every request's next token and its drafts, verified in one
             # pass (rows compute what one-token decodes compute: the answers do not change)
             bases = {id(r): r.cache.length for r in batch}
             for req, rows, d in self._verify_rows(batch, drafts):
-                with self._lock:
-                    req.next_token = None
-                    if not req.cancelled:
-                        self._take_drafts(req, rows, d, bases[id(req)])
+                req.next_token = None
+                if not req.cancelled:
+                    self._take_drafts(req, rows, d, bases[id(req)])
         # what a row costs, measured on the steps this server runs (plain ones too: their
         # batch sizes vary), so that drafting pays for the whole batch, not one request
         extra = len(batch) - 1 + sum(len(d) for d in drafts)
@@ -518,7 +521,7 @@ class Scheduler:
 
     def _take_drafts(self, req: Request, rows: np.ndarray, drafts: list[int], base: int
                      ) -> None:
-        """(Lock held.) Take tokens from ``rows`` as plain decoding would, one per row, while
+        """Take tokens from ``rows`` as plain decoding would, one per row, while
         each equals the draft its row was computed after; the cache keeps the next token and
         the accepted drafts. Whatever goes wrong ends ``req`` alone."""
         accepted = 0
@@ -577,8 +580,8 @@ class Scheduler:
         return done
 
     def _take(self, req: Request, logits: np.ndarray) -> None:
-        """(Lock held.) Sample the next token from ``logits`` and pass its text on; whatever
-        goes wrong in doing so ends ``req`` alone."""
+        """Sample the next token from ``logits`` and pass its text on (the scheduler thread,
+        without the lock); whatever goes wrong in doing so ends ``req`` alone."""
         try:
             self._advance(req, logits)
         except Exception as e:  # noqa: BLE001 - this request alone fails
