@@ -450,7 +450,7 @@ def test_debug_reraises(tmp_path, capsys):
 
 def test_bad_ctx_flag(files, capsys):
     code, _, err = run_cli(capsys, "run", "-m", files["pocket"], "hello", "--ctx", -5)
-    assert_one_line_error(code, err, "n_ctx")
+    assert_one_line_error(code, err, "--ctx must be a positive number of tokens")
 
 
 def test_ctx_beyond_the_model_is_said(files, capsys):
