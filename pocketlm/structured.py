@@ -271,9 +271,15 @@ class Constraint:
 
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
+            error = _first_line(self.matcher.get_error())
+            if "limit" in error and "satisfy" not in error:
+                # the parser's own bounds (items, lexemes), not the token: a schema that
+                # recurses without end, or one too large to follow token by token
+                raise GrammarError(f"the {self.grammar.describe()} is too complex to follow "
+                                   f"here (the parser reached a limit: {error}); simplify it",
+                                   param=self.grammar.kind)
             raise GrammarError(f"token {token} does not fit the {self.grammar.describe()}: "
-                               f"{_first_line(self.matcher.get_error())}",
-                               param=self.grammar.kind)
+                               f"{error}", param=self.grammar.kind)
 
     @property
     def done(self) -> bool:

@@ -175,6 +175,20 @@ def test_a_state_where_nothing_is_allowed_ends_with_an_error(tiny, monkeypatch):
         c.allowed()
 
 
+def test_a_parser_limit_is_named_as_such_not_as_a_token_that_does_not_fit(tiny):
+    # an object that must hold itself: llguidance compiles it and starts, and its lexer
+    # reaches its item limit on the first token (it was "token 39428 does not fit")
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    c = tiny.constraint(json_schema=endless)
+    with pytest.raises(GrammarError, match="too complex to follow here .*limit") as e:
+        for _ in range(64):
+            c.consume(int(np.flatnonzero(c.allowed())[0]))
+    assert e.value.param == "json_schema" and "\n" not in str(e.value)
+    c = tiny.constraint(regex="[0-9]+")
+    with pytest.raises(GrammarError, match="does not fit the regular expression"):
+        c.consume(tiny.tokenizer.encode("x", add_bos=False)[0])
+
+
 def test_speculative_and_batched_generation_are_unchanged(tiny):
     msgs = [[{"role": "user", "content": f"person {i}"}] for i in range(3)]
     want = [tiny.chat(m, max_tokens=150, json_schema=PERSON) for m in msgs]
