@@ -397,7 +397,7 @@ def test_train_refuses_a_bad_vocab_size_before_reading_the_text(tmp_path, capsys
     for size in ("5", "0", "-1", str(10**9)):
         code, err = _train_cli(capsys, "--data", corpus, "--out", tmp_path / "run",
                                "--vocab-size", size)
-        assert f"vocab_size {size} is " in _one_line(code, err) and "[training" not in err
+        assert f"--vocab-size {size} is " in _one_line(code, err) and "[training" not in err
     assert not (tmp_path / "run").exists()
 
 
@@ -954,7 +954,7 @@ def test_corpus_lines_takes_the_first_kept_lines_in_order():
     (["--no-near-dedup", "--max-repeat", "2"], "--max-repeat, --no-near-dedup shape"),
     (["--tokenizer-sample", "10", "--tokenizer", "TOK"], "--tokenizer gives one already"),
     # refused only after the text was read (a mixture fetched) or a tokenizer trained
-    (["--vocab-size", "5"], "vocab_size 5 is too small"),
+    (["--vocab-size", "5"], "--vocab-size 5 is too small"),
     (["--tokenizer-sample", "0"], "--tokenizer-sample must be a positive number"),
     (["--shard-tokens", "0"], "--shard-tokens must be at least 1"),
     # a file as --out: a tokenizer was trained first, then a raw "Not a directory"

@@ -52,7 +52,7 @@ def _check_vocab_size(vocab_size: int | None) -> None:
     if vocab_size is not None:
         from .tokenizer_train import DEFAULT_SPECIAL_TOKENS, _check_vocab_size
 
-        _check_vocab_size(vocab_size, len(DEFAULT_SPECIAL_TOKENS))
+        _check_vocab_size(vocab_size, len(DEFAULT_SPECIAL_TOKENS), "--vocab-size")
 
 
 def _tokenizer_from(spec: str):
@@ -474,6 +474,11 @@ def _tokenizer_train(args) -> int:
     from .tokenizer_train import train_tokenizer
 
     _refuse_empty(("--out", args.out), *(("--data", d) for d in args.data))
+    from .tokenizer_train import DEFAULT_SPECIAL_TOKENS, _check_special_tokens, _check_vocab_size
+
+    specials = _check_special_tokens(DEFAULT_SPECIAL_TOKENS if args.special_tokens is None
+                                     else args.special_tokens)
+    _check_vocab_size(args.vocab_size, len(specials), "--vocab-size")  # the flag named
     # a file named --out, or an unwritable place, is refused before the training, not after
     out = check_output(args.out, force=True, folder=True)
     if (out / "tokenizer.json").exists() and not args.force:

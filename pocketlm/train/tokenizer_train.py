@@ -222,19 +222,20 @@ def _reservoir(lines: Iterable[str], k: int, seed: int) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_vocab_size(vocab_size: int, n_special: int) -> None:
+def _check_vocab_size(vocab_size: int, n_special: int, name: str = "vocab_size") -> None:
+    """``name``: how the caller calls it (``--vocab-size`` on the command line)."""
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
-        raise TokenizerTrainingError(f"vocab_size must be an integer, not {vocab_size!r}")
+        raise TokenizerTrainingError(f"{name} must be an integer, not {vocab_size!r}")
     smallest = MIN_VOCAB_SIZE_LIMIT + n_special + 1
     if vocab_size < smallest:
         raise TokenizerTrainingError(
-            f"vocab_size {vocab_size} is too small: the 256 byte tokens and {n_special} special "
+            f"{name} {vocab_size} is too small: the 256 byte tokens and {n_special} special "
             f"tokens already take {MIN_VOCAB_SIZE_LIMIT + n_special} ids; use at least {smallest} "
             "(32000-64000 suits a zh+en model)"
         )
     if vocab_size > MAX_VOCAB_SIZE:
         raise TokenizerTrainingError(
-            f"vocab_size {vocab_size} is beyond {MAX_VOCAB_SIZE:,}; an embedding table that "
+            f"{name} {vocab_size} is beyond {MAX_VOCAB_SIZE:,}; an embedding table that "
             "large defeats a small model (32000-64000 suits a zh+en model)"
         )
 
