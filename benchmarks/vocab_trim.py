@@ -14,7 +14,9 @@ GGUF's own 4-8-bit types kept, nothing calibrated), so that only the vocabulary 
 * ``corpus-65536``: the same, capped at 65,536 pieces (the registry's ``*-zh-en`` variants);
 * ``script``: the script rule;
 * ``corpus-65536-calibrated``: the capped set packed with calibrated quantization
-  (``--bits-per-weight 4.6``), the combined figure.
+  (``--bits-per-weight 4.6``), the combined figure;
+* ``untrimmed-calibrated``: the source packed the same way, so that the calibrated trimmed
+  pack is also compared with an untrimmed one of the same quantization (``decode_x_same_quant``).
 
 Measured per variant: pieces kept; deploy file size; on held-out zh and en lines of the built-in
 corpora (documents the kept set was never chosen on): the share of lines tokenized identically
@@ -51,7 +53,7 @@ DOC = ROOT / "docs" / "vocabulary.md"
 README = ROOT / "README.md"
 LANGS = {"gemma3-270m": "zh,en", "qwen2.5-0.5b": "zh,en", "smollm2-135m": "en"}
 VARIANTS = ("untrimmed", "corpus", "corpus-no-backfill", "corpus-65536", "script",
-            "corpus-65536-calibrated")
+            "corpus-65536-calibrated", "untrimmed-calibrated")
 PROMPTS = {
     "en": ["Explain in two sentences why the sky is blue.",
            "Write a short polite email asking a colleague to review my report.",
@@ -68,7 +70,7 @@ def _variant_spec(model: str, variant: str):
     from pocketlm.vocab import VocabSpec
 
     langs = LANGS[model]
-    if variant == "untrimmed":
+    if variant in ("untrimmed", "untrimmed-calibrated"):
         return None
     if variant == "script":
         return VocabSpec(languages=langs, rule="script")
@@ -208,7 +210,7 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
             path, rec = packs[v]
             m = pocketlm.load(path)
             ids = None
-            if v != "untrimmed":
+            if not v.startswith("untrimmed"):
                 ids = np.asarray(PocketFile(path).tensor(SOURCE_IDS_TENSOR))
             row = {"model": model, "variant": v, "languages": LANGS[model],
                    "kept": m.config.vocab_size, "source_vocab": full.config.vocab_size,
@@ -217,7 +219,7 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
                    "heldout_lines_outside_scripts": outside,
                    "tokenization": {k: _identity(full.tokenizer, m.tokenizer, ids, lines)
                                     for k, lines in held.items()} if ids is not None else None,
-                   "bpc": {k: round(_bpc(m, t) if ids is not None else base_bpc[k], 4)
+                   "bpc": {k: round(_bpc(m, t) if v != "untrimmed" else base_bpc[k], 4)
                            for k, t in texts.items()},
                    "bpc_untrimmed": {k: round(b, 4) for k, b in base_bpc.items()},
                    # against the untrimmed pack: meaningful where only the vocabulary differs
@@ -232,6 +234,10 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
                         compare=[str(packs[v][0]) for v in todo if v != "untrimmed"])
         by_path = {r.model: r for r in results}
         base = results[0]
+        # the calibrated trimmed pack against the untrimmed pack of the same quantization
+        same = by_path.get(str(packs["untrimmed-calibrated"][0])) \
+            if "untrimmed-calibrated" in packs else None
+        same_mb = packs["untrimmed-calibrated"][1]["file_mb"] if same else None
         date = time.strftime("%Y-%m-%d")
         with open(JSONL, "a", encoding="utf-8") as f:
             for row in rows:
@@ -246,6 +252,12 @@ def run(models: list[str], variants: list[str], runs: int, force: bool) -> None:
                     "runs": r.runs, "machine": machine_info(), "date": date,
                     "command": "python benchmarks/vocab_trim.py " + " ".join(sys.argv[1:]),
                 })
+                if same is not None and row["variant"] == "corpus-65536-calibrated":
+                    row.update({
+                        "decode_x_same_quant": round(r.decode_tps / same.decode_tps, 3),
+                        "peak_x_same_quant": round(r.peak_rss_delta_mb
+                                                   / same.peak_rss_delta_mb, 3),
+                        "file_x_same_quant": round(row["file_mb"] / same_mb, 3)})
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 print(json.dumps(row, ensure_ascii=False), flush=True)
 
@@ -327,11 +339,15 @@ def table(rows: list[dict]) -> str:
              f"{greedy['prompts']} answers identical)") if greedy else "-"
         ref = r.get("reference_cost")
         ref_s = f"+{100 * ref['extra_tokens']:.0f} %" if ref else "-"
+        same = (f"; x{r['decode_x_same_quant']:.2f} untrimmed-calibrated"
+                if "decode_x_same_quant" in r else "")
+        same_peak = (f"; x{r['peak_x_same_quant']:.2f} untrimmed-calibrated"
+                     if "peak_x_same_quant" in r else "")
         out.append(
             f"| {model} | {variant} | {r['kept']:,} | {r['file_mb']:.1f} | "
-            f"{r['decode_tps']:.0f} (x{r['decode_x']:.2f}) | "
-            f"{r['peak_rss_delta_mb']:.0f} (x{r['peak_x']:.2f}) | {ident} | {extra} | {bpc} | "
-            f"{g} | {ref_s} |")
+            f"{r['decode_tps']:.0f} (x{r['decode_x']:.2f}{same}) | "
+            f"{r['peak_rss_delta_mb']:.0f} (x{r['peak_x']:.2f}{same_peak}) | {ident} | "
+            f"{extra} | {bpc} | {g} | {ref_s} |")
     first = next(iter(latest.values()), None)
     if first:
         m = first["machine"]
