@@ -395,8 +395,7 @@ def _check_stop(stop) -> list[str]:
 # -- loading ---------------------------------------------------------------------------------
 def check_context_flag(asked: int | None, flag: str = "--ctx") -> None:
     """A context flag's value checked before anything is loaded, naming the flag."""
-    if asked is not None and asked < 1:
-        raise ContextLengthError(f"{flag} must be a positive number of tokens, got {asked}")
+    _check_n_ctx(asked, flag)
 
 
 def context_note(model: PocketModel, asked: int | None, flag: str = "--ctx") -> str | None:
@@ -421,11 +420,11 @@ def _available_memory() -> int | None:
     return None
 
 
-def _check_n_ctx(n_ctx):
+def _check_n_ctx(n_ctx, name: str = "n_ctx"):
     if n_ctx is None:
         return None
     if not is_integer(n_ctx) or n_ctx < 1:
-        raise ContextLengthError(f"n_ctx must be a positive number of tokens, got "
+        raise ContextLengthError(f"{name} must be a positive number of tokens, got "
                                  f"{shown(n_ctx)}")
     return int(n_ctx)  # a numpy integer too, as max_tokens takes it
 

@@ -274,14 +274,9 @@ def _check_generation_flags(args) -> None:
         raise SamplingError(f"--max-tokens must be a non-negative integer, got {args.n}")
     given = {"temperature": args.temp, "top_k": args.top_k, "top_p": args.top_p,
              "min_p": args.min_p, "repetition_penalty": args.repeat_penalty, "seed": args.seed}
-    try:
-        SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate()
-    except SamplingError as e:  # the rule's words, with the flag's name for the parameter's
-        flags = {"temperature": "--temp", "repetition_penalty": "--repeat-penalty"}
-        name, _, rest = str(e).partition(" ")
-        if name not in given:
-            raise
-        raise SamplingError(f"{flags.get(name, '--' + name.replace('_', '-'))} {rest}") from None
+    flags = {"temperature": "--temp", "top_k": "--top-k", "top_p": "--top-p",
+             "min_p": "--min-p", "repetition_penalty": "--repeat-penalty", "seed": "--seed"}
+    SamplingParams(**{k: v for k, v in given.items() if v is not None}).validate(names=flags)
 
 
 def cmd_run(args) -> int:

@@ -44,36 +44,41 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
-    def validate(self) -> SamplingParams:
+    def validate(self, names: dict[str, str] | None = None) -> SamplingParams:
+        """Check every setting; ``names``: what the caller calls a parameter in errors (the
+        command line's ``--top-p`` for ``top_p``), the parameter's own name otherwise."""
+        def nm(param: str) -> str:
+            return (names or {}).get(param, param)
+
         def finite(name: str, value) -> float:
             if isinstance(value, (bool, np.bool_, str, bytes)):  # float() would take "0.5", True
-                raise SamplingError(f"{name} must be a number, got {value!r}")
+                raise SamplingError(f"{nm(name)} must be a number, got {value!r}")
             try:
                 v = float(value)
             except OverflowError:  # an integer beyond float's range
                 v = math.inf
             except (TypeError, ValueError):
-                raise SamplingError(f"{name} must be a number, got {shown(value)}") from None
+                raise SamplingError(f"{nm(name)} must be a number, got {shown(value)}") from None
             if not math.isfinite(v):
-                raise SamplingError(f"{name} must be a finite number, got {shown(value)}")
+                raise SamplingError(f"{nm(name)} must be a finite number, got {shown(value)}")
             return v
 
         t = finite("temperature", self.temperature)
         if t < 0:
-            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {t}")
+            raise SamplingError(f"{nm('temperature')} must be >= 0 (0 = greedy), got {t}")
         p = finite("top_p", self.top_p)
         if not 0 < p <= 1:
-            raise SamplingError(f"top_p must be in (0, 1], got {p}")
+            raise SamplingError(f"{nm('top_p')} must be in (0, 1], got {p}")
         mp = finite("min_p", self.min_p)
         if not 0 <= mp <= 1:
-            raise SamplingError(f"min_p must be in [0, 1], got {mp}")
+            raise SamplingError(f"{nm('min_p')} must be in [0, 1], got {mp}")
         rp = finite("repetition_penalty", self.repetition_penalty)
         if rp <= 0:
-            raise SamplingError(f"repetition_penalty must be > 0 (1 = off), got {rp}")
+            raise SamplingError(f"{nm('repetition_penalty')} must be > 0 (1 = off), got {rp}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = finite(name, getattr(self, name))
             if not -2 <= v <= 2:
-                raise SamplingError(f"{name} must be in [-2, 2], got {v}")
+                raise SamplingError(f"{nm(name)} must be in [-2, 2], got {v}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise SamplingError("logit_bias must map token ids to numbers")
@@ -83,16 +88,11 @@ class SamplingParams:
                     raise SamplingError(f"logit_bias keys must be token ids, got {shown(k)}")
                 if not -100 <= finite(f"logit_bias[{k}]", v) <= 100:
                     raise SamplingError(f"logit_bias[{k}] must be in [-100, 100], got {v}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, (int, np.integer)) or (
-            self.top_k < 0
-        ):
-            raise SamplingError(f"top_k must be a non-negative integer (0 = off), got "
+        if not is_integer(self.top_k) or self.top_k < 0:
+            raise SamplingError(f"{nm('top_k')} must be a non-negative integer (0 = off), got "
                                 f"{shown(self.top_k)}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer))
-            or self.seed < 0
-        ):
-            raise SamplingError(f"seed must be a non-negative integer, got {shown(self.seed)}")
+        if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):
+            raise SamplingError(f"{nm('seed')} must be a non-negative integer, got {shown(self.seed)}")
         return self
 
 
