@@ -27,6 +27,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 
@@ -171,7 +172,122 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         what = {"json_schema": "the JSON schema", "regex": "the regular expression",
                 "grammar": "the grammar"}[kind]
         raise GrammarError(f"{what} is not usable: {_first_line(messages[0])}", param=kind)
+    if kind == "json_schema":
+        ref = _endless_ref(value)
+        if ref is not None:
+            raise GrammarError(f"the JSON schema is not usable: no finite value fits it (a value "
+                               f"of \"{ref}\" must hold another without end)", param=kind)
     return Grammar(kind, source, compiled)
+
+
+_MAX_VISITS = 200_000
+_UNKNOWN = object()
+
+
+def _endless_ref(schema: Any) -> str | None:
+    """The first ``$ref`` of ``schema`` that no finite JSON value fits (it must contain itself
+    without end: a required property, a required item or every branch of a choice leads back to
+    it), or None. llguidance finds what is unsatisfiable without recursion and compiles the
+    rest; a schema like ``{"type": "object", "properties": {"a": {"$ref": "#"}}, "required":
+    ["a"]}`` would only show at generation, as an answer that never closes.
+
+    The check may miss some (a reference it cannot resolve, a keyword it does not read counts
+    as satisfiable) but never refuses a schema that a finite value fits: a node is called
+    endless only when every way to build a value of it goes through a reference not yet shown
+    to have a finite value (a least fixpoint over the references)."""
+    targets: dict[str, Any] = {}
+    finite: set[str] = set()
+    visits = 0
+
+    def resolve(ref: str) -> Any:
+        if ref == "#":
+            return schema
+        if not ref.startswith("#/"):
+            return _UNKNOWN
+        node = schema
+        for part in ref[2:].split("/"):
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return _UNKNOWN
+        return node
+
+    def fits(node: Any, depth: int = 0) -> bool:
+        nonlocal visits
+        visits += 1
+        if visits > _MAX_VISITS or depth > 256:
+            raise OverflowError
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref not in targets:
+                targets[ref] = resolve(ref)
+            if targets[ref] is not _UNKNOWN and ref not in finite:
+                return False
+        if isinstance(node.get("allOf"), list):
+            if not all(fits(s, depth + 1) for s in node["allOf"]):
+                return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key]:
+                if not any(fits(s, depth + 1) for s in node[key]):
+                    return False
+        if "const" in node or "enum" in node:
+            return True
+        if "type" not in node:
+            return True  # null fits
+        types = node["type"]
+        types = [types] if isinstance(types, str) else types
+        if not isinstance(types, list):
+            return True
+        return any(_fits_type(node, t, depth) for t in types)
+
+    def _fits_type(node: dict, kind: Any, depth: int) -> bool:
+        if kind == "object":
+            props = node.get("properties")
+            required = node.get("required")
+            if isinstance(props, dict) and isinstance(required, list):
+                return all(fits(props[r], depth + 1) for r in required
+                           if isinstance(r, str) and r in props)
+            return True
+        if kind == "array":
+            need = node.get("minItems", 0)
+            need = need if isinstance(need, int) and not isinstance(need, bool) else 0
+            items = node.get("items")
+            prefix = node.get("prefixItems")
+            if isinstance(items, list):  # the older tuple form
+                prefix, items = items, node.get("additionalItems")
+            prefix = prefix if isinstance(prefix, list) else []
+            if not all(fits(s, depth + 1) for s in prefix[:need]):
+                return False
+            if need > len(prefix) and items is not None and not fits(items, depth + 1):
+                return False
+            if "contains" in node and node.get("minContains", 1) != 0:
+                return fits(node["contains"], depth + 1)
+            return True
+        return True  # null, boolean, number, integer, string: a finite value, if any
+
+    try:
+        root = fits(schema)
+        while True:
+            before = (len(targets), len(finite))
+            for ref, target in list(targets.items()):
+                if target is not _UNKNOWN and ref not in finite and fits(target):
+                    finite.add(ref)
+            if (len(targets), len(finite)) == before:
+                break
+            root = fits(schema)
+    except (OverflowError, RecursionError):
+        return None
+    if root:
+        return None
+    return next((ref for ref, t in targets.items() if t is not _UNKNOWN and ref not in finite),
+                "#")
 
 
 def _first_line(message: Any) -> str:
