@@ -687,6 +687,13 @@ def test_tool_calls_round_trip_with_the_real_client(server):
         "name": 5, "schema": {}}}}, "response_format.json_schema.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "strin"}}}]}, "tools[0].function.parameters"),
+    # no finite value fits either: the answer would nest until max_tokens
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "array", "minItems": 1, "items": {"$ref": "#"}}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
      "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),
