@@ -195,7 +195,7 @@ def _endless_ref(schema: Any) -> str | None:
     as satisfiable) but never refuses a schema that a finite value fits: a node is called
     endless only when every way to build a value of it goes through a reference not yet shown
     to have a finite value (a least fixpoint over the references)."""
-    targets: dict[str, Any] = {}
+    targets: dict[str, Any] = {"#": schema}  # the schema itself is the reference "#"
     finite: set[str] = set()
     visits = 0
 
@@ -245,9 +245,9 @@ def _endless_ref(schema: Any) -> str | None:
         types = [types] if isinstance(types, str) else types
         if not isinstance(types, list):
             return True
-        return any(_fits_type(node, t, depth) for t in types)
+        return any(fits_type(node, t, depth) for t in types)
 
-    def _fits_type(node: dict, kind: Any, depth: int) -> bool:
+    def fits_type(node: dict, kind: Any, depth: int) -> bool:
         if kind == "object":
             props = node.get("properties")
             required = node.get("required")
@@ -273,21 +273,19 @@ def _endless_ref(schema: Any) -> str | None:
         return True  # null, boolean, number, integer, string: a finite value, if any
 
     try:
-        root = fits(schema)
-        while True:
+        while "#" not in finite:
             before = (len(targets), len(finite))
             for ref, target in list(targets.items()):
                 if target is not _UNKNOWN and ref not in finite and fits(target):
                     finite.add(ref)
             if (len(targets), len(finite)) == before:
                 break
-            root = fits(schema)
     except (OverflowError, RecursionError):
         return None
-    if root:
+    if "#" in finite:
         return None
-    return next((ref for ref, t in targets.items() if t is not _UNKNOWN and ref not in finite),
-                "#")
+    endless = [ref for ref, t in targets.items() if t is not _UNKNOWN and ref not in finite]
+    return next((ref for ref in endless if ref != "#"), "#")
 
 
 def _first_line(message: Any) -> str:
