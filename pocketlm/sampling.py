@@ -153,21 +153,115 @@ class Sampler:
         # [0, 1] with at least one 1, and the normalising sum is >= 1: no inf, no NaN.
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             x = (x - x.max()) / p.temperature
+        # what is still in the draw: ``ids`` (increasing; None: every token) and their weights
+        ids = None
         if p.top_k and p.top_k < x.size:
-            kth = np.partition(x, -p.top_k)[-p.top_k]
-            x[x < kth] = -np.inf
-        probs = np.exp(x)
+            ids = np.flatnonzero(x >= _kth_largest(x, p.top_k))  # ties with the k-th stay
+            x = x[ids]
+        w = np.exp(x)
         if p.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cum = np.cumsum(probs[order])
-            keep = cum - probs[order] < p.top_p * cum[-1]  # the smallest prefix reaching top_p
-            mask = np.zeros_like(probs, dtype=bool)
-            mask[order[keep]] = True
-            probs = np.where(mask, probs, 0.0)
+            keep = _nucleus(w, p.top_p)
+            ids, w = (keep if ids is None else ids[keep]), w[keep]
         if p.min_p > 0:
-            probs = np.where(probs >= p.min_p * probs.max(), probs, 0.0)
-        probs /= probs.sum()
-        return int(self.rng.choice(probs.size, p=probs))
+            keep = np.flatnonzero(w >= p.min_p * w.max())
+            ids, w = (keep if ids is None else ids[keep]), w[keep]
+        u = self.rng.random()  # one uniform draw a token, whatever the settings
+        i = _draw(w, u)
+        return i if ids is None else int(ids[i])
+
+
+# The paths below give what the plain formulation gives (sort every token for top-k / top-p,
+# then ``Generator.choice(p=...)``, which walks the cumulative sum in id order with one uniform
+# double) but touch the whole vocabulary only in linear passes: a full sort of a 262,144-piece
+# vocabulary costs 35 ms, a decode step of the whole model 4-15.
+
+_CUTS = (-2.0, -4.0, -8.0, -16.0, -32.0, -64.0)  # scaled scores (the best is 0) tried as bounds
+
+
+def _kth_largest(x: np.ndarray, k: int) -> float:
+    """The ``k``-th largest of ``x`` (scores scaled so the best is 0), partitioned among the
+    scores above a cut when at least ``k`` are: every score below it is smaller than those."""
+    for cut in _CUTS:
+        cand = x[x >= cut]
+        if cand.size >= k:
+            return float(np.partition(cand, -k)[-k])
+    return float(np.partition(x, -k)[-k])
+
+
+def _nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices (increasing) of the smallest set of largest weights whose sum reaches ``top_p``
+    of the total, ties taken in index order, as a stable sort of every weight would choose
+    them. The weights at least a cut are ranked alone once their sum reaches the bound: every
+    other weight is smaller than each of them, so it would rank after them and not be kept."""
+    target = top_p * w.sum()
+    for cut in (*(math.exp(c) for c in _CUTS), 0.0):
+        cand = np.flatnonzero(w >= cut) if cut else np.arange(w.size)
+        cw = w[cand]
+        if cut and cw.sum() < target * (1 - 1e-9):
+            continue  # short of the bound: no need to rank them
+        order = np.lexsort((cand, -cw))  # largest first, ties by index
+        cum = np.cumsum(cw[order])
+        if cum[-1] >= target or not cut:
+            keep = cum - cw[order] < target  # the smallest prefix reaching the bound
+            keep[0] = True
+            return np.sort(cand[order[keep]])
+    raise AssertionError("unreachable: the last cut takes every weight")
+
+
+def _inverse_cdf(w: np.ndarray, u: float) -> int:
+    """The first index at which the running sum of ``w`` (>= 0, not all 0) exceeds ``u``
+    (in [0, 1)) times its total; never an index of weight 0."""
+    cum = np.cumsum(w)
+    i = min(int(np.searchsorted(cum, u * cum[-1], side="right")), w.size - 1)
+    while w[i] == 0:  # only where rounding put the point at the very end
+        i -= 1
+    return i
+
+
+_BLOCK = 1024
+
+
+def _draw(w: np.ndarray, u: float) -> int:
+    """:func:`_inverse_cdf` in two levels for a long ``w``: the block that holds the point,
+    from the blocks' sums, then the index inside it (no running sum over every weight)."""
+    n = w.size
+    if n <= 4 * _BLOCK:
+        return _inverse_cdf(w, u)
+    full = n - n % _BLOCK
+    sums = w[:full].reshape(-1, _BLOCK).sum(axis=1)
+    if full < n:
+        sums = np.append(sums, w[full:].sum())
+    cum = np.cumsum(sums)
+    point = u * cum[-1]
+    b = min(int(np.searchsorted(cum, point, side="right")), sums.size - 1)
+    while sums[b] == 0:
+        b -= 1
+    below = cum[b - 1] if b else 0.0
+    share = min(max((point - below) / sums[b], 0.0), float(np.nextafter(1.0, 0.0)))
+    start = b * _BLOCK
+    return start + _inverse_cdf(w[start:start + _BLOCK], share)
+
+
+def plain_draw(logits: np.ndarray, rng: np.random.Generator, temperature: float,
+               top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> int:
+    """The same rules as :class:`Sampler` (temperature > 0, no penalties) written the plain
+    way: every token sorted, then ``Generator.choice``. A reference for tests and
+    ``benchmarks/sampling.py``; it draws the same tokens as the sampler from the same seed, at
+    up to 35 ms a token on a 262,144-piece vocabulary."""
+    x = np.array(logits, dtype=np.float64)
+    x = (x - x.max()) / temperature
+    if top_k and top_k < x.size:
+        x[x < np.sort(x)[-top_k]] = -np.inf
+    probs = np.exp(x)
+    if top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cum = np.cumsum(probs[order])
+        keep = np.zeros(probs.size, dtype=bool)
+        keep[order[cum - probs[order] < top_p * cum[-1]]] = True
+        probs = np.where(keep, probs, 0.0)
+    if min_p > 0:
+        probs = np.where(probs >= min_p * probs.max(), probs, 0.0)
+    return int(rng.choice(probs.size, p=probs / probs.sum()))
 
 
 def _greedy(x: np.ndarray) -> int:
