@@ -2,7 +2,8 @@
 
 Starts `pocket serve` (a subprocess, the engine's default settings) and, for each level of
 concurrency C, runs C client threads that each send streaming /v1/completions requests back to
-back (distinct prompts, greedy, --gen tokens with EOS ignored, usage read from the last chunk).
+back (distinct prompts, greedy or with --sampling's settings, --gen tokens with EOS ignored,
+usage read from the last chunk).
 Per level: aggregate completion tokens/s over the level's wall time, p50/p95 time to first
 token, the median per-request decode rate, and the mean tokens per batched decode step (rows,
 without speculation), the share of the server's engine time spent on prompts and of the wall
@@ -26,6 +27,8 @@ have no ignore_eos), its tokens are counted one per streamed chunk, and it runs 
     python benchmarks/serve_load.py                        # smollm2-135m, 1/4/16 clients
     python benchmarks/serve_load.py -m qwen2.5-0.5b --clients 1 4 16 --gen 64
     python benchmarks/serve_load.py --vs llama.cpp --llama-python /path/to/venv/bin/python
+    python benchmarks/serve_load.py -m gemma3-270m --sampling temperature=1 top_p=0.95 \
+        --baseline /tmp/pocketlm-before        # a worktree of an earlier revision, built
 """
 
 from __future__ import annotations
@@ -50,14 +53,18 @@ SUBJECTS = ["cats", "rivers", "the moon", "bread", "trains", "music", "winter", 
             "the sea", "tea", "bicycles", "mountains", "clocks", "gardens", "rain", "paper"]
 
 
-def start_server(model: str, threads: int, max_batch: int,
-                 ctx: int, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+def start_server(model: str, threads: int, max_batch: int, ctx: int,
+                 extra: tuple[str, ...] = (), src: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, POCKET_THREADS=str(threads))
+    if src:  # pocketlm as another checkout has it (its extension built there)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(src).resolve()),
+                                             env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     proc = subprocess.Popen([sys.executable, "-m", "pocketlm.cli", "serve", "-m", model,
                              "--port", "0", "--max-batch", str(max_batch), "--ctx", str(ctx),
                              "--max-queue", "256", "--prefix-cache-mb", "0", *extra],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)
+                            env=env, cwd=src)
     deadline = time.time() + 300
     while time.time() < deadline:
         line = proc.stderr.readline()
@@ -99,9 +106,12 @@ def start_llama_server(python: str, gguf: str, threads: int,
                      f"{python}?)")
 
 
+SAMPLING: dict = {"temperature": 0}  # the requests' sampling settings (--sampling)
+
+
 def one_request(http: httpx.Client, url: str, model: str, prompt: str, n_gen: int,
                 ban: int | None = None, chat: bool = False) -> dict:
-    body = {"model": model, "max_tokens": n_gen, "temperature": 0, "stream": True}
+    body = {"model": model, "max_tokens": n_gen, **SAMPLING, "stream": True}
     if chat:  # a task: the model's own template, and its answer ends where it ends
         body.update(messages=[{"role": "user", "content": prompt}],
                     stream_options={"include_usage": True})
@@ -228,7 +238,19 @@ def main() -> int:
     ap.add_argument("--speculative", action="store_true",
                     help="also serve with --speculative lookup, alternating with the plain "
                     "server; its answers must equal the plain server's")
+    ap.add_argument("--sampling", nargs="+", metavar="NAME=VALUE", default=[],
+                    help="the requests' sampling settings (default temperature=0), e.g. "
+                    "temperature=1 top_p=0.95 seed=1; every engine gets the same")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also serve pocketlm from another checkout (its extension built "
+                    "there), e.g. a git worktree of an earlier revision: before / after in "
+                    "one run, alternating")
     args = ap.parse_args()
+    for item in args.sampling:
+        name, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"--sampling takes NAME=VALUE, got {item!r}")
+        SAMPLING[name] = json.loads(value)
 
     import pocketlm
     from pocketlm.bench import machine_info
@@ -238,6 +260,9 @@ def main() -> int:
     if args.speculative:
         servers["pocketlm+lookup"] = start_server(args.model, args.threads, args.max_batch,
                                                   args.ctx, ("--speculative", "lookup"))
+    if args.baseline:
+        servers["pocketlm@baseline"] = start_server(args.model, args.threads, args.max_batch,
+                                                    args.ctx, src=args.baseline)
     tasks = None
     if args.tasks == "grounded":
         from benchmarks.speculative import tasks as grounded
@@ -282,6 +307,8 @@ def main() -> int:
                 "machine": machine_info(), "model": args.model, "engine": e,
                 "threads": args.threads, "ctx": args.ctx, "clients": c,
                 "max_batch": args.max_batch if pocket(e) else 1, "tasks": args.tasks,
+                "sampling": SAMPLING, "baseline": args.baseline if e == "pocketlm@baseline"
+                else None,
                 "requests": rs[0]["requests"], "rounds": len(rs), "n_gen": args.gen,
                 "n_prompt": round(statistics.mean(r["n_prompt"] for r in rows["pocketlm", c]), 1),
                 "agg_tok_s": med("agg_tok_s"), "ttft_p50_s": med("ttft_p50_s"),

@@ -493,3 +493,81 @@ def test_an_export_again_needs_no_room_for_checkpoints(tiny_recipe, tmp_path, mo
         (out / stage / "metrics.jsonl").write_text(json.dumps({"step": steps}) + "\n")
         (out / stage / "checkpoint.pt").write_bytes(b"")
     pocket_zh_en.check_inputs(out, tiny_recipe, "export")
+
+
+def test_the_rft_stage_trains_on_the_answers_that_pass_and_resumes_exactly(tiny_recipe, tmp_path,
+                                                                          monkeypatch):
+    from pocketlm.data.download import sha256_file
+    from pocketlm.recipes import pocket_zh_en
+
+    recipe = dataclasses.replace(tiny_recipe, rft_steps=2, rft_prompts=5, rft_max_tokens=6)
+    assert "rft_steps" in recipe.to_dict() and "rft_steps" not in tiny_recipe.to_dict()
+    # the tiny teacher's answers are all cut at its 6 tokens: no prompt to add instructions to
+    with pytest.raises(PocketError, match="rft: no prompt to ask"):
+        _run(tmp_path / "a", recipe)
+
+    # the gold prompts stand in, each asking for at most 30 words
+    def prompts(recipe, prompts, answers):
+        gold = [p for p in prompts if p["gold"] is not None][:recipe.rft_prompts]
+        return [{"id": p["id"], "prompt": p, "user": p["prompt"] + " At most 30 words.",
+                 "checks": [{"check": "words_at_most", "args": {"n": 30}}]} for p in gold]
+
+    monkeypatch.setattr(pocket_zh_en, "rft_prompts", prompts)
+    # a tiny random model's answers pass nothing here: the stage says so, before any training
+    monkeypatch.setattr(pocket_zh_en, "rft_judge", lambda *a: "fails its instructions")
+    with pytest.raises(PocketError, match="rft: none of the QAT model's 5 answers .* passes"):
+        _run(tmp_path / "a", recipe)
+    assert not (tmp_path / "a" / "rft").exists()
+
+    # answers judged on their length only: what passes is trained on, beside as many SFT chats
+    def judge(prompt, answer, recipe):
+        return None if len(answer["answer"]) % 2 == 0 else "odd"
+
+    monkeypatch.setattr(pocket_zh_en, "rft_judge", judge)
+    path = _run(tmp_path / "a", recipe)
+    a = tmp_path / "a"
+    samples = [json.loads(x) for x in (a / "rft-samples.jsonl").read_text().splitlines()]
+    assert len(samples) == len({s["id"] for s in samples}) == 5
+    report = json.loads((a / "recipe_report.json").read_text())
+    got = report["rft"]["data"]
+    kept = sum(len(s["answer"].strip()) % 2 == 0 for s in samples)
+    assert got["kept"] == kept and got["prompts"] == len(samples)
+    assert got["chats"] == len((a / "rft.jsonl").read_text().splitlines()) == 2 * kept
+    assert report["rft"]["last"]["step"] == 2 and "rft" in report["stages"]
+    assert json.loads((a / "rft" / "train_config.json").read_text())["train"]["base"] == \
+        str(a / "qat")
+
+    # stopped mid-sampling and resumed: the same answers, the same file
+    b = tmp_path / "b"
+    shutil.copytree(a, b, ignore=shutil.ignore_patterns("rft", "pocket-zh-en.pocket",
+                                                        "rft.jsonl"))
+    lines = (a / "rft-samples.jsonl").read_text().splitlines(keepends=True)
+    (b / "rft-samples.jsonl").write_text("".join(lines[:2]) + lines[2][:5])
+    assert sha256_file(_run(b, recipe)) == sha256_file(path)
+    assert (b / "rft-samples.jsonl").read_text() == (a / "rft-samples.jsonl").read_text()
+
+
+def test_rft_prompts_add_instructions_to_the_prompts_whose_teacher_answer_is_kept():
+    from pocketlm.evaluate.instructions import CHECKERS
+    from pocketlm.recipes.pocket_zh_en import Recipe, rft_prompts
+
+    answer = ("Gardening is a rewarding hobby for many people. Plants need water, light and "
+              "patience. Many gardeners start with herbs, because herbs grow quickly and "
+              "forgive mistakes. Gardening also gets people outside.")
+    prompts = [{"id": f"p{i}", "gold": None, "checks": None, "lang": "en",
+                "source": "sharegpt", "kind": "chat",
+                "prompt": f"Tell me about gardening as a hobby ({i})."} for i in range(8)]
+    prompts[0]["gold"] = "a gold answer"  # gold, and its own instructions: never taken
+    prompts[1]["checks"] = [{"check": "lowercase", "args": {}}]
+    answers = [{"id": p["id"], "answer": answer, "finish_reason": "stop", "tokens": 40}
+               for p in prompts]
+    answers[2]["finish_reason"] = "length"  # dropped by the data stage: not taken either
+    recipe = Recipe(rft_prompts=6)
+    got = rft_prompts(recipe, prompts, answers)
+    assert got == rft_prompts(recipe, prompts, answers) and len(got) == 6
+    assert len({c["id"] for c in got}) == 6
+    assert not {c["prompt"]["id"] for c in got} & {"p0", "p1", "p2"}
+    for c in got:
+        assert c["prompt"]["prompt"] in c["user"] and c["user"] != c["prompt"]["prompt"]
+        assert c["checks"] and all(k["check"] in CHECKERS for k in c["checks"])
+    assert len(rft_prompts(Recipe(rft_prompts=2), prompts, answers)) == 2

@@ -19,7 +19,13 @@ leaving its output in the run folder:
    matched token for token).
 5. ``qat``: LoRA adapters trained against the INT4 grid the deploy file uses (``--qat``), from
    the SFT weights, on the same chats: the INT4 file is the model that was trained.
-6. ``export``: the deploy file ``pocket-zh-en.pocket`` (INT4 group 32, the tied embedding and
+6. ``rft`` (only with ``rft_steps`` > 0; off in the recorded recipe): rejection-sampled
+   self-distillation for instruction following. Prompts with instructions added (the
+   ``constraints`` wording, new draws) are answered by the QAT model itself, sampled through
+   the runtime; the answers that pass every instruction (the capability suite's checker) and
+   the teacher answers' filters become chats, mixed with as many of the SFT chats, and new
+   LoRA adapters are trained on them against the same INT4 grid.
+7. ``export``: the deploy file ``pocket-zh-en.pocket`` (INT4 group 32, the tied embedding and
    head INT8) and ``recipe_report.json`` (stage times, token counts, sha256).
 
 The same stages run under ``torchrun`` for the training steps (see docs/pocket-zh-en.md).
@@ -43,7 +49,7 @@ from ..formats import sha256_file
 from ..textfile import jsonl_lines
 
 NAME = "pocket-zh-en"
-STAGES = ("prompts", "teacher", "data", "sft", "qat", "export")
+STAGES = ("prompts", "teacher", "data", "sft", "qat", "rft", "export")
 TEACHER_SYSTEM = "You are a helpful assistant."
 
 
@@ -79,6 +85,12 @@ class Recipe:
     # dropping them leaves the student only short answers to learn from ("write at least 150
     # characters" answered with a title)
     keep_cut_answers: bool = False
+    # rejection-sampled self-distillation (stage ``rft``; 0 steps: off): prompts with
+    # instructions answered by the QAT model at this temperature, up to this many tokens
+    rft_steps: int = 0
+    rft_prompts: int = 1200
+    rft_temperature: float = 0.7
+    rft_max_tokens: int = 320
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -88,7 +100,9 @@ class Recipe:
         return d
 
 
-_ADDED_LATER = {"constraint_share": 0.0, "data_version": 1, "keep_cut_answers": False}
+_ADDED_LATER = {"constraint_share": 0.0, "data_version": 1, "keep_cut_answers": False,
+                "rft_steps": 0, "rft_prompts": 1200, "rft_temperature": 0.7,
+                "rft_max_tokens": 320}
 # what a run's recipe.json records besides the recipe, with the value a record made before it
 # was recorded stands for: the version of the prompt construction (prompts.PROMPTS_VERSION),
 # which is the code's, not a field of the recipe (nor of the deploy file's provenance)
@@ -106,7 +120,8 @@ RECIPE = Recipe()
 # Minutes each stage took on the reference machine (2-vCPU AMD EPYC Zen 4, 2 threads), for the
 # estimate printed before a run starts; filled from recipe_report.json of the recorded run.
 REFERENCE_MINUTES = {"prompts": 1, "teacher": 101, "data": 1, "sft": 78, "qat": 26,
-                     "export": 1}
+                     "rft": 35, "export": 1}
+RFT_REFERENCE_STEPS = 150  # the rft steps of the run REFERENCE_MINUTES["rft"] was timed on
 
 
 def _say(msg: str) -> None:
@@ -382,6 +397,13 @@ def _train_config(out: Path, recipe: Recipe, stage: str, threads: int | None):
             steps=recipe.sft_steps, batch_size=recipe.sft_batch, seq_len=recipe.sft_seq_len,
             lr=recipe.sft_lr, warmup=recipe.sft_warmup, weight_decay=0.0, eval_every=50,
             eval_batches=8, save_every=25, seed=recipe.seed, dtype="bf16", threads=threads)
+    if stage == "rft":
+        return TrainConfig(
+            out=str(out / "rft"), data=str(out / "rft.jsonl"), preset=None, mode="sft",
+            base=str(out / "qat"), steps=recipe.rft_steps, batch_size=recipe.sft_batch,
+            seq_len=recipe.sft_seq_len, lr=recipe.qat_lr, warmup=15, weight_decay=0.0,
+            eval_every=50, eval_batches=8, save_every=25, seed=recipe.seed, dtype="bf16",
+            threads=threads, lora_rank=recipe.qat_rank, qat=True)
     return TrainConfig(
         out=str(out / "qat"), data=data, preset=None, mode="sft", base=str(out / "sft"),
         steps=recipe.qat_steps, batch_size=recipe.sft_batch, seq_len=recipe.sft_seq_len,
@@ -413,30 +435,151 @@ def stage_train(out: Path, recipe: Recipe, stage: str, *, threads: int | None = 
     return train(cfg, progress=progress)
 
 
-# -- stage 6: the deploy file ----------------------------------------------------------------
+# -- stage 6: rejection-sampled self-distillation ----------------------------------------------
+
+_RFT_SALTS = ("rft-a", "rft-b")  # two draws of instructions per kept teacher answer
 
 
-def stage_export(out: Path, recipe: Recipe, *, progress: bool = True) -> Path:
-    """The QAT run (LoRA merged) packed to the INT4 grid it was trained against. The file's
-    provenance names the recipe, not the run folder or the time, so that a seeded run gives the
-    same bytes wherever it ran from (the registry records their sha256)."""
+def rft_prompts(recipe: Recipe, prompts: list[dict], answers: list[dict]) -> list[dict]:
+    """The rft stage's prompts: for each teacher answer the data stage keeps (prompts without
+    instructions of their own), the prompt with one to three instructions added, drawn as the
+    data stage draws them but with other salts (so mostly other instructions), checked to be
+    satisfiable by the teacher's answer; shuffled by the seed, the first ``rft_prompts``.
+    Deterministic in (seed, prompts, answers)."""
+    from .constraints import constrained_chat
+    from .prompts import _key
+
+    by_id = {a["id"]: a for a in answers}
+    found = []
+    for p in prompts:
+        if p["gold"] is not None or p["checks"] or p["kind"] in ("json", "translate"):
+            continue
+        a = by_id.get(p["id"])
+        if a is None or judge(p, a, recipe.data_version, recipe.keep_cut_answers):
+            continue
+        reply = answer_text(a, recipe.keep_cut_answers)
+        for salt in _RFT_SALTS:
+            chat = constrained_chat(p, reply, recipe.seed, salt=salt)
+            if chat is not None:
+                found.append({"id": f"{p['id']}/{salt}", "prompt": p,
+                              "user": chat["messages"][0]["content"], "checks": chat["checks"]})
+    found.sort(key=lambda c: _key(recipe.seed, "rft-order", c["id"]))
+    return found[:recipe.rft_prompts]
+
+
+def rft_judge(prompt: dict, answer: dict, recipe: Recipe) -> str | None:
+    """Why a sampled answer to an rft prompt is not kept (None: kept): a teacher answer's
+    reasons, its instructions included."""
+    return judge(dict(prompt["prompt"], checks=prompt["checks"]), answer, recipe.data_version)
+
+
+def _pack_run(out: Path, run: str, path: Path, recipe: Recipe, *, progress: bool) -> Path:
+    """A training run (LoRA merged) packed to the INT4 grid it was trained against, written
+    atomically. The file's provenance names the recipe, not the run folder or the time, so
+    that a seeded run gives the same bytes wherever it ran from."""
     from ..pack import pack
     from ..train.export import checkpoint_source
 
-    path = out / f"{NAME}.pocket"
-    if path.is_file():
-        return path
-    src = checkpoint_source(out / "qat", best=False)
+    src = checkpoint_source(out / run, best=False)
+    data = json.loads((out / "data_report.json").read_text(encoding="utf-8"))
     src.provenance = {"source": f"pocketlm recipe {NAME}", "recipe": recipe.to_dict(),
-                      "sft_sha256": json.loads((out / "data_report.json").read_text(
-                          encoding="utf-8"))["sha256"],
+                      "sft_sha256": data["sha256"],
                       "step": src.provenance.get("step"), "lora": src.provenance.get("lora")}
-    tmp = out / f"{NAME}.pocket.partial"
+    if run == "rft":
+        src.provenance["rft_sha256"] = sha256_file(out / "rft.jsonl")
+    tmp = path.with_name(path.name + ".partial")
     report = pack(src, tmp, group_size=32, embed_bits=8, progress=progress, int4_search=False,
                   reproducible=True)
     os.replace(tmp, path)
     _say(report.summary())
     return path
+
+
+def stage_rft_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dict], *,
+                   progress: bool = True) -> dict:
+    """``rft-samples.jsonl`` (the QAT model's sampled answer to every rft prompt, appended as
+    each ends, so a restarted run samples only the missing ones) and ``rft.jsonl``: the
+    answers that pass (as :func:`judge` passes a teacher answer, instructions included) and as
+    many SFT chats, shuffled by the seed. Returns the stage's report."""
+    import pocketlm
+
+    from ..evaluate.instructions import CHECKERS
+    from ..progress import bar as progress_bar
+    from .prompts import _key
+
+    wanted = rft_prompts(recipe, prompts, answers)
+    if not wanted:
+        raise PocketError("rft: no prompt to ask: none of the teacher answers the data stage "
+                          "keeps takes an added instruction")
+    path = out / "rft-samples.jsonl"
+    done = {r["id"]: r for r in _read_jsonl(path) if "id" in r and "answer" in r}
+    todo = [c for c in wanted if c["id"] not in done]
+    if todo:
+        _atomic_write(path, "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                    for r in done.values()))
+        base = out / "rft-base.pocket"
+        if not base.is_file():
+            _pack_run(out, "qat", base, recipe, progress=progress)
+        _say(f"rft: the QAT model answers {len(todo)} of {len(wanted)} prompts with "
+             f"instructions (temperature {recipe.rft_temperature})")
+        model = pocketlm.load(base)
+        bar = progress_bar(len(wanted), "rft answers", "answer", enabled=progress,
+                           initial=len(done))
+        with open(path, "a", encoding="utf-8") as f:
+            for i, text, state in model.chat_batch(
+                    ([{"role": "user", "content": c["user"]}] for c in todo),
+                    max_tokens=recipe.rft_max_tokens, temperature=recipe.rft_temperature,
+                    seed=recipe.seed, max_batch=recipe.teacher_batch):
+                c = todo[i]
+                rec = {"id": c["id"], "answer": text, "finish_reason": state.finish_reason,
+                       "tokens": len(state.generated)}
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                f.flush()
+                done[c["id"]] = rec
+                bar.update(1)
+        bar.close()
+    kept, dropped, passed = [], {}, {}
+    for c in wanted:
+        a = done[c["id"]]
+        why = rft_judge(c, a, recipe)
+        for check in c["checks"]:
+            ok = CHECKERS[check["check"]](a["answer"].strip(), **check["args"])
+            n = passed.setdefault(check["check"], [0, 0])
+            n[0] += ok
+            n[1] += 1
+        if why:
+            dropped[why] = dropped.get(why, 0) + 1
+            continue
+        kept.append({"messages": [{"role": "user", "content": c["user"]},
+                                  {"role": "assistant", "content": a["answer"].strip()}]})
+    if not kept:
+        raise PocketError(f"rft: none of the QAT model's {len(wanted)} answers in {path} passes "
+                          f"its instructions ({', '.join(f'{k}: {v}' for k, v in dropped.items())})"
+                          "; nothing to train on")
+    sft = _read_jsonl(out / "sft.jsonl")
+    rng = random.Random(_key(recipe.seed, "rft-mix"))
+    chats = kept + rng.sample(sft, min(len(kept), len(sft)))
+    rng.shuffle(chats)
+    data = out / "rft.jsonl"
+    _atomic_write(data, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in chats))
+    return {"prompts": len(wanted), "kept": len(kept), "dropped": dict(sorted(dropped.items())),
+            "instructions_passed": {k: f"{a}/{b}" for k, (a, b) in sorted(passed.items())},
+            "sampled_tokens": sum(done[c["id"]].get("tokens", 0) for c in wanted),
+            "chats": len(chats), "sha256": sha256_file(data)}
+
+
+# -- stage 7: the deploy file ----------------------------------------------------------------
+
+
+def stage_export(out: Path, recipe: Recipe, *, progress: bool = True) -> Path:
+    """The last training run (rft when the recipe has that stage, else qat), LoRA merged,
+    packed to the INT4 grid it was trained against (:func:`_pack_run`: the registry records
+    the sha256 of the bytes a seeded run gives)."""
+    path = out / f"{NAME}.pocket"
+    if path.is_file():
+        return path
+    return _pack_run(out, "rft" if recipe.rft_steps else "qat", path, recipe,
+                     progress=progress)
 
 
 # -- the whole recipe ------------------------------------------------------------------------
@@ -457,28 +600,35 @@ def check_inputs(out: Path, recipe: Recipe, until: str) -> None:
     except ImportError:
         raise PocketError("the recipe's training stages need PyTorch: pip install "
                           "'pocketlm[train]'") from None
-    runs = [_train_config(out, recipe, stage, None) for stage in ("sft", "qat")]
+    runs = [_train_config(out, recipe, stage, None) for stage in _train_stages(recipe)]
     if all(_finished(Path(cfg.out), cfg.steps) for cfg in runs):
         return  # no checkpoint left to write: an export again (--force) needs no such room
-    need = disk_needed(open_source(paths[recipe.base]).config.n_params())
+    need = disk_needed(open_source(paths[recipe.base]).config.n_params(),
+                       rft=bool(recipe.rft_steps))
     free = shutil.disk_usage(out).free
     if free < need:
         raise PocketError(f"{out}: {free / 1e9:.1f} GB free; the recipe's checkpoints need "
                           f"about {need / 1e9:.1f} GB")
 
 
-def disk_needed(n_params: int) -> int:
+def _train_stages(recipe: Recipe) -> tuple[str, ...]:
+    return ("sft", "qat", "rft") if recipe.rft_steps else ("sft", "qat")
+
+
+def disk_needed(n_params: int, rft: bool = False) -> int:
     """Bytes the training stages need at most: the SFT checkpoint (float32 weights and both
     Adam moments: 12 bytes a parameter) written beside the previous one (atomic replace), then
-    the QAT checkpoint (the weights: 4 bytes a parameter) likewise, plus 1 GB."""
-    return n_params * (12 * 2 + 4 * 2) + 10**9
+    the QAT checkpoint (the weights: 4 bytes a parameter) likewise, and the rft one when the
+    recipe has it, plus 1 GB."""
+    return n_params * (12 * 2 + 4 * 2 + (4 * 2 if rft else 0)) + 10**9
 
 
 def estimate(out: Path, recipe: Recipe = RECIPE) -> str:
     """The stages left and the time they took on the reference machine, scaled by what is
     left of a stage that is under way and, for the training stages, by ``recipe``'s steps
     against the recorded recipe's."""
-    steps = {"sft": recipe.sft_steps / RECIPE.sft_steps, "qat": recipe.qat_steps / RECIPE.qat_steps}
+    steps = {"sft": recipe.sft_steps / RECIPE.sft_steps, "qat": recipe.qat_steps / RECIPE.qat_steps,
+             "rft": recipe.rft_steps / RFT_REFERENCE_STEPS}
     left, minutes = [], 0.0
     for stage in STAGES:
         share = 1.0 - _stage_progress(out, stage, recipe)
@@ -500,6 +650,13 @@ def _stage_progress(out: Path, stage: str, recipe: Recipe = RECIPE) -> float:
         return min(1.0, len({r.get("id") for r in _read_jsonl(out / "teacher.jsonl")}) / wanted)
     if stage == "data":
         return float((out / "data_report.json").is_file())
+    if stage == "rft":
+        if not recipe.rft_steps:
+            return 1.0  # not a stage of this recipe
+        rows = _read_jsonl(out / "rft" / "metrics.jsonl")
+        if rows:
+            return 0.3 + 0.7 * min(1.0, rows[-1].get("step", 0) / recipe.rft_steps)
+        return 0.3 * min(1.0, len(_read_jsonl(out / "rft-samples.jsonl")) / recipe.rft_prompts)
     if stage in ("sft", "qat"):
         cfg = _train_config(out, recipe, stage, None)
         rows = _read_jsonl(Path(cfg.out) / "metrics.jsonl")
@@ -637,6 +794,15 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
         report["stages"][stage]["last"] = last
         if until == stage:
             return None
+    if recipe.rft_steps:
+        def rft() -> dict:
+            got = stage_rft_data(out, recipe, prompts, answers, progress=progress)
+            return {"data": got, "last": stage_train(out, recipe, "rft", threads=threads,
+                                                     progress=progress)}
+
+        report["rft"] = timed("rft", rft)
+    if until == "rft":
+        return None
     path = timed("export", stage_export, out, recipe, progress=progress)
     report["deploy_file"] = {"path": str(path), "size": path.stat().st_size,
                              "sha256": sha256_file(path)}
