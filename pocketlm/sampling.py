@@ -203,7 +203,6 @@ def _nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
         cum = np.cumsum(cw[order])
         if cum[-1] >= target or not cut:
             keep = cum - cw[order] < target  # the smallest prefix reaching the bound
-            keep[0] = True
             return np.sort(cand[order[keep]])
     raise AssertionError("unreachable: the last cut takes every weight")
 

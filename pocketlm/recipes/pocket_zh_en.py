@@ -328,6 +328,13 @@ def judge(prompt: dict, answer: dict, data_version: int = 1, keep_cut: bool = Fa
     return None
 
 
+def _takes_instructions(prompt: dict) -> bool:
+    """Whether instructions may be added to ``prompt``: one answered by the teacher, with no
+    instructions of its own, whose answer is not a fixed form (JSON, a translation)."""
+    return prompt["gold"] is None and not prompt["checks"] and \
+        prompt["kind"] not in ("json", "translate")
+
+
 def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dict]) -> dict:
     """``sft.jsonl`` (user + assistant chats, in prompt order) and ``data_report.json``."""
     from .constraints import constrained_chat
@@ -352,9 +359,8 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
         kept[key] = kept.get(key, 0) + 1
         chats.append({"messages": [{"role": "user", "content": p["prompt"]},
                                    {"role": "assistant", "content": reply}]})
-        if p["gold"] is None and not p["checks"] and p["kind"] not in ("json", "translate") \
-                and random.Random(_key(recipe.seed, "constrain", p["id"])).random() \
-                < recipe.constraint_share:
+        draw = random.Random(_key(recipe.seed, "constrain", p["id"])).random
+        if _takes_instructions(p) and draw() < recipe.constraint_share:
             salts = ("constraints",) if recipe.data_version < 2 else \
                 ("constraints", "constraints-2")
             asked: set[frozenset] = set()  # one answer's chats never ask for the same kinds
@@ -452,7 +458,7 @@ def rft_prompts(recipe: Recipe, prompts: list[dict], answers: list[dict]) -> lis
     by_id = {a["id"]: a for a in answers}
     found = []
     for p in prompts:
-        if p["gold"] is not None or p["checks"] or p["kind"] in ("json", "translate"):
+        if not _takes_instructions(p):
             continue
         a = by_id.get(p["id"])
         if a is None or judge(p, a, recipe.data_version, recipe.keep_cut_answers):
