@@ -23,6 +23,7 @@ request with a schema.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -177,6 +178,17 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         if ref is not None:
             raise GrammarError(f"the JSON schema is not usable: no finite value fits it (a value "
                                f"of \"{ref}\" must hold another without end)", param=kind)
+    elif kind == "grammar":
+        endless = _endless_rules(compiled if "::=" in value else value)
+        if endless:
+            rule = next((r for r in endless if r != "start"), "start")
+            if "::=" in value:  # name it as the GBNF source does
+                rule = _gbnf_names(value).get(rule, rule)
+            what = (f"its rule \"{rule}\" never ends (every alternative needs it again or "
+                    f"another rule that never ends)")
+            raise GrammarError("the grammar is not usable: " + (
+                f"no finite text fits it: {what}" if "start" in endless
+                else f"{what}, so an answer that enters it cannot finish"), param=kind)
     return Grammar(kind, source, compiled)
 
 
@@ -286,6 +298,327 @@ def _endless_ref(schema: Any) -> str | None:
         return None
     endless = [ref for ref, t in targets.items() if t is not _UNKNOWN and ref not in finite]
     return next((ref for ref in endless if ref != "#"), "#")
+
+
+# --- grammars whose rules never end -------------------------------------------------------
+# A Lark (or converted GBNF) rule like ``x: "a" x`` has no finite text: llguidance compiles
+# it, and the parser then grows without bound at the first token that enters it ("too many
+# items"), or mid-answer when one branch of a choice leads there. _endless_rule finds such
+# rules before generation. It reads the subset of llguidance's Lark it understands (rules,
+# terminals, strings, regular expressions, special tokens, %json / %regex, groups, optional
+# parts, repetition operators, aliases, rule attributes and priorities, directives) and gives
+# up, refusing nothing, on anything else.
+
+_LARK_PUNCT = ("->", "..", "(", ")", "[", "]", "{", "}", "|", "?", "*", "+", "~", ":", ",",
+               "=", ".", "!", "@")
+
+
+class _GiveUp(Exception):
+    pass
+
+
+def _balanced(text: str, i: int, open_: str, close: str) -> int:
+    """The index after the ``close`` that balances the ``open_`` at ``text[i]`` (strings in
+    double quotes skipped)."""
+    depth, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c == open_:
+            depth += 1
+        elif c == close:
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        i += 1
+    raise _GiveUp
+
+
+def _lark_tokens(text: str) -> list[tuple[str, str]]:
+    """(kind, value) pairs: "nl", "term" (a string, regular expression, special token or
+    %json / %regex lexeme), "name", "num", "directive" (its whole line or braces) and the
+    punctuation above as its own kind."""
+    out: list[tuple[str, str]] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\n":
+            out.append(("nl", c))
+            i += 1
+        elif c in " \t\r":
+            i += 1
+        elif text.startswith("//", i):
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                if text[j] == "\n":
+                    raise _GiveUp
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                raise _GiveUp
+            j += 1
+            if j < n and text[j] == "i":
+                j += 1
+            out.append(("term", text[i:j]))
+            i = j
+        elif c == "/":
+            j = i + 1
+            while j < n and text[j] != "/":
+                if text[j] == "\n":
+                    raise _GiveUp
+                j += 2 if text[j] == "\\" else 1
+            if j >= n:
+                raise _GiveUp
+            j += 1
+            while j < n and text[j] in "imslux":
+                j += 1
+            out.append(("term", text[i:j]))
+            i = j
+        elif c == "<":
+            j = text.find(">", i)
+            if j < 0 or "\n" in text[i:j]:
+                raise _GiveUp
+            out.append(("term", text[i:j + 1]))
+            i = j + 1
+        elif c == "%":
+            j = i + 1
+            while j < n and (text[j].isalnum() or text[j] == "_"):
+                j += 1
+            word = text[i + 1:j]
+            k = j
+            while k < n and text[k] in " \t":
+                k += 1
+            if word in ("json", "regex"):
+                if k >= n or text[k] != "{":
+                    raise _GiveUp
+                j = _balanced(text, k, "{", "}")
+                out.append(("term", text[i:j]))
+            elif word == "llguidance":
+                j = _balanced(text, k, "{", "}") if k < n and text[k] == "{" else k
+                out.append(("directive", text[i:j]))
+            elif word in ("ignore", "import", "declare", "override"):
+                while j < n and text[j] != "\n":
+                    j += 1
+                out.append(("directive", text[i:j]))
+            else:
+                raise _GiveUp
+            i = j
+        elif c.isalpha() or c == "_":
+            j = i
+            while j < n and (text[j].isalnum() or text[j] == "_"):
+                j += 1
+            out.append(("name", text[i:j]))
+            i = j
+        elif c.isdigit():
+            j = i
+            while j < n and text[j].isdigit():
+                j += 1
+            out.append(("num", text[i:j]))
+            i = j
+        else:
+            p = next((p for p in _LARK_PUNCT if text.startswith(p, i)), None)
+            if p is None:
+                raise _GiveUp
+            out.append((p, p))
+            i += len(p)
+    return out
+
+
+def _is_rule(name: str) -> bool:
+    """Lark's naming: rules are lower case, terminals upper case (either may lead with _)."""
+    head = name.lstrip("_")
+    return bool(head) and head[0].islower()
+
+
+def _lark_rules(text: str) -> dict[str, Any]:
+    """Each rule's body as a tree: ("alt", [seq, ...]), ("seq", [item, ...]),
+    ("opt", node) (may be empty), ("rep", node) (at least once), ("ref", name) or ("term",)."""
+    toks = _lark_tokens(text) + [("nl", "\n"), ("eof", "")]
+    # statements: a definition starts a line with [!?]name [attributes] [.priority] ":"
+    heads: list[tuple[int, str, int]] = []  # (token index of the head, name, body start)
+    pos = 0
+    while pos < len(toks):
+        if pos == 0 or toks[pos - 1][0] == "nl":
+            j = pos
+            if toks[j][0] in ("!", "?"):
+                j += 1
+            if toks[j][0] == "name":
+                name, j = toks[j][1], j + 1
+                if toks[j][0] == "[":  # rule attributes: [stop="...", max_tokens=...]
+                    depth = 0
+                    while toks[j][0] != "eof":
+                        depth += {"[": 1, "]": -1}.get(toks[j][0], 0)
+                        j += 1
+                        if depth == 0:
+                            break
+                if toks[j][0] == "." and toks[j + 1][0] in ("num", "-"):
+                    j += 2
+                if toks[j][0] == ":":
+                    heads.append((pos, name, j + 1))
+            elif toks[j][0] == "directive":
+                heads.append((pos, "", j + 1))
+        pos += 1
+    rules: dict[str, Any] = {}
+    for k, (_, name, start) in enumerate(heads):
+        end = heads[k + 1][0] if k + 1 < len(heads) else len(toks) - 1
+        if not name:
+            continue
+        body = [t for t in toks[start:end] if t[0] != "nl"]
+        if not _is_rule(name):
+            continue  # a terminal: regular, so finite whatever it holds
+        if name in rules:
+            raise _GiveUp  # redefined: llguidance has refused it already, or %override
+        tree, at = _lark_alt(body, 0)
+        if at != len(body):
+            raise _GiveUp
+        rules[name] = tree
+    return rules
+
+
+def _lark_alt(toks: list, i: int) -> tuple[Any, int]:
+    seqs = []
+    while True:
+        seq, i = _lark_seq(toks, i)
+        if i < len(toks) and toks[i][0] == "->":
+            if i + 1 >= len(toks) or toks[i + 1][0] != "name":
+                raise _GiveUp
+            i += 2
+        seqs.append(seq)
+        if i < len(toks) and toks[i][0] == "|":
+            i += 1
+            continue
+        return ("alt", seqs), i
+
+
+def _lark_seq(toks: list, i: int) -> tuple[Any, int]:
+    items = []
+    while i < len(toks) and toks[i][0] not in ("|", ")", "]", "->"):
+        kind, value = toks[i]
+        if kind == "(":
+            node, i = _lark_alt(toks, i + 1)
+            if i >= len(toks) or toks[i][0] != ")":
+                raise _GiveUp
+            i += 1
+        elif kind == "[":
+            node, i = _lark_alt(toks, i + 1)
+            if i >= len(toks) or toks[i][0] != "]":
+                raise _GiveUp
+            node, i = ("opt", node), i + 1
+        elif kind == "term":
+            node, i = ("term",), i + 1
+            if i + 1 < len(toks) and toks[i][0] == ".." and toks[i + 1][0] == "term":
+                i += 2  # a character range "a".."z"
+        elif kind == "name":
+            node, i = (("ref", value) if _is_rule(value) else ("term",)), i + 1
+        elif kind == "@":
+            if i + 1 >= len(toks) or toks[i + 1][0] not in ("name", "num"):
+                raise _GiveUp
+            node, i = ("term",), i + 2  # another grammar: llguidance's own business
+        else:
+            raise _GiveUp
+        node, i = _lark_op(node, toks, i)
+        items.append(node)
+    return ("seq", items), i
+
+
+def _lark_op(node: Any, toks: list, i: int) -> tuple[Any, int]:
+    """``node`` under the operator that follows it, if any."""
+    if i >= len(toks):
+        return node, i
+    kind = toks[i][0]
+    if kind in ("?", "*"):
+        return ("opt", node), i + 1
+    if kind == "+":
+        return ("rep", node), i + 1
+    if kind == "~" and i + 1 < len(toks) and toks[i + 1][0] == "num":
+        low, i = int(toks[i + 1][1]), i + 2
+        if i + 1 < len(toks) and toks[i][0] == ".." and toks[i + 1][0] == "num":
+            i += 2
+        return (("opt", node) if low == 0 else ("rep", node)), i
+    if kind == "{":
+        j = i + 1
+        if j + 2 < len(toks) and [t[0] for t in toks[j:j + 3]] == [",", "num", "}"]:
+            return ("opt", node), j + 3  # {,n}: none to n
+        if j < len(toks) and toks[j][0] == "num":
+            low = int(toks[j][1])
+            j += 1
+            if toks[j][0] == ",":
+                j += 1
+                if toks[j][0] == "num":
+                    j += 1
+            if j < len(toks) and toks[j][0] == "}":
+                return (("opt", node) if low == 0 else ("rep", node)), j + 1
+        raise _GiveUp
+    return node, i
+
+
+def _gbnf_names(source: str) -> dict[str, str]:
+    """llguidance's Lark names for a GBNF grammar's rules, mapped back to the source's."""
+    names = {"start": "root"}
+    for m in re.finditer(r"^\s*([A-Za-z0-9_-]+)\s*::=", source, re.M):
+        if m.group(1) != "root":
+            names.setdefault(m.group(1).replace("-", "_"), m.group(1))
+    return names
+
+
+def _endless_rules(text: str) -> list[str]:
+    """The rules reachable from ``start`` that derive no finite text (every way through one
+    comes back to it, or to another such rule), in the order they are reached from
+    ``start``; empty when there is none or the grammar uses what this reader does not know."""
+    try:
+        rules = _lark_rules(text)
+    except (_GiveUp, RecursionError, ValueError):
+        return []
+    if "start" not in rules:
+        return []
+    finite: set[str] = set()
+
+    def ends(node: Any) -> bool:
+        kind = node[0]
+        if kind == "alt":
+            return any(ends(s) for s in node[1])
+        if kind == "seq":
+            return all(ends(s) for s in node[1])
+        if kind == "opt" or kind == "term":
+            return True
+        if kind == "rep":
+            return ends(node[1])
+        return node[1] in finite or node[1] not in rules  # unknown: llguidance's to judge
+
+    try:
+        changed = True
+        while changed:
+            changed = False
+            for name, body in rules.items():
+                if name not in finite and ends(body):
+                    finite.add(name)
+                    changed = True
+    except RecursionError:
+        return []
+
+    def refs(node: Any, out: list[str]) -> None:
+        if node[0] == "ref":
+            out.append(node[1])
+        elif node[0] in ("alt", "seq"):
+            for s in node[1]:
+                refs(s, out)
+        elif node[0] in ("opt", "rep"):
+            refs(node[1], out)
+
+    seen, todo = ["start"], ["start"]
+    while todo:
+        found: list[str] = []
+        refs(rules[todo.pop()], found)
+        for name in found:
+            if name in rules and name not in seen:
+                seen.append(name)
+                todo.append(name)
+    return [name for name in seen if name not in finite]
 
 
 def _first_line(message: Any) -> str:

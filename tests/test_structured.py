@@ -151,6 +151,53 @@ def test_recursive_schemas_a_finite_value_fits_are_kept(schema):
     assert parse_grammar(json_schema=schema).kind == "json_schema"
 
 
+@pytest.mark.parametrize("grammar, rule, whole", [
+    ('start: "a" start', "start", True),
+    ('root ::= "hello " root', "root", True),  # GBNF, named as written
+    ('root ::= x\nx ::= "{" x "}"', "x", True),
+    ('root ::= my-list\nmy-list ::= "[" my-list ("," my-list)* "]"', "my-list", True),
+    ('start: a\na: "x" b\nb: "y" a', "a", True),  # two rules that need each other
+    ('start: (x | y)+\nx: "1" x\ny: "2" (x | y)', "x", True),
+    # one branch of a choice never ends: an answer that takes it cannot finish
+    ('root ::= "yes" | "no" x\nx ::= "a" x', "x", False),
+    ('start: "a" [loop] "b"\nloop: "c" loop', "loop", False),
+    ('start: "a" loop* | "b"\n?loop: "c" loop ("d")~2', "loop", False),
+    ('start: "a" | t{1,3}\nt: "c" t // no way out\n', "t", False),
+])
+def test_a_grammar_with_a_rule_that_never_ends_is_refused_before_it_generates(
+        grammar, rule, whole):
+    # before, llguidance compiled these and the parser hit its item limit at the first token
+    # inside the rule ("too complex to follow here"), after the answer had begun
+    with pytest.raises(GrammarError, match=f'rule "{rule}" never ends') as e:
+        parse_grammar(grammar=grammar)
+    assert e.value.param == "grammar" and "\n" not in str(e.value)
+    assert ("no finite text fits it" in str(e.value)) == whole
+
+
+@pytest.mark.parametrize("grammar", [
+    'start: "a" start | "b"',
+    'start: x\nx: "(" x ")" | ""',
+    'start: item+\nitem: "(" item* ")" | WORD\nWORD: /[a-z]+/',
+    'start: "[" [value ("," value)*] "]"\nvalue: NUMBER | "[" [value ("," value)*] "]"\n'
+    'NUMBER: /[0-9]+/',
+    'start: a\na: b "x" | "y"\nb: a "z"',  # b needs a, a ends through "y"
+    'start: e\ne: e "+" t | t\nt: "(" e ")" | /[0-9]/',  # left recursion
+    'start: %json {"type": "object"} | "x" start',
+    'start: loop~0..3 "end"\nloop: "c" loop | "d"',
+    'start: "a"{,4} s\ns: "b" s{0,2} | "c"',
+    'root ::= value\nvalue ::= object | array | "null"\nobject ::= "{" ( pair ("," pair)* )? "}"'
+    '\npair ::= "\\"k\\":" value\narray ::= "[" ( value ("," value)* )? "]"',
+    'root ::= expr\nexpr ::= term ([-+] term)*\nterm ::= [0-9]+ | "(" expr ")"',
+])
+def test_recursive_grammars_that_can_end_are_kept(grammar):
+    assert parse_grammar(grammar=grammar).kind == "grammar"
+
+
+def test_a_never_ending_grammar_is_refused_by_generate_before_any_token(tiny):
+    with pytest.raises(GrammarError, match='rule "root" never ends'):
+        tiny.generate("x", max_tokens=4, grammar='root ::= "a" root')
+
+
 def test_gbnf_is_read_as_well_as_lark():
     assert parse_grammar(grammar='root ::= "yes" | "no"').kind == "grammar"
     assert parse_grammar(grammar='start: "yes" | "no"').kind == "grammar"
