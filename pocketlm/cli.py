@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import __version__
-from .errors import PocketError
+from .errors import ModelNotFoundError, PocketError
 from .textfile import checked_text
 
 EPILOG = """examples:
@@ -293,7 +293,7 @@ def cmd_run(args) -> int:
     m = _load(args)
     speculative = _speculative(args)
     if speculative is not None:
-        m._drafter(speculative)  # a bad drafter fails here, before the prompt runs
+        _check_drafter(m, speculative)  # a bad drafter fails here, before the prompt runs
     constrain = _constrain(args)
     if constrain:
         m.constraint(**constrain)  # a bad schema, regex or grammar fails here
@@ -334,7 +334,7 @@ def cmd_chat(args) -> int:
     m = _load(args)
     speculative = _speculative(args)
     if speculative is not None:
-        m._drafter(speculative)  # a bad drafter fails here, before the first line
+        _check_drafter(m, speculative)  # a bad drafter fails here, before the first line
     constrain = _constrain(args)
     if constrain:
         m.constraint(**constrain)  # a bad schema, regex or grammar fails here
@@ -418,7 +418,8 @@ def cmd_bench(args) -> int:
     results = bench(model_or_default(args.model), threads=threads, n_prompt=args.n_prompt,
                     n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
                     watts_per_core=args.watts_per_core, progress=progress,
-                    compare=args.compare, speculative=args.speculative)
+                    compare=args.compare, speculative=args.speculative,
+                    draft_max=args.draft_max)
     if args.json:
         for r in results:
             print(r.to_json())
@@ -532,6 +533,20 @@ def _speculative(args):
     if spec == "lookup":
         return {"method": "lookup", "max_draft": n}
     return {"draft": spec, "max_draft": n}
+
+
+def _check_drafter(m, speculative: dict) -> None:
+    """Build the drafter once, so a bad one fails before any text; a draft model that does not
+    exist is named as the flag that gave it."""
+    if "draft" in speculative:
+        from .registry import resolve
+
+        try:
+            resolve(speculative["draft"])
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"--speculative: {e} (prompt lookup is --speculative "
+                                     "lookup)") from None
+    m._drafter(speculative)
 
 
 def _speculative_line(m) -> str:
@@ -717,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "model of the same vocabulary), alternating with plain decoding; the "
                    "benchmark text is prose repeated to --n-prompt, so lookup drafts often hit: "
                    "see benchmarks/speculative.py for task prompts")
+    p.add_argument("--draft-max", type=int, default=None, metavar="N",
+                   help="with --speculative: draft at most N tokens per step (1-16, default 8)")
     p.add_argument("--gguf", help="the GGUF for --vs llama.cpp when -m is a .pocket file")
     p.add_argument("--mnn", metavar="DIR", help="the MNN export for --vs mnn (default: "
                    "$POCKET_HOME/mnn/NAME, written by scripts/export-mnn NAME)")

@@ -126,6 +126,10 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     # an empty --speculative was silently a benchmark without the speculative row
     (dict(speculative=""), "--speculative needs 'lookup' or a draft model"),
     (dict(speculative="  "), "--speculative needs 'lookup' or a draft model"),
+    (dict(draft_max=4), "--draft-max applies with --speculative"),
+    (dict(speculative="lookup", draft_max=0), "--draft-max must be from 1 to 16, got 0"),
+    (dict(speculative="lookup", draft_max=17), "--draft-max must be from 1 to 16, got 17"),
+    (dict(speculative="lookup", draft_max=True), "--draft-max must be from 1 to 16"),
     # an empty --gguf / --mnn (an unset shell variable) was taken for none given
     (dict(gguf="", vs=["llama.cpp"]), "--gguf is empty"),
     (dict(mnn=" ", vs=["mnn"]), "--mnn is empty"),
@@ -200,7 +204,8 @@ def test_bench_refuses_a_draft_model_it_cannot_use_before_any_run(gguf, tmp_path
     from pocketlm.errors import ModelNotFoundError, PocketError
 
     seen = []
-    with pytest.raises(ModelNotFoundError):
+    with pytest.raises(ModelNotFoundError, match="^--speculative: 'no-such-model' .* "
+                       r"\(prompt lookup is --speculative lookup\)$"):
         bench(str(gguf), threads=1, n_prompt=40, n_gen=4, runs=1, speculative="no-such-model",
               progress=lambda *a: seen.append(a))
     other = tmp_path / "other.gguf"
@@ -222,5 +227,18 @@ def test_bench_speculative_row_alternates_and_reports_its_drafting(gguf):
     sp = results[1].speculative
     assert results[0].speculative is None and sp["tokens"] == 13 and sp["steps"] >= 1
     assert 0 <= sp["accepted"] <= sp["drafted"]
+    # the two rows' tokens are compared run by run, not assumed equal
+    assert sp["same_tokens"] is True and sp["runs_differing"] == 0
     table = format_table(results)
     assert "pocketlm+lookup / pocketlm: prefill" in table and "drafts accepted" in table
+    assert "the same greedy tokens as plain decoding in every run" in table
+    results[1].speculative.update(same_tokens=False, runs_differing=1)
+    assert "tokens DIFFER from plain decoding in 1 of 2 runs" in format_table(results)
+
+
+def test_bench_speculative_draft_max_reaches_the_drafter(gguf):
+    results = bench(str(gguf), threads=1, n_prompt=40, n_gen=12, runs=1, speculative="lookup",
+                    draft_max=1)
+    sp = results[1].speculative
+    assert sp["max_draft"] == 1 and sp["same_tokens"] is True
+    assert sp["drafted"] <= sp["steps"]  # at most one drafted token a pass

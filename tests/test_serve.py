@@ -328,7 +328,10 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "speculative": 3}, 400, "invalid_type", "speculative"),
     ({"model": MODEL, "prompt": "x", "speculative": {"max_draft": 0}}, 400, "invalid_value",
      "speculative.max_draft"),
-    ({"model": MODEL, "prompt": "x", "speculative": {"draft": "m"}}, 400, "unknown_parameter",
+    # the Python API's draft-model form: named as unsupported here, not as an unknown field
+    ({"model": MODEL, "prompt": "x", "speculative": {"draft": "m"}}, 400, "unsupported_value",
+     "speculative"),
+    ({"model": MODEL, "prompt": "x", "speculative": {"bogus": 1}}, 400, "unknown_parameter",
      "speculative"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "invalid_value", "stream_options"),

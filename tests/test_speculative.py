@@ -331,7 +331,9 @@ def test_cli_speculative(tmp_path):
     assert plain.stdout == spec.stdout
     assert "drafts accepted" in spec.stderr
     for args, match in [(["--speculative", "lookup", "--draft-max", "0"], "--draft-max"),
-                        (["--speculative", "nope"], "nope"),
+                        # named as the flag, with the CLI's spelling of prompt lookup
+                        (["--speculative", "nope"], "error: --speculative: 'nope' is neither"),
+                        (["--speculative", "nope"], "(prompt lookup is --speculative lookup)"),
                         (["--draft-max", "4"], "--draft-max applies with --speculative")]:
         p = pocket("run", "-m", str(path), *args, "hi")
         assert p.returncode == 1 and match in p.stderr and p.stderr.count("\n") == 1

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import KernelError, PocketError, UnsupportedError, refuse_empty
+from ..errors import KernelError, ModelNotFoundError, PocketError, UnsupportedError, refuse_empty
 from ..runtime.kernels.native import MAX_THREADS
 from .prompt import benchmark_ids, ids_hash
 
@@ -165,11 +165,13 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
           runs: int = 5, vs: list[str] | None = None, gguf: str | None = None,
           mnn: str | None = None, watts_per_core: float = WATTS_PER_CORE,
           progress=None, compare: list[str] | None = None,
-          speculative: str | None = None) -> list[EngineResult]:
+          speculative: str | None = None, draft_max: int | None = None) -> list[EngineResult]:
     """Benchmark pocketlm (and ``vs`` engines: llama.cpp on the GGUF, MNN on the export ``mnn``)
     on one model; one result per engine. ``compare``: other models pocketlm runs in the same
     run, alternating with the first (a trimmed variant against its source, say); each is
-    prompted with the benchmark text as its own tokenizer reads it."""
+    prompted with the benchmark text as its own tokenizer reads it. ``speculative``: also run
+    the model decoding speculatively ('lookup' or a draft model), drafting at most
+    ``draft_max`` tokens a step; its tokens are compared with plain decoding's, run by run."""
     from ..api import deploy_file, file_config_and_tokenizer
     from ..formats import sniff
     from ..formats.pocketfile import PocketFile
@@ -191,6 +193,14 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             raise PocketError("--speculative needs 'lookup' or a draft model, got "
                               f"{speculative!r}")
         speculative = speculative.strip()
+    if draft_max is not None:
+        from ..speculative import MAX_DRAFT
+
+        if not speculative:
+            raise PocketError("--draft-max applies with --speculative (lookup or a draft model)")
+        if isinstance(draft_max, bool) or not isinstance(draft_max, int) \
+                or not 1 <= draft_max <= MAX_DRAFT:
+            raise PocketError(f"--draft-max must be from 1 to {MAX_DRAFT}, got {draft_max!r}")
     vs = list(dict.fromkeys(vs or []))  # in order, once each
     unknown = [e for e in vs if e not in VS_ENGINES]
     if unknown:
@@ -218,7 +228,11 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         # line, not in the worker (a traceback, then "ended unexpectedly")
         from ..speculative import check_same_vocabulary
 
-        draft = deploy_file(resolve(speculative), quiet=False)
+        try:
+            draft = deploy_file(resolve(speculative), quiet=False)
+        except ModelNotFoundError as e:
+            raise ModelNotFoundError(f"--speculative: {e} (prompt lookup is --speculative "
+                                     "lookup)") from None
         check_same_vocabulary(file_config_and_tokenizer(PocketFile(draft))[1], tokenizer,
                               speculative)
     del tokenizer
@@ -230,7 +244,9 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         spec_label = f"pocketlm+{'lookup' if speculative == 'lookup' else 'draft'}"
         files[spec_label] = deploy
         models[spec_label] = name
-        spec_msg = "lookup" if speculative == "lookup" else {"draft": speculative}
+        spec_msg = {"method": "lookup"} if speculative == "lookup" else {"draft": speculative}
+        if draft_max is not None:
+            spec_msg["max_draft"] = draft_max
     for other in dict.fromkeys(compare or []):
         label = f"pocketlm:{other}"
         files[label] = deploy_file(resolve(other), quiet=False)
@@ -310,9 +326,21 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
             machine=machine_info(), command=command,
             memory_stages=[[name, rss - st["baseline_rss_mb"], hwm - st["baseline_rss_mb"]]
                            for name, rss, hwm in st.get("stages", [])],
-            speculative=s[-1].get("speculative") if engine == spec_label else None,
+            speculative=_speculative_summary(s, samples["pocketlm"], draft_max)
+            if engine == spec_label else None,
         ))
     return results
+
+
+def _speculative_summary(spec: list[dict], plain: list[dict], draft_max: int | None) -> dict:
+    """The last speculative run's drafting, and whether every run's tokens equal the plain run
+    of the same round (``same_tokens``; ``runs_differing`` counts those that do not)."""
+    out = dict(spec[-1].get("speculative") or {})
+    differing = sum(a.get("ids") != b.get("ids") for a, b in zip(spec, plain))
+    out.update(same_tokens=differing == 0, runs_differing=differing)
+    if draft_max is not None:
+        out["max_draft"] = draft_max
+    return out
 
 
 def budget_line(r: EngineResult) -> str:
@@ -381,9 +409,13 @@ def format_table(results: list[EngineResult]) -> str:
     for r in results:
         if r.speculative:
             sp = r.speculative
+            same = ("the same greedy tokens as plain decoding in every run"
+                    if sp.get("same_tokens") else
+                    f"tokens DIFFER from plain decoding in {sp.get('runs_differing')} of "
+                    f"{r.runs} runs")
             lines.append(f"{r.engine}: {sp['accepted']}/{sp['drafted']} drafts accepted "
                          f"({sp['acceptance']:.0%}), {sp['tokens_per_step']:.2f} tokens per pass "
-                         "(the same greedy tokens as plain decoding)")
+                         f"({same})")
     lines.append("")
     lines.append(f"budgets (pocketlm): {budget_line(results[0])}")
     for r in results[1:]:

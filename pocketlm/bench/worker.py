@@ -68,12 +68,15 @@ class PocketEngine:
             return self._run_speculative(ids, n_gen, speculative)
         # greedy, end-of-sequence ignored: the largest logit is all that is read, so the head
         # is screened as greedy generation screens it (docs/engine.md, "Head screening")
+        out = self.last_ids = []
         t0 = time.perf_counter()
         logits = self.runtime.forward(ids, cache, screen=True)
         t1 = time.perf_counter()
         for _ in range(n_gen):
-            logits = self.runtime.forward([int(np.argmax(logits))], cache, screen=True)
+            out.append(int(np.argmax(logits)))
+            logits = self.runtime.forward(out[-1:], cache, screen=True)
         t2 = time.perf_counter()
+        out.append(int(np.argmax(logits)))  # n_gen + 1 tokens, as the speculative run gives
         return t1 - t0, t2 - t1
 
     def _run_speculative(self, ids: list[int], n_gen: int, spec) -> tuple[float, float]:
@@ -94,6 +97,7 @@ class PocketEngine:
             if t1 is None:
                 t1 = time.perf_counter()
         t2 = time.perf_counter()
+        self.last_ids = list(seq.state.generated)
         return t1 - t0, t2 - t1
 
 
@@ -198,6 +202,8 @@ def main(argv: list[str]) -> int:
                      "cpu_s": _cpu_seconds() - c0, "n_gen": msg["n_gen"]}
             if msg.get("speculative"):
                 reply["speculative"] = engine.last_stats.as_dict()
+            if getattr(engine, "last_ids", None) is not None:  # pocketlm's greedy tokens
+                reply["ids"] = engine.last_ids
             if first:  # KV cache and scratch of a full-length call
                 stages.append(["first run", _status_kb("VmRSS") / 1024,
                                _status_kb("VmHWM") / 1024])

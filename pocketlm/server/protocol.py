@@ -461,6 +461,10 @@ def _speculative(v, name):
     if not isinstance(v, dict):
         raise _bad(f"'{name}' must be 'lookup', false or an object, got {_type_name(v)}", name,
                    "invalid_type")
+    if "draft" in v:  # the Python API's form for a draft model
+        raise _bad(f"'{name}.draft' is not supported by this server: it drafts by prompt "
+                   "lookup only ('lookup'); draft models run with the Python API and the CLI",
+                   name, "unsupported_value")
     unknown = set(v) - {"method", "max_draft", "max_ngram", "min_ngram"}
     if unknown:
         raise _bad(f"'{name}' has an unknown field {shown(sorted(unknown)[0])} (known: method, "
