@@ -748,7 +748,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pull", help="fetch a registry model into $POCKET_HOME",
                        description="Fetch a registry model into $POCKET_HOME/models and check "
                        "its sha256. A model already there is used as it is while it is "
-                       "unchanged since it was verified, and hashed again otherwise.")
+                       "unchanged since it was verified, and hashed again otherwise. A trimmed "
+                       "model (NAME-zh-en) is built from its pulled source in minutes; a "
+                       "recipe model (pocket-zh-en) is built by its recipe: it prints the "
+                       "stages left and an estimate first, takes hours, and resumes where it "
+                       "stopped when run again (docs/pocket-zh-en.md).")
     p.add_argument("name", help="registry name (see `pocket list`)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--force", action="store_true", help="fetch again even if present (a "

@@ -747,10 +747,15 @@ def resolve(name_or_path: str | os.PathLike[str], *, quiet: bool = False) -> Pat
     key = canonical_name(text)
     if key in RECIPES:
         # hours of training are never started implicitly: only `pocket pull NAME` builds it
-        if verification_state(key) == "no":
+        state = verification_state(key)
+        if state == "no":
             from .recipes import not_built_message
 
             raise ModelNotFoundError(not_built_message(RECIPES[key]))
+        if state != "yes":  # put there by other means, or changed since: checked, not rebuilt
+            from .recipes import verify_built
+
+            return verify_built(RECIPES[key], model_path(key), quiet=quiet)
         return model_path(key)
     if key in REGISTRY or key in TRIMMED:
         return pull(key, quiet=quiet)

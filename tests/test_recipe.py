@@ -308,11 +308,7 @@ def test_the_registry_lists_the_recipe_model_and_never_trains_implicitly(tmp_pat
         registry.resolve("pocket-zh-en")
 
     # `pull` runs the recipe (here a stand-in that returns a built file) and installs it
-    built = tmp_path / "built.pocket"
-    tiny_gguf.write_tiny_gguf(tmp_path / "t.gguf", "llama", seed=4, weight_type="Q8_0")
-    from pocketlm.pack import pack
-
-    pack(tmp_path / "t.gguf", built, progress=False)
+    built = _made_by_recipe(tmp_path, pocket_zh_en.RECIPE.to_dict())
     calls = []
 
     def fake_run(out, **kw):
@@ -334,6 +330,87 @@ def test_the_registry_lists_the_recipe_model_and_never_trains_implicitly(tmp_pat
     assert registry.verification_state("pocket-zh-en") == "changed"
     with pytest.raises(PocketError):
         registry.verify("pocket-zh-en")
+
+
+def _made_by_recipe(tmp_path, recipe: dict | None, name: str = "built.pocket") -> Path:
+    """A tiny deploy file whose provenance names ``recipe`` as a recipe's export does (None:
+    a file no recipe made)."""
+    from pocketlm.formats import open_source
+    from pocketlm.pack import pack
+
+    gguf = tmp_path / "t.gguf"
+    if not gguf.is_file():
+        tiny_gguf.write_tiny_gguf(gguf, "llama", seed=4, weight_type="Q8_0")
+    src = open_source(gguf)
+    if recipe is not None:
+        src.provenance = {"source": "pocketlm recipe pocket-zh-en", "recipe": recipe}
+    pack(src, tmp_path / name, progress=False, reproducible=True)
+    return tmp_path / name
+
+
+def test_a_file_another_recipe_made_is_not_taken_for_the_registry_model(tmp_path, monkeypatch):
+    """A deploy file put in the models folder by other means was hashed and listed as built
+    whatever made it: a variant of the recipe (more data, other steps) or another model."""
+    from pocketlm import registry
+    from pocketlm.recipes import pocket_zh_en
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    target = registry.model_path("pocket-zh-en")
+    target.parent.mkdir(parents=True)
+    variant = dict(pocket_zh_en.RECIPE.to_dict(), sft_steps=1000,
+                   counts={"news": 1600, "sharegpt": 2400})
+    for recipe, match in ((variant, r"another version of its recipe \(counts .*sft_steps "
+                                    r"1000 -> 600\): `pocket pull pocket-zh-en --force`"),
+                          (None, "was not made by its recipe")):
+        shutil.copyfile(_made_by_recipe(tmp_path, recipe, "f.pocket"), target)
+        with pytest.raises(PocketError, match=match):
+            registry.pull("pocket-zh-en", quiet=True)
+        assert registry.verification_state("pocket-zh-en") == "unverified"
+        with pytest.raises(PocketError, match=match):
+            registry.resolve("pocket-zh-en")
+    # the recipe's own file, a record made before some fields existed included
+    older = {k: v for k, v in pocket_zh_en.RECIPE.to_dict().items()
+             if k not in ("rft_steps", "rft_prompts", "data_version")}
+    shutil.copyfile(_made_by_recipe(tmp_path, older, "g.pocket"), target)
+    assert registry.pull("pocket-zh-en", quiet=True) == target
+    assert registry.verification_state("pocket-zh-en") == "yes"
+
+
+def test_missing_torch_and_room_for_downloads_are_refused_before_anything_is_fetched(
+        tiny_recipe, tmp_path, monkeypatch):
+    """PyTorch was checked after the teacher and base were fetched (1.4 GB for the registry's
+    recipe), and the room for those downloads not at all; the estimate came after them."""
+    import sys
+    from collections import namedtuple
+
+    from pocketlm import registry
+    from pocketlm.recipes import pocket_zh_en
+
+    fetched = []
+    monkeypatch.setattr(registry, "resolve", lambda name, **kw: fetched.append(name))
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    with pytest.raises(PocketError, match="need PyTorch"):
+        pocket_zh_en.check_inputs(tmp_path / "a", tiny_recipe, "export")
+    monkeypatch.undo()
+    monkeypatch.setattr(registry, "resolve", lambda name, **kw: fetched.append(name))
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(pocket_zh_en.shutil, "disk_usage",
+                        lambda path: namedtuple("usage", "total used free")(1, 1, 2 * 10**9))
+    recipe = dataclasses.replace(tiny_recipe, teacher="qwen2.5-1.5b", base="gemma3-270m-zh-en")
+    need = pocket_zh_en.download_bytes((recipe.teacher, recipe.base))
+    assert need == 2 * (registry.REGISTRY["qwen2.5-1.5b"].size
+                        + registry.REGISTRY["gemma3-270m"].size)
+    with pytest.raises(PocketError, match=r"2\.0 GB free; fetching qwen2\.5-1\.5b and "
+                       r"gemma3-270m-zh-en needs about 2\.7 GB"):
+        pocket_zh_en.check_inputs(tmp_path / "a", recipe, "teacher")
+    assert fetched == []
+    assert "it first fetches 1.4 GB of models" in pocket_zh_en.estimate(tmp_path / "a", recipe)
+    # the estimate is said before any model is fetched
+    said = []
+    monkeypatch.setattr(pocket_zh_en, "_say", said.append)
+    with pytest.raises(PocketError, match="GB free"):
+        pocket_zh_en.run(tmp_path / "b", recipe=recipe, progress=False, until="teacher")
+    assert said and said[0].startswith("stages left:") and fetched == []
 
 
 def test_cli_recipe_errors(tmp_path):

