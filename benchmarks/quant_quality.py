@@ -57,6 +57,13 @@ POCKET_METHODS: dict[str, dict] = {
     "pocket-awq-int4": {"keep_precision": False, "calib": "default", "awq": True},
     "pocket-awq-bpw-4.6": {"bits_per_weight": 4.6, "awq": True},
     "pocket-awq-budget-source": {"bits_per_weight": "source", "awq": True},
+    # what each rounding method buys (docs/quantization.md, Calibration): every linear weight
+    # requantized to INT4 group 64, rounded three ways
+    "pocket-rtn-int4-g64": {"keep_precision": False, "group_size": 64},
+    "pocket-act-int4-g64": {"keep_precision": False, "group_size": 64, "calib": "default",
+                            "quant_method": "act"},
+    "pocket-gptq-int4-g64": {"keep_precision": False, "group_size": 64, "calib": "default",
+                             "quant_method": "gptq"},
 }
 OUT = ROOT / "benchmarks" / "quant_quality.jsonl"
 DOC = ROOT / "docs" / "quantization.md"
@@ -187,6 +194,10 @@ METHOD_LABELS = {
     "pocket-awq-int4": "pocketlm `--all-int4 --awq` (channel scaling, then GPTQ)",
     "pocket-awq-budget-source": "pocketlm `--bits-per-weight source --awq`",
     "pocket-awq-bpw-4.6": "pocketlm `--bits-per-weight 4.6 --awq`",
+    "pocket-rtn-int4-g64": "pocketlm `--all-int4 --group-size 64`, rounding (RTN)",
+    "pocket-act-int4-g64": "pocketlm `--all-int4 --group-size 64 --calib default "
+                           "--quant-method act`",
+    "pocket-gptq-int4-g64": "pocketlm `--all-int4 --group-size 64 --calib default` (GPTQ)",
     "pocket-seq-bpw-4.6": "pocketlm `--bits-per-weight 4.6`, rounded layer by layer (tried at "
                           "commit 1f6ac85, not kept)",
 }

@@ -759,6 +759,34 @@ def source_budget(model, names: list[str]) -> float:
 HEADER_ALLOWANCE = 256 * 1024  # the deploy file's JSON header and alignment padding
 
 
+def check_budget_reachable(model, names: list[str], bits_per_weight) -> None:
+    """Refuse, from the tensors' shapes alone, a budget below the smallest layouts of
+    ``names`` (no exact import is smaller than those: none holds fewer than 4 bits a weight),
+    naming the flag and the source: :func:`allocate` found it only after the statistics."""
+    tied = model.config.tie_embeddings
+    smallest = 0
+    for n in names:
+        st = model.tensors[n]
+        shape = tuple(st.shape)
+        sizes = [layout_bytes(kind, gs, shape, zp)
+                 for kind, gs, zp in (LAYOUTS if may_encode(n, tied) else PLAIN_LAYOUTS)
+                 if shape[1] % gs == 0]
+        sizes += source_stored_bytes(st).values() if may_encode(n, tied) else []
+        smallest += min(sizes) if sizes else 0
+    count = sum(int(np.prod(model.tensors[n].shape)) for n in names)
+    budget = (source_budget(model, names) if bits_per_weight == "source"
+              else bits_per_weight / 8.0 * count)
+    if smallest > budget:
+        src = model.provenance.get("source_file") or "the source"
+        asked = ("source (the source's own size)" if bits_per_weight == "source"
+                 else f"{bits_per_weight:g}")
+        raise UnsupportedError(
+            f"--bits-per-weight {asked}: {src} cannot be packed that small: its smallest "
+            f"layouts take {8.0 * smallest / max(count, 1):.2f} bits per weight "
+            f"({smallest / 1e6:.1f} MB), the budget {8.0 * budget / max(count, 1):.2f} "
+            f"({max(budget, 0) / 1e6:.1f} MB)")
+
+
 def head_agreement(config, weights: dict, head: QuantTensor, tokenizer,
                    tokens: int = 256, patch: tuple[QuantTensor, np.ndarray] | None = None
                    ) -> dict[str, float]:
@@ -1019,9 +1047,11 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
         if head_patch >= model.config.vocab_size:
             raise UnsupportedError(f"--head-patch {head_patch}: the head has only "
                                    f"{model.config.vocab_size} rows (ask for fewer, or 'auto')")
+    names = [n for n, st in model.tensors.items() if default_bits(n, st) is not None]
+    if bits_per_weight is not None:  # before minutes of statistics
+        check_budget_reachable(model, names, bits_per_weight)
     cset = (calibdata.default_set(model.tokenizer) if isinstance(calib, str) and
             calib == "default" else calibdata.file_set(calib, model.tokenizer))
-    names = [n for n, st in model.tensors.items() if default_bits(n, st) is not None]
     weights = {n: st.to_float() for n, st in model.tensors.items()}
     for n, w in weights.items():  # before minutes of statistics that NaN would fill
         check_finite(n, w)

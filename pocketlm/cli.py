@@ -136,7 +136,7 @@ def cmd_pack(args) -> int:
             calibration["bits_per_weight"] = default_pack_bits(src)
         report = pack(src, out, group_size=args.group_size, embed_bits=args.embed_bits,
                       keep_precision=args.keep_precision, progress=True, vocab=vocab,
-                      **calibration)
+                      reproducible=args.reproducible, **calibration)
     print(report.summary())
     if args.bits_per_weight is not None or args.list_tensors:
         print(report.choices())
@@ -788,6 +788,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_vocab_options(p)
     p.add_argument("--list-tensors", action="store_true",
                    help="print every tensor's layout and errors (always with --bits-per-weight)")
+    p.add_argument("--reproducible", action="store_true",
+                   help="leave the packing time and how long calibration took out of the file, "
+                   "so that the same source and options give the same bytes (the tensors are "
+                   "the same either way)")
     p.add_argument("--force", action="store_true", help="overwrite an existing output file")
     p.set_defaults(func=cmd_pack)
 

@@ -24,6 +24,7 @@ killed pack to the same output name left there are removed first (see
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,9 @@ class PackReport:
     tensors: list[TensorReport] = field(default_factory=list)
     calibration: dict | None = None  # what calibrate.plan did: set, method, budget, seconds
     vocab: dict | None = None  # how the vocabulary was trimmed (pocketlm.vocab)
+    # the default pack of a GGUF whose exact import came out larger than the GGUF: that
+    # import's bytes and the GGUF's (the file is then the "source" budget's)
+    larger_exact_import: tuple[int, int] | None = None
 
     def worst(self, n: int = 5) -> list[TensorReport]:
         quantized = [t for t in self.tensors if t.stored != "f32"]
@@ -104,12 +108,23 @@ class PackReport:
             f"tensors: {lossless} imported losslessly, {requant} requantized, "
             f"{len(self.tensors) - lossless - requant - len(adapters)} kept in float",
         ]
-        encoded = [t for t in self.tensors if t.encoding]
+        if self.larger_exact_import:
+            exact, gguf = self.larger_exact_import
+            lines.append(f"the exact import ({exact:,} bytes) is larger than the source "
+                         f"GGUF ({gguf:,} bytes), so this default pack is the bit budget of "
+                         "the source's size (--bits-per-weight source)")
+        # a source's own blocks kept (q4_k, q6_k), and INT4 with coded scales (int4_c8), which
+        # the pack rounds itself
+        encoded = [t for t in self.tensors if t.encoding and t.encoding != "int4_c8"]
         if encoded:
             kinds = sorted({t.encoding for t in encoded})
             lines.append(f"{len(encoded)} tensors kept in their source's {' / '.join(kinds)} "
                          f"blocks ({sum(t.nbytes for t in encoded) / 1e6:.1f} MB), decoded at "
                          "load")
+        coded = [t for t in self.tensors if t.encoding == "int4_c8"]
+        if coded:
+            lines.append(f"{len(coded)} tensors in INT4 with 8-bit coded scales (int4_c8, "
+                         f"{sum(t.nbytes for t in coded) / 1e6:.1f} MB)")
         adapters = [t for t in adapters if t.how == "adapter"]
         if adapters:
             lines.append(f"LoRA adapters: {len(adapters) // 2} weights keep theirs beside them "
@@ -293,12 +308,56 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     out = Path(out)
     check_writable(out)  # before the quantization, not after it
     sweep_stale_temps(out.parent, out.name)  # what a killed pack to the same file left
+    options = dict(group_size=group_size, embed_bits=embed_bits,
+                   keep_precision=keep_precision, measure_error=measure_error,
+                   progress=progress, int4_search=int4_search, quant_method=quant_method,
+                   awq=awq, vocab=vocab, reproducible=reproducible, head_patch=head_patch)
+    # the default is the exact import, no larger than the source GGUF; where that import is
+    # larger (Q5_K and an untied Q6_K embedding in INT8, Q3_K / Q2_K in INT4), the bit budget
+    # of the source's own size is the default instead. A few kilobytes of header over the
+    # GGUF (EXACT_SLACK) are not worth requantizing exact tensors for.
+    gguf_bytes = (_gguf_bytes(source) if calib is None and keep_precision is None
+                  and vocab is None and int4_search else None)
     with writer_lock(out.parent):
-        return _pack(source, out, group_size=group_size, embed_bits=embed_bits,
-                     keep_precision=keep_precision, measure_error=measure_error,
-                     progress=progress, int4_search=int4_search, calib=calib,
-                     bits_per_weight=bits_per_weight, quant_method=quant_method, awq=awq,
-                     vocab=vocab, reproducible=reproducible, head_patch=head_patch)
+        report = _pack(source, out, calib=calib, bits_per_weight=bits_per_weight, **options)
+        if gguf_bytes is not None and report.file_bytes > gguf_bytes * (1 + EXACT_SLACK):
+            if progress:
+                print(f"[the exact import is {report.file_bytes:,} bytes, larger than the "
+                      f"source GGUF's {gguf_bytes:,}: packing again with the bit "
+                      "budget of the source's size (--bits-per-weight source), calibrated]",
+                      file=sys.stderr, flush=True)
+            exact = report.file_bytes
+            try:
+                budgeted = _pack(source, out, calib="default", bits_per_weight="source",
+                                 **options)
+            except UnsupportedError as e:  # below the smallest layouts: a model too small
+                # for the deploy file's fixed overhead (the exact import stays written)
+                if progress:
+                    print(f"[no smaller pack: {e}; the exact import is kept]", file=sys.stderr,
+                          flush=True)
+                return report
+            budgeted.larger_exact_import = (exact, gguf_bytes)
+            return budgeted
+        return report
+
+
+EXACT_SLACK = 0.01  # how far (a share of the GGUF) an exact import may exceed it
+
+
+def _gguf_bytes(source) -> int | None:
+    """The size of the GGUF file ``source`` is (a path, or a model opened from one), else
+    None."""
+    if isinstance(source, SourceModel):
+        prov = source.provenance or {}
+        size = prov.get("source_size")
+        return size if prov.get("source_format") == "gguf" and isinstance(size, int) else None
+    from .formats import sniff
+
+    path = Path(source)
+    try:
+        return path.stat().st_size if path.is_file() and sniff(path) == "gguf" else None
+    except (OSError, PocketError):
+        return None
 
 
 def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed_bits: int,

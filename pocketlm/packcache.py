@@ -24,8 +24,10 @@ from .registry import default_pack_bits, make_home_dir, pocket_home
 # defaults a GGUF's general.sampling.* keys or a Hugging Face folder's generation_config.json
 # carry; 8: INT4 / INT5 tensors whose minimums are -8 / -16 times the scale (GGUF Q4_0, Q5_0)
 # are stored without them; 9: format version 4, GGUF Q4_K / Q6_K tensors kept in their own
-# blocks and the tokenizer compressed (qwen2.5-0.5b's default pack: 507.8 MB -> 487.4)
-PACK_REVISION = 9
+# blocks and the tokenizer compressed (qwen2.5-0.5b's default pack: 507.8 MB -> 487.4); 10: a
+# GGUF whose exact import is over 1 % larger than itself (Q5_K / Q3_K / Q2_K tensors, an
+# untied Q6_K embedding) is packed to the bit budget of its own size
+PACK_REVISION = 10
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,

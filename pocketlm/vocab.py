@@ -249,6 +249,10 @@ def _spm_vocab(tok: SpmTokenizer) -> _Vocab:
     # pieces merges can form: normal and user-defined ones (sentencepiece skips the rest)
     usable = {p: i for i, p in enumerate(pieces) if types[i] in (1, 4)}
     required = {i for i, t in enumerate(types) if t in (2, 3, 4, 6)}  # unk, control, user, byte
+    # the whitespace symbol alone: without it a space no kept piece holds falls back to the
+    # bytes of U+2581, which decode to that character, not to a space
+    if "\u2581" in usable:
+        required.add(usable["\u2581"])
     return _Vocab("spm", pieces, required, (scores, usable), types=types)
 
 
@@ -863,8 +867,12 @@ def trim_source(model, spec: VocabSpec | None = None, *, kept: np.ndarray | None
     if kept is None:
         if spec is None:
             raise PocketError("trim_source needs a VocabSpec or the kept ids")
-        kept, record = choose_kept(tok, spec, chat_template=model.chat_template,
-                                   progress=progress)
+        try:
+            kept, record = choose_kept(tok, spec, chat_template=model.chat_template,
+                                       progress=progress)
+        except UnsupportedError as e:  # a tokenizer that cannot be trimmed: say whose
+            name = (model.provenance or {}).get("source_file") or "the source"
+            raise UnsupportedError(f"--vocab: {name}: {e}") from None
     kept = np.asarray(kept, dtype=np.int32)
     if kept.ndim != 1 or kept.size == 0 or np.any(np.diff(kept) <= 0) or kept[0] < 0 or (
             kept[-1] >= model.config.vocab_size):

@@ -172,6 +172,7 @@ def test_tensors_kept_in_their_source_blocks_are_never_scaled(tmp_path):
     tiny_gguf.write_tiny_gguf(src, "llama", seed=11, weight_type="Q6_K", d_model=256,
                               d_ff=512, n_heads=4, n_kv_heads=2, head_dim=64)
     plain = pack(src, tmp_path / "p.pocket", progress=False)
+    assert plain.larger_exact_import is None  # the exact import (a header over the GGUF)
     rep = pack(src, tmp_path / "a.pocket", calib=text, awq=True, progress=False)
     assert rep.calibration["channel_scaling"]["scaled"] == 0
     assert {t.encoding for t in rep.tensors if t.stored != "f32"} == {"q6_k"}

@@ -589,6 +589,16 @@ def test_reproducible_calibrated_packs_are_the_same_bytes(tiny, tmp_path, monkey
     assert files[0] == files[1]
 
 
+def test_cli_reproducible_packs_are_the_same_bytes(tiny, tmp_path):
+    # pack(reproducible=True) had no flag: two CLI packs of the same inputs differed in the
+    # packing time and the calibration's duration
+    outs = [tmp_path / "a.pocket", tmp_path / "b.pocket"]
+    for out in outs:
+        r = _cli("pack", tiny["src"], "-o", out, "--calib", tiny["text"], "--reproducible")
+        assert r.returncode == 0, r.stderr
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+
+
 # -- the head patch (pocketlm.head_patch) ----------------------------------------------------
 def test_patch_ranking_counts_occurrences_and_the_float_heads_top_5():
     rng = np.random.default_rng(2)
@@ -775,3 +785,49 @@ def test_an_engine_without_logits_observes_what_the_full_engine_does(tiny):
     assert seen[0].keys() == seen[1].keys()
     for site in seen[0]:
         np.testing.assert_array_equal(seen[0][site], seen[1][site])
+
+
+def _wider_gguf(path, arch, weight_type, **kw):
+    """A tiny model wide enough (256, two layers) that its quantized tensors outweigh the
+    deploy file's fixed overhead."""
+    tiny_gguf.write_tiny_gguf(path, arch, seed=4, weight_type=weight_type, d_model=256,
+                              head_dim=64, n_heads=4, n_kv_heads=2, d_ff=1024, n_layers=2, **kw)
+    return path
+
+
+def test_the_default_pack_is_no_larger_than_its_gguf(tmp_path):
+    """The exact import holds an untied Q6_K embedding (looked up in place, not decoded) in
+    INT8, 8.5 bits a weight against 6.5625 (as it holds Q5_K in INT8 and Q3_K in INT4), so such
+    a GGUF packed larger than itself; the default is then the bit budget of its own size."""
+    src = tmp_path / "q6.gguf"  # the embedding a good share of the model: 512 wide, one layer
+    tiny_gguf.write_tiny_gguf(src, "qwen2", seed=4, weight_type="Q6_K", d_model=512,
+                              head_dim=128, n_heads=4, n_kv_heads=1, d_ff=256, n_layers=1)
+    report = pack(src, tmp_path / "q6.pocket", progress=False)
+    size = src.stat().st_size
+    assert report.file_bytes <= size == report.larger_exact_import[1]
+    assert report.larger_exact_import[0] > size * 1.01
+    assert (tmp_path / "q6.pocket").stat().st_size == report.file_bytes
+    assert report.calibration["bits_per_weight"] == "source"
+    assert "is larger than the source GGUF" in report.summary()
+    # a GGUF whose exact import is as small as its own blocks (Q4_0 at 4.5 bits, lossless)
+    # keeps it, a few kilobytes of header over the GGUF, without calibrating
+    q4 = _wider_gguf(tmp_path / "q4.gguf", "llama", "Q4_0")
+    report = pack(q4, tmp_path / "q4.pocket", progress=False)
+    assert report.larger_exact_import is None and report.calibration is None
+    assert all(t.how in ("lossless", "float") for t in report.tensors)
+
+
+def test_a_budget_below_the_smallest_layouts_is_refused_before_the_statistics(tiny, tmp_path,
+                                                                              monkeypatch):
+    # the tiny model's widths (64, 96) take no group 128: INT4 needs at least 4.5 bits here,
+    # which allocate() found only after the statistics (minutes on a real model)
+    def never(*args, **kwargs):
+        raise AssertionError("statistics gathered for a budget that cannot be met")
+
+    monkeypatch.setattr(calibrate, "gather", never)
+    monkeypatch.setattr(calibrate, "cached_stats", never)
+    with pytest.raises(UnsupportedError, match=r"^--bits-per-weight 4\.3: m\.gguf cannot be "
+                       r"packed that small: its smallest layouts take 4\.\d\d bits per weight"):
+        pack(tiny["src"], tmp_path / "x.pocket", calib=tiny["text"], bits_per_weight=4.3,
+             progress=False)
+    assert not list(tmp_path.glob("x.pocket*"))

@@ -617,6 +617,21 @@ def test_train_and_finetune_refuse_an_out_that_is_a_file_before_any_work(files, 
         ["chats.jsonl", "corpus.txt", "taken"]
 
 
+def test_finetune_refuses_a_calib_file_too_short_before_the_training(files, tmp_path, capsys):
+    # it was refused only by the export, after the training had written its checkpoint
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text('{"messages": [{"role": "user", "content": "a"}, '
+                     '{"role": "assistant", "content": "b"}]}\n')
+    short = tmp_path / "short.txt"
+    short.write_text("three words here")
+    code, _, err = run_cli(capsys, "finetune", "-m", files["gguf"], "--data", chats, "--out",
+                           tmp_path / "run", "--steps", 1, "--export", tmp_path / "ft.pocket",
+                           "--calib", short)
+    assert_one_line_error(code, err, "short.txt: ")
+    assert "shorter than one calibration sequence of 128" in err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ft.pocket").exists()
+
+
 def test_data_prepare_writes_its_chats_only_once_the_arguments_are_good(tmp_path, capsys):
     text = tmp_path / "corpus.txt"
     text.write_text("hello world\n\n" * 50)

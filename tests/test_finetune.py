@@ -141,6 +141,39 @@ def test_finetune_from_gguf_lowers_held_out_loss_and_exports(base, tmp_path, lor
         assert np.array_equal(stored.dequantize(), want)
 
 
+def test_a_trimmed_base_keeps_its_vocabulary_record_through_training(base, tmp_path,
+                                                                     monkeypatch):
+    """A fine-tune of a trimmed model (gemma3-270m-zh-en) exported a deploy file without the
+    vocabulary record and the map back to the source ids that `pack --vocab` writes."""
+    from pocketlm import formats
+    from pocketlm.formats.pocketfile import PocketFile
+    from pocketlm.pack import pack
+    from pocketlm.train.export import checkpoint_source
+    from pocketlm.train.trainer import TrainConfig, train
+    from pocketlm.vocab import SOURCE_IDS_TENSOR, VocabSpec, trim_source
+
+    app = tmp_path / "app.txt"
+    app.write_text("\n".join(f"say {w}\n{w} {w}" for w in WORDS) + "\n", encoding="utf-8")
+    opened = formats.open_source
+    trimmed = trim_source(opened(base), VocabSpec(corpus=app))
+    monkeypatch.setattr(formats, "open_source",
+                        lambda path, *a, **kw: trimmed if Path(path) == base else
+                        opened(path, *a, **kw))
+    data = task_file(tmp_path / "train.jsonl", 24)
+    for run, start in (("sft", str(base)), ("more", None)):  # a base, then a run as the base
+        cfg = TrainConfig(out=str(tmp_path / run), data=str(data), preset=None, mode="sft",
+                          base=start or str(tmp_path / "sft"), steps=2, batch_size=4,
+                          seq_len=32, warmup=1, eval_every=50, threads=1, dtype="fp32")
+        train(cfg, progress=False)
+        src = checkpoint_source(tmp_path / run)
+        assert src.vocab == trimmed.vocab
+        np.testing.assert_array_equal(src.vocab_source_ids, trimmed.vocab_source_ids)
+        pack(src, tmp_path / f"{run}.pocket", progress=False)
+        pf = PocketFile(tmp_path / f"{run}.pocket")
+        assert "vocab" in pf.metadata
+        np.testing.assert_array_equal(pf.tensor(SOURCE_IDS_TENSOR), trimmed.vocab_source_ids)
+
+
 def test_early_stopping_keeps_and_exports_the_best_weights(base, tmp_path):
     train = task_file(tmp_path / "train.jsonl", 60)
     val = task_file(tmp_path / "val.jsonl", 6, start=500)

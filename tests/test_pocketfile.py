@@ -603,7 +603,10 @@ def test_weights_layout_mismatch(tmp_path, layout):
 ])
 def test_weights_malformed_layout(tmp_path, layout):
     path, _ = quant_file(tmp_path / "q.pocket", layouts={INT4: layout})
-    with pytest.raises(FormatError, match="quant layout") as info:
+    # a kind this pocketlm does not know is a layout of another version, named as such
+    words = "unknown layout \\(kind 'int3'\\)" if layout == {
+        "kind": "int3", "shape": [4, 64], "group_size": 32} else "malformed quant layout"
+    with pytest.raises(FormatError, match=words) as info:
         PocketFile(path).weights()
     assert str(path) in str(info.value)
 
@@ -1244,6 +1247,11 @@ def _layout_edit(field, value, name="layers.0.mlp.w_up.weight"):
     (_layout_edit("encoding", "q6_k"), ["unknown layout", "'q6_k' for 'int4'"]),
     (_layout_edit("group_size", 64), ["unknown layout"]),
     (_layout_edit("zero_point", 8), ["unknown layout"]),
+    # a kind or group size of a newer pocketlm is named as such, not as a malformed layout
+    (_layout_edit("kind", "int6"), ["unknown layout (kind 'int6')", "cannot read it"]),
+    (_layout_edit("group_size", 256), ["unknown layout (group size 256)"]),
+    (_layout_edit("group_size", 48), ["malformed quant layout"]),
+    (_layout_edit("kind", 6), ["malformed quant layout"]),
     (lambda h: h.pop("layers.0.mlp.w_up.weight.kd"), ["lacks", ".kd"]),
     (lambda h: h["layers.0.mlp.w_up.weight.kscales"].update(dtype="I8"),
      ["kscales", "expects uint8"]),

@@ -531,6 +531,54 @@ def test_a_built_file_swapped_with_its_mtime_restored_is_changed(tmp_path, monke
     assert registry.verification_state("pocket-zh-en") == "yes"
 
 
+_TORCHRUN_SCRIPT = """
+import json, sys
+from pocketlm.recipes.pocket_zh_en import Recipe, run
+path = run(sys.argv[2], recipe=Recipe(**json.loads(sys.argv[1])), progress=False, threads=1)
+print("RESULT", path)
+"""
+
+
+def test_the_recipe_scales_out_unchanged_under_torchrun(tiny_recipe, tmp_path):
+    """The same call under torchrun: rank 0 runs the stages, every rank trains its share of
+    the same global batch, and the run is the one-process run's (losses to float rounding)."""
+    pytest.importorskip("torch")
+    import os
+    import subprocess
+    import sys
+
+    one = _run(tmp_path / "one", tiny_recipe)
+    script = tmp_path / "recipe_run.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    two = tmp_path / "two"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(29600 + os.getpid() % 1000), str(script),
+                        json.dumps(tiny_recipe.to_dict()), str(two)],
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.count("RESULT") == 2 and f"RESULT {two / one.name}" in p.stdout
+    assert "RESULT None" in p.stdout  # rank 1 trained, and returned nothing
+    for stage in ("sft", "qat"):
+        a = [json.loads(x) for x in (one.parent / stage / "metrics.jsonl").read_text().splitlines()]
+        b = [json.loads(x) for x in (two / stage / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in a] == [r["step"] for r in b]
+        for x, y in zip(a, b):
+            assert abs(x["loss"] - y["loss"]) <= 1e-3 * abs(x["loss"]), (stage, x, y)
+        assert json.loads((two / stage / "train_config.json").read_text())["train"]["batch_size"] == \
+            tiny_recipe.sft_batch // 2
+    assert (two / one.name).is_file()
+    # a batch that two processes cannot share evenly is refused before any work
+    odd = dataclasses.replace(tiny_recipe, sft_batch=3)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_port", str(29700 + os.getpid() % 1000), str(script),
+                        json.dumps(odd.to_dict()), str(tmp_path / "odd")],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0 and "cannot be shared evenly by 2 processes" in p.stderr
+    assert not (tmp_path / "odd").exists()
+
+
 def test_a_refused_force_keeps_the_finished_file(tiny_recipe, tmp_path, monkeypatch):
     """``--force`` deleted the run's finished deploy file before the inputs were checked: a
     refusal there (no teacher, no PyTorch, no room) left the run without its file."""

@@ -340,6 +340,17 @@ def test_outside_the_languages_text_still_encodes_and_round_trips(tok, tmp_path)
     assert cost["extra_tokens"] > 0
 
 
+def test_the_whitespace_piece_is_kept_whatever_the_corpus(spm, tmp_path):
+    # an app text whose tokens never include "▁" alone left it out; a space that no kept piece
+    # holds then fell back to the bytes of U+2581 and decoded as "▁" (gemma3 with
+    # --vocab-corpus refused to pack: the round-trip check caught it)
+    kept, _ = choose_kept(spm, VocabSpec(corpus=_app_file(tmp_path, ["the cat sat on the mat"])))
+    assert spm.sp.piece_to_id("\u2581") in set(kept.tolist())
+    new = trim_tokenizer(spm, kept)
+    for text in ("x y", "a  b   c", " lead", "trail ", "The weather is lovely today"):
+        assert new.decode(new.encode(text, add_bos=False, special=False)) == text
+
+
 # ------------------------------------------------------------------------ real tokenizers
 
 
@@ -653,6 +664,15 @@ def test_a_tokenizer_that_is_not_bpe_is_refused():
     tok = Tokenizer(hf, bos_id=None, eos_ids=[], add_bos=False)
     with pytest.raises(UnsupportedError, match="only BPE vocabularies .* can be trimmed"):
         choose_kept(tok, VocabSpec(languages=("en",), rule="script"))
+    # packing names the flag and the source
+    from types import SimpleNamespace
+
+    from pocketlm.vocab import trim_source
+
+    model = SimpleNamespace(tokenizer=tok, chat_template=None, provenance={"source_file": "w.gguf"})
+    with pytest.raises(UnsupportedError, match=r"^--vocab: w\.gguf: the tokenizer's model is "
+                                               r"'WordLevel'"):
+        trim_source(model, VocabSpec(languages=("en",), rule="script"))
 
 
 @pytest.mark.real
@@ -669,8 +689,10 @@ def test_trimmed_registry_model_runs_and_fine_tunes_by_name():
     assert isinstance(reply, str) and reply
     from pocketlm.train.trainer import _base_model  # needs torch: part of the test extra
 
-    config, _, tok, template = _base_model(entry.name)
+    config, _, tok, template, vocab = _base_model(entry.name)
     assert config.vocab_size == tok.vocab_size == entry.kept
+    # the runs record it, so their exports keep the map back to the source ids
+    assert vocab["record"]["kept"] == len(vocab["source_ids"]) == entry.kept
 
 
 @pytest.mark.real

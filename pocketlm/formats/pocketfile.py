@@ -570,6 +570,14 @@ class PocketFile:
             except (KeyError, TypeError, ValueError):
                 ok = False
             if not ok:
+                kind = q.get("kind") if isinstance(q, dict) else None
+                gs = q.get("group_size") if isinstance(q, dict) else None
+                if isinstance(kind, str) and kind not in KINDS:  # a layout of a newer pocketlm
+                    raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
+                                      f"(kind {kind!r}); this pocketlm cannot read it")
+                if _is_int(gs) and gs >= 16 and gs & (gs - 1) == 0 and gs not in GROUP_SIZES:
+                    raise FormatError(f"{self.path}: tensor {name!r} has an unknown layout "
+                                      f"(group size {gs}); this pocketlm cannot read it")
                 raise FormatError(f"{self.path}: tensor {name!r} has a malformed quant layout "
                                   f"{short_repr(q)}")
             out[name] = (kind, (rows, cols), gs)

@@ -393,26 +393,46 @@ def stage_data(out: Path, recipe: Recipe, prompts: list[dict], answers: list[dic
 # -- stages 4 and 5: training ------------------------------------------------------------------
 
 
+def _world() -> int:
+    """Processes training together (torchrun's WORLD_SIZE; 1 without it)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _per_rank_batch(recipe: Recipe) -> int:
+    """Each process's share of the recipe's batch: the same global batch of chats, and so the
+    same training, however many processes share it."""
+    world = _world()
+    if recipe.sft_batch % world:
+        raise PocketError(f"the recipe's batch of {recipe.sft_batch} chats cannot be shared "
+                          f"evenly by {world} processes: run it with a number of processes "
+                          f"that divides {recipe.sft_batch}")
+    return recipe.sft_batch // world
+
+
 def _train_config(out: Path, recipe: Recipe, stage: str, threads: int | None):
     from ..train.trainer import TrainConfig
 
     data = str(out / "sft.jsonl")
+    batch = _per_rank_batch(recipe)
     if stage == "sft":
         return TrainConfig(
             out=str(out / "sft"), data=data, preset=None, mode="sft", base=recipe.base,
-            steps=recipe.sft_steps, batch_size=recipe.sft_batch, seq_len=recipe.sft_seq_len,
+            steps=recipe.sft_steps, batch_size=batch, seq_len=recipe.sft_seq_len,
             lr=recipe.sft_lr, warmup=recipe.sft_warmup, weight_decay=0.0, eval_every=50,
             eval_batches=8, save_every=25, seed=recipe.seed, dtype="bf16", threads=threads)
     if stage == "rft":
         return TrainConfig(
             out=str(out / "rft"), data=str(out / "rft.jsonl"), preset=None, mode="sft",
-            base=str(out / "qat"), steps=recipe.rft_steps, batch_size=recipe.sft_batch,
+            base=str(out / "qat"), steps=recipe.rft_steps, batch_size=batch,
             seq_len=recipe.sft_seq_len, lr=recipe.qat_lr, warmup=15, weight_decay=0.0,
             eval_every=50, eval_batches=8, save_every=25, seed=recipe.seed, dtype="bf16",
             threads=threads, lora_rank=recipe.qat_rank, qat=True)
     return TrainConfig(
         out=str(out / "qat"), data=data, preset=None, mode="sft", base=str(out / "sft"),
-        steps=recipe.qat_steps, batch_size=recipe.sft_batch, seq_len=recipe.sft_seq_len,
+        steps=recipe.qat_steps, batch_size=batch, seq_len=recipe.sft_seq_len,
         lr=recipe.qat_lr, warmup=20, weight_decay=0.0, eval_every=50, eval_batches=8,
         save_every=25, seed=recipe.seed, dtype="bf16", threads=threads,
         lora_rank=recipe.qat_rank, qat=True)
@@ -487,6 +507,9 @@ def _pack_run(out: Path, run: str, path: Path, recipe: Recipe, *, progress: bool
     from ..train.export import checkpoint_source
 
     src = checkpoint_source(out / run, best=False)
+    # the recorded file (the sha256 in the registry) was made before training runs carried a
+    # trimmed base's vocabulary record; its vocabulary is the base's (gemma3-270m-zh-en)
+    src.vocab = src.vocab_source_ids = None
     data = json.loads((out / "data_report.json").read_text(encoding="utf-8"))
     src.provenance = {"source": f"pocketlm recipe {NAME}", "recipe": recipe.to_dict(),
                       "sft_sha256": data["sha256"],
@@ -754,9 +777,69 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     when the export stage ran. A finished deploy file is kept as it is unless ``force``
     (which writes it again from the run's checkpoints). A folder holding a run of another
     version of the recipe is refused unless ``force``, which moves that run aside (to
-    ``OUT.previous-N``) and starts again, reusing its teacher answers where they still serve."""
+    ``OUT.previous-N``) and starts again, reusing its teacher answers where they still serve.
+
+    Under ``torchrun`` (WORLD_SIZE > 1) the same call scales out: rank 0 runs every stage and
+    the other ranks join it for the training stages only (each takes its share of the same
+    global batch), told which stage to train by rank 0; the other ranks return None."""
     if until not in STAGES:
         raise PocketError(f"unknown stage {until!r}; the stages are {', '.join(STAGES)}")
+    if _world() > 1:
+        _per_rank_batch(recipe)  # refused on every rank before any work
+        if _join_group() != 0:
+            return _follow(Path(out), recipe, threads)
+        result = _run(out, until=until, threads=threads, progress=progress, force=force,
+                      recipe=recipe)
+        _tell(None)  # done: the other ranks return (an exception ends them through torchrun)
+        return result
+    return _run(out, until=until, threads=threads, progress=progress, force=force,
+                recipe=recipe)
+
+
+# how long the other ranks wait for rank 0 between training stages (the teacher stage alone
+# takes hours)
+_FOLLOW_TIMEOUT_HOURS = 72
+
+
+def _join_group() -> int:
+    """This process's rank in torchrun's group, joined with a timeout long enough for the
+    stages rank 0 runs alone (the trainer then uses the same group)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend,
+                                timeout=datetime.timedelta(hours=_FOLLOW_TIMEOUT_HOURS))
+    return dist.get_rank()
+
+
+def _tell(stage: str | None) -> None:
+    """Rank 0: the training stage every rank runs next (None: no more), under torchrun."""
+    if _world() > 1:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([stage], src=0)
+
+
+def _follow(out: Path, recipe: Recipe, threads: int | None) -> None:
+    """A rank other than 0: train each stage rank 0 names, until it says there is no more."""
+    import torch.distributed as dist
+
+    while True:
+        msg: list = [None]
+        dist.broadcast_object_list(msg, src=0)
+        if msg[0] is None:
+            return None
+        stage_train(out, recipe, msg[0], threads=threads, progress=False)
+
+
+def _run(out: str | Path, *, until: str, threads: int | None, progress: bool, force: bool,
+         recipe: Recipe) -> Path | None:
     out = Path(out)
     recipe_file = out / "recipe.json"
     if recipe_file.is_file():
@@ -832,6 +915,7 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     if until == "data":
         return None
     for stage in ("sft", "qat"):
+        _tell(stage)
         last = timed(stage, stage_train, out, recipe, stage, threads=threads, progress=progress)
         report["stages"][stage]["last"] = last
         if until == stage:
@@ -839,6 +923,7 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
     if recipe.rft_steps:
         def rft() -> dict:
             got = stage_rft_data(out, recipe, prompts, answers, progress=progress)
+            _tell("rft")
             return {"data": got, "last": stage_train(out, recipe, "rft", threads=threads,
                                                      progress=progress)}
 

@@ -322,6 +322,8 @@ def _run_recipe(args) -> int:
     path = module.run(out, until=args.until or "export", threads=args.threads,
                       progress=not args.quiet,
                       force=args.force)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # under torchrun: rank 0 reports
     if path is not None:
         print(f"{path}: {path.stat().st_size / 1e6:.1f} MB; run it with "
               f"`pocket chat -m {path}`")
@@ -362,6 +364,12 @@ def cmd_finetune(args) -> int:
             raise PocketError(f"--export {args.export} is the --out run folder; name the "
                               ".pocket file to write (it may lie in that folder)")
     out = check_output(args.out, force=True, folder=True)  # a file there: refused now
+    if args.export and calibration.get("calib") not in (None, "default"):
+        from .. import calibdata
+
+        # too short for one calibration sequence in the base's tokens: refused now, not once
+        # the training is done (the tokenizer is the base's whatever the training does)
+        calibdata.file_set(calibration["calib"], _tokenizer_from(args.model)[0])
     cfg = TrainConfig(
         out=str(out), data=str(args.data), preset=None, mode="sft", base=args.model,
         steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum,

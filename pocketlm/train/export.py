@@ -70,6 +70,12 @@ def checkpoint_source(run: str | Path, *, best: bool | None = None,
                     "mode": ck["train_config"].get("mode"), "saved": ck.get("saved")},
         adapters=adapters, adapter=adapter,
     )
+    vocab = ck.get("vocab")  # a trimmed base's record: the export records it as pack --vocab
+    if vocab:
+        import numpy as np
+
+        src.vocab = vocab["record"]
+        src.vocab_source_ids = np.asarray(vocab["source_ids"], dtype=np.int32)
     src.check_tensors(str(run))
     return src
 

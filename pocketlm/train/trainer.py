@@ -541,7 +541,7 @@ def _base_model(spec: str):
         # early-stopping best weights where it kept them, not the later, worse ones
         ck = load_checkpoint(run_checkpoint(spec))
         return (ModelConfig.from_dict(ck["model_config"]), lambda: checkpoint_weights(ck),
-                Tokenizer.from_json(ck["tokenizer"]), ck.get("chat_template"))
+                Tokenizer.from_json(ck["tokenizer"]), ck.get("chat_template"), ck.get("vocab"))
     from ..formats import open_source, sniff
     from ..registry import resolve
 
@@ -555,7 +555,16 @@ def _base_model(spec: str):
         return {n: torch.tensor(np.asarray(t.to_float(), dtype=np.float32))
                 for n, t in src.tensors.items()}
 
-    return src.config, weights, src.tokenizer, src.chat_template
+    return src.config, weights, src.tokenizer, src.chat_template, vocab_record(src)
+
+
+def vocab_record(src) -> dict | None:
+    """A trimmed base's vocabulary record and map back to its source's ids (pocketlm.vocab),
+    kept in the run's checkpoints so that its exports record them as ``pack --vocab`` does."""
+    if src.vocab is None or src.vocab_source_ids is None:
+        return None
+    return {"record": src.vocab,
+            "source_ids": [int(i) for i in np.asarray(src.vocab_source_ids).tolist()]}
 
 
 def _same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
@@ -568,7 +577,7 @@ def _teacher(cfg: TrainConfig, tokenizer: Tokenizer, device) -> PocketLM:
     """The distillation teacher (a run, GGUF file, Hugging Face folder or registry model) in
     torch; it must have the student's vocabulary."""
     src = cfg.distill_from
-    t_cfg, weights, t_tok, _ = _base_model(src)
+    t_cfg, weights, t_tok, _, _ = _base_model(src)
     if not _same_vocabulary(tokenizer, t_tok):
         raise PocketError(
             f"the teacher {src!r} has another vocabulary ({t_tok.vocab_size} tokens vs "
@@ -635,6 +644,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     resume = ck_path.is_file()
     init = None
     base_state = None
+    vocab = None  # a trimmed vocabulary's record, carried from the base (vocab_record)
     if resume:
         ck = load_checkpoint(ck_path)
         saved = TrainConfig.from_dict(ck["train_config"])
@@ -666,9 +676,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         model_cfg = ModelConfig.from_dict(ck["model_config"])
         tokenizer = Tokenizer.from_json(ck["tokenizer"])
         chat_template = ck.get("chat_template")
+        vocab = ck.get("vocab")
     elif cfg.base:
-        model_cfg, base_state, tokenizer, base_template = _base_model(cfg.base)  # loads later
-        chat_template = chat_template or base_template
+        model_cfg, base_state, tokenizer, base_template, vocab = _base_model(cfg.base)
+        chat_template = chat_template or base_template  # (the weights load later)
     elif cfg.init_from:
         from ..formats import run_checkpoint
 
@@ -678,6 +689,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         model_cfg = ModelConfig.from_dict(init["model_config"])
         tokenizer = Tokenizer.from_json(init["tokenizer"])
         chat_template = chat_template or init.get("chat_template")
+        vocab = init.get("vocab")
         if model_cfg.max_context < cfg.seq_len:
             raise PocketError(f"--seq-len {cfg.seq_len} exceeds the model's context "
                               f"{model_cfg.max_context}")
@@ -843,6 +855,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             "rng": _rng_state(), "lora": lora, "best_val": best_val, "bad_evals": bad_evals,
             "stopped_early": stopped_early, "tokenizer": tokenizer.to_json(),
             "chat_template": chat_template, "saved": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "vocab": vocab,
         }, path)
 
     tokens_seen = 0 if not metrics else int(metrics[-1].get("tokens", 0))
