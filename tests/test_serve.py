@@ -558,7 +558,11 @@ def test_speculative_requests_get_the_same_answers_alone_and_batched(server, loc
                                          temperature=0, extra_body=extra
                                          ).choices[0].message.content
 
+    before = server.health()
     assert [ask(m, speculative="lookup") for m in msgs] == want
+    after = server.health()  # the drafts' acceptance, over every request
+    assert after["drafted"] > before["drafted"]
+    assert 0 < after["accepted"] - before["accepted"] <= after["drafted"] - before["drafted"]
     with ThreadPoolExecutor(4) as pool:
         assert list(pool.map(lambda m: ask(m, speculative={"max_draft": 4}), msgs)) == want
     default = Server("--speculative", "lookup", "--draft-max", "6")

@@ -191,7 +191,9 @@ class Scheduler:
         self.stats = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
                       "rejected": 0,
                       "prefix_hits": 0, "prefix_tokens_reused": 0, "steps": 0,
-                      "max_batch_seen": 0, "prefill_s": 0.0, "decode_s": 0.0}
+                      "max_batch_seen": 0, "prefill_s": 0.0, "decode_s": 0.0,
+                      # speculative decoding: draft tokens proposed and accepted, all requests
+                      "drafted": 0, "accepted": 0}
         self._thread = threading.Thread(target=self._run, name="pocket-scheduler", daemon=True)
         self._thread.start()
 
@@ -543,6 +545,8 @@ class Scheduler:
                 st.steps += 1
                 st.drafted += len(drafts)
                 st.accepted += accepted
+                self.stats["drafted"] += len(drafts)
+                self.stats["accepted"] += accepted
             if req.cache is not None:
                 req.cache.truncate(base + 1 + accepted)
         except Exception as e:  # noqa: BLE001 - this request alone fails
