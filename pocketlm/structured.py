@@ -337,6 +337,19 @@ def _balanced(text: str, i: int, open_: str, close: str) -> int:
     raise _GiveUp
 
 
+def _closing(text: str, i: int) -> int:
+    """The index after the quote that closes the one at ``text[i]`` (backslash escapes
+    skipped, on one line)."""
+    j, n = i + 1, len(text)
+    while j < n and text[j] != text[i]:
+        if text[j] == "\n":
+            raise _GiveUp
+        j += 2 if text[j] == "\\" else 1
+    if j >= n:
+        raise _GiveUp
+    return j + 1
+
+
 def _lark_tokens(text: str) -> list[tuple[str, str]]:
     """(kind, value) pairs: "nl", "term" (a string, regular expression, special token or
     %json / %regex lexeme), "name", "num", "directive" (its whole line or braces) and the
@@ -353,29 +366,9 @@ def _lark_tokens(text: str) -> list[tuple[str, str]]:
         elif text.startswith("//", i):
             while i < n and text[i] != "\n":
                 i += 1
-        elif c == '"':
-            j = i + 1
-            while j < n and text[j] != '"':
-                if text[j] == "\n":
-                    raise _GiveUp
-                j += 2 if text[j] == "\\" else 1
-            if j >= n:
-                raise _GiveUp
-            j += 1
-            if j < n and text[j] == "i":
-                j += 1
-            out.append(("term", text[i:j]))
-            i = j
-        elif c == "/":
-            j = i + 1
-            while j < n and text[j] != "/":
-                if text[j] == "\n":
-                    raise _GiveUp
-                j += 2 if text[j] == "\\" else 1
-            if j >= n:
-                raise _GiveUp
-            j += 1
-            while j < n and text[j] in "imslux":
+        elif c in "\"/":  # a string (flag i) or a regular expression (flags imslux)
+            j = _closing(text, i)
+            while j < n and text[j] in ("i" if c == '"' else "imslux"):
                 j += 1
             out.append(("term", text[i:j]))
             i = j
