@@ -1,0 +1,30 @@
+"""How many calibration sequences: the 4.6-bit budget of smollm2-135m calibrated on N sequences
+of the default set (128 is the default), held-out perplexity as benchmarks/quant_quality.py
+measures it; one JSON line per run (method ``pocket-bpw-4.6-calibN``).
+
+    python benchmarks/calib_size.py 384 >> benchmarks/calib_size.jsonl
+"""
+
+import functools
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import quant_quality as qq  # noqa: E402
+
+from pocketlm import calibdata  # noqa: E402
+
+
+def main() -> None:
+    if len(sys.argv) != 2 or not sys.argv[1].isdigit() or int(sys.argv[1]) < 1:
+        sys.exit("usage: calib_size.py N   (N calibration sequences of 128 tokens)")
+    n = int(sys.argv[1])
+    calibdata.default_set = functools.partial(calibdata.default_set, n_sequences=n)
+    qq.POCKET_METHODS[f"pocket-bpw-4.6-calib{n}"] = {"bits_per_weight": 4.6}
+    sys.argv = ["benchmarks/calib_size.py", "run", "--models", "smollm2-135m", "--methods",
+                f"pocket-bpw-4.6-calib{n}"]
+    qq.main()
+
+
+if __name__ == "__main__":
+    main()
