@@ -759,6 +759,15 @@ def source_budget(model, names: list[str]) -> float:
 HEADER_ALLOWANCE = 256 * 1024  # the deploy file's JSON header and alignment padding
 
 
+def budget_bytes(model, names: list[str], bits_per_weight) -> tuple[float, int]:
+    """The bytes a budget allows the quantized tensors ``names``, and how many weights they
+    hold."""
+    count = sum(int(np.prod(model.tensors[n].shape)) for n in names)
+    budget = (source_budget(model, names) if bits_per_weight == "source"
+              else bits_per_weight / 8.0 * count)
+    return budget, count
+
+
 def check_budget_reachable(model, names: list[str], bits_per_weight) -> None:
     """Refuse, from the tensors' shapes alone, a budget below the smallest layouts of
     ``names`` (no exact import is smaller than those: none holds fewer than 4 bits a weight),
@@ -773,9 +782,7 @@ def check_budget_reachable(model, names: list[str], bits_per_weight) -> None:
                  if shape[1] % gs == 0]
         sizes += source_stored_bytes(st).values() if may_encode(n, tied) else []
         smallest += min(sizes) if sizes else 0
-    count = sum(int(np.prod(model.tensors[n].shape)) for n in names)
-    budget = (source_budget(model, names) if bits_per_weight == "source"
-              else bits_per_weight / 8.0 * count)
+    budget, count = budget_bytes(model, names, bits_per_weight)
     if smallest > budget:
         src = model.provenance.get("source_file") or "the source"
         asked = ("source (the source's own size)" if bits_per_weight == "source"
@@ -1131,9 +1138,7 @@ def plan(model, *, calib, method: str = DEFAULT_METHOD, bits_per_weight: float |
             k = kappa.get(tensor_class(n), unprobed)
             for c in cs:
                 c.error *= k
-        count = sum(int(np.prod(model.tensors[n].shape)) for n in names)
-        budget = (source_budget(model, names) if bits_per_weight == "source"
-                  else bits_per_weight / 8.0 * count)
+        budget, count = budget_bytes(model, names, bits_per_weight)
         picked = allocate(cands, budget, count)
         # an INT4 head (requantized) takes a patch of its most used rows in INT8: its bytes
         # reserved, the head's layout kept, and the other tensors allocated again in the rest

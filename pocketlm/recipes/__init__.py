@@ -100,9 +100,7 @@ def verify_built(entry, target: Path, *, quiet: bool = True) -> Path:
 
     pf = PocketFile(target)  # a damaged file is refused here, not at load time
     try:
-        provenance = json.loads(pf.metadata.get("provenance") or "{}")
-    except ValueError:
-        provenance = {}
+        provenance = pf.json("provenance", {})
     finally:
         pf.close()
     differences = recipe_module(entry.recipe).provenance_differences(provenance)

@@ -806,16 +806,9 @@ def _join_group() -> int:
     stages rank 0 runs alone (the trainer then uses the same group)."""
     import datetime
 
-    import torch
-    import torch.distributed as dist
+    from ..train.trainer import _init_distributed
 
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend,
-                                timeout=datetime.timedelta(hours=_FOLLOW_TIMEOUT_HOURS))
-    return dist.get_rank()
+    return _init_distributed(timeout=datetime.timedelta(hours=_FOLLOW_TIMEOUT_HOURS)).rank
 
 
 def _tell(stage: str | None) -> None:

@@ -366,7 +366,9 @@ class _Dist:
         return self.rank == 0
 
 
-def _init_distributed() -> _Dist:
+def _init_distributed(timeout=None) -> _Dist:
+    """torchrun's group, joined once (``timeout``: a ``datetime.timedelta`` for its collectives,
+    else torch's default)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -380,7 +382,7 @@ def _init_distributed() -> _Dist:
     else:
         backend, dev = "gloo", torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
     return _Dist(dist.get_rank(), dist.get_world_size(), local, dev)
 
 
