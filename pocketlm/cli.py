@@ -495,6 +495,8 @@ def _constrain(args) -> dict:
             return {"json_schema": json.loads(text)}
         except ValueError as e:
             raise PocketError(f"--json-schema: not valid JSON ({e})") from None
+        except RecursionError:
+            raise PocketError("--json-schema: nested too deeply to read") from None
     if getattr(args, "regex", None) is not None:
         return {"regex": checked_text(args.regex, "--regex")}
     if getattr(args, "grammar", None) is not None:

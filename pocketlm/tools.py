@@ -66,7 +66,7 @@ def _arguments(value: Any) -> Any:
     if isinstance(value, str):
         try:
             return json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's limit
             return value
     return value
 
@@ -236,14 +236,14 @@ def parse_calls(text: str, *, native: bool) -> list[dict] | None:
         for b in bodies:
             try:
                 found.append(json.loads(b))
-            except ValueError:
+            except (ValueError, RecursionError):  # nested past the parser's limit: not a call
                 return None
     else:
         if not text.lstrip().startswith(GENERIC_TRIGGER):
             return None
         try:
             found.append(json.loads(text))
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     calls = []
     for c in found:

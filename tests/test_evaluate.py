@@ -102,7 +102,7 @@ def test_perplexity_defaults_and_errors(tiny):
     assert r["window"] == min(model.n_ctx, 1024) and r["stride"] == r["window"] // 2
     with pytest.raises(PocketError, match="nothing to score"):
         perplexity(model, "a", progress=False)
-    with pytest.raises(PocketError, match="exceeds the model's context"):
+    with pytest.raises(PocketError, match=f"exceeds the {model.n_ctx} tokens of context"):
         perplexity(model, TEXT, window=100_000, progress=False)
     with pytest.raises(PocketError, match="stride"):
         perplexity(model, TEXT, window=32, stride=0, progress=False)
@@ -539,6 +539,26 @@ def test_mmlu_cloze_scores_the_answer_texts_without_lettered_options(monkeypatch
 
 
 # -- the command line -----------------------------------------------------------------------
+
+
+def test_cli_ppl_window_sizes_the_context(tiny, tmp_path, capsys, monkeypatch):
+    """A --window longer than the default context loads a context that holds it (it said the
+    window exceeded "the model's context", naming the default, not the model's own)."""
+    import pocketlm.api
+    from pocketlm.cli import main
+
+    monkeypatch.setattr(pocketlm.api, "DEFAULT_CONTEXT", 32)
+    model_path = str(tiny["model"].path)
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT, encoding="utf-8")
+    assert main(["eval", "-m", model_path, "--ppl", str(text), "--window", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["window"] == 64
+    assert out["ppl"] == pytest.approx(perplexity(tiny["model"], TEXT, window=64,
+                                                  progress=False)["ppl"], rel=1e-9)
+    assert main(["eval", "-m", model_path, "--ppl", str(text), "--window", "1000000"]) == 1
+    err = capsys.readouterr().err
+    assert f"exceeds the {tiny['model'].config.max_context} tokens of context" in err
 
 
 def test_cli_ppl_and_task_json(tiny, tmp_path, capsys):

@@ -609,6 +609,8 @@ def test_packing_flags_on_a_deploy_file_are_refused_not_ignored(small_pocket, tm
     (("--last",), "pocket export RUN -o FILE.pocket --last"),
     (("--calib", "default"), "pocket pack ... --calib"),
     (("--quant-method", "rtn"), "pocket pack ... --quant-method"),
+    (("--head-patch", "4000"), "pocket pack ... --head-patch"),  # it was ignored
+    (("--head-patch", "auto"), "pocket pack ... --head-patch"),
 ])
 def test_deploy_file_flags_with_another_target_are_refused_with_a_working_hint(
         small_pocket, tmp_path, capsys, flag, words):

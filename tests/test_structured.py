@@ -320,6 +320,9 @@ def test_closed_schemas_and_tool_call_formats():
     assert parse_calls(native + " and more text", native=True) is None
     assert parse_calls('{"name": "f", "arguments": {}}', native=False)[0]["function"]["name"] == "f"
     assert parse_calls("Hello", native=False) is None
+    deep = "[" * 100_000  # past json's recursion limit: not a call, not an exception
+    assert parse_calls(f"<tool_call>\n{deep}\n</tool_call>", native=True) is None
+    assert parse_calls("{" + deep, native=False) is None
     tools = [Tool("f", "does f", {"type": "object", "properties": {"x": {"type": "integer"}}})]
     msgs, extra = render_messages([
         {"role": "user", "content": "hi"},
@@ -328,6 +331,12 @@ def test_closed_schemas_and_tool_call_formats():
         {"role": "tool", "tool_call_id": "c1", "content": "2"}], tools, native=False)
     assert extra == {} and msgs[0]["role"] == "system" and '"name": "f"' in msgs[0]["content"]
     assert msgs[2] == {"role": "assistant", "content": '{"name": "f", "arguments": {"x": 1}}'}
+    kept, _ = render_messages([  # arguments nested past json's limit stay the text they were
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}]}],
+        tools, native=False)
+    assert json.loads(kept[2]["content"])["arguments"] == deep
     assert msgs[3]["role"] == "user" and msgs[3]["content"].endswith("2")
     _, extra = render_messages([{"role": "user", "content": "hi"}], tools, native=True)
     assert extra["tools"][0]["function"]["name"] == "f"
@@ -425,6 +434,7 @@ def test_cli_constraints(tmp_path):
     for args, match in [(["--json-schema", '{"type": "strin"}'], "Invalid type"),
                         (["--json-schema", str(tmp_path / "missing.json")], "not a file"),
                         (["--json-schema", "{oops"], "not valid JSON"),
+                        (["--json-schema", "[" * 5000], "nested too deeply"),
                         (["--regex", "(ab"], "unclosed group"),
                         (["--grammar", str(schema)], "grammar is not usable"),
                         (["--grammar", str(tmp_path)], "not a file")]:

@@ -15,9 +15,11 @@ import pytest
 from pocketlm.errors import PocketError
 from pocketlm.tokenizer import Tokenizer
 from pocketlm.train.tokenizer_train import (
+    _READ_CHUNK,
     CHATML_TEMPLATE,
     DEFAULT_SPECIAL_TOKENS,
     TokenizerTrainingError,
+    _check_file,
     chars_per_token,
     compare_tokenizers,
     embedding_bytes,
@@ -253,6 +255,26 @@ def test_non_utf8_file_names_line_and_offset(tmp_path):
     assert f"offset {offset}" in message and "line 20001" in message
     assert "\n" not in message
     assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_a_file_that_is_not_text_from_its_start_is_refused_before_training(tmp_path, capsys):
+    """No NUL byte, but not UTF-8 from its first bytes: refused by the file check, before the
+    trainer starts (its progress bar printed blank lines on stdout beside the error)."""
+    from pocketlm.cli import main
+
+    path = tmp_path / "latin1.txt"
+    path.write_bytes("café crème\n".encode("latin-1") * 100)
+    with pytest.raises(TokenizerTrainingError, match=r"latin1\.txt: not UTF-8 text \(byte 0xe9 at "
+                                                     r"offset 3\)"):
+        _check_file(path)
+    assert main(["tokenizer", "train", "--data", str(path), "--vocab-size", "300",
+                 "--out", str(tmp_path / "tok")]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "not UTF-8 text" in err
+    assert not (tmp_path / "tok").exists()
+    cut = tmp_path / "cut.txt"  # a character cut by the first chunk's end is not an error
+    cut.write_bytes(b"a" * (_READ_CHUNK - 1) + "好\n".encode())
+    assert _check_file(cut) == _READ_CHUNK + 3
 
 
 def test_truncated_utf8_at_end(tmp_path):

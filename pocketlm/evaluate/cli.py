@@ -84,6 +84,11 @@ def _open_engine(args):
 
     if not args.model:
         raise PocketError("pocket eval needs a model: -m NAME_OR_PATH")
+    # a --ppl window longer than the default context loads a context that holds it (capped at
+    # the model's own, which perplexity() then names), as --n-ctx would
+    n_ctx = args.n_ctx
+    if n_ctx is None and getattr(args, "ppl", None) and args.window is not None:
+        n_ctx = args.window
     if args.engine == "llama.cpp":
         from ..formats import sniff
         from ..registry import resolve
@@ -92,10 +97,10 @@ def _open_engine(args):
         if sniff(path) != "gguf":
             raise PocketError(f"--engine llama.cpp runs GGUF files; {args.model} is not one "
                               "(a trimmed model or deploy file runs with --engine pocketlm)")
-        return LlamaCppEngine(path, n_ctx=args.n_ctx)
+        return LlamaCppEngine(path, n_ctx=n_ctx)
     from ..api import context_note, load
 
-    model = load(args.model, n_ctx=args.n_ctx, quiet=args.json, precision=args.precision)
+    model = load(args.model, n_ctx=n_ctx, quiet=args.json, precision=args.precision)
     note = context_note(model, args.n_ctx, "--n-ctx")  # as pocket run says it of --ctx
     if note:
         print(note, file=sys.stderr)

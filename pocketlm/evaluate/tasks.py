@@ -227,8 +227,8 @@ def perplexity(model, text: str, *, window: int | None = None, stride: int | Non
         raise PocketError(f"window must be an integer of at least {len(prefix) + 2} tokens, "
                           f"got {window!r}")
     if window > engine.max_context:
-        raise PocketError(f"window {window} exceeds the model's context of "
-                          f"{engine.max_context}")
+        raise PocketError(f"window {window} exceeds the {engine.max_context} tokens of "
+                          "context the model was loaded with")
     cap = window - len(prefix)  # text tokens per window
     stride = window // 2 if stride is None else stride
     if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= window:

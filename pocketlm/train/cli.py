@@ -434,7 +434,8 @@ def cmd_export(args) -> int:
         raise PocketError("--last applies to --to pocket; export the run's latest checkpoint "
                           "first (pocket export RUN -o FILE.pocket --last), then that file")
     for flag, given in (("--calib", args.calib), ("--bits-per-weight", args.bits_per_weight),
-                        ("--awq", args.awq), ("--quant-method", args.quant_method)):
+                        ("--awq", args.awq), ("--quant-method", args.quant_method),
+                        ("--head-patch", args.head_patch)):
         if given:
             raise PocketError(f"{flag} applies to --to pocket; export the deploy file made "
                               f"with it (pocket pack ... {flag}) instead")

@@ -140,6 +140,14 @@ def _check_file(path: Path) -> int:
         raise TokenizerTrainingError(
             f"{path}: binary file (a NUL byte at offset {nul}), not UTF-8 text"
         )
+    # the first chunk's bytes too (a character cut by the chunk's end is fine): a file that is
+    # not text is refused before training starts its progress bar, not after
+    try:
+        codecs.getincrementaldecoder("utf-8")("strict").decode(head, final=False)
+    except UnicodeDecodeError as e:
+        raise TokenizerTrainingError(
+            f"{path}: not UTF-8 text (byte 0x{head[e.start]:02x} at offset {e.start})"
+        ) from None
     return size
 
 
