@@ -422,6 +422,54 @@ def test_full_queue_gets_429_and_nothing_accepted_is_lost():
         assert s.stop() == 0
 
 
+def test_shutdown_ends_the_requests_in_flight_with_their_503_and_error_event():
+    """SIGINT with requests running: after the grace period each ends with the shutdown's 503
+    (JSON) or, streaming, an error event and the end of its body; before, uvicorn cancelled the
+    handlers first: a plain-text 500, a stream cut mid-chunk, CancelledError tracebacks."""
+    s = Server()
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True}
+    got = {}
+
+    def whole():
+        got["whole"] = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+
+    def streamed(first):
+        with httpx.Client(timeout=120) as http, http.stream(
+                "POST", s.url + "/v1/completions", json={**body, "stream": True}) as r:
+            lines = []
+            for line in r.iter_lines():  # raises if the body is cut before its end
+                lines.append(line)
+                first.set()
+            got["stream"] = (r.status_code, lines)
+
+    first = threading.Event()
+    threads = [threading.Thread(target=whole), threading.Thread(target=streamed, args=(first,))]
+    for t in threads:
+        t.start()
+    try:
+        assert first.wait(60)
+        time.sleep(0.5)
+        t0 = time.time()
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(30) == 0
+        took = time.time() - t0
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    for t in threads:
+        t.join(30)
+    assert 4 < took < 9, took  # the grace period, then the requests' errors, then the exit
+    r = got["whole"]
+    assert r.status_code == 503 and r.headers["Retry-After"] == "5"
+    assert r.json()["error"]["code"] == "shutting_down"
+    status, lines = got["stream"]
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert status == 200 and events[0]["choices"] and events[-1]["error"]["code"] == "shutting_down"
+    log = "".join(s.log)
+    assert "Traceback" not in log and "CancelledError" not in log, log
+
+
 def test_memory_budget_bounds_the_process():
     budget = 260  # MB: weights and buffers ~200 MB; a 2000-token cache ~45 MB
     s = Server("--max-memory-mb", str(budget), "--prefix-cache-mb", "0")
@@ -663,6 +711,14 @@ def test_tool_calls_round_trip_with_the_real_client(server):
     assert deltas and deltas[0].function.name == call.function.name
     assert json.loads(deltas[0].function.arguments) == args
     assert not any(ch.choices[0].delta.content for ch in chunks)
+    # log-probabilities of a call's tokens: streamed as whole (the held ones were dropped)
+    whole, parts = (c.chat.completions.create(
+        model=MODEL, messages=ask, tools=WEATHER, tool_choice="required", max_tokens=80,
+        temperature=0, logprobs=True, stream=s) for s in (False, True))
+    want = [e.token for e in whole.choices[0].logprobs.content]
+    assert want and whole.choices[0].finish_reason == "tool_calls"
+    assert [e.token for ch in parts if ch.choices and ch.choices[0].logprobs
+            for e in ch.choices[0].logprobs.content or []] == want
     # the result goes back; "none" answers in text (and may not call)
     follow = ask + [m.model_dump(exclude_none=True),
                     {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]

@@ -796,7 +796,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                         if calls:
                             finish = "tool_calls"
                             yield sse(P.chunk_body(rid, cfg.model_name, chat=True, index=i,
-                                                   tool_calls=calls))
+                                                   tool_calls=calls,
+                                                   logprobs=chunk_lps(i, held_lps[i])))
                         else:
                             yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, text=text,
                                                    index=i,

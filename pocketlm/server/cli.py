@@ -9,11 +9,14 @@ import errno
 import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import PocketError
+
+SHUTDOWN_GRACE_S = 5.0  # on SIGINT / SIGTERM, how long the requests in flight may go on
 
 SERVE_EPILOG = """examples:
   pocket serve                                   # default model on http://127.0.0.1:8000
@@ -94,7 +97,36 @@ def _uvicorn_server():
 
     class Server(uvicorn.Server):
         """uvicorn's server, whose SIGINT/SIGTERM end in a graceful stop and exit code 0 (uvicorn
-        re-raises the signal once shut down, which would end the process as killed)."""
+        re-raises the signal once shut down, which would end the process as killed).
+
+        The requests in flight get ``grace`` seconds to finish; then ``stop_requests`` (the
+        scheduler's close) ends the rest, each with the error the API gives a request that a
+        shutdown cuts (a 503 ``shutting_down``, or an error event and the stream's end), before
+        uvicorn's own timeout, ``grace`` later, cancels the handlers: cancelled, a client got
+        a plain-text 500 or a stream cut without its end. A second SIGINT ends them at once."""
+
+        def __init__(self, config, *, stop_requests=None, grace: float = SHUTDOWN_GRACE_S):
+            super().__init__(config)
+            self._stop_requests = stop_requests
+            self._grace = grace
+            self._stop_timer: threading.Timer | None = None
+
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            if self._stop_requests is None:
+                return
+            if self.force_exit or self._stop_timer is None:
+                if self._stop_timer is not None:
+                    self._stop_timer.cancel()
+                self._stop_timer = threading.Timer(0 if self.force_exit else self._grace,
+                                                   self._stop_requests)
+                self._stop_timer.daemon = True
+                self._stop_timer.start()
+
+        def cancel_stop(self) -> None:
+            """Drop a pending stop (the server ended before its grace ran out)."""
+            if self._stop_timer is not None:
+                self._stop_timer.cancel()
 
         def capture_signals(self):
             stack = contextlib.ExitStack()
@@ -237,8 +269,8 @@ def cmd_serve(args) -> int:
         sock.close()
         raise
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
-    server = _uvicorn_server()(config)
+                            timeout_graceful_shutdown=2 * SHUTDOWN_GRACE_S)
+    server = _uvicorn_server()(config, stop_requests=app.state.scheduler.close)
 
     budget = app.state.kv_budget
     mem = (f"memory budget {cfg.max_memory_mb:g} MB ({app.state.base_memory / 2**20:.0f} MB "
@@ -260,6 +292,7 @@ def cmd_serve(args) -> int:
     async def main():
         task = asyncio.create_task(announce())
         await server.serve(sockets=[sock])
+        server.cancel_stop()
         task.cancel()
 
     asyncio.run(main())
