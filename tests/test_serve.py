@@ -825,6 +825,39 @@ def test_prompt_scoring_with_echo_equals_the_models_logits(server, local):
     assert got["token_logprobs"][1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-6)
 
 
+def test_completion_offsets_count_characters_where_tokens_cut_them(server, local):
+    """smollm2's byte-level pieces cut Chinese and Japanese characters: a piece that is part
+    of one is named by its bytes, and text_offset counts characters of the text (it counted
+    the replacement characters of pieces decoded alone: offsets past the text's end)."""
+    c = server.client(timeout=300)
+    prompt = "日本語の文章です。北京的天气很好"
+    ids = local.tokenize(prompt)
+    assert any("\ufffd" in local.tokenizer.token_bytes(i).decode("utf-8", "replace")
+               for i in ids)  # the case in question: pieces that cut a character
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0, "echo": True,
+          "logprobs": 2}
+    whole = c.completions.create(**kw).choices[0]
+    lp, text = whole.logprobs, whole.text
+    assert len(lp.tokens) > len(ids) and text.startswith(prompt)
+    joined = b""
+    for token, offset in zip(lp.tokens, lp.text_offset, strict=True):
+        raw = (bytes(int(h, 16) for h in token[6:].split("\\x")[1:])
+               if token.startswith("bytes:") else token.encode())
+        # a token starts at the characters its predecessors completed
+        assert offset == len(joined.decode("utf-8", "ignore")) <= len(text)
+        if not token.startswith("bytes:"):
+            assert text[offset:offset + len(token)] == token
+        joined += raw
+    assert joined.decode("utf-8") == text and any(t.startswith("bytes:") for t in lp.tokens)
+    assert all("\ufffd" not in key for top in lp.top_logprobs[1:] for key in top)
+    got = {"tokens": [], "text_offset": []}  # streamed: the same, a cut character included
+    for ch in c.completions.create(**kw, stream=True):
+        if ch.choices and ch.choices[0].logprobs:
+            for key in got:
+                got[key] += getattr(ch.choices[0].logprobs, key)
+    assert got == {"tokens": lp.tokens, "text_offset": lp.text_offset}
+
+
 def test_chat_logprobs_and_several_choices(server, local):
     c = server.client(timeout=300)
     msgs = [{"role": "user", "content": "Name a colour."}]

@@ -284,6 +284,31 @@ def _request(model, prompt: str, loop, *, seed: int | None = None, stop=(),
 PROMPTS = [f"hello world, the {w}" for w in ["cat", "and", "of", "is", "it", "on", "was", "for"]]
 
 
+def test_the_choices_of_one_request_are_queued_all_or_none(model):
+    """An n > 1 request that does not fit the waiting line: none of its choices is queued or
+    counted; it counts once as rejected (its queued choices were withdrawn one by one and
+    counted as requests and as cancelled)."""
+    async def go():
+        sched = Scheduler(model, max_batch=1, max_queue=1, prefix_cache_mb=0)
+        try:
+            loop = asyncio.get_running_loop()
+            first, b, c, d = (_request(model, p, loop) for p in PROMPTS[:4])
+            with sched._lock:  # nothing is admitted meanwhile: one slot free, one to wait
+                sched.submit(first)
+                with pytest.raises(scheduler_module.QueueFullError):
+                    sched.submit(b, c)
+                snap = sched.snapshot()
+                assert (snap["requests"], snap["rejected"], snap["waiting"]) == (1, 1, 1)
+                sched.submit(d)  # one more fits
+            await asyncio.gather(_outcome(first), _outcome(d))
+            return sched.snapshot()
+        finally:
+            sched.close()
+
+    snap = run(go())
+    assert (snap["requests"], snap["completed"], snap["cancelled"], snap["rejected"]) == (2, 2, 0, 1)
+
+
 @pytest.mark.parametrize("stage", ["sampling", "detokenizing", "finishing", "prefill",
                                    "decode step"])
 def test_a_failure_in_one_request_ends_it_alone(model, monkeypatch, stage):
@@ -779,6 +804,9 @@ def test_a_keyless_server_refuses_other_web_origins(make_app, origin):
     err = assert_openai_error(_with_origin(app, origin), 403, "origin_not_allowed")
     assert "--allow-origin" in err["message"]
     assert_openai_error(_with_origin(app, origin, method="GET", path="/v1/models"), 403)
+    pre = _with_origin(app, origin, method="OPTIONS",  # a preflight too (it got a 405)
+                       headers={"Access-Control-Request-Method": "POST"})
+    assert "preflight" in assert_openai_error(pre, 403, "origin_not_allowed")["message"]
     assert stats(app)["requests"] == 0
 
 

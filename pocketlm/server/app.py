@@ -23,6 +23,7 @@ first, so without this check any web page could make a local server generate.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import hmac
 import ipaddress
@@ -175,6 +176,21 @@ class JSONCORSMiddleware(CORSMiddleware):
         exc.headers = {k: v for k, v in refused.headers.items()
                        if k.lower() not in ("content-type", "content-length")}
         return error_response(exc)
+
+
+class TextCursor:
+    """Where the next token's text starts in a completion's text, in characters, as its tokens'
+    bytes arrive (a character cut between two tokens counts where it is completed)."""
+
+    def __init__(self, pos: int = 0):
+        self.pos = pos
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, raw: bytes) -> int:
+        """The offset of a token with bytes ``raw``; the cursor moves past it."""
+        start = self.pos
+        self.pos += len(self._decoder.decode(raw))
+        return start
 
 
 def request_speculative(default: dict | None, asked: dict | bool | None) -> dict | None:
@@ -444,9 +460,9 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                        logprobs=g.logprobs,
                        score_prompt=g.echo and g.logprobs is not None)
 
-    def submit(req: Request) -> None:
+    def submit(reqs: list[Request]) -> None:
         try:
-            scheduler.submit(req)
+            scheduler.submit(*reqs)
         except QueueFullError as e:
             raise P.APIError(429, str(e), code="rate_limit_exceeded",
                              headers={"Retry-After": str(e.retry_after)}) from None
@@ -584,13 +600,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             # event loop: other requests keep streaming meanwhile
             for req in reqs:
                 req.constraint = await asyncio.to_thread(make_constraint, g)
-        for i, req in enumerate(reqs):
-            try:
-                submit(req)
-            except P.APIError:
-                for r in reqs[:i]:
-                    scheduler.cancel(r)
-                raise
+        submit(reqs)  # every choice or none
         rid = P.new_id(chat)
         if g.stream:
             return StreamingResponse(stream(reqs, rid, g, chat),
@@ -617,14 +627,26 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
 
     def logprobs_body(entries: list, chat: bool, *, prompt: list[int] | None = None,
                       prompt_entries: list | None = None, generated: list[int] | None = None,
-                      offset: int = 0) -> dict:
+                      cursor: TextCursor | None = None) -> dict:
         """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel arrays
-        (with the prompt's tokens first under echo: the first has no log-probability)."""
+        (with the prompt's tokens first under echo: the first has no log-probability).
+
+        A completions token that is part of a character is named by its bytes, as OpenAI
+        names them (``bytes:\\xe6\\x97``), and ``text_offset`` counts the characters of
+        the text before each token (a character's first token is where it starts): ``cursor``
+        carries the count, and a cut character, from one streamed chunk to the next."""
         tok = model.tokenizer
 
         def piece(i: int) -> tuple[str, list[int]]:
             b = tok.token_bytes(i)
             return b.decode("utf-8", errors="replace"), list(b)
+
+        def named(i: int) -> str:
+            b = tok.token_bytes(i)
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
         def lp(x: float) -> float:
             return max(x, -9999.0)  # JSON has no -inf (OpenAI's floor)
@@ -643,18 +665,16 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             pairs.append((prompt[0], None))
             pairs += list(zip(prompt[1:], prompt_entries, strict=False))
         pairs += list(zip(generated, entries, strict=False))
-        pos = offset
+        cursor = cursor or TextCursor()
         for token, entry in pairs:
-            text = piece(token)[0]
-            tokens.append(text)
-            offsets.append(pos)
-            pos += len(text)
+            tokens.append(named(token))
+            offsets.append(cursor.advance(tok.token_bytes(token)))
             if entry is None:
                 token_lps.append(None)
                 tops.append(None)
             else:
                 token_lps.append(lp(entry[0]))
-                tops.append({piece(t)[0]: lp(x) for t, x in entry[1]})
+                tops.append({named(t): lp(x) for t, x in entry[1]})
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -732,7 +752,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         held: list[list[str]] = [[] for _ in reqs]
         held_lps: list[list] = [[] for _ in reqs]
         sent_tokens = [0] * len(reqs)
-        offsets = [0] * len(reqs)
+        cursors = [TextCursor() for _ in reqs]
 
         def chunk_lps(index: int, entries: list) -> dict | None:
             if g.logprobs is None:
@@ -741,16 +761,13 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             generated = req.seq.state.generated[sent_tokens[index]:
                                                 sent_tokens[index] + len(entries)]
             sent_tokens[index] += len(entries)
-            body = logprobs_body(entries, chat, generated=generated, offset=offsets[index])
-            if not chat and body["tokens"]:
-                offsets[index] = body["text_offset"][-1] + len(body["tokens"][-1])
-            return body
+            return logprobs_body(entries, chat, generated=generated, cursor=cursors[index])
 
         def echo(index: int) -> str:
             """The chunk that echoes a completion's prompt (and its log-probabilities)."""
             req = reqs[index]
             text = model.detokenize(req.prompt_ids)
-            offsets[index] = len(text)
+            cursors[index] = TextCursor(len(text))
             lps = None if g.logprobs is None else logprobs_body(
                 [], False, prompt=req.prompt_ids, prompt_entries=req.prompt_logprobs,
                 generated=[])
@@ -846,12 +863,12 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         yield
         scheduler.close()
 
-    cors = [Middleware(JSONCORSMiddleware, allow_origins=sorted(cfg.allow_origins),
-                       allow_methods=["GET", "POST"],
-                       allow_headers=["Authorization", "Content-Type"])] \
-        if cfg.allow_origins else []
+    # installed with no origin allowed too, so that a foreign page's preflight gets the 403
+    # of any foreign origin, not a 405 for OPTIONS
+    cors = Middleware(JSONCORSMiddleware, allow_origins=sorted(cfg.allow_origins),
+                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
     app = Starlette(
-        middleware=cors,
+        middleware=[cors],
         routes=[Route("/", index), Route("/health", health), Route("/v1/models", models),
                 Route("/v1/models/{model:path}", retrieve_model),
                 Route("/v1/completions", completions, methods=["POST"]),

@@ -203,26 +203,29 @@ class Scheduler:
         return self.runtime.cache_nbytes(capacity)
 
     # -- the HTTP side -----------------------------------------------------------------------
-    def submit(self, req: Request) -> None:
-        """Queue ``req``; raises :class:`QueueFullError`, :class:`TooLargeError` or
-        :class:`ShuttingDownError` instead of accepting what cannot be served."""
-        need = self.kv_bytes(req.capacity)
+    def submit(self, *reqs: Request) -> None:
+        """Queue ``reqs`` (the choices of one HTTP request), all of them or none; raises
+        :class:`QueueFullError`, :class:`TooLargeError` or :class:`ShuttingDownError` instead
+        of accepting what cannot be served. A refusal counts once, as ``rejected``, and no
+        choice of it is counted as a request (or, withdrawn, as cancelled)."""
+        needs = [self.kv_bytes(req.capacity) for req in reqs]
         with self._lock:
             if self._stopping:
                 raise ShuttingDownError("the server is shutting down")
-            if self.kv_budget is not None and need > self.kv_budget:
-                self.stats["rejected"] += 1
-                raise TooLargeError(
-                    f"this request needs {need / MB:.1f} MB of KV cache "
-                    f"({len(req.prompt_ids)} prompt tokens + max_tokens {req.max_tokens}) but "
-                    f"the server's memory budget leaves {self.kv_budget / MB:.1f} MB for KV "
-                    "caches; lower max_tokens or shorten the prompt")
+            for req, need in zip(reqs, needs, strict=True):
+                if self.kv_budget is not None and need > self.kv_budget:
+                    self.stats["rejected"] += 1
+                    raise TooLargeError(
+                        f"this request needs {need / MB:.1f} MB of KV cache "
+                        f"({len(req.prompt_ids)} prompt tokens + max_tokens {req.max_tokens}) "
+                        f"but the server's memory budget leaves {self.kv_budget / MB:.1f} MB "
+                        "for KV caches; lower max_tokens or shorten the prompt")
             free = max(0, self.max_batch - len(self._running))  # about to be admitted
-            if len(self._waiting) >= self.max_queue + free:
+            if len(self._waiting) + len(reqs) > self.max_queue + free:
                 self.stats["rejected"] += 1
                 raise QueueFullError(self._retry_after())
-            self.stats["requests"] += 1
-            self._waiting.append(req)
+            self.stats["requests"] += len(reqs)
+            self._waiting.extend(reqs)
             self._lock.notify()
 
     def cancel(self, req: Request) -> None:
