@@ -91,8 +91,11 @@ def test_damaged_scales_loaded_without_checksums_are_named(env, tmp_path):
 
     src = deploy_file(env["gguf"])
     infos = PocketFile(src).infos
+    # the engine refuses scales that are not finite when it repacks a weight (every product's
+    # weights, the tied head's from the embedding: it said "no usable logits" at the first
+    # token; where AMX ran the prefill, a layer's went unnoticed: three tokens of garbage)
     for name, words, error in (("layers.0.attn.w_q.weight.scales", "damaged", KernelError),
-                               ("embed.weight.scales", "no usable logits", SamplingError)):
+                               ("embed.weight.scales", "damaged", KernelError)):
         data = bytearray(src.read_bytes())
         info = infos[name]
         data[info.start:info.end] = np.full((info.end - info.start) // 2, np.nan,

@@ -109,7 +109,12 @@ def test_strict_int4_stays_within_its_measured_loss(name, text):
     stats = oracle.compare(r["float"], r["int4"])
     ppl_ratio = oracle.perplexity(r["int4"], r["ids"]) / oracle.perplexity(r["float"], r["ids"])
     if not KEEP[name]:  # lossless import: the same numbers up to float rounding
-        assert stats["top1"] >= 0.99 and abs(ppl_ratio - 1) < 1e-3, (stats, ppl_ratio)
+        # where the prefill runs on AMX its default one-bfloat16-term weights for q/k/v, W_o
+        # and W_down move the logits further (docs/engine.md: mean KL up to 4e-5 for this
+        # model; measured 0.14 % perplexity on the Chinese text, Intel Sapphire Rapids)
+        native = getattr(_models(name)[3].runtime, "native", None)
+        bound = 3e-3 if getattr(native, "amx", False) else 1e-3
+        assert stats["top1"] >= 0.99 and abs(ppl_ratio - 1) < bound, (stats, ppl_ratio)
     else:
         assert stats["top1"] >= 0.6 and ppl_ratio < 1.35, (stats, ppl_ratio)
 

@@ -80,10 +80,12 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-static __thread int tiles_ready;
-
+/* Loaded at the start of every product and attention call, never remembered between calls:
+ * another library in the same thread (PyTorch's oneDNN, in a process that trains and then
+ * generates) loads its own configuration or releases the tiles between two of our calls, and a
+ * tile instruction after a release faults (SIGILL). Each call releases the tiles when it is
+ * done, so that the thread's context switches do not carry 8 KB of tile state. */
 static TGTA void tiles_configure(void) {
-    if (tiles_ready) return;
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
@@ -92,7 +94,6 @@ static TGTA void tiles_configure(void) {
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-    tiles_ready = 1;
 }
 
 /* 16 bfloat16 values back in float32 (exact: the upper halves of the lanes). */
@@ -284,6 +285,7 @@ void TGTA pm_amx_matmul(const pm_tiled *w, const uint16_t *xb, const uint16_t *x
             }
         }
     }
+    _tile_release();
 }
 
 
@@ -467,6 +469,7 @@ void TGTA pm_amx_attn(const pm_amx_attn_args *A) {
             for (int k = 0; k < hd; k += 16)
                 _mm512_storeu_ps(acc + k, _mm512_div_ps(_mm512_loadu_ps(acc + k), r));
         }
+    _tile_release();
 }
 
 #endif /* PM_HAVE_AMX */

@@ -262,6 +262,10 @@ int pm_tiled_fill(const pocket_weight *w, pm_tiled *t, pm_tiled *lo, int tb, int
             else
                 for (size_t g = 0; g < ng; g++) {
                     sc[16 * g + i] = w->scales[r * ng + g];
+                    /* a scale or minimum that is not a finite float16 (exponent all ones):
+                     * damaged weights, whatever product reads them */
+                    bad |= (w->scales[r * ng + g] & 0x7C00u) == 0x7C00u ||
+                           ((q4 || q5) && (w->mins[r * ng + g] & 0x7C00u) == 0x7C00u);
                     if (t->zero_point) /* implicit minimums: checked, not stored */
                         bad |= !(pocket_f16_to_f32(w->mins[r * ng + g]) ==
                                  -(float)t->zero_point * pocket_f16_to_f32(w->scales[r * ng + g]));

@@ -655,8 +655,9 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
                                               "and a CPU and OS with AMX-BF16");
         else if (rc == POCKET_ECORRUPT)
             PyErr_SetString(PyExc_ValueError, "NativeModel: a weight's quantization scales "
-                                              "contradict their stored codes: the weights are "
-                                              "damaged (a deploy file's checksums find which)");
+                                              "are not finite or contradict their stored codes: "
+                                              "the weights are damaged (a deploy file's "
+                                              "checksums find which)");
         else
             PyErr_Format(PyExc_ValueError, "NativeModel: the engine rejected the model "
                                            "(status %d)", rc);
