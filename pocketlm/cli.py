@@ -16,7 +16,7 @@ from collections import Counter
 from pathlib import Path
 
 from . import __version__
-from .errors import ModelNotFoundError, PocketError
+from .errors import ContextLengthError, ModelNotFoundError, PocketError
 from .textfile import checked_text
 
 EPILOG = """examples:
@@ -385,7 +385,10 @@ def cmd_chat(args) -> int:
             pass
         except PocketError as exc:
             history.pop()
-            print(f"\npocket: error: {exc}", file=sys.stderr)
+            hint = ""
+            if isinstance(exc, ContextLengthError) and len(history) > 1:
+                hint = " (the conversation fills the context: /reset starts a new one)"
+            print(f"\npocket: error: {exc}{hint}", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         state = m.last_state

@@ -515,7 +515,18 @@ def test_chat_session_reports_errors_and_goes_on(files, capsys, monkeypatch):
     code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 3, "--ctx", 24)
     assert code == 0
     assert "pocket: error:" in err and "context" in err
+    assert "/reset" not in err.split("pocket: error:")[1]  # a first line too long: no history
     assert stdout.count("\n") == 1
+
+
+def test_chat_says_reset_when_the_conversation_fills_the_context(files, capsys, monkeypatch):
+    lines = iter(["hi", "hi", "hi", "hi", "hi", "/reset", "hi", "/bye"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 6, "--ctx", 40)
+    assert code == 0
+    errors = [x for x in err.splitlines() if x.startswith("pocket: error:")]
+    assert errors and all("/reset starts a new one" in x for x in errors)
+    assert stdout.count("\n") == 5 - len(errors) + 1  # and a reply after /reset
 
 
 # -- outputs that would destroy what they should not ---------------------------------------
