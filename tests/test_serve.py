@@ -867,7 +867,11 @@ def test_chat_logprobs_and_several_choices(server, local):
     assert "".join(x.token for x in content) == r.choices[0].message.content
     ids = local.chat_ids(msgs)
     first = _log_softmax(local.logits(ids)[-1])
-    assert content[0].logprob == pytest.approx(first.max(), abs=1e-3)  # greedy: the best
+    # greedy: the best; to 1e-3 where a prefill's products do not depend on how many rows
+    # reach the last layer, 1e-2 where AMX prefills (its bfloat16 products for all rows here,
+    # the int8 ones for the server's one row: 3e-3 apart, measured)
+    amx = getattr(getattr(local.runtime, "native", None), "amx", False)
+    assert content[0].logprob == pytest.approx(first.max(), abs=1e-2 if amx else 1e-3)
     assert content[0].top_logprobs[0].token == content[0].token
     streamed = [x.token for ch in c.chat.completions.create(
         model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, stream=True)
