@@ -93,8 +93,10 @@ class PromptLookup:
     def __init__(self, max_ngram: int = LOOKUP_MAX_NGRAM,
                  min_ngram: int = LOOKUP_MIN_NGRAM):
         if not 1 <= min_ngram <= max_ngram <= 8:
-            raise PocketError(f"prompt lookup n-gram sizes must satisfy 1 <= min <= max <= 8, "
-                              f"got {min_ngram}..{max_ngram}")
+            raise PocketError("prompt lookup n-gram sizes must satisfy 1 <= min_ngram <= "
+                              f"max_ngram <= 8, got min_ngram {min_ngram} (default "
+                              f"{LOOKUP_MIN_NGRAM}) and max_ngram {max_ngram} (default "
+                              f"{LOOKUP_MAX_NGRAM})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.tokens: list[int] = []
         self._last: dict[tuple[int, ...], int] = {}  # n-gram -> end of its latest occurrence

@@ -604,6 +604,19 @@ def test_packing_flags_on_a_deploy_file_are_refused_not_ignored(small_pocket, tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize("args,words", [
+    (("-o", "m.gguf"), "pass --to gguf"),  # a GGUF name without --to
+    (("--to", "gguf", "-o", "m.pocket"), "name it .gguf"),  # was written, then misread
+    (("--to", "gguf", "-o", "M.POCKET"), "name it .gguf"),
+])
+def test_a_format_and_a_file_name_that_disagree_are_refused(small_pocket, tmp_path, capsys,
+                                                            args, words):
+    out = tmp_path / args[-1]
+    code, err = _cli(capsys, "export", str(small_pocket), *args[:-1], str(out))
+    assert code == 1 and err.count("\n") == 1 and words in err
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("flag,words", [
     # the hint named `pocket pack ... --last`, a flag pack does not have
     (("--last",), "pocket export RUN -o FILE.pocket --last"),

@@ -43,6 +43,9 @@ def test_prompt_lookup_proposes_what_followed_the_last_ngram():
     assert d.propose(2) == [5]  # the n-gram "5 5 5" occurred ending at 3: followed by one 5
     with pytest.raises(PocketError):
         PromptLookup(max_ngram=0)
+    with pytest.raises(PocketError, match=r"got min_ngram 2 \(default 2\) and max_ngram 1 "
+                                          r"\(default 8\)"):
+        PromptLookup(max_ngram=1)  # only max given: the default min is named, not "2..1"
 
 
 def test_prompt_lookup_prefers_the_occurrence_sharing_the_most_context():
