@@ -275,21 +275,28 @@ def write(path: Path) -> None:
     runs: dict[tuple, list[str]] = {}  # (command, runs) -> the models it measured
     kernels: dict[tuple, str] = {}  # (command, runs) -> kernel level, where recorded
     dates: dict[tuple, str] = {}
+    cpus: dict[tuple, str] = {}  # (command, runs) -> the CPU it ran on
     for r in rows:
         if r["bench"] == "speculative":
+            cpus[r["command"], r["runs"]] = r["machine"]["cpu"]
             if r["machine"].get("kernel_level"):
                 kernels[r["command"], r["runs"]] = r["machine"]["kernel_level"]
                 dates[r["command"], r["runs"]] = r.get("date", "")
             models = runs.setdefault((r["command"], r["runs"]), [])
             if r["model"] not in models:
                 models.append(r["model"])
+    one_cpu = len(set(cpus.values())) == 1  # else each run names its own
+
+    def where(key: tuple) -> str:
+        parts = ([] if one_cpu else [cpus[key]]) + (
+            [f"{kernels[key]} kernels", dates[key]] if key in kernels else [])
+        return f" ({', '.join(parts)})" if parts else ""
+
     lines.append("")
     lines.append("Decode tok/s: the generated tokens after the first over the time after the "
                  f"first, median of the runs, at most 128 tokens, greedy, {first['threads']} "
-                 f"threads, on {first['machine']['cpu']}; "
-                 + "; ".join(f"{', '.join(models)}: {n} runs, `{cmd}`"
-                             + (f" ({kernels[cmd, n]} kernels, {dates[cmd, n]})"
-                                if (cmd, n) in kernels else "")
+                 "threads" + (f", on {first['machine']['cpu']}" if one_cpu else "") + "; "
+                 + "; ".join(f"{', '.join(models)}: {n} runs, `{cmd}`{where((cmd, n))}"
                              for (cmd, n), models in runs.items()) + ".")
     text = doc.read_text(encoding="utf-8")
     a = text.index("<!-- speculative:start -->") + len("<!-- speculative:start -->")
