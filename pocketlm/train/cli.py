@@ -411,12 +411,12 @@ def cmd_export(args) -> int:
         if suffix == ".gguf":
             raise PocketError(f"{args.output}: to write GGUF pass --to gguf (without --to, "
                               "export writes a .pocket deploy file)")
-    if target == "gguf" and args.output is not None and args.output.lower().endswith(".pocket"):
+    out = check_output(args.output, force=args.force, folder=target == "hf",
+                       inputs=(args.run,), replaces=lambda d: (d / "config.json").is_file())
+    if target == "gguf" and str(out).lower().endswith(".pocket"):
         # a GGUF under a deploy file's name: inspect, pull --verify and pack would misread it
         raise PocketError(f"{args.output}: --to gguf writes a GGUF file; name it .gguf (or "
                           "leave out --to for a .pocket deploy file)")
-    out = check_output(args.output, force=args.force, folder=target == "hf",
-                       inputs=(args.run,), replaces=lambda d: (d / "config.json").is_file())
     if target == "pocket":
         _need_torch("export")
         from ..cli import _exit_on_sigterm, calibration_kwargs
