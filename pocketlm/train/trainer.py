@@ -23,6 +23,7 @@ A run directory holds ``checkpoint.pt`` (the latest state), ``metrics.jsonl``, `
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -383,7 +384,17 @@ def _init_distributed(timeout=None) -> _Dist:
         backend, dev = "gloo", torch.device("cpu")
     if not dist.is_initialized():
         dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
+        # left to the interpreter's own teardown, the group's threads sometimes outlive it:
+        # "terminate called without an active exception" and SIGABRT after a finished run
+        atexit.register(_leave_group)
     return _Dist(dist.get_rank(), dist.get_world_size(), local, dev)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _lr_at(cfg: TrainConfig, step: int) -> float:
