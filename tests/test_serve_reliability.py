@@ -740,6 +740,9 @@ def test_detokenize_bodies_of_the_wrong_shape_get_a_400_saying_so(make_app, body
     ("/v1/completions", completion("hello world", max_tokens=2), "tokenize"),
     ("/v1/chat/completions", {"model": NAME, "max_tokens": 2, "temperature": 0,
                               "messages": [{"role": "user", "content": "hello"}]}, "chat_ids"),
+    ("/tokenize", {"prompt": "hello world"}, "tokenize"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hello"}]}, "chat_ids"),
+    ("/detokenize", {"tokens": [1, 2, 3]}, "detokenize"),
 ])
 def test_a_body_is_parsed_and_tokenized_off_the_event_loop(make_app, model, monkeypatch,
                                                             endpoint, body, method):

@@ -530,16 +530,21 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         if not isinstance(add, bool):
             raise P.APIError(400, "'add_special_tokens' must be a boolean",
                              param="add_special_tokens", code="invalid_type")
-        try:
+        if "messages" not in body and not isinstance(body.get("prompt"), str):
+            raise P.APIError(400, "'prompt' (a string) or 'messages' is required",
+                             param="prompt", code="invalid_type")
+
+        def count() -> list[int]:
+            # off the event loop, as generation's prompts are: a long text takes a while to
+            # tokenize, and the streams being served must not wait for it
             if "messages" in body:
                 g = P.parse_request({"model": cfg.model_name, "messages": body["messages"]},
                                     chat=True)
-                ids = chat_prompt(g)
-            elif isinstance(body.get("prompt"), str):
-                ids = model.tokenize(body["prompt"], add_bos=None if add else False)
-            else:
-                raise P.APIError(400, "'prompt' (a string) or 'messages' is required",
-                                 param="prompt", code="invalid_type")
+                return chat_prompt(g)
+            return model.tokenize(body["prompt"], add_bos=None if add else False)
+
+        try:
+            ids = await asyncio.to_thread(count)
         except PocketError as e:
             raise P.APIError(400, str(e), param="prompt") from None
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": model.n_ctx})
@@ -562,7 +567,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             raise P.APIError(400, "'tokens' (an array of token ids) is required",
                              param="tokens", code="invalid_type")
         try:
-            text = model.detokenize(ids)
+            text = await asyncio.to_thread(model.detokenize, ids)
         except PocketError as e:
             raise P.APIError(400, str(e), param="tokens") from None
         return JSONResponse({"prompt": text})
