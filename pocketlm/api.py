@@ -441,6 +441,15 @@ def file_config_and_tokenizer(pf: PocketFile) -> tuple[ModelConfig, Tokenizer]:
         if str(pf.path) in str(exc):
             raise
         raise type(exc)(f"{pf.path}: tensor {pf.tokenizer_tensor!r}: {exc}") from None
+    # the ids the tokenizer adds by itself must be rows of the model's embedding: one past it
+    # loaded and failed at the first prompt, naming no file
+    named = [("bos_id", tokenizer.bos_id)] + [("an EOS id", i) for i in tokenizer.eos_ids] + [
+        (f"special token {t!r}", i) for t, i in tokenizer.special_tokens.items()]
+    for what, tid in named:
+        if tid is not None and not 0 <= tid < config.vocab_size:
+            raise FormatError(f"{pf.path}: tensor {pf.tokenizer_tensor!r}: the tokenizer's "
+                              f"{what} is {tid}, outside the model's vocabulary of "
+                              f"{config.vocab_size}; the file is damaged")
     return config, tokenizer
 
 

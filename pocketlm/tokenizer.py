@@ -100,9 +100,14 @@ class Tokenizer:
         add_bos: bool,
         special_tokens: dict[str, int] | None = None,
     ):
+        # pocketlm encodes one text at a time, whole: a tokenizer.json that pads or truncates
+        # (a fixed padding length pads every text to it, so 10**8 took 10 GB per encode) has
+        # both turned off
+        hf.no_padding()
+        hf.no_truncation()
         self.hf = hf
-        self.bos_id = None if bos_id is None else int(bos_id)
-        self.eos_ids = _dedupe(int(i) for i in eos_ids)
+        self.bos_id = None if bos_id is None else _token_id(bos_id, "bos_id")
+        self.eos_ids = _dedupe(_token_id(i, "eos_ids") for i in eos_ids)
         self.add_bos = bool(add_bos)
         self._lock = threading.Lock()
         self._byte_cache: dict[int, bytes] = {}
@@ -133,7 +138,8 @@ class Tokenizer:
                 special_ids.add(int(tid))
         if special_tokens is None:
             special_tokens = {self._added[i]: i for i in sorted(special_ids)}
-        self.special_tokens: dict[str, int] = {str(k): int(v) for k, v in special_tokens.items()}
+        self.special_tokens: dict[str, int] = {
+            str(k): _token_id(v, f"special token {k!r}") for k, v in special_tokens.items()}
         self._special_ids = frozenset(special_ids | set(self.special_tokens.values()))
         self._vocab_size = hf.get_vocab_size(with_added_tokens=True)
         self._dropped_id = hf.token_to_id(DROPPED_BYTE)
@@ -375,12 +381,14 @@ class SpmTokenizer(Tokenizer):
         except Exception as e:  # sentencepiece raises RuntimeError/OSError with its own text
             raise FormatError(f"cannot load the SentencePiece vocabulary: {e}") from e
         self.sp = sp  # holds the vocabulary; to_json() asks it for the serialised model
-        self.bos_id = None if bos_id is None else int(bos_id)
-        self.eos_ids = _dedupe(int(i) for i in eos_ids)
+        self.bos_id = None if bos_id is None else _token_id(bos_id, "bos_id")
+        self.eos_ids = _dedupe(_token_id(i, "eos_ids") for i in eos_ids)
         self.add_bos = bool(add_bos)
         self.add_space_prefix = bool(add_space_prefix)
-        self.special_tokens = {str(k): int(v) for k, v in special_tokens.items()}
-        self.user_defined = {str(k): int(v) for k, v in user_defined.items()}
+        self.special_tokens = {str(k): _token_id(v, f"special token {k!r}")
+                               for k, v in special_tokens.items()}
+        self.user_defined = {str(k): _token_id(v, f"user-defined piece {k!r}")
+                             for k, v in user_defined.items()}
         self._special_ids = frozenset(self.special_tokens.values())
         self._added = {i: t for t, i in {**self.special_tokens, **self.user_defined}.items()}
         self._byte_cache = {}
@@ -634,6 +642,15 @@ class StreamingDetokenizer:
 # ---------------------------------------------------------------------------------------------
 # helpers
 # ---------------------------------------------------------------------------------------------
+
+
+def _token_id(value: Any, what: str) -> int:
+    """A token id a tokenizer's description gives (``bos_id``, an EOS id, a special token's):
+    an integer >= 0, not a bool, float or string that happens to convert."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or operator.index(value) < 0:
+        raise FormatError(f"the tokenizer's {what} must be a token id (an integer >= 0), "
+                          f"got {value!r}")
+    return operator.index(value)
 
 
 def _dedupe(ids: Iterable[int]) -> list[int]:

@@ -1130,6 +1130,71 @@ def test_a_tokenizer_that_inflates_too_far_is_refused(tiny_pocket, monkeypatch):
     assert "pocket.tokenizer.zlib" in msg and f"holds {stored} bytes" in msg
 
 
+def _with_tokenizer(tiny_pocket: Path, tmp_path: Path, edit) -> Path:
+    """A copy whose tokenizer description (the JSON a pack compresses) is ``edit(data)``,
+    written as a pack writes it (checksums and header checksum match)."""
+    data = json.loads(PocketFile(tiny_pocket).tokenizer_json())
+    edit(data)
+    packed = np.frombuffer(zlib.compress(json.dumps(data).encode()), np.uint8)
+    pf = PocketFile(tiny_pocket)
+    meta = {k: v for k, v in pf.metadata.items()
+            if k not in ("format", "format_version", "checksums", "header_checksum")}
+    arrays = [(n, packed if n == pf.tokenizer_tensor else pf.tensor(n)) for n in pf.infos
+              if not n.startswith("_pad.")]
+    arrays.sort(key=lambda item: item[0] != pf.tokenizer_tensor)
+    write_pocket(tmp_path / "tok.pocket", arrays, meta)
+    return tmp_path / "tok.pocket"
+
+
+def _hf_option(key, value):
+    def edit(data):
+        hf = json.loads(data["hf"])
+        hf[key] = value
+        data["hf"] = json.dumps(hf)
+    return edit
+
+
+@pytest.mark.parametrize("key, value", [
+    ("padding", {"strategy": {"Fixed": 100_000}, "direction": "Right", "pad_to_multiple_of": None,
+                 "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"}),
+    ("truncation", {"direction": "Right", "max_length": 0, "strategy": "LongestFirst",
+                    "stride": 0}),
+])
+def test_a_tokenizer_that_pads_or_truncates_encodes_each_text_whole(tiny_pocket, tmp_path,
+                                                                     key, value):
+    """A tokenizer.json may ask for padding to a fixed length (every prompt became 10**8 ids:
+    10 GB, then an abort) or truncation (max_length 0: every prompt became nothing): pocketlm
+    encodes each text whole, so both are turned off."""
+    from pocketlm.api import load_pocket
+
+    want = load_pocket(tiny_pocket).tokenize("hello world")
+    m = load_pocket(_with_tokenizer(tiny_pocket, tmp_path, _hf_option(key, value)))
+    assert m.tokenize("hello world") == want
+    assert m.tokenizer.encode_batch(["hello world"]) == [want[1:] if m.tokenizer.add_bos
+                                                         else want]
+    assert json.loads(json.loads(m.tokenizer.to_json())["hf"])[key] is None
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("bos_id", 320, "bos_id is 320, outside the model's vocabulary of 320"),
+    ("eos_ids", [2, 10**6], "EOS id is 1000000, outside"),
+    ("special_tokens", {"<s>": 1, "<x>": 999}, "special token '<x>' is 999, outside"),
+    ("bos_id", 1.5, "bos_id must be a token id"),
+    ("bos_id", "1", "bos_id must be a token id"),
+    ("bos_id", True, "bos_id must be a token id"),
+    ("eos_ids", [-1], "eos_ids must be a token id"),
+    ("special_tokens", {"<x>": -5}, "special token '<x>' must be a token id"),
+])
+def test_tokenizer_ids_outside_the_model_are_refused_at_load(tiny_pocket, tmp_path, field,
+                                                             value, said):
+    """The ids a tokenizer adds by itself (BOS, EOS, its control tokens) are rows of the
+    model's embedding: one outside it, or not an id at all, is a damaged file, refused at load
+    by name (it loaded and failed at the first prompt, naming no file)."""
+    assert PocketFile(tiny_pocket).config().vocab_size == 320
+    path = _with_tokenizer(tiny_pocket, tmp_path, lambda d: d.__setitem__(field, value))
+    assert said in load_error(path)
+
+
 def _set_raw_meta(key, value):
     return lambda h: h["__metadata__"].__setitem__(key, value)
 
