@@ -1195,6 +1195,26 @@ def test_tokenizer_ids_outside_the_model_are_refused_at_load(tiny_pocket, tmp_pa
     assert said in load_error(path)
 
 
+@pytest.mark.parametrize("name, value", [
+    ("norm.weight", np.nan), ("layers.0.attn_norm.weight", np.inf),
+    ("layers.2.mlp_norm.weight", -np.inf), ("embed.weight.scales", np.nan),
+])
+def test_float_tensors_that_are_not_finite_are_refused_at_load(tiny_pocket, tmp_path, name,
+                                                               value):
+    """A norm (or the embedding's steps, read in place) holding NaN or infinity, checksums
+    matching: with int8 activations every logit came out 0 and the answer was garbage, exit
+    0. Refused at load, naming the tensor."""
+    pf = PocketFile(tiny_pocket)
+    arrays = {n: pf.tensor(n).copy() for n in pf.infos if not n.startswith("_pad.")}
+    arrays[name].reshape(-1)[1] = value
+    meta = {k: v for k, v in pf.metadata.items()
+            if k not in ("format", "format_version", "checksums", "header_checksum")}
+    order = sorted(arrays.items(), key=lambda item: item[0] != pf.tokenizer_tensor)
+    write_pocket(tmp_path / "nan.pocket", order, meta)
+    msg = load_error(tmp_path / "nan.pocket")
+    assert f"tensor {name.removesuffix('.scales')!r} holds values that are not finite" in msg
+
+
 def _set_raw_meta(key, value):
     return lambda h: h["__metadata__"].__setitem__(key, value)
 

@@ -808,6 +808,7 @@ class PocketFile:
             ):
                 continue
             out[name] = self.tensor(name)
+        self._check_finite(out)
         if PATCH in out or PATCH_IDS in out:  # its ids in range and increasing
             config = self.config()
             self._check_patch(config, self.quant_layouts())
@@ -817,6 +818,21 @@ class PocketFile:
                 raise FormatError(f"{self.path}: {e}; the file is corrupt: repack the "
                                   "model") from None
         return out
+
+    def _check_finite(self, weights: dict) -> None:
+        """Refuse float tensors (norms, biases) and embedding steps that are not finite: a pack
+        never writes them, and the engine reads these in place (the matrices it repacks are
+        checked as it repacks them), where a NaN norm made every logit 0 and the answer
+        garbage, with no error."""
+        for name, w in weights.items():
+            if isinstance(w, QuantTensor):
+                arrays = [w.scales, w.mins] if name == "embed.weight" else []
+            else:
+                arrays = [w] if isinstance(w, np.ndarray) and w.dtype.kind == "f" else []
+            for a in arrays:
+                if a is not None and not np.isfinite(a).all():
+                    raise FormatError(f"{self.path}: tensor {name!r} holds values that are not "
+                                      "finite; the file is damaged: repack the model")
 
     def _encoded(self, name: str, encoding: str, shape: tuple[int, int]) -> EncodedQuantTensor:
         if shape[1] % BLOCK_VALUES[encoding]:
