@@ -789,5 +789,25 @@ def test_the_gguf_splitter_rebuilds_the_file(bases):
     assert len(g.kvs) > 10 and len(g.infos) > 20
 
 
+@pytest.mark.parametrize("edit", ["same-offset", "inside"])
+def test_gguf_tensors_that_share_bytes_are_refused(bases, tmp_path, edit):
+    """A tensor table pointing a tensor at another's bytes packed one tensor's values as the
+    other's, exit 0: refused, naming both, and nothing is written."""
+    from pocketlm import cli
+    from pocketlm.errors import FormatError
+    from pocketlm.formats import open_source
+
+    g = GGUFFile(bases["gguf"].read_bytes())
+    infos = [list(x) for x in g.infos]
+    infos[1][3] = infos[0][3] + (0 if edit == "same-offset" else 32)
+    path = tmp_path / "overlap.gguf"
+    path.write_bytes(g.build(infos=infos))
+    with pytest.raises(FormatError, match="share bytes") as info:
+        open_source(path)
+    assert infos[0][0] in str(info.value) and infos[1][0] in str(info.value)
+    assert cli.main(["pack", str(path), "-o", str(tmp_path / "out.pocket")]) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["overlap.gguf"]
+
+
 if __name__ == "__main__":
     child(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))

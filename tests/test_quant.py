@@ -940,3 +940,20 @@ def test_relative_error_properties():
     # computed in float64: no overflow on large float16/float32 values
     big = np.full(1000, 60000.0, np.float16)
     assert relative_error(big, big * np.float16(0.5)) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("bad", [[np.inf, -np.inf], [np.nan], [np.inf]])
+def test_a_tensor_that_is_not_finite_is_refused_in_one_line(bad):
+    """The check sums in float64: inf - inf warned ('invalid value encountered in reduce', two
+    lines of numpy before pack's one-line error)."""
+    import warnings
+
+    from pocketlm.errors import FormatError
+    from pocketlm.quant import check_finite
+
+    values = np.array([1.0, *bad, 2.0], np.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(FormatError, match="NaN or infinite"):
+            check_finite("w", values)
+        check_finite("w", np.full(8, 65504.0, np.float16))  # the largest float16s are fine

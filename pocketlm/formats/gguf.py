@@ -257,6 +257,14 @@ def read_gguf(path: str | Path) -> SourceModel:
     for t in reader.tensors:
         if int(t.data_offset) + int(t.n_bytes) > file_size:
             raise FormatError(f"{origin}: truncated: tensor {t.name} runs past the end of the file")
+    # ... and no two may share bytes: each is its own data (ggml lays them one after another),
+    # and a table pointing two at the same bytes packed one tensor's values as another's
+    spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name)
+                   for t in reader.tensors if int(t.n_bytes))
+    for (_, end, before), (start, _, after) in zip(spans, spans[1:]):
+        if start < end:
+            raise FormatError(f"{origin}: corrupt tensor table: tensors {before} and {after} "
+                              "share bytes")
     config = config_from_fields(fields, set(by_name), origin)
 
     tensors: dict[str, SourceTensor] = {}
