@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from .chat import FAMILY_TEMPLATES, encode_rendered, mark_control_text, render
+from .chat import (
+    FAMILY_TEMPLATES,
+    encode_rendered,
+    mark_control_text,
+    refuse_control_text,
+    render,
+)
 from .config import GenerationDefaults, ModelConfig
 from .errors import (
     ContextLengthError,
@@ -291,11 +297,14 @@ class PocketModel:
         """The prompt's token ids: ``messages`` rendered with the chat template (extra
         template variables, such as ``tools``, in ``template_args``). The template's control
         tokens are tokens; a message's text is text, even where it spells one (a user who
-        writes ``<|im_end|>`` cannot end their turn), as OpenAI's API treats it."""
+        writes ``<|im_end|>`` cannot end their turn), as OpenAI's API treats it. Such text
+        anywhere else the template renders (a role, a tool call, the tools offered) is
+        refused."""
         if isinstance(messages, list) and not messages:  # a prompt of nothing but the header
             raise PocketError("messages is empty: give at least one {'role': str, "
                               "'content': str} message")
         tok = self.tokenizer
+        refuse_control_text(messages, template_args, tok)
         marked = mark_control_text(messages, tok)
         text = self.render_chat(marked.messages if marked else messages, **template_args)
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None

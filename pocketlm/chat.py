@@ -682,6 +682,31 @@ def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
     return MarkedChat(marked, contents, nonce, found[hit[0]])
 
 
+def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer) -> None:
+    """A :class:`PocketError` naming where control-token text (``<|im_end|>``) appears in what a
+    template renders besides a message's content: a role, a name, an earlier tool call's name
+    or arguments, the tools offered (their names, descriptions, schemas). Contents are kept
+    as text (:func:`mark_control_text`); these are rendered in many ways (compared, written as
+    JSON), so cannot be, and would be read as those tokens: a tool description could close
+    the system turn and open one of its own."""
+    todo: list[tuple[Any, str]] = [(v, k) for k, v in template_args.items()]
+    if isinstance(messages, list):
+        todo += [(v, f"messages[{i}].{k}") for i, m in enumerate(messages)
+                 if isinstance(m, dict) for k, v in m.items() if k != "content"]
+    while todo:  # a stack, not recursion: a tool's schema may be nested deeply
+        value, where = todo.pop()
+        if isinstance(value, str):
+            found = tokenizer.control_text_in(value)
+            if found is not None:
+                raise PocketError(f"{where} holds control-token text ({found!r}), which the "
+                                  "chat template would read as that token; remove it")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo += [(k, f"{where} (a key)"), (v, f"{where}.{k}")]
+        elif isinstance(value, (list, tuple)):
+            todo += [(v, f"{where}[{i}]") for i, v in enumerate(value)]
+
+
 def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int]:
     """The ids (no BOS) of ``text``, a chat (or part of one) rendered from ``marked.messages``:
     the template's own control-token texts are those tokens, each marker is its message's
