@@ -343,7 +343,9 @@ class PocketModel:
         (``state.finish_reason``: "stop" or "length"; ``state.generated``: the token ids).
         Settings as in :meth:`chat` (one ``seed`` seeds every conversation's sampler); a reply
         does not depend on which conversations ran beside it. ``json_schema``, ``regex`` or
-        ``grammar`` constrains every reply as in :meth:`stream`."""
+        ``grammar`` constrains every reply as in :meth:`stream`. Every conversation is
+        rendered and checked before the first runs: one that cannot run is an error naming
+        its index (``conversations[2]: ...``), and none has run."""
         stops = _check_stop(stop)
         if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations,
                                                                              Iterable):
@@ -354,17 +356,22 @@ class PocketModel:
             self.constraint(**constrain)  # checked before anything runs
         sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                         repetition_penalty=repetition_penalty, seed=seed)
+        # every conversation rendered and checked before any runs: one that cannot be (a
+        # malformed message, a prompt too long) is refused naming its index, instead of
+        # ending the batch after the others had run, their replies lost
         sequences: dict[int, Sequence] = {}
-
-        def jobs():
-            for i, messages in enumerate(conversations):
+        jobs = []
+        for i, messages in enumerate(conversations):
+            try:
                 seq, capacity = self._sequence(self.chat_ids(messages), 256, max_tokens,
                                                sampling, None, stops, make_cache=False,
                                                constrain=constrain)
-                sequences[i] = seq
-                yield seq, capacity
+            except PocketError as exc:
+                raise type(exc)(f"conversations[{i}]: {exc}") from None
+            sequences[i] = seq
+            jobs.append((seq, capacity))
 
-        for i, text in run_batch(self.runtime, jobs(), max_batch=max_batch):
+        for i, text in run_batch(self.runtime, iter(jobs), max_batch=max_batch):
             yield i, text, sequences.pop(i).state
 
     def __repr__(self) -> str:

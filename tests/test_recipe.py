@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import tiny_gguf
 
-from pocketlm.errors import ModelNotFoundError, PocketError
+from pocketlm.errors import ContextLengthError, ModelNotFoundError, PocketError
 
 SMALL_COUNTS = {"sharegpt": 6, "news": 8, "idiom_gold": 6, "idiom_teacher": 2,
                 "character": 3, "poem_gold": 3, "poem_teacher": 2, "review": 4}
@@ -146,6 +146,30 @@ def test_chat_batch_refuses_bad_arguments(tiny):
     with pytest.raises(PocketError):
         list(model.chat_batch([conv], max_tokens=-1))
     assert list(model.chat_batch([], max_tokens=2)) == []
+
+
+@pytest.mark.parametrize("bad, error, said", [
+    ([{"role": "user"}], PocketError, "conversations[2]: messages must be"),
+    ([{"role": "user", "content": "x " * 400}], ContextLengthError, "conversations[2]: "),
+])
+@pytest.mark.parametrize("max_batch", [1, 16])
+def test_chat_batch_refuses_a_bad_conversation_before_any_runs(tiny, monkeypatch, bad, error,
+                                                               said, max_batch):
+    """One conversation that cannot run (a malformed message, a prompt past the context)
+    ended the batch after the ones before it had run, their replies lost (with max_batch 16
+    nothing came back at all): it is refused by index before any runs."""
+    import pocketlm.api as api
+
+    model = tiny["model"]
+    good = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "hello"}]]
+    ran = []
+    real = api.run_batch
+    monkeypatch.setattr(api, "run_batch", lambda *a, **k: ran.append(1) or real(*a, **k))
+    with pytest.raises(error) as info:
+        list(model.chat_batch([*good, bad], max_tokens=3, temperature=0, max_batch=max_batch))
+    assert str(info.value).startswith(said) and not ran
+    got = {i: text for i, text, _ in model.chat_batch(good, max_tokens=3, temperature=0)}
+    assert [got[0], got[1]] == [model.chat(c, max_tokens=3, temperature=0) for c in good]
 
 
 # -- the whole recipe on tiny models --------------------------------------------------------
