@@ -36,6 +36,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -216,17 +217,23 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
             raise PocketError(f"speculative draft must be a model name, a path or a loaded "
                               f"model, got {type(model).__name__}")
         name = None if isinstance(model, api.PocketModel) else os.fspath(model)
+        keys = [name]
         if name is not None:
             model = loaded.get(name) if loaded is not None else None
             if model is None:
-                try:
-                    model = api.load(name)
+                try:  # the file first: a name and a path to its file share one model
+                    path = api.deploy_file(name)
                 except ModelNotFoundError as e:  # say which argument named it
                     raise ModelNotFoundError(f"speculative draft model: {e} (prompt lookup is "
                                              "speculative='lookup')") from None
-                if loaded is not None:
-                    loaded[name] = model
-        return DraftModel(model, target_tokenizer, capacity, name)
+                keys.append(str(Path(path).resolve()))
+                model = loaded.get(keys[1]) if loaded is not None else None
+                if model is None:
+                    model = api.load(path)
+        drafter = DraftModel(model, target_tokenizer, capacity, name)
+        if loaded is not None and name is not None:  # kept once it is known to fit the target
+            loaded.update(dict.fromkeys(keys, model))
+        return drafter
     if spec.get("method", "lookup") != "lookup":
         raise PocketError(f"unknown speculative method {spec.get('method')!r}; known: lookup, "
                           "or {'draft': MODEL}")

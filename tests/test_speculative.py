@@ -4,8 +4,11 @@ drafters, the adaptive draft length, and bad arguments."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -296,8 +299,28 @@ def test_speculative_options_of_the_wrong_kind_are_refused_by_name(tiny):
 def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
     other = tmp_path / "other.gguf"
     tiny_gguf.write_tiny_gguf(other, "llama", seed=8, weight_type="Q4_0", vocab_size=300)
-    with pytest.raises(PocketError, match="another vocabulary"):
-        tiny.generate("hi", max_tokens=3, speculative={"draft": str(other)})
+    for _ in range(2):
+        with pytest.raises(PocketError, match="another vocabulary"):
+            tiny.generate("hi", max_tokens=3, speculative={"draft": str(other)})
+    # a refused model is not kept (it stayed loaded for the life of the target: +300 MB for
+    # a gemma draft of a smollm2 target)
+    assert not any(d.path and Path(d.path).name.startswith("other")
+                   for d in tiny._draft_models.values())
+
+
+def test_a_draft_model_named_by_name_and_by_its_file_is_loaded_once(tiny, monkeypatch):
+    from pocketlm import api
+
+    m = pocketlm.load(tiny.path)
+    want = m.generate(REPEATS, max_tokens=12, temperature=0)
+    loads = []
+    real = api.load
+    monkeypatch.setattr(api, "load", lambda *a, **k: loads.append(a) or real(*a, **k))
+    source = Path(os.environ["POCKET_HOME"]).parent / "tiny.gguf"  # packed into tiny.path
+    for draft in (str(source), str(tiny.path), str(source)):
+        assert m.generate(REPEATS, max_tokens=12, temperature=0,
+                          speculative={"draft": draft}) == want
+    assert len(loads) == 1 and len({id(d) for d in m._draft_models.values()}) == 1
 
 
 @pytest.mark.real
