@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Set
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,30 @@ class PocketModel:
         self.path = path
         self.metadata = metadata or {}
         self.n_ctx = min(_check_n_ctx(n_ctx) or DEFAULT_CONTEXT, config.max_context)
-        self.last_state: GenerationState | None = None
-        self.last_speculative: SpeculativeStats | None = None  # of the last speculative call
+        self._last = threading.local()  # last_state / last_speculative: each thread's own
         self._draft_models: dict[str, PocketModel] = {}  # draft models named by the calls
+
+    # -- what the last call did, in the calling thread ---------------------------------------
+    @property
+    def last_state(self) -> GenerationState | None:
+        """The :class:`GenerationState` of the last generation this thread started on the model
+        (its tokens, ``finish_reason``): per thread, so that threads sharing a model each read
+        their own (they read each other's)."""
+        return getattr(self._last, "state", None)
+
+    @last_state.setter
+    def last_state(self, state: GenerationState | None) -> None:
+        self._last.state = state
+
+    @property
+    def last_speculative(self) -> SpeculativeStats | None:
+        """The :class:`SpeculativeStats` of the last speculative generation this thread started
+        on the model (plain generations leave it as it is), per thread as ``last_state``."""
+        return getattr(self._last, "speculative", None)
+
+    @last_speculative.setter
+    def last_speculative(self, stats: SpeculativeStats | None) -> None:
+        self._last.speculative = stats
 
     # -- tokens ------------------------------------------------------------------------------
     def tokenize(self, text: str, *, add_bos: bool | None = None, special: bool = True) -> list[int]:

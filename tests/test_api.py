@@ -829,3 +829,33 @@ def test_file_backed_native_engine_matches_the_reference(m):
         np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
         assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
         ours = m.logits(ids)  # and again, after the reference touched every page
+
+
+def test_each_thread_reads_its_own_last_state(m):
+    """Threads sharing a model each read the state of their own last generation: the model
+    kept one, so a thread read another's tokens and finish reason (19 of 20 calls did)."""
+    import threading
+
+    want = {n: m.generate(PROMPT, n, temperature=0) for n in (3, 7, 11)}
+    got, errors = {}, []
+    start = threading.Barrier(3)
+
+    def run(n: int) -> None:
+        try:
+            start.wait()
+            for _ in range(5):
+                text = m.generate(PROMPT, n, temperature=0)
+                st = m.last_state
+                assert text == want[n] and len(st.generated) == n, (n, len(st.generated))
+            got[n] = st.finish_reason
+        except Exception as exc:  # reported below, from the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in want]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert got == {3: "length", 7: "length", 11: "length"}
+    assert m.last_state is not None and len(m.last_state.generated) == 11  # this thread's
