@@ -149,6 +149,7 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
                                param=kind) from None
         except RecursionError:
             raise GrammarError(_TOO_DEEP, param=kind) from None
+        _check_unicode(source, kind)
         try:
             compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
         except ValueError as e:  # e.g. "recursion limit exceeded" for a deeply nested schema
@@ -158,6 +159,7 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         if not isinstance(value, str) or not value.strip():
             raise GrammarError(f"{kind} must be a non-empty string", param=kind)
         source = value
+        _check_unicode(source, kind)
         if kind == "regex":
             compiled = llg.LLMatcher.grammar_from_regex(value)
         elif "::=" in value:
@@ -612,6 +614,19 @@ def _endless_rules(text: str) -> list[str]:
                 seen.append(name)
                 todo.append(name)
     return [name for name in seen if name not in finite]
+
+
+def _check_unicode(source: str, kind: str) -> None:
+    """A constraint's text must be valid Unicode: an unpaired surrogate (``"\\ud800"`` from
+    JSON or Python) reached the grammar compiler as a bare UnicodeEncodeError."""
+    try:
+        source.encode("utf-8")
+    except UnicodeEncodeError as e:
+        what = {"json_schema": "the JSON schema", "regex": "the regular expression",
+                "grammar": "the grammar"}[kind]
+        where = "" if kind == "json_schema" else f" at character {e.start}"
+        raise GrammarError(f"{what} is not valid Unicode: it holds an unpaired surrogate{where}",
+                           param=kind) from None
 
 
 def _first_line(message: Any) -> str:

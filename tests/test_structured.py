@@ -82,6 +82,12 @@ def tiny(request, tmp_path_factory):
     # NaN was written as JSON that llguidance could not read ("expected value at column 31")
     (dict(json_schema={"type": "number", "minimum": float("nan")}), "json_schema",
      "cannot be written as JSON"),
+    # an unpaired surrogate was a bare UnicodeEncodeError (a regex, a Lark grammar) or "Value
+    # is not JSON serializable" (a schema)
+    (dict(regex="a\ud800"), "regex", "not valid Unicode: .* surrogate at character 1"),
+    (dict(grammar="start: /\ud800/"), "grammar", "not valid Unicode: .* surrogate"),
+    (dict(grammar='root ::= "\udfff"'), "grammar", "not valid Unicode: .* surrogate"),
+    (dict(json_schema={"enum": ["\ud800"]}), "json_schema", "not valid Unicode: .* surrogate"),
 ])
 def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match):
     with pytest.raises(GrammarError, match=match) as e:
