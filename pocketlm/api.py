@@ -316,8 +316,10 @@ class PocketModel:
                       **template_args)
 
     def chat_ids(self, messages: list[dict[str, Any]], **template_args: Any) -> list[int]:
-        """The prompt's token ids: ``messages`` rendered with the chat template (extra
-        template variables, such as ``tools``, in ``template_args``). The template's control
+        """The prompt's token ids: ``messages`` (``{"role": str, "content": str}`` dicts; a
+        content may be OpenAI's text parts, ``[{"type": "text", "text": str}, ...]``) rendered
+        with the chat template (extra template variables, such as ``tools``, in
+        ``template_args``). The template's control
         tokens are tokens; a message's text is text, even where it spells one (a user who
         writes ``<|im_end|>`` cannot end their turn), as OpenAI's API treats it. Such text
         anywhere else the template renders (a role, a tool call, the tools offered) is
@@ -325,6 +327,7 @@ class PocketModel:
         if isinstance(messages, list) and not messages:  # a prompt of nothing but the header
             raise PocketError("messages is empty: give at least one {'role': str, "
                               "'content': str} message")
+        messages = _chat_messages(messages)
         tok = self.tokenizer
         refuse_control_text(messages, template_args, tok)
         marked = mark_control_text(messages, tok)
@@ -400,6 +403,43 @@ class PocketModel:
         c = self.config
         return (f"PocketModel({c.arch}, {c.n_params() / 1e6:.0f}M params, "
                 f"vocab {c.vocab_size}, path={str(self.path)!r})")
+
+
+def _chat_messages(messages: Any) -> Any:
+    """``messages`` checked message by message, each error naming the message and its field
+    (``messages[1].content``), with OpenAI's content parts (``[{"type": "text", "text":
+    ...}]``, as the server takes them) joined into the text they hold, and an assistant's
+    ``content`` None beside its ``tool_calls`` read as "". Not a list: as given (render says
+    what it must be)."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise PocketError(f"{where} must be a {{'role': str, 'content': str}} dict, got "
+                              f"{type(m).__name__}")
+        if not isinstance(m.get("role"), str):
+            raise PocketError(f"{where}.role must be a string (such as 'user'), got "
+                              f"{type(m.get('role')).__name__ if 'role' in m else 'none'}")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not (isinstance(part, dict) and part.get("type") == "text"
+                        and isinstance(part.get("text"), str)):
+                    raise PocketError(f"{where}.content[{j}] must be a text part ({{'type': "
+                                      "'text', 'text': str}); the model reads text only")
+                texts.append(part["text"])
+            m = {**m, "content": "".join(texts)}
+        elif content is None and m.get("tool_calls"):
+            m = {**m, "content": ""}
+        elif not isinstance(content, str):
+            raise PocketError(f"{where}.content must be a string, got "
+                              f"{type(content).__name__ if 'content' in m else 'none'}")
+        check_text(m["content"], f"{where}.content")
+        out.append(m)
+    return out
 
 
 def _constrain(json_schema, regex, grammar) -> dict[str, Any] | None:

@@ -360,3 +360,31 @@ def test_hostile_task_files_are_one_clear_error(tmp_path, case):
     with pytest.raises(PocketError) as info:
         load_task(path, strict=True)
     assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("messages, error", [
+    ([{"role": "user"}], "messages[0].content must be a string, got none"),
+    ([{"content": "hi"}], "messages[0].role must be a string"),
+    ([{"role": "user", "content": "hi"}, {"role": "user", "content": None}],
+     "messages[1].content must be a string, got NoneType"),
+    (["hi"], "messages[0] must be a {'role': str, 'content': str} dict, got str"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0] must be a text part"),
+    ([{"role": "user", "content": "a\ud800"}],
+     "messages[0].content is not valid Unicode: a lone surrogate U+D800 at character 1"),
+])
+def test_a_bad_message_is_named_with_its_field(m, messages, error):
+    """Every malformed message got one error ('messages must be a list of ...'), and a lone
+    surrogate was placed in the rendered template's text, not the message's."""
+    with pytest.raises(PocketError) as info:
+        m.chat_ids(messages)
+    assert str(info.value).startswith(error), str(info.value)
+
+
+def test_openai_text_parts_are_the_text_they_hold(m):
+    """The server takes OpenAI's content parts; the Python API refused them."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                          {"type": "text", "text": "there"}]}]
+    assert m.chat_ids(parts) == m.chat_ids([{"role": "user", "content": "Hi there"}])
+    assert m.chat(parts, max_tokens=4) == m.chat([{"role": "user", "content": "Hi there"}],
+                                                 max_tokens=4)

@@ -149,7 +149,7 @@ def test_chat_batch_refuses_bad_arguments(tiny):
 
 
 @pytest.mark.parametrize("bad, error, said", [
-    ([{"role": "user"}], PocketError, "conversations[2]: messages must be"),
+    ([{"role": "user"}], PocketError, "conversations[2]: messages[0].content must be"),
     ([{"role": "user", "content": "x " * 400}], ContextLengthError, "conversations[2]: "),
 ])
 @pytest.mark.parametrize("max_batch", [1, 16])
