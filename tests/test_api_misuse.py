@@ -388,3 +388,27 @@ def test_openai_text_parts_are_the_text_they_hold(m):
     assert m.chat_ids(parts) == m.chat_ids([{"role": "user", "content": "Hi there"}])
     assert m.chat(parts, max_tokens=4) == m.chat([{"role": "user", "content": "Hi there"}],
                                                  max_tokens=4)
+
+
+@pytest.mark.parametrize("engine", ["native", "numpy"])
+@pytest.mark.parametrize("length", [2.7, -1, "3", 10**9, True, None])
+def test_a_cache_length_set_by_hand_is_checked(env, monkeypatch, engine, length):
+    """KVCache.length is a plain attribute: set to a float it was taken (the native engine
+    wrote at position 7.7 -> 7), negative or a string it was a bare ValueError, IndexError or
+    TypeError. Every call checks it, and the cache works again once truncated."""
+    from pocketlm.errors import KernelError
+
+    monkeypatch.setenv("POCKET_KERNELS", engine)
+    model = pocketlm.load(env["gguf"])
+    rt = model.runtime
+    ref = rt.new_cache(16)
+    rt.forward([1, 2, 3], ref)
+    want = rt.forward([4], ref)
+    cache = rt.new_cache(16)
+    rt.forward([1, 2, 3], cache)
+    cache.length = length
+    for call in (lambda: rt.forward([4], cache), lambda: rt.verify([4, 5], cache)):
+        with pytest.raises(KernelError, match="length must be an integer from 0 to its capacity"):
+            call()
+    cache.length = 3
+    np.testing.assert_array_equal(rt.forward([4], cache), want)

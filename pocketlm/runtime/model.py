@@ -156,6 +156,11 @@ class Runtime:
                               f"{type(cache).__name__}")
         if not self._engine.owns(cache):
             raise KernelError("this KV cache belongs to another runtime")
+        n = cache.length  # a public attribute: one set by hand is checked, not trusted
+        if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or not (
+                0 <= n <= cache.capacity):
+            raise KernelError(f"the KV cache's length must be an integer from 0 to its capacity "
+                              f"{cache.capacity}, got {n!r} (set it with truncate())")
 
     def _token_ids(self, ids, what: str, empty: str = "needs at least one token"
                    ) -> np.ndarray:
