@@ -185,7 +185,8 @@ class PocketModel:
         constraint = self.constraint(**constrain) if constrain else None
         if len(prompt_ids) >= self.n_ctx:
             raise ContextLengthError(
-                f"the prompt has {len(prompt_ids)} tokens but the context holds {self.n_ctx}; "
+                f"the prompt has {_count(len(prompt_ids), 'token')} but the context holds "
+                f"{self.n_ctx}; "
                 "shorten the prompt" + (" or load with a larger n_ctx"
                                         if self.n_ctx < self.config.max_context else ""))
         if state is not None and not isinstance(state, GenerationState):
@@ -403,6 +404,11 @@ class PocketModel:
         c = self.config
         return (f"PocketModel({c.arch}, {c.n_params() / 1e6:.0f}M params, "
                 f"vocab {c.vocab_size}, path={str(self.path)!r})")
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _chat_messages(messages: Any) -> Any:

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from . import pack
+from .errors import PocketError
 from .formats import sniff
 from .registry import default_pack_bits, make_home_dir, pocket_home
 
@@ -62,6 +63,11 @@ def ensure_packed(path: str | Path, *, group_size: int = 32, embed_bits: int = 8
     path = Path(path)
     kind = sniff(path)
     if kind == "pocket":
+        if (group_size, embed_bits, keep_precision) != (32, 8, None):
+            # a deploy file is run as it was packed: the options were silently ignored
+            raise PocketError(f"{path} is a deploy file, packed already: group_size, "
+                              "embed_bits and keep_precision apply when a GGUF or Hugging "
+                              "Face source is packed (pack its source with them)")
         return path
     key = path
     if kind == "run":

@@ -412,3 +412,15 @@ def test_a_cache_length_set_by_hand_is_checked(env, monkeypatch, engine, length)
             call()
     cache.length = 3
     np.testing.assert_array_equal(rt.forward([4], cache), want)
+
+
+@pytest.mark.parametrize("options", [dict(group_size=64), dict(embed_bits=4),
+                                     dict(keep_precision=False)])
+def test_packing_options_for_a_deploy_file_are_refused_not_ignored(env, options):
+    """A deploy file runs as it was packed: the packing options were silently ignored."""
+    from pocketlm.api import deploy_file
+
+    pocket = deploy_file(env["gguf"])
+    with pytest.raises(PocketError, match="is a deploy file, packed already"):
+        pocketlm.load(pocket, **options)
+    assert pocketlm.load(pocket, group_size=32, embed_bits=8).generate("hi", max_tokens=2)

@@ -421,7 +421,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         n_ctx = model.n_ctx
         if len(ids) >= n_ctx:
             raise P.APIError(400, f"This model's maximum context length is {n_ctx} tokens; "
-                             f"the prompt has {len(ids)} tokens", param="messages"
+                             f"the prompt has {len(ids)} token{'' if len(ids) == 1 else 's'}",
+                             param="messages"
                              if g.messages is not None else "prompt",
                              code="context_length_exceeded")
         # the request's length, else the model's (within the room the prompt leaves), else
