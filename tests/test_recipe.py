@@ -415,6 +415,12 @@ def test_missing_torch_and_room_for_downloads_are_refused_before_anything_is_fet
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     with pytest.raises(PocketError, match="need PyTorch"):
         pocket_zh_en.check_inputs(tmp_path / "a", tiny_recipe, "export")
+    # a whole run too: its time estimate reads the trainer's settings, whose module imports
+    # PyTorch (a 32-line traceback ending in ImportError came before the check)
+    monkeypatch.setitem(sys.modules, "pocketlm.train.trainer", None)
+    with pytest.raises(PocketError, match="need PyTorch"):
+        pocket_zh_en.run(tmp_path / "c", recipe=tiny_recipe, progress=False)
+    assert fetched == []
     monkeypatch.undo()
     monkeypatch.setattr(registry, "resolve", lambda name, **kw: fetched.append(name))
     monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))

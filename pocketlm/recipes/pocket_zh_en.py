@@ -624,6 +624,17 @@ def download_bytes(models) -> int:
                if s in REGISTRY and not model_path(s).is_file())
 
 
+def check_torch(until: str) -> None:
+    """PyTorch, where the run goes as far as training: refused in one line before anything
+    (the time estimate too) needs it."""
+    if STAGES.index(until) >= STAGES.index("sft"):
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise PocketError("the recipe's training stages need PyTorch: pip install "
+                              "'pocketlm[train]'") from None
+
+
 def check_inputs(out: Path, recipe: Recipe, until: str) -> None:
     """Refuse, in one line each and before any work, what would stop the run hours later:
     PyTorch and the room for the downloads before anything is fetched, then the teacher and
@@ -633,13 +644,8 @@ def check_inputs(out: Path, recipe: Recipe, until: str) -> None:
     from ..registry import pocket_home, resolve
 
     out.mkdir(parents=True, exist_ok=True)
+    check_torch(until)
     training = STAGES.index(until) >= STAGES.index("sft")
-    if training:
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise PocketError("the recipe's training stages need PyTorch: pip install "
-                              "'pocketlm[train]'") from None
     models = (recipe.teacher, recipe.base)
     fetch = download_bytes(models)
     if fetch:
@@ -854,6 +860,7 @@ def _run(out: str | Path, *, until: str, threads: int | None, progress: bool, fo
     if rebuild and not force:
         _say(f"{final} is already built (--force writes it again from the checkpoints)")
         return final
+    check_torch(until)  # the estimate reads the trainer's settings, which import it
     _say(estimate(out, recipe))  # up front, before any model is fetched
     check_inputs(out, recipe, until)
     if rebuild:  # only once the inputs passed: a refusal there deleted the finished file
