@@ -872,7 +872,8 @@ def trim_source(model, spec: VocabSpec | None = None, *, kept: np.ndarray | None
                                        progress=progress)
         except UnsupportedError as e:  # a tokenizer that cannot be trimmed: say whose
             name = (model.provenance or {}).get("source_file") or "the source"
-            raise UnsupportedError(f"--vocab: {name}: {e}") from None
+            flag = "--vocab" if spec.languages or spec.corpus is None else "--vocab-corpus"
+            raise UnsupportedError(f"{flag}: {name}: {e}") from None
     kept = np.asarray(kept, dtype=np.int32)
     if kept.ndim != 1 or kept.size == 0 or np.any(np.diff(kept) <= 0) or kept[0] < 0 or (
             kept[-1] >= model.config.vocab_size):

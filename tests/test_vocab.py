@@ -653,7 +653,7 @@ def test_a_hostile_trimmed_source_is_refused_by_name(tmp_path, ids):
         read_trimmed(bad)
 
 
-def test_a_tokenizer_that_is_not_bpe_is_refused():
+def test_a_tokenizer_that_is_not_bpe_is_refused(tmp_path):
     import tokenizers
     from tokenizers.models import WordLevel
 
@@ -673,6 +673,11 @@ def test_a_tokenizer_that_is_not_bpe_is_refused():
     with pytest.raises(UnsupportedError, match=r"^--vocab: w\.gguf: the tokenizer's model is "
                                                r"'WordLevel'"):
         trim_source(model, VocabSpec(languages=("en",), rule="script"))
+    # the flag that was given: an app's corpus alone named --vocab, which it did not give
+    corpus = tmp_path / "app.txt"
+    corpus.write_text("some text of the app\n" * 20, encoding="utf-8")
+    with pytest.raises(UnsupportedError, match=r"^--vocab-corpus: w\.gguf: the tokenizer's "):
+        trim_source(model, VocabSpec(corpus=corpus))
 
 
 @pytest.mark.real
