@@ -24,6 +24,7 @@ killed pack to the same output name left there are removed first (see
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -301,6 +302,9 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
             raise UnsupportedError("a quantization method needs calibration: pass --calib "
                                    "(or --bits-per-weight)")
     if calib is not None and calib != "default":
+        if not isinstance(calib, (str, os.PathLike)):  # Path(5): a bare TypeError
+            raise PocketError(f"calib must be 'default' or a text file's path, got "
+                              f"{type(calib).__name__}")
         calib = Path(calib)
         if not calib.is_file():
             what = "is a folder, expected a text file" if calib.is_dir() else "no such file"

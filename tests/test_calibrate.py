@@ -171,6 +171,16 @@ def test_a_calibration_path_that_is_no_text_file_is_named_for_what_it_is(tmp_pat
             calibdata.check_text_file(path, flag="--vocab-corpus")
 
 
+@pytest.mark.parametrize("calib", [5, 4.6, ["app.txt"], b"app.txt"])
+def test_a_calib_argument_that_is_no_path_is_refused_by_name(tmp_path, calib):
+    """pack(calib=5) was a bare TypeError from Path(5)."""
+    src = tmp_path / "m.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=2, weight_type="F32")
+    with pytest.raises(PocketError, match="calib must be 'default' or a text file's path"):
+        pack(src, tmp_path / "out.pocket", calib=calib, progress=False)
+    assert not (tmp_path / "out.pocket").exists()
+
+
 def test_calibration_file_is_cut_into_sequences(tmp_path):
     path = tmp_path / "app.txt"
     path.write_text("订单已发货，预计明天送达。Order shipped. " * 40, encoding="utf-8")
