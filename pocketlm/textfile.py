@@ -87,3 +87,19 @@ def jsonl_lines(text: str) -> list[str]:
     leaves unescaped inside strings (``json.dumps(..., ensure_ascii=False)`` writes them as they
     are): a record holding one would be cut in two and lost as two malformed lines."""
     return text.split("\n")
+
+
+def json_line(line: str):
+    """One JSON Lines record parsed; a ValueError saying what is wrong with it, for every way a
+    line can be malformed: nested past Python's recursion limit ('[' * 100000) was a
+    RecursionError, and an integer of more than 4,300 digits a ValueError whose text runs on."""
+    import json
+
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("not valid JSON (nested too deeply)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg})") from None
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string ...; use ..."
+        raise ValueError(f"not valid JSON ({str(e).split(';')[0]})") from None

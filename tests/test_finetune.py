@@ -249,6 +249,17 @@ def test_bad_task_files(base, tmp_path):
     assert "line 3" in data.skipped[1] and "prompt" in data.skipped[1]
     with pytest.raises(FormatError, match="line 2"):
         SFTData(mixed, tok, None, 32, strict=True)
+    # nested past Python's recursion limit, or an integer past its 4,300 digits: a traceback
+    # (RecursionError, ValueError) ended the run; they are malformed lines like the others
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("\n".join([good, "[" * 100_000 + "]" * 100_000, "7" * 5000, good]) + "\n",
+                    encoding="utf-8")
+    data = SFTData(deep, tok, None, 32)
+    assert [s.split(":")[0] for s in data.skipped] == ["line 2", "line 3"]
+    assert "nested too deeply" in data.skipped[0] and "4300 digits" in data.skipped[1]
+    assert "\n" not in "".join(data.skipped)
+    with pytest.raises(FormatError, match="line 2: not valid JSON .nested too deeply"):
+        SFTData(deep, tok, None, 32, strict=True)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n", encoding="utf-8")
     with pytest.raises(FormatError, match="no chats"):
@@ -504,6 +515,8 @@ def test_a_chat_the_template_renders_differently_as_a_prefix_is_one_bad_line(bas
     # the training chats replaced by the deploy file; the run folder itself as the file
     (["--export", "DATA"], "is the input"),
     (["--export", "RUN"], "is the --out run folder"),
+    # any existing file was replaced by the deploy file (another run's checkpoint, a text)
+    (["--export", "OTHER"], "exists and is not a pocketlm deploy file"),
     # unset shell variables: the run written into the current folder; no export, silently
     (["--out", ""], "--out is empty"),
     (["--export", ""], "--export is empty"),
@@ -519,13 +532,16 @@ def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monk
     monkeypatch.chdir(tmp_path)  # where an empty --out wrote the run
     data = task_file(tmp_path / "task.jsonl", 12)
     (tmp_path / "folder").mkdir()
-    names = {"FOLDER": tmp_path / "folder", "DATA": data, "RUN": tmp_path / "run"}
+    (tmp_path / "notes.txt").write_text("keep me\n", encoding="utf-8")
+    names = {"FOLDER": tmp_path / "folder", "DATA": data, "RUN": tmp_path / "run",
+             "OTHER": tmp_path / "notes.txt"}
     extra = [str(names.get(a, a)) for a in extra]
     code = main(["finetune", "-m", str(base), "--data", str(data), "--out",
                  str(tmp_path / "run"), "--steps", "1", *FT, *extra])
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "run").exists()
+    assert (tmp_path / "notes.txt").read_text(encoding="utf-8") == "keep me\n"
 
 
 def test_keep_lora_with_qat_trains_the_adapters_on_the_int4_base_the_file_keeps(base, tmp_path):

@@ -656,6 +656,13 @@ def test_jsonl_errors(tok, tmp_path):
     f.write_text('{"text": "ok"}\n{"body": "x"}\n')
     with pytest.raises(PocketError, match='d.jsonl:2: expected an object with a string "text"'):
         prepare_text_file(f, tok, tmp_path / "s")
+    # a RecursionError and a ValueError from json itself were tracebacks
+    for line, said in (("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                       ('{"text": ' + "7" * 5000 + "}", "4300 digits")):
+        f.write_text('{"text": "ok"}\n' + line + "\n")
+        with pytest.raises(PocketError, match=f"d.jsonl:2: not valid JSON .*{said}") as e:
+            prepare_text_file(f, tok, tmp_path / "s")
+        assert "\n" not in str(e.value)
     with pytest.raises(PocketError, match="no such file"):
         prepare_text_file(tmp_path / "missing.txt", tok, tmp_path / "s")
 

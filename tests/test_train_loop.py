@@ -463,7 +463,9 @@ def test_distill_data_stopped_and_started_again_asks_only_for_the_missing_answer
     assert main([*args, "-o", str(out)]) == 130
     assert not out.exists() and partial.is_file()
     with partial.open("a", encoding="utf-8") as f:
-        f.write('{"i": 3, "answ')  # a line cut by a kill: asked again
+        # a line nested past the recursion limit (a traceback), then one cut by a kill: the
+        # answers from there on are asked again
+        f.write("[" * 100_000 + "\n" + '{"i": 3, "answ')
     capsys.readouterr()
     assert main([*args, "-o", str(out)]) == 0
     assert "2 of 4 answers already made" in capsys.readouterr().err

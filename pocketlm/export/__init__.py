@@ -75,12 +75,14 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
             # the folder is replaced whole: the input in it would be deleted with it
             raise PocketError(f"{out} holds the input {source}; write the output elsewhere")
     if out.exists() or out.is_symlink():
-        if not force:
-            raise PocketError(f"{out} exists; pass --force to overwrite it")
-        if folder and not out.is_dir():
+        # the wrong kind of thing first: --force would not help ("pass --force", then "it is
+        # a folder")
+        if folder and out.exists() and not out.is_dir():
             raise PocketError(f"cannot write the folder {out}: a file of that name exists")
         if not folder and out.is_dir():
             raise PocketError(f"cannot write {out}: it is a folder")
+        if not force:
+            raise PocketError(f"{out} exists; pass --force to overwrite it")
         if folder and replaces is not None and any(out.iterdir()) and not replaces(out):
             raise PocketError(f"{out} is a folder holding other things; name a new folder "
                               "(with --force the whole folder would be replaced)")

@@ -360,6 +360,17 @@ def cmd_finetune(args) -> int:
         # (resuming) does
         export = check_output(args.export, force=True,
                               inputs=(args.data, args.val_data, args.model))
+        if export.is_file():  # a rerun replaces its own deploy file, and nothing else
+            from ..formats import sniff
+
+            try:
+                kind = sniff(export)
+            except PocketError:  # not a model file at all
+                kind = None
+            if kind != "pocket":
+                raise PocketError(f"--export {args.export} exists and is not a pocketlm deploy "
+                                  "file; name a new .pocket file (a rerun replaces only a "
+                                  "deploy file)")
         if export.resolve() == Path(args.out).resolve():
             raise PocketError(f"--export {args.export} is the --out run folder; name the "
                               ".pocket file to write (it may lie in that folder)")
@@ -694,7 +705,7 @@ def _distill_resume(partial: Path, run: dict, prompts: list[str],
     try:
         lines = partial.read_text(encoding="utf-8").splitlines()
         head = json.loads(lines[0])["run"] if lines else None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         head = None
     if head != run:
         raise PocketError(f"{partial} holds the answers of another distill-data run (another "
@@ -706,7 +717,7 @@ def _distill_resume(partial: Path, run: dict, prompts: list[str],
             i, text = rec["i"], rec["answer"]
             if not (isinstance(i, int) and 0 <= i < len(prompts) and isinstance(text, str)):
                 break
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             break  # a line cut by a kill: it and anything after it are asked again
         if answers[i] is None:
             n += 1

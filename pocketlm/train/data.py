@@ -253,14 +253,16 @@ def check_trainable_splits(shards: Path, seq_len: int, *, data: str | Path | Non
 
 
 def _jsonl_documents(path: Path, text: str) -> list[str]:
+    from ..textfile import json_line
+
     documents = []
     for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PocketError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            record = json_line(line)
+        except ValueError as e:
+            raise PocketError(f"{path}:{lineno}: {e}") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise PocketError(f'{path}:{lineno}: expected an object with a string "text" field')
         if record["text"].strip():

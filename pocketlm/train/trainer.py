@@ -209,7 +209,7 @@ class SFTData:
         bos = tokenizer.id_to_token(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
         eos = tokenizer.id_to_token(tokenizer.eos_ids[0]) if tokenizer.eos_ids else ""
         bos, eos = bos or "", eos or ""
-        from ..textfile import jsonl_lines, read_text_file
+        from ..textfile import json_line, jsonl_lines, read_text_file
 
         try:
             lines = jsonl_lines(read_text_file(self.path, what="JSONL file"))
@@ -221,7 +221,7 @@ class SFTData:
             if not line.strip():
                 continue
             try:
-                msgs = _chat_record(json.loads(line))
+                msgs = _chat_record(json_line(line))
                 # a message's text is text, even where it spells a control token, as the
                 # runtime encodes it (PocketModel.chat_ids): rendered with markers for it
                 marked = mark_control_text(msgs, tokenizer)
