@@ -249,6 +249,14 @@ def test_a_damaged_run_folder_resumes_or_says_why_not(tmp_path, capsys):
     assert code == 1 and "at step 3, past --steps 1" in out.err.splitlines()[-1]
     code, out = _tiny_run(tmp_path, capsys, "--steps", "3")  # finished: it says where it is
     assert code == 0 and out.out.startswith("step 3: loss")
+    # train_config.json edited into JSON without the preset: a KeyError / TypeError traceback;
+    # the checkpoint's own record is read instead
+    saved = (run / "train_config.json").read_text()
+    for edited in ('{"train": {}}', '{"train": 5}', "[" * 100_000):
+        (run / "train_config.json").write_text(edited)
+        code, out = _tiny_run(tmp_path, capsys, "--steps", "3")
+        assert code == 0 and out.out.startswith("step 3: loss"), out.err
+    (run / "train_config.json").write_text(saved)
     # a checkpoint that loads but lacks what a run needs: raw KeyErrors
     torch.save({"format": "pocketlm-checkpoint", "step": 3}, run / "checkpoint.pt")
     (run / "train_config.json").unlink()

@@ -88,11 +88,16 @@ def _run_train_config(path: Path) -> dict:
     (which holds the optimizer state too)."""
     folder = path if path.is_dir() else path.parent
     try:
-        return json.loads((folder / "train_config.json").read_text(encoding="utf-8"))["train"]
-    except (OSError, ValueError, KeyError, TypeError):
-        from .trainer import load_checkpoint
+        train = json.loads((folder / "train_config.json").read_text(encoding="utf-8"))["train"]
+        if isinstance(train, dict) and isinstance(train.get("preset"), str):
+            return train
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        pass
+    # missing, damaged or edited (a "train" without its preset was a KeyError traceback): the
+    # checkpoint's own record
+    from .trainer import load_checkpoint
 
-        return load_checkpoint(path)["train_config"]
+    return load_checkpoint(path)["train_config"]
 
 
 def _read_meta(shards: Path) -> dict | None:
