@@ -266,6 +266,35 @@ def test_a_damaged_run_folder_resumes_or_says_why_not(tmp_path, capsys):
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and "model_config" in p.stderr
 
 
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate "
+                 "memory: you tried to allocate 8192000000 bytes. Error code 12"),
+    MemoryError(),
+])
+def test_a_batch_that_does_not_fit_in_memory_is_said_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                 error):
+    """--batch-size 1000000 ended in a 42-line traceback from torch's allocator: one line
+    naming the flags, and the checkpoint already written is kept; other errors pass through."""
+    assert _tiny_run(tmp_path, capsys, "--steps", "2")[0] == 0
+    ckpt = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+
+    def no_memory(*a, **k):
+        raise error
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", no_memory)
+    code, out = _tiny_run(tmp_path, capsys, "--steps", "4")
+    last = out.err.splitlines()[-1]  # after the "[resuming ...]" line
+    assert code == 1 and "Traceback" not in out.err, out.err
+    assert last.startswith("pocket: error: out of memory at step 3: a batch of 2 x 32 tokens "
+                           "does not fit; lower --batch-size (now 2)")
+    assert last.endswith("the checkpoint of step 2 is kept")
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == ckpt
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy",
+                        lambda *a, **k: (_ for _ in ()).throw(RuntimeError("shape mismatch")))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        _tiny_run(tmp_path, capsys, "--steps", "4")
+
+
 def test_shards_of_another_text_are_not_trained_on(tmp_path, capsys):
     assert _tiny_run(tmp_path, capsys, "--steps", "1")[0] == 0
     assert _tiny_run(tmp_path, capsys, "--steps", "2")[0] == 0  # the same text: it resumes

@@ -642,6 +642,14 @@ def _plot_losses(metrics: list[dict], path: Path, title: str) -> None:
     _atomic_text(path, "\n".join(out))
 
 
+def _out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (MemoryError; torch's CPU allocator raises a
+    RuntimeError "can't allocate memory", CUDA's an OutOfMemoryError)."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or "can't allocate memory" in text or \
+        "out of memory" in text
+
+
 def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
           chat_template: str | None = None, progress: bool = True) -> dict:
     """Run (or resume) training; returns the final metrics. ``tokenizer`` is needed for a new
@@ -898,20 +906,30 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             if isinstance(wrapped, torch.nn.parallel.DistributedDataParallel) and \
                     micro < cfg.grad_accum - 1:
                 sync = wrapped.no_sync()
-            with sync, _autocast(cfg, dist.device):
-                keep = y != -100  # the output head runs only where there is a target
-                logits = wrapped(x, keep).float()
-                target = y[keep]
-                loss = F.cross_entropy(logits, target)
-                if teacher is not None:
-                    with torch.no_grad():
-                        t_logits = teacher(x, keep).float()[:, : logits.shape[-1]]
-                    T = cfg.distill_temperature
-                    kd = F.kl_div(F.log_softmax(logits / T, dim=-1),
-                                  F.log_softmax(t_logits / T, dim=-1),
-                                  log_target=True, reduction="batchmean") * T * T
-                    loss = (1 - cfg.distill_alpha) * loss + cfg.distill_alpha * kd
-                (loss / cfg.grad_accum).backward()
+            try:
+                with sync, _autocast(cfg, dist.device):
+                    keep = y != -100  # the output head runs only where there is a target
+                    logits = wrapped(x, keep).float()
+                    target = y[keep]
+                    loss = F.cross_entropy(logits, target)
+                    if teacher is not None:
+                        with torch.no_grad():
+                            t_logits = teacher(x, keep).float()[:, : logits.shape[-1]]
+                        T = cfg.distill_temperature
+                        kd = F.kl_div(F.log_softmax(logits / T, dim=-1),
+                                      F.log_softmax(t_logits / T, dim=-1),
+                                      log_target=True, reduction="batchmean") * T * T
+                        loss = (1 - cfg.distill_alpha) * loss + cfg.distill_alpha * kd
+                    (loss / cfg.grad_accum).backward()
+            except (MemoryError, RuntimeError) as e:  # torch's CPU allocator: RuntimeError
+                if not _out_of_memory(e):
+                    raise
+                kept = f"the checkpoint of step {saved_step} is kept" if saved_step else \
+                    "no checkpoint was written"
+                raise PocketError(f"out of memory at step {step + 1}: a batch of "
+                                  f"{cfg.batch_size} x {cfg.seq_len} tokens does not fit; lower "
+                                  f"--batch-size (now {cfg.batch_size}) or --seq-len, raising "
+                                  f"--grad-accum to keep the batch; {kept}") from None
             loss_sum += float(loss.detach())
         if dist.world > 1:  # report the global batch's loss, not this rank's share
             import torch.distributed as tdist
