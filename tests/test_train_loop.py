@@ -295,6 +295,30 @@ def test_a_batch_that_does_not_fit_in_memory_is_said_in_one_line(tmp_path, capsy
         _tiny_run(tmp_path, capsys, "--steps", "4")
 
 
+def test_a_run_refused_after_its_text_was_cut_leaves_no_folder_behind(tmp_path, capsys):
+    """A text too small for --seq-len is found once the tokenizer is trained and the text cut:
+    the new run folder was left holding them, and its shards then refused the corrected rerun
+    ("holds token shards cut from ..."). A folder the refused run made is removed; one that
+    was there before is kept."""
+    from pocketlm.cli import main
+
+    small = tmp_path / "small.txt"
+    small.write_text("A cat sat.\n\nA dog ran.\n", encoding="utf-8")
+    run = tmp_path / "run"
+    args = ["train", "--out", str(run), "--vocab-size", "300", "--holdout", "0.1", "--seq-len",
+            "32", "--batch-size", "2", "--eval-batches", "1", "--warmup", "1", "--threads",
+            "1", "--quiet", "--steps", "1"]
+    assert main([*args, "--data", str(small)]) == 1
+    assert "held-out split got none" in capsys.readouterr().err and not run.exists()
+    assert _tiny_run(tmp_path, capsys, "--steps", "1")[0] == 0  # the corrected run
+    assert (run / "checkpoint.pt").is_file()
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine\n", encoding="utf-8")
+    args[2] = str(tmp_path / "kept")
+    assert main([*args, "--data", str(small)]) == 1
+    assert (tmp_path / "kept" / "notes.txt").read_text(encoding="utf-8") == "mine\n"
+
+
 def test_shards_of_another_text_are_not_trained_on(tmp_path, capsys):
     assert _tiny_run(tmp_path, capsys, "--steps", "1")[0] == 0
     assert _tiny_run(tmp_path, capsys, "--steps", "2")[0] == 0  # the same text: it resumes

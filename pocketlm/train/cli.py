@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -180,7 +181,23 @@ def cmd_train(args) -> int:
     # nor their temporaries behind (a recipe's stages likewise, and its report keeps the time
     # the stage under way had spent)
     with _exit_on_sigterm():
-        return _run_recipe(args) if args.recipe else _train(args)
+        return _run_recipe(args) if args.recipe else _train_fresh(args)
+
+
+def _train_fresh(args) -> int:
+    """:func:`_train`; a run folder this call made is removed when the run is refused before
+    its first checkpoint (a refusal found once the tokenizer was trained and the text cut
+    left them behind, and the folder's shards then refused the corrected rerun)."""
+    out = Path(args.out) if args.out else None
+    fresh = out is not None and not out.exists() and not out.is_symlink()
+    try:
+        return _train(args)
+    except PocketError:
+        from .trainer import CHECKPOINT
+
+        if fresh and out.is_dir() and not (out / CHECKPOINT).exists():
+            shutil.rmtree(out, ignore_errors=True)
+        raise
 
 
 def _train(args) -> int:
