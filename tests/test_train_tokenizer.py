@@ -401,6 +401,22 @@ def test_tokenizer_train_cli_checks_its_output_before_training(tmp_path, capsys)
     assert "holds a tokenizer already; pass --force" in capsys.readouterr().err
     assert main([*args, str(out), "--force"]) == 0
     assert (out / "tokenizer.json").read_bytes() == first  # same data, same seed
+    capsys.readouterr()
+    # the text to train on, named tokenizer.json in --out: --force replaced it with the result
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "tokenizer.json").write_text(corpus.read_text(encoding="utf-8"), encoding="utf-8")
+    code = main(["tokenizer", "train", "--data", str(own / "tokenizer.json"), "--vocab-size",
+                 "300", "-q", "--out", str(own), "--force"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "is the input" in err, err
+    assert (own / "tokenizer.json").read_text(encoding="utf-8") == corpus.read_text(
+        encoding="utf-8")
+    # the flags are named, not the function's arguments (min_frequency, sample_lines)
+    for flag, value in (("--min-frequency", "-3"), ("--sample-lines", "0")):
+        assert main([*args, str(tmp_path / "t2"), flag, value]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"{flag} must be" in err, err
 
 
 def test_sigterm_while_replacing_a_tokenizer_leaves_no_mismatched_pair(tmp_path):

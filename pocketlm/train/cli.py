@@ -524,11 +524,17 @@ def _tokenizer_train(args) -> int:
     specials = _check_special_tokens(DEFAULT_SPECIAL_TOKENS if args.special_tokens is None
                                      else args.special_tokens)
     _check_vocab_size(args.vocab_size, len(specials), "--vocab-size")  # the flag named
+    if args.min_frequency is not None and args.min_frequency < 0:
+        raise PocketError(f"--min-frequency must be 0 or more, got {args.min_frequency}")
+    if args.sample_lines is not None and args.sample_lines < 1:
+        raise PocketError(f"--sample-lines must be 1 or more, got {args.sample_lines}")
     # a file named --out, or an unwritable place, is refused before the training, not after
     out = check_output(args.out, force=True, folder=True)
     if (out / "tokenizer.json").exists() and not args.force:
         # shards and runs made with it would no longer match it
         raise PocketError(f"{out} holds a tokenizer already; pass --force to replace it")
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the files written
+        check_output(out / name, force=True, inputs=tuple(args.data))
     tok = train_tokenizer([Path(p) for p in args.data], args.vocab_size, out,
                           min_frequency=args.min_frequency, seed=args.seed,
                           special_tokens=args.special_tokens, sample_lines=args.sample_lines,
