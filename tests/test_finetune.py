@@ -632,6 +632,11 @@ def test_keep_lora_export_runs_the_adapters_beside_the_int4_base(base, tmp_path)
                  check=False)
     assert bad.returncode == 1 and "--keep-lora needs a LoRA run" in bad.stderr
     assert not (tmp_path / "x.pocket").exists()
+    # --dtype is --to hf's: a deploy file's layouts are its own (the flag was ignored, exit 0)
+    bad = pocket("export", str(full), "-o", str(tmp_path / "x.pocket"), "--dtype", "float32",
+                 check=False)
+    assert bad.returncode == 1 and "--dtype applies to --to hf" in bad.stderr
+    assert bad.stderr.count("\n") == 1 and not (tmp_path / "x.pocket").exists()
     bad = pocket("finetune", "-m", str(base), "--data", str(train), "--out",
                  str(tmp_path / "none"), "--lora-rank", "4", "--keep-lora", *FT, check=False)
     assert bad.returncode == 1 and "--keep-lora needs --export FILE" in bad.stderr

@@ -451,6 +451,8 @@ def cmd_export(args) -> int:
         raise PocketError(f"{args.output}: --to gguf writes a GGUF file; name it .gguf (or "
                           "leave out --to for a .pocket deploy file)")
     if target == "pocket":
+        if args.dtype is not None:  # taken and ignored: the layouts are the deploy file's
+            raise PocketError("--dtype applies to --to hf")
         _need_torch("export")
         from ..cli import _exit_on_sigterm, calibration_kwargs
         from .export import export
