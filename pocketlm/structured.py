@@ -136,8 +136,11 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
                                    param=kind) from None
             except RecursionError:
                 raise GrammarError(_TOO_DEEP, param=kind) from None
-        if isinstance(value, bool):
-            value = {} if value else {"not": {}}
+        if value is False:  # JSON Schema's "nothing is valid" (llguidance named a "not" key)
+            raise GrammarError("the JSON schema false allows no value at all; nothing could be "
+                               "generated", param=kind)
+        if value is True:
+            value = {}
         if not isinstance(value, dict):
             raise GrammarError(f"a JSON schema must be an object, got "
                                f"{type(value).__name__}", param=kind)

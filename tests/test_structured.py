@@ -88,6 +88,9 @@ def tiny(request, tmp_path_factory):
     (dict(grammar="start: /\ud800/"), "grammar", "not valid Unicode: .* surrogate"),
     (dict(grammar='root ::= "\udfff"'), "grammar", "not valid Unicode: .* surrogate"),
     (dict(json_schema={"enum": ["\ud800"]}), "json_schema", "not valid Unicode: .* surrogate"),
+    # the schema false: "Unimplemented keys: ['not']", a key nobody wrote
+    (dict(json_schema=False), "json_schema", "the JSON schema false allows no value"),
+    (dict(json_schema="false"), "json_schema", "the JSON schema false allows no value"),
 ])
 def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match):
     with pytest.raises(GrammarError, match=match) as e:
