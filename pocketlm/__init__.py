@@ -12,15 +12,20 @@ from .errors import (  # noqa: E402
     ContextLengthError,
     FetchError,
     FormatError,
+    GrammarError,
+    KernelError,
     ModelNotFoundError,
     PocketError,
     SamplingError,
+    TextError,
+    TokenIdError,
     UnsupportedError,
 )
 
 __all__ = [
     "load", "PocketModel", "PocketError", "FormatError", "ChecksumError", "UnsupportedError",
-    "ModelNotFoundError", "ContextLengthError", "SamplingError", "FetchError", "__version__",
+    "ModelNotFoundError", "ContextLengthError", "SamplingError", "FetchError", "GrammarError",
+    "TokenIdError", "TextError", "KernelError", "__version__",
 ]
 
 

@@ -165,12 +165,14 @@ def cmd_train(args) -> int:
             for r in rows:
                 print(json.dumps(r))
             return 0
-        print(f"{'preset':<12} {'params':>8} {'layers':>6} {'d_model':>7} {'heads':>9} "
-              f"{'INT4 file':>9} {'peak@512':>9} {'peak@1024':>9}  vocab {rows[0]['vocab_size']}")
+        # each preset is sized for its own vocabulary (the header named the first one's)
+        print(f"{'preset':<12} {'params':>8} {'vocab':>6} {'layers':>6} {'d_model':>7} "
+              f"{'heads':>9} {'INT4 file':>9} {'peak@512':>9} {'peak@1024':>9}")
         for r in rows:
-            print(f"{r['preset']:<12} {r['params_m']:>7.1f}M {r['n_layers']:>6} "
-                  f"{r['d_model']:>7} {r['heads']:>9} {r['int4_file_mb']:>7.1f}MB "
-                  f"{r['peak_mb_512']:>7.1f}MB {r['peak_mb_1024']:>7.1f}MB  {r['about']}")
+            print(f"{r['preset']:<12} {r['params_m']:>7.1f}M {r['vocab_size']:>6} "
+                  f"{r['n_layers']:>6} {r['d_model']:>7} {r['heads']:>9} "
+                  f"{r['int4_file_mb']:>7.1f}MB {r['peak_mb_512']:>7.1f}MB "
+                  f"{r['peak_mb_1024']:>7.1f}MB  {r['about']}")
         print("(peak memory: an estimate for the INT4 deploy file at that context)")
         return 0
     _refuse_empty(("--data", args.data), ("--out", args.out), ("--tokenizer", args.tokenizer),
@@ -928,9 +930,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     tsub = p.add_subparsers(dest="tokenizer_command", metavar="ACTION", required=True)
     t = tsub.add_parser("train", help="train a tokenizer on text files")
     t.add_argument("--data", nargs="+", required=True, help="UTF-8 text files")
-    t.add_argument("--vocab-size", type=int, default=32000)
+    t.add_argument("--vocab-size", type=int, default=32000,
+                   help="pieces in the vocabulary, special tokens included (default 32000)")
     t.add_argument("--out", required=True, help="folder for tokenizer.json and its config")
-    t.add_argument("--min-frequency", type=int, default=2)
+    t.add_argument("--min-frequency", type=int, default=2,
+                   help="merges seen fewer times than this are not learned (default 2)")
     t.add_argument("--sample-lines", type=int, default=None,
                    help="train on a random sample of this many lines")
     t.add_argument("--special-tokens", nargs="+", default=None,
