@@ -181,7 +181,7 @@ def details_text(path: str) -> str:
                    f"({r['decode_tps_min']:.0f}–{r['decode_tps_max']:.0f}) | "
                    f"{r['peak_rss_delta_mb']:.0f} | {r['load_s']:.2f} | {r['energy_j_est']:.2f} |")
     commands = list(dict.fromkeys(r.get("command", "") for r in rows if r.get("command")))
-    out += ["", machine_line(rows), "", "commands: " + "; ".join(f"`{c}`" for c in commands)]
+    out += ["", machine_line(rows), "", "commands, as each row recorded it (flags of that day): " + "; ".join(f"`{c}`" for c in commands)]
     return "\n".join(out)
 
 
