@@ -284,6 +284,61 @@ def _request(model, prompt: str, loop, *, seed: int | None = None, stop=(),
 PROMPTS = [f"hello world, the {w}" for w in ["cat", "and", "of", "is", "it", "on", "was", "for"]]
 
 
+@pytest.mark.parametrize("aligned", [True, None])  # forced, or the engine's own (AMX: on)
+def test_a_seeded_answer_is_the_same_alone_under_load_and_after_a_shared_prefix(
+        model, monkeypatch, aligned):
+    """Where a prompt's logits depend on how it is cut into prefill calls (AMX prefill: blocks
+    of 16 or more tokens on the tile unit's bfloat16 products, shorter ones on int8), a reused
+    cached prefix or a prefill budget shared with other requests cut it elsewhere than a fresh
+    prefill alone: a seeded sampled request gave another answer after an unrelated one (87 of
+    87 times under load). Prefill calls end at multiples of the chunk and a prefix is reused
+    up to one, so every cut is the prompt's own: the same answer alone, under load and after
+    a request sharing its prefix."""
+    chunk = 16
+    system = " ".join(f"word{i}" for i in range(40))
+    prompt = system + " and then the story goes on"
+    other = system + " but something else entirely"
+    calls = []
+    real = model.runtime.forward
+
+    def spy(ids, cache, *a, **k):
+        calls.append((cache.length, cache.length + len(ids)))
+        return real(ids, cache, *a, **k)
+
+    monkeypatch.setattr(model.runtime, "forward", spy)
+
+    async def answers(before: list[str], beside: list[str]):
+        sched = Scheduler(model, prefill_chunk=chunk)
+        if aligned is not None:
+            sched.aligned_prefill = aligned
+        try:
+            loop = asyncio.get_running_loop()
+            for p in before:  # served first, alone: their prefixes are cached
+                r = _request(model, p, loop, seed=3)
+                sched.submit(r)
+                await _outcome(r)
+            calls.clear()
+            mine = _request(model, prompt, loop, seed=11)
+            others = [_request(model, p, loop, seed=5) for p in beside]
+            sched.submit(*others, mine) if others else sched.submit(mine)
+            out = await _outcome(mine)
+            for r in others:
+                await _outcome(r)
+            return out, sched.snapshot(), getattr(sched, "aligned_prefill", False)
+        finally:
+            sched.close()
+
+    alone, _, on = run(answers([], []))
+    cuts = list(calls)
+    after, snap, _ = run(answers([other], []))
+    loaded, _, _ = run(answers([other], PROMPTS[:3]))
+    assert after == alone and loaded == alone
+    if on:  # every prefill call ends at a multiple of the chunk or at the prompt's end
+        n = len(model.tokenize(prompt))
+        assert all(end % chunk == 0 or end == n for _, end in cuts if end <= n), cuts
+        assert snap["prefix_hits"] == 1 and snap["prefix_tokens_reused"] % chunk == 0
+
+
 def test_the_choices_of_one_request_are_queued_all_or_none(model):
     """An n > 1 request that does not fit the waiting line: none of its choices is queued or
     counted; it counts once as rejected (its queued choices were withdrawn one by one and

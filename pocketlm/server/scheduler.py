@@ -178,6 +178,13 @@ class Scheduler:
         self.kv_budget = kv_budget
         self.prefix_budget = int(prefix_cache_mb * MB)
         self.prefill_chunk = prefill_chunk
+        # where a prompt's logits depend on how it is cut into prefill calls (AMX prefill: a
+        # call of 16 tokens or more takes the tile unit's bfloat16 products, fewer the int8
+        # ones), each prompt is cut at the same places whatever else runs: calls end at
+        # multiples of the chunk, and a cached prefix is reused up to such a multiple, so that
+        # a seeded answer is the same alone, under load and after any other request
+        self.aligned_prefill = bool(getattr(getattr(self.runtime, "native", None), "amx",
+                                            False))
         self.stop_ids = set(model.tokenizer.eos_ids)
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -393,6 +400,8 @@ class Scheduler:
         ids = req.prompt_ids
         if len(ids) < self.MIN_PREFIX:
             return
+        if self.aligned_prefill and (req.score_prompt or len(ids) < self.prefill_chunk):
+            return  # cut otherwise than a prefill cuts (scoring), or nothing reusable
         for key, p in self._prefixes.items():
             if common_prefix(p.tokens, ids) == len(ids):  # already covered
                 self._prefixes.move_to_end(key)
@@ -438,6 +447,8 @@ class Scheduler:
             with self._lock:
                 key, n = self._best_prefix(ids) if not req.score_prompt else (None, 0)
                 n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
+                if self.aligned_prefill:  # where a fresh prefill of this prompt cuts it too
+                    n -= n % self.prefill_chunk
                 if key is not None and n >= self.MIN_PREFIX:
                     self.runtime.copy_prefix(req.cache, self._prefixes[key].cache, n)
                     self._prefixes.move_to_end(key)
@@ -445,9 +456,13 @@ class Scheduler:
                     self.stats["prefix_hits"] += 1
                     self.stats["prefix_tokens_reused"] += n
         start = req.prefilled
+        chunk = self.SCORE_CHUNK if req.score_prompt else self.prefill_chunk
         if req.score_prompt:  # every position's logits: in short chunks (n x vocab floats)
             budget = min(budget, self.SCORE_CHUNK)
-        end = min(len(ids), start + max(1, budget))
+        if self.aligned_prefill:  # to the next multiple of the chunk, whatever the budget left
+            end = min(len(ids), (start // chunk + 1) * chunk)
+        else:
+            end = min(len(ids), start + max(1, budget))
         if req.score_prompt:
             rows = self.runtime.forward(ids[start:end], req.cache, all_logits=True)
             top = req.logprobs or 0
