@@ -645,6 +645,24 @@ def test_a_slow_body_is_cut_off_with_408(make_app, how):
         assert r.status_code == 200
 
 
+def test_a_body_still_arriving_at_shutdown_gets_the_503_of_a_shutdown(make_app):
+    """A client whose body was still arriving when the server stopped held the shutdown until
+    uvicorn cancelled its handler: a plain-text 500, 10 s after the signal. Once the scheduler
+    stops (the end of the shutdown's grace), the body read ends with the JSON 503."""
+    app = make_app(body_timeout_s=30)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\": ")
+    with live_server(app) as (host, port):
+        threading.Timer(0.5, app.state.scheduler.close).start()  # as the grace's end does
+        t0 = time.monotonic()
+        got, closed = _raw_exchange(host, port, head, [], pause=0)
+        took = time.monotonic() - t0
+    assert got.startswith(b"HTTP/1.1 503"), got[:200]
+    assert closed and took < 5
+    err = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "shutting_down"
+
+
 @pytest.mark.parametrize("head", [
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"

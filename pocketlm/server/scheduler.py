@@ -260,6 +260,11 @@ class Scheduler:
                     **self.stats, "prefill_s": round(self.stats["prefill_s"], 3),
                     "decode_s": round(self.stats["decode_s"], 3)}
 
+    @property
+    def stopping(self) -> bool:
+        """True once :meth:`close` was called (the server is shutting down)."""
+        return self._stopping
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop taking requests; finish nothing more (pending ones get an error event)."""
         with self._lock:
