@@ -21,6 +21,7 @@ from .chat import (
     FAMILY_TEMPLATES,
     encode_rendered,
     mark_control_text,
+    non_text_part,
     refuse_control_text,
     render,
 )
@@ -430,14 +431,11 @@ def _chat_messages(messages: Any) -> Any:
                               f"{type(m.get('role')).__name__ if 'role' in m else 'none'}")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise PocketError(f"{where}.content[{j}] must be a text part ({{'type': "
-                                      "'text', 'text': str}); the model reads text only")
-                texts.append(part["text"])
-            m = {**m, "content": "".join(texts)}
+            j = non_text_part(content)
+            if j is not None:
+                raise PocketError(f"{where}.content[{j}] must be a text part ({{'type': "
+                                  "'text', 'text': str}); the model reads text only")
+            m = {**m, "content": "".join(part["text"] for part in content)}
         elif content is None and m.get("tool_calls"):
             m = {**m, "content": ""}
         elif not isinstance(content, str):

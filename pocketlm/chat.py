@@ -682,6 +682,17 @@ def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
     return MarkedChat(marked, contents, nonce, found[hit[0]])
 
 
+def non_text_part(parts: list) -> int | None:
+    """The index of the first of OpenAI's content parts that is not a text part
+    (``{"type": "text", "text": str}``), or None when all are (their text is the message's);
+    the server and the Python API read content parts alike."""
+    for j, part in enumerate(parts):
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            return j
+    return None
+
+
 def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer) -> None:
     """A :class:`PocketError` naming where control-token text (``<|im_end|>``) appears in what a
     template renders besides a message's content: a role, a name, an earlier tool call's name

@@ -232,15 +232,14 @@ def _messages(v, name):
                        f"tool; got {_as_written(role)}", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text only
-            texts = []
-            for j, part in enumerate(content):
-                if not (isinstance(part, dict) and part.get("type") == "text"
-                        and isinstance(part.get("text"), str)):
-                    raise _bad(f"'{where}.content[{j}]' must be a text part "
-                               '({"type": "text", "text": ...}); this model reads text only',
-                               f"{where}.content")
-                texts.append(part["text"])
-            content = "".join(texts)
+            from ..chat import non_text_part
+
+            j = non_text_part(content)
+            if j is not None:
+                raise _bad(f"'{where}.content[{j}]' must be a text part "
+                           '({"type": "text", "text": ...}); this model reads text only',
+                           f"{where}.content")
+            content = "".join(part["text"] for part in content)
         calls = m.get("tool_calls")
         if calls is not None:
             if role != "assistant":
