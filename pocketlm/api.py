@@ -74,8 +74,8 @@ class PocketModel:
     @property
     def last_state(self) -> GenerationState | None:
         """The :class:`GenerationState` of the last generation this thread started on the model
-        (its tokens, ``finish_reason``): per thread, so that threads sharing a model each read
-        their own (they read each other's)."""
+        (its tokens, ``finish_reason``): kept per thread, so that threads sharing a model each
+        read their own generation's."""
         return getattr(self._last, "state", None)
 
     @last_state.setter
@@ -321,11 +321,10 @@ class PocketModel:
         """The prompt's token ids: ``messages`` (``{"role": str, "content": str}`` dicts; a
         content may be OpenAI's text parts, ``[{"type": "text", "text": str}, ...]``) rendered
         with the chat template (extra template variables, such as ``tools``, in
-        ``template_args``). The template's control
-        tokens are tokens; a message's text is text, even where it spells one (a user who
-        writes ``<|im_end|>`` cannot end their turn), as OpenAI's API treats it. Such text
-        anywhere else the template renders (a role, a tool call, the tools offered) is
-        refused."""
+        ``template_args``). The template's control tokens are tokens; a message's text is
+        text, even where it spells one (a user who writes ``<|im_end|>`` cannot end their
+        turn), as OpenAI's API treats it. Such text anywhere else the template renders (a
+        role, a tool call, the tools offered) is refused."""
         if isinstance(messages, list) and not messages:  # a prompt of nothing but the header
             raise PocketError("messages is empty: give at least one {'role': str, "
                               "'content': str} message")
