@@ -105,10 +105,10 @@ class Grammar:
     compiled: str
 
     def describe(self) -> str:
-        return {"json_schema": "JSON schema", "regex": "regular expression",
-                "grammar": "grammar"}[self.kind]
+        return _DESCRIBED[self.kind]
 
 
+_DESCRIBED = {"json_schema": "JSON schema", "regex": "regular expression", "grammar": "grammar"}
 _TOO_DEEP = "the JSON schema nests arrays or objects too deeply"
 
 
@@ -175,8 +175,7 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
             compiled = llg.LLMatcher.grammar_from_lark(value)
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(compiled)
     if is_error:
-        what = {"json_schema": "the JSON schema", "regex": "the regular expression",
-                "grammar": "the grammar"}[kind]
+        what = "the " + _DESCRIBED[kind]
         raise GrammarError(f"{what} is not usable: {_first_line(messages[0])}", param=kind)
     if kind == "json_schema":
         ref = _endless_ref(value)
@@ -625,8 +624,7 @@ def _check_unicode(source: str, kind: str) -> None:
     try:
         source.encode("utf-8")
     except UnicodeEncodeError as e:
-        what = {"json_schema": "the JSON schema", "regex": "the regular expression",
-                "grammar": "the grammar"}[kind]
+        what = "the " + _DESCRIBED[kind]
         where = "" if kind == "json_schema" else f" at character {e.start}"
         raise GrammarError(f"{what} is not valid Unicode: it holds an unpaired surrogate{where}",
                            param=kind) from None

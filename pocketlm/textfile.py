@@ -89,17 +89,23 @@ def jsonl_lines(text: str) -> list[str]:
     return text.split("\n")
 
 
+def json_problem(exc: BaseException) -> str:
+    """What is wrong with a JSON (or YAML) text that failed to parse, in a few words: nested
+    past Python's recursion limit is a RecursionError, an integer of more than 4,300 digits a
+    ValueError whose text runs on."""
+    if isinstance(exc, RecursionError):
+        return "nested too deeply"
+    return str(exc).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string ..."
+
+
 def json_line(line: str):
-    """One JSON Lines record parsed; a ValueError saying what is wrong with it, for every way a
-    line can be malformed: nested past Python's recursion limit ('[' * 100000) was a
-    RecursionError, and an integer of more than 4,300 digits a ValueError whose text runs on."""
+    """One JSON Lines record parsed; a ValueError saying what is wrong with it
+    (:func:`json_problem`), for every way a line can be malformed."""
     import json
 
     try:
         return json.loads(line)
-    except RecursionError:
-        raise ValueError("not valid JSON (nested too deeply)") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg})") from None
-    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string ...; use ..."
-        raise ValueError(f"not valid JSON ({str(e).split(';')[0]})") from None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"not valid JSON ({json_problem(e)})") from None

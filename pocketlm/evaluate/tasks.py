@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import PocketError
 from ..progress import bar as progress_bar
+from ..textfile import json_problem
 
 TASK_TYPES = ("multiple_choice", "generation", "classification")
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -459,7 +460,7 @@ def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], N
         except yaml.YAMLError as e:
             raise PocketError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
         except (ValueError, RecursionError) as e:
-            raise PocketError(f"{path}: not valid YAML: {_json_problem(e)}") from None
+            raise PocketError(f"{path}: not valid YAML: {json_problem(e)}") from None
         return _task_from_header(header, path, strict=strict, warn=warn)
     if path.suffix == ".json":
         try:
@@ -467,7 +468,7 @@ def load_task(path: str | Path, *, strict: bool = False, warn: Callable[[str], N
         except json.JSONDecodeError as e:
             raise PocketError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
         except (ValueError, RecursionError) as e:  # a 5,000-digit integer, deep nesting
-            raise PocketError(f"{path}: not valid JSON: {_json_problem(e)}") from None
+            raise PocketError(f"{path}: not valid JSON: {json_problem(e)}") from None
         return _task_from_header(header, path, strict=strict, warn=warn)
     records, skipped = read_jsonl(path, text, strict=strict)
     if not records or not (isinstance(records[0][1], dict) and set(records[0][1]) == {"task"}):
@@ -506,7 +507,7 @@ def read_jsonl(path: Path, text: str, *, strict: bool = False
                 raise ValueError(f"expected a JSON object, got {type(value).__name__}")
         except (ValueError, RecursionError) as e:
             if strict:
-                msg = e.msg if isinstance(e, json.JSONDecodeError) else _json_problem(e)
+                msg = e.msg if isinstance(e, json.JSONDecodeError) else json_problem(e)
                 raise PocketError(f"{path}:{no}: malformed line ({msg})") from None
             skipped += 1
             continue
@@ -514,10 +515,6 @@ def read_jsonl(path: Path, text: str, *, strict: bool = False
     return out, skipped
 
 
-def _json_problem(exc: BaseException) -> str:
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return str(exc).split(";")[0]  # "Exceeds the limit (4300 digits) for integer string ..."
 
 
 def _check_unicode(value: Any, where: str) -> None:

@@ -642,6 +642,12 @@ def _plot_losses(metrics: list[dict], path: Path, title: str) -> None:
     _atomic_text(path, "\n".join(out))
 
 
+def _kept(saved_step: int) -> str:
+    """What a run stopped by an error leaves: its last checkpoint, if it wrote one."""
+    return f"the checkpoint of step {saved_step} is kept" if saved_step else \
+        "no checkpoint was written"
+
+
 def _out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says an allocation failed (MemoryError; torch's CPU allocator raises a
     RuntimeError "can't allocate memory", CUDA's an OutOfMemoryError)."""
@@ -924,12 +930,11 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             except (MemoryError, RuntimeError) as e:  # torch's CPU allocator: RuntimeError
                 if not _out_of_memory(e):
                     raise
-                kept = f"the checkpoint of step {saved_step} is kept" if saved_step else \
-                    "no checkpoint was written"
                 raise PocketError(f"out of memory at step {step + 1}: a batch of "
                                   f"{cfg.batch_size} x {cfg.seq_len} tokens does not fit; lower "
                                   f"--batch-size (now {cfg.batch_size}) or --seq-len, raising "
-                                  f"--grad-accum to keep the batch; {kept}") from None
+                                  "--grad-accum to keep the batch; "
+                                  f"{_kept(saved_step)}") from None
             loss_sum += float(loss.detach())
         if dist.world > 1:  # report the global batch's loss, not this rank's share
             import torch.distributed as tdist
@@ -941,11 +946,10 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         # the loss is the global batch's and the gradients are synchronized, so every rank
         # stops here together; the weights and the last checkpoint stay those of a finite step
         if not (math.isfinite(loss_sum) and math.isfinite(float(grad_norm))):
-            kept = f"the checkpoint of step {saved_step} is kept" if saved_step else \
-                "no checkpoint was written"
             raise PocketError(f"training diverged at step {step + 1}: loss "
                               f"{loss_sum / cfg.grad_accum}, gradient norm {float(grad_norm)}; "
-                              f"{kept}; lower --lr (now {cfg.lr:g}) or raise --warmup")
+                              f"{_kept(saved_step)}; lower --lr (now {cfg.lr:g}) or raise "
+                              "--warmup")
         opt.step()
         opt.zero_grad(set_to_none=True)
         now = time.perf_counter()
