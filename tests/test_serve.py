@@ -9,10 +9,12 @@ counters (/health) show that batching, prefix reuse and cancellation really happ
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -380,6 +382,25 @@ def test_transport_errors_and_the_server_keeps_serving(server):
     huge = _post(server, "/v1/completions", raw=b'{"model": "x", "prompt": "' + b"a" * 2_000_000
                  + b'"}')
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    # a body several times the limit: the server reads it to its end before the 413, else
+    # closing with input unread resets the connection and the client never sees the error
+    # (six at once from one client: one at a time, the reset rarely wins the race)
+    async def six_at_once():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            body = b'{"prompt": "' + b"a" * 6_000_000 + b'"}'
+            return await asyncio.gather(*[client.post(
+                "/tokenize", content=body, headers={"Content-Type": "application/json"})
+                for _ in range(6)], return_exceptions=True)
+    for r in asyncio.run(six_at_once()):
+        assert not isinstance(r, Exception), repr(r)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # a client that waits for '100 Continue' has sent nothing: it gets the 413 at once
+    url = httpx.URL(server.url)
+    with socket.create_connection((url.host, url.port)) as sock:
+        sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: 900000000\r\nExpect: 100-continue\r\n\r\n")
+        sock.settimeout(10)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 413")
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
     r = httpx.get(server.url + "/v1/chat/completions")
     assert r.status_code == 405 and "error" in r.json()

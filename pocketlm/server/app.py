@@ -66,6 +66,9 @@ from .scheduler import (
     TooLargeError,
 )
 
+# how much of a body over --max-body-kb is read and dropped so that its 413 arrives
+DRAIN_BYTES = 64 * MB
+
 
 def current_rss() -> int:
     """Resident memory of this process in bytes (Linux), 0 where unknown."""
@@ -356,18 +359,26 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         length = request.headers.get("content-length")
         too_big = P.APIError(413, f"the request body exceeds {cfg.max_body // 1024} KB",
                              code="request_too_large", headers={"Connection": "close"})
+        # a body over the limit is read to its end and dropped (up to DRAIN_BYTES more) before
+        # the 413 goes out: closing a connection with input unread makes the kernel reset it,
+        # and the reset can reach the client before the 413 does. A client that waits for
+        # '100 Continue' has sent nothing yet, so it gets the 413 at once.
+        drain = 0 if "100-continue" in request.headers.get("expect", "").lower() else DRAIN_BYTES
         if length is not None:
             if not (length.isascii() and length.isdigit()):
                 raise P.APIError(400, "invalid Content-Length header", code="invalid_request",
                                  headers={"Connection": "close"})
-            if len(length) > 20 or int(length) > cfg.max_body:
+            if len(length) > 20 or int(length) > cfg.max_body + drain:
                 raise too_big
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > cfg.max_body:
+            if size > cfg.max_body + drain:
                 raise too_big
-            chunks.append(chunk)
+            if size <= cfg.max_body:
+                chunks.append(chunk)
+        if size > cfg.max_body:
+            raise too_big
         return b"".join(chunks)
 
     def check_model(name: str) -> None:
