@@ -422,6 +422,39 @@ def test_amx_attention_over_long_prompts_matches_reference(arch, kv):
 
 
 @needs_amx
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_amx_prefill_is_the_same_wherever_a_prompt_is_cut(arch):
+    # every call of 16 tokens or more gives each row the numbers of one whole-prompt call: no
+    # block of a call is left under 16 rows (129-143 tokens were a block of 128 and one on
+    # the int8 products), and a sliding window's key chunks start at the same positions
+    # whatever block the row is in (they started at the block's window: each chunk is a step
+    # of the online softmax). The server's prefix reuse and prefill budget rely on it.
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
+                                max_context=800, **extra)
+    w = _weights(cfg, 24, True)
+    ids = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 700)]
+    nat = Runtime(cfg, w, engine="numpy")
+    nat.native = native.NativeEngine(cfg, w, act="q8", amx=True, threads=2)
+
+    def cut(points):
+        cache = nat.new_cache(len(ids))
+        bounds = [0, *points, len(ids)]
+        return np.concatenate([nat.forward(ids[a:b], cache, all_logits=True)
+                               for a, b in zip(bounds, bounds[1:])])
+
+    whole = cut([])
+    rnd = np.random.default_rng(7)
+    cuts = [[57], [64, 200], [129], [571], [300, 316, 600]]
+    while len(cuts) < 12:
+        points = sorted(int(p) for p in rnd.choice(np.arange(16, len(ids) - 15), 3, False))
+        if all(b - a >= 16 for a, b in zip(points, points[1:])):
+            cuts.append(points)
+    for points in cuts:
+        np.testing.assert_array_equal(cut(points), whole, err_msg=str(points))
+
+
+@needs_amx
 def test_amx_differs_from_the_int8_path_and_is_off_for_short_blocks():
     # the setting is in force: long blocks give other (bfloat16) numbers than the int8
     # products, blocks under 16 tokens the very same ones

@@ -747,11 +747,15 @@ static int attn_amx(pm_job *jp, int block_pos0, pocket_pool *pool, int nthreads)
     const int l = j.layer, n = j.n;
     const int win = m->layers[l].sliding ? m->c.sliding_window : 0;
     const int nh = m->c.n_heads, ntiles = (n + 15) / 16;
-    /* the key chunks start from the window of the block's first token (block_pos0), also when
-     * only its last rows are attended (layer_forward's out0), so that every row sees the same
-     * chunks of keys */
+    /* the key chunks start at the multiple of PM_AMX_KCHUNK at or before the window of the
+     * block's first token (block_pos0), also when only its last rows are attended
+     * (layer_forward's out0): every row sees the same chunks of keys, at the same positions
+     * wherever a prompt is cut into calls and blocks (each chunk is a step of the online
+     * softmax, so its bounds set the rounding) */
     const int end = seq->pos0 + n,
-              first = win && block_pos0 - win + 1 > 0 ? block_pos0 - win + 1 : 0;
+              first = win && block_pos0 - win + 1 > 0
+                          ? (block_pos0 - win + 1) / PM_AMX_KCHUNK * PM_AMX_KCHUNK
+                          : 0;
     const int tasks = nthreads < ntiles * nh ? nthreads : ntiles * nh;
     int rc = pm_ensure_amx_attn(m, tasks);
     if (rc) return rc;
@@ -1027,8 +1031,14 @@ int pocket_model_forward(pocket_model *m, pocket_kv *kv, const int32_t *ids, int
     m->amx_call = m->amx;
     m->verify_call = 0;
     const size_t V = (size_t)m->c.vocab_size;
-    for (int b0 = 0; b0 < n; b0 += PM_BLOCK) {
-        const int nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
+    for (int b0 = 0, nb; b0 < n; b0 += nb) {
+        nb = n - b0 < PM_BLOCK ? n - b0 : PM_BLOCK;
+        /* on the tile unit no block is left with fewer than PM_AMX_MIN_TOKENS rows (they
+         * would take the int8 products): a call's rows then round alike wherever the call
+         * is cut, as long as each call holds that many */
+        const int rest = n - b0 - nb;
+        if (pm_amx_path(m, n) && rest > 0 && rest < PM_AMX_MIN_TOKENS)
+            nb -= PM_AMX_MIN_TOKENS - rest;
         const pm_seq seq = {kv, start_pos + b0, NULL, NULL};
         embed_rows(m, ids + b0, nb, m->x);
         /* without all_logits the last layer goes on with the block's last row (the last
