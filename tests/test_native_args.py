@@ -193,3 +193,11 @@ def test_python_code_run_by_a_weight_cannot_free_what_the_constructor_reads(mode
     with pytest.raises(RuntimeError, match="no truth value"):
         native._native.NativeModel(cfg.to_dict(), {**tensors, name: tensors[name][:5] +
                                                    (Raising(),)}, 32)
+
+
+def test_the_wrappers_constants_are_the_extensions():
+    # the scheduler cuts prompts by AMX_MIN_TOKENS (a seeded answer must not change with how
+    # a prompt is cut), the engine settings by the Q8_* classes: one value on both sides
+    for name in ("AMX_MIN_TOKENS", "Q8_QKV", "Q8_WO", "Q8_GATE_UP", "Q8_DOWN", "Q8_HEAD",
+                 "Q8_ONE_DIGIT_SHIFT"):
+        assert getattr(native, name) == getattr(native._native, name), name

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..api import PocketModel
 from ..generate import Sequence, TextStream
+from ..runtime.kernels.native import AMX_MIN_TOKENS
 from ..runtime.model import KVCache
 from ..sampling import Sampler
 from ..sampling import logprobs as token_logprobs
@@ -179,12 +180,13 @@ class Scheduler:
         self.prefix_budget = int(prefix_cache_mb * MB)
         self.prefill_chunk = prefill_chunk
         # where a prompt's logits depend on how it is cut into prefill calls (AMX prefill: a
-        # call of 16 tokens or more takes the tile unit's bfloat16 products, fewer the int8
-        # ones), each prompt is cut at the same places whatever else runs: calls end at
-        # multiples of the chunk, and a cached prefix is reused up to such a multiple, so that
-        # a seeded answer is the same alone, under load and after any other request
-        self.aligned_prefill = bool(getattr(getattr(self.runtime, "native", None), "amx",
-                                            False))
+        # call of 16 tokens or more takes the tile unit's bfloat16 products, a shorter one the
+        # int8 ones; the engine gives each row the same numbers wherever a prompt is cut into
+        # calls of 16 or more), every prefill call holds at least min_call tokens (a shorter
+        # prompt runs whole) and a cached prefix is reused only with min_call tokens left to
+        # run, so that a seeded answer is the same alone, under load and after any request
+        amx = bool(getattr(getattr(self.runtime, "native", None), "amx", False))
+        self.min_call = AMX_MIN_TOKENS if amx else 1
         self.stop_ids = set(model.tokenizer.eos_ids)
         self._lock = threading.Condition()
         self._waiting: deque[Request] = deque()
@@ -405,8 +407,8 @@ class Scheduler:
         ids = req.prompt_ids
         if len(ids) < self.MIN_PREFIX:
             return
-        if self.aligned_prefill and (req.score_prompt or len(ids) < self.prefill_chunk):
-            return  # cut otherwise than a prefill cuts (scoring), or nothing reusable
+        if self.min_call > 1 and (req.score_prompt or len(ids) < self.min_call):
+            return  # a prompt of one short call (int8 numbers), or scored (not prefilled)
         for key, p in self._prefixes.items():
             if common_prefix(p.tokens, ids) == len(ids):  # already covered
                 self._prefixes.move_to_end(key)
@@ -451,9 +453,9 @@ class Scheduler:
                 req.spec_stats = SpeculativeStats()
             with self._lock:
                 key, n = self._best_prefix(ids) if not req.score_prompt else (None, 0)
-                n = min(n, len(ids) - 1)  # the last prompt token runs to give the first logits
-                if self.aligned_prefill:  # where a fresh prefill of this prompt cuts it too
-                    n -= n % self.prefill_chunk
+                # the last prompt token runs to give the first logits (min_call: the last
+                # min_call ones, as one call of a fresh prefill would)
+                n = min(n, len(ids) - self.min_call) if len(ids) >= self.min_call else 0
                 if key is not None and n >= self.MIN_PREFIX:
                     self.runtime.copy_prefix(req.cache, self._prefixes[key].cache, n)
                     self._prefixes.move_to_end(key)
@@ -461,13 +463,12 @@ class Scheduler:
                     self.stats["prefix_hits"] += 1
                     self.stats["prefix_tokens_reused"] += n
         start = req.prefilled
-        chunk = self.SCORE_CHUNK if req.score_prompt else self.prefill_chunk
         if req.score_prompt:  # every position's logits: in short chunks (n x vocab floats)
             budget = min(budget, self.SCORE_CHUNK)
-        if self.aligned_prefill:  # to the next multiple of the chunk, whatever the budget left
-            end = min(len(ids), (start // chunk + 1) * chunk)
-        else:
-            end = min(len(ids), start + max(1, budget))
+        # at least min_call tokens a call, and never fewer left for the next one
+        end = min(len(ids), start + max(budget, self.min_call))
+        if len(ids) - end < self.min_call:
+            end = len(ids)
         if req.score_prompt:
             rows = self.runtime.forward(ids[start:end], req.cache, all_logits=True)
             top = req.logprobs or 0

@@ -205,6 +205,11 @@ enum {
 
 #define POCKET_Q8_ONE_DIGIT_SHIFT 5
 
+/* With config.amx, a forward call of this many tokens or more runs its products on the tiles,
+ * a shorter one on the int8 products: each row's numbers are the same wherever a prompt is
+ * cut into calls of at least this many tokens. */
+#define POCKET_AMX_MIN_TOKENS 16
+
 /* Build a model over caller-owned weights (layers: n_layers entries, copied; head may equal
  * embed for tied embeddings; patch: a head patch, or NULL for none). kernels: a table from pocket_kernels(); act_q8: a set of
  * POCKET_Q8_* bits, the products whose activations are quantized to int8 (0: float

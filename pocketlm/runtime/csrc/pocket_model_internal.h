@@ -140,7 +140,7 @@ int pm_ensure_amx_attn(pocket_model *m, int tasks);
 
 /* ---- pocket_model_amx.c ------------------------------------------------------------------ */
 
-#define PM_AMX_MIN_TOKENS 16 /* fewer tokens: the int8 products (one tile of 16 would be idle) */
+#define PM_AMX_MIN_TOKENS POCKET_AMX_MIN_TOKENS /* fewer tokens: the int8 products (one tile of 16 would be idle) */
 #if PM_HAVE_AMX
 /* Ask the OS for the tile state (once per process): 1 when AMX-BF16 can be used. */
 int pm_amx_enable(void);

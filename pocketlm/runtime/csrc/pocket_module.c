@@ -660,7 +660,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "Q8_DOWN", POCKET_Q8_DOWN) ||
         PyModule_AddIntConstant(m, "Q8_HEAD", POCKET_Q8_HEAD) ||
         PyModule_AddIntConstant(m, "Q8_ONE_DIGIT_SHIFT", POCKET_Q8_ONE_DIGIT_SHIFT) ||
-        PyModule_AddIntConstant(m, "QBLOCK", POCKET_QBLOCK)) {
+        PyModule_AddIntConstant(m, "QBLOCK", POCKET_QBLOCK) ||
+        PyModule_AddIntConstant(m, "AMX_MIN_TOKENS", POCKET_AMX_MIN_TOKENS)) {
         Py_DECREF(m);
         return NULL;
     }

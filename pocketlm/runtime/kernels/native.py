@@ -307,6 +307,10 @@ MAX_DEFAULT_ENGINE_THREADS = 2
 Q8_QKV, Q8_WO, Q8_GATE_UP, Q8_DOWN, Q8_HEAD = 1, 2, 4, 8, 16
 Q8_ALL = Q8_QKV | Q8_WO | Q8_GATE_UP | Q8_DOWN | Q8_HEAD  # every product class of the engine
 Q8_ONE_DIGIT_SHIFT = 5
+# with AMX, calls of this many prompt tokens or more run on the tiles (bfloat16), shorter ones
+# on the int8 products; a row's numbers are the same wherever a prompt is cut into calls of
+# at least this many (the extension's AMX_MIN_TOKENS; tests/test_native_args.py checks it)
+AMX_MIN_TOKENS = 16
 # POCKET_AMX_WEIGHTS: the product classes whose AMX products take one bfloat16 weight term
 AMX_WEIGHTS = {"two-term": 0, "mixed": Q8_QKV | Q8_WO | Q8_DOWN, "one-term": Q8_ALL}
 assert tuple(AMX_WEIGHTS) == AMX_WEIGHT_TERMS
