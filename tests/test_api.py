@@ -831,6 +831,85 @@ def test_file_backed_native_engine_matches_the_reference(m):
         ours = m.logits(ids)  # and again, after the reference touched every page
 
 
+def test_file_backed_is_refused_for_weights_outside_a_file_mapping():
+    """file_backed=True lets the engine hand back (madvise) the pages of every weight it has
+    copied: on in-memory arrays that zeroed the caller's weights and, rounded out to whole
+    pages around the norm vectors, unrelated heap memory (a segfault). Such weights are
+    refused by name, and the caller's arrays are left as they were."""
+    from pocketlm.config import ModelConfig
+    from pocketlm.errors import KernelError
+    from pocketlm.runtime import Runtime
+    from pocketlm.runtime.kernels import native
+
+    if not native.engine_available():
+        pytest.skip("needs the native engine")  # POCKET_KERNELS=numpy tier
+    cfg = ModelConfig(arch="llama", vocab_size=64, d_model=64, n_layers=2, n_heads=2,
+                      n_kv_heads=1, head_dim=32, d_ff=96, max_context=128)
+    rng = np.random.default_rng(0)
+    w = {n: (np.ones(s, np.float32) if len(s) == 1 else
+             0.1 * rng.standard_normal(s).astype(np.float32))
+         for n, s in cfg.tensor_shapes().items()}
+    before = {n: a.copy() for n, a in w.items()}
+    with pytest.raises(KernelError, match="'embed.weight' is not"):
+        Runtime(cfg, w, engine="native", file_backed=True)
+    assert all(np.array_equal(w[n], before[n]) for n in w)
+
+
+@pytest.mark.parametrize("level, act", [("avx2", "f32"), ("scalar", "f32"), (None, None)])
+def test_a_tied_embedding_in_a_source_encoding_is_not_handed_back(tmp_path, monkeypatch,
+                                                                   level, act):
+    """A tied embedding kept in a source encoding (a GGUF's Q6_K) is decoded into memory of
+    its own; where the head is not repacked (float activations) lookups read it in place and
+    handed back the pages around each row as if they were the file's: the logits went wrong
+    from the first call and the heap was corrupted (an abort)."""
+    import mmap
+
+    from pocketlm.config import ModelConfig
+    from pocketlm.quant import EncodedQuantTensor
+    from pocketlm.runtime import Runtime
+    from pocketlm.runtime.kernels import native
+
+    if not native.engine_available():
+        pytest.skip("needs the native engine")  # POCKET_KERNELS=numpy tier
+    if level == "avx2" and "avx2" not in native.cpu_features()["levels"]:
+        pytest.skip("this CPU has no AVX2")
+    for key, value in (("POCKET_CPU_LEVEL", level), ("POCKET_ACT", act)):
+        if value:
+            monkeypatch.setenv(key, value)
+    V, D = 512, 256
+    cfg = ModelConfig(arch="llama", vocab_size=V, d_model=D, n_layers=1, n_heads=2,
+                      n_kv_heads=1, head_dim=128, d_ff=256, max_context=64)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (V, D // 256, 210), dtype=np.uint8)
+    raw[:, :, 192:208] = rng.integers(1, 20, (V, D // 256, 16), dtype=np.uint8)  # scales
+    raw[:, :, 208:210] = np.array([0.01], np.float16).view(np.uint8)  # d
+    arrays = {"embed.q6k": raw.reshape(V, -1)}
+    for n, shape in cfg.tensor_shapes().items():
+        if n != "embed.weight":
+            arrays[n] = (np.ones(shape) if len(shape) == 1
+                         else 0.05 * rng.standard_normal(shape)).astype(np.float32)
+    path, offsets, pos = tmp_path / "weights.bin", {}, 0
+    with open(path, "wb") as f:  # page-aligned and mapped read-only, as a deploy file is
+        for n, a in arrays.items():
+            pos = -(-pos // 4096) * 4096
+            f.seek(pos)
+            f.write(a.tobytes())
+            offsets[n], pos = pos, pos + a.nbytes
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = {n: np.frombuffer(mm, a.dtype, a.size, offsets[n]).reshape(a.shape)
+            for n, a in arrays.items()}
+    w = {n: a for n, a in view.items() if n != "embed.q6k"}
+    w["embed.weight"] = EncodedQuantTensor("q6_k", (V, D), {"": view["embed.q6k"]})
+    ref = Runtime(cfg, w, engine="numpy")
+    rt = Runtime(cfg, w, engine="native", file_backed=True)
+    ids = [3, 17, 200, 3, 17, 200]
+    want = ref.forward(ids, ref.new_cache(8), all_logits=True)
+    for _ in range(3):
+        got = rt.forward(ids, rt.new_cache(8), all_logits=True)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
+
+
 def test_each_thread_reads_its_own_last_state(m):
     """Threads sharing a model each read the state of their own last generation: the model
     kept one, so a thread read another's tokens and finish reason (19 of 20 calls did)."""

@@ -122,13 +122,8 @@ class Runtime:
             else:
                 # a model the engine refuses is an error: running it anyway on the numpy path
                 # would hide the problem (POCKET_KERNELS=numpy is the way to ask for numpy)
-                # an untied embedding stays where it is for lookups, and the engine hands
-                # its pages back as it goes: only a file mapping's can be (a decoded one
-                # would read as zeros)
-                lookup = weights.get("embed.weight") if not config.tie_embeddings else None
                 self.native = _native_kernels.NativeEngine(
-                    config, weights, settings=self.settings,
-                    release_source=file_backed and not isinstance(lookup, EncodedQuantTensor))
+                    config, weights, settings=self.settings, release_source=file_backed)
                 for w in weights.values():
                     if isinstance(w, EncodedQuantTensor):
                         w.release()  # repacked by the engine: the decoded arrays can go

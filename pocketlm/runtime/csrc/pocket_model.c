@@ -530,7 +530,7 @@ int pocket_model_create(const pocket_model_config *cfg, const pocket_layer_weigh
         }
     }
     if (copy_vectors(m)) goto nomem;
-    if (c.release_source) pm_advise_random_rows(&m->embed);
+    if (c.release_lookups) pm_advise_random_rows(&m->embed);
     *out = m;
     return POCKET_OK;
 nomem:

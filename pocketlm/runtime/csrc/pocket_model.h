@@ -129,6 +129,8 @@ typedef struct pocket_model_config {
                          * once a weight is repacked (a vector: copied), its source pages are
                          * handed back to the kernel (madvise), so load does not hold the file
                          * and the copy at once */
+    int release_lookups; /* 1: the embedding is a read-only file mapping too: a lookup that
+                          * reads it in place hands back the pages it touched */
     int amx;            /* 1: products over 16 or more tokens run on AMX-BF16 tiles, bfloat16
                          * weights and activations (pocket_model_amx.c); needs the avx512 level
                          * and a CPU (and OS) with AMX-BF16, else POCKET_EUNSUPPORTED */

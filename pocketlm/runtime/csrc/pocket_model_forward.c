@@ -535,7 +535,7 @@ static void embed_rows(const pocket_model *m, const int32_t *ids, int n, float *
         }
         if (m->c.embed_scale != 1.0f)
             for (size_t c = 0; c < d; c++) xi[c] *= m->c.embed_scale;
-        if (!from_head && m->c.release_source && w->type != POCKET_WT_F32) {
+        if (!from_head && m->c.release_lookups && w->type != POCKET_WT_F32) {
             /* a separate embedding stays in the file: drop the pages a lookup mapped (the
              * kernel maps whole large folios, ~1 MB a row), so lookups never add up */
             const size_t rb = pm_row_bytes(w);

@@ -397,6 +397,10 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         int truth = rs ? PyObject_IsTrue(rs) : 0;
         if (truth < 0) return NULL;
         c.release_source = truth;
+        PyObject *rl = cfg_item(cfg, "release_lookups", 0);
+        truth = rl ? PyObject_IsTrue(rl) : 0;
+        if (truth < 0) return NULL;
+        c.release_lookups = truth;
         PyObject *hp = cfg_item(cfg, "huge_pages", 0);
         truth = hp ? PyObject_IsTrue(hp) : 0;
         if (truth < 0) return NULL;

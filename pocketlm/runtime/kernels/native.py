@@ -53,6 +53,7 @@ complete forward pass in one native call; the runtime uses it by default (see
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import threading
 
@@ -60,7 +61,7 @@ import numpy as np
 
 from ...errors import KernelError, PocketError
 from ...head_patch import PATCH, PATCH_IDS
-from ...quant import QuantTensor, q4k_codes
+from ...quant import EncodedQuantTensor, QuantTensor, q4k_codes
 from ..adapters import find_adapters
 from ..settings import (  # noqa: F401 (DEFAULT_AMX_WEIGHTS, KV_FORMATS, LEVELS: public here)
     AMX_WEIGHT_TERMS,
@@ -425,6 +426,38 @@ def _engine_tensor(w):
     return None
 
 
+def file_mapped(a: np.ndarray) -> bool:
+    """Whether ``a`` is a read-only view of a file mapping (``mmap``): a page of it the engine
+    hands back (madvise) is read back from the file when next touched. Handing back a page of
+    any other memory loses what it held."""
+    b = a
+    while isinstance(b, (np.ndarray, memoryview)):
+        b = b.base if isinstance(b, np.ndarray) else b.obj
+    return isinstance(b, mmap.mmap) and not a.flags.writeable
+
+
+def unmapped_tensor(config, weights: dict) -> str | None:
+    """The first model tensor whose arrays the engine would hand back (``release_source``)
+    that is not a read-only view of a file mapping, or None. A tensor in a source encoding is
+    decoded into arrays of its own (released once repacked: not the caller's), and computed
+    minimums (a zero point) are never handed back."""
+    names = list(config.tensor_shapes()) + [n for n in ("lm_head.weight", PATCH)
+                                            if n in weights]
+    for name in names:
+        w = weights.get(name)
+        if isinstance(w, EncodedQuantTensor):
+            continue
+        if isinstance(w, QuantTensor):
+            arrays = [w.qweight, w.scales]
+            if w.kind in ("int4", "int5") and w.zero_point is None:
+                arrays.append(w.mins)
+        else:
+            arrays = [w]
+        if not all(isinstance(a, np.ndarray) and file_mapped(a) for a in arrays):
+            return name
+    return None
+
+
 def engine_weights(config, weights: dict, *, adapters: bool = True
                    ) -> tuple[dict | None, str]:
     """The weights in the engine's form, or (None, the reason they cannot be used).
@@ -585,7 +618,17 @@ class NativeEngine:
         self.amx_weights = amx_weights if self.amx else None
         self.avxvnni = int(settings.avxvnni if avxvnni is None else bool(avxvnni))
         cfg = config.to_dict()
+        if release_source and (name := unmapped_tensor(config, weights)) is not None:
+            # handing back pages of memory that is not a file mapping zeroes what they hold
+            raise KernelError(f"release_source needs every weight to be a read-only view of a "
+                              f"file mapping; {name!r} is not (load a deploy file, or leave "
+                              "release_source / file_backed off)")
         cfg["release_source"] = bool(release_source)
+        # the embedding's lookups hand back the pages they read (a separate embedding stays in
+        # the file); a decoded one is not in the file, and a tied one is read from the head's
+        # tiles where there are tiles, else in place
+        cfg["release_lookups"] = bool(release_source) and not isinstance(
+            weights.get("embed.weight"), EncodedQuantTensor)
         self.huge_pages = int(settings.hugepages if huge_pages is None else bool(huge_pages))
         cfg["huge_pages"] = self.huge_pages
         self.head_screen = int(settings.head_screen if head_screen is None else head_screen)
