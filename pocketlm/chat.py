@@ -710,7 +710,8 @@ def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer)
             found = tokenizer.control_text_in(value)
             if found is not None:
                 raise PocketError(f"{where} holds control-token text ({found!r}), which the "
-                                  "chat template would read as that token; remove it")
+                                  "chat template would read as that token; remove it",
+                                  param=where.removesuffix(" (a key)"))
         elif isinstance(value, dict):
             for k, v in value.items():
                 todo += [(k, f"{where} (a key)"), (v, f"{where}.{k}")]

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 
 class PocketError(Exception):
-    """Base class of every error pocketlm raises on purpose."""
+    """Base class of every error pocketlm raises on purpose. ``param``, where known: the field
+    of the request it came from (the server names it in its 400)."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class FormatError(PocketError):
@@ -57,10 +62,6 @@ class GrammarError(PocketError, ValueError):
     compile, uses what is not supported, cannot be satisfied), or one that no token can
     continue. ``param`` names the field it came from (``json_schema``, ``regex``, ``grammar``,
     or the server's ``response_format`` / ``tools``)."""
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 def refuse_empty(flag: str, value, what: str = "a path") -> None:

@@ -178,10 +178,10 @@ def _rerooted(params: Any, prefix: str, defs: dict) -> Any:
     return body
 
 
-def call_grammar(tools: list[Tool], *, native: bool) -> Grammar:
-    """The grammar of an answer that is a call (native: one or more) of one of ``tools``; the
-    arguments are held to each function's parameters, :func:`closed` (their ``$ref``s resolved
-    as in the parameters alone)."""
+def call_grammar(tools: list[Tool], *, native: bool, parallel: bool = True) -> Grammar:
+    """The grammar of an answer that is a call (native and ``parallel``: one or more) of one
+    of ``tools``; the arguments are held to each function's parameters, :func:`closed` (their
+    ``$ref``s resolved as in the parameters alone)."""
     defs: dict[str, Any] = {}
     calls = [{"type": "object", "properties": {
                  "name": {"const": t.name},
@@ -197,7 +197,8 @@ def call_grammar(tools: list[Tool], *, native: bool) -> Grammar:
     top = {**top, "x-guidance": JSON_LAYOUT}
     schema = json.dumps(top, ensure_ascii=False)
     if native:
-        lark = (f'start: WS call ("\\n" call)*\nWS: /[ \\t\\n]*/\n'
+        more = ' ("\\n" call)*' if parallel else ""
+        lark = (f'start: WS call{more}\nWS: /[ \\t\\n]*/\n'
                 f'call: "{NATIVE_TRIGGER}\\n" args "\\n</tool_call>"\nargs: %json {schema}\n')
     else:
         lark = f'start: WS args\nWS: /[ \\t\\n]*/\nargs: %json {schema}\n'
@@ -205,16 +206,18 @@ def call_grammar(tools: list[Tool], *, native: bool) -> Grammar:
 
 
 def call_constraint(tools: list[Tool], choice: str | dict, *, native: bool, tokenizer,
-                    n_vocab: int):
+                    n_vocab: int, parallel: bool = True):
     """The constraint of a request with ``tools`` and ``tool_choice`` ``choice`` ("auto",
     "required" or ``{"type": "function", "function": {"name": ...}}``), or None for
-    "none"."""
+    "none". A named function is called once; otherwise ``parallel`` (OpenAI's
+    ``parallel_tool_calls``) allows several calls in one answer (the native format's)."""
     if choice == "none" or not tools:
         return None
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         tools = [t for t in tools if t.name == name]
-    grammar = call_grammar(tools, native=native)
+        parallel = False
+    grammar = call_grammar(tools, native=native, parallel=parallel)
     constraint = compile_grammar(grammar, tokenizer, n_vocab)
     if choice == "auto":
         # compiled now, with the request (the server does this off its event loop), not when

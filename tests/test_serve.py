@@ -784,8 +784,11 @@ def test_tool_calls_round_trip_with_the_real_client(server):
         "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}},
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "array", "minItems": 1, "items": {"$ref": "#"}}}}]},
+        "type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}}}]},
      "tools[0].function.parameters"),
+    # a call's arguments are an object: a string schema gave arguments of JSON text in text
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
      "tools[0].function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools[0]"),

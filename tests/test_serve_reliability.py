@@ -885,6 +885,7 @@ def test_control_token_text_in_tools_or_calls_is_a_400_where_the_template_render
     bad, good = run(go())
     err = assert_openai_error(bad, 400)
     assert where in err["message"] and "control-token text" in err["message"], err
+    assert err["param"] == where, err  # the field, not 'messages' for every one
     assert good.status_code == 200, good.text
 
 

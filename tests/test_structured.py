@@ -371,6 +371,33 @@ def test_tool_calls_of_a_random_model_always_parse(tiny):
                     assert args == {}
 
 
+def test_a_named_function_or_parallel_tool_calls_false_is_one_call(tiny):
+    """The native format allows call after call: a named tool_choice (and "required" with
+    parallel_tool_calls false) let a greedy model repeat its call until max_tokens, and the
+    answer came back cut, as text. One call, then the answer must end."""
+    tools = [Tool("f", "", {"type": "object", "properties": {"x": {"type": "integer"}},
+                            "required": ["x"]}), Tool("g", "", {})]
+    one = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    two = one + "\n" + one
+
+    def takes(constraint, text):
+        for t in tiny.tokenize(text):
+            if not constraint.allowed()[t]:
+                return False
+            constraint.consume(t)
+        return constraint.allowed()[tiny.tokenizer.eos_ids[0]]
+
+    def made(choice, parallel=True):
+        return call_constraint(tools, choice, native=True, tokenizer=tiny.tokenizer,
+                               n_vocab=tiny.config.vocab_size, parallel=parallel)
+
+    assert takes(made("required"), two) and takes(made("required"), one)
+    assert takes(made("required", parallel=False), one)
+    assert not takes(made("required", parallel=False), two)
+    named = {"type": "function", "function": {"name": "f"}}
+    assert takes(made(named), one) and not takes(made(named), two)
+
+
 def test_tool_parameters_with_defs_and_refs_hold_as_they_do_alone(tiny):
     """Function parameters as Pydantic writes them ($defs and $ref, and a reference to the
     parameters themselves) constrain the call's arguments as they would alone; they were

@@ -418,7 +418,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                 check_tools(g.tools)
                 return call_constraint(g.tools, g.tool_choice, native=native_tools,
                                        tokenizer=model.tokenizer,
-                                       n_vocab=model.config.vocab_size)
+                                       n_vocab=model.config.vocab_size,
+                                       parallel=g.parallel_tool_calls)
             if g.json_schema is not None:
                 return model.constraint(json_schema=g.json_schema)
         except GrammarError as e:
@@ -438,7 +439,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             else:
                 ids = model.tokenize(prompt)
         except PocketError as e:
-            raise P.APIError(400, str(e), param="messages" if g.messages else "prompt") from None
+            raise P.APIError(400, str(e), param=e.param or (
+                "messages" if g.messages is not None else "prompt")) from None
         if not ids:
             raise P.APIError(400, "the prompt is empty", param="prompt")
         return ids

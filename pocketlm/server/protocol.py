@@ -325,6 +325,12 @@ def _tools(v, name):
         if not isinstance(params, dict):
             raise _bad(f"'{where}.function.parameters' must be a JSON Schema object, got "
                        f"{_type_name(params)}", f"{where}.function.parameters", "invalid_type")
+        if params.get("type", "object") != "object":
+            # a call's arguments are a JSON object (clients read them as one)
+            raise _bad(f"'{where}.function.parameters' must describe an object (a call's "
+                       f"arguments are a JSON object); its type is "
+                       f"{_as_written(params['type'])}", f"{where}.function.parameters",
+                       "invalid_value")
         if "strict" in fn:
             _boolean(fn["strict"], f"{where}.function.strict")
         out.append(Tool(fname, desc, params))
@@ -519,6 +525,7 @@ class GenerationRequest:
     json_schema: dict | bool | None = None
     tools: list | None = None
     tool_choice: str | dict = "auto"
+    parallel_tool_calls: bool = True  # False: at most one call in an answer
     n: int = 1  # choices per prompt
     prompts: list | None = None  # completions: every prompt (a string or token ids)
     presence_penalty: float | None = None
@@ -581,7 +588,8 @@ def parse_request(body: Any, *, chat: bool) -> GenerationRequest:
         include_usage=bool((v.get("stream_options") or {}).get("include_usage")),
         ignore_eos=bool(v.get("ignore_eos")), speculative=v.get("speculative"),
         builtin_max_tokens=builtin, json_schema=v.get("response_format"), tools=tools,
-        tool_choice=choice or "auto")
+        tool_choice=choice or "auto",
+        parallel_tool_calls=v.get("parallel_tool_calls") is not False)
 
 
 # -- responses ------------------------------------------------------------------------------
