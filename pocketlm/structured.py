@@ -178,6 +178,10 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         what = "the " + _DESCRIBED[kind]
         raise GrammarError(f"{what} is not usable: {_first_line(messages[0])}", param=kind)
     if kind == "json_schema":
+        problem = _unenforced(value)
+        if problem is not None:
+            raise GrammarError(f"the JSON schema cannot be held exactly: {problem}",
+                               param=kind)
         ref = _endless_ref(value)
         if ref is not None:
             raise GrammarError(f"the JSON schema is not usable: no finite value fits it (a value "
@@ -198,6 +202,44 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
 
 _MAX_VISITS = 200_000
 _UNKNOWN = object()
+
+
+_EXACT_INT = 2 ** 53  # integers beyond are compared as the floats nearest to them
+
+
+def _unenforced(schema: Any) -> str | None:
+    """What in ``schema`` the matcher would accept a wrong value for, or None:
+    ``minProperties`` above the required properties where keys beyond ``properties`` are
+    allowed (such a key may be written twice, and a JSON parser keeps one: three keys
+    written, one read), and an integer bound beyond 2^53 (the matcher compares numbers as
+    64-bit floats: 9007199254740992 passed a minimum of 9007199254740993)."""
+    stack = [schema]
+    while stack:  # a stack, not recursion: schemas may nest deeply
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        least = node.get("minProperties")
+        if isinstance(least, int) and not isinstance(least, bool):
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            required = node.get("required") if isinstance(node.get("required"), list) else []
+            named = len({k for k in required if k in props})
+            if least > named and (node.get("additionalProperties", True) is not False
+                                  or node.get("patternProperties")):
+                return (f"minProperties {least} where keys beyond 'properties' are allowed "
+                        f"(a key could be written twice and count twice; JSON parsers keep "
+                        f"one): require {least} properties by name, or set "
+                        f"additionalProperties to false")
+        for key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+            bound = node.get(key)
+            if isinstance(bound, int) and not isinstance(bound, bool) and \
+                    abs(bound) > _EXACT_INT:
+                return (f"{key} {bound} is beyond 2^53, where numbers are compared as the "
+                        f"floats nearest to them")
+    return None
 
 
 def _endless_ref(schema: Any) -> str | None:

@@ -91,6 +91,13 @@ def tiny(request, tmp_path_factory):
     # the schema false: "Unimplemented keys: ['not']", a key nobody wrote
     (dict(json_schema=False), "json_schema", "the JSON schema false allows no value"),
     (dict(json_schema="false"), "json_schema", "the JSON schema false allows no value"),
+    # what the matcher accepts wrongly: a key written three times met minProperties 3
+    # ({"x": 1, "x": 2, "x": 3}, one key once parsed), and bounds past 2^53 compared as
+    # floats (9007199254740992 passed a minimum of 9007199254740993)
+    (dict(json_schema={"type": "object", "additionalProperties": {"type": "integer"},
+                       "minProperties": 3}), "json_schema", "minProperties 3 where keys"),
+    (dict(json_schema={"type": "object", "properties": {"n": {
+        "type": "integer", "minimum": 2 ** 53 + 1}}}), "json_schema", "beyond 2\\^53"),
 ])
 def test_unusable_grammars_are_refused_with_the_field_named(kwargs, param, match):
     with pytest.raises(GrammarError, match=match) as e:
