@@ -298,8 +298,7 @@ def cmd_run(args) -> int:
     if constrain:
         m.constraint(**constrain)  # a bad schema, regex or grammar fails here
     m.last_speculative = None
-    t0 = time.time()
-    n = 0
+    t0 = time.perf_counter()
     use_chat = not args.raw and bool(m.chat_template)
     if args.chat and not m.chat_template:
         raise PocketError("--chat: this model has no chat template")
@@ -318,11 +317,8 @@ def cmd_run(args) -> int:
     sys.stdout.write("\n")
     state = m.last_state
     if args.verbose and state is not None:
-        n = len(state.generated)
-        dt = time.time() - t0
-        print(f"[{state.prompt_tokens} prompt tokens, {n} generated in {dt:.2f} s, "
-              f"{n / dt if dt else 0:.1f} tok/s, finish: {state.finish_reason}"
-              f"{_speculative_line(m)}]", file=sys.stderr)
+        print(f"[{state.prompt_tokens} prompt tokens, {_speed_line(state, t0)}, finish: "
+              f"{state.finish_reason}{_speculative_line(m)}]", file=sys.stderr)
     return 0
 
 
@@ -373,7 +369,7 @@ def cmd_chat(args) -> int:
             continue
         history.append({"role": "user", "content": line})
         reply = []
-        t0 = time.time()
+        t0 = time.perf_counter()
         m.last_speculative = None
         try:
             for piece in m.chat(history, stream=True, speculative=speculative, **constrain,
@@ -393,8 +389,7 @@ def cmd_chat(args) -> int:
         sys.stdout.write("\n")
         state = m.last_state
         if args.verbose and state is not None:
-            n, dt = len(state.generated), time.time() - t0
-            print(f"[{n} tokens in {dt:.2f} s, {n / dt if dt else 0:.1f} tok/s"
+            print(f"[{state.prompt_tokens} prompt tokens, {_speed_line(state, t0)}"
                   f"{_speculative_line(m)}]", file=sys.stderr)
         history.append({"role": "assistant", "content": "".join(reply)})
 
@@ -552,6 +547,20 @@ def _check_drafter(m, speculative: dict) -> None:
             raise ModelNotFoundError(f"--speculative: {e} (prompt lookup is --speculative "
                                      "lookup)") from None
     m._drafter(speculative)
+
+
+def _speed_line(state, t0: float) -> str:
+    """``-v``'s timing of one answer begun at ``t0`` (perf_counter): the time to the first
+    token (template, tokenizing and prefill) and the decode speed after it, as `pocket bench`
+    counts them (tokens after the first over the time after it)."""
+    n, end = len(state.generated), time.perf_counter()
+    first = state.first_token_at
+    if not n or first is None:
+        return f"0 generated in {end - t0:.2f} s"
+    line = f"{n} generated in {end - t0:.2f} s: first token after {first - t0:.2f} s"
+    if n > 1 and end > first:
+        line += f", then {(n - 1) / (end - first):.1f} tok/s"
+    return line
 
 
 def _speculative_line(m) -> str:

@@ -13,6 +13,7 @@ left out, not shown as U+FFFD.
 from __future__ import annotations
 
 import bisect
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ class GenerationState:
     # with Sequence(logprobs=K): per generated token, (its log-probability, the K most likely
     # tokens as (id, log-probability))
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # time.perf_counter() when the first token was taken (the end of prefill, for speeds)
+    first_token_at: float | None = field(default=None, compare=False)
 
 
 class Sequence:
@@ -131,6 +134,8 @@ class Sequence:
         if self.state.logprobs is not None and self._pending is not None:
             self.state.logprobs.append(self._pending)
             self._pending = None
+        if not self.state.generated:
+            self.state.first_token_at = time.perf_counter()
         self.state.generated.append(token)
         self.history.append(token)
         piece = self.text.add(token) if self.text is not None else ""

@@ -198,6 +198,10 @@ def test_budget_line_states_measurement_and_budget():
     assert budget_line(r) == ("decode: MISS (99 tok/s; budget > 200)  "
                               "memory: PASS (131 MB; budget < 300)  "
                               "energy: PASS (5.00 J; budget <= 5.0)")
+    # the energy budget is for a 512 + 128-token call: a shorter one passed it by being short
+    r.n_prompt, r.n_gen, r.energy_j_est = 64, 16, 0.71
+    assert budget_line(r).endswith("energy: not judged (0.71 J for 64 + 16 tokens; the budget "
+                                   "<= 5.0 J is for a 512 + 128-token call)")
 
 
 def test_bench_refuses_a_draft_model_it_cannot_use_before_any_run(gguf, tmp_path):
