@@ -308,7 +308,7 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         prefill = [n_prompt / x["prefill_s"] for x in s]
         decode = [n_gen / x["decode_s"] for x in s]
         if rapl[engine]:
-            energy, method = statistics.median(rapl[engine]), "rapl (package, measured)"
+            energy, method = statistics.median(rapl[engine]), "rapl (the CPU package, measured: every process on it)"
         else:
             energy = statistics.median(x["cpu_s"] for x in s) * watts_per_core
             method = f"estimate: CPU-seconds x {watts_per_core:g} W per busy core"
