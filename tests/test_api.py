@@ -910,6 +910,38 @@ def test_a_tied_embedding_in_a_source_encoding_is_not_handed_back(tmp_path, monk
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-3 * np.abs(want).max())
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_process_forked_during_a_forward_can_generate(m):
+    """A process forked while another thread was inside a native forward inherited the
+    model's lock held by a thread it does not have: its first call waited forever. The child
+    takes a lock of its own. (Forked many times, most forks land inside a forward.)"""
+    import threading
+
+    want = m.generate(PROMPT, 4, temperature=0)
+    ids = m.tokenize(PROMPT * 8)
+    stop = threading.Event()
+
+    def busy() -> None:
+        while not stop.is_set():
+            m.logits(ids)
+
+    t = threading.Thread(target=busy)
+    t.start()
+    results = []
+    try:
+        for _ in range(12):
+            pid = os.fork()
+            if pid == 0:  # the child: answer, or be killed by the alarm if it hangs
+                signal.alarm(10)
+                ok = m.generate(PROMPT, 4, temperature=0) == want
+                os._exit(0 if ok else 3)
+            results.append(os.waitpid(pid, 0)[1])
+    finally:
+        stop.set()
+        t.join()
+    assert all(os.WIFEXITED(st) and os.WEXITSTATUS(st) == 0 for st in results), results
+
+
 def test_each_thread_reads_its_own_last_state(m):
     """Threads sharing a model each read the state of their own last generation: the model
     kept one, so a thread read another's tokens and finish reason (19 of 20 calls did)."""

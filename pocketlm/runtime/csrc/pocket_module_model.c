@@ -67,16 +67,40 @@
 #include "pocket_module_internal.h"
 #include "pythread.h"
 
+#ifndef _WIN32
+#include <unistd.h>
+static long this_process(void) { return (long)getpid(); }
+#else
+static long this_process(void) { return 0; }
+#endif
+
 #define MODEL_API 1
 
 typedef struct {
     PyObject_HEAD pocket_model *model;
     PyThread_type_lock lock;
+    long lock_pid; /* the process the lock belongs to (model_lock) */
     Py_buffer *views;
     Py_ssize_t nviews, capviews;
     int vocab, n_layers, max_positions;
     int act_q8, level;
 } ModelObject;
+
+/* The model's lock, for a call about to take it (the GIL held). A process forked while
+ * another thread was in a forward inherits the lock held by a thread it does not have: its
+ * first call would wait forever. A child takes a lock of its own (the parent's stays as it
+ * was: freeing a held lock is undefined); the model's scratch is rewritten by every call. */
+static PyThread_type_lock model_lock(ModelObject *self) {
+    const long pid = this_process();
+    if (self->lock_pid != pid) {
+        PyThread_type_lock fresh = PyThread_allocate_lock();
+        if (fresh) {
+            self->lock = fresh;
+            self->lock_pid = pid;
+        }
+    }
+    return self->lock;
+}
 
 typedef struct {
     PyObject_HEAD ModelObject *owner;
@@ -465,6 +489,7 @@ static PyObject *model_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
         PyErr_NoMemory();
         return NULL;
     }
+    self->lock_pid = this_process();
     self->vocab = c.vocab_size;
     self->n_layers = c.n_layers;
     self->max_positions = capacity;
@@ -794,13 +819,14 @@ static PyObject *model_forward(ModelObject *self, PyObject *args, PyObject *kwds
             goto done;
         pocket_pool *pool = pocket_py_pool(opool);
         int rc;
+        PyThread_type_lock lock = model_lock(self);
         Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        PyThread_acquire_lock(lock, WAIT_LOCK);
         const uint8_t one = 1;
         pocket_model_set_screen(self->model, screen && !all_logits ? &one : NULL);
         rc = pocket_model_forward(self->model, kvo->kv, p, (int)n, (int)start_pos,
                                   (float *)lg.v.buf, all_logits, pool, pool ? threads : 1);
-        PyThread_release_lock(self->lock);
+        PyThread_release_lock(lock);
         Py_END_ALLOW_THREADS
         result = pocket_py_status_result(rc);
     }
@@ -914,12 +940,13 @@ static PyObject *batch_call(ModelObject *self, PyObject *args, PyObject *kwds, i
             oscreen != Py_None ? (const uint8_t *)PyBytes_AS_STRING(oscreen) : NULL;
         pocket_pool *pool = pocket_py_pool(opool);
         int rc;
+        PyThread_type_lock lock = model_lock(self);
         Py_BEGIN_ALLOW_THREADS
-        PyThread_acquire_lock(self->lock, WAIT_LOCK);
+        PyThread_acquire_lock(lock, WAIT_LOCK);
         pocket_model_set_screen(self->model, scr);
         rc = (repeats ? pocket_model_verify_batch : pocket_model_forward_batch)(
             self->model, kvs, p, ps, (int)n, (float *)lg.v.buf, pool, pool ? threads : 1);
-        PyThread_release_lock(self->lock);
+        PyThread_release_lock(lock);
         Py_END_ALLOW_THREADS
         result = pocket_py_status_result(rc);
     }
@@ -959,10 +986,11 @@ static PyObject *model_kv_copy(ModelObject *self, PyObject *args) {
         return NULL;
     }
     int rc;
+    PyThread_type_lock lock = model_lock(self);
     Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(self->lock, WAIT_LOCK); /* no forward writes either cache meanwhile */
+    PyThread_acquire_lock(lock, WAIT_LOCK); /* no forward writes either cache meanwhile */
     rc = pocket_kv_copy(dst->kv, src->kv, n);
-    PyThread_release_lock(self->lock);
+    PyThread_release_lock(lock);
     Py_END_ALLOW_THREADS
     return pocket_py_status_result(rc);
 }
