@@ -917,6 +917,8 @@ def test_a_process_forked_during_a_forward_can_generate(m):
     takes a lock of its own. (Forked many times, most forks land inside a forward.)"""
     import threading
 
+    if m.runtime.engine != "native":  # numpy's BLAS threads themselves hang after such a fork
+        pytest.skip("the numpy reference's BLAS does not survive fork() during a call")
     want = m.generate(PROMPT, 4, temperature=0)
     ids = m.tokenize(PROMPT * 8)
     stop = threading.Event()
