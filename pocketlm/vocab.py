@@ -58,7 +58,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import PocketError, UnsupportedError
+from .errors import PocketError, UnsupportedError, refuse_empty
 from .formats.pocketfile import SOURCE_IDS_TENSOR
 from .tokenizer import BYTE_TO_CHAR, DROPPED_BYTE, SPACE_MARK, SpmTokenizer, Tokenizer
 
@@ -181,6 +181,7 @@ class VocabSpec:
         if self.corpus is not None:
             from .calibdata import check_text_file
 
+            refuse_empty("--vocab-corpus", self.corpus, "a text file")  # Path("") is "."
             object.__setattr__(self, "corpus", Path(self.corpus))
             check_text_file(self.corpus, flag="--vocab-corpus")
 

@@ -177,6 +177,9 @@ def test_bad_specs_are_refused_naming_the_flag(tmp_path):
     (tmp_path / "bin.txt").write_bytes(b"abc\0def")
     with pytest.raises(PocketError, match="--vocab-corpus .*bin.txt: a binary file"):
         VocabSpec(corpus=tmp_path / "bin.txt")
+    # an empty name (an unset shell variable) was the working folder: "is a folder"
+    with pytest.raises(PocketError, match="--vocab-corpus is empty"):
+        VocabSpec(corpus="")
 
 
 def test_required_pieces_are_always_kept(tok, tmp_path):
