@@ -70,6 +70,31 @@ from .scheduler import (
 DRAIN_BYTES = 64 * MB
 
 
+LARGE_BODY = 256 * 1024  # bytes: after such a body is handled, free heap goes back (trim_heap)
+
+
+def _malloc_trim():
+    try:
+        import ctypes
+        import ctypes.util
+
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to call
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
+    nothing). Parsing, rendering and tokenizing a large body takes tens of MB, freed into the
+    worker thread's own arena, which the process otherwise keeps: a spell of 1 MB bodies left
+    the server at 690 MB resident instead of 275."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
 def current_rss() -> int:
     """Resident memory of this process in bytes (Linux), 0 where unknown."""
     try:
@@ -547,7 +572,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         check_origin(request)
         check_auth(request)
         check_json_type(request)
-        body = P.decode_json(await read_body(request))
+        raw = await read_body(request)
+        body = P.decode_json(raw)
         if not isinstance(body, dict):
             raise P.APIError(400, "the request body must be a JSON object", code="invalid_type")
         unknown = set(body) - {"model", "prompt", "messages", "add_special_tokens"}
@@ -566,11 +592,15 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         def count() -> list[int]:
             # off the event loop, as generation's prompts are: a long text takes a while to
             # tokenize, and the streams being served must not wait for it
-            if "messages" in body:
-                g = P.parse_request({"model": cfg.model_name, "messages": body["messages"]},
-                                    chat=True)
-                return chat_prompt(g)
-            return model.tokenize(body["prompt"], add_bos=None if add else False)
+            try:
+                if "messages" in body:
+                    g = P.parse_request({"model": cfg.model_name, "messages": body["messages"]},
+                                        chat=True)
+                    return chat_prompt(g)
+                return model.tokenize(body["prompt"], add_bos=None if add else False)
+            finally:
+                if len(raw) > LARGE_BODY:
+                    trim_heap()
 
         try:
             ids = await asyncio.to_thread(count)
@@ -608,9 +638,13 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         body = await read_body(request)
 
         def prepare() -> tuple[P.GenerationRequest, list[list[int]]]:
-            g = P.parse_request(P.decode_json(body), chat=chat)
-            check_model(g.model)
-            return g, [prompt_ids(g, prompt) for prompt in ([None] if chat else g.prompts)]
+            try:
+                g = P.parse_request(P.decode_json(body), chat=chat)
+                check_model(g.model)
+                return g, [prompt_ids(g, prompt) for prompt in ([None] if chat else g.prompts)]
+            finally:
+                if len(body) > LARGE_BODY:
+                    trim_heap()
 
         # parsing, rendering and tokenizing a large body takes a while: not on the event loop,
         # where it would stall every other request's stream meanwhile
