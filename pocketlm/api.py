@@ -254,11 +254,10 @@ class PocketModel:
         """``(drafter, draft lengths)`` for a ``speculative`` argument, or None."""
         if speculative is None or speculative is False:
             return None
-        from .speculative import DEFAULT_MAX_DRAFT, DraftLength, make_drafter
+        from .speculative import DEFAULT_MAX_DRAFT, DraftLength, make_drafter, speculative_spec
 
-        max_draft = speculative.get("max_draft", DEFAULT_MAX_DRAFT) \
-            if isinstance(speculative, dict) else DEFAULT_MAX_DRAFT
-        lengths = DraftLength(max_draft=max_draft)
+        speculative = speculative_spec(speculative)  # an unknown key before any value
+        lengths = DraftLength(max_draft=speculative.get("max_draft", DEFAULT_MAX_DRAFT))
         return make_drafter(speculative, target_tokenizer=self.tokenizer,
                             capacity=self.n_ctx, loaded=self._draft_models), lengths
 
@@ -277,8 +276,9 @@ class PocketModel:
         ends once the grammar is complete (:mod:`pocketlm.structured`).
 
         ``speculative``: ``"lookup"`` (drafts from n-grams of the prompt and the text so far),
-        ``{"draft": MODEL}`` (a smaller model of the same vocabulary), or a dict of options
-        (``max_draft``, ``max_ngram``, ``min_ngram``): several tokens per pass over the
+        ``{"draft": MODEL}`` or MODEL itself (a smaller model of the same vocabulary: a name, a
+        path or a loaded model), or a dict of options (``max_draft``, ``max_ngram``,
+        ``min_ngram``; ``{}`` is prompt lookup's defaults): several tokens per pass over the
         weights, the same tokens as without it (:mod:`pocketlm.speculative`);
         ``last_speculative`` then holds its statistics."""
         check_text(prompt, "prompt")

@@ -186,6 +186,29 @@ class DraftModel:
         return out
 
 
+SPECULATIVE_OPTIONS = ("method", "max_ngram", "min_ngram", "draft", "max_draft")
+
+
+def speculative_spec(spec) -> dict:
+    """A user's ``speculative`` argument as a dict of options, checked for its type and its
+    keys first (before any option's value): ``"lookup"``, a draft model given bare (a name, a
+    path or a loaded model) or a dict; ``{}`` is prompt lookup with its defaults."""
+    from . import api
+
+    if spec == "lookup":
+        return {"method": "lookup"}
+    if isinstance(spec, (str, os.PathLike, api.PocketModel)):
+        return {"draft": spec}
+    if not isinstance(spec, dict):
+        raise PocketError(f"speculative must be 'lookup', a draft model (a name, a path or a "
+                          f"loaded model), or a dict of options, got {type(spec).__name__}")
+    unknown = set(spec) - set(SPECULATIVE_OPTIONS)
+    if unknown:
+        raise PocketError(f"unknown speculative option(s): {', '.join(sorted(unknown))} "
+                          f"(known: {', '.join(SPECULATIVE_OPTIONS)})")
+    return spec
+
+
 def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
                  loaded: dict | None = None):
     """A drafter from a user's ``speculative`` argument: ``"lookup"`` (or a dict with
@@ -194,17 +217,7 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
     draft models loaded by name across calls (each call loaded its own otherwise)."""
     if spec is None or spec is False:
         return None
-    if isinstance(spec, str):
-        if spec == "lookup":
-            return PromptLookup()
-        spec = {"draft": spec}
-    if not isinstance(spec, dict):
-        raise PocketError(f"speculative must be 'lookup', a draft model, or a dict, got "
-                          f"{type(spec).__name__}")
-    unknown = set(spec) - {"method", "max_ngram", "min_ngram", "draft", "max_draft"}
-    if unknown:
-        raise PocketError(f"unknown speculative option(s): {', '.join(sorted(unknown))} "
-                          "(known: method, max_ngram, min_ngram, draft, max_draft)")
+    spec = speculative_spec(spec)
     if "draft" in spec:
         from . import api
 

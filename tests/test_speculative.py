@@ -269,9 +269,24 @@ def test_bad_speculative_arguments(tiny):
                        ({"method": "medusa"}, "unknown speculative method"),
                        ({"max_drafts": 3}, "unknown speculative option"),
                        ({"method": "lookup", "max_draft": 0}, "max_draft"),
-                       ({"method": "lookup", "max_ngram": 9}, "n-gram")]:
+                       ({"method": "lookup", "max_ngram": 9}, "n-gram"),
+                       # the unknown key is the one named (max_draft's range was, first)
+                       ({"foo": 1, "max_draft": 99}, "unknown speculative option.*: foo")]:
         with pytest.raises(PocketError, match=match):
             m.generate("hi", max_tokens=3, speculative=bad)
+
+
+def test_a_draft_model_given_bare_is_a_draft_model(tiny):
+    """A loaded model or a path given as speculative= itself was refused, with a message that
+    listed 'a draft model' as allowed; a name was taken. All three are {"draft": ...}; {} is
+    prompt lookup with its defaults."""
+    from pathlib import Path
+
+    m = tiny
+    want = m.generate(REPEATS, max_tokens=8)
+    for spec in (m, Path(m.path), str(m.path), {}):
+        assert m.generate(REPEATS, max_tokens=8, speculative=spec) == want
+    assert m.last_speculative is not None
 
 
 def test_speculative_options_of_the_wrong_kind_are_refused_by_name(tiny):
