@@ -376,6 +376,10 @@ def test_configs_no_hf_model_computes_are_refused(changes, named):
     with pytest.raises(UnsupportedError, match="cannot write this") as exc:
         hf_target(_config(**changes))
     assert named in str(exc.value) and "--to gguf" in str(exc.value)
+    # QK-norm with biases: the GGUF export refuses it too, and the advice says so (it sent
+    # the user to --to gguf, which refused)
+    if changes == dict(qkv_bias=True):
+        assert "--to gguf cannot write it either" in str(exc.value)
 
 
 def test_bad_dtype_is_refused(trained, tmp_path):

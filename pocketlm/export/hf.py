@@ -212,9 +212,15 @@ def hf_target(config: ModelConfig) -> str:
         if "sliding" in config.layer_types:
             wrong.append("sliding-window layers (written for gemma3 only)")
     if wrong:
+        from .gguf import gguf_architecture
+
+        try:  # name the other target only where it takes the model
+            gguf_architecture(config)
+            other = "export it with --to gguf or keep the .pocket file"
+        except UnsupportedError:
+            other = "keep the .pocket file (--to gguf cannot write it either)"
         raise UnsupportedError(f"cannot write this {config.arch} model as {arch}: "
-                               f"{'; '.join(wrong)}; export it with --to gguf or keep the "
-                               ".pocket file")
+                               f"{'; '.join(wrong)}; {other}")
     return target
 
 
