@@ -224,6 +224,22 @@ def test_q8_typical_error_is_small(level):
     assert rel < 0.01, rel
 
 
+@pytest.mark.parametrize("level", ARCH_LEVELS)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_q8_refuses_non_finite_activations_f32_carries_them(level, bad):
+    """int8 has no NaN or inf: a NaN activation became -127 and gave finite, plausible
+    outputs (inf gave wrong-signed infinities at the scalar level)."""
+    _require_level(level)
+    rng = np.random.default_rng(8)
+    w = quantize_int4(rng.standard_normal((64, 256)).astype(np.float32), 32)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    x[1, 5] = bad
+    with pytest.raises(KernelError, match="non-finite activations"):
+        native.linear(x, w, act="q8", level=level)
+    y = native.linear(x, w, act="f32", level=level)
+    assert np.isfinite(y[0]).all() and not np.isfinite(y[1]).all()
+
+
 def _awkward_activations(rows: int, seed: int) -> np.ndarray:
     """[rows >= 6, 576] activations with the quantizers' edge cases in rows 1-5."""
     x = np.random.default_rng(seed).standard_normal((rows, 576)).astype(np.float32)

@@ -263,6 +263,11 @@ def matmul(x: np.ndarray, w: QuantTensor, *, act: str = "f32", level: str | None
                               f"{getattr(x, 'dtype', type(x))} with shape "
                               f"{getattr(x, 'shape', '?')}")
         out = np.empty((n, rows), dtype=np.float32)
+    if act == "q8" and isinstance(x, np.ndarray) and x.dtype == np.float32 and \
+            not np.isfinite(x).all():
+        # int8 has no NaN or inf: a NaN became -127 and the result a plausible number
+        raise KernelError("act='q8' cannot round non-finite activations (NaN or inf) to int8; "
+                          "use act='f32', which carries them through")
     pool = _get_pool(nthreads)
     if w.kind == "int4":
         _call(_native.matmul_q4, x, w.qweight, w.scales, w.mins, w.group_size, out,
