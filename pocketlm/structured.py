@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -65,15 +66,21 @@ class _TokenizerView:
         self.tokens = [b"\xff" + tok.token_bytes(i) if i in special else tok.token_bytes(i)
                        for i in range(tok.vocab_size)]
         self.tokens += [b""] * (n_vocab - len(self.tokens))  # padded rows of the output head
-        self._tok = tok
+        # weak: the view is kept (in ll_tokenizer's cache) for as long as the tokenizer lives
+        self._tok = weakref.ref(tok)
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tok.encode(text, add_bos=False, special=False)
+        tok = self._tok()
+        if tok is None:
+            raise GrammarError("the tokenizer of this grammar is gone (its model was closed)")
+        return tok.encode(text, add_bos=False, special=False)
 
 
-_tokenizers: dict[tuple[int, int], Any] = {}
+# tokenizer -> {n_vocab: llguidance's view}: an entry goes with its tokenizer (a process that
+# loads model after model kept every vocabulary's view, hundreds of MB for large ones)
+_tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
 
 
@@ -82,16 +89,15 @@ def ll_tokenizer(tokenizer: Tokenizer, n_vocab: int | None = None):
     tokenizer: about 0.3 s for 49k pieces, 3 s for 262k). Its end tokens are the tokenizer's
     EOS / end-of-turn ids: the grammar lets the sequence end through any of them."""
     n_vocab = tokenizer.vocab_size if n_vocab is None else int(n_vocab)
-    key = (id(tokenizer), n_vocab)
     with _tokenizers_lock:
-        entry = _tokenizers.get(key)
-        if entry is not None and entry[0] is tokenizer:
-            return entry[1]
+        views = _tokenizers.setdefault(tokenizer, {})
+        ll = views.get(n_vocab)
+        if ll is not None:
+            return ll
         llg = _llg()
         view = llg.TokenizerWrapper(_TokenizerView(tokenizer, n_vocab))
         eos = list(tokenizer.eos_ids) or [view.eos_token_id]
-        ll = llg.LLTokenizer(view, n_vocab=n_vocab, eos_token=eos)
-        _tokenizers[key] = (tokenizer, ll)
+        ll = views[n_vocab] = llg.LLTokenizer(view, n_vocab=n_vocab, eos_token=eos)
         return ll
 
 
@@ -686,8 +692,9 @@ def _first_line(message: Any) -> str:
 class _Compiled:
     """A grammar compiled against one tokenizer: the pristine matcher each request copies."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, ll):
         self.matcher = matcher
+        self.ll = ll  # held: the cache's key is its id, which must not be reused meanwhile
         self.lock = threading.Lock()
 
 
@@ -718,7 +725,7 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
         except GrammarError as e:
             raise GrammarError(f"the {grammar.describe()} is not usable: it cannot start ("
                                f"{str(e).split(': ', 1)[-1]})", param=grammar.kind) from None
-        entry = _Compiled(matcher)
+        entry = _Compiled(matcher, ll)
         with _compiled_lock:
             _compiled[key] = entry
             while len(_compiled) > _CACHE_SIZE:

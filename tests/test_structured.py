@@ -485,3 +485,25 @@ def test_cli_constraints(tmp_path):
         assert p.returncode == 1, (args, p.stdout)
         assert match in p.stderr and p.stderr.count("\n") == 1, p.stderr
         assert p.stdout == ""
+
+
+def test_a_closed_models_vocabulary_view_is_not_kept(tiny):
+    """llguidance's view of a tokenizer (every piece's bytes) was cached forever, keyed by
+    the tokenizer's id: a process that loads model after model kept them all. It now goes
+    with its tokenizer."""
+    import gc
+    import weakref
+
+    from pocketlm import structured
+
+    other = pocketlm.load(tiny.path)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    out = other.generate("x", max_tokens=40, json_schema=schema, seed=1, temperature=1.0)
+    assert out == tiny.generate("x", max_tokens=40, json_schema=schema, seed=1,
+                                temperature=1.0)
+    gone = weakref.ref(other.tokenizer)
+    assert other.tokenizer in structured._tokenizers
+    del other
+    gc.collect()
+    assert gone() is None
+    assert tiny.tokenizer in structured._tokenizers  # the live one keeps its view
