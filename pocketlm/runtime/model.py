@@ -82,8 +82,9 @@ class Runtime:
         reference) or None (native when the native backend is in force, ``POCKET_KERNELS``;
         numpy only when a weight is in a layout the engine does not take, with the reason in
         ``engine_note``: a model the engine refuses is a KernelError, never a quiet switch to
-        numpy). ``file_backed``: the quantized weights are views of a read-only file mapping
-        (a deploy file), so the native engine may drop their pages once copied.
+        numpy). ``file_backed``: the weights are views of a read-only file mapping (a deploy
+        file), so the native engine may drop their pages once copied (checked: a weight in
+        memory is a KernelError, since dropping its pages would lose it).
         ``settings``: the engine settings (default: read from the environment now; an
         invalid ``POCKET_*`` value raises KernelError or UnsupportedError)."""
         self.config = config
