@@ -386,6 +386,16 @@ def test_amx_prefill_matches_reference(arch, quantized, weights):
     np.testing.assert_array_equal(outs[0], outs[2])
 
 
+def _attention_model(arch: str, max_context: int, seed: int):
+    """A two-layer model with heads of 64 (the tile unit's attention needs a multiple of 32),
+    gemma3's with a sliding window of 40 that cuts across the 32-key grid: its config and
+    quantized weights."""
+    extra = {"sliding_window": 40} if arch == "gemma3" else {}
+    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
+                                max_context=max_context, **extra)
+    return cfg, _weights(cfg, seed, True)
+
+
 @needs_amx
 @pytest.mark.parametrize("kv", ["f16", "f32"])
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -395,10 +405,7 @@ def test_amx_attention_over_long_prompts_matches_reference(arch, kv):
     # of 128 tokens over more than two chunks of 512 keys, then decode steps (the int8 path) reading the keys those blocks wrote; gemma3's sliding window
     # of 40 cuts across the 32-key grid. Prefill is near float32 (measured: 2e-5 with a float32
     # cache, 6e-4 with float16).
-    extra = {"sliding_window": 40} if arch == "gemma3" else {}
-    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
-                                max_context=1200, **extra)
-    w = _weights(cfg, 23, True)
+    cfg, w = _attention_model(arch, 1200, seed=23)
     ids = [int(t) for t in np.random.default_rng(5).integers(0, cfg.vocab_size, 1100)]
     ref = Runtime(cfg, w, engine="numpy")
     cache = ref.new_cache(len(ids))
@@ -429,10 +436,7 @@ def test_amx_prefill_is_the_same_wherever_a_prompt_is_cut(arch):
     # the int8 products), and a sliding window's key chunks start at the same positions
     # whatever block the row is in (they started at the block's window: each chunk is a step
     # of the online softmax). The server's prefix reuse and prefill budget rely on it.
-    extra = {"sliding_window": 40} if arch == "gemma3" else {}
-    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
-                                max_context=800, **extra)
-    w = _weights(cfg, 24, True)
+    cfg, w = _attention_model(arch, 800, seed=24)
     ids = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 700)]
     nat = Runtime(cfg, w, engine="numpy")
     nat.native = native.NativeEngine(cfg, w, act="q8", amx=True, threads=2)
@@ -1297,10 +1301,7 @@ def test_q8_kv_cache_odd_head_dims(shape):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_q8_kv_cache_under_amx_attention(arch):
     # prefill attention on the tile unit converts the int8 keys and values with their scales
-    extra = {"sliding_window": 40} if arch == "gemma3" else {}
-    cfg = torch_ref.tiny_config(arch, head_dim=64, n_heads=3, n_kv_heads=1, n_layers=2,
-                                max_context=700, **extra)
-    w = _weights(cfg, 33, True)
+    cfg, w = _attention_model(arch, 700, seed=33)
     ids = [int(t) for t in np.random.default_rng(6).integers(0, cfg.vocab_size, 600)]
     nat = Runtime(cfg, w, engine="numpy")
     nat.native = native.NativeEngine(cfg, w, act="q8", kv="q8", amx=True, threads=2,
