@@ -226,6 +226,17 @@ def test_multiple_choice_accuracy_is_exact():
     assert fake.seen_ids and all(ids[0] == 0 for ids in fake.seen_ids)  # BOS first
 
 
+def test_choices_with_broken_log_likelihoods_are_an_error_not_choice_a():
+    """np.argmax over NaN log-likelihoods is index 0: a model whose logits were NaN scored
+    near chance (mmlu 23.8 %, sentiment-zh 54.3 %: every answer the first choice), silently."""
+    class Broken(FakeEngine):
+        def continuation_logprobs(self, context, conts):
+            return [float("nan")] * len(conts)
+
+    with pytest.raises(PocketError, match="arith: .* not finite .*logits are broken"):
+        evaluate_task(Broken(), _mc_task(), progress=False)
+
+
 def test_acc_norm_normalises_by_characters():
     # 'x' is likely everywhere: " xxxx" has the best log-likelihood per character but " b"
     # the best total, so accuracy and acc_norm disagree in a known way

@@ -248,6 +248,26 @@ def test_json_checks_fail_a_degenerate_deep_nesting_instead_of_crashing():
     assert ins.json_valid("[" * 50 + "]" * 50)  # ordinary nesting still parses
 
 
+def test_an_empty_reply_or_loose_variant_follows_no_instruction():
+    """IFEval skips empty text: "at most 30 words" and "no commas" held for it, so a reply of
+    one or two lines passed them loosely whatever it said (its variant without a first or
+    last line is empty), and an empty reply passed them strictly."""
+    ex = {"id": "t", "instructions": [{"check": "words_at_most", "args": {"n": 30}}]}
+    long_line = " ".join(["word"] * 200)
+    r = check_response(long_line, ex)
+    assert not r["correct"] and not r["correct_loose"]
+    r = check_response(long_line + "\n" + long_line, ex)
+    assert not r["correct_loose"]
+    for empty in ("", "  \n "):
+        r = check_response(empty, {"id": "t", "instructions": [
+            {"check": "no_commas", "args": {}}, {"check": "words_at_most", "args": {"n": 5}}]})
+        assert r["passed"] == [False, False] and not r["correct_loose"]
+    # a real opener is still forgiven
+    r = check_response("Sure, here:\nshort and sweet", ex | {"instructions": [
+        {"check": "no_commas", "args": {}}]})
+    assert not r["correct"] and r["correct_loose"]
+
+
 def test_loose_variants():
     v = loose_variants("Sure:\n*one*\nBye")
     assert v[0] == "Sure:\n*one*\nBye" and "*one*\nBye" in v and "one" in v and len(v) == 8

@@ -40,8 +40,10 @@ from collections.abc import Callable
 from ..errors import PocketError
 
 # bumped when a prompt, an instruction or a checker changes (2: bullets_exactly no longer counts
-# a horizontal rule such as "* * *" as a bullet)
-INSTRUCTIONS_VERSION = 2
+# a horizontal rule such as "* * *" as a bullet; 3: an empty reply, or an empty loose variant of
+# a one- or two-line reply, follows no instruction, as in IFEval: "at most N words" and "no
+# commas" held for the empty text)
+INSTRUCTIONS_VERSION = 3
 
 ZH_MIN_CJK_SHARE = 0.5  # language_zh: CJK ideographs / letters
 EN_MIN_LATIN_SHARE = 0.95  # language_en: Latin letters (ASCII, U+00C0-U+024F) / letters
@@ -327,14 +329,18 @@ def validate_instruction(instruction, where: str = "instruction") -> None:
 
 
 def run_instruction(response: str, instruction: dict) -> bool:
-    """Whether ``response`` follows one instruction."""
+    """Whether ``response`` follows one instruction (an empty or blank response follows none:
+    "at most N words" or "no commas" would hold for it, as IFEval also rules)."""
+    if not response.strip():
+        return False
     return bool(CHECKERS[instruction["check"]](response, **instruction.get("args", {})))
 
 
 def loose_variants(response: str) -> list[str]:
     """The response as written, without its first line, without its last line, without both,
     and each of those with Markdown ``*`` removed (IFEval's loose setting: forgives a
-    "Sure, here it is:" opener, a closing remark and emphasis marks)."""
+    "Sure, here it is:" opener, a closing remark and emphasis marks). A variant left empty
+    (a reply of one or two lines) follows no instruction (:func:`run_instruction`)."""
     lines = response.split("\n")
     cut = [response, "\n".join(lines[1:]), "\n".join(lines[:-1]), "\n".join(lines[1:-1])]
     return cut + [c.replace("*", "") for c in cut]

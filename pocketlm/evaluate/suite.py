@@ -32,8 +32,9 @@ from ..errors import PocketError
 from .tasks import Engine, Task, evaluate_task, split_shots, wilson_interval
 
 # 2: ifeval-pocket's bullets_exactly counts no horizontal rule (INSTRUCTIONS_VERSION 2), and
-# exact matches (gsm8k-cot) compare numbers by their exact decimal value (tasks.normalize)
-SUITE_VERSION = 2
+# exact matches (gsm8k-cot) compare numbers by their exact decimal value (tasks.normalize);
+# 3: an empty reply or loose variant follows no ifeval-pocket instruction (INSTRUCTIONS_VERSION 3)
+SUITE_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -879,6 +879,10 @@ def score_example(engine: Engine, task: Task, ex: dict, shots: list[dict]) -> di
              for c in cands]
     context = _fit(bos, ids, engine.max_context - max(len(c) for c in conts), task)
     logprobs = engine.continuation_logprobs(context, conts)
+    if not np.isfinite(logprobs).all():  # argmax would take the first choice: a plausible score
+        raise PocketError(f"{task.name}: the model's log-likelihoods of the choices of example "
+                          f"{ex.get('id', '?') if isinstance(ex, dict) else '?'} are not finite "
+                          f"({logprobs}): its logits are broken (NaN or inf)")
     best = int(np.argmax(logprobs))
     per_char = [lp / len(lead + c) for lp, c in zip(logprobs, cands, strict=True)]
     best_norm = int(np.argmax(per_char))
