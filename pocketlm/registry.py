@@ -329,8 +329,13 @@ def model_or_default(model: str | None) -> str:
 
 
 def pocket_home() -> Path:
-    """pocketlm's data directory: ``$POCKET_HOME``, or ``~/.cache/pocketlm`` when unset."""
+    """pocketlm's data directory: ``$POCKET_HOME``, or ``~/.cache/pocketlm`` when unset or
+    empty. Blanks around a path are refused (``" "`` was a folder named by a space in the
+    working folder, and a model pulled there was lost to the next run elsewhere)."""
     home = os.environ.get("POCKET_HOME")
+    if home and home != home.strip():
+        raise PocketError(f"POCKET_HOME={home!r} begins or ends with blanks; set it to a folder "
+                          "path (or unset it for ~/.cache/pocketlm)")
     try:
         return Path(home).expanduser() if home else Path("~/.cache/pocketlm").expanduser()
     except RuntimeError:  # "~user" of no such user, or no home folder to expand "~" to

@@ -20,7 +20,7 @@ import pytest
 
 from pocketlm import registry
 from pocketlm.data import download
-from pocketlm.errors import ChecksumError, FetchError, ModelNotFoundError
+from pocketlm.errors import ChecksumError, FetchError, ModelNotFoundError, PocketError
 from pocketlm.registry import RegistryEntry, WheelPart
 
 PART_A = b"GGUF" + bytes(range(256)) * 40  # spans several small chunks
@@ -105,6 +105,12 @@ def test_pocket_home_respected(tmp_path, monkeypatch):
     assert registry.wheels_dir() == tmp_path / "ph" / "wheels"
     monkeypatch.delenv("POCKET_HOME")
     assert registry.pocket_home() == Path.home() / ".cache" / "pocketlm"
+    monkeypatch.setenv("POCKET_HOME", "")  # empty: as unset
+    assert registry.pocket_home() == Path.home() / ".cache" / "pocketlm"
+    for blank in (" ", f"  {tmp_path}", f"{tmp_path} "):  # " " was a folder named " " here
+        monkeypatch.setenv("POCKET_HOME", blank)
+        with pytest.raises(PocketError, match="begins or ends with blanks"):
+            registry.pocket_home()
 
 
 # ---------------------------------------------------------------------------------------- pull
