@@ -8,8 +8,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Set
 from pathlib import Path
@@ -628,6 +630,19 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
             raise PocketError(f"{path}: a deploy file is already quantized; "
                               "precision='float' needs the GGUF or Hugging Face source")
         return from_source(open_source(path), n_ctx=n_ctx)
-    path = deploy_file(model, group_size=group_size, embed_bits=embed_bits,
-                       keep_precision=keep_precision, quiet=quiet)
-    return load_pocket(path, verify=verify, n_ctx=n_ctx)
+    options = dict(group_size=group_size, embed_bits=embed_bits, keep_precision=keep_precision,
+                   quiet=quiet)
+    path = deploy_file(model, **options)
+    try:
+        return load_pocket(path, verify=verify, n_ctx=n_ctx)
+    except FormatError as e:
+        if Path(path).resolve() == resolve(_model_name(model), quiet=True).resolve():
+            raise  # the deploy file the caller named, not a cache entry
+        # a cache entry is derived from its source: one that no longer reads (truncated, a
+        # changed byte, an interrupted copy) is packed again instead of failing every load
+        if not quiet:
+            print(f"pocketlm: the cached deploy file {path} is damaged ({e}); packing it again",
+                  file=sys.stderr)
+        with contextlib.suppress(FileNotFoundError):
+            Path(path).unlink()
+        return load_pocket(deploy_file(model, **options), verify=verify, n_ctx=n_ctx)

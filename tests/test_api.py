@@ -71,6 +71,34 @@ def test_second_load_reuses_the_packed_file(env, monkeypatch):
     np.testing.assert_array_equal(again.logits(ids), env["model"].logits(ids))
 
 
+def test_a_damaged_cache_entry_is_packed_again(tmp_path, monkeypatch):
+    """A cached deploy file that no longer reads (truncated, a byte changed) failed every
+    load with an error that named no fix, and `pocket pull` said the model was fine: the
+    entry is derived from its source, so it is packed again. A deploy file the caller names
+    is never replaced."""
+    from pocketlm.errors import FormatError
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    src = tmp_path / "a.gguf"
+    tiny_gguf.write_tiny_gguf(src, "llama", seed=3, weight_type="Q4_0")
+    first = pocketlm.load(src)
+    want = first.logits(first.tokenize(PROMPT))
+    entry = first.path
+    del first
+    good = entry.read_bytes()
+    for damage in (good[: len(good) // 2], good[:-64] + bytes(64 ^ b for b in good[-64:])):
+        entry.write_bytes(damage)
+        again = pocketlm.load(src)
+        assert again.path == entry and entry.read_bytes() == good
+        np.testing.assert_array_equal(again.logits(again.tokenize(PROMPT)), want)
+        del again
+    named = tmp_path / "mine.pocket"
+    named.write_bytes(good[: len(good) // 2])
+    with pytest.raises(FormatError):
+        pocketlm.load(named)
+    assert named.stat().st_size == len(good) // 2
+
+
 def test_a_changed_source_replaces_its_packed_file(tmp_path, monkeypatch):
     """One cache entry per source and options: a source saved again is packed again and its
     old entry removed; another source's entry and another option's stay."""
