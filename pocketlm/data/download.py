@@ -286,6 +286,11 @@ def pip_download(package: str, version: str, folder: Path, *, want: str = "*",
                              f"({sys.executable}); install it with `{sys.executable} -m "
                              "ensurepip` (or `uv pip install pip`) and try again")
         if proc.returncode != 0:
+            if "No space left on device" in (proc.stderr or ""):  # not the network's doing
+                raise FetchError(
+                    f"could not download {package} {version} with pip: the disk holding "
+                    f"{folder} is full; free some space (or set POCKET_HOME to a folder on a "
+                    "disk with room) and try again")
             raise FetchError(
                 f"could not download {package} {version} with pip "
                 f"(exit status {proc.returncode}: {_last_line(proc.stderr)}); this machine needs "
