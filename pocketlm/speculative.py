@@ -195,7 +195,7 @@ def speculative_spec(spec) -> dict:
     path or a loaded model) or a dict; ``{}`` is prompt lookup with its defaults."""
     from . import api
 
-    if spec == "lookup":
+    if isinstance(spec, str) and spec == "lookup":
         return {"method": "lookup"}
     if isinstance(spec, (str, os.PathLike, api.PocketModel)):
         return {"draft": spec}
