@@ -68,8 +68,6 @@ from .scheduler import (
 
 # how much of a body over --max-body-kb is read and dropped so that its 413 arrives
 DRAIN_BYTES = 64 * MB
-
-
 LARGE_BODY = 256 * 1024  # bytes: after such a body is handled, free heap goes back (trim_heap)
 
 
@@ -93,6 +91,20 @@ def trim_heap() -> None:
     the server at 690 MB resident instead of 275."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+async def off_loop(work, body_size: int):
+    """``work()`` in a worker thread: parsing, rendering and tokenizing a body takes a while,
+    and the streams being served must not wait for it. After a body over ``LARGE_BODY`` the
+    heap's free pages go back (:func:`trim_heap`)."""
+    def run():
+        try:
+            return work()
+        finally:
+            if body_size > LARGE_BODY:
+                trim_heap()
+
+    return await asyncio.to_thread(run)
 
 
 def current_rss() -> int:
@@ -590,20 +602,14 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                              param="prompt", code="invalid_type")
 
         def count() -> list[int]:
-            # off the event loop, as generation's prompts are: a long text takes a while to
-            # tokenize, and the streams being served must not wait for it
-            try:
-                if "messages" in body:
-                    g = P.parse_request({"model": cfg.model_name, "messages": body["messages"]},
-                                        chat=True)
-                    return chat_prompt(g)
-                return model.tokenize(body["prompt"], add_bos=None if add else False)
-            finally:
-                if len(raw) > LARGE_BODY:
-                    trim_heap()
+            if "messages" in body:
+                g = P.parse_request({"model": cfg.model_name, "messages": body["messages"]},
+                                    chat=True)
+                return chat_prompt(g)
+            return model.tokenize(body["prompt"], add_bos=None if add else False)
 
         try:
-            ids = await asyncio.to_thread(count)
+            ids = await off_loop(count, len(raw))
         except PocketError as e:
             raise P.APIError(400, str(e), param="prompt") from None
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": model.n_ctx})
@@ -638,17 +644,11 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         body = await read_body(request)
 
         def prepare() -> tuple[P.GenerationRequest, list[list[int]]]:
-            try:
-                g = P.parse_request(P.decode_json(body), chat=chat)
-                check_model(g.model)
-                return g, [prompt_ids(g, prompt) for prompt in ([None] if chat else g.prompts)]
-            finally:
-                if len(body) > LARGE_BODY:
-                    trim_heap()
+            g = P.parse_request(P.decode_json(body), chat=chat)
+            check_model(g.model)
+            return g, [prompt_ids(g, prompt) for prompt in ([None] if chat else g.prompts)]
 
-        # parsing, rendering and tokenizing a large body takes a while: not on the event loop,
-        # where it would stall every other request's stream meanwhile
-        g, prompts = await asyncio.to_thread(prepare)
+        g, prompts = await off_loop(prepare, len(body))
         # more choices than the batch and the waiting line hold together never fit: a 429
         # would have the client retry what no retry can serve
         choices = len(prompts) * g.n

@@ -431,6 +431,17 @@ def _engine_tensor(w):
     return None
 
 
+def _model_tensors(config, weights: dict) -> list[str]:
+    """The names of the model's tensors the engine takes: the config's, a separate output
+    head, and the head patch's INT8 rows (its ids are handed over apart)."""
+    names = list(config.tensor_shapes())
+    if "lm_head.weight" in weights and "lm_head.weight" not in names:
+        names.append("lm_head.weight")
+    if PATCH in weights:
+        names.append(PATCH)
+    return names
+
+
 def file_mapped(a: np.ndarray) -> bool:
     """Whether ``a`` is a read-only view of a file mapping (``mmap``): a page of it the engine
     hands back (madvise) is read back from the file when next touched. Handing back a page of
@@ -446,9 +457,7 @@ def unmapped_tensor(config, weights: dict) -> str | None:
     that is not a read-only view of a file mapping, or None. A tensor in a source encoding is
     decoded into arrays of its own (released once repacked: not the caller's), and computed
     minimums (a zero point) are never handed back."""
-    names = list(config.tensor_shapes()) + [n for n in ("lm_head.weight", PATCH)
-                                            if n in weights]
-    for name in names:
+    for name in _model_tensors(config, weights):
         w = weights.get(name)
         if isinstance(w, EncodedQuantTensor):
             continue
@@ -470,13 +479,8 @@ def engine_weights(config, weights: dict, *, adapters: bool = True
     whether the engine takes the weights). The adapters are handed over as float16 (half the
     bytes the engine reads per token) when float16 holds every value exactly, as it does for
     a deploy file's; else as float32."""
-    names = list(config.tensor_shapes())
-    if "lm_head.weight" in weights and "lm_head.weight" not in names:
-        names.append("lm_head.weight")
-    if PATCH in weights:  # the head patch's INT8 rows (its ids follow below)
-        names.append(PATCH)
     out = {}
-    for name in names:
+    for name in _model_tensors(config, weights):
         t = _engine_tensor(weights[name])
         if t is None:
             w = weights[name]
