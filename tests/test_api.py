@@ -77,6 +77,7 @@ def test_a_damaged_cache_entry_is_packed_again(tmp_path, monkeypatch):
     entry is derived from its source, so it is packed again. A deploy file the caller names
     is never replaced."""
     from pocketlm.errors import FormatError
+    from pocketlm.formats.pocketfile import PocketFile
 
     monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
     src = tmp_path / "a.gguf"
@@ -86,10 +87,12 @@ def test_a_damaged_cache_entry_is_packed_again(tmp_path, monkeypatch):
     entry = first.path
     del first
     good = entry.read_bytes()
+    # the repacked entry holds the same tensors (its provenance's packing time may differ)
+    want_sums = PocketFile(entry).checksums
     for damage in (good[: len(good) // 2], good[:-64] + bytes(64 ^ b for b in good[-64:])):
         entry.write_bytes(damage)
         again = pocketlm.load(src)
-        assert again.path == entry and entry.read_bytes() == good
+        assert again.path == entry and PocketFile(entry).checksums == want_sums
         np.testing.assert_array_equal(again.logits(again.tokenize(PROMPT)), want)
         del again
     named = tmp_path / "mine.pocket"
