@@ -153,6 +153,7 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
         try:
             # key order is output order; NaN would be written as no JSON parser reads it
             source = json.dumps(value, ensure_ascii=False, allow_nan=False)
+            held = json.dumps(_held_formats(value), ensure_ascii=False)
         except (TypeError, ValueError) as e:
             raise GrammarError(f"the JSON schema cannot be written as JSON: {e}",
                                param=kind) from None
@@ -160,7 +161,7 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
             raise GrammarError(_TOO_DEEP, param=kind) from None
         _check_unicode(source, kind)
         try:
-            compiled = llg.LLMatcher.grammar_from_json_schema(source, defaults=JSON_LAYOUT)
+            compiled = llg.LLMatcher.grammar_from_json_schema(held, defaults=JSON_LAYOUT)
         except ValueError as e:  # e.g. "recursion limit exceeded" for a deeply nested schema
             raise GrammarError(f"the JSON schema cannot be used: {_first_line(e)}",
                                param=kind) from None
@@ -204,6 +205,49 @@ def parse_grammar(*, json_schema: Any = None, regex: str | None = None,
                 f"no finite text fits it: {what}" if "start" in endless
                 else f"{what}, so an answer that enters it cannot finish"), param=kind)
     return Grammar(kind, source, compiled)
+
+
+# Formats the matcher holds loosely, written as what it holds exactly: its "date" allowed
+# February 29 of every year (2023-02-29 fails any date parser) and it ignores "int32"/"int64"
+# on integers (an int32 field got 99999999999; int64's bounds are beyond what the matcher
+# compares exactly, see _unenforced).
+_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|"
+              "[12][0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:[02468][048]|[13579][26])00)"
+_DATE = f"(?:[0-9]{{4}}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+_TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?"
+         "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+_FORMAT_PATTERNS = {"date": f"^{_DATE}$", "date-time": f"^{_DATE}[Tt]{_TIME}$"}
+_INT_FORMATS = {"int32": 2 ** 31}
+# keywords whose values are JSON data, not schemas: left as they are
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))
+
+
+def _held_formats(schema: Any) -> Any:
+    """``schema`` with the formats the matcher holds loosely rewritten as what it holds
+    exactly: "date" and "date-time" as patterns that know leap years (unless the node has its
+    own pattern), "int32" on integers as bounds. The schema as given is what requests
+    and errors name; only the matcher sees this one."""
+    if isinstance(schema, list):
+        return [_held_formats(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else _held_formats(v)) for k, v in schema.items()}
+    fmt = schema.get("format")
+    if not isinstance(fmt, str):  # e.g. a property named "format" in a "properties" object
+        return out
+    if fmt in _FORMAT_PATTERNS and "pattern" not in schema:
+        del out["format"]
+        out["pattern"] = _FORMAT_PATTERNS[fmt]
+    elif fmt in _INT_FORMATS and schema.get("type") == "integer":
+        del out["format"]
+        half = _INT_FORMATS[fmt]
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if not isinstance(low, (int, float)) or isinstance(low, bool) or low < -half:
+            out["minimum"] = -half
+        if not isinstance(high, (int, float)) or isinstance(high, bool) or high > half - 1:
+            out["maximum"] = half - 1
+    return out
 
 
 _MAX_VISITS = 200_000

@@ -214,6 +214,39 @@ def test_a_never_ending_grammar_is_refused_by_generate_before_any_token(tiny):
         tiny.generate("x", max_tokens=4, grammar='root ::= "a" root')
 
 
+def _holds(schema, text: str) -> bool:
+    """Whether the compiled schema lets ``text`` through, byte by byte."""
+    byte = llguidance.LLTokenizer("byte")
+    matcher = llguidance.LLMatcher(byte, parse_grammar(json_schema=schema).compiled, log_level=0)
+    return bool(matcher.consume_tokens(byte.tokenize_bytes(text.encode()))) and \
+        matcher.is_accepting()
+
+
+@pytest.mark.parametrize("schema, text, valid", [
+    ({"type": "string", "format": "date"}, '"2023-02-29"', False),  # was let through
+    ({"type": "string", "format": "date"}, '"1900-02-29"', False),
+    ({"type": "string", "format": "date"}, '"2024-02-29"', True),
+    ({"type": "string", "format": "date"}, '"2000-02-29"', True),
+    ({"type": "string", "format": "date"}, '"2023-04-31"', False),
+    ({"type": "string", "format": "date"}, '"2023-12-31"', True),
+    ({"type": "string", "format": "date-time"}, '"2023-02-29T10:00:00Z"', False),
+    ({"type": "string", "format": "date-time"}, '"2024-02-29T23:59:59.25+05:30"', True),
+    ({"type": "integer", "format": "int32"}, "99999999999", False),  # was let through
+    ({"type": "integer", "format": "int32"}, "2147483648", False),
+    ({"type": "integer", "format": "int32"}, "-2147483648", True),
+    ({"type": "integer", "format": "int32", "maximum": 5}, "6", False),
+    # a property named "format", and a const that holds a schema, are not formats
+    ({"type": "object", "properties": {"format": {"type": "string"}}, "required": ["format"],
+      "additionalProperties": False}, '{"format": "x"}', True),
+    ({"const": {"format": "date"}}, '{"format": "date"}', True),
+])
+def test_formats_the_matcher_held_loosely_are_held_exactly(schema, text, valid):
+    assert _holds(schema, text) is valid
+    if valid:  # and the oracle agrees with what was let through
+        jsonschema.validate(json.loads(text), schema,
+                            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
 def test_gbnf_is_read_as_well_as_lark():
     assert parse_grammar(grammar='root ::= "yes" | "no"').kind == "grammar"
     assert parse_grammar(grammar='start: "yes" | "no"').kind == "grammar"
