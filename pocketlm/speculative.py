@@ -209,6 +209,14 @@ def speculative_spec(spec) -> dict:
     return spec
 
 
+def _file_tokenizer(path):
+    """The tokenizer of deploy file ``path``, read from its header alone."""
+    from .api import file_config_and_tokenizer
+    from .formats.pocketfile import PocketFile
+
+    return file_config_and_tokenizer(PocketFile(path, verify=False))[1]
+
+
 def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
                  loaded: dict | None = None):
     """A drafter from a user's ``speculative`` argument: ``"lookup"`` (or a dict with
@@ -242,6 +250,8 @@ def make_drafter(spec, *, target_tokenizer=None, capacity: int = 0,
                 keys.append(str(Path(path).resolve()))
                 model = loaded.get(keys[1]) if loaded is not None else None
                 if model is None:
+                    if target_tokenizer is not None:  # from the header, before the weights load
+                        check_same_vocabulary(_file_tokenizer(path), target_tokenizer, name)
                     model = api.load(path)
         drafter = DraftModel(model, target_tokenizer, capacity, name)
         if loaded is not None and name is not None:  # kept once it is known to fit the target

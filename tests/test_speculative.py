@@ -310,12 +310,18 @@ def test_speculative_options_of_the_wrong_kind_are_refused_by_name(tiny):
     assert m.generate(REPEATS, max_tokens=6, speculative=spec) == want
 
 
-def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path):
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny, tmp_path, monkeypatch):
+    from pocketlm import api
+
     other = tmp_path / "other.gguf"
     tiny_gguf.write_tiny_gguf(other, "llama", seed=8, weight_type="Q4_0", vocab_size=300)
+    loads = []
+    real_load = api.load
+    monkeypatch.setattr(api, "load", lambda *a, **k: loads.append(a) or real_load(*a, **k))
     for _ in range(2):
         with pytest.raises(PocketError, match="another vocabulary"):
             tiny.generate("hi", max_tokens=3, speculative={"draft": str(other)})
+    assert loads == []  # refused from its header: its weights were never loaded
     # a refused model is not kept (it stayed loaded for the life of the target: +300 MB for
     # a gemma draft of a smollm2 target)
     assert not any(d.path and Path(d.path).name.startswith("other")
