@@ -533,13 +533,78 @@ def test_distill_data_stopped_and_started_again_asks_only_for_the_missing_answer
     assert asked == [4, 2] and not partial.exists()
     assert out.read_text(encoding="utf-8") == whole.read_text(encoding="utf-8")
     # the answers of another run are not taken for this one's
-    partial.write_text(json.dumps({"run": {"teacher": "another"}}) + "\n", encoding="utf-8")
+    partial.write_text(json.dumps({"run": {"teacher": "another"}}) + "\n"
+                       + json.dumps({"i": 0, "answer": "theirs"}) + "\n", encoding="utf-8")
     assert main([*args, "-o", str(tmp_path / "d.jsonl")]) == 1  # exists: refused first
     assert main([*args, "-o", str(tmp_path / "e.jsonl")]) == 0  # another output, its own file
     (tmp_path / "f.jsonl.partial").write_text(partial.read_text(), encoding="utf-8")
     assert main([*args, "-o", str(tmp_path / "f.jsonl")]) == 1
     assert "another distill-data run" in capsys.readouterr().err
     assert main([*args, "-o", str(tmp_path / "f.jsonl"), "--force"]) == 0
+
+
+def test_distill_data_resumes_whole_records_whatever_the_text(tmp_path, monkeypatch,
+                                                             capsys):
+    """The kept answers are cut in bytes: a teacher path of non-ASCII characters cut the log
+    short of its header (the next run refused, or glued an answer onto a cut line), an answer
+    holding U+2028 was split in two and it and every later answer asked again, a prompt line
+    holding one was two prompts, and a run refused before its first answer left a log that
+    refused the corrected run."""
+    import tiny_gguf
+
+    from pocketlm.api import PocketModel
+    from pocketlm.cli import main
+
+    teacher = tmp_path / "教师模型.gguf"
+    tiny_gguf.write_tiny_gguf(teacher, "llama", seed=1, max_context=256)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Where is the cat?\nA dog\u2028still the dog.\nThe sea.\nHello\n",
+                       encoding="utf-8")
+    args = ["distill-data", "--teacher", str(teacher), "--prompts", str(prompts),
+            "--max-tokens", "3"]
+    whole = tmp_path / "whole.jsonl"
+    assert main([*args, "-o", str(whole)]) == 0
+    rows = [json.loads(line) for line in whole.read_text(encoding="utf-8").split("\n")[:-1]]
+    assert [r["messages"][0]["content"] for r in rows] == [
+        "Where is the cat?", "A dog\u2028still the dog.", "The sea.", "Hello"]
+    real, stops = PocketModel.chat_batch, [0, 2, 1]
+
+    def stopped(self, convs, **kw):
+        stop = stops.pop(0) if stops else None
+        for n, item in enumerate(real(self, list(convs), **kw)):
+            if n == stop:
+                raise KeyboardInterrupt
+            yield item
+
+    monkeypatch.setattr(PocketModel, "chat_batch", stopped)
+    out, partial = tmp_path / "d.jsonl", tmp_path / "d.jsonl.partial"
+    assert main([*args, "-o", str(out)]) == 130  # before any answer: no log
+    assert not partial.exists()
+    assert main([*args, "-o", str(out)]) == 130  # two answers kept
+    lines = partial.read_text(encoding="utf-8").split("\n")
+    first = json.loads(lines[1])
+    lines[1] = json.dumps({"i": first["i"], "answer": "line\u2028two"}, ensure_ascii=False)
+    partial.write_text("\n".join(lines), encoding="utf-8")
+    capsys.readouterr()
+    assert main([*args, "-o", str(out)]) == 130  # one more
+    assert "2 of 4 answers already made" in capsys.readouterr().err
+    assert main([*args, "-o", str(out)]) == 0
+    assert "3 of 4 answers already made" in capsys.readouterr().err
+    got = [json.loads(line) for line in out.read_text(encoding="utf-8").split("\n")[:-1]]
+    want = [r["messages"][1]["content"] for r in rows]
+    want[first["i"]] = "line\u2028two"  # the kept answer is taken, not asked again
+    assert [r["messages"][1]["content"] for r in got] == want
+    # refused before any answer (a prompt longer than the context): nothing left to refuse
+    # the corrected run with
+    monkeypatch.setattr(PocketModel, "chat_batch", real)
+    long = tmp_path / "long.txt"
+    long.write_text("word " * 3000 + "\n", encoding="utf-8")
+    bad = ["distill-data", "--teacher", str(teacher), "--prompts", str(long), "-o",
+           str(tmp_path / "m.jsonl"), "--max-tokens", "2"]
+    assert main(bad) == 1 and "shorten the prompt" in capsys.readouterr().err
+    assert not (tmp_path / "m.jsonl.partial").exists()
+    long.write_text("Short.\n", encoding="utf-8")
+    assert main(bad) == 0, capsys.readouterr().err
 
 
 def test_bf16_on_a_cpu_without_it_is_warned_about(monkeypatch, capsys):

@@ -672,8 +672,10 @@ def cmd_distill_data(args) -> int:
 
     _refuse_empty(("--teacher", args.teacher), ("--prompts", args.prompts),
                   ("-o/--output", args.output))
+    # one prompt per line: "\n" alone ends a line (str.splitlines also splits at U+2028,
+    # form feeds and other separators a prompt may hold)
     prompts = [line.strip() for line in read_text_file(args.prompts, what="prompt file")
-               .splitlines() if line.strip()]
+               .split("\n") if line.strip()]
     if not prompts:
         raise PocketError(f"{args.prompts}: no prompts (one per line)")
     if not 1 <= args.batch <= 256:
@@ -705,18 +707,25 @@ def cmd_distill_data(args) -> int:
               f"other {len(todo)}", file=sys.stderr)
     convs = ([{"role": "user", "content": prompts[i]}] for i in todo)
     partial.parent.mkdir(parents=True, exist_ok=True)  # -o in a new folder, as other outputs
-    with open(partial, "a", encoding="utf-8") as log, progress_bar(
-            len(prompts), "teacher", "prompt", initial=done) as bar:
-        if not done:
-            log.write(json.dumps({"run": run}, ensure_ascii=False) + "\n")
-        # answers come as they end; each is what chat() alone gives (greedy)
-        for k, text, _ in teacher.chat_batch(convs, max_tokens=args.max_tokens,
-                                             temperature=0.0, max_batch=args.batch):
-            i = todo[k]
-            answers[i] = text
-            log.write(json.dumps({"i": i, "answer": text}, ensure_ascii=False) + "\n")
-            log.flush()
-            bar.update(1)
+    log = None
+    try:
+        with progress_bar(len(prompts), "teacher", "prompt", initial=done) as bar:
+            # answers come as they end; each is what chat() alone gives (greedy)
+            for k, text, _ in teacher.chat_batch(convs, max_tokens=args.max_tokens,
+                                                 temperature=0.0, max_batch=args.batch):
+                i = todo[k]
+                answers[i] = text
+                if log is None:  # opened at the first answer: a run refused before it (a
+                    # prompt too long) leaves no file that would block the corrected one
+                    log = open(partial, "a", encoding="utf-8")
+                    if not done:
+                        log.write(json.dumps({"run": run}, ensure_ascii=False) + "\n")
+                log.write(json.dumps({"i": i, "answer": text}, ensure_ascii=False) + "\n")
+                log.flush()
+                bar.update(1)
+    finally:
+        if log is not None:
+            log.close()
     with _exit_on_sigterm(), atomic_file(out) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for p, answer in zip(prompts, answers, strict=True):
             msgs = [{"role": "user", "content": p}]
@@ -735,26 +744,32 @@ def _distill_resume(partial: Path, run: dict, prompts: list[str],
     if not partial.is_file():
         return 0
     try:
-        lines = partial.read_text(encoding="utf-8").splitlines()
-        head = json.loads(lines[0])["run"] if lines else None
+        # lines end at b"\n" alone (an answer may hold U+2028, which str.splitlines splits
+        # at), and are counted in bytes, as truncate() counts
+        lines = partial.read_bytes().split(b"\n")
+        head = json.loads(lines[0].decode("utf-8"))["run"] if len(lines) > 1 else None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         head = None
+    if len(lines) <= 2 and (len(lines) < 2 or not lines[1]):  # no answer kept: start afresh
+        partial.unlink(missing_ok=True)
+        return 0
     if head != run:
         raise PocketError(f"{partial} holds the answers of another distill-data run (another "
                           "teacher, prompt file or --max-tokens); pass --force to start afresh")
     good, n = len(lines[0]) + 1, 0
-    for line in lines[1:]:
+    for raw in lines[1:-1]:  # the last piece has no line end: cut by a kill, or empty
         try:
+            line = raw.decode("utf-8")
             rec = json.loads(line)
             i, text = rec["i"], rec["answer"]
             if not (isinstance(i, int) and 0 <= i < len(prompts) and isinstance(text, str)):
                 break
-        except (ValueError, KeyError, TypeError, RecursionError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # UnicodeDecodeError too
             break  # a line cut by a kill: it and anything after it are asked again
         if answers[i] is None:
             n += 1
         answers[i] = text
-        good += len(line.encode("utf-8")) + 1
+        good += len(raw) + 1
     with open(partial, "r+b") as f:  # drop what could not be read, so appends stay whole
         f.truncate(good)
     return n
