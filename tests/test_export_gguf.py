@@ -621,6 +621,7 @@ def test_a_format_and_a_file_name_that_disagree_are_refused(small_pocket, tmp_pa
     # the hint named `pocket pack ... --last`, a flag pack does not have
     (("--last",), "pocket export RUN -o FILE.pocket --last"),
     (("--calib", "default"), "pocket pack ... --calib"),
+    (("--calib", ""), "pocket pack ... --calib"),  # an unset variable: silently taken
     (("--quant-method", "rtn"), "pocket pack ... --quant-method"),
     (("--head-patch", "4000"), "pocket pack ... --head-patch"),  # it was ignored
     (("--head-patch", "auto"), "pocket pack ... --head-patch"),

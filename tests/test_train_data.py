@@ -897,7 +897,7 @@ def test_mixture_weights_by_characters(tmp_path):
     f.write_text('{"wikipedia": 1}')
     with pytest.raises(PocketError, match="unknown corpus 'wikipedia'"):
         load_mixture(f)
-    with pytest.raises(PocketError, match="positive number"):
+    with pytest.raises(PocketError, match="positive finite number"):
         load_mixture({"idioms": -1})
 
 
@@ -984,11 +984,62 @@ def test_data_prepare_refuses_what_it_would_ignore_or_fail_late(tmp_path, capsys
 
 
 @pytest.mark.parametrize("flag,value", [("--max-repeat", "nan"), ("--max-repeat", "0"),
-                                        ("--min-chars", "-1"), ("--total-chars", "0")])
+                                        ("--min-chars", "-1"), ("--total-chars", "0"),
+                                        # tracebacks (OverflowError, ValueError) after the
+                                        # fetch, or after a tokenizer was trained
+                                        ("--seed", "-1"), ("--seed", str(2 ** 63)),
+                                        # --max-repeat was silently ignored
+                                        ("--max-repeat", "2 --total-chars 1000")])
 def test_data_prepare_refuses_bad_mixture_numbers_before_fetching(tmp_path, capsys, flag, value):
     from pocketlm import cli
 
     code = cli.main(["data", "prepare", "--corpora", "sharegpt", "--vocab-size", "300", "--out",
-                     str(tmp_path / "p"), "-q", flag, value])
+                     str(tmp_path / "p"), "-q", flag, *value.split()])
     assert flag in _one_line(code, capsys.readouterr().err)
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("content,words", [
+    ('{"idioms": 1' + "0" * 5000 + "}", "not valid JSON (Exceeds the limit"),  # a traceback
+    ("[" * 100_000, "not valid JSON (nested too deeply)"),  # a RecursionError
+    ('{"idioms": 1' + "0" * 400 + "}", "must be a positive finite number"),  # OverflowError
+    ('{"idioms": 0}', "must be a positive finite number"),
+    ("FIFO", "not a regular file"),  # it blocked forever
+])
+def test_a_mixture_file_that_cannot_be_used_is_one_line(tmp_path, capsys, content, words):
+    from pocketlm import cli
+
+    mixture = tmp_path / "m.json"
+    if content == "FIFO":
+        os.mkfifo(mixture)
+    else:
+        mixture.write_text(content)
+    code = cli.main(["data", "prepare", "--mixture", str(mixture), "--vocab-size", "300",
+                     "--out", str(tmp_path / "p"), "-q"])
+    assert words in _one_line(code, capsys.readouterr().err)
+    assert not (tmp_path / "p").exists()
+
+
+def test_mixture_weights_whose_sum_is_not_finite():
+    # 1e308 + 1e308 is inf: every weight became 0 and the mix divided by zero
+    assert load_mixture({"idioms": 1e308, "xinhua-dictionary": 1e308}) == {
+        "idioms": 0.5, "xinhua-dictionary": 0.5}
+    assert load_mixture({"idioms": 1, "xinhua-dictionary": 3}) == {
+        "idioms": 0.25, "xinhua-dictionary": 0.75}
+
+
+def test_mixture_file_with_a_byte_order_mark(tmp_path):
+    mixture = tmp_path / "m.json"
+    mixture.write_bytes(b'\xef\xbb\xbf{"idioms": 2}')  # refused as not JSON
+    assert load_mixture(mixture) == {"idioms": 1.0}
+
+
+def test_a_jsonl_text_that_is_no_unicode_is_named_with_its_line(tmp_path, capsys):
+    from pocketlm import cli
+
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine"}\n{"text": "hello \\udc80 world"}\n')
+    code = cli.main(["data", "prepare", "--text", str(data), "--vocab-size", "300", "--out",
+                     str(tmp_path / "p"), "-q"])
+    assert "d.jsonl:2: \"text\" is not valid Unicode" in _one_line(code, capsys.readouterr().err)
     assert not (tmp_path / "p").exists()

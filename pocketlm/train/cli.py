@@ -477,7 +477,7 @@ def cmd_export(args) -> int:
     for flag, given in (("--calib", args.calib), ("--bits-per-weight", args.bits_per_weight),
                         ("--awq", args.awq), ("--quant-method", args.quant_method),
                         ("--head-patch", args.head_patch)):
-        if given:
+        if given is not None and given is not False:  # --calib '' too (an unset variable)
             raise PocketError(f"{flag} applies to --to pocket; export the deploy file made "
                               f"with it (pocket pack ... {flag}) instead")
     if target != "hf" and args.dtype is not None:
@@ -572,6 +572,11 @@ def _data_prepare(args) -> int:
     if args.tokenizer_sample is not None and args.vocab_size is None:
         raise PocketError("--tokenizer-sample samples the data for a tokenizer trained with "
                           "--vocab-size; --tokenizer gives one already")
+    if not 0 <= args.seed < 2 ** 63:  # the shards' digests and samplers take 64-bit seeds
+        raise PocketError(f"--seed must be an integer from 0 to 2**63 - 1, got {args.seed}")
+    if args.max_repeat is not None and args.total_chars is not None:
+        raise PocketError("--max-repeat sets the mixture's size when --total-chars does not; "
+                          "give one of them")
     if args.max_repeat is not None and not 0 < args.max_repeat < float("inf"):
         raise PocketError(f"--max-repeat must be a positive number, got {args.max_repeat}")
     if args.min_chars is not None and args.min_chars < 0:
@@ -979,13 +984,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="train that tokenizer on a random sample of this many lines")
     d.add_argument("--out", required=True, help="shard folder")
     d.add_argument("--holdout", type=float, default=0.01, help="held-out share of documents")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="0 to 2**63 - 1 (default 0)")
     d.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens per shard file")
     d.add_argument("--total-chars", type=int, default=None,
                    help="size of the mixture in characters (default: the largest at which no "
                    "corpus repeats more than --max-repeat times)")
     d.add_argument("--max-repeat", type=float, default=None,
-                   help="most times a corpus repeats in the mixture (default 4)")
+                   help="without --total-chars: the mixture is the largest in which no corpus "
+                   "repeats more than this many times (default 4)")
     d.add_argument("--min-chars", type=int, default=None,
                    help="drop shorter documents of the corpora (default 16)")
     d.add_argument("--no-near-dedup", action="store_true", help="exact deduplication only")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from pocketlm.config import short_repr
 from pocketlm.errors import FormatError, PocketError
 
 SHARDS_FORMAT = "pocketlm-shards"
@@ -254,6 +256,7 @@ def check_trainable_splits(shards: Path, seq_len: int, *, data: str | Path | Non
 
 def _jsonl_documents(path: Path, text: str) -> list[str]:
     from ..textfile import json_line
+    from ..tokenizer import check_text
 
     documents = []
     for lineno, line in enumerate(text.split("\n"), 1):
@@ -265,6 +268,10 @@ def _jsonl_documents(path: Path, text: str) -> list[str]:
             raise PocketError(f"{path}:{lineno}: {e}") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise PocketError(f'{path}:{lineno}: expected an object with a string "text" field')
+        try:  # a JSON "\ud800" is valid JSON but no text: no tokenizer encodes it
+            check_text(record["text"], '"text"')
+        except PocketError as e:
+            raise PocketError(f"{path}:{lineno}: {e}") from None
         if record["text"].strip():
             documents.append(record["text"])
     return documents
@@ -664,14 +671,15 @@ def load_mixture(config: Path | str | dict) -> dict[str, float]:
 
     where = "mixture"
     if isinstance(config, (str, Path)):
+        from pocketlm.textfile import json_problem, read_text_file
+
         path = Path(config)
         where = str(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise PocketError(f"{path}: no such mixture file") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise PocketError(f"{path}: cannot read the mixture file: {e}") from None
+        if not path.exists():
+            raise PocketError(f"{path}: no such mixture file")
+        # a FIFO (which blocked forever), a folder, binary or non-UTF-8 bytes refused by name;
+        # a byte-order mark dropped
+        text = read_text_file(path, what="mixture file (JSON or YAML)")
         if path.suffix.lower() in (".yaml", ".yml"):
             try:
                 import yaml
@@ -683,11 +691,15 @@ def load_mixture(config: Path | str | dict) -> dict[str, float]:
                 config = yaml.safe_load(text)
             except yaml.YAMLError as e:
                 raise PocketError(f"{path}: not valid YAML: {e}".splitlines()[0]) from None
+            except (ValueError, RecursionError) as e:
+                raise PocketError(f"{path}: not valid YAML ({json_problem(e)})") from None
         else:
             try:
                 config = json.loads(text)
             except json.JSONDecodeError as e:
                 raise PocketError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+            except (ValueError, RecursionError) as e:  # 4,300+ digits; nested too deeply
+                raise PocketError(f"{path}: not valid JSON ({json_problem(e)})") from None
     if isinstance(config, dict) and isinstance(config.get("corpora"), dict):
         config = config["corpora"]
     if not isinstance(config, dict) or not config:
@@ -698,10 +710,19 @@ def load_mixture(config: Path | str | dict) -> dict[str, float]:
             raise PocketError(
                 f"{where}: unknown corpus {name!r}; known corpora: {', '.join(CORPORA)}"
             )
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not w > 0 or w == float("inf"):
-            raise PocketError(f"{where}: weight of {name!r} must be a positive number, got {w!r}")
-        weights[name] = float(w)
+        try:  # an integer too large for a float is no finite weight either
+            value = float(w) if isinstance(w, (int, float)) and not isinstance(w, bool) else None
+        except OverflowError:
+            value = math.inf
+        if value is None or not 0 < value < math.inf:
+            raise PocketError(f"{where}: weight of {name!r} must be a positive finite number, "
+                              f"got {short_repr(w)}")
+        weights[name] = value
     total = sum(weights.values())
+    if total == math.inf:  # finite weights whose sum is not: relative to the largest
+        top = max(weights.values())
+        weights = {k: v / top for k, v in weights.items()}
+        total = sum(weights.values())
     return {k: v / total for k, v in weights.items()}
 
 
