@@ -112,7 +112,7 @@ class CalibrationSet:
     """Token sequences to gather activation statistics on."""
 
     sequences: list[list[int]]
-    source: str  # "default" or the file's path
+    source: str  # "default" or the file's name
     digest: str  # sha256 of the texts the sequences were cut from
 
     @property
@@ -186,4 +186,6 @@ def file_set(path: str | Path, tokenizer, n_sequences: int = DEFAULT_SEQUENCES,
         raise PocketError(f"--calib {path}: {len(ids)} tokens, shorter than one calibration "
                           f"sequence of {seq_len}")
     seqs = _cut(ids, seq_len, n_sequences)
-    return CalibrationSet(seqs, str(path), hashlib.sha256(data).hexdigest())
+    # the file's name, not the path as typed: a reproducible pack is the same bytes however the
+    # path is spelled (and no folder of the machine that packed it goes into the file)
+    return CalibrationSet(seqs, path.name, hashlib.sha256(data).hexdigest())

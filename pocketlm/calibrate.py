@@ -599,15 +599,24 @@ def candidates(w: np.ndarray, hdiag: np.ndarray | None, lossless: QuantTensor | 
     for kind, gs, zp in layouts:
         if w.shape[1] % gs:
             continue
-        if kind == "int8":
-            qt = quantize_int8(w, gs)
-        else:
-            qt = quantize_act(w, kind, gs, hdiag, zp)
+        try:
+            with np.errstate(over="ignore", invalid="ignore"):
+                if kind == "int8":
+                    qt = quantize_int8(w, gs)
+                else:
+                    qt = quantize_act(w, kind, gs, hdiag, zp)
+        except UnsupportedError:  # steps beyond float16 (int4_c8's row steps): not a candidate
+            continue
+        if not all(np.isfinite(a).all() for a in (qt.scales, qt.mins) if a is not None):
+            continue  # weights beyond float16's range for this layout's steps: another may hold
         out.append(Candidate(kind, gs, stored.get((kind, gs, zp),
                                                   layout_bytes(kind, gs, w.shape, zp)),
                              _diag_error(w, qt, hdiag) / energy, False, zp))
         if probe is not None and (kind, gs, zp) == PROBE_LAYOUT:
             probe[name] = qt
+    if not out:
+        raise UnsupportedError(f"{name}: its weights exceed what every layout's float16 steps "
+                               "can hold (65504); nothing was written")
     return out
 
 
@@ -787,11 +796,13 @@ def check_budget_reachable(model, names: list[str], bits_per_weight) -> None:
         src = model.provenance.get("source_file") or "the source"
         asked = ("source (the source's own size)" if bits_per_weight == "source"
                  else f"{bits_per_weight:g}")
+        room = max(budget, 0)  # none left: the header and float tensors take it all
         raise UnsupportedError(
             f"--bits-per-weight {asked}: {src} cannot be packed that small: its smallest "
             f"layouts take {8.0 * smallest / max(count, 1):.2f} bits per weight "
-            f"({smallest / 1e6:.1f} MB), the budget {8.0 * budget / max(count, 1):.2f} "
-            f"({max(budget, 0) / 1e6:.1f} MB)")
+            f"({smallest / 1e6:.1f} MB), the budget {8.0 * room / max(count, 1):.2f} "
+            f"({room / 1e6:.1f} MB" + ("; the file's header and float tensors take the rest)"
+                                      if budget <= 0 else ")"))
 
 
 def head_agreement(config, weights: dict, head: QuantTensor, tokenizer,

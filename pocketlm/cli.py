@@ -129,7 +129,9 @@ def cmd_pack(args) -> int:
         src = resolve(args.src)
         from .export import check_output
 
-        out = check_output(args.output, force=args.force, inputs=(src,))
+        # the files the pack reads: --force must not replace them
+        read = [c for c in (calibration["calib"], args.vocab_corpus) if c not in (None, "default")]
+        out = check_output(args.output, force=args.force, inputs=(src, *read))
         if (calibration["bits_per_weight"] is None and calibration["calib"] is None
                 and (args.group_size, args.embed_bits, args.keep_precision) == (32, 8, None)):
             # a registry model's default pack is its registry bit budget (see pocket list)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -285,6 +286,15 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
 
         bits_per_weight = check_bits_per_weight(bits_per_weight)
         calib = "default" if calib is None else calib
+        by_hand = [flag for flag, given in (
+            ("--group-size", group_size != 32), ("--embed-bits", embed_bits != 8),
+            ("--keep-precision" if keep_precision else "--all-int4", keep_precision is not None))
+            if given]
+        if by_hand:  # they were ignored, and recorded in the file as if they were applied
+            raise UnsupportedError(f"{', '.join(by_hand)} choose layouts by hand; "
+                                   "--bits-per-weight chooses each tensor's layout itself "
+                                   "(group size and embedding bits included): give one or the "
+                                   "other")
     if head_patch is not None:
         from .calibrate import check_head_patch_option
 
@@ -321,28 +331,41 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
     # of the source's own size is the default instead. A few kilobytes of header over the
     # GGUF (EXACT_SLACK) are not worth requantizing exact tensors for.
     gguf_bytes = (_gguf_bytes(source) if calib is None and keep_precision is None
-                  and vocab is None and int4_search else None)
+                  and (group_size, embed_bits) == (32, 8) and vocab is None and int4_search
+                  else None)
     with writer_lock(out.parent):
-        report = _pack(source, out, calib=calib, bits_per_weight=bits_per_weight, **options)
-        if gguf_bytes is not None and report.file_bytes > gguf_bytes * (1 + EXACT_SLACK):
-            if progress:
-                print(f"[the exact import is {report.file_bytes:,} bytes, larger than the "
-                      f"source GGUF's {gguf_bytes:,}: packing again with the bit "
-                      "budget of the source's size (--bits-per-weight source), calibrated]",
-                      file=sys.stderr, flush=True)
-            exact = report.file_bytes
-            try:
-                budgeted = _pack(source, out, calib="default", bits_per_weight="source",
-                                 **options)
-            except UnsupportedError as e:  # below the smallest layouts: a model too small
-                # for the deploy file's fixed overhead (the exact import stays written)
+        if gguf_bytes is None:
+            return _pack(source, out, calib=calib, bits_per_weight=bits_per_weight, **options)
+        # the exact import goes to a temporary file first: it becomes OUT only if it is kept,
+        # so that a pack stopped while packing again leaves no OUT behind
+        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+        first = Path(name)
+        try:
+            report = _pack(source, first, calib=calib, bits_per_weight=bits_per_weight,
+                           **options)
+            if report.file_bytes > gguf_bytes * (1 + EXACT_SLACK):
                 if progress:
-                    print(f"[no smaller pack: {e}; the exact import is kept]", file=sys.stderr,
-                          flush=True)
-                return report
-            budgeted.larger_exact_import = (exact, gguf_bytes)
-            return budgeted
-        return report
+                    print(f"[the exact import is {report.file_bytes:,} bytes, larger than "
+                          f"the source GGUF's {gguf_bytes:,}: packing again with the bit "
+                          "budget of the source's size (--bits-per-weight source), "
+                          "calibrated]", file=sys.stderr, flush=True)
+                try:
+                    budgeted = _pack(source, out, calib="default", bits_per_weight="source",
+                                     **options)
+                except UnsupportedError as e:  # below the smallest layouts: a model too
+                    # small for the deploy file's fixed overhead (the exact import is kept)
+                    if progress:
+                        print(f"[no smaller pack: {e}; the exact import is kept]",
+                              file=sys.stderr, flush=True)
+                else:
+                    budgeted.larger_exact_import = (report.file_bytes, gguf_bytes)
+                    return budgeted
+            os.replace(first, out)
+            report.path = out
+            return report
+        finally:
+            first.unlink(missing_ok=True)
 
 
 EXACT_SLACK = 0.01  # how far (a share of the GGUF) an exact import may exceed it
@@ -386,13 +409,16 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
     if calib is not None:
         from .calibrate import DEFAULT_METHOD, plan
 
-        planned, calibration, scaled = plan(
-            model, calib=calib, method=quant_method or DEFAULT_METHOD,
-            bits_per_weight=bits_per_weight,
-            default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
-                                                      keep_precision),
-            group_size=group_size, progress=progress, awq=awq,
-            head_patch=0 if head_patch is None else head_patch)
+        # weights beyond float16's range overflow a layout's steps: each planned tensor's
+        # steps are checked below (_check_steps), which names it, instead of numpy's warnings
+        with np.errstate(over="ignore", invalid="ignore"):
+            planned, calibration, scaled = plan(
+                model, calib=calib, method=quant_method or DEFAULT_METHOD,
+                bits_per_weight=bits_per_weight,
+                default_bits=lambda name, st: choose_bits(name, embed_bits, st.dtype,
+                                                          keep_precision),
+                group_size=group_size, progress=progress, awq=awq,
+                head_patch=0 if head_patch is None else head_patch)
     arrays: list[tuple[str, np.ndarray]] = []
     layouts: dict[str, Any] = {}
     reports: list[TensorReport] = []
@@ -425,7 +451,8 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
             check_quantizable(tuple(st.shape), group_size, name)  # names the tensor on error
             ref = st.to_float()
             check_finite(name, ref)
-            qt = quantize(ref, bits, group_size, search=int4_search)
+            with np.errstate(over="ignore", invalid="ignore"):  # refused by name just below
+                qt = quantize(ref, bits, group_size, search=int4_search)
             how = "requantized"
         _check_steps(name, qt, how)
         err = 0.0

@@ -186,7 +186,7 @@ def test_calibration_file_is_cut_into_sequences(tmp_path):
     path.write_text("订单已发货，预计明天送达。Order shipped. " * 40, encoding="utf-8")
     cs = calibdata.file_set(path, _Tok(), n_sequences=5, seq_len=64)
     assert len(cs.sequences) == 5 and all(len(s) == 64 for s in cs.sequences)
-    assert cs.record()["source"] == str(path) and len(cs.digest) == 64
+    assert cs.record()["source"] == "app.txt" and len(cs.digest) == 64  # the name, as spelled anywhere
 
 
 def test_default_set_is_fixed_and_never_holds_heldout_text():
@@ -249,7 +249,7 @@ def test_pack_with_a_bit_budget_meets_it_and_records_its_calibration(tiny, tmp_p
     rep = pack(tiny["src"], out, calib=tiny["text"], bits_per_weight=4.6, progress=False)
     assert rep.quant_bits_per_weight <= 4.6
     assert rep.calibration["bits_per_weight"] == 4.6
-    assert rep.calibration["set"]["source"] == str(tiny["text"])
+    assert rep.calibration["set"]["source"] == tiny["text"].name
     assert "calibrated" in {t.how for t in rep.tensors}
     listing = rep.choices()
     assert all(t.name in listing for t in rep.tensors if t.stored != "f32")
@@ -599,6 +599,18 @@ def test_reproducible_calibrated_packs_are_the_same_bytes(tiny, tmp_path, monkey
     assert files[0] == files[1]
 
 
+def test_a_reproducible_pack_does_not_depend_on_how_the_calib_path_is_spelled(
+        tiny, tmp_path, monkeypatch):
+    # the path was recorded as typed: other bytes for ./app.txt and /abs/app.txt, and the
+    # packing machine's folders in the file
+    monkeypatch.chdir(tiny["root"])
+    a, b = tmp_path / "a.pocket", tmp_path / "b.pocket"
+    pack(tiny["src"], a, calib=tiny["text"].resolve(), reproducible=True, progress=False)
+    pack(tiny["src"], b, calib=tiny["text"].name, reproducible=True, progress=False)
+    assert a.read_bytes() == b.read_bytes()
+    assert str(tiny["root"]) not in PocketFile(a).metadata["quant"]
+
+
 def test_cli_reproducible_packs_are_the_same_bytes(tiny, tmp_path):
     # pack(reproducible=True) had no flag: two CLI packs of the same inputs differed in the
     # packing time and the calibration's duration
@@ -825,6 +837,77 @@ def test_the_default_pack_is_no_larger_than_its_gguf(tmp_path):
     report = pack(q4, tmp_path / "q4.pocket", progress=False)
     assert report.larger_exact_import is None and report.calibration is None
     assert all(t.how in ("lossless", "float") for t in report.tensors)
+
+
+def test_a_default_pack_stopped_while_packing_again_leaves_no_output(tmp_path, monkeypatch):
+    """The exact import was written to OUT before the second (budgeted) pack: a Ctrl-C then
+    left a whole deploy file behind a command that failed. With --group-size given, the exact
+    import is what was asked for (the budgeted pack ignored the flag and recorded it)."""
+    import pocketlm.pack as pack_module
+
+    src = tmp_path / "q6.gguf"
+    tiny_gguf.write_tiny_gguf(src, "qwen2", seed=4, weight_type="Q6_K", d_model=512,
+                              head_dim=128, n_heads=4, n_kv_heads=1, d_ff=256, n_layers=1)
+    real, calls = pack_module._pack, []
+
+    def stopped_on_the_second(*args, **kw):
+        calls.append(kw.get("bits_per_weight"))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kw)
+
+    monkeypatch.setattr(pack_module, "_pack", stopped_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        pack(src, tmp_path / "q6.pocket", progress=False)
+    assert calls == [None, "source"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q6.gguf"]  # no output, no temp
+    monkeypatch.setattr(pack_module, "_pack", real)
+    report = pack(src, tmp_path / "g64.pocket", group_size=64, progress=False)
+    assert report.calibration is None and report.larger_exact_import is None
+    assert report.path == tmp_path / "g64.pocket" and report.path.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["g64.pocket", "q6.gguf"]
+
+
+def test_weights_beyond_float16_are_one_clear_error_or_a_layout_that_holds_them(tmp_path):
+    """A weight of 1e6 (finite, beyond float16) printed numpy's overflow warnings before the
+    error, and a budget of 8 bits, where INT8 holds it, was refused because one of the
+    candidate layouts could not."""
+    import warnings
+
+    import tiny_hf
+    from safetensors.numpy import load_file, save_file
+
+    src = tmp_path / "hf"
+    tiny_hf.write_tiny_hf(src, "llama", seed=2)
+    tensors = load_file(src / "model.safetensors")
+    name = next(n for n in tensors if "down_proj" in n)
+    tensors[name] = tensors[name].copy()
+    tensors[name][0, 0] = 1e6
+    save_file(tensors, src / "model.safetensors")
+    text = tmp_path / "app.txt"
+    text.write_text("The parcel left the depot this morning; it arrives tomorrow. " * 60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning fails the test
+        for kw in ({}, {"calib": text}):
+            with pytest.raises(UnsupportedError, match="exceed what INT4's float16"):
+                pack(src, tmp_path / "a.pocket", progress=False, **kw)
+        report = pack(src, tmp_path / "b.pocket", bits_per_weight=8, calib=text,
+                      progress=False)
+    assert not (tmp_path / "a.pocket").exists()
+    down = next(t for t in report.tensors if "w_down" in t.name and ".0." in t.name)
+    assert down.stored in ("int5", "int8")  # a layout whose steps hold 1e6
+    assert (tmp_path / "b.pocket").stat().st_size == report.file_bytes
+
+
+@pytest.mark.parametrize("kw, flags", [
+    (dict(group_size=64), "--group-size"), (dict(embed_bits=4), "--embed-bits"),
+    (dict(keep_precision=True), "--keep-precision"), (dict(keep_precision=False), "--all-int4"),
+])
+def test_layouts_by_hand_with_a_bit_budget_are_refused(tiny, tmp_path, kw, flags):
+    # they were ignored (every tensor as without them) and recorded as applied
+    with pytest.raises(UnsupportedError, match=f"{flags} choose layouts by hand"):
+        pack(tiny["src"], tmp_path / "b.pocket", bits_per_weight=5, progress=False, **kw)
+    assert not (tmp_path / "b.pocket").exists()
 
 
 def test_a_budget_below_the_smallest_layouts_is_refused_before_the_statistics(tiny, tmp_path,

@@ -549,6 +549,25 @@ def test_force_never_replaces_the_input_nor_an_unrelated_folder(files, tmp_path,
     code, _, err = run_cli(capsys, "export", dep, "--to", "gguf", "-o", dep, "--force")
     assert_one_line_error(code, err, "is the input")
     assert dep.read_bytes() == files["pocket"].read_bytes()
+    # the other files a pack reads: a Hugging Face folder's own files, the --calib text
+    import tiny_hf
+
+    hf = tmp_path / "hf"
+    tiny_hf.write_tiny_hf(hf, "llama", seed=2)
+    weights = (hf / "model.safetensors").read_bytes()
+    for name in ("model.safetensors", "config.json"):
+        code, _, err = run_cli(capsys, "pack", hf, "-o", hf / name, "--force")
+        assert_one_line_error(code, err, "is one of the files of the input")
+    assert (hf / "model.safetensors").read_bytes() == weights
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The parcel left the depot this morning. " * 80)
+    code, _, err = run_cli(capsys, "pack", src, "-o", calib, "--calib", calib, "--force")
+    assert_one_line_error(code, err, "is the input")
+    assert calib.read_text().startswith("The parcel")
+    # an earlier deploy file in the folder is what --force may replace
+    for _ in range(2):
+        code, _, err = run_cli(capsys, "pack", hf, "-o", hf / "m.pocket", "--force")
+        assert code == 0, err
 
     # --to hf --force replaces a whole folder: an earlier export, not a folder of other things
     victim = tmp_path / "victim"

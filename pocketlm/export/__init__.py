@@ -71,6 +71,12 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
             same = False
         if same:
             raise PocketError(f"{out} is the input {source}; write the output elsewhere")
+        if not folder and source is not None and out.exists() and _inside(out, Path(source)) \
+                and not _written_kind(out):
+            # a file the input folder is made of (a Hugging Face model's weights, a run's
+            # checkpoint) replaced by --force; an earlier deploy file or GGUF there may be
+            raise PocketError(f"{out} is one of the files of the input {source}; write the "
+                              "output elsewhere")
         if folder and replaces is not None and source is not None and _inside(source, out):
             # the folder is replaced whole: the input in it would be deleted with it
             raise PocketError(f"{out} holds the input {source}; write the output elsewhere")
@@ -111,6 +117,20 @@ def _can_create_in(folder: Path) -> bool:
     with contextlib.suppress(OSError):
         os.unlink(probe)
     return True
+
+
+def _written_kind(path: Path) -> bool:
+    """Whether ``path`` is a file of the kinds the exports write (a deploy file or a GGUF)."""
+    from ..formats.pocketfile import PocketFile
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return True
+        PocketFile(path, verify=False)  # a deploy file's header, not any safetensors file
+        return True
+    except (PocketError, OSError):
+        return False
 
 
 def _inside(path, folder: Path) -> bool:
