@@ -464,6 +464,14 @@ def test_non_finite_or_overflowing_weights_are_refused_by_name(tiny, tmp_path, v
     kwargs = {"plain": {}, "calib": {"calib": tiny["text"]},
               "budget": {"calib": tiny["text"], "bits_per_weight": 4.6}}[mode]
     out = tmp_path / "n.pocket"
+    if mode == "budget" and value == 1e6:  # a budget chooses a layout whose steps hold it
+        report = pack(_poisoned(tiny["src"], name, value), out, progress=False, **kwargs)
+        assert next(t for t in report.tensors if t.name == name).stored != "int4"
+        from pocketlm.api import load_pocket
+
+        m = load_pocket(out)
+        assert np.isfinite(m.logits(m.tokenize("The parcel left the depot"))).all()
+        return
     with pytest.raises(PocketError, match=name.replace(".", r"\.")):
         pack(_poisoned(tiny["src"], name, value), out, progress=False, **kwargs)
     assert not out.exists() and not list(tmp_path.glob("n.pocket*"))
