@@ -162,3 +162,20 @@ def test_an_output_in_a_folder_nothing_can_be_made_in_is_refused_before_the_work
         check_output(f"{where}/pocket-out.svg", force=False)
     assert check_output(tmp_path / "x.svg", force=False) == tmp_path / "x.svg"
     assert list(tmp_path.iterdir()) == []  # the probe is gone
+
+
+def test_an_existing_output_folder_nothing_can_be_made_in_is_refused_before_the_work(
+        tmp_path, monkeypatch):
+    # a run folder on a read-only mount: refused only once the base and data were loaded
+    # (train_config.json.tmp: Read-only file system)
+    from pocketlm import export
+    from pocketlm.errors import PocketError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    real = export._can_create_in
+    monkeypatch.setattr(export, "_can_create_in", lambda folder: folder != run and real(folder))
+    with pytest.raises(PocketError, match="cannot write into .*run: the folder is not writable"):
+        export.check_output(run, force=True, folder=True)
+    monkeypatch.setattr(export, "_can_create_in", real)
+    assert export.check_output(run, force=True, folder=True) == run

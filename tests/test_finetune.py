@@ -197,11 +197,36 @@ def test_early_stopping_keeps_and_exports_the_best_weights(base, tmp_path):
     latest = load_checkpoint(out / CHECKPOINT)["model"]
     assert all(torch.equal(w, best["model"][k]) for k, w in weights.items())
     assert not all(torch.equal(w, latest[k]) for k, w in weights.items())
-    # running the command again does nothing more: the run has ended
-    pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val), "--out",
-           str(out), "--steps", "60", "--eval-every", "2", "--save-every", "50", "--lr", "0.3",
-           "--early-stop", "2", *FT)
-    assert len(metrics(out)) == len(rows)
+    # running the command again does nothing more: the run has ended (said, with -q too)
+    p = pocket("finetune", "-m", str(base), "--data", str(train), "--val-data", str(val),
+               "--out", str(out), "--steps", "60", "--eval-every", "2", "--save-every", "50",
+               "--lr", "0.3", *FT)
+    assert len(metrics(out)) == len(rows) and (out / BEST).is_file()
+    assert "stopped early" in p.stderr and "nothing left to train" in p.stderr
+
+
+def test_best_weights_of_another_run_are_never_exported(base, tmp_path):
+    """best.pt was taken wherever it existed: kept by a run that then went on without early
+    stopping (the step-4 weights exported after 8 steps), or left by another run in the same
+    folder (another model's weights exported)."""
+    from pocketlm.formats import run_checkpoint
+    from pocketlm.train.trainer import BEST, CHECKPOINT
+
+    train = task_file(tmp_path / "train.jsonl", 40)
+    val = task_file(tmp_path / "val.jsonl", 6, start=500)
+    out = tmp_path / "run"
+    args = ["-m", str(base), "--data", str(train), "--val-data", str(val), "--out", str(out),
+            "--eval-every", "2", "--save-every", "2", "--lr", "1e-2", *FT]
+    p = pocket("finetune", *args, "--steps", "4", "--early-stop", "5")
+    assert (out / BEST).is_file()
+    pocket("finetune", *args, "--steps", "8")  # goes on without early stopping
+    assert not (out / BEST).exists() and run_checkpoint(out) == out / CHECKPOINT
+    # a folder holding only another run's best weights: a new run starts afresh
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / BEST).write_bytes(b"another run's weights")
+    p = pocket("finetune", *args[:6], "--out", str(other), "--steps", "2", *args[8:])
+    assert not (other / BEST).exists() and (other / CHECKPOINT).is_file(), p.stderr
 
 
 def test_finetune_resumes_exactly_after_a_hard_stop(base, tmp_path):
@@ -524,6 +549,19 @@ def test_a_chat_the_template_renders_differently_as_a_prefix_is_one_bad_line(bas
     # deploy-file flags without a deploy file: trained, then ignored
     (["--group-size", "64", "--awq"], "--group-size, --awq shape the deploy file"),
     (["--bits-per-weight", "4.6"], "--bits-per-weight shape the deploy file"),
+    # what the export refused once the training was done
+    (["--lora-rank", "4", "--qat", "--export", "m.pocket", "--group-size", "64"],
+     "--qat trains against the INT4 grid of group size 32"),
+    (["--lora-rank", "4", "--keep-lora", "--export", "m.pocket", "--awq"],
+     "--awq cannot be combined with --keep-lora"),
+    (["--export", "m.pocket", "--quant-method", "rtn"], "--quant-method needs calibration"),
+    # another model's deploy file was replaced, silently
+    (["--export", "ANOTHER"], "was not exported from"),
+    # tracebacks mid-step (float32 overflow, C integers), or NaN weights saved with exit 0
+    (["--lr", "1e39"], "--lr must be a positive finite number, got 1e+39 (at most 3.4e+38"),
+    (["--lr", "1e308"], "--lr must be a positive finite number, got 1e+308 (at most 3.4e+38"),
+    (["--batch-size", "100000000000"], "--batch-size must be at most"),
+    (["--threads", "100000000000"], "--threads must be at most"),
 ])
 def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monkeypatch,
                                                     extra, words):
@@ -533,8 +571,13 @@ def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monk
     data = task_file(tmp_path / "task.jsonl", 12)
     (tmp_path / "folder").mkdir()
     (tmp_path / "notes.txt").write_text("keep me\n", encoding="utf-8")
+    another = tmp_path / "another.pocket"
+    if "ANOTHER" in extra:
+        from pocketlm.pack import pack
+
+        pack(base, another, progress=False)
     names = {"FOLDER": tmp_path / "folder", "DATA": data, "RUN": tmp_path / "run",
-             "OTHER": tmp_path / "notes.txt"}
+             "OTHER": tmp_path / "notes.txt", "ANOTHER": another}
     extra = [str(names.get(a, a)) for a in extra]
     code = main(["finetune", "-m", str(base), "--data", str(data), "--out",
                  str(tmp_path / "run"), "--steps", "1", *FT, *extra])
@@ -542,6 +585,36 @@ def test_finetune_refuses_bad_flags_before_training(base, tmp_path, capsys, monk
     assert code == 1 and err.count("\n") == 1 and words in err, err
     assert not (tmp_path / "run").exists()
     assert (tmp_path / "notes.txt").read_text(encoding="utf-8") == "keep me\n"
+
+
+def test_an_update_that_leaves_weights_not_finite_is_never_saved(base, tmp_path,
+                                                                 monkeypatch):
+    """A finite loss and gradient whose update overflowed saved NaN weights as the step's
+    checkpoint, over the last good one, and said nothing."""
+    from pocketlm.errors import PocketError
+    from pocketlm.train.trainer import CHECKPOINT, TrainConfig, load_checkpoint, train
+
+    data = task_file(tmp_path / "train.jsonl", 24)
+    cfg = dict(data=str(data), preset=None, mode="sft", base=str(base), batch_size=4,
+               seq_len=32, warmup=1, eval_every=50, save_every=1, threads=1, dtype="fp32")
+    out = tmp_path / "run"
+    train(TrainConfig(out=str(out), steps=2, **cfg), progress=False)
+    good = load_checkpoint(out / CHECKPOINT)
+    real = torch.optim.AdamW.step
+
+    def overflowing(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].fill_(float("inf"))
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing)
+    with pytest.raises(PocketError, match="training diverged at step 3: its update left "
+                       "weights that are not finite; the checkpoint of step 2 is kept"):
+        train(TrainConfig(out=str(out), steps=3, **cfg), progress=False)
+    kept = load_checkpoint(out / CHECKPOINT)
+    assert kept["step"] == 2
+    assert all(torch.equal(w, good["model"][k]) for k, w in kept["model"].items())
 
 
 def test_keep_lora_with_qat_trains_the_adapters_on_the_int4_base_the_file_keeps(base, tmp_path):

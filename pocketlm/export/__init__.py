@@ -102,6 +102,8 @@ def check_output(out: str | Path, *, force: bool, folder: bool = False,
             if not os.access(parent, os.W_OK | os.X_OK) or not _can_create_in(parent):
                 raise PocketError(f"cannot write {out}: {parent} is not writable")
             break
+    if folder and out.is_dir() and not _can_create_in(out):  # written into: a run resumed
+        raise PocketError(f"cannot write into {out}: the folder is not writable")
     return out
 
 

@@ -376,6 +376,17 @@ def cmd_finetune(args) -> int:
         if named:
             raise PocketError(f"{', '.join(named)} shape the deploy file: give --export "
                               "FILE.pocket (or pack the run later with `pocket export`)")
+    else:  # what the export would refuse once the training is done, refused now
+        if args.qat and args.group_size not in (None, 32):
+            raise PocketError(f"--qat trains against the INT4 grid of group size 32; export "
+                              f"with --group-size 32 (not {args.group_size})")
+        if args.keep_lora and args.awq:
+            raise PocketError("--awq cannot be combined with --keep-lora: channel scaling "
+                              "would have to scale the adapters kept beside the weights too")
+        if args.quant_method is not None and calibration.get("calib") is None and \
+                calibration.get("bits_per_weight") is None and not args.awq:
+            raise PocketError("--quant-method needs calibration: pass --calib (or "
+                              "--bits-per-weight)")
     from ..export import check_output
 
     if args.export:
@@ -395,6 +406,10 @@ def cmd_finetune(args) -> int:
                 raise PocketError(f"--export {args.export} exists and is not a pocketlm deploy "
                                   "file; name a new .pocket file (a rerun replaces only a "
                                   "deploy file)")
+            if not _exported_from(export, args.out):  # another model's file
+                raise PocketError(f"--export {args.export} exists and was not exported from "
+                                  f"{args.out}; name a new .pocket file (a rerun replaces "
+                                  "only its own)")
         if export.resolve() == Path(args.out).resolve():
             raise PocketError(f"--export {args.export} is the --out run folder; name the "
                               ".pocket file to write (it may lie in that folder)")
@@ -435,6 +450,18 @@ def cmd_finetune(args) -> int:
     return 0
 
 
+def _exported_from(path: Path, run: str) -> bool:
+    """Whether deploy file ``path`` was exported from the training run folder ``run``."""
+    from ..formats.pocketfile import PocketFile
+
+    try:
+        prov = PocketFile(path, verify=False).json_object("provenance", {})
+        return Path(prov.get("path") or "").resolve() == Path(run).resolve() and bool(
+            prov.get("path"))
+    except (PocketError, OSError, TypeError, ValueError):
+        return False
+
+
 def cmd_export(args) -> int:
     from ..export import check_output
 
@@ -446,8 +473,9 @@ def cmd_export(args) -> int:
         if suffix == ".gguf":
             raise PocketError(f"{args.output}: to write GGUF pass --to gguf (without --to, "
                               "export writes a .pocket deploy file)")
+    calib = getattr(args, "calib", None)
     out = check_output(args.output, force=args.force, folder=target == "hf",
-                       inputs=(args.run,), replaces=lambda d: (d / "config.json").is_file())
+                       inputs=(args.run, *([calib] if calib not in (None, "", "default") else [])), replaces=lambda d: (d / "config.json").is_file())
     if target == "gguf" and str(out).lower().endswith(".pocket"):
         # a GGUF under a deploy file's name: inspect, pull --verify and pack would misread it
         raise PocketError(f"{args.output}: --to gguf writes a GGUF file; name it .gguf (or "

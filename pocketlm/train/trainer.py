@@ -51,6 +51,8 @@ __all__ = ["BEST", "CHECKPOINT", "SFTData", "TrainConfig", "checkpoint_weights",
 
 CHECKPOINT = "checkpoint.pt"
 BEST = "best.pt"  # with early stopping: the weights of the best held-out loss
+MAX_LR = float(torch.finfo(torch.float32).max)  # beyond, the optimizer failed mid-step
+MAX_COUNT = 1 << 20  # --batch-size, --grad-accum, --threads
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -106,9 +108,16 @@ class TrainConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PocketError(f"--{name.replace('_', '-')} must be a positive integer, "
                                   f"got {v!r}")
-        # NaN, inf or a negative value here trains to NaN weights or up the loss, silently
-        if not 0 < self.lr < math.inf:
-            raise PocketError(f"--lr must be a positive finite number, got {self.lr}")
+        # NaN, inf or a negative value here trains to NaN weights or up the loss, silently;
+        # past float32's range torch fails mid-step (a traceback)
+        if not 0 < self.lr <= MAX_LR:
+            raise PocketError(f"--lr must be a positive finite number, got {self.lr} (at most "
+                              f"{MAX_LR:.3g}, float32's largest)")
+        for name in ("batch_size", "grad_accum", "threads"):  # a traceback past C's integers
+            v = getattr(self, name)
+            if v is not None and v > MAX_COUNT:
+                raise PocketError(f"--{name.replace('_', '-')} must be at most {MAX_COUNT:,}, "
+                                  f"got {v:,}")
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
             raise PocketError(f"--warmup must be 0 or more steps, got {self.warmup!r}")
         if not 0 <= self.min_lr_ratio <= 1:
@@ -642,6 +651,14 @@ def _plot_losses(metrics: list[dict], path: Path, title: str) -> None:
     _atomic_text(path, "\n".join(out))
 
 
+def _same_file(a: str | None, b: str | None) -> bool:
+    """Whether paths ``a`` and ``b`` name one existing file or folder."""
+    try:
+        return bool(a and b) and os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return False
+
+
 def _kept(saved_step: int) -> str:
     """What a run stopped by an error leaves: its last checkpoint, if it wrote one."""
     return f"the checkpoint of step {saved_step} is kept" if saved_step else \
@@ -675,7 +692,9 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
     if resume:
         ck = load_checkpoint(ck_path)
         saved = TrainConfig.from_dict(ck["train_config"])
-        ours = (cfg.preset, cfg.mode, cfg.base, cfg.lora_rank, cfg.qat, cfg.qat_base)
+        # the base as the same file however it is spelled (./tiny.gguf was another model)
+        base = saved.base if _same_file(cfg.base, saved.base) else cfg.base
+        ours = (cfg.preset, cfg.mode, base, cfg.lora_rank, cfg.qat, cfg.qat_base)
         theirs = (saved.preset, saved.mode, saved.base, saved.lora_rank, saved.qat,
                   saved.qat_base)
         if ours != theirs:
@@ -694,10 +713,13 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
                               f"{saved.lora_alpha or 2 * saved.lora_rank:g}; resume it with "
                               "the same --lora-alpha, or use another --out")
         order = [f"--{k.replace('_', '-')} {getattr(saved, k)} (now {getattr(cfg, k)})"
-                 for k in ("seed", "batch_size", "grad_accum", "seq_len")
-                 if getattr(saved, k) != getattr(cfg, k)]
+                 for k in ("seed", "batch_size", "grad_accum", "seq_len", "data", "val_data",
+                           "lr", "dtype")
+                 if getattr(saved, k) != getattr(cfg, k)
+                 and not (k in ("data", "val_data") and _same_file(getattr(saved, k),
+                                                                     getattr(cfg, k)))]
         if order and dist.main:
-            print(f"[resuming {out} with other data settings than it ran with: "
+            print(f"[resuming {out} with other settings than it ran with: "
                   f"{', '.join(order)}; it goes on, but not as the uninterrupted run would]",
                   file=sys.stderr)
         model_cfg = ModelConfig.from_dict(ck["model_config"])
@@ -840,10 +862,19 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         best_val, bad_evals = ck.get("best_val", math.inf), ck.get("bad_evals", 0)
         if ck.get("stopped_early"):
             start = cfg.steps  # nothing left to do
+            if dist.main:  # said, not done quietly: its result is the best weights kept
+                print(f"[{out} stopped early at step {int(ck['step'])} (held-out loss not "
+                      f"improving); nothing left to train: its result is {out / BEST}]",
+                      file=sys.stderr)
         elif start > cfg.steps:  # it cannot go back: say so, instead of doing nothing quietly
             raise PocketError(f"{out} holds a run at step {start}, past --steps {cfg.steps}: "
                               f"give --steps {start} or more to go on, or use another --out")
 
+    if dist.main and (not resume or (not cfg.early_stop and start < cfg.steps)):
+        # best weights kept by another run in this folder (one stopped before its first
+        # checkpoint), or by this run before it went on without early stopping: export and
+        # -m RUN take best.pt where it exists, and would take those instead of this run's
+        (out / BEST).unlink(missing_ok=True)
     if dist.main:
         out.mkdir(parents=True, exist_ok=True)
         _atomic_text(out / "train_config.json", json.dumps(
@@ -872,6 +903,20 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
         return total / max(count, 1)
 
     def save(step: int, path: Path = ck_path, *, stopped_early: bool = False) -> None:
+        # a step whose update left the weights NaN or inf (a finite loss and gradient, an
+        # overflowing update) is not kept: it would replace the last good checkpoint
+        finite = all(bool(torch.isfinite(p).all()) for p in model.parameters()
+                     if p.requires_grad)
+        if dist.world > 1:  # every rank decides alike (FSDP: each holds a shard)
+            import torch.distributed as tdist
+
+            flag = torch.tensor([1.0 if finite else 0.0], device=dist.device)
+            tdist.all_reduce(flag, op=tdist.ReduceOp.MIN)
+            finite = bool(flag.item() > 0)
+        if not finite:
+            raise PocketError(f"training diverged at step {step}: its update left weights "
+                              f"that are not finite; {_kept(saved_step)}; lower --lr (now "
+                              f"{cfg.lr:g})")
         state_model, state_opt = _state_dicts(model, opt, cfg.fsdp and dist.world > 1)
         if not dist.main:
             return
@@ -990,7 +1035,7 @@ def train(cfg: TrainConfig, *, tokenizer: Tokenizer | None = None,
             bar.set_postfix(post)
             bar.update(1)
         if stop_now:
-            if dist.main and progress:
+            if dist.main:  # with -q too: the result is not the last step's weights
                 print(f"\n[early stop at step {done}: held-out loss has not improved for "
                       f"{cfg.early_stop} evaluations; best {best_val:.4f} in {out / BEST}]",
                       file=sys.stderr)
