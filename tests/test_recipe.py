@@ -224,10 +224,14 @@ def test_the_recipe_runs_resumes_and_gives_the_same_file_from_the_same_seed(tiny
     b.mkdir()
     for name in ("prompts.jsonl", "prompts.meta.json"):
         shutil.copy(a / name, b / name)  # the same prompts (built from the corpora once)
+    # then cut short: a prompts file that is not the one its record describes was used as it
+    # was (a prompt edited, lines dropped); it is built again from the seed
+    (b / "prompts.jsonl").write_bytes((a / "prompts.jsonl").read_bytes()[:-40])
     lines = (a / "teacher.jsonl").read_text().splitlines(keepends=True)
     (b / "teacher.jsonl").write_text("".join(lines[:3]) + lines[3][:10])
     assert _run(b, tiny_recipe, until="sft") is None
     assert not (b / "qat").exists()
+    assert (b / "prompts.jsonl").read_bytes() == (a / "prompts.jsonl").read_bytes()
     assert sha256_file(_run(b, tiny_recipe)) == sha256_file(path)
 
     # a finished file is kept unless --force, which writes the same bytes again
@@ -479,6 +483,47 @@ def test_run_files_with_unicode_line_separators_read_back_whole(tmp_path):
     path.write_text(text, encoding="utf-8")
     assert _read_jsonl(path) == rows
     assert [v for _, v in read_jsonl(path, text, strict=True)[0]] == rows
+
+
+def test_a_stage_is_done_when_its_checkpoint_is_at_its_last_step(tmp_path):
+    """The metrics' last row is written before that step's checkpoint: a run stopped while
+    saving it has the row and a checkpoint one save behind, and was taken as finished (the
+    next stages built from the earlier weights)."""
+    import torch
+
+    from pocketlm.recipes.pocket_zh_en import _finished
+
+    run = tmp_path / "sft"
+    run.mkdir()
+    (run / "train_config.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3)))
+    for step, done in ((2, False), (3, True)):
+        torch.save({"format": "pocketlm-checkpoint", "step": step}, run / "checkpoint.pt")
+        assert _finished(run, 3) is done
+    (run / "checkpoint.pt").write_bytes(b"cut")  # a damaged one: not finished either
+    assert _finished(run, 3) is False
+
+
+def test_a_run_file_cut_inside_a_character_reads_back_its_whole_lines(tmp_path):
+    # a traceback (UnicodeDecodeError) in pocket pull, pocket run -m pocket-zh-en and the
+    # recipe, for what a hard stop leaves
+    from pocketlm.recipes.pocket_zh_en import _read_jsonl
+
+    path = tmp_path / "teacher.jsonl"
+    whole = json.dumps({"id": 1, "answer": "好。"}, ensure_ascii=False) + "\n"
+    path.write_bytes(whole.encode() + whole.encode()[:-5])
+    assert _read_jsonl(path) == [{"id": 1, "answer": "好。"}]
+
+
+def test_the_estimate_needs_no_pytorch(tmp_path, monkeypatch):
+    # a runtime-only install asked "what is left" (pocket run -m pocket-zh-en): a traceback
+    from pocketlm.recipes.pocket_zh_en import estimate
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    monkeypatch.delitem(sys.modules, "pocketlm.train.trainer", raising=False)
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "metrics.jsonl").write_text(json.dumps({"step": 300}) + "\n")
+    assert "sft (50% done)" in estimate(tmp_path)
 
 
 def test_the_estimate_follows_the_runs_own_recipe(tmp_path):

@@ -130,8 +130,12 @@ def _say(msg: str) -> None:
 
 def _atomic_write(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: no half-written temporary left
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -139,7 +143,8 @@ def _read_jsonl(path: Path) -> list[dict]:
     rows = []
     if not path.is_file():
         return rows
-    for line in jsonl_lines(path.read_text(encoding="utf-8")):
+    # bytes first: a line an interruption cut may end inside a character (UTF-8 stops there)
+    for line in jsonl_lines(path.read_bytes().decode("utf-8", errors="replace")):
         try:
             rec = json.loads(line)
         except ValueError:
@@ -169,7 +174,11 @@ def stage_prompts(out: Path, recipe: Recipe) -> list[dict]:
     meta = out / "prompts.meta.json"
     saved = _read_record(meta) if path.is_file() and meta.is_file() else None
     if saved is not None and saved.get("key") == key:
-        return _read_jsonl(path)
+        if saved.get("sha256") == sha256_file(path):
+            return _read_jsonl(path)
+        # edited, cut or damaged since it was built: rebuilt from the seed (the same prompts)
+        _say(f"{path} is not the file its record describes (changed since it was built); "
+             "building it again")
     _say("building the prompts from the corpora")
     prompts = build_prompts(recipe.seed, recipe.counts)
     _atomic_write(path, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts))
@@ -439,13 +448,16 @@ def _train_config(out: Path, recipe: Recipe, stage: str, threads: int | None):
 
 
 def _finished(run: Path, steps: int) -> bool:
-    """The run's checkpoint is at its last step."""
+    """The run's checkpoint is at its last step: the checkpoint's own step, not the metrics'
+    last row (written before the checkpoint of its step: a run stopped while saving it
+    has the row, and a checkpoint one save behind)."""
+    from ..train.trainer import checkpoint_step
+
     meta = run / "train_config.json"
     metrics = run / "metrics.jsonl"
     if not meta.is_file() or not metrics.is_file():
         return False
-    rows = _read_jsonl(metrics)
-    return bool(rows) and rows[-1].get("step") == steps and (run / "checkpoint.pt").is_file()
+    return checkpoint_step(run) == steps
 
 
 def stage_train(out: Path, recipe: Recipe, stage: str, *, threads: int | None = None,
@@ -719,10 +731,11 @@ def _stage_progress(out: Path, stage: str, recipe: Recipe = RECIPE) -> float:
         if rows:
             return 0.3 + 0.7 * min(1.0, rows[-1].get("step", 0) / recipe.rft_steps)
         return 0.3 * min(1.0, len(_read_jsonl(out / "rft-samples.jsonl")) / recipe.rft_prompts)
-    if stage in ("sft", "qat"):
-        cfg = _train_config(out, recipe, stage, None)
-        rows = _read_jsonl(Path(cfg.out) / "metrics.jsonl")
-        return min(1.0, rows[-1].get("step", 0) / cfg.steps) if rows else 0.0
+    if stage in ("sft", "qat"):  # (the trainer's folder and steps, without importing it:
+        # an install without PyTorch asks what is left too)
+        steps = recipe.sft_steps if stage == "sft" else recipe.qat_steps
+        rows = _read_jsonl(out / stage / "metrics.jsonl")
+        return min(1.0, rows[-1].get("step", 0) / steps) if rows else 0.0
     return float((out / f"{NAME}.pocket").is_file())
 
 
@@ -892,7 +905,10 @@ def _run(out: str | Path, *, until: str, threads: int | None, progress: bool, fo
 
         def tick() -> None:
             while not stop.wait(60):
-                add()
+                try:
+                    add()
+                except OSError:  # a full disk: tried again next minute, and at the stage's
+                    pass  # end, where a failure stops the run with its one-line error
 
         ticker = threading.Thread(target=tick, daemon=True)
         ticker.start()

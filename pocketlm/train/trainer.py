@@ -524,6 +524,18 @@ def load_checkpoint(path: str | Path) -> dict:
     return ck
 
 
+def checkpoint_step(path: str | Path) -> int | None:
+    """The step of the checkpoint in a run folder (or ``checkpoint.pt``), read without its
+    tensors (memory-mapped); None when there is none or it does not read."""
+    p = _checkpoint_path(path)
+    try:
+        ck = torch.load(p, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # absent, damaged: torch raises many kinds
+        return None
+    step = ck.get("step") if isinstance(ck, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def checkpoint_weights(ck: dict) -> dict[str, torch.Tensor]:
     """The checkpoint's model weights under the runtime's names (LoRA adapters merged)."""
     if ck.get("lora"):
