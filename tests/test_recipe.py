@@ -30,7 +30,7 @@ def prompts():
 
 def test_prompts_are_deterministic_and_keep_out_what_the_suite_measures(prompts):
     from pocketlm.evaluate.instructions import validate_instruction
-    from pocketlm.recipes.prompts import build_prompts, held_out_items
+    from pocketlm.recipes.prompts import build_prompts, held_in, held_out_items
 
     assert build_prompts(0, SMALL_COUNTS) == prompts
     assert build_prompts(1, SMALL_COUNTS) != prompts  # the seed picks other items
@@ -43,6 +43,8 @@ def test_prompts_are_deterministic_and_keep_out_what_the_suite_measures(prompts)
         if p["source"] == "idioms":
             word = p["prompt"].split("“")[1].split("”")[0]
             assert word not in held["idioms"]
+            # nor a task's meaning or idiom inside the answer (a variant's gloss named both)
+            assert not held_in(p["gold"] or "", held)
         if p["source"] == "sentiment":
             assert p["prompt"].split("\n\n", 1)[1] not in held["reviews"]
             assert p["gold"] in ("正面", "负面")
@@ -54,6 +56,15 @@ def test_prompts_are_deterministic_and_keep_out_what_the_suite_measures(prompts)
                                               "sentiment"}
     assert all(p["gold"] is None for p in prompts if p["source"] in ("sharegpt",
                                                                       "peoples-daily"))
+
+
+def test_a_held_out_meaning_or_idiom_inside_an_answer_is_found():
+    from pocketlm.recipes.prompts import held_in
+
+    held = {"idioms": {"遂迷不寤"}, "meanings": {"执迷不悟；坚持错误而不觉悟。", "短"}}
+    assert held_in("…执迷不悟；坚持错误而不觉悟。同遂迷忘反。", held)  # the meaning inside
+    assert held_in("义同遂迷不寤。", held)  # the idiom named
+    assert not held_in("坚持错误。短而精。", held)  # a short meaning is matched whole only
 
 
 def test_verifiable_instructions_are_appended_in_the_prompts_language():

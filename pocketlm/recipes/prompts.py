@@ -35,7 +35,8 @@ import re
 import unicodedata
 from collections.abc import Iterator
 
-PROMPTS_VERSION = 1  # bumped whenever the prompts a seed gives change
+PROMPTS_VERSION = 2  # bumped whenever the prompts a seed gives change (2: idioms whose
+# answer holds an idioms-zh meaning or names its idiom are left out)
 
 _CJK = re.compile(r"[\u3400-\u4dbf\u4e00-\u9fff]")
 _LATIN = re.compile(r"[A-Za-z]")
@@ -145,6 +146,29 @@ def held_out_items() -> dict[str, set[str]]:
             "poem_lines": halves, "reviews": {ex["text"] for ex in test}}
 
 
+_HELD_MIN = 6  # held-out meanings this long or longer are matched inside a text too
+
+
+def held_in(text: str, held: dict[str, set[str]]) -> bool:
+    """Whether ``text`` holds an idioms-zh meaning of :data:`_HELD_MIN` characters or more, or
+    names one of its idioms: looked up window by window (``held`` keeps the indexes)."""
+    index = held.get("_meaning_index")
+    if index is None:  # meanings by their first _HELD_MIN characters, built once
+        index = {}
+        for m in held["meanings"]:
+            if len(m) >= _HELD_MIN:
+                index.setdefault(m[:_HELD_MIN], []).append(m)
+        held["_meaning_index"] = index
+        held["_idiom_lengths"] = sorted({len(w) for w in held["idioms"] if len(w) >= 3})
+    idioms, lengths = held["idioms"], held["_idiom_lengths"]
+    for i in range(len(text)):
+        if any(text[i:i + k] in idioms for k in lengths):
+            return True
+        if any(text.startswith(m, i) for m in index.get(text[i:i + _HELD_MIN], ())):
+            return True
+    return False
+
+
 # -- the sources -------------------------------------------------------------------------------
 
 
@@ -217,7 +241,12 @@ def idiom_prompts(n_gold: int, n_teacher: int, seed: int, held: dict[str, set[st
                 or meaning in held["meanings"] or meaning.replace(word, "～") in held["meanings"]):
             continue
         example = (r.get("example") or "").strip()
-        pool.append((word, meaning, "" if example == "无" else example.replace("～", word)))
+        example = "" if example == "无" else example.replace("～", word)
+        # nor one whose answer holds a meaning the task offers (a variant's gloss: "执迷不悟；
+        # …。同遂迷不寤。") or names an idiom it asks
+        if held_in(meaning + "\n" + example, held):
+            continue
+        pool.append((word, meaning, example))
     pool = list({x[0]: x for x in pool}.values())
     pool.sort(key=lambda x: _key(seed, "idiom", x[0]))
     for word, meaning, example in pool[:n_gold]:
