@@ -319,8 +319,8 @@ def test_a_run_records_its_prompt_construction_and_refuses_another(tiny_recipe, 
     recipe_file.write_text(json.dumps(tiny_recipe.to_dict(), indent=1))
     refused(1, version + 1)
     monkeypatch.setattr(prompts, "PROMPTS_VERSION", 1)
-    assert _run(out, tiny_recipe, until="prompts") is None
-    assert (out / "prompts.jsonl").read_bytes() == files["prompts.jsonl"]
+    assert _run(out, tiny_recipe, until="prompts") is None  # the prompts built at version 1
+    assert json.loads((out / "prompts.meta.json").read_text())["key"]["version"] == 1
     # --force moves the run aside and builds the prompts again; the teacher's answers are not
     # reused (they answer the other version's prompts)
     (out / "teacher.jsonl").write_text("")
@@ -672,7 +672,7 @@ def test_a_refused_force_keeps_the_finished_file(tiny_recipe, tmp_path, monkeypa
 
     out = tmp_path / "run"
     out.mkdir()
-    (out / "recipe.json").write_text(json.dumps(tiny_recipe.to_dict(), indent=1))
+    (out / "recipe.json").write_text(json.dumps(pocket_zh_en.run_record(tiny_recipe), indent=1))
     final = out / "pocket-zh-en.pocket"
     final.write_bytes(b"the finished deploy file")
 
@@ -688,7 +688,7 @@ def test_a_refused_force_keeps_the_finished_file(tiny_recipe, tmp_path, monkeypa
 def test_an_export_again_needs_no_room_for_checkpoints(tiny_recipe, tmp_path, monkeypatch):
     """With both training runs finished, ``--force`` only exports again: it was refused for
     the gigabytes of checkpoints it would no longer write."""
-    pytest.importorskip("torch")
+    torch = pytest.importorskip("torch")
     from collections import namedtuple
 
     from pocketlm.recipes import pocket_zh_en
@@ -702,7 +702,8 @@ def test_an_export_again_needs_no_room_for_checkpoints(tiny_recipe, tmp_path, mo
         (out / stage).mkdir()
         (out / stage / "train_config.json").write_text("{}")
         (out / stage / "metrics.jsonl").write_text(json.dumps({"step": steps}) + "\n")
-        (out / stage / "checkpoint.pt").write_bytes(b"")
+        torch.save({"format": "pocketlm-checkpoint", "step": steps},
+                   out / stage / "checkpoint.pt")
     pocket_zh_en.check_inputs(out, tiny_recipe, "export")
 
 
