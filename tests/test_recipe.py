@@ -556,6 +556,14 @@ def test_the_estimate_follows_the_runs_own_recipe(tmp_path):
     hours = (0.5 * 2 * REFERENCE_MINUTES["sft"] + 2 * REFERENCE_MINUTES["qat"]
              + REFERENCE_MINUTES["export"]) / 60
     assert f"about {hours:.1f} h" in longer
+    # the teacher's stage follows the prompts it answers and their length (a recipe of 18
+    # short answers was priced at the recorded run's 101 minutes)
+    (tmp_path / "teacher.jsonl").unlink()
+    full = estimate(tmp_path)
+    half = estimate(tmp_path, Recipe(teacher_max_tokens=128))
+    minutes = {k: float(e.split("about ")[1].split(" h")[0]) * 60 for k, e in
+               (("full", full), ("half", half))}
+    assert abs(minutes["full"] - minutes["half"] - REFERENCE_MINUTES["teacher"] / 2) <= 6
 
 
 def test_installing_the_built_file_survives_another_pulls_sweep(tmp_path, monkeypatch):

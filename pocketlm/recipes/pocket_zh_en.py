@@ -696,10 +696,13 @@ def disk_needed(n_params: int, rft: bool = False) -> int:
 
 def estimate(out: Path, recipe: Recipe = RECIPE) -> str:
     """The stages left and the time they took on the reference machine, scaled by what is
-    left of a stage that is under way and, for the training stages, by ``recipe``'s steps
-    against the recorded recipe's."""
+    left of a stage that is under way and by ``recipe`` against the recorded recipe: the
+    training stages by their steps, the teacher's by its prompts and answer length."""
     steps = {"sft": recipe.sft_steps / RECIPE.sft_steps, "qat": recipe.qat_steps / RECIPE.qat_steps,
-             "rft": recipe.rft_steps / RFT_REFERENCE_STEPS}
+             "rft": recipe.rft_steps / RFT_REFERENCE_STEPS,
+             # the teacher's time follows the prompts it answers and how long it may answer
+             "teacher": _teacher_prompts(recipe) / _teacher_prompts(RECIPE)
+             * recipe.teacher_max_tokens / RECIPE.teacher_max_tokens}
     left, minutes = [], 0.0
     for stage in STAGES:
         share = 1.0 - _stage_progress(out, stage, recipe)
@@ -711,6 +714,14 @@ def estimate(out: Path, recipe: Recipe = RECIPE) -> str:
     return (f"stages left: {', '.join(left) or 'none'}; about {minutes / 60:.1f} h on a 2-core "
             f"x86 CPU (the reference machine; scale by your cores), resumable at any "
             f"point{first}")
+
+
+def _teacher_prompts(recipe: Recipe) -> int:
+    """How many prompts the teacher answers in ``recipe`` (those without a gold answer)."""
+    from .prompts import DEFAULT_COUNTS
+
+    c = {**DEFAULT_COUNTS, **recipe.counts}
+    return max(1, sum(c[k] for k in ("sharegpt", "news", "idiom_teacher", "poem_teacher")))
 
 
 def _stage_progress(out: Path, stage: str, recipe: Recipe = RECIPE) -> float:
