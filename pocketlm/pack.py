@@ -24,6 +24,7 @@ killed pack to the same output name left there are removed first (see
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -320,6 +321,25 @@ def pack(source: str | Path | SourceModel, out: str | Path, *, group_size: int =
             what = "is a folder, expected a text file" if calib.is_dir() else "no such file"
             raise PocketError(f"--calib {calib}: {what}")
     out = Path(out)
+    made = [folder for folder in out.parents if not folder.exists()]  # nearest first
+    try:
+        return _pack_to(source, out, calib=calib, bits_per_weight=bits_per_weight,
+                        group_size=group_size, embed_bits=embed_bits,
+                        keep_precision=keep_precision, measure_error=measure_error,
+                        progress=progress, int4_search=int4_search,
+                        quant_method=quant_method, awq=awq, vocab=vocab,
+                        reproducible=reproducible, head_patch=head_patch)
+    except BaseException:  # a failed pack leaves no folders it made either
+        for folder in made:
+            with contextlib.suppress(OSError):  # one that holds something stays
+                folder.rmdir()
+        raise
+
+
+def _pack_to(source, out: Path, *, calib, bits_per_weight, group_size, embed_bits,
+             keep_precision, measure_error, progress, int4_search, quant_method, awq,
+             vocab, reproducible, head_patch) -> PackReport:
+    """:func:`pack` once its options are checked: the exact import, or a budget's pack."""
     check_writable(out)  # before the quantization, not after it
     sweep_stale_temps(out.parent, out.name)  # what a killed pack to the same file left
     options = dict(group_size=group_size, embed_bits=embed_bits,

@@ -181,6 +181,18 @@ def test_a_calib_argument_that_is_no_path_is_refused_by_name(tmp_path, calib):
     assert not (tmp_path / "out.pocket").exists()
 
 
+def test_a_failed_pack_leaves_no_folders_it_made(tiny, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("too short to calibrate on")
+    with pytest.raises(PocketError, match="shorter than one calibration sequence"):
+        pack(tiny["src"], tmp_path / "new" / "sub" / "x.pocket", calib=short, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["short.txt"]
+    (tmp_path / "kept").mkdir()  # a folder that was there stays
+    with pytest.raises(PocketError):
+        pack(tiny["src"], tmp_path / "kept" / "x.pocket", calib=short, progress=False)
+    assert (tmp_path / "kept").is_dir()
+
+
 def test_calibration_file_is_cut_into_sequences(tmp_path):
     path = tmp_path / "app.txt"
     path.write_text("订单已发货，预计明天送达。Order shipped. " * 40, encoding="utf-8")
