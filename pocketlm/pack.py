@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -356,14 +355,12 @@ def _pack_to(source, out: Path, *, calib, bits_per_weight, group_size, embed_bit
     with writer_lock(out.parent):
         if gguf_bytes is None:
             return _pack(source, out, calib=calib, bits_per_weight=bits_per_weight, **options)
-        # the exact import goes to a temporary file first: it becomes OUT only if it is kept,
-        # so that a pack stopped while packing again leaves no OUT behind
-        fd, name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-        os.close(fd)
-        first = Path(name)
+        # the exact import stays in its temporary file: it becomes OUT only if it is kept, so
+        # that a pack stopped while packing again leaves no OUT behind
+        held: list[Path] = []
         try:
-            report = _pack(source, first, calib=calib, bits_per_weight=bits_per_weight,
-                           **options)
+            report = _pack(source, out, calib=calib, bits_per_weight=bits_per_weight,
+                           hold=held, **options)
             if report.file_bytes > gguf_bytes * (1 + EXACT_SLACK):
                 if progress:
                     print(f"[the exact import is {report.file_bytes:,} bytes, larger than "
@@ -381,11 +378,11 @@ def _pack_to(source, out: Path, *, calib, bits_per_weight, group_size, embed_bit
                 else:
                     budgeted.larger_exact_import = (report.file_bytes, gguf_bytes)
                     return budgeted
-            os.replace(first, out)
-            report.path = out
+            os.replace(held[0], out)
             return report
         finally:
-            first.unlink(missing_ok=True)
+            for tmp in held:
+                tmp.unlink(missing_ok=True)
 
 
 EXACT_SLACK = 0.01  # how far (a share of the GGUF) an exact import may exceed it
@@ -411,7 +408,8 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
           keep_precision: bool | None, measure_error: bool, progress: bool,
           int4_search: bool, calib=None, bits_per_weight=None,
           quant_method=None, awq: bool = False, vocab=None,
-          reproducible: bool = False, head_patch=None) -> PackReport:
+          reproducible: bool = False, head_patch=None, hold: list[Path] | None = None
+          ) -> PackReport:
     t0 = time.time()
     model = source if isinstance(source, SourceModel) else open_source(source)
     if vocab is not None:
@@ -561,7 +559,7 @@ def _pack(source: str | Path | SourceModel, out: Path, *, group_size: int, embed
                            "packed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})},
     }
     try:
-        size = write_pocket(out, arrays, metadata)
+        size = write_pocket(out, arrays, metadata, hold=hold)
     except OSError as exc:  # a full disk, an I/O error: name the file being written
         raise PocketError(write_error_message(
             out, exc, f"free some space in {out.parent.resolve()} or write to another folder")) from None

@@ -296,7 +296,7 @@ def test_full_disk_during_pack_names_the_file(gguf_file, tmp_path, capsys, monke
     out = tmp_path / "out" / "model.pocket"
     code, _, err = run_cli(capsys, "pack", gguf_file, "-o", out)
     assert_one_line_error(code, err, str(out), "disk is full")
-    assert not out.exists() and temps(out.parent) == []
+    assert not out.parent.exists()  # nor the folder the pack made for it
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")

@@ -302,8 +302,10 @@ def compress_tokenizer(tokenizer_json: str) -> np.ndarray:
 
 
 def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
-                 metadata: dict[str, Any]) -> int:
-    """Write named arrays and metadata as a .pocket file, atomically. Returns the file size."""
+                 metadata: dict[str, Any], *, hold: list[Path] | None = None) -> int:
+    """Write named arrays and metadata as a .pocket file, atomically. Returns the file size.
+    ``hold``: the finished temporary file is appended to it instead of being renamed to
+    ``path`` (the caller renames it, or removes it)."""
     path = Path(path)
     items = [(name, np.ascontiguousarray(a)) for name, a in tensors]
     seen: set[str] = set()
@@ -375,6 +377,9 @@ def write_pocket(path: str | Path, tensors: Iterable[tuple[str, np.ndarray]],
                 f.write(_raw_bytes(a))
             f.flush()
             os.fsync(f.fileno())
+        if hold is not None:
+            hold.append(Path(tmp))
+            return Path(tmp).stat().st_size
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
