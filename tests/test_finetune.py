@@ -555,6 +555,8 @@ def test_a_chat_the_template_renders_differently_as_a_prefix_is_one_bad_line(bas
     (["--lora-rank", "4", "--keep-lora", "--export", "m.pocket", "--awq"],
      "--awq cannot be combined with --keep-lora"),
     (["--export", "m.pocket", "--quant-method", "rtn"], "--quant-method needs calibration"),
+    (["--export", "m.pocket", "--group-size", "64"],
+     "--group-size 64 does not divide the model's feed-forward width 96"),
     # another model's deploy file was replaced, silently
     (["--export", "ANOTHER"], "was not exported from"),
     # tracebacks mid-step (float32 overflow, C integers), or NaN weights saved with exit 0

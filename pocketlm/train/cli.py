@@ -387,6 +387,8 @@ def cmd_finetune(args) -> int:
                 calibration.get("bits_per_weight") is None and not args.awq:
             raise PocketError("--quant-method needs calibration: pass --calib (or "
                               "--bits-per-weight)")
+        if args.group_size not in (None, 32):
+            _check_group_size(args.model, args.group_size)
     from ..export import check_output
 
     if args.export:
@@ -448,6 +450,26 @@ def cmd_finetune(args) -> int:
                             **calibration)
         print(report.summary())
     return 0
+
+
+def _check_group_size(model: str, group_size: int) -> None:
+    """Refuse ``--group-size`` for a base whose weights' input widths it does not divide (the
+    export refused it once the training was done). A base that does not open here is left to
+    the training to name."""
+    from ..formats import open_source
+    from ..registry import resolve
+
+    try:
+        c = open_source(resolve(model, quiet=True)).config
+    except (PocketError, OSError):
+        return
+    widths = {"width": c.d_model, "attention width": c.n_heads * c.head_dim,
+              "feed-forward width": c.d_ff}
+    bad = [f"{what} {n}" for what, n in widths.items() if n % group_size]
+    if bad:
+        raise PocketError(f"--group-size {group_size} does not divide the model's "
+                          f"{', '.join(bad)}: its weights could not be exported in groups of "
+                          f"{group_size}; use --group-size 32")
 
 
 def _exported_from(path: Path, run: str) -> bool:
