@@ -156,7 +156,8 @@ def cmd_inspect(args) -> int:
         from .api import deploy_file
 
         # a registry name: the deploy file `pocket run -m NAME` runs (packed on first use)
-        path = deploy_file(args.file, quiet=False)
+        with _exit_on_sigterm():  # a pull or pack on first use: no temp file left
+            path = deploy_file(args.file, quiet=False)
     if sniff(path) != "pocket":
         raise PocketError(f"{path}: not a .pocket deploy file (inspect reads deploy files; "
                           "pack a GGUF or Hugging Face model with `pocket pack` first)")
@@ -247,7 +248,8 @@ def _load(args):
 
     model = model_or_default(args.model)
     t0 = time.time()
-    m = pocketlm.load(model, n_ctx=args.ctx, quiet=False)
+    with _exit_on_sigterm():  # a pull or pack on first use: no download or temp file left
+        m = pocketlm.load(model, n_ctx=args.ctx, quiet=False)
     note = context_note(m, args.ctx)
     if note:
         print(note, file=sys.stderr)

@@ -344,10 +344,14 @@ def test_pocket_home_that_cannot_be_created_is_one_line(tiny_entry, tmp_path, ca
 
 
 # -- 5. never a half-written file under the final name ----------------------------------------
+@pytest.mark.parametrize("argv", [["pull", "tiny-model"], ["run", "-m", "tiny-model", "hi"]],
+                         ids=["pull", "run"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_pull_killed_mid_write_keeps_the_final_name_clean(tiny_entry, tmp_path, sig):
+def test_pull_killed_mid_write_keeps_the_final_name_clean(tiny_entry, tmp_path, sig, argv):
     """A pull ended while it writes leaves nothing at the model's path: SIGTERM cleans up at
-    once, and what SIGKILL leaves is removed by the next pull, which assembles it afresh."""
+    once, and what SIGKILL leaves is removed by the next pull, which assembles it afresh. So
+    does the pull `pocket run` makes on first use (SIGTERM killed it outright, leaving its
+    temporary file)."""
     child = textwrap.dedent("""
         import os, sys, time
         from pocketlm import cli, registry
@@ -359,7 +363,7 @@ def test_pull_killed_mid_write_keeps_the_final_name_clean(tiny_entry, tmp_path, 
             time.sleep(120)
 
         os.fsync = slow_fsync
-        sys.exit(cli.main(["pull", "tiny-model"]))
+        sys.exit(cli.main(sys.argv[2:]))
     """)
     (tmp_path / "registry_child.py").write_text(textwrap.dedent(f"""
         from pocketlm import registry
@@ -374,7 +378,7 @@ def test_pull_killed_mid_write_keeps_the_final_name_clean(tiny_entry, tmp_path, 
     """))
     marker = tmp_path / "writing.marker"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE_ROOT), str(tmp_path)])}
-    proc = subprocess.Popen([sys.executable, "-c", child, str(marker)], env=env,
+    proc = subprocess.Popen([sys.executable, "-c", child, str(marker), *argv], env=env,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
