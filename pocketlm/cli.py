@@ -417,11 +417,12 @@ def cmd_bench(args) -> int:
         from .runtime.settings import EngineSettings
 
         threads = EngineSettings.from_env().threads or 2
-    results = bench(model_or_default(args.model), threads=threads, n_prompt=args.n_prompt,
-                    n_gen=args.n_gen, runs=args.runs, vs=args.vs, gguf=args.gguf, mnn=args.mnn,
-                    watts_per_core=args.watts_per_core, progress=progress,
-                    compare=args.compare, speculative=args.speculative,
-                    draft_max=args.draft_max)
+    with _exit_on_sigterm():  # the workers are closed and a first-use pack cleans up
+        results = bench(model_or_default(args.model), threads=threads,
+                        n_prompt=args.n_prompt, n_gen=args.n_gen, runs=args.runs, vs=args.vs,
+                        gguf=args.gguf, mnn=args.mnn, watts_per_core=args.watts_per_core,
+                        progress=progress, compare=args.compare,
+                        speculative=args.speculative, draft_max=args.draft_max)
     if args.json:
         for r in results:
             print(r.to_json())

@@ -179,6 +179,49 @@ def test_an_empty_plot_path_fails_before_the_benchmark(gguf, capsys, monkeypatch
         assert err == "pocket: error: --plot is empty (an unset shell variable?): give a path\n"
 
 
+def test_lengths_the_context_cannot_hold_are_one_line_before_the_prompt_is_built(
+        gguf, tmp_path, capsys, monkeypatch):
+    """n_prompt + n_gen equal to the context passed the check and failed in the worker (a
+    traceback, then "ended unexpectedly"); a huge n_prompt was built whole (GBs) before the
+    check; a --gguf of another vocabulary failed inside llama.cpp."""
+    import pocketlm.bench
+
+    def built(*args, **kwargs):
+        raise AssertionError("the prompt was built before the lengths were checked")
+
+    monkeypatch.setattr(pocketlm.bench, "benchmark_ids", built)
+    for n_prompt, n_gen in (("254", "2"), ("100000000", "2")):
+        assert cli.main(["bench", "-m", str(gguf), "--threads", "1", "--runs", "1",
+                         "--n-prompt", n_prompt, "--n-gen", n_gen]) == 1
+        err = capsys.readouterr().err.splitlines()[-1]  # after the first-use pack's lines
+        assert err.startswith("pocket: error:") and "must be below the model's context of 256" \
+            in err, err
+    monkeypatch.setattr(pocketlm.bench, "benchmark_ids", benchmark_ids)
+    # --compare of the model itself: two rows "pocketlm", a ratio "pocketlm / pocketlm"
+    assert cli.main(["bench", "-m", str(gguf), "--compare", str(gguf), "--runs", "1",
+                     "--n-prompt", "8", "--n-gen", "1"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert "is the model -m benchmarks already" in err, err
+    other = tmp_path / "other.gguf"
+    tiny_gguf.write_tiny_gguf(other, "llama", seed=2, weight_type="Q4_0", max_context=256,
+                              vocab_size=300)
+    assert cli.main(["bench", "-m", str(gguf), "--vs", "llama.cpp", "--gguf", str(other),
+                     "--runs", "1", "--n-prompt", "8", "--n-gen", "1"]) == 1
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("pocket: error:") and "give the GGUF of the same model" in err, err
+
+
+def test_an_error_in_a_worker_during_a_run_is_one_line(gguf, capsys, monkeypatch):
+    # only loading reported its error as one line: a failure in a run was a traceback, then
+    # "the pocketlm benchmark process ended unexpectedly"
+    monkeypatch.setattr("pocketlm.bench._check_lengths", lambda *args: None)
+    assert cli.main(["bench", "-m", str(gguf), "--threads", "1", "--runs", "1",
+                     "--n-prompt", "250", "--n-gen", "6"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "ended unexpectedly" not in err, err
+    assert err.splitlines()[-1].startswith("pocket: error: pocketlm: ContextLengthError"), err
+
+
 def test_vs_llama_cpp_needs_a_gguf(gguf, tmp_path, capsys):
     out = tmp_path / "m.pocket"
     assert cli.main(["pack", str(gguf), "-o", str(out)]) == 0
@@ -195,13 +238,19 @@ def test_budget_line_states_measurement_and_budget():
                      decode_tps=99.4, decode_tps_min=90.0, decode_tps_max=110.0,
                      peak_rss_delta_mb=131.2, file_mb=98.6, load_s=0.4, energy_j_est=5.0,
                      energy_method="estimate", prompt_hash="0")
-    assert budget_line(r) == ("decode: MISS (99 tok/s; budget > 200)  "
-                              "memory: PASS (131 MB; budget < 300)  "
-                              "energy: PASS (5.00 J; budget <= 5.0)")
+    assert budget_line(r) == ("decode: MISS (99.4 tok/s; budget > 200)  "
+                              "memory: PASS (131.2 MB; budget < 300)  "
+                              "energy: PASS (5.000 J; budget <= 5.004)")
+    # judged as printed: 200.3 / 299.7 / 5.003 and 199.7 / 300.2 / 5.0049 both printed as
+    # "200 / 300 / 5.00" with opposite verdicts
+    r.decode_tps, r.peak_rss_delta_mb, r.energy_j_est = 200.04, 299.96, 5.0044
+    assert budget_line(r) == ("decode: MISS (200.0 tok/s; budget > 200)  "
+                              "memory: MISS (300.0 MB; budget < 300)  "
+                              "energy: PASS (5.004 J; budget <= 5.004)")
     # the energy budget is for a 512 + 128-token call: a shorter one passed it by being short
     r.n_prompt, r.n_gen, r.energy_j_est = 64, 16, 0.71
-    assert budget_line(r).endswith("energy: not judged (0.71 J for 64 + 16 tokens; the budget "
-                                   "<= 5.0 J is for a 512 + 128-token call)")
+    assert budget_line(r).endswith("energy: not judged (0.710 J for 64 + 16 tokens; the "
+                                   "budget <= 5.004 J is for a 512 + 128-token call)")
 
 
 def test_bench_refuses_a_draft_model_it_cannot_use_before_any_run(gguf, tmp_path):
@@ -246,3 +295,18 @@ def test_bench_speculative_draft_max_reaches_the_drafter(gguf):
     sp = results[1].speculative
     assert sp["max_draft"] == 1 and sp["same_tokens"] is True
     assert sp["drafted"] <= sp["steps"]  # at most one drafted token a pass
+
+
+def test_the_pocketlm_worker_imports_its_library_before_the_baseline():
+    # the baseline is read after each engine's library is imported: pocketlm's was imported
+    # inside the timed load (8 MB and 0.07 s counted as the model's), llama.cpp's before it
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from pocketlm.bench.worker import PocketEngine\n"
+            "assert 'pocketlm.api' not in sys.modules\n"
+            "PocketEngine('unused.pocket', 1, 8)\n"
+            "print('pocketlm.api' in sys.modules)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.stdout.strip() == "True", p.stderr

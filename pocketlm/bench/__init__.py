@@ -31,8 +31,11 @@ from ..errors import KernelError, ModelNotFoundError, PocketError, UnsupportedEr
 from ..runtime.kernels.native import MAX_THREADS
 from .prompt import benchmark_ids, ids_hash
 
-BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0, "energy_j": 5.0}
 PHONE_BATTERY_WH = 13.9
+# the report's budgets; energy: 1/10000 of the phone's battery (5.004 J), one threshold for
+# the verdict and the plot
+BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0,
+           "energy_j": round(PHONE_BATTERY_WH * 3600 / 10000, 3)}
 WATTS_PER_CORE = 3.0  # assumed power of one busy core when RAPL is not available
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 VS_ENGINES = ("llama.cpp", "mnn")
@@ -92,6 +95,16 @@ def machine_info() -> dict[str, Any]:
             "kv_cache": setting["kv"], "huge_pages": setting["huge_pages"],
             "head_screen": setting["head_screen"], "python": platform.python_version(),
             "os": platform.system()}
+
+
+def _check_lengths(n_prompt: int, n_gen: int, max_context: int, model: str | None = None
+                   ) -> None:
+    """Refuse a call the model's context cannot hold: the prompt, ``n_gen`` decoded tokens
+    and the last one read out (the worker's KV cache holds n_prompt + n_gen + 1)."""
+    if n_prompt + n_gen >= max_context:
+        raise PocketError(f"{model + ': ' if model else ''}n_prompt + n_gen = "
+                          f"{n_prompt + n_gen} must be below the model's context of "
+                          f"{max_context}")
 
 
 class _Worker:
@@ -219,10 +232,8 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     src = resolve(name)
     deploy = deploy_file(src, quiet=False)  # a GGUF / HF source packed once, then cached
     config, tokenizer = file_config_and_tokenizer(PocketFile(deploy))  # checksums verified
+    _check_lengths(n_prompt, n_gen, config.max_context)  # before the prompt is built
     ids = benchmark_ids(tokenizer, n_prompt)
-    if len(ids) + n_gen > config.max_context:
-        raise PocketError(f"n_prompt + n_gen = {len(ids) + n_gen} exceeds the model's context "
-                          f"of {config.max_context}")
     if speculative and speculative != "lookup":
         # a draft that does not exist or speaks another vocabulary is refused here, in one
         # line, not in the worker (a traceback, then "ended unexpectedly")
@@ -250,12 +261,13 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
     for other in dict.fromkeys(compare or []):
         label = f"pocketlm:{other}"
         files[label] = deploy_file(resolve(other), quiet=False)
+        if Path(files[label]).resolve() == Path(deploy).resolve():  # rows none could tell apart
+            raise PocketError(f"--compare {other} is the model -m benchmarks already; name "
+                              "another model")
         cfg, tok = file_config_and_tokenizer(PocketFile(files[label]))
+        _check_lengths(n_prompt, n_gen, cfg.max_context, other)
         prompts[label] = benchmark_ids(tok, n_prompt)
         models[label] = other
-        if len(prompts[label]) + n_gen > cfg.max_context:
-            raise PocketError(f"{other}: n_prompt + n_gen exceeds the model's context of "
-                              f"{cfg.max_context}")
     if "llama.cpp" in vs:
         gguf_path = Path(gguf) if gguf else Path(src)
         if sniff(gguf_path) != "gguf":
@@ -266,6 +278,16 @@ def bench(model: str | None = None, *, threads: int = 2, n_prompt: int = 512, n_
         except ImportError:
             raise PocketError("--vs llama.cpp needs llama-cpp-python: pip install "
                               "llama-cpp-python") from None
+        if gguf:  # the same model: a ratio between two models is no comparison (and another
+            # vocabulary failed in llama.cpp with a traceback)
+            from ..formats import open_source
+
+            other = open_source(gguf_path).config
+            if other.vocab_size != config.vocab_size:
+                raise PocketError(f"--gguf {gguf}: a vocabulary of {other.vocab_size:,} "
+                                  f"pieces, not {name}'s {config.vocab_size:,}: give the GGUF "
+                                  "of the same model")
+            _check_lengths(n_prompt, n_gen, other.max_context, f"--gguf {gguf}")
         files["llama.cpp"] = gguf_path
     n_ctx = n_prompt + n_gen + 8 + (16 if speculative else 0)  # room for the last drafts
     order = ["pocketlm", *(k for k in files if k.startswith("pocketlm:")),
@@ -347,21 +369,24 @@ BUDGET_CALL = (512, 128)  # the call the energy budget is for: prompt and decode
 
 
 def budget_line(r: EngineResult) -> str:
-    battery_j = PHONE_BATTERY_WH * 3600 / 10000
+    """The verdict on each budget, judged on the values as printed (a verdict that differs
+    between two lines showing the same numbers would be no verdict)."""
+    battery_j = BUDGETS["energy_j"]
     decode, memory = BUDGETS["decode_tps"], BUDGETS["peak_rss_delta_mb"]
+    tps, peak = round(r.decode_tps, 1), round(r.peak_rss_delta_mb, 1)
     checks = [  # (name, met, "measured; budget")
-        ("decode", r.decode_tps > decode, f"{r.decode_tps:.0f} tok/s; budget > {decode:g}"),
-        ("memory", r.peak_rss_delta_mb < memory,
-         f"{r.peak_rss_delta_mb:.0f} MB; budget < {memory:g}"),
+        ("decode", tps > decode, f"{tps:.1f} tok/s; budget > {decode:g}"),
+        ("memory", peak < memory, f"{peak:.1f} MB; budget < {memory:g}"),
     ]
     line = "  ".join(f"{name}: {'PASS' if ok else 'MISS'} ({text})" for name, ok, text in checks)
+    energy = round(r.energy_j_est, 3)
     if (r.n_prompt, r.n_gen) != BUDGET_CALL:  # a shorter call uses less: no verdict
-        return line + (f"  energy: not judged ({r.energy_j_est:.2f} J for {r.n_prompt} + "
-                       f"{r.n_gen} tokens; the budget <= {battery_j:.1f} J is for a "
+        return line + (f"  energy: not judged ({energy:.3f} J for {r.n_prompt} + "
+                       f"{r.n_gen} tokens; the budget <= {battery_j:.3f} J is for a "
                        f"{BUDGET_CALL[0]} + {BUDGET_CALL[1]}-token call)")
-    met = r.energy_j_est <= battery_j
-    return line + (f"  energy: {'PASS' if met else 'MISS'} ({r.energy_j_est:.2f} J; "
-                   f"budget <= {battery_j:.1f})")
+    met = energy <= battery_j
+    return line + (f"  energy: {'PASS' if met else 'MISS'} ({energy:.3f} J; "
+                   f"budget <= {battery_j:.3f})")
 
 
 def memory_breakdown(results: list[EngineResult]) -> str:

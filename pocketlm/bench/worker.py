@@ -16,8 +16,10 @@ standard error, so what a native library prints (MNN prints its CPU features) ca
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
@@ -42,6 +44,8 @@ class PocketEngine:
         import numpy as np
 
         import pocketlm
+        import pocketlm.api  # noqa: F401 (imported before the baseline, as llama.cpp's is:
+        # its 8 MB and 0.07 s counted as loading the model, in the peak and the load time)
 
         self.np = np
         self.pocketlm = pocketlm
@@ -170,6 +174,9 @@ ENGINES = {"pocketlm": PocketEngine, "llama.cpp": LlamaCppEngine, "mnn": MnnEngi
 
 
 def main(argv: list[str]) -> int:
+    # Ctrl-C reaches the whole process group: the parent stops the run and closes this
+    # process (a traceback from every worker, before)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine_name, path, threads, n_ctx = argv[0], argv[1], int(argv[2]), int(argv[3])
     sys.stdout.flush()
     out = os.fdopen(os.dup(1), "w")
@@ -189,6 +196,19 @@ def main(argv: list[str]) -> int:
     out.write(json.dumps({"ready": True, "load_s": load_s,
                           "baseline_rss_mb": baseline / 1024}) + "\n")
     out.flush()
+    try:
+        return _serve(engine, out, baseline, load_s, stages)
+    except BrokenPipeError:  # the parent has gone (SIGTERM, killed): nothing left to tell it
+        return 1
+    except Exception as exc:  # reported to the parent as one line, as a load error is
+        with contextlib.suppress(OSError):
+            out.write(json.dumps({"error": f"{type(exc).__name__}: {exc}"}) + "\n")
+            out.flush()
+        return 1
+
+
+def _serve(engine, out, baseline: int, load_s: float, stages: list) -> int:
+    """Answer the parent's commands (one JSON line each) until it says quit."""
     for line in sys.stdin:
         msg = json.loads(line)
         if msg["cmd"] == "run":
