@@ -109,6 +109,8 @@ def test_bench_cli_json_and_picture(gguf, capsys, tmp_path):
     assert len(rows) == 1 and REQUIRED <= set(rows[0]) and rows[0]["engine"] == "pocketlm"
     text = svg.read_text()
     assert text.startswith("<svg") and "decode tok/s" in text and "pocketlm" in text
+    # the energy budget is drawn only for the call it is for, as the table judges it
+    assert "budget 200" in text and "budget 300" in text and "budget 5" not in text
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -401,6 +401,12 @@ def memory_breakdown(results: list[EngineResult]) -> str:
     return "\n".join(lines)
 
 
+def row_label(r: EngineResult, first: EngineResult) -> str:
+    """A result's name in the table and the picture: its engine, and its model where it is
+    not the first row's (``--compare``)."""
+    return r.engine if r.model == first.model else f"{r.engine} {r.model}"
+
+
 def format_table(results: list[EngineResult]) -> str:
     r0 = results[0]
     lines = [
@@ -420,7 +426,7 @@ def format_table(results: list[EngineResult]) -> str:
         f"{'file MB':>8} {'load s':>7} {'energy J':>9}",
     ]
     def label(r: EngineResult) -> str:
-        return r.engine if r.model == r0.model else f"{r.engine} {r.model}"
+        return row_label(r, r0)
 
     for r in results:
         lines.append(
