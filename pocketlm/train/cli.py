@@ -496,8 +496,9 @@ def cmd_export(args) -> int:
             raise PocketError(f"{args.output}: to write GGUF pass --to gguf (without --to, "
                               "export writes a .pocket deploy file)")
     calib = getattr(args, "calib", None)
+    read = [calib] if calib not in (None, "", "default") else []  # --force must keep them
     out = check_output(args.output, force=args.force, folder=target == "hf",
-                       inputs=(args.run, *([calib] if calib not in (None, "", "default") else [])), replaces=lambda d: (d / "config.json").is_file())
+                       inputs=(args.run, *read), replaces=lambda d: (d / "config.json").is_file())
     if target == "gguf" and str(out).lower().endswith(".pocket"):
         # a GGUF under a deploy file's name: inspect, pull --verify and pack would misread it
         raise PocketError(f"{args.output}: --to gguf writes a GGUF file; name it .gguf (or "
@@ -802,8 +803,12 @@ def _distill_resume(partial: Path, run: dict, prompts: list[str],
         # lines end at b"\n" alone (an answer may hold U+2028, which str.splitlines splits
         # at), and are counted in bytes, as truncate() counts
         lines = partial.read_bytes().split(b"\n")
+    except OSError as e:
+        raise PocketError(f"{partial}: cannot read the answers kept there "
+                          f"({e.strerror or e})") from None
+    try:
         head = json.loads(lines[0].decode("utf-8"))["run"] if len(lines) > 1 else None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         head = None
     if len(lines) <= 2 and (len(lines) < 2 or not lines[1]):  # no answer kept: start afresh
         partial.unlink(missing_ok=True)
