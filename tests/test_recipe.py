@@ -626,10 +626,10 @@ def test_a_built_file_swapped_with_its_mtime_restored_is_changed(tmp_path, monke
 
 
 _TORCHRUN_SCRIPT = """
-import json, sys
+import json, os, sys
 from pocketlm.recipes.pocket_zh_en import Recipe, run
 path = run(sys.argv[2], recipe=Recipe(**json.loads(sys.argv[1])), progress=False, threads=1)
-print("RESULT", path)
+os.write(1, f"RESULT {path}\\n".encode())  # one write: the ranks' lines never interleave
 """
 
 
