@@ -764,11 +764,13 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
                                f"{_first_line(matcher.get_error())}", param=grammar.kind)
         # llguidance compiles lazily: a grammar that fails at its first token (a schema that
         # only refers to itself) is refused now, before a request has started generating
+        probe = Constraint(grammar, matcher.deep_copy(), ll.vocab_size)
         try:
-            Constraint(grammar, matcher.deep_copy(), ll.vocab_size).allowed()
+            first = probe.allowed()
         except GrammarError as e:
             raise GrammarError(f"the {grammar.describe()} is not usable: it cannot start ("
                                f"{str(e).split(': ', 1)[-1]})", param=grammar.kind) from None
+        _probe_longest(probe, first, tokenizer)
         entry = _Compiled(matcher, ll)
         with _compiled_lock:
             _compiled[key] = entry
@@ -777,6 +779,49 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
     with entry.lock:
         matcher = entry.matcher.deep_copy()
     return Constraint(grammar, matcher, ll.vocab_size)
+
+
+# tokenizer -> {n_vocab: each id's length in bytes (0 for control tokens and padded rows)}
+_lengths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _token_lengths(tokenizer: Tokenizer, n_vocab: int) -> np.ndarray:
+    with _tokenizers_lock:
+        views = _lengths.setdefault(tokenizer, {})
+        lengths = views.get(n_vocab)
+        if lengths is None:
+            lengths = np.zeros(n_vocab, dtype=np.int32)
+            for i in range(min(n_vocab, tokenizer.vocab_size)):
+                if not tokenizer.is_special(i):
+                    lengths[i] = len(tokenizer.token_bytes(i))
+            views[n_vocab] = lengths
+        return lengths
+
+
+def _probe_longest(probe: Constraint, allowed: np.ndarray, tokenizer: Tokenizer,
+                   steps: int = 3) -> None:
+    """Take the allowed token of the most bytes, ``steps`` times, on a copy: llguidance's lexer
+    unrolls a regular expression byte by byte as tokens arrive, and one whose repetitions unroll
+    past its bounds (``a{300000}``, ``x|a{100000}``) fails at the first long tokens; such a
+    grammar is refused now, before a request has started generating. Any other outcome refuses
+    nothing."""
+    lengths = _token_lengths(tokenizer, probe.n_vocab)
+    try:
+        for _ in range(steps):
+            ids = np.flatnonzero(allowed)
+            longest = lengths[ids]
+            if not len(ids) or longest.max() <= 1:
+                return
+            probe.consume(int(ids[np.argmax(longest)]))
+            if probe.done:
+                return
+            allowed = probe.allowed()
+    except GrammarError:
+        error = _first_line(probe.matcher.get_error())
+        if "limit" in error or "too many" in error:
+            raise GrammarError(f"the {probe.grammar.describe()} is too complex to follow (its "
+                               f"parser reached a limit: {error}); simplify it, e.g. with fewer "
+                               "repetitions", param=probe.grammar.kind) from None
 
 
 class Constraint:
@@ -821,7 +866,7 @@ class Constraint:
     def consume(self, token: int) -> None:
         if not self.matcher.consume_token(int(token)):
             error = _first_line(self.matcher.get_error())
-            if "limit" in error and "satisfy" not in error:
+            if ("limit" in error or "too many" in error) and "satisfy" not in error:
                 # the parser's own bounds (items, lexemes), not the token: a schema that
                 # recurses without end, or one too large to follow token by token
                 raise GrammarError(f"the {self.grammar.describe()} is too complex to follow "

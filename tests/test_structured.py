@@ -540,3 +540,25 @@ def test_a_closed_models_vocabulary_view_is_not_kept(tiny):
     gc.collect()
     assert gone() is None
     assert tiny.tokenizer in structured._tokenizers  # the live one keeps its view
+
+
+@pytest.mark.real
+def test_a_regex_that_unrolls_past_the_lexer_s_bounds_is_refused_before_it_generates():
+    # llguidance unrolls a repetition byte by byte as tokens arrive: these failed at the
+    # model's first long token ("stopped matching: ... too many expressions constructed"),
+    # after the answer had begun (smollm2-135m: a real vocabulary, with pieces of many a's)
+    import pocketlm
+
+    m = pocketlm.load("smollm2-135m")
+    for regex in ["a{1000000}", "x|a{100000}", "(ab){200000}"]:
+        with pytest.raises(GrammarError, match="too complex to follow .*limit.*fewer "
+                           "repetitions") as e:
+            m.constraint(regex=regex)
+        assert e.value.param == "regex" and "\n" not in str(e.value)
+    for regex in ["[a-z]{1000000}", "a{2000}", "(yes|no)", "[0-9]{3}"]:  # these it can follow
+        c = m.constraint(regex=regex)
+        for _ in range(4):
+            ids = np.flatnonzero(c.allowed())
+            c.consume(int(ids[np.argmax([len(m.tokenizer.token_bytes(int(i))) for i in ids])]))
+            if c.done:
+                break
