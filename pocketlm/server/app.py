@@ -137,10 +137,12 @@ def _parse_origin(text: str) -> tuple[str, str, int] | None:
         port = parts.port
     except ValueError:
         return None
-    if (parts.scheme not in ("http", "https") or not parts.hostname or parts.username
-            or parts.path not in ("", "/") or parts.query or parts.fragment):
+    host = parts.hostname
+    if (parts.scheme not in ("http", "https") or not host or parts.username
+            or parts.path not in ("", "/") or parts.query or parts.fragment or port == 0
+            or "*" in host or any(c.isspace() for c in host)):
         return None
-    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+    return parts.scheme, host, (443 if parts.scheme == "https" else 80) if port is None else port
 
 
 def normalize_origin(text: str) -> str:
@@ -167,6 +169,16 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def _unmapped(host: str) -> str:
+    """An IPv4-mapped IPv6 address (``::ffff:127.0.0.1``: a server bound to ``::`` and reached
+    over IPv4) as the IPv4 address a browser names; any other host as it is."""
+    try:
+        mapped = ipaddress.ip_address(host).ipv4_mapped
+    except (ValueError, AttributeError):
+        return host
+    return str(mapped) if mapped else host
+
+
 def is_own_origin(origin: str, scope: dict[str, Any]) -> bool:
     """Whether ``origin`` is this server's own: same scheme and port as the connection, and the
     host the connection came in on (by address; ``localhost`` and any loopback address count as
@@ -177,7 +189,7 @@ def is_own_origin(origin: str, scope: dict[str, Any]) -> bool:
     if parsed is None or not server:
         return False
     scheme, host, port = parsed
-    own = str(server[0]).lower()
+    own = _unmapped(str(server[0]).lower())
     if scheme != scope.get("scheme", "http") or port != server[1]:
         return False
     return host == own or (_is_loopback(host) and _is_loopback(own))
@@ -210,9 +222,11 @@ class JSONCORSMiddleware(CORSMiddleware):
             exc = P.APIError(403, f"{refusal}: the web origin '{P.shown(origin)}' is not one "
                              "this server allows (--allow-origin)", code="origin_not_allowed")
         else:
+            headers = ("any headers" if self.allow_all_headers
+                       else f"the headers {', '.join(self.allow_headers)}")
             exc = P.APIError(400, f"{refusal}: this server allows cross-origin "
-                             f"{', '.join(self.allow_methods)} with the headers "
-                             f"{', '.join(self.allow_headers)}", code="cors_not_allowed")
+                             f"{', '.join(self.allow_methods)} with {headers}",
+                             code="cors_not_allowed")
         exc.headers = {k: v for k, v in refused.headers.items()
                        if k.lower() not in ("content-type", "content-length")}
         return error_response(exc)
@@ -934,7 +948,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
     # installed with no origin allowed too, so that a foreign page's preflight gets the 403
     # of any foreign origin, not a 405 for OPTIONS
     cors = Middleware(JSONCORSMiddleware, allow_origins=sorted(cfg.allow_origins),
-                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"])
+                      # any request headers: OpenAI's own JavaScript client adds X-Stainless-*
+                      allow_methods=["GET", "POST"], allow_headers=["*"])
     app = Starlette(
         middleware=[cors],
         routes=[Route("/", index), Route("/health", health), Route("/v1/models", models),

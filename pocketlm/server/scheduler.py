@@ -230,12 +230,27 @@ class Scheduler:
                         f"but the server's memory budget leaves {self.kv_budget / MB:.1f} MB "
                         "for KV caches; lower max_tokens or shorten the prompt")
             free = max(0, self.max_batch - len(self._running))  # about to be admitted
+            if self.kv_budget is not None:
+                free = self._admittable(free, needs)
             if len(self._waiting) + len(reqs) > self.max_queue + free:
                 self.stats["rejected"] += 1
                 raise QueueFullError(self._retry_after())
             self.stats["requests"] += len(reqs)
             self._waiting.extend(reqs)
             self._lock.notify()
+
+    def _admittable(self, slots: int, needs: list[int]) -> int:
+        """How many of the waiting requests and then ``needs``, oldest first, the memory
+        budget can start now (at most ``slots``; cached prefixes give way): the rest wait, and
+        count against ``max_queue``. Under the lock."""
+        room = self.kv_budget - self._reserved + sum(p.nbytes for p in self._prefixes.values())
+        fit = 0
+        for need in [self.kv_bytes(r.capacity) for r in self._waiting] + needs:
+            if fit >= slots or need > room:
+                break  # the oldest that does not fit waits, and nobody overtakes it
+            room -= need
+            fit += 1
+        return fit
 
     def cancel(self, req: Request) -> None:
         """The client went away: drop ``req`` (its cache is freed at the next step)."""
