@@ -10,6 +10,7 @@ counters (/health) show that batching, prefix reuse and cancellation really happ
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -1017,3 +1018,38 @@ def test_a_seeded_sampled_answer_does_not_change_once_its_prompt_is_cached(serve
     again = _post(server, "/v1/chat/completions", body).json()
     texts = [[c["message"]["content"] for c in r["choices"]] for r in (first, again)]
     assert texts[0] == texts[1], texts
+
+
+def test_a_second_ctrl_c_ends_the_requests_at_once_without_a_traceback():
+    """A second SIGINT cut the requests in flight at once, and uvicorn logged a CancelledError
+    traceback from the app's lifespan, which the second signal cancelled mid-shutdown."""
+    s = Server()
+    body = {"model": MODEL, "prompt": "A long story:", "max_tokens": 3000, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    got, first = {}, threading.Event()
+
+    def streamed():
+        with contextlib.suppress(httpx.HTTPError), httpx.Client(timeout=120) as http, \
+                http.stream("POST", s.url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                got.setdefault("stream", []).append(line)
+                first.set()
+
+    t = threading.Thread(target=streamed)
+    t.start()
+    try:
+        assert first.wait(60)
+        s.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        s.proc.send_signal(signal.SIGINT)
+        assert s.proc.wait(30) == 0
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    t.join(30)
+    assert not t.is_alive()
+    events = [json.loads(x[6:]) for x in got["stream"] if x.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "shutting_down"  # its handler had time to send it
+    log = "".join(s.log)
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "server stopped" in log

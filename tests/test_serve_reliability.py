@@ -680,6 +680,47 @@ def test_a_slow_body_is_cut_off_with_408(make_app, how):
         assert r.status_code == 200
 
 
+@pytest.mark.parametrize("how", ["says nothing", "dribbles its headers", "stalls after one",
+                                 "dribbles its second request's headers"])
+def test_a_request_head_that_does_not_arrive_in_time_closes_its_connection(make_app, how):
+    """uvicorn times a connection only while it is idle after a response: one that sent
+    nothing, or a header line a second, was held for ever (enough of them use up the server's
+    file descriptors). Its request line and headers now get --body-timeout too."""
+    app = make_app(body_timeout_s=0.5)
+    one = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+           b"Content-Type: application/json\r\n")
+    body = json.dumps(completion("hi", max_tokens=2)).encode()
+    whole = one + b"Content-Length: %d\r\n\r\n" % len(body) + body
+    head, parts = {"says nothing": (b"", []),
+                   "dribbles its headers": (one, [b"X-A: 1\r\n"] * 40),
+                   "stalls after one": (one, []),
+                   "dribbles its second request's headers": (whole, [b"GET / HTTP/1.1\r\n"]
+                                                             + [b"X-A: 1\r\n"] * 40)}[how]
+    with live_server(app) as (host, port):
+        t0 = time.monotonic()
+        got, closed = _raw_exchange(host, port, head, parts, pause=0.1)
+        took = time.monotonic() - t0
+        assert closed and took < 3, (got[:200], took)
+        assert got.count(b"HTTP/1.1 200") == (1 if head is whole else 0), got[:300]
+        r = httpx.post(f"http://{host}:{port}/v1/completions", timeout=10,
+                       json=completion("hello", max_tokens=2))
+        assert r.status_code == 200
+
+
+def test_answers_longer_than_the_head_timeout_on_a_kept_alive_connection(make_app,
+                                                                          monkeypatch):
+    monkeypatch.setattr(app_module, "Sampler", SlowSampler)
+    app = make_app(body_timeout_s=0.5, prefix_cache_mb=0)
+    with live_server(app) as (host, port), httpx.Client(timeout=10) as c:
+        for stream in (False, True, False):  # each about 0.8 s, then 0.3 s idle between them
+            t0 = time.monotonic()
+            r = c.post(f"http://{host}:{port}/v1/completions",
+                       json=completion("hello", max_tokens=400, stream=stream))
+            assert r.status_code == 200 and time.monotonic() - t0 > 0.5
+            assert (b"[DONE]" in r.content) if stream else r.json()["choices"][0]["text"]
+            time.sleep(0.3)
+
+
 def test_a_body_still_arriving_at_shutdown_gets_the_503_of_a_shutdown(make_app):
     """A client whose body was still arriving when the server stopped held the shutdown until
     uvicorn cancelled its handler: a plain-text 500, 10 s after the signal. Once the scheduler
@@ -1055,11 +1096,13 @@ def test_server_speculative_default_and_draft_max_range():
 
 @pytest.mark.parametrize("kw", [dict(max_memory_mb=float("nan")),
                                 dict(max_memory_mb=float("inf")),
-                                dict(prefix_cache_mb=float("nan"))], ids=str)
-def test_nan_and_infinite_memory_flags_are_refused_in_one_line(kw):
+                                dict(prefix_cache_mb=float("nan")),
+                                dict(body_timeout_s=1e-9),  # a body already here got 408
+                                dict(body_timeout_s=float("inf"))], ids=str)
+def test_nan_infinite_and_tiny_flags_are_refused_in_one_line(kw):
     """``--max-memory-mb nan`` passed the ``<= 0`` check and died in ``int()`` with a
     traceback once the model was loaded."""
-    flag = "--" + next(iter(kw)).replace("_", "-")
+    flag = "--" + next(iter(kw)).removesuffix("_s").replace("_", "-")
     with pytest.raises(pocketlm.errors.PocketError, match=flag):
         ServerConfig(model_name=NAME, **kw)
 
@@ -1111,10 +1154,41 @@ def test_the_api_key_comes_from_the_environment_or_a_file(tmp_path):
         (_key_args(api_key_file=str(tmp_path / "nothing")), "cannot read it"),
         (_key_args(api_key_file=str(empty)), "is empty"),
         (_key_args(api_key_file=str(tmp_path)), "cannot read it"),
+        (_key_args(api_key_file=""), "give the path"),
         (_key_args(api_key="a", api_key_file=str(key_file)), "not both"),
     ]:
         with pytest.raises(pocketlm.errors.PocketError, match=message):
             api_key_from(args, {})
+
+
+def test_an_api_key_is_one_a_client_can_send(tmp_path, make_app):
+    # keys that no request could match: spaces around them (the header's token is stripped),
+    # characters beyond ASCII (a header is latin-1; OpenAI's Python client refuses them), a
+    # blank $POCKET_API_KEY, a key file written with a BOM (Windows Notepad)
+    bom = tmp_path / "bom"
+    bom.write_bytes(b"\xef\xbb\xbfbomkey\r\n")
+    assert api_key_from(_key_args(api_key_file=str(bom)), {}) == "bomkey"
+    assert api_key_from(_key_args(api_key=" abc "), {}) == "abc"
+    assert api_key_from(_key_args(), {"POCKET_API_KEY": "abc \n"}) == "abc"
+    assert api_key_from(_key_args(), {"POCKET_API_KEY": ""}) is None  # empty: no key
+    for args, env, message in [(_key_args(), {"POCKET_API_KEY": "   "}, "is blank"),
+                               (_key_args(api_key="k\u20acy"), {}, "--api-key: .*printable"),
+                               (_key_args(), {"POCKET_API_KEY": "cl\u00e9"}, "POCKET_API_KEY: "
+                                ".*printable")]:
+        with pytest.raises(pocketlm.errors.PocketError, match=message):
+            api_key_from(args, env)
+    for bad in [" abc", "cl\u00e9", "a\tb"]:
+        with pytest.raises(pocketlm.errors.PocketError, match="printable ASCII"):
+            ServerConfig(model_name=NAME, api_key=bad)
+    app = make_app(api_key=api_key_from(_key_args(api_key_file=str(bom)), {}))
+    assert _with_origin(app, None, headers={"Authorization": "Bearer bomkey"}).status_code == 200
+
+
+def test_a_context_that_holds_no_prompt_and_answer_is_refused_before_loading(env):
+    r = _serve(env, "--ctx", "1", "--port", "0")  # it started, and answered every request 400
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "pocket: error: --ctx 1 holds no prompt and answer: give at least 2 tokens"]
 
 
 def test_an_unreadable_key_file_is_a_one_line_error(env, tmp_path):

@@ -129,6 +129,9 @@ def step_headroom(model: PocketModel, max_batch: int) -> int:
     return max_batch * vocab * 4 + vocab * 8 * 4 + 56 * MB
 
 
+MIN_BODY_TIMEOUT_S = 0.1
+
+
 # -- origins --------------------------------------------------------------------------------
 def _parse_origin(text: str) -> tuple[str, str, int] | None:
     """(scheme, host, port) of an origin ``scheme://host[:port]``; None if it is not one."""
@@ -286,9 +289,11 @@ class ServerConfig:
             raise PocketError(f"--max-memory-mb must be a positive number, got {max_memory_mb}")
         if not prefix_cache_mb >= 0:  # NaN too
             raise PocketError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}")
-        if not 0 < body_timeout_s < float("inf"):
-            raise PocketError(f"--body-timeout must be a positive number of seconds, got "
-                              f"{body_timeout_s}")
+        if not MIN_BODY_TIMEOUT_S <= body_timeout_s < float("inf"):
+            # below a tenth of a second, a body that had wholly arrived got 408 before it was
+            # read
+            raise PocketError(f"--body-timeout must be a number of seconds from "
+                              f"{MIN_BODY_TIMEOUT_S:g}, got {body_timeout_s}")
         try:
             model_name.encode("utf-8")
         except UnicodeEncodeError:
@@ -307,6 +312,12 @@ class ServerConfig:
         # requests that do not say: prompt-lookup drafting with these options, or none
         self.speculative = {"method": "lookup", "max_draft": draft_max} if speculative else None
         self.model_name = model_name
+        if api_key and not all(" " <= c <= "~" for c in api_key) or (
+                api_key and api_key.strip() != api_key):
+            # a header carries it: a key with other characters, or spaces around it, could
+            # never be sent as it is written
+            raise PocketError("the API key must be printable ASCII without spaces around it "
+                              "(an HTTP header carries it)")
         self.api_key = api_key or None
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -965,4 +976,5 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
     app.state.scheduler = scheduler
     app.state.base_memory = base
     app.state.kv_budget = kv_budget
+    app.state.body_timeout = cfg.body_timeout
     return app

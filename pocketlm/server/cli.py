@@ -55,7 +55,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: "
                    "this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (visible in "
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (visible in "
                    "ps: prefer $POCKET_API_KEY or --api-key-file; default: $POCKET_API_KEY, "
                    "else no auth)")
     p.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE (its "
@@ -85,7 +85,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body "
                    "(default 1024 KB)")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="a request body that takes longer to arrive gets 408 (default 30)")
+                   help="a request body that takes longer to arrive gets 408; a connection "
+                   "whose request line and headers take longer is closed (default 30)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
@@ -123,6 +124,18 @@ def _uvicorn_server():
                 self._stop_timer.daemon = True
                 self._stop_timer.start()
 
+        async def shutdown(self, sockets=None):
+            await super().shutdown(sockets)
+            if self.force_exit and self._stop_requests is not None:
+                # the second signal: uvicorn waits for nothing, and the handlers it leaves
+                # running are cancelled when the loop ends, each logged as a traceback. The
+                # requests are being ended now (the stop above): let their handlers send
+                # their errors, for a moment
+                loop = asyncio.get_running_loop()
+                deadline = loop.time() + SHUTDOWN_GRACE_S / 2
+                while self.server_state.tasks and loop.time() < deadline:
+                    await asyncio.sleep(0.02)
+
         def cancel_stop(self) -> None:
             """Drop a pending stop (the server ended before its grace ran out)."""
             if self._stop_timer is not None:
@@ -137,10 +150,14 @@ def _uvicorn_server():
     return Server
 
 
-def _json_400_protocol():
+def _json_400_protocol(head_timeout: float = 30.0):
     """uvicorn's HTTP/1.1 protocol, answering a request it cannot parse (a ``Content-Length:
     abc``, a broken request line or header) with OpenAI's JSON error object like every other
-    400 of the server, not uvicorn's plain text: such a request never reaches the app."""
+    400 of the server, not uvicorn's plain text: such a request never reaches the app. A
+    connection whose request line and headers have not all arrived within ``head_timeout``
+    seconds of the server waiting for them is closed (uvicorn times only idle connections
+    after a response: one that sent nothing, or a header a second, was held for ever, and
+    enough of them used up the process's file descriptors)."""
     import json
 
     import h11
@@ -161,6 +178,41 @@ def _json_400_protocol():
                 self.transport.write(self.conn.send(event))
             self.transport.close()
 
+        _head_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._await_head()
+
+        def _await_head(self) -> None:
+            """Time the next request's head (kept, not restarted, as its pieces arrive)."""
+            if self.conn.their_state is not h11.IDLE:
+                self._head_arrived()
+            elif self._head_timer is None and not self.transport.is_closing():
+                self._head_timer = self.loop.call_later(head_timeout, self._head_timed_out)
+
+        def _head_arrived(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.conn.their_state is h11.IDLE:  # the request line or headers still missing
+                self.transport.close()
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            self._await_head()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._await_head()
+
+        def connection_lost(self, exc) -> None:
+            self._head_arrived()
+            super().connection_lost(exc)
+
     return Protocol
 
 
@@ -168,7 +220,8 @@ def uvicorn_config(app, **kw):
     """The uvicorn config ``pocket serve`` runs ``app`` under (tests use it too)."""
     import uvicorn
 
-    return uvicorn.Config(app, http=_json_400_protocol(), **kw)
+    head_timeout = getattr(app.state, "body_timeout", 30.0)  # the same bound as a body's
+    return uvicorn.Config(app, http=_json_400_protocol(head_timeout), **kw)
 
 
 def served_name(model_arg: str) -> str:
@@ -193,15 +246,28 @@ def api_key_from(args, environ: Mapping[str, str]) -> str | None:
     if args.api_key is not None:
         if not args.api_key.strip():
             raise PocketError("--api-key is empty; give a key or leave the option out")
-        return args.api_key
+        return _checked_key(args.api_key.strip(), "--api-key")
     if args.api_key_file is not None:
-        return _read_key_file(args.api_key_file)
-    return environ.get("POCKET_API_KEY") or None
+        return _checked_key(_read_key_file(args.api_key_file), f"--api-key-file {args.api_key_file}")
+    key = environ.get("POCKET_API_KEY", "")
+    if key and not key.strip():
+        raise PocketError("$POCKET_API_KEY is blank; set a key, or unset it for no key")
+    return _checked_key(key.strip(), "$POCKET_API_KEY") if key else None
+
+
+def _checked_key(key: str, where: str) -> str:
+    if not all(" " <= c <= "~" for c in key):
+        raise PocketError(f"{where}: the API key must be printable ASCII (an HTTP header "
+                          "carries it; other characters could never be sent as written)")
+    return key
 
 
 def _read_key_file(path: str) -> str:
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        if not path:
+            raise PocketError("--api-key-file is empty: give the path of the file that holds "
+                              "the key")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a leading BOM is no part of a key
     except OSError as e:
         raise PocketError(f"--api-key-file {path}: cannot read it ({e.strerror or e})") from None
     except UnicodeDecodeError:
@@ -246,6 +312,8 @@ def cmd_serve(args) -> int:
     from .app import ServerConfig, create_app
 
     check_context_flag(args.ctx)
+    if args.ctx is not None and args.ctx < 2:  # a server that could answer nothing
+        raise PocketError(f"--ctx {args.ctx} holds no prompt and answer: give at least 2 tokens")
     if not 0 <= args.port <= 65535:
         raise PocketError(f"--port must be in 0..65535, got {args.port}")
     model_arg = model_or_default(args.model)
@@ -268,8 +336,10 @@ def cmd_serve(args) -> int:
     except BaseException:
         sock.close()
         raise
+    # no lifespan: the scheduler is closed below, after uvicorn returns (a second Ctrl-C
+    # cancelled the app's lifespan task mid-shutdown, and uvicorn logged its traceback)
     config = uvicorn_config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=2 * SHUTDOWN_GRACE_S)
+                            timeout_graceful_shutdown=2 * SHUTDOWN_GRACE_S, lifespan="off")
     server = _uvicorn_server()(config, stop_requests=app.state.scheduler.close)
 
     budget = app.state.kv_budget
@@ -282,8 +352,10 @@ def cmd_serve(args) -> int:
             await asyncio.sleep(0.05)
         for sock in server.servers[0].sockets if server.servers else []:
             host, port = sock.getsockname()[:2]
+            host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
             print(f"pocketlm: serving '{cfg.model_name}' ({model.runtime.engine} engine, "
-                  f"context {model.n_ctx}, up to {cfg.max_batch} requests at once; {mem}) "
+                  f"context {model.n_ctx}, up to {cfg.max_batch} "
+                  f"request{'s' if cfg.max_batch != 1 else ''} at once; {mem}) "
                   f"loaded in {time.time() - t0:.1f} s", file=sys.stderr)
             print(f"pocketlm: http://{host}:{port}/  (OpenAI API at http://{host}:{port}/v1"
                   f"{', API key required' if cfg.api_key else ''})", file=sys.stderr, flush=True)
@@ -291,9 +363,12 @@ def cmd_serve(args) -> int:
 
     async def main():
         task = asyncio.create_task(announce())
-        await server.serve(sockets=[sock])
-        server.cancel_stop()
-        task.cancel()
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            server.cancel_stop()
+            task.cancel()
+            app.state.scheduler.close()
 
     asyncio.run(main())
     if server.started:
