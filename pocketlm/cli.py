@@ -9,6 +9,7 @@ traceback. ``pocket --version`` prints the version; ``pocket --version -v`` adds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -50,7 +51,6 @@ def _exit_on_sigterm():
     """A context in which SIGTERM (and SIGHUP) raise SystemExit(128 + signal number), so that
     the writers' cleanup runs (no temp file is left behind) and the exit status still tells
     which signal ended the process. A signal that the parent set to be ignored stays ignored."""
-    import contextlib
     import signal
 
     def terminate(signum, frame):
@@ -326,12 +326,61 @@ def cmd_run(args) -> int:
     return 0
 
 
+CHAT_COMMANDS = ("/reset clears the conversation (the --system message stays), /quit, /exit "
+                 "or /bye (or Ctrl-D) leaves; a line that begins with // is sent with one /")
+
+
+class _LineTooLong(Exception):
+    pass
+
+
+def _chat_lines(limit: int):
+    """The chat's input lines, without their line ends. On a terminal ``input()`` reads them
+    (with line editing where Python has readline, and the prompt on the terminal); piped in,
+    they are read with no prompt, each at most ``limit`` characters (a longer one, or input
+    with no line end at all, such as /dev/zero, raises :class:`_LineTooLong` once its rest
+    has been skipped, instead of growing without bound), and undecodable bytes reach the
+    caller as lone surrogates in their own line (a strict decoder dropped the whole buffered
+    chunk, lines before and after the bad one)."""
+    stdin = sys.stdin
+    if stdin.isatty():
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (line editing, and lines beyond the terminal's 4095)
+        tty_out = sys.stdout.isatty()
+        while True:
+            if tty_out:
+                yield input(">>> ")
+            else:  # the answers go to a file: the prompt goes where the user looks
+                sys.stderr.write(">>> ")
+                sys.stderr.flush()
+                yield input()
+    if hasattr(stdin, "reconfigure"):
+        stdin.reconfigure(errors="surrogateescape")
+    while True:
+        line = stdin.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith("\n"):
+            while line and not line.endswith("\n"):
+                line = stdin.readline(1 << 16)
+            yield _LineTooLong()
+            continue
+        yield line.removesuffix("\n").removesuffix("\r")
+
+
 def cmd_chat(args) -> int:
     _check_generation_flags(args)  # a bad flag is one error and exit 1, not one per turn
     if sys.stdin is None:  # started with it closed (`<&-`): input() has nothing to read
         raise PocketError("stdin is closed: pocket chat reads its lines there (use pocket run "
                           "\"PROMPT\" for one answer)")
+    if sys.stderr is None:  # started with it closed (`2>&-`): input() refuses to run
+        import os
+
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115  (for the process's life)
     m = _load(args)
+    if not m.chat_template:
+        raise PocketError("this model has no chat template, so pocket chat cannot frame a "
+                          "conversation; use pocket run \"PROMPT\" to continue text")
     speculative = _speculative(args)
     if speculative is not None:
         _check_drafter(m, speculative)  # a bad drafter fails here, before the first line
@@ -339,20 +388,39 @@ def cmd_chat(args) -> int:
     if constrain:
         m.constraint(**constrain)  # a bad schema, regex or grammar fails here
     history: list[dict] = []
-    if args.system:
+    if args.system is not None:  # an empty one too: it replaces a template's default
         history.append({"role": "system", "content": checked_text(args.system, "--system")})
     base = list(history)
+    tty = sys.stdin.isatty()
     print(f"pocket chat: {model_or_default(args.model)}  (/reset clears the conversation, "
           "/quit or Ctrl-D leaves)", file=sys.stderr)
+    limit = max(1 << 16, 64 * m.n_ctx)
+    lines = _chat_lines(limit)
     while True:
         try:
-            line = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
+            line = next(lines)
+        except StopIteration:
+            return 0
+        except EOFError:
             print(file=sys.stderr)
             return 0
-        except UnicodeDecodeError as exc:
+        except KeyboardInterrupt:
+            if not tty:
+                raise
+            # on a terminal it leaves nothing: a Ctrl-C meant for an answer that had just
+            # ended would throw the conversation away
+            print("\n(Ctrl-C stops an answer; /quit or Ctrl-D leaves)", file=sys.stderr)
+            lines = _chat_lines(limit)
+            continue
+        except UnicodeDecodeError as exc:  # a terminal in a strict locale: this line only
             print(f"pocket: error: that line is not UTF-8 text (byte 0x{exc.object[exc.start]:02x}"
-                  f" at offset {exc.start}); use UTF-8", file=sys.stderr)
+                  f"); use UTF-8", file=sys.stderr)
+            lines = _chat_lines(limit)
+            continue
+        if isinstance(line, _LineTooLong):
+            print(f"pocket: error: that line is longer than {limit:,} characters, more than "
+                  f"the context of {m.n_ctx:,} tokens could hold; it was not sent",
+                  file=sys.stderr)
             continue
         text = line.strip()
         if not text:
@@ -363,8 +431,12 @@ def cmd_chat(args) -> int:
             history = list(base)
             print("[conversation cleared]", file=sys.stderr)
             continue
-        if text.startswith("/"):
-            print("[commands: /reset, /quit]", file=sys.stderr)
+        if text.startswith("//"):
+            line = line.replace("//", "/", 1)
+        elif text.startswith("/"):
+            if text not in ("/help", "/?"):
+                print(f"[not sent: {text.split()[0][:40]} is no command]", file=sys.stderr)
+            print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
             continue
         try:
             line = checked_text(line, "that line")
@@ -375,6 +447,7 @@ def cmd_chat(args) -> int:
         reply = []
         t0 = time.perf_counter()
         m.last_speculative = None
+        stopped = False
         try:
             for piece in m.chat(history, stream=True, speculative=speculative, **constrain,
                                 **_settings(args, m)):
@@ -382,19 +455,21 @@ def cmd_chat(args) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
         except KeyboardInterrupt:
-            pass
+            stopped = True
         except PocketError as exc:
             history.pop()
             hint = ""
-            if isinstance(exc, ContextLengthError) and len(history) > 1:
+            if (isinstance(exc, ContextLengthError) and len(history) > len(base)
+                    and len(m.tokenize(line)) < m.n_ctx // 2):
                 hint = " (the conversation fills the context: /reset starts a new one)"
             print(f"\npocket: error: {exc}{hint}", file=sys.stderr)
             continue
         sys.stdout.write("\n")
         state = m.last_state
         if args.verbose and state is not None:
-            print(f"[{state.prompt_tokens} prompt tokens, {_speed_line(state, t0)}"
-                  f"{_speculative_line(m)}]", file=sys.stderr)
+            finish = "stopped (Ctrl-C)" if stopped else state.finish_reason
+            print(f"[{state.prompt_tokens} prompt tokens, {_speed_line(state, t0)}, finish: "
+                  f"{finish}{_speculative_line(m)}]", file=sys.stderr)
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
@@ -721,7 +796,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--echo", action="store_true", help="print the prompt before the output")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template",
+                       description="Chat with a model through its chat template, line by line "
+                       "(typed, or piped in: one message per line). Each answer streams as it "
+                       "is generated; Ctrl-C stops it and keeps what was said.",
+                       epilog=f"in the chat: {CHAT_COMMANDS}. The whole conversation is sent "
+                       "each turn; when it no longer fits --ctx, the line is refused (nothing "
+                       "is cut) and /reset starts a new one.")
     _add_model_args(p, n_default=512)
     _add_constraint_args(p)
     p.add_argument("--system", help="system message")
@@ -849,9 +930,28 @@ def cmd_version(args) -> int:
     raise SystemExit(0)
 
 
+@contextlib.contextmanager
+def _sigint_blocked():
+    """SIGINT held back (then delivered) meanwhile: threads started meanwhile (numpy's BLAS
+    pool starts one at import) inherit the block, so a terminal's Ctrl-C always reaches the
+    main thread. Taken by a thread that only notes it for Python, it left ``pocket chat``
+    sitting in its read of the next line until Enter."""
+    import signal
+
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:  # building the parser imports the subcommands' modules (numpy, the engine): ~0.5 s
-        parser = build_parser()
+        with _sigint_blocked():
+            parser = build_parser()
     except KeyboardInterrupt:
         print("\npocket: interrupted", file=sys.stderr)
         return 130

@@ -496,26 +496,29 @@ def test_unwritable_pocket_home_is_a_one_line_error(files, tmp_path, capsys, mon
     assert_one_line_error(code, err, f"cannot create {blocker / 'home'}", "POCKET_HOME")
 
 
+def _stdin(monkeypatch, text: str | bytes) -> None:
+    """``text`` as the chat's piped stdin (a real text stream over bytes, as a pipe gives)."""
+    import io
+
+    raw = text if isinstance(text, bytes) else text.encode()
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(raw), encoding="utf-8"))
+
+
 def test_chat_session(files, capsys, monkeypatch):
-    lines = iter(["hi", "", "/help", "/reset", "hello there", "/quit"])
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    _stdin(monkeypatch, "hi\n\n/help\n/reset\nhello there\n/quit\nnot read\n")
     code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 4,
                                 "--system", "Be brief.")
     assert code == 0
     assert "pocket chat:" in err and "[conversation cleared]" in err and "/reset" in err
-    assert stdout.count("\n") == 2  # two replies
+    assert stdout.count("\n") == 2 and ">>>" not in stdout  # two replies, no prompt: piped
 
-    def eof(prompt=""):
-        raise EOFError
-
-    monkeypatch.setattr("builtins.input", eof)
+    _stdin(monkeypatch, "")
     code, _, _ = run_cli(capsys, "chat", "-m", files["pocket"])
     assert code == 0
 
 
 def test_chat_session_reports_errors_and_goes_on(files, capsys, monkeypatch):
-    lines = iter(["hello world " * 10, "hi", "/bye"])
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    _stdin(monkeypatch, "hello world " * 10 + "\nhi\n/bye\n")
     code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 3, "--ctx", 24)
     assert code == 0
     assert "pocket: error:" in err and "context" in err
@@ -524,13 +527,102 @@ def test_chat_session_reports_errors_and_goes_on(files, capsys, monkeypatch):
 
 
 def test_chat_says_reset_when_the_conversation_fills_the_context(files, capsys, monkeypatch):
-    lines = iter(["hi", "hi", "hi", "hi", "hi", "/reset", "hi", "/bye"])
-    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    _stdin(monkeypatch, "hi\nhi\nhi\nhi\nhi\n/reset\nhi\n/bye\n")
     code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 6, "--ctx", 40)
     assert code == 0
     errors = [x for x in err.splitlines() if x.startswith("pocket: error:")]
     assert errors and all("/reset starts a new one" in x for x in errors)
     assert stdout.count("\n") == 5 - len(errors) + 1  # and a reply after /reset
+
+
+def test_a_piped_line_that_is_not_utf8_is_refused_alone(files, capsys, monkeypatch):
+    # a strict decoder (most UTF-8 locales) dropped its whole buffered chunk: the lines
+    # before and after it were lost, with one error and exit 0
+    _stdin(monkeypatch, b"Hello\nWhat is 2+2?\ncaf\xe9\nHi\n")
+    code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2)
+    assert code == 0
+    errors = [x for x in err.splitlines() if x.startswith("pocket: error:")]
+    assert len(errors) == 1 and "not UTF-8" in errors[0]
+    assert stdout.count("\n") == 3  # the three other lines answered
+
+
+def test_a_piped_line_without_end_is_bounded(files, capsys, monkeypatch):
+    # /dev/zero (or a binary file) was read as one line until memory ran out (the bound:
+    # 64 characters a token of context, at least 64 Ki)
+    _stdin(monkeypatch, "x" * 300_000 + "\nhi\n")
+    code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2, "--ctx", 64)
+    assert code == 0
+    errors = [x for x in err.splitlines() if x.startswith("pocket: error:")]
+    assert len(errors) == 1 and "longer than 65,536 characters" in errors[0], err
+    assert stdout.count("\n") == 1  # the next line answered
+
+
+def test_chat_commands_and_lines_that_begin_with_a_slash(files, capsys, monkeypatch):
+    _stdin(monkeypatch, "/usr/bin/python: not found, why?\n//usr/bin/python: not found\n")
+    code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2)
+    assert code == 0
+    assert "[not sent: /usr/bin/python: is no command]" in err
+    assert "/exit" in err and "//" in err  # the whole list, and how to send such a line
+    assert stdout.count("\n") == 1  # the // line was sent
+
+
+def test_chat_refuses_a_model_without_a_chat_template_before_it_starts(files, capsys,
+                                                                        monkeypatch):
+    load = cli._load
+
+    def without_template(args):  # a family with no template of its own, none in the file
+        m = load(args)
+        m.chat_template = None
+        return m
+
+    monkeypatch.setattr(cli, "_load", without_template)
+    _stdin(monkeypatch, "Hi\nHello\n")  # it started, and failed each line (exit 0)
+    code, _, err = run_cli(capsys, "chat", "-m", files["pocket"])
+    assert_one_line_error(code, err, "no chat template", "pocket run")
+
+
+def test_an_empty_system_message_is_sent(files, capsys, monkeypatch):
+    import pocketlm.api
+
+    seen = []
+    chat = pocketlm.api.PocketModel.chat
+
+    def spy(self, messages, *a, **kw):
+        seen.append([dict(x) for x in messages])
+        return chat(self, messages, *a, **kw)
+
+    monkeypatch.setattr(pocketlm.api.PocketModel, "chat", spy)
+    _stdin(monkeypatch, "hi\n")
+    code, _, _ = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2, "--system", "")
+    assert code == 0 and seen[0][0] == {"role": "system", "content": ""}
+
+
+def test_chat_processes_hold_sigint_out_of_their_other_threads(files):
+    """A terminal's Ctrl-C can reach any thread that does not block it: taken by the engine's
+    workers or numpy's BLAS thread, Python only noted it, and a chat waiting for its next line
+    sat there until Enter. Only the main thread may take it."""
+    import os
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-m", "pocketlm.cli", "chat", "-m",
+                             str(files["pocket"])], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "POCKET_THREADS": "2"})
+    try:
+        assert "pocket chat:" in proc.stderr.readline()  # loaded: every thread is running
+        tasks = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        assert len(tasks) >= 3, tasks  # main, the engine's worker, numpy's BLAS thread
+
+        def sigint_blocked(tid):
+            with open(f"/proc/{proc.pid}/task/{tid}/status") as f:
+                mask = next(x for x in f if x.startswith("SigBlk:")).split()[1]
+            return bool(int(mask, 16) & (1 << (2 - 1)))  # SIGINT is signal 2
+
+        assert not sigint_blocked(proc.pid)
+        assert all(sigint_blocked(t) for t in tasks if t != proc.pid)
+    finally:
+        proc.stdin.close()
+        proc.wait(30)
 
 
 # -- outputs that would destroy what they should not ---------------------------------------

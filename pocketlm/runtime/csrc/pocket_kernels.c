@@ -13,6 +13,7 @@
 #if !defined(_WIN32)
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <unistd.h>
 #define POCKET_HAVE_THREADS 1
@@ -462,10 +463,18 @@ pocket_pool *pocket_pool_create(int nthreads) {
         p->threads = (pthread_t *)calloc((size_t)nw, sizeof(pthread_t));
         if (!p->threads) nw = 0;
     }
+    /* the workers block every signal (they inherit the mask they are created with): a
+       process-directed signal, a terminal's Ctrl-C, must reach a thread that handles it, not
+       a worker, where the host's handler (Python's) only notes it while its main thread sits
+       in a read that nothing interrupts */
+    sigset_t all, old;
+    sigfillset(&all);
+    int masked = pthread_sigmask(SIG_BLOCK, &all, &old) == 0;
     for (int k = 0; k < nw; k++) {
         if (pthread_create(&p->threads[k], NULL, pk_worker, p) != 0) break;
         p->nworkers++;
     }
+    if (masked) pthread_sigmask(SIG_SETMASK, &old, NULL);
     return p;
 }
 
