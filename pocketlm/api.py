@@ -174,8 +174,8 @@ class PocketModel:
 
     def _sequence(self, prompt_ids: list[int], builtin_max_tokens: int, max_tokens, sampling,
                   state: GenerationState | None, stop: list[str] | None, *,
-                  make_cache: bool = True, constrain: dict[str, Any] | None = None
-                  ) -> tuple[Sequence, KVCache | int | None]:
+                  make_cache: bool = True, constrain: dict[str, Any] | None = None,
+                  continuation: bool = False) -> tuple[Sequence, KVCache | int | None]:
         """A checked sequence for ``prompt_ids`` and the KV cache it runs in (None when it asks
         for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity)."""
         prompt_ids = self._check_ids(prompt_ids)
@@ -201,7 +201,8 @@ class PocketModel:
                               f"{state.finish_reason!r})")
         state = state if state is not None else GenerationState()
         self.last_state = state
-        text = TextStream(self.tokenizer, stop) if stop is not None else None
+        text = (TextStream(self.tokenizer, stop, continuation=continuation)
+                if stop is not None else None)
         seq = Sequence(prompt_ids, max_tokens=max_tokens, sampler=sampler,
                        stop_ids=self.tokenizer.eos_ids, text=text, state=state,
                        constraint=constraint)
@@ -236,10 +237,11 @@ class PocketModel:
         return (token for token, _ in run_sequence(self.runtime, cache, seq))
 
     def _stream_text(self, prompt_ids: list[int], builtin_max_tokens: int, stop: list[str],
-                     max_tokens, sampling, speculative=None, constrain=None) -> Iterator[str]:
+                     max_tokens, sampling, speculative=None, constrain=None,
+                     continuation: bool = False) -> Iterator[str]:
         drafter = self._drafter(speculative)  # checked before anything runs
         seq, cache = self._sequence(prompt_ids, builtin_max_tokens, max_tokens, sampling, None,
-                                    stop, constrain=constrain)
+                                    stop, constrain=constrain, continuation=continuation)
         if cache is None:
             return iter(())
         if drafter is None:
@@ -293,7 +295,7 @@ class PocketModel:
         return self._stream_text(ids, 128, stops, max_tokens, dict(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
             repetition_penalty=repetition_penalty, seed=seed), speculative,
-            _constrain(json_schema, regex, grammar))
+            _constrain(json_schema, regex, grammar), continuation=True)
 
     def generate(self, prompt: str, max_tokens: int | None = None,
                  temperature: float | None = None, top_p: float | None = None,

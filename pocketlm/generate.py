@@ -260,8 +260,12 @@ class TextStream:
     show any part of a stop string; after a stop string, ``stopped`` is set and nothing more
     comes out. (The push form of :func:`stream_text`, for a server that feeds many.)"""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None):
-        self._detok = StreamingDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | None = None, *,
+                 continuation: bool = False):
+        # a continuation of a prompt's text keeps the space a SentencePiece vocabulary writes
+        # before its first word ("hello" + " world"); a chat reply starts a text of its own
+        self._detok = StreamingDetokenizer(tokenizer,
+                                           strip_leading_space=False if continuation else None)
         self._stops = [s for s in (stop or []) if s]
         self._hold = max((len(s) for s in self._stops), default=1) - 1
         self._pending = ""
@@ -316,9 +320,11 @@ class TextStream:
 
 
 def stream_text(tokenizer: Tokenizer, tokens: Iterable[int], stop: list[str] | None = None,
-                state: GenerationState | None = None) -> Iterator[str]:
-    """Detokenize ``tokens`` incrementally, cutting the text before the first stop string."""
-    text = TextStream(tokenizer, stop)
+                state: GenerationState | None = None, *,
+                continuation: bool = False) -> Iterator[str]:
+    """Detokenize ``tokens`` incrementally, cutting the text before the first stop string
+    (``continuation``: the tokens go on from a prompt's text, as in :class:`TextStream`)."""
+    text = TextStream(tokenizer, stop, continuation=continuation)
     for token in tokens:
         piece = text.add(token)
         if piece:

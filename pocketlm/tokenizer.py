@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import contextlib
 import json
 import operator
 import re
@@ -25,7 +26,7 @@ from typing import Any
 
 import tokenizers
 
-from .errors import FormatError, TextError, TokenIdError
+from .errors import FormatError, PocketError, TextError, TokenIdError
 
 __all__ = [
     "SpmTokenizer",
@@ -177,10 +178,10 @@ class Tokenizer:
 
     def is_special(self, id: int) -> bool:
         """True for control tokens (``<|im_start|>``, ``<bos>``, ...)."""
-        return int(id) in self._special_ids
+        return _checked_id(id) in self._special_ids
 
     def is_eos(self, id: int) -> bool:
-        return int(id) in self.eos_ids
+        return _checked_id(id) in self.eos_ids
 
     def __repr__(self) -> str:
         return (
@@ -199,7 +200,7 @@ class Tokenizer:
         """
         check_text(text)
         # encode_special_tokens is a switch on the shared tokenizer: hold the lock while set
-        with self._lock:
+        with self._lock, untokenizable([text]):
             if special:
                 ids = self.hf.encode(text, add_special_tokens=False).ids
             else:
@@ -218,7 +219,7 @@ class Tokenizer:
         """:meth:`encode` of each text, without BOS, on all cores."""
         for t in texts:
             check_text(t)
-        with self._lock:
+        with self._lock, untokenizable(texts):
             if not special:
                 self.hf.encode_special_tokens = True
             try:
@@ -233,9 +234,7 @@ class Tokenizer:
 
     def token_bytes(self, id: int) -> bytes:
         """The raw bytes token ``id`` stands for (control tokens: their text as UTF-8)."""
-        if isinstance(id, bool) or not hasattr(id, "__index__"):  # not a float: no int(1.5)
-            raise TokenIdError(f"token ids must be integers, got {id!r}")
-        id = operator.index(id)
+        id = _checked_id(id)
         cached = self._byte_cache.get(id)
         if cached is not None:
             return cached
@@ -265,6 +264,9 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """The text of ``ids``; invalid UTF-8 becomes U+FFFD."""
+        if isinstance(ids, (str, bytes, bytearray)):  # their characters or bytes are no ids
+            raise TokenIdError(f"decode takes a sequence of token ids, got "
+                               f"{type(ids).__name__}")
         parts = [self.token_bytes(i) for i in ids if not (skip_special and self.is_special(i))]
         text = b"".join(parts).decode("utf-8", errors="replace")
         if self._strip_leading_space and text.startswith(" "):
@@ -533,6 +535,44 @@ def release_free_heap() -> None:
 _MALLOC_TRIM = None
 
 
+def _checked_id(id: Any) -> int:
+    """``id`` as a Python int, if it is an integer (numpy's too); else a TokenIdError (a float,
+    a bool, a string: ``int()`` would have taken 1.5, True and "1")."""
+    if isinstance(id, bool) or not hasattr(id, "__index__"):
+        raise TokenIdError(f"token ids must be integers, got {id!r}")
+    return operator.index(id)
+
+
+MAX_WHITESPACE_RUN = 1_000_000
+
+
+@contextlib.contextmanager
+def untokenizable(texts):
+    """A failure inside the tokenizers library (a Rust panic: ``pyo3_runtime.PanicException``
+    derives from BaseException only, so ``except Exception`` let it through, a traceback in
+    the CLI) as a :class:`TextError`. Qwen's pre-tokenizer pattern gives up on a run of about
+    ten million spaces ("retry-limit-in-match over", after the library has printed its
+    panic): a run of :data:`MAX_WHITESPACE_RUN` whitespace characters or more is refused
+    before the library sees it, for every tokenizer alike."""
+    for t in texts:
+        if len(t) >= MAX_WHITESPACE_RUN and _WHITESPACE_RUN.search(t):
+            raise TextError(f"the text holds a run of {MAX_WHITESPACE_RUN:,} or more whitespace "
+                            "characters, more than a tokenizer's pattern is sure to match; "
+                            "shorten it")
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError, PocketError):
+        raise
+    except BaseException as exc:
+        if type(exc).__module__ == "builtins" and isinstance(exc, Exception):
+            raise  # Python's own (TypeError, ...): not the library's
+        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        raise TextError(f"the text cannot be tokenized ({why})") from None
+
+
+_WHITESPACE_RUN = re.compile(rf"\s{{{MAX_WHITESPACE_RUN},}}")
+
+
 def check_text(text: Any, what: str = "text") -> str:
     """``text`` if it is a str that encodes as UTF-8; else a :class:`TextError` saying where not.
 
@@ -604,16 +644,22 @@ class StreamingDetokenizer:
     """Feed token ids one at a time; returns text pieces that never split a UTF-8 character
     (important for Chinese/emoji)."""
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True):
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True,
+                 strip_leading_space: bool | None = None):
+        """``strip_leading_space``: drop the space a SentencePiece vocabulary writes before
+        the first word, as :meth:`Tokenizer.decode` does for a text from its start (None: the
+        tokenizer's rule); False for a continuation, whose first word follows text."""
         self.tokenizer = tokenizer
         self.skip_special = skip_special
+        self._strip = (tokenizer._strip_leading_space if strip_leading_space is None
+                       else strip_leading_space)
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._started = False  # whether any text has been emitted yet
 
     def _emit(self, text: str) -> str:
         if text and not self._started:
             self._started = True
-            if self.tokenizer._strip_leading_space and text.startswith(" "):
+            if self._strip and text.startswith(" "):
                 text = text[1:]
         return text
 

@@ -1003,3 +1003,23 @@ def test_each_thread_reads_its_own_last_state(m):
     assert not errors, errors
     assert got == {3: "length", 7: "length", 11: "length"}
     assert m.last_state is not None and len(m.last_state.generated) == 11  # this thread's
+
+
+def test_a_completion_is_detokenized_as_a_continuation_and_a_reply_as_a_text(m, monkeypatch):
+    # (a SentencePiece vocabulary's space before the first word: kept after a prompt's text,
+    # dropped at the start of a reply; tests/test_tokenizer.py checks the text itself)
+    import pocketlm.api
+    from pocketlm.generate import TextStream
+
+    seen = []
+
+    class Spy(TextStream):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("continuation", False))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(pocketlm.api, "TextStream", Spy)
+    m.generate("hello", max_tokens=2)
+    list(m.stream("hello", max_tokens=2))
+    m.chat([{"role": "user", "content": "hello"}], max_tokens=2)
+    assert seen == [True, True, False]

@@ -1340,3 +1340,28 @@ def test_fuzzed_bodies_long_run(make_app, env):
     seen = _fuzz(make_app, env, n=20_000, seed=99)
     assert sum(seen.values()) == 20_000
 
+
+
+def test_completions_are_detokenized_as_continuations_and_chat_replies_as_texts(make_app,
+                                                                                monkeypatch):
+    seen = []
+
+    class Spy(scheduler_module.TextStream):
+        def __init__(self, *a, **kw):
+            seen.append(kw.get("continuation", False))
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(scheduler_module, "TextStream", Spy)
+    app = make_app()
+
+    async def go():
+        async with client(app) as c:
+            r = await c.post("/v1/completions", json=completion("hi", max_tokens=2))
+            assert r.status_code == 200, r.text
+            r = await c.post("/v1/chat/completions", json={
+                "model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+            assert r.status_code == 200, r.text
+
+    run(go())
+    assert seen == [True, False]

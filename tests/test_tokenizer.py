@@ -189,6 +189,45 @@ def test_byte_bpe_special_tokens():
     assert tok.is_special(1) and not tok.is_special(t("<tool>"))
 
 
+def test_a_whitespace_run_of_a_million_is_a_text_error_before_the_library_sees_it():
+    # Qwen's pre-tokenizer pattern gives up on ~10 M spaces with a Rust panic (a
+    # BaseException that ``except Exception`` let through, printed by the library first)
+    from pocketlm.errors import TextError
+    from pocketlm.tokenizer import MAX_WHITESPACE_RUN
+
+    tok = tokenizer_from_gguf_fields(byte_bpe_fields())
+    long = "hello" + " \t\u3000" * (MAX_WHITESPACE_RUN // 3 + 1) + "world"
+    with pytest.raises(TextError, match="run of 1,000,000 or more whitespace"):
+        tok.encode(long)
+    with pytest.raises(TextError, match="whitespace"):
+        tok.encode_batch(["hi", long])
+    text = "hello world\n  " * (MAX_WHITESPACE_RUN // 10)  # long, its runs short: as before
+    assert tok.decode(tok.encode(text)) == text
+
+
+def test_a_failure_inside_the_tokenizers_library_is_a_text_error(monkeypatch):
+    from pocketlm.errors import TextError
+
+    class PanicException(BaseException):  # as pyo3 raises a Rust panic
+        __module__ = "pyo3_runtime"
+
+    tok = tokenizer_from_gguf_fields(byte_bpe_fields())
+
+    class Panicking:
+        encode_special_tokens = False
+
+        def encode(self, *a, **kw):
+            raise PanicException("Onig: Regex search error: retry-limit-in-match over\nmore")
+
+        encode_batch = encode
+
+    monkeypatch.setattr(tok, "hf", Panicking())
+    for call in (lambda: tok.encode("x"), lambda: tok.encode("x", special=False),
+                 lambda: tok.encode_batch(["x"])):
+        with pytest.raises(TextError, match=r"cannot be tokenized \(Onig: .*over\)$"):
+            call()
+
+
 def test_byte_bpe_token_bytes_and_roundtrip():
     tok = tokenizer_from_gguf_fields(byte_bpe_fields())
     assert tok.token_bytes(tok.token_to_id("Ġ")) == b" "
@@ -647,3 +686,40 @@ def test_control_text_in_names_the_first_control_text():
     assert tok.control_text_in("a <unused12> then <|im_end|>") == "<unused12>"
     assert tok.control_text_in("<|im_start|>") == "<|im_start|>"
     assert tok.control_text_in("") is None
+
+
+def test_ids_that_are_not_integers_are_refused_with_skip_special_too():
+    # skip_special looked ids up with int(): 1.5, True, "1" and 1.0 decoded to '' there,
+    # while decode() without it refused them; a bytes object decoded its byte values as ids
+    import numpy as np
+
+    from pocketlm.errors import TokenIdError
+
+    tok = tokenizer_from_gguf_fields(byte_bpe_fields())
+    for bad in [[1.5], ["1"], [True], np.array([1.0]), [None]]:
+        for skip in (False, True):
+            with pytest.raises(TokenIdError, match="must be integers"):
+                tok.decode(bad, skip_special=skip)
+        with pytest.raises(TokenIdError):
+            StreamingDetokenizer(tok).add(bad[0])
+    for bad in [b"ab", "ab", bytearray(b"a")]:
+        with pytest.raises(TokenIdError, match="sequence of token ids"):
+            tok.decode(bad)
+    assert tok.decode(np.array([1, 2]), skip_special=True) == ""  # numpy's integers are ids
+    assert tok.decode([np.int64(tok.token_to_id("hello"))]) == "hello"
+
+
+def test_a_continuation_keeps_the_space_before_its_first_word():
+    # a SentencePiece vocabulary writes a space before the first word of a text, which decode
+    # drops; the generated tokens after "hello" lost theirs: "hello" + "world"
+    from pocketlm.generate import TextStream, stream_text
+
+    tok = tokenizer_from_gguf_fields(spm_fields(add_space_prefix=True))
+    prompt, full = tok.encode("hello"), tok.encode("hello world")
+    assert full[:len(prompt)] == prompt
+    generated = full[len(prompt):]
+    assert "hello" + "".join(stream_text(tok, generated, continuation=True)) \
+        == tok.decode(full, skip_special=True) == "hello world"
+    assert "".join(stream_text(tok, generated)) == "world"  # a reply: a text of its own
+    stream = TextStream(tok, [], continuation=True)
+    assert "".join(stream.add(t) for t in generated) + stream.finish() == " world"

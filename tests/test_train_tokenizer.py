@@ -227,6 +227,16 @@ def test_empty_file(tmp_path):
         train_tokenizer([tmp_path / "empty.txt"], 1000, tmp_path / "out")
 
 
+def test_a_line_with_a_million_spaces_is_named_before_the_library_panics(tmp_path):
+    # the pre-tokenizer's pattern gave up on ~10 M spaces: a Rust panic and a traceback
+    (tmp_path / "ws.txt").write_text("hello there\nx" + " " * 1_000_000 + "y\nbye\n",
+                                     encoding="utf-8")
+    with pytest.raises(TokenizerTrainingError, match="training line 2: .*run of 1,000,000 or "
+                       "more whitespace"):
+        train_tokenizer([tmp_path / "ws.txt"], 300, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "tokenizer.json").exists()
+
+
 def test_blank_corpus(tmp_path):
     (tmp_path / "blank.txt").write_text("\n   \n\t\n", encoding="utf-8")
     with pytest.raises(TokenizerTrainingError, match=r"corpus is empty.*blank\.txt"):

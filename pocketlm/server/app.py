@@ -548,6 +548,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         spec = request_speculative(cfg.speculative, g.speculative)
         return Request(prompt_ids=ids, max_tokens=max_tokens, sampler=sampler,
                        stop=g.stop, loop=loop, ignore_eos=g.ignore_eos, speculative=spec,
+                       continuation=g.messages is None,
                        logprobs=g.logprobs,
                        score_prompt=g.echo and g.logprobs is not None)
 

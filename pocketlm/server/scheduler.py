@@ -102,6 +102,9 @@ class Request:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     ignore_eos: bool = False
+    # a completion goes on from its prompt's text (the first word keeps a SentencePiece
+    # vocabulary's space); a chat reply starts a text of its own
+    continuation: bool = False
     # prompt-lookup drafting options (pocketlm.speculative), or None: one token per step
     speculative: dict | None = None
     # structured output (pocketlm.structured): a Constraint / Triggered, or None
@@ -456,7 +459,8 @@ class Scheduler:
             req.cache = self.runtime.new_cache(req.capacity)
             req.seq = Sequence(ids, max_tokens=req.max_tokens, sampler=req.sampler,
                                stop_ids=self.stop_ids, ignore_eos=req.ignore_eos,
-                               text=TextStream(self.model.tokenizer, req.stop),
+                               text=TextStream(self.model.tokenizer, req.stop,
+                                               continuation=req.continuation),
                                constraint=req.constraint, logprobs=req.logprobs)
             if req.speculative:
                 o = req.speculative

@@ -34,8 +34,8 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import FormatError, PocketError
-from ..tokenizer import Tokenizer
+from ..errors import FormatError, PocketError, TextError
+from ..tokenizer import MAX_WHITESPACE_RUN, Tokenizer, untokenizable
 
 __all__ = [
     "DEFAULT_SPECIAL_TOKENS",
@@ -387,6 +387,13 @@ def train_tokenizer(
         for line in lines:
             stats["lines"] += 1
             stats["chars"] += len(line)
+            if len(line) >= MAX_WHITESPACE_RUN:
+                try:
+                    with untokenizable([line]):
+                        pass
+                except TextError as e:  # before the library's pattern gives up on it
+                    raise TokenizerTrainingError(f"training line {stats['lines']:,}: {e}"
+                                                 ) from None
             yield line
 
     lines: Iterable[str] = read_training_lines(files)
@@ -413,7 +420,11 @@ def train_tokenizer(
     )
     # A TokenizerTrainingError raised while reading (a bad byte deep in a file) surfaces
     # through the Rust trainer as itself.
-    hf.train_from_iterator(batches(counted(lines)), trainer=trainer)
+    try:
+        with untokenizable(()):
+            hf.train_from_iterator(batches(counted(lines)), trainer=trainer)
+    except TextError as e:  # the library failed on a line (a Rust panic)
+        raise TokenizerTrainingError(f"a line of the corpus: {e}") from None
     if stats["lines"] == 0:
         paths = [str(s) for s in files if isinstance(s, os.PathLike)] if isinstance(files, Sequence) else []
         names = ", ".join(paths) or "the texts given"
