@@ -677,8 +677,14 @@ def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
     nonce = secrets.token_hex(8)
     marked, contents = list(messages), []
     for i in hit:
-        marked[i] = {**messages[i], "content": f"\ue000{nonce}{len(contents)}\ue001"}
-        contents.append(messages[i]["content"])
+        # the whitespace around the text stays outside the marker, for the template to
+        # treat as it treats any message's (Gemma's trims it: with it inside, a message
+        # holding control text kept spaces and newlines every other message loses)
+        text = messages[i]["content"]
+        core = text.strip()
+        lead, trail = text[:len(text) - len(text.lstrip())], text[len(text.rstrip()):]
+        marked[i] = {**messages[i], "content": f"{lead}\ue000{nonce}{len(contents)}\ue001{trail}"}
+        contents.append(core)
     return MarkedChat(marked, contents, nonce, found[hit[0]])
 
 
