@@ -1097,6 +1097,7 @@ def test_server_speculative_default_and_draft_max_range():
 @pytest.mark.parametrize("kw", [dict(max_memory_mb=float("nan")),
                                 dict(max_memory_mb=float("inf")),
                                 dict(prefix_cache_mb=float("nan")),
+                                dict(max_memory_mb=1e300),  # a 300-digit figure
                                 dict(body_timeout_s=1e-9),  # a body already here got 408
                                 dict(body_timeout_s=float("inf"))], ids=str)
 def test_nan_infinite_and_tiny_flags_are_refused_in_one_line(kw):

@@ -130,6 +130,7 @@ def step_headroom(model: PocketModel, max_batch: int) -> int:
 
 
 MIN_BODY_TIMEOUT_S = 0.1
+MAX_MEMORY_MB = 1 << 30  # beyond any machine: a larger budget printed a 300-digit figure
 
 
 # -- origins --------------------------------------------------------------------------------
@@ -285,8 +286,9 @@ class ServerConfig:
             raise PocketError(f"--max-queue must be >= 0, got {max_queue}")
         if max_body_kb < 1:
             raise PocketError(f"--max-body-kb must be >= 1, got {max_body_kb}")
-        if max_memory_mb is not None and not 0 < max_memory_mb < float("inf"):  # NaN too
-            raise PocketError(f"--max-memory-mb must be a positive number, got {max_memory_mb}")
+        if max_memory_mb is not None and not 0 < max_memory_mb <= MAX_MEMORY_MB:  # NaN too
+            raise PocketError(f"--max-memory-mb must be a positive number of MB up to "
+                              f"{MAX_MEMORY_MB:,} (1 PiB), got {max_memory_mb}")
         if not prefix_cache_mb >= 0:  # NaN too
             raise PocketError(f"--prefix-cache-mb must be >= 0, got {prefix_cache_mb}")
         if not MIN_BODY_TIMEOUT_S <= body_timeout_s < float("inf"):

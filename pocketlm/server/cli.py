@@ -81,7 +81,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-memory-mb", type=float, default=None, help="memory budget of the "
                    "whole process in MB (default: none beyond --max-batch x context)")
     p.add_argument("--prefix-cache-mb", type=float, default=64.0, help="memory for cached prompt "
-                   "prefixes, e.g. a shared system prompt (default 64; 0: off)")
+                   "prefixes, e.g. a shared system prompt (default 64; 0: off; with "
+                   "--max-memory-mb, at most half its KV caches' share)")
     p.add_argument("--max-body-kb", type=int, default=1024, help="largest request body "
                    "(default 1024 KB)")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
