@@ -657,6 +657,8 @@ class MarkedChat(NamedTuple):
     contents: list[str]  # the replaced contents, in marker order
     nonce: str  # the markers' nonce: no message text holds it
     example: str  # one control token's text found, for errors
+    # the whitespace around each content, left outside its marker (see mark_control_text)
+    around: list[tuple[str, str]] = []
 
 
 def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
@@ -675,7 +677,7 @@ def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
     import secrets
 
     nonce = secrets.token_hex(8)
-    marked, contents = list(messages), []
+    marked, contents, around = list(messages), [], []
     for i in hit:
         # the whitespace around the text stays outside the marker, for the template to
         # treat as it treats any message's (Gemma's trims it: with it inside, a message
@@ -685,7 +687,8 @@ def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
         lead, trail = text[:len(text) - len(text.lstrip())], text[len(text.rstrip()):]
         marked[i] = {**messages[i], "content": f"{lead}\ue000{nonce}{len(contents)}\ue001{trail}"}
         contents.append(core)
-    return MarkedChat(marked, contents, nonce, found[hit[0]])
+        around.append((lead, trail))
+    return MarkedChat(marked, contents, nonce, found[hit[0]], around)
 
 
 def non_text_part(parts: list) -> int | None:
@@ -737,10 +740,19 @@ def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int
         raise PocketError("a message's content holds control-token text (such as "
                           f"{marked.example!r}) and the chat template alters it, so it cannot "
                           "be kept as plain text; remove that text")
+    # whitespace the template kept around a marked text is tokenized with that text, as
+    # it is in a message without control text (" hello" stays one piece after ChatML's "\n")
+    pieces = [[part, True] if i % 2 == 0 else [marked.contents[int(part)], False]
+              for i, part in enumerate(parts)]
+    for i in range(1, len(pieces), 2):
+        lead, trail = marked.around[int(parts[i])] if marked.around else ("", "")
+        before, after = pieces[i - 1], pieces[i + 1]
+        if lead and before[0].endswith(lead):
+            before[0], pieces[i][0] = before[0][:-len(lead)], lead + pieces[i][0]
+        if trail and after[0].startswith(trail):
+            after[0], pieces[i][0] = after[0][len(trail):], pieces[i][0] + trail
     ids: list[int] = []
-    for i, part in enumerate(parts):
-        special = i % 2 == 0
-        piece = part if special else marked.contents[int(part)]
+    for piece, special in pieces:
         if piece:
             ids += tokenizer.encode(piece, add_bos=False, special=special)
     return ids

@@ -337,9 +337,10 @@ class _LineTooLong(Exception):
 def _chat_lines(limit: int):
     """The chat's input lines, without their line ends. On a terminal ``input()`` reads them
     (with line editing where Python has readline, and the prompt on the terminal); piped in,
-    they are read with no prompt, each at most ``limit`` characters (a longer one, or input
-    with no line end at all, such as /dev/zero, raises :class:`_LineTooLong` once its rest
-    has been skipped, instead of growing without bound), and undecodable bytes reach the
+    they are read with no prompt, each at most ``limit`` characters (a longer one is
+    :class:`_LineTooLong` once its rest has been skipped, instead of growing without bound;
+    input with no line end in 64 times that, such as /dev/zero, is no text of lines: a
+    :class:`PocketError`), and undecodable bytes reach the
     caller as lone surrogates in their own line (a strict decoder dropped the whole buffered
     chunk, lines before and after the bad one)."""
     stdin = sys.stdin
@@ -357,12 +358,17 @@ def _chat_lines(limit: int):
     if hasattr(stdin, "reconfigure"):
         stdin.reconfigure(errors="surrogateescape")
     while True:
-        line = stdin.readline(limit + 1)
+        line = stdin.readline(limit + 2)  # the line, its "\r\n", and one more: too long
         if not line:
             return
-        if len(line) > limit and not line.endswith("\n"):
+        if len(line.rstrip("\r\n")) > limit:
+            skipped = len(line)
             while line and not line.endswith("\n"):
                 line = stdin.readline(1 << 16)
+                skipped += len(line)
+                if skipped > 64 * limit:
+                    raise PocketError(f"stdin holds no line end in {skipped:,} characters: "
+                                      "pocket chat reads one message a line")
             yield _LineTooLong()
             continue
         yield line.removesuffix("\n").removesuffix("\r")
@@ -434,8 +440,11 @@ def cmd_chat(args) -> int:
         if text.startswith("//"):
             line = line.replace("//", "/", 1)
         elif text.startswith("/"):
-            if text not in ("/help", "/?"):
-                print(f"[not sent: {text.split()[0][:40]} is no command]", file=sys.stderr)
+            word = text.split()[0]
+            if word in ("/quit", "/exit", "/bye", "/reset"):
+                print(f"[not sent: {word} takes nothing after it]", file=sys.stderr)
+            elif text not in ("/help", "/?"):
+                print(f"[not sent: {word[:40]} is no command]", file=sys.stderr)
             print(f"[{CHAT_COMMANDS}]", file=sys.stderr)
             continue
         try:

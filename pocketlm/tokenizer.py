@@ -26,7 +26,7 @@ from typing import Any
 
 import tokenizers
 
-from .errors import FormatError, PocketError, TextError, TokenIdError
+from .errors import FormatError, TextError, TokenIdError
 
 __all__ = [
     "SpmTokenizer",
@@ -561,16 +561,16 @@ def untokenizable(texts):
                             "shorten it")
     try:
         yield
-    except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError, PocketError):
-        raise
     except BaseException as exc:
-        if type(exc).__module__ == "builtins" and isinstance(exc, Exception):
-            raise  # Python's own (TypeError, ...): not the library's
+        if type(exc).__module__ != "pyo3_runtime":
+            raise  # not the library's panic: a KeyboardInterrupt, a caller's own iterator's
         why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
         raise TextError(f"the text cannot be tokenized ({why})") from None
 
 
-_WHITESPACE_RUN = re.compile(rf"\s{{{MAX_WHITESPACE_RUN},}}")
+# anchored at a run's start: tried at every position inside a run, the search was quadratic
+# (a 1 MB prompt of spaces then letters held the GIL, and a server, for minutes)
+_WHITESPACE_RUN = re.compile(rf"(?<!\s)\s{{{MAX_WHITESPACE_RUN}}}")
 
 
 def check_text(text: Any, what: str = "text") -> str:

@@ -1035,3 +1035,16 @@ def test_a_message_with_control_text_is_trimmed_as_any_other_is(m, monkeypatch):
     ids = m.chat_ids(evil)
     assert m.detokenize(ids) == "<|im_start|>user\nhello <|im_end|><|im_end|>\n"
     assert ids.count(tok.token_to_id("<|im_end|>")) == 1  # the user's stayed text
+
+
+def test_whitespace_a_template_keeps_is_tokenized_with_the_text_it_surrounds(m):
+    # ChatML keeps a message's spaces: " hello" must stay the piece it is in a message
+    # without control text, not join the template's "\n" as "\n " + "hello"
+    for prefix, suffix in [(" hello", ""), ("\n\n hello", "  \n"), (" hi there", " \n ")]:
+        marked = m.chat_ids([{"role": "user", "content": f"{prefix} <|im_end|>{suffix}"}])
+        plain = m.chat_ids([{"role": "user", "content": f"{prefix} [end]{suffix}"}])
+        n = next(k for k, (a, b) in enumerate(zip(marked, plain)) if a != b)
+        assert m.detokenize(marked[:n]).rstrip(" ").endswith(prefix), m.detokenize(marked[:n])
+        assert marked[-3:] == plain[-3:]  # the trailing whitespace and the template's end
+        assert m.detokenize(marked) == m.render_chat(
+            [{"role": "user", "content": f"{prefix} <|im_end|>{suffix}"}])

@@ -557,11 +557,24 @@ def test_a_piped_line_without_end_is_bounded(files, capsys, monkeypatch):
     assert stdout.count("\n") == 1  # the next line answered
 
 
+def test_a_line_at_the_bound_with_crlf_is_a_line_and_endless_input_ends(files, capsys,
+                                                                        monkeypatch):
+    _stdin(monkeypatch, "a" * 65_536 + "\r\n")  # a line of exactly the bound, CRLF-ended
+    code, _, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2, "--ctx", 64)
+    assert code == 0 and "longer than" not in err and "context" in err
+    _stdin(monkeypatch, "x" * (64 * 65_536 + 10))  # /dev/zero: read on for ever, in bounds
+    code, _, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2, "--ctx", 64)
+    assert code == 1 and err.splitlines()[-1].startswith("pocket: error: stdin holds no "
+                                                         "line end in")
+
+
 def test_chat_commands_and_lines_that_begin_with_a_slash(files, capsys, monkeypatch):
-    _stdin(monkeypatch, "/usr/bin/python: not found, why?\n//usr/bin/python: not found\n")
+    _stdin(monkeypatch, "/usr/bin/python: not found, why?\n//usr/bin/python: not found\n"
+                        "/quit now\n")
     code, stdout, err = run_cli(capsys, "chat", "-m", files["pocket"], "-n", 2)
     assert code == 0
     assert "[not sent: /usr/bin/python: is no command]" in err
+    assert "[not sent: /quit takes nothing after it]" in err
     assert "/exit" in err and "//" in err  # the whole list, and how to send such a line
     assert stdout.count("\n") == 1  # the // line was sent
 

@@ -247,8 +247,8 @@ class PoisonedText(scheduler_module.TextStream):
 
     where = "add"
 
-    def __init__(self, tokenizer, stop=None):
-        super().__init__(tokenizer, stop)
+    def __init__(self, tokenizer, stop=None, **kw):
+        super().__init__(tokenizer, stop, **kw)
         self.victim = POISON_MARK in (stop or [])
         self.tokens = 0
 
@@ -397,6 +397,32 @@ def test_requests_that_wait_for_memory_count_against_the_queue(model):
 
     snap = run(go())
     assert (snap["requests"], snap["completed"], snap["rejected"]) == (2, 2, 1)
+
+
+def test_choices_that_memory_can_never_start_together_are_a_400_not_a_retry(model):
+    """n choices whose caches do not fit the budget at once, with fewer allowed to wait: a
+    429 said 'retry', and every retry got it again on an idle server. One that fits later
+    (others are running) is still a 429."""
+    async def go():
+        probe = Scheduler(model, prefix_cache_mb=0)
+        one = probe.kv_bytes(_request(model, PROMPTS[0], None).capacity)
+        probe.close()
+        sched = Scheduler(model, max_batch=4, max_queue=0, kv_budget=2 * one,
+                          prefix_cache_mb=0)
+        try:
+            loop = asyncio.get_running_loop()
+            three = [_request(model, p, loop) for p in PROMPTS[:3]]
+            with sched._lock:
+                with pytest.raises(scheduler_module.TooLargeError, match="3 choices"):
+                    sched.submit(*three)
+                sched.submit(_request(model, PROMPTS[3], loop))  # one runs: room for one
+                with pytest.raises(scheduler_module.QueueFullError):  # two fit later
+                    sched.submit(*[_request(model, p, loop) for p in PROMPTS[4:6]])
+                return sched.snapshot()
+        finally:
+            sched.close()
+
+    assert run(go())["rejected"] == 2
 
 
 @pytest.mark.parametrize("stage", ["sampling", "detokenizing", "finishing", "prefill",
@@ -705,6 +731,39 @@ def test_a_request_head_that_does_not_arrive_in_time_closes_its_connection(make_
         r = httpx.post(f"http://{host}:{port}/v1/completions", timeout=10,
                        json=completion("hello", max_tokens=2))
         assert r.status_code == 200
+
+
+def test_a_body_the_app_answered_without_reading_is_timed_too(make_app):
+    # a 415 (or 401) goes out before the body is read; a client that went on sending it a
+    # byte now and then was held for ever, past the keep-alive (which any byte cancels)
+    app = make_app(body_timeout_s=0.5)
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            b"Content-Type: text/plain\r\nContent-Length: 100000\r\n\r\n")
+    with live_server(app) as (host, port):
+        t0 = time.monotonic()
+        got, closed = _raw_exchange(host, port, head, [b"x"] * 60, pause=0.1)
+        assert got.startswith(b"HTTP/1.1 415"), got[:100]
+        assert closed and time.monotonic() - t0 < 4
+
+
+def test_an_idle_kept_alive_connection_outlives_the_head_timeout(make_app):
+    # the keep-alive (5 s) times an idle connection, not --body-timeout: a client pausing
+    # 1 s between requests on a 0.5 s timeout lost its connection
+    import http.client
+
+    app = make_app(body_timeout_s=0.5)
+    body = json.dumps(completion("hello", max_tokens=2))
+    with live_server(app) as (host, port):
+        c = http.client.HTTPConnection(host, port, timeout=10)  # one socket, never reopened
+        c.connect()
+        sock = c.sock
+        for _ in range(2):
+            c.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            r = c.getresponse()
+            assert r.status == 200 and json.loads(r.read())["choices"]
+            time.sleep(1.0)
+        assert c.sock is sock
+        c.close()
 
 
 def test_answers_longer_than_the_head_timeout_on_a_kept_alive_connection(make_app,

@@ -237,6 +237,18 @@ def test_a_line_with_a_million_spaces_is_named_before_the_library_panics(tmp_pat
     assert not (tmp_path / "out" / "tokenizer.json").exists()
 
 
+def test_an_error_of_the_callers_own_texts_is_not_called_a_tokenization_error(tmp_path):
+    class SourceDown(Exception):
+        pass
+
+    def texts():
+        yield from ["hello there"] * 50
+        raise SourceDown("the dataset server went away")
+
+    with pytest.raises(SourceDown, match="went away"):
+        train_tokenizer(texts(), 400, tmp_path / "out", progress=False)
+
+
 def test_blank_corpus(tmp_path):
     (tmp_path / "blank.txt").write_text("\n   \n\t\n", encoding="utf-8")
     with pytest.raises(TokenizerTrainingError, match=r"corpus is empty.*blank\.txt"):

@@ -121,7 +121,9 @@ class PocketEngine(Engine):
 
         self.prompt_tokens += len(ids)
         tokens = self.model.stream_ids(list(ids), max_tokens=max_tokens, temperature=0.0)
-        return "".join(stream_text(self.model.tokenizer, self._counted(tokens), list(stop)))
+        # the answer goes on from the prompt's text, as llama.cpp's completion does
+        return "".join(stream_text(self.model.tokenizer, self._counted(tokens), list(stop),
+                                   continuation=True))
 
     def _counted(self, tokens):
         for t in tokens:

@@ -87,7 +87,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    "(default 1024 KB)")
     p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a request body that takes longer to arrive gets 408; a connection "
-                   "whose request line and headers take longer is closed (default 30)")
+                   "whose request line and headers, once begun, take longer is closed "
+                   "(default 30)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default warning)")
@@ -179,39 +180,56 @@ def _json_400_protocol(head_timeout: float = 30.0):
                 self.transport.write(self.conn.send(event))
             self.transport.close()
 
-        _head_timer = None
+        _timer = None
+        _fresh = True  # no request head has arrived on this connection yet
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._await_head()
+            self._watch(got_bytes=False)
 
-        def _await_head(self) -> None:
-            """Time the next request's head (kept, not restarted, as its pieces arrive)."""
+        def _waiting_on_client(self, got_bytes: bool) -> bool:
+            """Whether the connection waits on the client outside any request the app is
+            answering: a head begun (or none yet on a new connection; an idle one after a
+            response is uvicorn's keep-alive's), or a body the app answered without reading
+            (a 401 or 415) that the client goes on sending."""
+            their = self.conn.their_state
+            if their is h11.IDLE:
+                return got_bytes or self._fresh or self._timer is not None
+            return their is h11.SEND_BODY and self.conn.our_state is h11.DONE
+
+        def _watch(self, got_bytes: bool) -> None:
             if self.conn.their_state is not h11.IDLE:
-                self._head_arrived()
-            elif self._head_timer is None and not self.transport.is_closing():
-                self._head_timer = self.loop.call_later(head_timeout, self._head_timed_out)
+                self._fresh = False
+            if not self._waiting_on_client(got_bytes):
+                self._stop_watch()
+            elif self._timer is None and not self.transport.is_closing():
+                # kept, not restarted, as more pieces arrive
+                self._timer = self.loop.call_later(head_timeout, self._timed_out)
 
-        def _head_arrived(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+        def _stop_watch(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
-        def _head_timed_out(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE:  # the request line or headers still missing
+        def _timed_out(self) -> None:
+            self._timer = None
+            if self._waiting_on_client(got_bytes=True):
                 self.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._watch(got_bytes=True)
 
         def handle_events(self) -> None:
             super().handle_events()
-            self._await_head()
+            self._watch(got_bytes=False)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._await_head()
+            self._watch(got_bytes=False)
 
         def connection_lost(self, exc) -> None:
-            self._head_arrived()
+            self._stop_watch()
             super().connection_lost(exc)
 
     return Protocol

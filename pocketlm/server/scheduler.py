@@ -237,18 +237,32 @@ class Scheduler:
                 free = self._admittable(free, needs)
             if len(self._waiting) + len(reqs) > self.max_queue + free:
                 self.stats["rejected"] += 1
+                alone = (len(reqs) if self.kv_budget is None
+                         else self._admittable(self.max_batch, needs, idle=True))
+                if len(reqs) - alone > self.max_queue:  # no retry could start it
+                    raise TooLargeError(
+                        f"the request's {len(reqs)} choices need {sum(needs) / MB:.1f} MB of KV "
+                        f"cache at once, and the server's memory budget starts {alone} of them "
+                        f"while at most {self.max_queue} may wait (--max-queue); lower n or "
+                        "max_tokens")
                 raise QueueFullError(self._retry_after())
             self.stats["requests"] += len(reqs)
             self._waiting.extend(reqs)
             self._lock.notify()
 
-    def _admittable(self, slots: int, needs: list[int]) -> int:
+    def _admittable(self, slots: int, needs: list[int], *, idle: bool = False) -> int:
         """How many of the waiting requests and then ``needs``, oldest first, the memory
         budget can start now (at most ``slots``; cached prefixes give way): the rest wait, and
-        count against ``max_queue``. Under the lock."""
-        room = self.kv_budget - self._reserved + sum(p.nbytes for p in self._prefixes.values())
+        count against ``max_queue``. ``idle``: of ``needs`` alone, on a server running and
+        holding nothing. Under the lock."""
+        if idle:
+            room, queued = self.kv_budget, []
+        else:
+            room = (self.kv_budget - self._reserved
+                    + sum(p.nbytes for p in self._prefixes.values()))
+            queued = [self.kv_bytes(r.capacity) for r in self._waiting]
         fit = 0
-        for need in [self.kv_bytes(r.capacity) for r in self._waiting] + needs:
+        for need in queued + needs:
             if fit >= slots or need > room:
                 break  # the oldest that does not fit waits, and nobody overtakes it
             room -= need

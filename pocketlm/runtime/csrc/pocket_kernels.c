@@ -463,12 +463,17 @@ pocket_pool *pocket_pool_create(int nthreads) {
         p->threads = (pthread_t *)calloc((size_t)nw, sizeof(pthread_t));
         if (!p->threads) nw = 0;
     }
-    /* the workers block every signal (they inherit the mask they are created with): a
-       process-directed signal, a terminal's Ctrl-C, must reach a thread that handles it, not
-       a worker, where the host's handler (Python's) only notes it while its main thread sits
-       in a read that nothing interrupts */
+    /* the workers block the signals sent to a process (they inherit the mask they are
+       created with): a terminal's Ctrl-C must reach a thread that handles it, not a worker,
+       where the host's handler (Python's) only notes it while its main thread sits in a read
+       that nothing interrupts. Faults (SIGSEGV, SIGBUS, SIGFPE) stay unblocked: blocked, a
+       worker's fault would kill the process with no handler run */
+    static const int process_signals[] = {SIGINT,  SIGTERM, SIGHUP,  SIGQUIT, SIGUSR1,
+                                          SIGUSR2, SIGPIPE, SIGCHLD, SIGALRM, SIGWINCH};
     sigset_t all, old;
-    sigfillset(&all);
+    sigemptyset(&all);
+    for (size_t k = 0; k < sizeof process_signals / sizeof process_signals[0]; k++)
+        sigaddset(&all, process_signals[k]);
     int masked = pthread_sigmask(SIG_BLOCK, &all, &old) == 0;
     for (int k = 0; k < nw; k++) {
         if (pthread_create(&p->threads[k], NULL, pk_worker, p) != 0) break;
