@@ -249,6 +249,14 @@ def test_an_error_of_the_callers_own_texts_is_not_called_a_tokenization_error(tm
         train_tokenizer(texts(), 400, tmp_path / "out", progress=False)
 
 
+@pytest.mark.parametrize("token", ["the", "end_of_text", "EOS 2"])
+def test_a_special_token_of_plain_words_is_refused(tmp_path, token):
+    # it was taken: every "the" of the corpus (and of prompts), "then" too, became token 0
+    with pytest.raises(TokenizerTrainingError, match="plain text.*<\\|"):
+        train_tokenizer([tmp_path / "unused.txt"], 400, tmp_path / "out",
+                        special_tokens=[token], progress=False)
+
+
 def test_blank_corpus(tmp_path):
     (tmp_path / "blank.txt").write_text("\n   \n\t\n", encoding="utf-8")
     with pytest.raises(TokenizerTrainingError, match=r"corpus is empty.*blank\.txt"):

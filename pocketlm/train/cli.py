@@ -1014,7 +1014,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                    help="train on a random sample of this many lines")
     t.add_argument("--special-tokens", nargs="+", default=None,
                    help="special tokens, ids 0, 1, ... (default <|endoftext|> <|im_start|> "
-                   "<|im_end|> <|pad|>)")
+                   "<|im_end|> <|pad|>); each marked off from words, as these are: plain "
+                   "words are refused")
     t.add_argument("--seed", type=int, default=0, help="seed of --sample-lines")
     t.add_argument("--force", action="store_true", help="replace a tokenizer already in --out")
     t.add_argument("-q", "--quiet", action="store_true", help="no progress bar")

@@ -257,6 +257,11 @@ def _check_special_tokens(special_tokens: Sequence[str]) -> list[str]:
     for t in out:
         if not isinstance(t, str) or not t.strip():
             raise TokenizerTrainingError(f"special token {t!r} is not a non-blank string")
+        if t.replace(" ", "").replace("_", "").isalnum():
+            # a control token is matched wherever its text occurs: every "the", even inside
+            # "then", would have become the end-of-text token
+            raise TokenizerTrainingError(f"special token {t!r} is plain text, which ordinary "
+                                         "text holds; mark it off, e.g. <|" + t.strip() + "|>")
     dupes = sorted({t for t in out if out.count(t) > 1})
     if dupes:
         raise TokenizerTrainingError(f"special tokens repeated: {', '.join(dupes)}")
