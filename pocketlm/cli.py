@@ -176,18 +176,26 @@ def cmd_inspect(args) -> int:
                    header_verified=pf.header_verified)
         print(json.dumps(out, ensure_ascii=False))
         return 0
+    def say(line: str) -> None:
+        # the header's strings shown as text: an escape sequence or a newline a crafted file
+        # carries is written out, not sent to the terminal
+        print("".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in line))
+
     c = config
-    print(f"file:        {path} ({pf.nbytes / 1e6:.1f} MB, format {FORMAT_NAME} "
+    say(f"file:        {path} ({pf.nbytes / 1e6:.1f} MB, format {FORMAT_NAME} "
           f"v{pf.format_version})")
-    print(f"model:       {c.arch}, {c.n_layers} layers, d_model {c.d_model}, "
+    say(f"model:       {c.arch}, {c.n_layers} layers, d_model {c.d_model}, "
           f"{c.n_heads} heads / {c.n_kv_heads} KV heads of {c.head_dim}, "
           f"d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.max_context}")
     encodings = pf.encodings()
     kept = ", ".join(f"{n} as {e}" for e, n in sorted(
         Counter(encodings.values()).items())) if encodings else ""
-    print(f"quant:       {quant.get('scheme', 'none')}, embeddings INT"
-          f"{quant.get('embed_bits', '?')}, {len(layouts)} quantized tensors"
-          + (f" ({kept}: the source's own blocks)" if kept else ""))
+    # what the file holds, not the pack's option (a source's 5-bit embedding keeps its 5)
+    held = ", ".join(f"{what} {layouts[name][0].upper() if name in layouts else 'float'}"
+                     for what, name in (("embeddings", "embed.weight"), ("head", "lm_head.weight"))
+                     if name in pf.infos)
+    say(f"quant:       {quant.get('scheme', 'none')}, {held}, {len(layouts)} quantized tensors"
+        + (f" ({kept}: the source's own blocks)" if kept else ""))
     cal = quant.get("calibration")
     if isinstance(cal, dict):
         cset = cal.get("set") if isinstance(cal.get("set"), dict) else {}
@@ -209,36 +217,38 @@ def cmd_inspect(args) -> int:
             line += f"; head {shown} top-1 " + ", ".join(
                 f"{k} {v:.1%}" for k, v in agree.items()
                 if isinstance(v, (int, float)) and abs(v) <= 1)
-        print(f"calibration: {line}")
+        say(f"calibration: {line}")
     vocab = pf.json_object("vocab", None) if "vocab" in meta else None
     if isinstance(vocab, dict):
         from .pack import vocab_summary
 
         try:
-            print(f"vocabulary:  {vocab_summary(vocab).split(': ', 1)[1]}")
+            say(f"vocabulary:  {vocab_summary(vocab).split(': ', 1)[1]}")
         except (KeyError, TypeError, ValueError, ArithmeticError):  # overflow: 10**400 pieces
-            print("vocabulary:  trimmed (record unreadable)")
+            say("vocabulary:  trimmed (record unreadable)")
     adapter = pf.json_object("adapter", None) if "adapter" in meta else None
     if isinstance(adapter, dict):
         nbytes = sum(i.end - i.start for n, i in pf.infos.items()
                      if n.endswith((".lora_a", ".lora_b")))
-        print(f"adapters:    LoRA rank {adapter.get('rank', '?')} (alpha "
+        say(f"adapters:    LoRA rank {adapter.get('rank', '?')} (alpha "
               f"{adapter.get('alpha', '?')}) beside {adapter.get('weights', '?')} weights, "
               f"float16, {nbytes / 1e6:.1f} MB, added at run time")
     known = {k: prov.get(k, "unknown") for k in ("source_file", "source_format",
                                                    "source_sha256", "packed_at",
                                                    "pocketlm_version")}
-    print(f"source:      {known['source_file']} ({known['source_format']}, sha256 "
+    if prov.get("untrimmed_sha256"):  # a trimmed model: its source_sha256 is a derived id
+        known["source_sha256"] = prov["untrimmed_sha256"]
+    say(f"source:      {known['source_file']} ({known['source_format']}, sha256 "
           f"{str(known['source_sha256'])[:16]}...)")
-    print(f"packed:      {known['packed_at']} by pocketlm {known['pocketlm_version']}")
-    print(f"template:    {'yes' if pf.text('chat_template') else 'none'}")
-    print(f"generation:  {json.dumps(generation, sort_keys=True)}")
-    print(f"header:      {pf.header_status}")
-    print(f"checksums:   {'verified' if args.verify else 'not verified (--no-verify)'}")
+    say(f"packed:      {known['packed_at']} by pocketlm {known['pocketlm_version']}")
+    say(f"template:    {'yes' if pf.text('chat_template') else 'none'}")
+    say(f"generation:  {json.dumps(generation, sort_keys=True)}")
+    say(f"header:      {pf.header_status}")
+    say(f"checksums:   {'verified' if args.verify else 'not verified (--no-verify)'}")
     if args.tensors:
         for name, info in pf.infos.items():
             if not name.startswith("_pad."):
-                print(f"  {name:<40} {info.dtype:<4} {list(info.shape)}")
+                say(f"  {name:<40} {info.dtype:<4} {list(info.shape)}")
     return 0
 
 

@@ -151,6 +151,38 @@ def test_inspect(files, capsys):
     assert code == 0 and "layers.0.attn.w_q.weight" in stdout and "not verified" in stdout
 
 
+def test_inspect_shows_what_the_file_holds_and_no_terminal_escapes(files, capsys, tmp_path):
+    import hashlib
+    import struct
+
+    code, stdout, _ = run_cli(capsys, "inspect", files["pocket"])
+    assert code == 0 and "embeddings INT8, 22 quantized tensors" in stdout  # read, not the option
+    # a crafted header's strings: an escape sequence or a newline is written out, not sent to
+    # the terminal (the header checksum is no authentication)
+    buf = files["pocket"].read_bytes()
+    (n,) = struct.unpack("<Q", buf[:8])
+    header = json.loads(buf[8:8 + n])
+    md = header["__metadata__"]
+    md.pop("header_checksum")
+    md["provenance"] = json.dumps({"source_file": "a\x1b[31mRED\x1b[0m\x07\nsecond line",
+                                   "source_sha256": "derived", "packed_at": "\x1b]0;pwned\x07",
+                                   "untrimmed_sha256": "0123456789abcdef99"})
+    tensors = {k: [v["dtype"], v["shape"], v["data_offsets"]] for k, v in header.items()
+               if k != "__metadata__"}
+    canon = json.dumps({"metadata": md, "tensors": tensors}, sort_keys=True,
+                       separators=(",", ":"), ensure_ascii=True)
+    md["header_checksum"] = "sha256:" + hashlib.sha256(canon.encode()).hexdigest()
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    crafted = tmp_path / "crafted.pocket"
+    crafted.write_bytes(struct.pack("<Q", len(h)) + h + buf[8 + n:])
+    code, stdout, _ = run_cli(capsys, "inspect", crafted)
+    assert code == 0 and "\x1b" not in stdout and "\x07" not in stdout, stdout
+    assert "source:      a\\x1b[31mRED\\x1b[0m\\x07\\nsecond line (" in stdout
+    # a trimmed model's source_sha256 is a derived id: the source file's own hash is shown
+    assert "sha256 0123456789abcdef..." in stdout
+
+
 def test_inspect_json(files, capsys):
     code, stdout, _ = run_cli(capsys, "inspect", files["pocket"], "--json")
     assert code == 0

@@ -99,6 +99,10 @@ def test_an_empty_or_blank_variable_is_unset():
     ("POCKET_ACT", "int4", UnsupportedError, "POCKET_ACT='int4'; choose one of f32, q8"),
     ("POCKET_KV", "f64", KernelError, "POCKET_KV='f64'; choose one of f32, f16, q8"),
     ("POCKET_THREADS", "two", KernelError, "POCKET_THREADS='two' is not an integer"),
+    # int() took these: "1_0" as 10, "+4", and an Arabic-Indic three as 3
+    ("POCKET_THREADS", "1_0", KernelError, "POCKET_THREADS='1_0' is not an integer"),
+    ("POCKET_THREADS", "+4", KernelError, "POCKET_THREADS='+4' is not an integer"),
+    ("POCKET_THREADS", "\u0663", KernelError, "POCKET_THREADS='\u0663' is not an integer"),
     ("POCKET_THREADS", "0", KernelError, "POCKET_THREADS=0 is out of range 1..1024"),
     ("POCKET_THREADS", "1025", KernelError, "POCKET_THREADS=1025 is out of range 1..1024"),
     ("POCKET_Q8_DIGITS", "3", KernelError, "POCKET_Q8_DIGITS='3'; choose 1 or 2"),

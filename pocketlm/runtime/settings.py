@@ -155,10 +155,10 @@ def _kv(raw: str) -> str:
 
 
 def _threads(raw: str) -> int:
-    try:
-        n = int(raw)
-    except ValueError:
-        raise KernelError(f"POCKET_THREADS={raw!r} is not an integer") from None
+    digits = raw.strip()
+    if not (digits.isascii() and digits.isdigit()):  # int() took "1_0", "+4" and "٣"
+        raise KernelError(f"POCKET_THREADS={raw!r} is not an integer")
+    n = int(digits)
     if not 1 <= n <= MAX_THREADS:
         raise KernelError(f"POCKET_THREADS={n} is out of range 1..{MAX_THREADS}")
     return n
