@@ -176,6 +176,7 @@ def cmd_inspect(args) -> int:
                    header_verified=pf.header_verified)
         print(json.dumps(out, ensure_ascii=False))
         return 0
+
     def say(line: str) -> None:
         # the header's strings shown as text: an escape sequence or a newline a crafted file
         # carries is written out, not sent to the terminal
@@ -183,10 +184,10 @@ def cmd_inspect(args) -> int:
 
     c = config
     say(f"file:        {path} ({pf.nbytes / 1e6:.1f} MB, format {FORMAT_NAME} "
-          f"v{pf.format_version})")
+        f"v{pf.format_version})")
     say(f"model:       {c.arch}, {c.n_layers} layers, d_model {c.d_model}, "
-          f"{c.n_heads} heads / {c.n_kv_heads} KV heads of {c.head_dim}, "
-          f"d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.max_context}")
+        f"{c.n_heads} heads / {c.n_kv_heads} KV heads of {c.head_dim}, "
+        f"d_ff {c.d_ff}, vocab {c.vocab_size}, context {c.max_context}")
     encodings = pf.encodings()
     kept = ", ".join(f"{n} as {e}" for e, n in sorted(
         Counter(encodings.values()).items())) if encodings else ""
@@ -231,15 +232,15 @@ def cmd_inspect(args) -> int:
         nbytes = sum(i.end - i.start for n, i in pf.infos.items()
                      if n.endswith((".lora_a", ".lora_b")))
         say(f"adapters:    LoRA rank {adapter.get('rank', '?')} (alpha "
-              f"{adapter.get('alpha', '?')}) beside {adapter.get('weights', '?')} weights, "
-              f"float16, {nbytes / 1e6:.1f} MB, added at run time")
+            f"{adapter.get('alpha', '?')}) beside {adapter.get('weights', '?')} weights, "
+            f"float16, {nbytes / 1e6:.1f} MB, added at run time")
     known = {k: prov.get(k, "unknown") for k in ("source_file", "source_format",
                                                    "source_sha256", "packed_at",
                                                    "pocketlm_version")}
     if prov.get("untrimmed_sha256"):  # a trimmed model: its source_sha256 is a derived id
         known["source_sha256"] = prov["untrimmed_sha256"]
     say(f"source:      {known['source_file']} ({known['source_format']}, sha256 "
-          f"{str(known['source_sha256'])[:16]}...)")
+        f"{str(known['source_sha256'])[:16]}...)")
     say(f"packed:      {known['packed_at']} by pocketlm {known['pocketlm_version']}")
     say(f"template:    {'yes' if pf.text('chat_template') else 'none'}")
     say(f"generation:  {json.dumps(generation, sort_keys=True)}")
