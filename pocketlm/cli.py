@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -174,7 +175,14 @@ def cmd_inspect(args) -> int:
         out.update(config=config.to_dict(), generation=generation, provenance=prov,
                    quant={**quant, "tensors": len(layouts)}, file_bytes=pf.nbytes,
                    header_verified=pf.header_verified)
-        print(json.dumps(out, ensure_ascii=False))
+        for key in ("vocab", "adapter"):  # objects, as the other records are (not JSON text)
+            if key in meta:
+                out[key] = pf.json_object(key, None)
+        if args.tensors:  # it was dropped silently
+            out["tensor_list"] = [{"name": n, "dtype": i.dtype, "shape": list(i.shape)}
+                                  for n, i in pf.infos.items() if not n.startswith("_pad.")]
+        # a crafted header's NaN or Infinity is no JSON value: null
+        print(json.dumps(_finite(out), ensure_ascii=False, allow_nan=False))
         return 0
 
     def say(line: str) -> None:
@@ -251,6 +259,17 @@ def cmd_inspect(args) -> int:
             if not name.startswith("_pad."):
                 say(f"  {name:<40} {info.dtype:<4} {list(info.shape)}")
     return 0
+
+
+def _finite(value):
+    """``value`` with every float that is not finite replaced by None (strict JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _load(args):

@@ -167,6 +167,8 @@ def test_inspect_shows_what_the_file_holds_and_no_terminal_escapes(files, capsys
     md["provenance"] = json.dumps({"source_file": "a\x1b[31mRED\x1b[0m\x07\nsecond line",
                                    "source_sha256": "derived", "packed_at": "\x1b]0;pwned\x07",
                                    "untrimmed_sha256": "0123456789abcdef99"})
+    md["quant"] = json.dumps({**json.loads(md["quant"]), "calibration": {
+        "head": {"top1_vs_float": {"en": float("nan")}}}})  # NaN: no JSON value
     tensors = {k: [v["dtype"], v["shape"], v["data_offsets"]] for k, v in header.items()
                if k != "__metadata__"}
     canon = json.dumps({"metadata": md, "tensors": tensors}, sort_keys=True,
@@ -181,6 +183,13 @@ def test_inspect_shows_what_the_file_holds_and_no_terminal_escapes(files, capsys
     assert "source:      a\\x1b[31mRED\\x1b[0m\\x07\\nsecond line (" in stdout
     # a trimmed model's source_sha256 is a derived id: the source file's own hash is shown
     assert "sha256 0123456789abcdef..." in stdout
+    code, stdout, _ = run_cli(capsys, "inspect", crafted, "--json")
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is no JSON value")
+
+    data = json.loads(stdout, parse_constant=refuse)  # it echoed a bare NaN
+    assert data["quant"]["calibration"]["head"]["top1_vs_float"] == {"en": None}
 
 
 def test_inspect_json(files, capsys):
@@ -192,7 +201,10 @@ def test_inspect_json(files, capsys):
     assert data["quant"]["tensors"] == 22  # 7 linear weights in each of 3 layers, embedding
     assert data["provenance"]["source_format"] == "gguf"
     assert data["file_bytes"] == files["pocket"].stat().st_size
-    assert "checksums" not in data
+    assert "checksums" not in data and "tensor_list" not in data
+    code, stdout, _ = run_cli(capsys, "inspect", files["pocket"], "--json", "--tensors")
+    listed = {t["name"]: t for t in json.loads(stdout)["tensor_list"]}  # it was dropped
+    assert code == 0 and listed["layers.0.attn.w_q.weight"]["shape"]
 
 
 def test_inspect_a_gguf_is_refused(files, capsys):
