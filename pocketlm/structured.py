@@ -66,6 +66,9 @@ class _TokenizerView:
         self.tokens = [b"\xff" + tok.token_bytes(i) if i in special else tok.token_bytes(i)
                        for i in range(tok.vocab_size)]
         self.tokens += [b""] * (n_vocab - len(self.tokens))  # padded rows of the output head
+        # each id's length in bytes, control tokens 0 (what compile_grammar's probe ranks by)
+        self.lengths = np.array([0 if i in special else len(t)
+                                 for i, t in enumerate(self.tokens)], dtype=np.int32)
         # weak: the view is kept (in ll_tokenizer's cache) for as long as the tokenizer lives
         self._tok = weakref.ref(tok)
 
@@ -81,6 +84,8 @@ class _TokenizerView:
 # tokenizer -> {n_vocab: llguidance's view}: an entry goes with its tokenizer (a process that
 # loads model after model kept every vocabulary's view, hundreds of MB for large ones)
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# tokenizer -> {n_vocab: each id's length in bytes (0 for control tokens and padded rows)}
+_lengths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
 
 
@@ -95,9 +100,11 @@ def ll_tokenizer(tokenizer: Tokenizer, n_vocab: int | None = None):
         if ll is not None:
             return ll
         llg = _llg()
-        view = llg.TokenizerWrapper(_TokenizerView(tokenizer, n_vocab))
+        plain = _TokenizerView(tokenizer, n_vocab)
+        view = llg.TokenizerWrapper(plain)
         eos = list(tokenizer.eos_ids) or [view.eos_token_id]
         ll = views[n_vocab] = llg.LLTokenizer(view, n_vocab=n_vocab, eos_token=eos)
+        _lengths.setdefault(tokenizer, {})[n_vocab] = plain.lengths
         return ll
 
 
@@ -770,7 +777,9 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
         except GrammarError as e:
             raise GrammarError(f"the {grammar.describe()} is not usable: it cannot start ("
                                f"{str(e).split(': ', 1)[-1]})", param=grammar.kind) from None
-        _probe_longest(probe, first, tokenizer)
+        with _tokenizers_lock:
+            lengths = _lengths[tokenizer][ll.vocab_size]  # made with ll, above
+        _probe_longest(probe, first, lengths)
         entry = _Compiled(matcher, ll)
         with _compiled_lock:
             _compiled[key] = entry
@@ -781,31 +790,13 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
     return Constraint(grammar, matcher, ll.vocab_size)
 
 
-# tokenizer -> {n_vocab: each id's length in bytes (0 for control tokens and padded rows)}
-_lengths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _token_lengths(tokenizer: Tokenizer, n_vocab: int) -> np.ndarray:
-    with _tokenizers_lock:
-        views = _lengths.setdefault(tokenizer, {})
-        lengths = views.get(n_vocab)
-        if lengths is None:
-            lengths = np.zeros(n_vocab, dtype=np.int32)
-            for i in range(min(n_vocab, tokenizer.vocab_size)):
-                if not tokenizer.is_special(i):
-                    lengths[i] = len(tokenizer.token_bytes(i))
-            views[n_vocab] = lengths
-        return lengths
-
-
-def _probe_longest(probe: Constraint, allowed: np.ndarray, tokenizer: Tokenizer,
+def _probe_longest(probe: Constraint, allowed: np.ndarray, lengths: np.ndarray,
                    steps: int = 3) -> None:
     """Take the allowed token of the most bytes, ``steps`` times, on a copy: llguidance's lexer
     unrolls a regular expression byte by byte as tokens arrive, and one whose repetitions unroll
     past its bounds (``a{300000}``, ``x|a{100000}``) fails at the first long tokens; such a
     grammar is refused now, before a request has started generating. Any other outcome refuses
     nothing."""
-    lengths = _token_lengths(tokenizer, probe.n_vocab)
     try:
         for _ in range(steps):
             ids = np.flatnonzero(allowed)

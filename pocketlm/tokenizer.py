@@ -200,7 +200,8 @@ class Tokenizer:
         """
         check_text(text)
         # encode_special_tokens is a switch on the shared tokenizer: hold the lock while set
-        with self._lock, untokenizable([text]):
+        check_whitespace_runs([text])
+        with self._lock, untokenizable():
             if special:
                 ids = self.hf.encode(text, add_special_tokens=False).ids
             else:
@@ -219,7 +220,8 @@ class Tokenizer:
         """:meth:`encode` of each text, without BOS, on all cores."""
         for t in texts:
             check_text(t)
-        with self._lock, untokenizable(texts):
+        check_whitespace_runs(texts)
+        with self._lock, untokenizable():
             if not special:
                 self.hf.encode_special_tokens = True
             try:
@@ -546,19 +548,23 @@ def _checked_id(id: Any) -> int:
 MAX_WHITESPACE_RUN = 1_000_000
 
 
-@contextlib.contextmanager
-def untokenizable(texts):
-    """A failure inside the tokenizers library (a Rust panic: ``pyo3_runtime.PanicException``
-    derives from BaseException only, so ``except Exception`` let it through, a traceback in
-    the CLI) as a :class:`TextError`. Qwen's pre-tokenizer pattern gives up on a run of about
-    ten million spaces ("retry-limit-in-match over", after the library has printed its
-    panic): a run of :data:`MAX_WHITESPACE_RUN` whitespace characters or more is refused
-    before the library sees it, for every tokenizer alike."""
+def check_whitespace_runs(texts) -> None:
+    """A :class:`TextError` for a text holding a run of :data:`MAX_WHITESPACE_RUN` whitespace
+    characters or more, for every tokenizer alike: Qwen's pre-tokenizer pattern gives up on a
+    run of about ten million spaces ("retry-limit-in-match over"), with a panic the tokenizers
+    library prints before :func:`untokenizable` can name it."""
     for t in texts:
         if len(t) >= MAX_WHITESPACE_RUN and _WHITESPACE_RUN.search(t):
             raise TextError(f"the text holds a run of {MAX_WHITESPACE_RUN:,} or more whitespace "
                             "characters, more than a tokenizer's pattern is sure to match; "
                             "shorten it")
+
+
+@contextlib.contextmanager
+def untokenizable():
+    """A failure inside the tokenizers library (a Rust panic: ``pyo3_runtime.PanicException``
+    derives from BaseException only, so ``except Exception`` let it through, a traceback in
+    the CLI) as a :class:`TextError`."""
     try:
         yield
     except BaseException as exc:

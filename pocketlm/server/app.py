@@ -133,6 +133,15 @@ MIN_BODY_TIMEOUT_S = 0.1
 MAX_MEMORY_MB = 1 << 30  # beyond any machine: a larger budget printed a 300-digit figure
 
 
+def check_api_key(key: str, where: str | None = None) -> str:
+    """``key`` if a client can send it as written: a header carries it, so a key with
+    characters beyond printable ASCII, or spaces around it, could never match."""
+    if not all(" " <= c <= "~" for c in key) or key.strip() != key:
+        raise PocketError(f"{where + ': ' if where else ''}the API key must be printable "
+                          "ASCII without spaces around it (an HTTP header carries it)")
+    return key
+
+
 # -- origins --------------------------------------------------------------------------------
 def _parse_origin(text: str) -> tuple[str, str, int] | None:
     """(scheme, host, port) of an origin ``scheme://host[:port]``; None if it is not one."""
@@ -314,12 +323,8 @@ class ServerConfig:
         # requests that do not say: prompt-lookup drafting with these options, or none
         self.speculative = {"method": "lookup", "max_draft": draft_max} if speculative else None
         self.model_name = model_name
-        if api_key and not all(" " <= c <= "~" for c in api_key) or (
-                api_key and api_key.strip() != api_key):
-            # a header carries it: a key with other characters, or spaces around it, could
-            # never be sent as it is written
-            raise PocketError("the API key must be printable ASCII without spaces around it "
-                              "(an HTTP header carries it)")
+        if api_key:
+            check_api_key(api_key)
         self.api_key = api_key or None
         self.max_batch = max_batch
         self.max_queue = max_queue

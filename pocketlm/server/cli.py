@@ -55,9 +55,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: "
                    "this machine only; 0.0.0.0 exposes it to the network)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0: any free)")
-    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes (visible in "
-                   "ps: prefer $POCKET_API_KEY or --api-key-file; default: $POCKET_API_KEY, "
-                   "else no auth)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 and the "
+                   "tokenizer routes (visible in ps: prefer $POCKET_API_KEY or --api-key-file; "
+                   "default: $POCKET_API_KEY, else no auth)")
     p.add_argument("--api-key-file", metavar="FILE", help="read the API key from FILE (its "
                    "first line)")
     p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
@@ -260,32 +260,27 @@ def _require_stack() -> None:
 def api_key_from(args, environ: Mapping[str, str]) -> str | None:
     """The API key: ``--api-key``, else the first line of ``--api-key-file``, else
     ``$POCKET_API_KEY``; None for none."""
+    from .app import check_api_key
+
     if args.api_key is not None and args.api_key_file is not None:
         raise PocketError("give the API key once: --api-key or --api-key-file, not both")
     if args.api_key is not None:
         if not args.api_key.strip():
             raise PocketError("--api-key is empty; give a key or leave the option out")
-        return _checked_key(args.api_key.strip(), "--api-key")
+        return check_api_key(args.api_key.strip(), "--api-key")
     if args.api_key_file is not None:
-        return _checked_key(_read_key_file(args.api_key_file), f"--api-key-file {args.api_key_file}")
+        return check_api_key(_read_key_file(args.api_key_file),
+                             f"--api-key-file {args.api_key_file}")
     key = environ.get("POCKET_API_KEY", "")
     if key and not key.strip():
         raise PocketError("$POCKET_API_KEY is blank; set a key, or unset it for no key")
-    return _checked_key(key.strip(), "$POCKET_API_KEY") if key else None
-
-
-def _checked_key(key: str, where: str) -> str:
-    if not all(" " <= c <= "~" for c in key):
-        raise PocketError(f"{where}: the API key must be printable ASCII (an HTTP header "
-                          "carries it; other characters could never be sent as written)")
-    return key
+    return check_api_key(key.strip(), "$POCKET_API_KEY") if key else None
 
 
 def _read_key_file(path: str) -> str:
+    if not path:
+        raise PocketError("--api-key-file is empty: give the path of the file that holds the key")
     try:
-        if not path:
-            raise PocketError("--api-key-file is empty: give the path of the file that holds "
-                              "the key")
         text = Path(path).read_text(encoding="utf-8-sig")  # a leading BOM is no part of a key
     except OSError as e:
         raise PocketError(f"--api-key-file {path}: cannot read it ({e.strerror or e})") from None

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError, PocketError, TextError
-from ..tokenizer import MAX_WHITESPACE_RUN, Tokenizer, untokenizable
+from ..tokenizer import Tokenizer, check_whitespace_runs, untokenizable
 
 __all__ = [
     "DEFAULT_SPECIAL_TOKENS",
@@ -392,13 +392,10 @@ def train_tokenizer(
         for line in lines:
             stats["lines"] += 1
             stats["chars"] += len(line)
-            if len(line) >= MAX_WHITESPACE_RUN:
-                try:
-                    with untokenizable([line]):
-                        pass
-                except TextError as e:  # before the library's pattern gives up on it
-                    raise TokenizerTrainingError(f"training line {stats['lines']:,}: {e}"
-                                                 ) from None
+            try:
+                check_whitespace_runs([line])  # before the library's pattern gives up on it
+            except TextError as e:
+                raise TokenizerTrainingError(f"training line {stats['lines']:,}: {e}") from None
             yield line
 
     lines: Iterable[str] = read_training_lines(files)
@@ -426,7 +423,7 @@ def train_tokenizer(
     # A TokenizerTrainingError raised while reading (a bad byte deep in a file) surfaces
     # through the Rust trainer as itself.
     try:
-        with untokenizable(()):
+        with untokenizable():
             hf.train_from_iterator(batches(counted(lines)), trainer=trainer)
     except TextError as e:  # the library failed on a line (a Rust panic)
         raise TokenizerTrainingError(f"a line of the corpus: {e}") from None
