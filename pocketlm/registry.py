@@ -49,6 +49,7 @@ import shutil
 import time
 import zipfile
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -308,10 +309,15 @@ RECIPES: dict[str, RecipeEntry] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def default_model() -> str:
+def default_model(environ: Mapping[str, str] | None = None) -> str:
     """The model the CLI and the server run when none is named: ``$POCKET_MODEL``, else
-    :data:`DEFAULT_MODEL`."""
-    return os.environ.get("POCKET_MODEL") or DEFAULT_MODEL
+    :data:`DEFAULT_MODEL` when it is unset or empty. A value of blanks only is refused (it
+    named no model, and the error that followed did not say where the name came from)."""
+    model = (os.environ if environ is None else environ).get("POCKET_MODEL")
+    if model and not model.strip():
+        raise PocketError(f"POCKET_MODEL={model!r} is blank; set it to a registry name (see "
+                          f"`pocket list`) or a model's path, or unset it for {DEFAULT_MODEL}")
+    return model or DEFAULT_MODEL
 
 
 def model_or_default(model: str | None) -> str:
@@ -328,11 +334,11 @@ def model_or_default(model: str | None) -> str:
 # --------------------------------------------------------------------------------------- paths
 
 
-def pocket_home() -> Path:
+def pocket_home(environ: Mapping[str, str] | None = None) -> Path:
     """pocketlm's data directory: ``$POCKET_HOME``, or ``~/.cache/pocketlm`` when unset or
     empty. Blanks around a path are refused (``" "`` was a folder named by a space in the
     working folder, and a model pulled there was lost to the next run elsewhere)."""
-    home = os.environ.get("POCKET_HOME")
+    home = (os.environ if environ is None else environ).get("POCKET_HOME")
     if home and home != home.strip():
         raise PocketError(f"POCKET_HOME={home!r} begins or ends with blanks; set it to a folder "
                           "path (or unset it for ~/.cache/pocketlm)")

@@ -528,7 +528,8 @@ def test_doctor_text(clean_env, capsys):
     for word in ("python", "numpy", "platform", "native", "cpu", "features", "levels", "amx",
                  "settings:"):
         assert f"\n{word}" in out
-    lines = {line.split()[0]: line.split() for line in out.splitlines() if "POCKET_" in line}
+    lines = {line.split()[0]: line.split() for line in out.splitlines()
+             if line.startswith("  POCKET_")}
     assert set(lines) == set(VARIABLES.values())
     assert lines["POCKET_KV"][1:] == ["q8", "env"]
     assert lines["POCKET_Q8_DIGITS"][-1] == "default"
@@ -598,3 +599,52 @@ def test_settings_module_lists_every_variable():
     """The docstring's table names every variable the settings read."""
     for var in VARIABLES.values():
         assert f"``{var}``" in settings.__doc__
+
+
+def test_doctor_marks_what_does_not_apply(clean_env, capsys):
+    """Under the numpy kernels no native level is named as chosen, and the q8 digits and
+    AVX-VNNI are shown only where they take effect."""
+    clean_env.setenv("POCKET_KERNELS", "numpy")
+    info = json.loads(_cli(capsys, "doctor", "--json")[1])
+    assert info["cpu"]["selected"] is None
+    assert info["settings"]["q8_digits"]["value"] is None
+    assert info["settings"]["avxvnni"]["value"] is None
+    out = _cli(capsys, "doctor")[1]
+    levels = next(line for line in out.splitlines() if line.startswith("levels"))
+    if info["cpu"]["levels"]:
+        assert "chosen" not in levels.replace("none chosen", "") and "numpy kernels" in levels
+    if not ENGINE_BUILT:
+        return
+    clean_env.delenv("POCKET_KERNELS")
+    clean_env.setenv("POCKET_ACT", "f32")
+    info = json.loads(_cli(capsys, "doctor", "--json")[1])
+    assert info["settings"]["q8_digits"]["value"] is None
+    clean_env.delenv("POCKET_ACT")
+    info = json.loads(_cli(capsys, "doctor", "--json")[1])
+    assert info["settings"]["q8_digits"]["value"] == 2
+    avx2 = str(info["cpu"]["engine_products"]).startswith("avx2")
+    vnni = "avxvnni" in info["cpu"]["features"]
+    assert (info["settings"]["avxvnni"]["value"] == 1) == (avx2 and vnni)
+    if "avx512" in info["cpu"]["levels"]:
+        clean_env.setenv("POCKET_CPU_LEVEL", "avx512")
+        assert json.loads(_cli(capsys, "doctor", "--json")[1])["settings"]["avxvnni"][
+            "value"] is None
+
+
+def test_doctor_paths(clean_env, capsys, tmp_path):
+    """The model folder and the default model, with whether the environment set them; a blank
+    POCKET_MODEL is an error here as for every command."""
+    clean_env.delenv("POCKET_HOME", raising=False)
+    clean_env.delenv("POCKET_MODEL", raising=False)
+    info = json.loads(_cli(capsys, "doctor", "--json")[1])
+    assert info["paths"]["model"] == {"variable": "POCKET_MODEL", "value": "smollm2-135m",
+                                      "source": "default"}
+    assert info["paths"]["home"]["source"] == "default"
+    clean_env.setenv("POCKET_HOME", str(tmp_path))
+    clean_env.setenv("POCKET_MODEL", "qwen2.5-0.5b")
+    out = _cli(capsys, "doctor")[1]
+    assert f"\nhome      {tmp_path} (POCKET_HOME set)\n" in out
+    assert "\nmodel     qwen2.5-0.5b (POCKET_MODEL set)\n" in out
+    clean_env.setenv("POCKET_MODEL", "  ")
+    code, out, err = _cli(capsys, "doctor")
+    assert code == 1 and not out and "POCKET_MODEL='  ' is blank" in err
