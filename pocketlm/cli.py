@@ -104,11 +104,12 @@ def cmd_list(args) -> int:
         for r in rows:
             print(json.dumps(r))
         return 0
-    print(f"{'name':<18} {'size':>9}  {'pulled':<10}  description")
+    width = max(len("name"), *(len(r["name"]) for r in rows))
+    print(f"{'name':<{width}} {'size':>7}  {'pulled':<10}  description")
     for r in rows:
-        size = f"{r['size'] / 1e6:7.0f}MB" if r["size"] else f"{'recipe':>9}"
+        size = f"{r['size'] / 1e6:5.0f}MB" if r["size"] else f"{'recipe':>7}"
         state = "built" if r.get("recipe") and r["state"] == "yes" else r["state"]
-        print(f"{r['name']:<18} {size}  {state:<10}  {r['description']}")
+        print(f"{r['name']:<{width}} {size}  {state:<10}  {r['description']}")
     doubtful = [r["name"] for r in rows if r["state"] in ("changed", "unverified")]
     if doubtful:
         print(f"(changed / unverified: the file is not known to match the registry; check it "
@@ -905,9 +906,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("list", help="list registry models",
-                       description="List registry models. The pulled column: yes (verified "
-                       "against the registry's sha256 and unchanged since), changed (modified "
-                       "since it was verified), unverified (present, never verified), no.")
+                       description="List registry models. size: the file `pocket pull` "
+                       "leaves (the GGUF it downloads; for a trimmed or recipe model, the "
+                       "deploy file it builds). pulled: yes (verified against the registry's "
+                       "sha256 and unchanged since; built for a recipe model), changed "
+                       "(modified since it was verified), unverified (present, never "
+                       "verified), no.")
     p.add_argument("--json", action="store_true", help="one JSON object per line (\"state\": "
                    "the pulled column; \"pulled\": true only for yes)")
     p.set_defaults(func=cmd_list)

@@ -388,6 +388,19 @@ def test_list_is_offline(capsys, monkeypatch):
     assert not any(r["pulled"] for r in rows)
 
 
+def test_list_matches_the_readme_sample(capsys):
+    """The README's `pocket list` is what it prints (nothing pulled here; the sample has the
+    default model pulled)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    sample = readme.split("$ pocket list\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    code, stdout, _ = run_cli(capsys, "list")
+    assert code == 0
+    default = [i for i, line in enumerate(sample) if line.startswith("smollm2-135m ")]
+    assert len(default) == 1
+    sample[default[0]] = sample[default[0]].replace("  yes ", "  no  ", 1)
+    assert stdout.splitlines() == sample
+
+
 # -- errors ----------------------------------------------------------------------------------
 def test_missing_model_file(tmp_path, capsys):
     missing = tmp_path / "nope.pocket"
