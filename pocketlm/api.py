@@ -34,6 +34,7 @@ from .errors import (
     ModelNotFoundError,
     PocketError,
     SamplingError,
+    TextError,
     TokenIdError,
 )
 from .formats import SourceModel, open_source, sniff
@@ -605,7 +606,19 @@ def _model_name(model) -> str:
     if not isinstance(model, (str, os.PathLike)):
         raise ModelNotFoundError(f"model must be a registry name or a path, got "
                                  f"{type(model).__name__}")
-    return check_text(os.fspath(model) if not isinstance(model, str) else model, "model")
+    text = os.fspath(model) if not isinstance(model, str) else model
+    try:
+        return check_text(text, "model")
+    except TextError as e:
+        try:  # a path whose bytes are not UTF-8 (the OS hands them over as surrogate escapes)
+            raw = os.fsencode(text)
+        except UnicodeEncodeError:
+            raise e from None
+        if not os.path.lexists(text):
+            raise ModelNotFoundError(f"{raw!r} is neither an existing file or directory nor a "
+                                     "registry model") from None
+        raise ModelNotFoundError(f"{raw!r}: the path is not UTF-8 text, which pocketlm needs to "
+                                 "record where a model came from; rename it") from None
 
 
 def load(model: str | os.PathLike | None = None, *, precision: str = "int4",

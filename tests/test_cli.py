@@ -402,6 +402,20 @@ def test_list_matches_the_readme_sample(capsys):
 
 
 # -- errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("verb", ["inspect", "run"])
+def test_model_path_not_utf8(tmp_path, capsys, verb):
+    """A path the OS hands over with undecodable bytes: missing, it is named as missing (it
+    was called 'not valid Unicode'); present, the error says to rename it."""
+    name = os.fsdecode(bytes(tmp_path) + b"/m\xfe.gguf")
+    args = [name] if verb == "inspect" else ["-m", name, "hi"]
+    code, _, err = run_cli(capsys, verb, *args)
+    assert_one_line_error(code, err, "neither an existing file", "\\xfe")
+    if verb == "run":  # inspect reads a present file by its path (and says it is no .pocket)
+        Path(name).write_bytes(b"GGUF")
+        code, _, err = run_cli(capsys, verb, *args)
+        assert_one_line_error(code, err, "not UTF-8", "rename it")
+
+
 def test_missing_model_file(tmp_path, capsys):
     missing = tmp_path / "nope.pocket"
     code, stdout, err = run_cli(capsys, "run", "-m", missing, "hello")
