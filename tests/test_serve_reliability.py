@@ -1112,6 +1112,28 @@ def test_the_own_origin_of_a_server_on_all_addresses_reached_over_ipv4():
         assert not is_own_origin(origin, {"server": (own, 8000), "scheme": "http"}), (own, origin)
 
 
+def test_the_own_page_through_a_tunnel_or_port_mapping():
+    # `ssh -L 9000:localhost:8000` or `docker run -p 9000:8000`: the page names the forwarded
+    # address, which is the Host the browser sends; it got 403 from its own server
+    from pocketlm.server.app import is_own_origin
+
+    def scope(host, own="127.0.0.1"):
+        return {"server": (own, 8000), "scheme": "http", "headers": [(b"host", host.encode())]}
+
+    for host, origin in [("localhost:9000", "http://localhost:9000"),
+                         ("127.0.0.1:9000", "http://127.0.0.1:9000"),
+                         ("[::1]:9000", "http://[::1]:9000"), ("LocalHost", "http://localhost"),
+                         ("192.0.2.7:8080", "http://192.0.2.7:8080")]:
+        assert is_own_origin(origin, scope(host, own="172.17.0.2")), (host, origin)
+    # a DNS name may be rebound to this machine by the page that names it: never trusted
+    for host, origin in [("evil.example:9000", "http://evil.example:9000"),
+                         ("app.localhost:9000", "http://app.localhost:9000"),
+                         ("localhost:9000", "http://localhost:9001"),
+                         ("localhost:9000", "https://localhost:9000"),
+                         ("localhost:9000", "http://127.0.0.1:9000")]:
+        assert not is_own_origin(origin, scope(host)), (host, origin)
+
+
 @pytest.mark.parametrize("origin,method,headers,status,code", [
     ("http://evil.example", "POST", "content-type", 403, "origin_not_allowed"),
     ("null", "POST", None, 403, "origin_not_allowed"),

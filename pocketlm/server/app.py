@@ -192,20 +192,40 @@ def _unmapped(host: str) -> str:
     return str(mapped) if mapped else host
 
 
+def _unrebindable(host: str) -> bool:
+    """A host name no DNS answer can point elsewhere: an IP address, or ``localhost`` (which
+    browsers keep on the loopback interface)."""
+    if host == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def is_own_origin(origin: str, scope: dict[str, Any]) -> bool:
     """Whether ``origin`` is this server's own: same scheme and port as the connection, and the
     host the connection came in on (by address; ``localhost`` and any loopback address count as
-    one). The Host header is not trusted: a page that rebinds its DNS name to this machine sends
-    its own name as both Host and Origin."""
+    one); or exactly the Host the request was sent to where that host is an IP address or
+    ``localhost``: the chat page reached through an SSH tunnel or a container's port mapping
+    (``localhost:9000`` forwarded to port 8000) names the forwarded address. A Host that is a
+    DNS name is not trusted: a page that rebinds its name to this machine sends that name as
+    both Host and Origin."""
     parsed = _parse_origin(origin)
     server = scope.get("server")
     if parsed is None or not server:
         return False
     scheme, host, port = parsed
-    own = _unmapped(str(server[0]).lower())
-    if scheme != scope.get("scheme", "http") or port != server[1]:
+    if scheme != scope.get("scheme", "http"):
         return False
-    return host == own or (_is_loopback(host) and _is_loopback(own))
+    own = _unmapped(str(server[0]).lower())
+    if port == server[1] and (host == own or (_is_loopback(host) and _is_loopback(own))):
+        return True
+    sent_to = next((v.decode("latin-1") for k, v in scope.get("headers", ()) if k == b"host"),
+                   None)
+    addressed = _parse_origin(f"{scheme}://{sent_to}") if sent_to else None
+    return addressed == parsed and _unrebindable(host)
 
 
 class ErrorResponse(JSONResponse):
@@ -374,8 +394,9 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             return
         raise P.APIError(403, f"requests from the web origin '{P.shown(origin)}' are refused: "
                          "this server has no API key, so only its own page may call it from a "
-                         "browser; start it with --allow-origin ORIGIN to allow that site, or "
-                         "with an API key", code="origin_not_allowed")
+                         "browser; start it with --allow-origin ORIGIN to allow that site (or "
+                         "this page, reached through a proxy under a name), or with an API key",
+                         code="origin_not_allowed")
 
     def check_auth(request: HTTPRequest) -> None:
         if cfg.api_key is None:
