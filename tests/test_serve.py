@@ -585,6 +585,22 @@ def test_chat_page_streams_an_answer_in_chromium(server, local):
             page.wait_for_selector(".assistant[data-done]", timeout=30000)
             stopped = page.inner_text("#stats")
             assert page.is_enabled("#send") and not page.is_enabled("#stop")
+            # a failed turn is shown faded, its text back in the box, and never sent again
+            # (it stayed in the conversation, with an empty answer, and went out every time)
+            sent = []
+            page.on("request", lambda r: sent.append(json.loads(r.post_data))
+                    if r.url.endswith("/v1/chat/completions") else None)
+            page.fill("#max", "100000")
+            page.fill("#input", "Hello?")
+            page.keyboard.press("Enter")
+            page.wait_for_selector(".error", timeout=30000)
+            failed = page.inner_text(".user.failed")
+            restored = page.input_value("#input")
+            error = page.inner_text(".error")
+            page.fill("#max", "4")
+            page.click("#send")
+            page.wait_for_function("document.querySelectorAll('.assistant[data-done]')"
+                                   ".length === 3", timeout=60000)
         finally:
             browser.close()
     deadline = time.time() + 20
@@ -596,6 +612,10 @@ def test_chat_page_streams_an_answer_in_chromium(server, local):
     assert answer.strip() == expected.strip()
     assert asked == question  # the Chinese text went through the page unchanged
     assert re.search(r"tokens/s", stats), stats
+    assert failed == "Hello?" and restored == "Hello?" and "context length" in error
+    # the stopped answer's exchange stays (it had text), the failed one does not
+    assert [m["role"] for m in sent[-1]["messages"]] == ["user", "assistant", "user"], sent
+    assert sent[-1]["messages"][-1]["content"] == "Hello?"
 
 
 # -- speculative decoding -------------------------------------------------------------------
