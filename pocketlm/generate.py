@@ -37,6 +37,9 @@ class GenerationState:
     # with Sequence(logprobs=K): per generated token, (its log-probability, the K most likely
     # tokens as (id, log-probability))
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    # with logprobs: the stop id that ended the sequence and its entry. It is no part of the
+    # text, yet scorers that ask for one token after a text (lm-evaluation-harness) count it
+    stop_logprob: tuple[int, tuple[float, list[tuple[int, float]]]] | None = None
     # time.perf_counter() when the first token was taken (the end of prefill, for speeds)
     first_token_at: float | None = field(default=None, compare=False)
 
@@ -128,6 +131,9 @@ class Sequence:
         when the token ends the sequence without being part of it (a stop id)."""
         if token in self.stop_ids:
             self.state.finish_reason = "stop"
+            if self.state.logprobs is not None and self._pending is not None:
+                self.state.stop_logprob = (token, self._pending)
+                self._pending = None
             return None
         if self.constraint is not None:
             self.constraint.consume(token)

@@ -884,6 +884,76 @@ def test_a_token_limit_inside_a_character_leaves_it_out(make_app, model, stream)
     assert text == "" and len(tokens) == 1
 
 
+async def _ask(app, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    async with client(app) as c:
+        return await c.post(path, json=body)
+
+
+def _choice_logprobs(r: httpx.Response, stream: bool) -> tuple[str, dict]:
+    """(text, logprobs arrays) of a one-choice completion, joined over a stream's chunks."""
+    assert r.status_code == 200, r.text
+    if not stream:
+        choice = r.json()["choices"][0]
+        return choice["text"], choice["logprobs"]
+    events = [json.loads(e.removeprefix("data: ")) for e in r.text.split("\n\n")
+              if e and e != "data: [DONE]"]
+    text, lps = "", {"tokens": [], "token_logprobs": [], "text_offset": []}
+    for c in (c for e in events for c in e["choices"]):
+        text += c["text"]
+        for key in lps:
+            lps[key] += (c.get("logprobs") or {}).get(key, [])
+    return text, lps
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_scoring_lists_the_stop_id_after_the_scored_text(make_app, model, stream):
+    """lm-evaluation-harness scores a text with echo, logprobs and max_tokens 1, and takes
+    ``token_logprobs[ctxlen:-1]``: the one token after the text must be listed even where it
+    is the stop id, or the text's own last token was cut off its score."""
+    eos = model.tokenizer.eos_ids[0]
+    ids = model.tokenize("hello world, the cat", add_bos=False)
+    body = {"model": NAME, "prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 1, "logit_bias": {str(eos): 100}, "stream": stream}
+    r = run(_ask(make_app(), body))
+    text, lps = _choice_logprobs(r, stream)
+    assert text == model.detokenize(ids)
+    assert len(lps["tokens"]) == len(ids) + 1
+    assert lps["tokens"][-1] == model.tokenizer.token_bytes(eos).decode()
+    last = model.logits(ids)[-1].astype(np.float64)  # its score is the model's, unbiased
+    want = last[eos] - last.max() - np.log(np.exp(last - last.max()).sum())
+    assert lps["token_logprobs"][-1] == pytest.approx(want, abs=1e-2)
+    assert lps["text_offset"][-1] == len(text)  # it shows no text
+    if not stream:
+        assert r.json()["usage"]["completion_tokens"] == 0
+    # a control token that is generated (not a stop id) takes no characters either
+    special = next(i for i in range(model.config.vocab_size) if model.tokenizer.is_special(i)
+                   and i not in model.tokenizer.eos_ids)
+    body = completion("hello", max_tokens=3, logprobs=1, logit_bias={str(special): 100},
+                      stream=stream)
+    text, lps = _choice_logprobs(run(_ask(make_app(), body)), stream)
+    assert text == "" and lps["text_offset"] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_echo_leaves_out_the_bos_the_client_did_not_send(make_app, model, monkeypatch,
+                                                        stream):
+    """A text prompt is echoed as sent: the BOS the tokenizer puts before it is listed with
+    its score-less entry and takes no characters (the text began '<bos>')."""
+    monkeypatch.setattr(model.tokenizer, "add_bos", True)
+    bos = model.tokenizer.bos_id
+    body = completion("hello world", max_tokens=2, echo=True, logprobs=1, stream=stream)
+    text, lps = _choice_logprobs(run(_ask(make_app(), body)), stream)
+    assert text.startswith("hello world") and lps["tokens"][0] == model.tokenizer.token_bytes(
+        bos).decode()
+    assert lps["token_logprobs"][0] is None and lps["text_offset"][:2] == [0, 0]
+    # token ids the client sent are its own, BOS included
+    ids = model.tokenize("hello world")
+    assert ids[0] == bos
+    body = {**body, "prompt": ids}
+    text, _ = _choice_logprobs(run(_ask(make_app(), body)), stream)
+    assert text.startswith(model.detokenize(ids)) and text != model.detokenize(ids[1:])[:len(text)]
+
+
 NUMBERS_AND_NESTING = [  # (raw JSON, param)
     b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
     b'{"model": "tiny", "prompt": "hi", "seed": -' + b"9" * 4400 + b"}",

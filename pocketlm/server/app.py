@@ -519,6 +519,12 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             raise P.APIError(400, str(e), param=param, code="invalid_schema") from None
         return None
 
+    def added_bos(prompt, ids: list[int]) -> int:
+        """1 where the tokenizer put a BOS before a text prompt (it is echoed without it)."""
+        tok = model.tokenizer
+        return int(isinstance(prompt, str) and tok.add_bos and tok.bos_id is not None
+                   and bool(ids) and ids[0] == tok.bos_id)
+
     def prompt_ids(g: P.GenerationRequest, prompt=None) -> list[int]:
         """The token ids of the chat, or of one completions ``prompt`` (text or ids)."""
         try:
@@ -715,8 +721,10 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         loop = asyncio.get_running_loop()
         # one request per (prompt, choice): they decode together like any others
         reqs: list[Request] = []
-        for ids in prompts:
-            reqs += [build(g, ids, loop, choice) for choice in range(g.n)]
+        for source, ids in zip([None] if chat else g.prompts, prompts, strict=True):
+            for choice in range(g.n):
+                reqs.append(build(g, ids, loop, choice))
+                reqs[-1].echo_from = added_bos(source, ids)
         if g.json_schema is not None or calls_mode(g):
             # compiling a new schema (and, once, the vocabulary's index) must not stall the
             # event loop: other requests keep streaming meanwhile
@@ -749,14 +757,18 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
 
     def logprobs_body(entries: list, chat: bool, *, prompt: list[int] | None = None,
                       prompt_entries: list | None = None, generated: list[int] | None = None,
-                      cursor: TextCursor | None = None) -> dict:
+                      cursor: TextCursor | None = None, echo_from: int = 0,
+                      stop: tuple | None = None) -> dict:
         """OpenAI's logprobs object: chat's ``content`` list, or completions' parallel arrays
         (with the prompt's tokens first under echo: the first has no log-probability).
 
         A completions token that is part of a character is named by its bytes, as OpenAI
         names them (``bytes:\\xe6\\x97``), and ``text_offset`` counts the characters of
         the text before each token (a character's first token is where it starts): ``cursor``
-        carries the count, and a cut character, from one streamed chunk to the next."""
+        carries the count, and a cut character, from one streamed chunk to the next. A token
+        the text does not show (a BOS the client did not send, the first ``echo_from``; a
+        generated control token; ``stop``, the stop id that ended it, with its entry, listed
+        last) takes no characters."""
         tok = model.tokenizer
 
         def piece(i: int) -> tuple[str, list[int]]:
@@ -782,15 +794,18 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                                                   "bytes": piece(t)[1]} for t, x in top]})
             return {"content": content, "refusal": None}
         tokens, token_lps, tops, offsets = [], [], [], []
-        pairs = []
+        pairs = []  # (token, entry, whether the text shows it)
         if prompt is not None:
-            pairs.append((prompt[0], None))
-            pairs += list(zip(prompt[1:], prompt_entries, strict=False))
-        pairs += list(zip(generated, entries, strict=False))
+            pairs += [(t, e, i >= echo_from) for i, (t, e) in
+                      enumerate(zip(prompt, [None, *prompt_entries], strict=False))]
+        pairs += [(t, e, not tok.is_special(t))
+                  for t, e in zip(generated, entries, strict=False)]
+        if stop is not None:
+            pairs.append((stop[0], stop[1], False))
         cursor = cursor or TextCursor()
-        for token, entry in pairs:
+        for token, entry, shown in pairs:
             tokens.append(named(token))
-            offsets.append(cursor.advance(tok.token_bytes(token)))
+            offsets.append(cursor.advance(tok.token_bytes(token) if shown else b""))
             if entry is None:
                 token_lps.append(None)
                 tops.append(None)
@@ -808,7 +823,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
             calls = parse_calls(text, native=native_tools)
             finish = "tool_calls" if calls else finish
         if not chat and g.echo:
-            text = model.detokenize(req.prompt_ids) + text
+            text = model.detokenize(req.prompt_ids[req.echo_from:]) + text
         return text, finish, calls
 
     async def collect(request: HTTPRequest, reqs: list[Request], rid: str,
@@ -831,7 +846,8 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                             lps = logprobs_body(
                                 state.logprobs or [], chat, generated=state.generated,
                                 prompt=req.prompt_ids if (g.echo and not chat) else None,
-                                prompt_entries=req.prompt_logprobs)
+                                prompt_entries=req.prompt_logprobs, echo_from=req.echo_from,
+                                stop=None if chat else state.stop_logprob)
                         choices.append(P.choice_body(index, text, finish, chat=chat,
                                                      tool_calls=calls, logprobs=lps))
                         break
@@ -888,11 +904,11 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
         def echo(index: int) -> str:
             """The chunk that echoes a completion's prompt (and its log-probabilities)."""
             req = reqs[index]
-            text = model.detokenize(req.prompt_ids)
+            text = model.detokenize(req.prompt_ids[req.echo_from:])
             cursors[index] = TextCursor(len(text))
             lps = None if g.logprobs is None else logprobs_body(
                 [], False, prompt=req.prompt_ids, prompt_entries=req.prompt_logprobs,
-                generated=[])
+                generated=[], echo_from=req.echo_from)
             return sse(P.chunk_body(rid, cfg.model_name, chat=False, text=text, index=index,
                                     logprobs=lps))
 
@@ -942,6 +958,12 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                                                    index=i,
                                                    logprobs=chunk_lps(i, held_lps[i])))
                         held[i] = []
+                    stop = reqs[i].seq.state.stop_logprob if reqs[i].seq else None
+                    if stop is not None and not chat and g.logprobs is not None:
+                        yield sse(P.chunk_body(rid, cfg.model_name, chat=False, text="",
+                                               index=i, logprobs=logprobs_body(
+                                                   [], False, generated=[], stop=stop,
+                                                   cursor=cursors[i])))
                     yield sse(P.chunk_body(rid, cfg.model_name, chat=chat, finish=finish,
                                            index=i))
                 else:

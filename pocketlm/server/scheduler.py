@@ -113,6 +113,8 @@ class Request:
     # prompt token (completions with echo); prompt_logprobs holds them once prefilled
     logprobs: int | None = None
     score_prompt: bool = False
+    # prompt tokens the client did not send (the BOS a text prompt gets): no echoed text
+    echo_from: int = 0
     prompt_logprobs: list = field(default_factory=list)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     # set by either side
