@@ -162,8 +162,10 @@ def main(argv=None) -> int:
             model_args = (f"model={args.model},base_url=http://127.0.0.1:{port}/v1/completions,"
                           "tokenizer_backend=remote,tokenized_requests=True,num_concurrent=4,"
                           "max_retries=1,timeout=600")
-            if model.tokenizer.add_bos:
-                model_args += ",add_bos_token=True"
+            if model.tokenizer.add_bos:  # lm-eval's remote tokenizer asks for no BOS
+                print("note: lm-eval scores this model's items without the BOS that pocket "
+                      "eval puts first (its remote tokenizer ignores add_bos_token)",
+                      file=sys.stderr)
             cmd = [args.lm_eval, "--model", "local-completions", "--model_args", model_args,
                    "--tasks", "pocket_mc,pocket_gen", "--include_path", str(folder),
                    "--output_path", str(folder / "out"), "--log_samples", "--batch_size", "1"]

@@ -954,6 +954,17 @@ def test_echo_leaves_out_the_bos_the_client_did_not_send(make_app, model, monkey
     assert text.startswith(model.detokenize(ids)) and text != model.detokenize(ids[1:])[:len(text)]
 
 
+def test_sixteen_stop_strings_are_taken(make_app):
+    """lm-evaluation-harness's code tasks send four stop strings of their own and the EOS
+    text: OpenAI's limit of 4 refused every one of their requests."""
+    app = make_app()
+    r = run(_ask(app, completion("hello", max_tokens=4, stop=[f"#{i}" for i in range(16)])))
+    assert r.status_code == 200, r.text
+    err = assert_openai_error(run(_ask(app, completion("hello", max_tokens=4, stop=[
+        f"#{i}" for i in range(17)]))), 400)
+    assert err["param"] == "stop" and "at most 16" in err["message"]
+
+
 NUMBERS_AND_NESTING = [  # (raw JSON, param)
     b'{"model": "tiny", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
     b'{"model": "tiny", "prompt": "hi", "seed": -' + b"9" * 4400 + b"}",

@@ -173,12 +173,17 @@ def _string(v, name):
     return v
 
 
+# OpenAI takes 4; lm-evaluation-harness's code tasks send 4 of their own and the EOS text
+MAX_STOP_STRINGS = 16
+
+
 def _stop(v, name):
     if isinstance(v, str):
         return [v] if v else []
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        if len(v) > 4:
-            raise _bad(f"'{name}' takes at most 4 strings, got {len(v)}", name)
+        if len(v) > MAX_STOP_STRINGS:
+            raise _bad(f"'{name}' takes at most {MAX_STOP_STRINGS} strings, got {len(v)}",
+                       name)
         return [s for s in v if s]
     raise _bad(f"'{name}' must be a string or an array of strings", name, "invalid_type")
 
