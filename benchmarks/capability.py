@@ -165,7 +165,7 @@ def _label(r: dict) -> str:
 def abilities_text(rows: list[dict]) -> str:
     from pocketlm.evaluate.suite import ABILITIES
 
-    head = "| model · weights | " + " | ".join(ABILITIES) + " | minutes | decode tok/s | peak MB |"
+    head = "| model · weights | " + " | ".join(ABILITIES) + " | minutes | decode tok/s | peak MiB |"
     out = [head, "|" + "---|" * (len(ABILITIES) + 4)]
     for r in rows:
         by = {a["ability"]: a for a in r["abilities"]}
@@ -258,7 +258,7 @@ def svg_text(rows: list[dict]) -> str:
     ymax = max([mean_ability(r) for r in points] + [0.5]) * 1.15
     for p, (field, title, budget, better_high) in enumerate((
             ("decode_tps", "decode tok/s", 200.0, True),
-            ("peak_rss_delta_mb", "peak memory MB", 300.0, False))):
+            ("peak_rss_delta_mb", "peak memory MiB", 300e6 / 2**20, False))):
         x0 = pad + p * (pw + pad)
         xmax = max([r["speed"][field] for r in points] + [budget]) * 1.15
         def sx(v, x0=x0, xmax=xmax):
@@ -275,7 +275,8 @@ def svg_text(rows: list[dict]) -> str:
         out.append(f'<line x1="{sx(budget):.1f}" y1="{top}" x2="{sx(budget):.1f}" '
                    f'y2="{bottom}" stroke="#888" stroke-dasharray="4 3"/>')
         out.append(f'<text x="{sx(budget) + 3:.1f}" y="{top + 12}" fill="#555">budget '
-                   f'{budget:.0f}</text>')
+                   + ("300 MB" if field == "peak_rss_delta_mb" else f"{budget:.0f}")
+                   + '</text>')
         out.append(f'<text x="{x0 + pw / 2 - 40:.1f}" y="{bottom + 32}">{escape(title)}</text>')
         for k in range(5):
             v = xmax * k / 4

@@ -172,7 +172,7 @@ def run(work: Path, limit: int | None, systems: list[str], seed: int, ft: str = 
 
 def table(path: Path) -> None:
     rows = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    print("| system | accuracy | n | classifications/s | peak memory MB (process) |")
+    print("| system | accuracy | n | classifications/s | peak memory MiB (process) |")
     print("|---|---|---|---|---|")
     for r in rows:
         mem = r.get("peak_rss_mb_above_start")

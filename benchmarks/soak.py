@@ -19,7 +19,7 @@ process that runs the model is sampled for its resident set (VmRSS) and CPU seco
 Output, JSON lines (also appended to ``--out``): one ``window`` line per phase and window
 (calls, tokens/s median, p50/p95 latency, RSS, CPU-s and joules per call) and one ``summary``
 line per phase: the drift of the median tokens/s from the first windows after warm-up to the
-last ones (percent), and the RSS growth after warm-up (MB). ``--table FILE`` prints the
+last ones (percent), and the RSS growth after warm-up (MiB). ``--table FILE`` prints the
 markdown table of docs/soak.md from such a file.
 
     python benchmarks/soak.py --minutes 10 --out benchmarks/soak.jsonl
@@ -48,7 +48,7 @@ RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 
 
 def proc_sample(pid: int) -> tuple[float, float]:
-    """(resident set in MB, CPU seconds so far) of process ``pid``."""
+    """(resident set in MiB, CPU seconds so far) of process ``pid``."""
     rss_kb = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -236,7 +236,7 @@ def table(path: str) -> str:
         out.append(
             f"| {r['phase']} | {load} | {r['minutes']} | {r['calls']} | {r['tok_s_first']:.1f} → "
             f"{r['tok_s_last']:.1f} ({r['tok_s_drift_pct']:+.1f} %) | {r['rss_first_mb']:.0f} → "
-            f"{r['rss_last_mb']:.0f} MB ({r['rss_growth_mb']:+.1f}) | {r['latency_p50_s']:.2f} / "
+            f"{r['rss_last_mb']:.0f} MiB ({r['rss_growth_mb']:+.1f}) | {r['latency_p50_s']:.2f} / "
             f"{r['latency_p95_s']:.2f} s | {r['cpu_s_per_call']:.2f} | {r['joules_per_call']:.2f}"
             f" ({'RAPL' if 'rapl' in r['energy_method'] else 'est.'}) |")
     return "\n".join(out)

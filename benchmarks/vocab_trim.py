@@ -319,7 +319,7 @@ def table(rows: list[dict]) -> str:
     order = {v: k for k, v in enumerate(VARIANTS)}
     latest = dict(sorted(latest.items(), key=lambda kv: (models.index(kv[0][0]),
                                                          order.get(kv[0][1], len(order)))))
-    out = ["| model | vocabulary | pieces | file MB | decode tok/s (x) | peak MB (x) | "
+    out = ["| model | vocabulary | pieces | file MB | decode tok/s (x) | peak MiB (x) | "
            "identical lines zh / en | extra tokens zh / en | bits/char zh / en (untrimmed) | "
            "greedy choice not kept | reference text extra tokens |",
            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

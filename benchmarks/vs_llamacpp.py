@@ -82,7 +82,7 @@ def run(models: list[str], threads: int, runs: int, keep_precision: bool | None,
 
 # -- markdown (shared with vs_mnn.py) -----------------------------------------------------------
 ENGINE_HEADER = ("| model | engine | weights | prefill tok/s (min–max) | decode tok/s (min–max) | "
-                 "peak RSS Δ MB | file MB | load s | energy J (est.) |\n"
+                 "peak RSS Δ MiB | file MB | load s | energy J (est.) |\n"
                  "|---|---|---|---|---|---|---|---|---|")
 
 
@@ -169,7 +169,7 @@ def details_text(path: str) -> str:
     """Every run of a results file: one row per engine and call, oldest first."""
     rows = load_rows(path)
     out = ["| date | call | model | engine | build | weights | prefill tok/s (min–max) | "
-           "decode tok/s (min–max) | peak RSS Δ MB | load s | energy J (est.) |",
+           "decode tok/s (min–max) | peak RSS Δ MiB | load s | energy J (est.) |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         build = r.get("engine_version", r["engine"])

@@ -241,13 +241,14 @@ def test_budget_line_states_measurement_and_budget():
                      peak_rss_delta_mb=131.2, file_mb=98.6, load_s=0.4, energy_j_est=5.0,
                      energy_method="estimate", prompt_hash="0")
     assert budget_line(r) == ("decode: MISS (99.4 tok/s; budget > 200)  "
-                              "memory: PASS (131.2 MB; budget < 300)  "
+                              "memory: PASS (131.2 MiB = 137.6 MB; budget < 300 MB)  "
                               "energy: PASS (5.000 J; budget <= 5.004)")
     # judged as printed: 200.3 / 299.7 / 5.003 and 199.7 / 300.2 / 5.0049 both printed as
-    # "200 / 300 / 5.00" with opposite verdicts
-    r.decode_tps, r.peak_rss_delta_mb, r.energy_j_est = 200.04, 299.96, 5.0044
+    # "200 / 300 / 5.00" with opposite verdicts. The peak is MiB, the budget MB: 300 MiB
+    # (314.6 MB) passed a 300 MB budget
+    r.decode_tps, r.peak_rss_delta_mb, r.energy_j_est = 200.04, 286.07, 5.0044
     assert budget_line(r) == ("decode: MISS (200.0 tok/s; budget > 200)  "
-                              "memory: MISS (300.0 MB; budget < 300)  "
+                              "memory: MISS (286.1 MiB = 300.0 MB; budget < 300 MB)  "
                               "energy: PASS (5.004 J; budget <= 5.004)")
     # the energy budget is for a 512 + 128-token call: a shorter one passed it by being short
     r.n_prompt, r.n_gen, r.energy_j_est = 64, 16, 0.71

@@ -6,7 +6,9 @@
 * Each engine runs in a fresh process (so its peak memory is its own): load, 1 warm-up, then
   ``runs`` measured runs. Engines alternate run by run, so that a noisy machine hits them alike.
   Reported: median, min and max of prefill and decode tokens/s.
-* Peak memory: peak resident set (VmHWM) minus the resident set just before the model is loaded.
+* Peak memory: peak resident set (VmHWM) minus the resident set just before the model is loaded,
+  in MiB (2^20 bytes, as /proc counts it; the ``*_mb`` fields hold MiB), judged against the
+  budget in MB (10^6 bytes). File sizes are MB.
 * Engines: pocketlm on its deploy file; llama.cpp (llama-cpp-python) on the GGUF; mnn (MNN's LLM
   engine, ``MNN.llm``) on an export by scripts/export-mnn, whose deploy size is the folder's.
 * Energy for the report's typical call (``n_prompt`` in, ``n_gen`` out): RAPL where the machine
@@ -34,7 +36,8 @@ from .prompt import benchmark_ids, ids_hash
 PHONE_BATTERY_WH = 13.9
 # the report's budgets; energy: 1/10000 of the phone's battery (5.004 J), one threshold for
 # the verdict and the plot
-BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0,
+MIB = 1 << 20
+BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0,  # the memory budget in MB
            "energy_j": round(PHONE_BATTERY_WH * 3600 / 10000, 3)}
 WATTS_PER_CORE = 3.0  # assumed power of one busy core when RAPL is not available
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
@@ -64,7 +67,7 @@ class EngineResult:
     prompt_hash: str
     machine: dict[str, Any] = field(default_factory=dict)
     command: str = ""
-    memory_stages: list = field(default_factory=list)  # [stage, rss MB, peak MB] from baseline
+    memory_stages: list = field(default_factory=list)  # [stage, rss MiB, peak MiB] from baseline
     speculative: dict | None = None  # drafting of a pocketlm+SPEC row: acceptance, tokens/pass
 
     def to_json(self) -> str:
@@ -373,10 +376,12 @@ def budget_line(r: EngineResult) -> str:
     between two lines showing the same numbers would be no verdict)."""
     battery_j = BUDGETS["energy_j"]
     decode, memory = BUDGETS["decode_tps"], BUDGETS["peak_rss_delta_mb"]
-    tps, peak = round(r.decode_tps, 1), round(r.peak_rss_delta_mb, 1)
+    # the peak is measured in MiB (as /proc reports it); the budget is in MB (10^6 bytes)
+    tps, peak = round(r.decode_tps, 1), round(r.peak_rss_delta_mb * MIB / 1e6, 1)
     checks = [  # (name, met, "measured; budget")
         ("decode", tps > decode, f"{tps:.1f} tok/s; budget > {decode:g}"),
-        ("memory", peak < memory, f"{peak:.1f} MB; budget < {memory:g}"),
+        ("memory", peak < memory, f"{r.peak_rss_delta_mb:.1f} MiB = {peak:.1f} MB; budget "
+                                  f"< {memory:g} MB"),
     ]
     line = "  ".join(f"{name}: {'PASS' if ok else 'MISS'} ({text})" for name, ok, text in checks)
     energy = round(r.energy_j_est, 3)
@@ -391,7 +396,7 @@ def budget_line(r: EngineResult) -> str:
 
 def memory_breakdown(results: list[EngineResult]) -> str:
     """Where memory goes: resident set (and peak) above the baseline after each load step."""
-    lines = ["memory above the pre-load baseline (MB): step, resident, peak"]
+    lines = ["memory above the pre-load baseline (MiB): step, resident, peak"]
     for r in results:
         prev = 0.0
         for name, rss, hwm in r.memory_stages:
@@ -422,7 +427,7 @@ def format_table(results: list[EngineResult]) -> str:
            if r0.machine.get("amx_prefill") else "")
         + (f", {r0.machine['kv_cache']} KV cache" if r0.machine.get("kv_cache") else ""),
         "",
-        f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak Δ MB':>9} "
+        f"{'engine':<10} {'prefill tok/s':>22} {'decode tok/s':>22} {'peak Δ MiB':>10} "
         f"{'file MB':>8} {'load s':>7} {'energy J':>9}",
     ]
     def label(r: EngineResult) -> str:
@@ -432,7 +437,7 @@ def format_table(results: list[EngineResult]) -> str:
         lines.append(
             f"{label(r):<10} {r.prefill_tps:>8.1f} [{r.prefill_tps_min:.0f}-{r.prefill_tps_max:.0f}]"
             f"{'':>3} {r.decode_tps:>8.1f} [{r.decode_tps_min:.0f}-{r.decode_tps_max:.0f}]"
-            f"{'':>3} {r.peak_rss_delta_mb:>9.0f} {r.file_mb:>8.1f} {r.load_s:>7.2f} "
+            f"{'':>3} {r.peak_rss_delta_mb:>10.0f} {r.file_mb:>8.1f} {r.load_s:>7.2f} "
             f"{r.energy_j_est:>9.2f}")
     if len(results) > 1:
         base = results[0]

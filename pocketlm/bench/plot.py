@@ -8,7 +8,7 @@ from html import escape
 PANELS = [  # (field, title, budget, higher is better): the budgets are pocketlm.bench's
     ("prefill_tps", "prefill tok/s", None, True),
     ("decode_tps", "decode tok/s", "decode_tps", True),
-    ("peak_rss_delta_mb", "peak memory MB", "peak_rss_delta_mb", False),
+    ("peak_rss_delta_mb", "peak memory MiB", "peak_rss_delta_mb", False),
     ("energy_j_est", "energy J / call", "energy_j", False),
 ]
 COLORS = ["#2f6fdf", "#e07b39", "#5aa469", "#a05195"]
@@ -23,13 +23,18 @@ def to_svg(results: list) -> str:
     out.append(f'<text x="{pad}" y="20" font-size="14">{escape(str(r0.model))}: '
                f'{r0.n_prompt}-token prompt, {r0.n_gen} generated, {r0.threads} threads, '
                f'median of {r0.runs}</text>')
-    from . import BUDGET_CALL, BUDGETS, row_label
+    from . import BUDGET_CALL, BUDGETS, MIB, row_label
 
     labels = [row_label(r, r0) for r in results]
     for p, (field, title, budget, _) in enumerate(PANELS):
         budget = BUDGETS.get(budget) if budget else None
+        budget_label = f"{budget:g}" if budget else ""
         if field == "energy_j_est" and (r0.n_prompt, r0.n_gen) != BUDGET_CALL:
             budget = None  # judged for a 512 + 128-token call only, as the table says
+        if field == "energy_j_est" and not str(r0.energy_method).startswith("rapl"):
+            title += " (est.)"
+        if field == "peak_rss_delta_mb" and budget:  # the bars are MiB, the budget is MB
+            budget_label, budget = f"{budget:g} MB", budget * 1e6 / MIB
         x0 = pad + p * panel_w
         top, bottom = 50, height - 50
         values = [float(getattr(r, field)) for r in results]
@@ -41,14 +46,15 @@ def to_svg(results: list) -> str:
             bx = x0 + i * bar_w
             out.append(f'<rect x="{bx:.1f}" y="{bottom - h:.1f}" width="{bar_w - 6:.1f}" '
                        f'height="{h:.1f}" fill="{COLORS[i % len(COLORS)]}"/>')
-            out.append(f'<text x="{bx:.1f}" y="{bottom - h - 4:.1f}">{v:.0f}</text>')
+            shown = f"{v:.0f}" if v >= 10 else f"{v:.2g}"  # a 0.3 J call is not "0"
+            out.append(f'<text x="{bx:.1f}" y="{bottom - h - 4:.1f}">{shown}</text>')
             out.append(f'<text x="{bx:.1f}" y="{bottom + 14}">{escape(label)}</text>')
         if budget:
             by = bottom - (bottom - top) * budget / vmax
             out.append(f'<line x1="{x0}" y1="{by:.1f}" x2="{x0 + panel_w - 50}" y2="{by:.1f}" '
                        'stroke="#c00" stroke-dasharray="4,3"/>')
             out.append(f'<text x="{x0}" y="{by - 3:.1f}" fill="#c00" font-size="10">budget '
-                       f'{budget:g}</text>')
+                       f'{budget_label}</text>')
         out.append(f'<line x1="{x0}" y1="{bottom}" x2="{x0 + panel_w - 50}" y2="{bottom}" '
                    'stroke="#333"/>')
     out.append("</svg>")
