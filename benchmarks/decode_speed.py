@@ -2,7 +2,8 @@
 
 For each setting: a prompt of --prompt tokens (tests/data/english.txt, repeated as needed) is
 run in one forward() call (prefill), then --gen tokens are decoded one forward() at a time
-(greedy, EOS ignored), driving ``runtime.forward`` directly. Each setting runs 1 warm-up round
+(greedy, EOS ignored, with the head screening greedy decoding uses; ``--no-screen``: the whole
+head each step), driving ``runtime.forward`` directly. Each setting runs 1 warm-up round
 and --runs measured rounds; the medians are reported.
 
 One JSON object per setting: command, machine (cpu, cpus, kernel level), engine, act, kv,
@@ -46,14 +47,14 @@ def prompt_ids(m, n: int) -> list[int]:
     return ids[:n]
 
 
-def one_round(rt: Runtime, ids: list[int], n_gen: int) -> tuple[float, float]:
+def one_round(rt: Runtime, ids: list[int], n_gen: int, screen: bool) -> tuple[float, float]:
     cache = rt.new_cache(len(ids) + n_gen)
     t0 = time.perf_counter()
-    logits = rt.forward(ids, cache)
+    logits = rt.forward(ids, cache, screen=screen)
     t1 = time.perf_counter()
     for _ in range(n_gen):
         token = int(np.argmax(logits))
-        logits = rt.forward([token], cache)
+        logits = rt.forward([token], cache, screen=screen)
     t2 = time.perf_counter()
     return len(ids) / (t1 - t0), n_gen / (t2 - t1)
 
@@ -69,12 +70,15 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-screen", action="store_true",
+                    help="read the whole output head each step (default: greedy decoding's "
+                    "head screening, as pocket run and pocket bench decode)")
     args = ap.parse_args()
+    screen = not args.no_screen
 
     m = pocketlm.load(args.model)
     ids = prompt_ids(m, args.prompt)
     command = " ".join([os.path.basename(sys.executable)] + sys.argv)
-    mach = machine()
     for engine in args.engines:
         for act in (args.acts if engine == "native" else ["f32"]):
             for threads in args.threads:
@@ -84,11 +88,11 @@ def main() -> None:
                 if args.kv:
                     os.environ["POCKET_KV"] = args.kv
                 rt = Runtime(m.config, m.runtime.w, engine=engine)
-                one_round(rt, ids, min(args.gen, 8))  # warm-up
-                rounds = [one_round(rt, ids, args.gen) for _ in range(args.runs)]
-                rec = {
-                    "command": command, "machine": mach, "model": args.model,
-                    "engine": rt.engine, "act": act,
+                one_round(rt, ids, min(args.gen, 8), screen)  # warm-up
+                rounds = [one_round(rt, ids, args.gen, screen) for _ in range(args.runs)]
+                rec = {  # the machine's settings as this setting runs them
+                    "command": command, "machine": machine(), "model": args.model,
+                    "engine": rt.engine, "act": act, "screen": screen,
                     "kv": rt.native.kv_format if rt.native else "f32",
                     "threads": threads, "n_prompt": len(ids), "n_gen": args.gen,
                     "prefill_tok_s": round(statistics.median(r[0] for r in rounds), 1),
