@@ -158,14 +158,15 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
             from llama_cpp import Llama
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-            for label, draft in (("llama.cpp", None),
-                                 ("llama.cpp-lookup", LlamaPromptLookupDecoding(
-                                     num_pred_tokens=10))):
+            # (its own name: `draft`, the draft model's, goes into every row)
+            for label, lookup in (("llama.cpp", None),
+                                  ("llama.cpp-lookup", LlamaPromptLookupDecoding(
+                                      num_pred_tokens=10))):
                 # with a draft model llama-cpp-python keeps every position's logits: it must
                 # be told so (logits_all) or it sizes that buffer for one batch only
                 llms[label] = Llama(model_path=str(gguf), n_ctx=N_CTX, n_threads=threads,
-                                    n_threads_batch=threads, verbose=False, draft_model=draft,
-                                    logits_all=draft is not None)
+                                    n_threads_batch=threads, verbose=False, draft_model=lookup,
+                                    logits_all=lookup is not None)
         rows = []
         machine, today = machine_info(), time.strftime("%Y-%m-%d")
         for task in the_tasks:
@@ -214,7 +215,8 @@ def run(models: list[str], runs: int, max_tokens: int, llama: bool, threads: int
                        "tasks": len(sel),
                        "median_x_plain": round(statistics.median(r["x_plain"] for r in sel), 3),
                        "all_identical": all(r["identical"] for r in sel),
-                       "machine": machine, "date": today}
+                       "runs": runs, "threads": threads, "max_tokens": max_tokens,
+                       "machine": machine, "date": today, "command": " ".join(sys.argv)}
             if drafter:
                 summary["median_x_draft"] = round(statistics.median(r["x_draft"] for r in sel), 3)
                 summary["all_identical_draft"] = all(r["identical_draft"] for r in sel)
