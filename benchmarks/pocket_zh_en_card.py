@@ -11,6 +11,7 @@ markers and their ends. Stages not run yet are said to be so.
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -103,19 +104,29 @@ def training_block(run: Path) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    if len(sys.argv) > 1:
-        run = Path(sys.argv[1])
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run", nargs="?", help="the recipe's run folder (default: "
+                    "$POCKET_HOME/recipes/pocket-zh-en)")
+    args = ap.parse_args()
+    if args.run is not None:
+        run = Path(args.run)
     else:
         from pocketlm.recipes import run_folder
 
         run = run_folder("pocket-zh-en")
+    # a folder with no report would blank the card's recorded sections: refused
+    if not any((run / name).is_file() for name in ("data_report.json", "recipe_report.json")):
+        print(f"error: {run} holds no data_report.json or recipe_report.json (a run folder of "
+              "`pocket pull pocket-zh-en`); the card is left as it is", file=sys.stderr)
+        return 1
     text = CARD.read_text(encoding="utf-8")
     text = _replace(text, "data", data_block(run))
     text = _replace(text, "training", training_block(run))
     CARD.write_text(text, encoding="utf-8")
     print(f"{CARD}: data and training sections from {run}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
