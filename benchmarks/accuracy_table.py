@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def main(path: str) -> None:
@@ -32,4 +32,7 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/accuracy.jsonl")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", nargs="?", default="benchmarks/accuracy.jsonl",
+                    help="the results file (default: benchmarks/accuracy.jsonl)")
+    main(ap.parse_args().path)

@@ -5,6 +5,7 @@ measures it; one JSON line per run (method ``pocket-bpw-4.6-calibN``).
     python benchmarks/calib_size.py 384 >> benchmarks/calib_size.jsonl
 """
 
+import argparse
 import functools
 import sys
 from pathlib import Path
@@ -16,9 +17,11 @@ from pocketlm import calibdata  # noqa: E402
 
 
 def main() -> None:
-    if len(sys.argv) != 2 or not sys.argv[1].isdigit() or int(sys.argv[1]) < 1:
-        sys.exit("usage: calib_size.py N   (N calibration sequences of 128 tokens)")
-    n = int(sys.argv[1])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("n", type=int, metavar="N", help="calibration sequences of 128 tokens")
+    n = ap.parse_args().n
+    if n < 1:
+        ap.error(f"N must be at least 1, got {n}")
     calibdata.default_set = functools.partial(calibdata.default_set, n_sequences=n)
     qq.POCKET_METHODS[f"pocket-bpw-4.6-calib{n}"] = {"bits_per_weight": 4.6}
     sys.argv = ["benchmarks/calib_size.py", "run", "--models", "smollm2-135m", "--methods",
