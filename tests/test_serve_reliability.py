@@ -1193,6 +1193,13 @@ def test_the_own_origin_of_a_server_on_all_addresses_reached_over_ipv4():
         assert not is_own_origin(origin, {"server": (own, 8000), "scheme": "http"}), (own, origin)
 
 
+def test_the_chat_page_cannot_be_framed_by_other_sites(make_app):
+    r = _with_origin(make_app(), None, method="GET", path="/")
+    assert r.status_code == 200 and "<title>pocketlm chat</title>" in r.text
+    assert r.headers["x-frame-options"] == "DENY"
+    assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
+
+
 def test_the_own_page_through_a_tunnel_or_port_mapping():
     # `ssh -L 9000:localhost:8000` or `docker run -p 9000:8000`: the page names the forwarded
     # address, which is the Host the browser sends; it got 403 from its own server

@@ -601,7 +601,10 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
 
     # -- endpoints -----------------------------------------------------------------------
     async def index(request: HTTPRequest) -> Response:
-        return HTMLResponse(page)
+        # no other site may frame the page (a framed page's clicks would send as this user)
+        return HTMLResponse(page, headers={"Content-Security-Policy": "frame-ancestors 'none'",
+                                           "X-Frame-Options": "DENY",
+                                           "Referrer-Policy": "no-referrer"})
 
     async def health(request: HTTPRequest) -> Response:
         return JSONResponse({"status": "ok", "model": cfg.model_name,
