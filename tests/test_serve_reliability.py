@@ -940,6 +940,16 @@ def test_echo_leaves_out_the_bos_the_client_did_not_send(make_app, model, monkey
     """A text prompt is echoed as sent: the BOS the tokenizer puts before it is listed with
     its score-less entry and takes no characters (the text began '<bos>')."""
     monkeypatch.setattr(model.tokenizer, "add_bos", True)
+    # a SentencePiece vocabulary's space prefix, dropped from the decoded text's start: the
+    # offsets count from the text as echoed, streamed or not
+    monkeypatch.setattr(model.tokenizer, "_strip_leading_space", True)
+    body = completion(" hello world", max_tokens=3, echo=True, logprobs=1, stream=stream)
+    text, lps = _choice_logprobs(run(_ask(make_app(), body)), stream)
+    assert text.startswith("hello world")
+    assert lps["text_offset"][:3] == [0, 0, len("hello")]
+    for token, offset in zip(lps["tokens"][2:], lps["text_offset"][2:], strict=True):
+        assert text[offset:offset + len(token)] == token
+    monkeypatch.setattr(model.tokenizer, "_strip_leading_space", False)
     bos = model.tokenizer.bos_id
     body = completion("hello world", max_tokens=2, echo=True, logprobs=1, stream=stream)
     text, lps = _choice_logprobs(run(_ask(make_app(), body)), stream)

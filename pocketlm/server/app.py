@@ -797,18 +797,24 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                                                   "bytes": piece(t)[1]} for t, x in top]})
             return {"content": content, "refusal": None}
         tokens, token_lps, tops, offsets = [], [], [], []
-        pairs = []  # (token, entry, whether the text shows it)
+        pairs = []  # (token, entry, the bytes it adds to the text)
         if prompt is not None:
-            pairs += [(t, e, i >= echo_from) for i, (t, e) in
-                      enumerate(zip(prompt, [None, *prompt_entries], strict=False))]
-        pairs += [(t, e, not tok.is_special(t))
+            # the echo is decode(prompt[echo_from:]), which drops the space a SentencePiece
+            # vocabulary puts before the first word
+            strip = tok._strip_leading_space
+            for i, (t, e) in enumerate(zip(prompt, [None, *prompt_entries], strict=False)):
+                raw = tok.token_bytes(t) if i >= echo_from else b""
+                if strip and raw:
+                    raw, strip = raw.removeprefix(b" "), False
+                pairs.append((t, e, raw))
+        pairs += [(t, e, b"" if tok.is_special(t) else tok.token_bytes(t))
                   for t, e in zip(generated, entries, strict=False)]
         if stop is not None:
-            pairs.append((stop[0], stop[1], False))
+            pairs.append((stop[0], stop[1], b""))
         cursor = cursor or TextCursor()
-        for token, entry, shown in pairs:
+        for token, entry, raw in pairs:
             tokens.append(named(token))
-            offsets.append(cursor.advance(tok.token_bytes(token) if shown else b""))
+            offsets.append(cursor.advance(raw))
             if entry is None:
                 token_lps.append(None)
                 tops.append(None)
