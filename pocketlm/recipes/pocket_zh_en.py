@@ -821,6 +821,7 @@ def run(out: str | Path, *, until: str = "export", threads: int | None = None,
         result = _run(out, until=until, threads=threads, progress=progress, force=force,
                       recipe=recipe)
         _tell(None)  # done: the other ranks return (an exception ends them through torchrun)
+        _leave_together()
         return result
     return _run(out, until=until, threads=threads, progress=progress, force=force,
                 recipe=recipe)
@@ -857,8 +858,20 @@ def _follow(out: Path, recipe: Recipe, threads: int | None) -> None:
         msg: list = [None]
         dist.broadcast_object_list(msg, src=0)
         if msg[0] is None:
+            _leave_together()
             return None
         stage_train(out, recipe, msg[0], threads=threads, progress=False)
+
+
+def _leave_together() -> None:
+    """Every rank leaves the group at once: a rank that exited while another still held the
+    group sometimes ended that one in "terminate called without an active exception"
+    (SIGABRT) after a finished run."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _run(out: str | Path, *, until: str, threads: int | None, progress: bool, force: bool,
