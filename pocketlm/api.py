@@ -234,7 +234,7 @@ class PocketModel:
                                               min_p=min_p, repetition_penalty=repetition_penalty,
                                               seed=seed), state, None)
         if cache is None:
-            return iter(())
+            return _nothing()
         return (token for token, _ in run_sequence(self.runtime, cache, seq))
 
     def _stream_text(self, prompt_ids: list[int], builtin_max_tokens: int, stop: list[str],
@@ -243,14 +243,15 @@ class PocketModel:
         drafter = self._drafter(speculative)  # checked before anything runs
         seq, cache = self._sequence(prompt_ids, builtin_max_tokens, max_tokens, sampling, None,
                                     stop, constrain=constrain, continuation=continuation)
+        if drafter is not None:  # this generation's statistics, even of nothing drafted
+            self.last_speculative = SpeculativeStats()
         if cache is None:
-            return iter(())
+            return _nothing()
         if drafter is None:
             return stream_sequence(self.runtime, cache, seq)
         from .speculative import run_speculative
 
         drafter, lengths = drafter
-        self.last_speculative = SpeculativeStats()
         steps = run_speculative(self.runtime, cache, seq, drafter, lengths,
                                 self.last_speculative)
         return stream_sequence(self.runtime, cache, seq, steps)
@@ -595,6 +596,13 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
     quiet = _check_flag(quiet, "quiet")
     return ensure_packed(resolve(_model_name(model), quiet=quiet), group_size=group_size,
                          embed_bits=embed_bits, keep_precision=keep_precision, quiet=quiet)
+
+
+def _nothing() -> Iterator:
+    """The stream of a generation of no tokens: a generator like every other stream (with
+    ``close`` and ``throw``), whose arguments were checked when it was made."""
+    return
+    yield
 
 
 def _model_name(model) -> str:

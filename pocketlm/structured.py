@@ -81,31 +81,46 @@ class _TokenizerView:
         return tok.encode(text, add_bos=False, special=False)
 
 
-# tokenizer -> {n_vocab: llguidance's view}: an entry goes with its tokenizer (a process that
-# loads model after model kept every vocabulary's view, hundreds of MB for large ones)
+class _Vocab:
+    """What grammars need of one tokenizer at one logits width: llguidance's view, each id's
+    length in bytes (0 for control tokens and padded rows) and the grammars compiled against
+    the view (the last 64, by kind and source). One object, stored in one assignment: an
+    interrupt cannot leave half of it (a Ctrl-C between two caches broke every later
+    grammar on the model)."""
+
+    def __init__(self, ll, lengths: np.ndarray):
+        self.ll, self.lengths = ll, lengths
+        self.compiled: OrderedDict[tuple, _Compiled] = OrderedDict()
+
+
+# tokenizer -> {n_vocab: _Vocab}: an entry, compiled grammars included (they hold the view),
+# goes with its tokenizer (a process that loads model after model kept every vocabulary's
+# view, hundreds of MB for large ones)
 _tokenizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# tokenizer -> {n_vocab: each id's length in bytes (0 for control tokens and padded rows)}
-_lengths: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _tokenizers_lock = threading.Lock()
+
+
+def _vocab(tokenizer: Tokenizer, n_vocab: int | None = None) -> _Vocab:
+    n_vocab = tokenizer.vocab_size if n_vocab is None else int(n_vocab)
+    with _tokenizers_lock:
+        views = _tokenizers.setdefault(tokenizer, {})
+        vocab = views.get(n_vocab)
+        if vocab is not None:
+            return vocab
+        llg = _llg()
+        plain = _TokenizerView(tokenizer, n_vocab)
+        view = llg.TokenizerWrapper(plain)
+        eos = list(tokenizer.eos_ids) or [view.eos_token_id]
+        ll = llg.LLTokenizer(view, n_vocab=n_vocab, eos_token=eos)
+        vocab = views[n_vocab] = _Vocab(ll, plain.lengths)
+        return vocab
 
 
 def ll_tokenizer(tokenizer: Tokenizer, n_vocab: int | None = None):
     """llguidance's view of ``tokenizer`` for logits of ``n_vocab`` entries (built once per
     tokenizer: about 0.3 s for 49k pieces, 3 s for 262k). Its end tokens are the tokenizer's
     EOS / end-of-turn ids: the grammar lets the sequence end through any of them."""
-    n_vocab = tokenizer.vocab_size if n_vocab is None else int(n_vocab)
-    with _tokenizers_lock:
-        views = _tokenizers.setdefault(tokenizer, {})
-        ll = views.get(n_vocab)
-        if ll is not None:
-            return ll
-        llg = _llg()
-        plain = _TokenizerView(tokenizer, n_vocab)
-        view = llg.TokenizerWrapper(plain)
-        eos = list(tokenizer.eos_ids) or [view.eos_token_id]
-        ll = views[n_vocab] = llg.LLTokenizer(view, n_vocab=n_vocab, eos_token=eos)
-        _lengths.setdefault(tokenizer, {})[n_vocab] = plain.lengths
-        return ll
+    return _vocab(tokenizer, n_vocab).ll
 
 
 @dataclass(frozen=True)
@@ -743,26 +758,26 @@ def _first_line(message: Any) -> str:
 class _Compiled:
     """A grammar compiled against one tokenizer: the pristine matcher each request copies."""
 
-    def __init__(self, matcher, ll):
+    def __init__(self, matcher):
         self.matcher = matcher
-        self.ll = ll  # held: the cache's key is its id, which must not be reused meanwhile
         self.lock = threading.Lock()
 
 
-_compiled: OrderedDict[tuple, _Compiled] = OrderedDict()
 _compiled_lock = threading.Lock()
 
 
 def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None = None
                     ) -> Constraint:
     """A fresh :class:`Constraint` for ``grammar`` over ``tokenizer``'s vocabulary; the compiled
-    grammar is cached (the last 64), so the next request with it starts at once."""
-    ll = ll_tokenizer(tokenizer, n_vocab)
-    key = (id(ll), grammar.kind, grammar.source)
+    grammar is cached with the vocabulary (the last 64), so the next request with it starts at
+    once."""
+    vocab = _vocab(tokenizer, n_vocab)
+    ll, cache = vocab.ll, vocab.compiled
+    key = (grammar.kind, grammar.source)
     with _compiled_lock:
-        entry = _compiled.get(key)
+        entry = cache.get(key)
         if entry is not None:
-            _compiled.move_to_end(key)
+            cache.move_to_end(key)
     if entry is None:
         llg = _llg()
         matcher = llg.LLMatcher(ll, grammar.compiled, log_level=0)
@@ -777,14 +792,12 @@ def compile_grammar(grammar: Grammar, tokenizer: Tokenizer, n_vocab: int | None 
         except GrammarError as e:
             raise GrammarError(f"the {grammar.describe()} is not usable: it cannot start ("
                                f"{str(e).split(': ', 1)[-1]})", param=grammar.kind) from None
-        with _tokenizers_lock:
-            lengths = _lengths[tokenizer][ll.vocab_size]  # made with ll, above
-        _probe_longest(probe, first, lengths)
-        entry = _Compiled(matcher, ll)
+        _probe_longest(probe, first, vocab.lengths)
+        entry = _Compiled(matcher)
         with _compiled_lock:
-            _compiled[key] = entry
-            while len(_compiled) > _CACHE_SIZE:
-                _compiled.popitem(last=False)
+            cache[key] = entry
+            while len(cache) > _CACHE_SIZE:
+                cache.popitem(last=False)
     with entry.lock:
         matcher = entry.matcher.deep_copy()
     return Constraint(grammar, matcher, ll.vocab_size)

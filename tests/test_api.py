@@ -255,6 +255,18 @@ def test_max_tokens_zero(m):
     assert m.generate(PROMPT, max_tokens=0) == ""
     assert list(m.stream(PROMPT, max_tokens=0)) == []
     assert m.last_state.finish_reason == "length"
+    # a generator like every other stream: closing it (contextlib.closing) was an
+    # AttributeError on the empty iterator it was
+    import types
+
+    for stream in (m.stream(PROMPT, max_tokens=0), m.stream_ids([1, 2], max_tokens=0),
+                   m.chat([{"role": "user", "content": "hi"}], max_tokens=0, stream=True)):
+        assert isinstance(stream, types.GeneratorType)
+        stream.close()
+    # the statistics are this generation's, not the one before's
+    m.generate(PROMPT * 2, max_tokens=8, speculative="lookup")
+    m.generate(PROMPT, max_tokens=0, speculative="lookup")
+    assert m.last_speculative.steps == 0 and m.last_speculative.tokens == 0
 
 
 def test_a_token_limit_inside_a_character_leaves_it_out(m):

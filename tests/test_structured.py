@@ -520,6 +520,28 @@ def test_cli_constraints(tmp_path):
         assert p.stdout == ""
 
 
+def test_an_interrupt_while_the_vocabulary_is_stored_leaves_nothing_half_made(tiny,
+                                                                              monkeypatch):
+    """The view and its byte lengths were two caches: a Ctrl-C between the two writes made
+    every later grammar on the model fail with a KeyError."""
+    from pocketlm import structured
+
+    other = pocketlm.load(tiny.path)
+    real = structured._Vocab
+
+    def interrupted(*args):
+        monkeypatch.setattr(structured, "_Vocab", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(structured, "_Vocab", interrupted)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with pytest.raises(KeyboardInterrupt):
+        other.generate("x", max_tokens=8, json_schema=schema)
+    out = other.generate("x", max_tokens=40, json_schema=schema, seed=1, temperature=1.0)
+    assert out == tiny.generate("x", max_tokens=40, json_schema=schema, seed=1,
+                                temperature=1.0)
+
+
 def test_a_closed_models_vocabulary_view_is_not_kept(tiny):
     """llguidance's view of a tokenizer (every piece's bytes) was cached forever, keyed by
     the tokenizer's id: a process that loads model after model kept them all. It now goes
@@ -536,10 +558,17 @@ def test_a_closed_models_vocabulary_view_is_not_kept(tiny):
                                 temperature=1.0)
     gone = weakref.ref(other.tokenizer)
     assert other.tokenizer in structured._tokenizers
+
+    def views():  # llguidance's views alive: each holds its _TokenizerView
+        return sum(isinstance(o, structured._TokenizerView) for o in gc.get_objects())
+
+    before = views()
     del other
     gc.collect()
     assert gone() is None
     assert tiny.tokenizer in structured._tokenizers  # the live one keeps its view
+    # the compiled grammar went too: it held the view (the global grammar cache kept 64)
+    assert views() == before - 1
 
 
 @pytest.mark.real
