@@ -23,6 +23,7 @@ test: dev  ## everything but the slow real-model checks (what CI runs)
 	$(PY) -c "import pocketlm.runtime.kernels.native as n; assert n.available(), n.unavailable_reason()"
 	$(PY) -m pytest -m "not slow"
 	POCKET_KERNELS=numpy $(PY) -m pytest -q tests/test_runtime.py tests/test_gguf_import.py tests/test_api.py
+	./scripts/check-min-versions
 
 # The fast tier (under a minute here): layouts, the deploy file, kernels against their numpy
 # twins, tokenizers, the registry, layering and API misuse; no real model, no server, no torch.

@@ -598,6 +598,14 @@ def deploy_file(model: str | os.PathLike | None = None, *, group_size: int = 32,
                          embed_bits=embed_bits, keep_precision=keep_precision, quiet=quiet)
 
 
+def _intact(path) -> bool:
+    """Whether the deploy file at ``path`` has a verified header and every tensor's checksum."""
+    try:
+        return PocketFile(path, verify=True).header_verified
+    except (FormatError, OSError):
+        return False
+
+
 def _nothing() -> Iterator:
     """The stream of a generation of no tokens: a generator like every other stream (with
     ``close`` and ``throw``), whose arguments were checked when it was made."""
@@ -662,7 +670,13 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
         if Path(path).resolve() == resolve(_model_name(model), quiet=True).resolve():
             raise  # the deploy file the caller named, not a cache entry
         # a cache entry is derived from its source: one that no longer reads (truncated, a
-        # changed byte, an interrupted copy) is packed again instead of failing every load
+        # changed byte, an interrupted copy) is packed again instead of failing every load.
+        # One whose checksums all match is not damaged: what failed is reading it here (an
+        # older library), and it stays for the environments that read it
+        if _intact(path):
+            raise FormatError(f"{e} (the file's checksums match, so it is not damaged: this "
+                              "environment cannot read it; check `pip check` and the "
+                              "versions pocketlm requires)") from None
         if not quiet:
             print(f"pocketlm: the cached deploy file {path} is damaged ({e}); packing it again",
                   file=sys.stderr)

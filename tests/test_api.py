@@ -100,6 +100,17 @@ def test_a_damaged_cache_entry_is_packed_again(tmp_path, monkeypatch):
     with pytest.raises(FormatError):
         pocketlm.load(named)
     assert named.stat().st_size == len(good) // 2
+    # an intact entry this environment cannot read (an older tokenizers library) is no damage:
+    # it stays (it was deleted, and the repack failed the same way, leaving none)
+    kept = entry.read_bytes()
+
+    def cannot_read(path, **kwargs):
+        raise FormatError(f"{path}: not a serialised pocketlm tokenizer")
+
+    monkeypatch.setattr("pocketlm.api.load_pocket", cannot_read)
+    with pytest.raises(FormatError, match="checksums match, so it is not damaged"):
+        pocketlm.load(src)
+    assert entry.read_bytes() == kept
 
 
 def test_a_changed_source_replaces_its_packed_file(tmp_path, monkeypatch):

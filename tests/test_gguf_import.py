@@ -646,3 +646,16 @@ def test_gemma3_27b_attention_scale():
 
     assert config_from_fields(fields(62), set(), "x").scale == pytest.approx(168 ** -0.5)
     assert config_from_fields(fields(48), set(), "x").scale == pytest.approx(128 ** -0.5)
+
+
+def test_a_gguf_library_too_old_is_named_not_the_file():
+    """gguf before 0.16 has no ReaderField.contents: every file read 'is corrupt' (the file
+    was fine; the library was older than pocketlm needs)."""
+    import types
+
+    from pocketlm.errors import FormatError
+    from pocketlm.formats.gguf import read_fields
+
+    old = types.SimpleNamespace(fields={"GGUF.version": types.SimpleNamespace(parts=[3])})
+    with pytest.raises(FormatError, match=r"gguf library \(.*\) is too old .* gguf>=0\.16"):
+        read_fields(old, "m.gguf")

@@ -161,7 +161,8 @@ def open_source(path: str | Path) -> SourceModel:
         return open_trimmed(path)
     if kind == "run":
         if importlib.util.find_spec("torch") is None:  # the training package imports it
-            raise PocketError(f"{path}: reading a training run needs PyTorch: pip install "
-                              "'pocketlm[train]'")
+            raise PocketError(f"{path}: reading a training run needs PyTorch: install the "
+                              "train extra (pip install '.[train]' in pocketlm's folder, or "
+                              "pip install torch)")
         return source_opener("run")(path)
     raise FormatError(f"{path}: is already a pocketlm deploy file; nothing to import")

@@ -79,6 +79,12 @@ def map_name(gguf_name: str) -> str | None:
 def read_fields(reader, origin: str = "GGUF file") -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for key, f in reader.fields.items():
+        if not hasattr(f, "contents"):  # the library, not the file: gguf before 0.16
+            from importlib.metadata import version
+
+            raise FormatError(f"the installed gguf library ({version('gguf')}) is too old to "
+                              "read GGUF fields; pocketlm needs gguf>=0.16 (pip install -U "
+                              "gguf)")
         try:
             fields[key] = f.contents()
         except Exception as exc:  # a field the library cannot decode is a corrupt file

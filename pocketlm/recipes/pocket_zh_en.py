@@ -643,8 +643,9 @@ def check_torch(until: str) -> None:
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise PocketError("the recipe's training stages need PyTorch: pip install "
-                              "'pocketlm[train]'") from None
+            raise PocketError("the recipe's training stages need PyTorch: install the train "
+                              "extra (pip install '.[train]' in pocketlm's folder, or pip "
+                              "install torch)") from None
 
 
 def check_inputs(out: Path, recipe: Recipe, until: str) -> None:

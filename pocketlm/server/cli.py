@@ -254,7 +254,9 @@ def _require_stack() -> None:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise PocketError(f"pocket serve needs {e.name}: pip install 'pocketlm[serve]'") from None
+        raise PocketError(f"pocket serve needs {e.name}: install the serve extra (pip install "
+                          "'.[serve]' in pocketlm's folder, or pip install starlette uvicorn)"
+                          ) from None
 
 
 def api_key_from(args, environ: Mapping[str, str]) -> str | None:

@@ -36,7 +36,8 @@ def _need_torch(verb: str) -> None:
     try:
         import torch  # noqa: F401
     except ImportError:
-        raise PocketError(f"`pocket {verb}` needs PyTorch: pip install 'pocketlm[train]'") from None
+        raise PocketError(f"`pocket {verb}` needs PyTorch: install the train extra (pip install "
+                          "'.[train]' in pocketlm's folder, or pip install torch)") from None
 
 
 def _refuse_empty(*flags: tuple[str, str | None]) -> None:

@@ -95,9 +95,11 @@ def available() -> bool:
 def unavailable_reason() -> str:
     if _native is None:
         return (f"the native kernels (pocketlm._native) are not built ({_IMPORT_ERROR}); "
-                f"run `pip install -e .` in the source tree")
+                "install pocketlm again from its folder where a C compiler is found (`pip "
+                "install .`, or `pip install -e .` for a working copy)")
     if not available():
-        return "pocketlm._native is stale (API mismatch); rebuild with `pip install -e .`"
+        return ("pocketlm._native is stale (API mismatch); build it again: `pip install .` "
+                "from pocketlm's folder (`pip install -e .` for a working copy)")
     return ""
 
 
@@ -582,8 +584,8 @@ class NativeEngine:
         scales (``int4_c8``) keep the codes in the repacked tiles (not with ``amx``; fewer
         bytes per token, the same results)."""
         if not engine_available():
-            raise KernelError(unavailable_reason() or "the native engine is not built; rebuild "
-                              "with `pip install -e .`")
+            raise KernelError(unavailable_reason() or "the native engine is not built; build "
+                              "it: `pip install .` from pocketlm's folder")
         settings = _settings(settings)
         level_id = _level_id(level, settings)
         if act is None:  # int8 activations where the level has SIMD int8 products
