@@ -670,16 +670,29 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
         if Path(path).resolve() == resolve(_model_name(model), quiet=True).resolve():
             raise  # the deploy file the caller named, not a cache entry
         # a cache entry is derived from its source: one that no longer reads (truncated, a
-        # changed byte, an interrupted copy) is packed again instead of failing every load.
-        # One whose checksums all match is not damaged: what failed is reading it here (an
-        # older library), and it stays for the environments that read it
-        if _intact(path):
-            raise FormatError(f"{e} (the file's checksums match, so it is not damaged: this "
-                              "environment cannot read it; check `pip check` and the "
-                              "versions pocketlm requires)") from None
+        # changed byte, an interrupted copy, an older packer's mistake) is packed again instead
+        # of failing every load. One whose checksums all match is set aside meanwhile: if the
+        # new pack fails too, what fails is reading here (an older library), and the entry is
+        # put back for the environments that read it (it was deleted, leaving none)
+        path = Path(path)
+        aside = path.with_name(path.name + ".unread") if _intact(path) else None
         if not quiet:
-            print(f"pocketlm: the cached deploy file {path} is damaged ({e}); packing it again",
-                  file=sys.stderr)
+            print(f"pocketlm: the cached deploy file {path} does not load ({e}); packing it "
+                  "again", file=sys.stderr)
         with contextlib.suppress(FileNotFoundError):
-            Path(path).unlink()
-        return load_pocket(deploy_file(model, **options), verify=verify, n_ctx=n_ctx)
+            os.replace(path, aside) if aside else path.unlink()
+        try:
+            again = load_pocket(deploy_file(model, **options), verify=verify, n_ctx=n_ctx)
+        except BaseException as again_error:
+            if aside is not None and aside.exists():
+                os.replace(aside, path)
+                if isinstance(again_error, FormatError):
+                    raise FormatError(f"{e} (the file's checksums match, and packing it again "
+                                      "failed too: this environment cannot read it; check "
+                                      "`pip check` and the versions pocketlm requires)"
+                                      ) from None
+            raise
+        if aside is not None:
+            with contextlib.suppress(FileNotFoundError):
+                aside.unlink()
+        return again

@@ -18,6 +18,28 @@ PACKAGES = ("numpy", "gguf", "tokenizers", "sentencepiece", "jinja2", "tqdm", "l
 print("versions:", ", ".join(f"{p} {version(p)}" for p in PACKAGES), flush=True)
 assert native.available(), native.unavailable_reason()
 
+# a SentencePiece vocabulary (Gemma's kind, read through the sentencepiece library): encoded,
+# decoded and serialised as a deploy file stores it
+from pocketlm.formats.gguf_vocab import tokenizer_from_gguf_fields  # noqa: E402
+from pocketlm.tokenizer import Tokenizer  # noqa: E402
+
+pieces = {"\u2581hello": -1.0, "\u2581world": -1.5, "\u2581": -2.0, "h": -3.0, "e": -3.0,
+          "l": -3.0, "o": -3.0, "w": -3.0, "r": -3.0, "d": -3.0}
+spm = tokenizer_from_gguf_fields({
+    "tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
+    "tokenizer.ggml.tokens": ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+                              *pieces],
+    "tokenizer.ggml.token_type": [2, 3, 3, *([6] * 256), *([1] * len(pieces))],
+    "tokenizer.ggml.scores": [0.0] * 259 + list(pieces.values()),
+    "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+    "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.add_bos_token": True,
+    "tokenizer.ggml.add_space_prefix": True})
+assert spm.kind == "spm", spm.kind
+ids = spm.encode("hello world 你好")
+assert ids[0] == 1 and 0 not in ids, ids  # BOS first; 你好 as bytes, not <unk>
+assert spm.decode(ids[1:]) == "hello world 你好", spm.decode(ids[1:])
+assert Tokenizer.from_json(spm.to_json()).encode("hello world 你好") == ids
+
 with tempfile.TemporaryDirectory() as tmp:
     # packed here from the shared GGUF (the tokenizer and the tensors read by these versions)
     deploy = f"{tmp}/smollm2.pocket"

@@ -100,17 +100,34 @@ def test_a_damaged_cache_entry_is_packed_again(tmp_path, monkeypatch):
     with pytest.raises(FormatError):
         pocketlm.load(named)
     assert named.stat().st_size == len(good) // 2
-    # an intact entry this environment cannot read (an older tokenizers library) is no damage:
-    # it stays (it was deleted, and the repack failed the same way, leaving none)
+    # an intact entry that does not load (an older packer's mistake) is packed again ...
+    from pocketlm import api
+
+    real, calls = api.load_pocket, []
+
+    def fails_once(path, **kwargs):
+        calls.append(path)
+        if len(calls) == 1:
+            raise FormatError(f"{path}: bos_id outside the vocabulary")
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(api, "load_pocket", fails_once)
+    again = pocketlm.load(src)
+    assert len(calls) == 2 and again.path == entry
+    assert not entry.with_name(entry.name + ".unread").exists()
+    del again
+    # ... and one this environment cannot read (an older tokenizers library) is no damage: when
+    # packing again fails the same way it is put back (it was deleted, leaving none)
     kept = entry.read_bytes()
 
     def cannot_read(path, **kwargs):
         raise FormatError(f"{path}: not a serialised pocketlm tokenizer")
 
-    monkeypatch.setattr("pocketlm.api.load_pocket", cannot_read)
-    with pytest.raises(FormatError, match="checksums match, so it is not damaged"):
+    monkeypatch.setattr(api, "load_pocket", cannot_read)
+    with pytest.raises(FormatError, match="checksums match, and packing it again failed too"):
         pocketlm.load(src)
     assert entry.read_bytes() == kept
+    assert not entry.with_name(entry.name + ".unread").exists()
 
 
 def test_a_changed_source_replaces_its_packed_file(tmp_path, monkeypatch):

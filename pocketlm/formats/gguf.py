@@ -80,11 +80,14 @@ def read_fields(reader, origin: str = "GGUF file") -> dict[str, Any]:
     fields: dict[str, Any] = {}
     for key, f in reader.fields.items():
         if not hasattr(f, "contents"):  # the library, not the file: gguf before 0.16
-            from importlib.metadata import version
+            from importlib.metadata import PackageNotFoundError, version
 
-            raise FormatError(f"the installed gguf library ({version('gguf')}) is too old to "
-                              "read GGUF fields; pocketlm needs gguf>=0.16 (pip install -U "
-                              "gguf)")
+            try:
+                installed = version("gguf")
+            except PackageNotFoundError:  # a gguf-py folder on the path
+                installed = "unknown version"
+            raise FormatError(f"the installed gguf library ({installed}) is too old to read "
+                              "GGUF fields; pocketlm needs gguf>=0.16 (pip install -U gguf)")
         try:
             fields[key] = f.contents()
         except Exception as exc:  # a field the library cannot decode is a corrupt file
