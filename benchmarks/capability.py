@@ -246,6 +246,8 @@ def mean_ability(r: dict) -> float:
 def svg_text(rows: list[dict]) -> str:
     """Two panels: mean ability against decode tok/s, and against peak memory; the budgets
     (decode 200 tok/s, memory 300 MB) drawn as dashed lines, the app-native quadrant shaded."""
+    from pocketlm.bench import BUDGETS, MEMORY_BUDGET_MIB
+
     points = [r for r in rows if r.get("speed")]
     w, h, pad = 860, 360, 55
     pw = (w - 3 * pad) / 2
@@ -258,7 +260,7 @@ def svg_text(rows: list[dict]) -> str:
     ymax = max([mean_ability(r) for r in points] + [0.5]) * 1.15
     for p, (field, title, budget, better_high) in enumerate((
             ("decode_tps", "decode tok/s", 200.0, True),
-            ("peak_rss_delta_mb", "peak memory MiB", 300e6 / 2**20, False))):
+            ("peak_rss_delta_mb", "peak memory MiB", MEMORY_BUDGET_MIB, False))):
         x0 = pad + p * (pw + pad)
         xmax = max([r["speed"][field] for r in points] + [budget]) * 1.15
         def sx(v, x0=x0, xmax=xmax):
@@ -275,7 +277,8 @@ def svg_text(rows: list[dict]) -> str:
         out.append(f'<line x1="{sx(budget):.1f}" y1="{top}" x2="{sx(budget):.1f}" '
                    f'y2="{bottom}" stroke="#888" stroke-dasharray="4 3"/>')
         out.append(f'<text x="{sx(budget) + 3:.1f}" y="{top + 12}" fill="#555">budget '
-                   + ("300 MB" if field == "peak_rss_delta_mb" else f"{budget:.0f}")
+                   + (f"{BUDGETS['peak_rss_delta_mb']:g} MB" if field == "peak_rss_delta_mb"
+                      else f"{budget:.0f}")
                    + '</text>')
         out.append(f'<text x="{x0 + pw / 2 - 40:.1f}" y="{bottom + 32}">{escape(title)}</text>')
         for k in range(5):

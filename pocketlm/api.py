@@ -680,7 +680,10 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
             print(f"pocketlm: the cached deploy file {path} does not load ({e}); packing it "
                   "again", file=sys.stderr)
         with contextlib.suppress(FileNotFoundError):
-            os.replace(path, aside) if aside else path.unlink()
+            if aside is not None:
+                os.replace(path, aside)
+            else:
+                path.unlink()
         try:
             again = load_pocket(deploy_file(model, **options), verify=verify, n_ctx=n_ctx)
         except BaseException as again_error:

@@ -39,6 +39,8 @@ PHONE_BATTERY_WH = 13.9
 MIB = 1 << 20
 BUDGETS = {"decode_tps": 200.0, "peak_rss_delta_mb": 300.0,  # the memory budget in MB
            "energy_j": round(PHONE_BATTERY_WH * 3600 / 10000, 3)}
+# the memory budget on the scale the peaks are measured in (MiB), for drawing it beside them
+MEMORY_BUDGET_MIB = BUDGETS["peak_rss_delta_mb"] * 1e6 / MIB
 WATTS_PER_CORE = 3.0  # assumed power of one busy core when RAPL is not available
 RAPL = Path("/sys/class/powercap/intel-rapl:0/energy_uj")
 VS_ENGINES = ("llama.cpp", "mnn")

@@ -23,7 +23,7 @@ def to_svg(results: list) -> str:
     out.append(f'<text x="{pad}" y="20" font-size="14">{escape(str(r0.model))}: '
                f'{r0.n_prompt}-token prompt, {r0.n_gen} generated, {r0.threads} threads, '
                f'median of {r0.runs}</text>')
-    from . import BUDGET_CALL, BUDGETS, MIB, row_label
+    from . import BUDGET_CALL, BUDGETS, MEMORY_BUDGET_MIB, row_label
 
     labels = [row_label(r, r0) for r in results]
     for p, (field, title, budget, _) in enumerate(PANELS):
@@ -34,7 +34,7 @@ def to_svg(results: list) -> str:
         if field == "energy_j_est" and not str(r0.energy_method).startswith("rapl"):
             title += " (est.)"
         if field == "peak_rss_delta_mb" and budget:  # the bars are MiB, the budget is MB
-            budget_label, budget = f"{budget:g} MB", budget * 1e6 / MIB
+            budget_label, budget = f"{budget:g} MB", MEMORY_BUDGET_MIB
         x0 = pad + p * panel_w
         top, bottom = 50, height - 50
         values = [float(getattr(r, field)) for r in results]
