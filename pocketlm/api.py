@@ -176,9 +176,11 @@ class PocketModel:
     def _sequence(self, prompt_ids: list[int], builtin_max_tokens: int, max_tokens, sampling,
                   state: GenerationState | None, stop: list[str] | None, *,
                   make_cache: bool = True, constrain: dict[str, Any] | None = None,
-                  continuation: bool = False) -> tuple[Sequence, KVCache | int | None]:
+                  continuation: bool = False,
+                  record: bool = True) -> tuple[Sequence, KVCache | int | None]:
         """A checked sequence for ``prompt_ids`` and the KV cache it runs in (None when it asks
-        for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity)."""
+        for no tokens: nothing runs; with ``make_cache=False``, the cache's capacity). Its state
+        becomes ``last_state`` unless ``record`` is false (a batch records each as it ends)."""
         prompt_ids = self._check_ids(prompt_ids)
         max_tokens = self.settings(builtin_max_tokens, max_tokens=max_tokens)["max_tokens"]
         if not is_integer(max_tokens) or max_tokens < 0:
@@ -201,7 +203,8 @@ class PocketModel:
                               f"a generation ({len(state.generated)} tokens, finish_reason="
                               f"{state.finish_reason!r})")
         state = state if state is not None else GenerationState()
-        self.last_state = state
+        if record:
+            self.last_state = state
         text = (TextStream(self.tokenizer, stop, continuation=continuation)
                 if stop is not None else None)
         seq = Sequence(prompt_ids, max_tokens=max_tokens, sampler=sampler,
@@ -377,7 +380,8 @@ class PocketModel:
         does not depend on which conversations ran beside it. ``json_schema``, ``regex`` or
         ``grammar`` constrains every reply as in :meth:`stream`. Every conversation is
         rendered and checked before the first runs: one that cannot run is an error naming
-        its index (``conversations[2]: ...``), and none has run."""
+        its index (``conversations[2]: ...``), and none has run. ``last_state`` is the state of
+        the conversation that ended last (it changes as each one ends)."""
         stops = _check_stop(stop)
         if isinstance(conversations, (str, bytes, dict)) or not isinstance(conversations,
                                                                              Iterable):
@@ -397,14 +401,16 @@ class PocketModel:
             try:
                 seq, capacity = self._sequence(self.chat_ids(messages), 256, max_tokens,
                                                sampling, None, stops, make_cache=False,
-                                               constrain=constrain)
+                                               constrain=constrain, record=False)
             except PocketError as exc:
                 raise type(exc)(f"conversations[{i}]: {exc}") from None
             sequences[i] = seq
             jobs.append((seq, capacity))
 
         for i, text in run_batch(self.runtime, iter(jobs), max_batch=max_batch):
-            yield i, text, sequences.pop(i).state
+            state = sequences.pop(i).state
+            self.last_state = state  # the conversation that ended last, as it ends
+            yield i, text, state
 
     def __repr__(self) -> str:
         c = self.config
@@ -665,7 +671,7 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
                    quiet=quiet)
     path = deploy_file(model, **options)
     try:
-        return load_pocket(path, verify=verify, n_ctx=n_ctx)
+        loaded = load_pocket(path, verify=verify, n_ctx=n_ctx)
     except FormatError as e:
         if Path(path).resolve() == resolve(_model_name(model), quiet=True).resolve():
             raise  # the deploy file the caller named, not a cache entry
@@ -699,3 +705,11 @@ def load(model: str | os.PathLike | None = None, *, precision: str = "int4",
             with contextlib.suppress(FileNotFoundError):
                 aside.unlink()
         return again
+    # an entry set aside by a process killed before it could remove it (the entry packed again
+    # loads): a whole deploy file's bytes, otherwise kept for good (stat only when none)
+    stale = Path(path).with_name(Path(path).name + ".unread")
+    if stale.exists() and (Path(path).resolve()
+                           != resolve(_model_name(model), quiet=True).resolve()):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    return loaded

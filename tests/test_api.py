@@ -128,6 +128,20 @@ def test_a_damaged_cache_entry_is_packed_again(tmp_path, monkeypatch):
         pocketlm.load(src)
     assert entry.read_bytes() == kept
     assert not entry.with_name(entry.name + ".unread").exists()
+    # an entry left set aside by a process killed while packing again is removed once the
+    # entry loads (it was kept for good: a whole deploy file); a deploy file the caller names
+    # keeps whatever lies beside it
+    monkeypatch.setattr(api, "load_pocket", real)
+    stale = entry.with_name(entry.name + ".unread")
+    stale.write_bytes(kept)
+    again = pocketlm.load(src)
+    assert again.path == entry and not stale.exists()
+    mine = tmp_path / "mine2.pocket"
+    mine.write_bytes(kept)
+    beside = mine.with_name(mine.name + ".unread")
+    beside.write_bytes(b"theirs")
+    pocketlm.load(mine)
+    assert beside.read_bytes() == b"theirs"
 
 
 def test_a_changed_source_replaces_its_packed_file(tmp_path, monkeypatch):

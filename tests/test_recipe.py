@@ -159,6 +159,19 @@ def test_chat_batch_refuses_bad_arguments(tiny):
     assert list(model.chat_batch([], max_tokens=2)) == []
 
 
+def test_chat_batch_last_state_is_the_conversation_that_ended(tiny):
+    """last_state was set to the last conversation's state when the batch started (before
+    any had run), so it read an empty state while others were being yielded."""
+    model = tiny["model"]
+    model.chat([{"role": "user", "content": "before"}], max_tokens=2, temperature=0)
+    before = model.last_state
+    convs = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    batch = model.chat_batch(convs, max_tokens=4, temperature=0, max_batch=1)
+    assert model.last_state is before  # nothing has run yet
+    for _, _, state in batch:
+        assert model.last_state is state and state.finish_reason in ("stop", "length")
+
+
 @pytest.mark.parametrize("bad, error, said", [
     ([{"role": "user"}], PocketError, "conversations[2]: messages[0].content must be"),
     ([{"role": "user", "content": "x " * 400}], ContextLengthError, "conversations[2]: "),
