@@ -567,8 +567,11 @@ def test_chat_page_streams_an_answer_in_chromium(server, local):
             page.fill("#input", question)
             page.keyboard.press("Enter")
             # the answer grows while streaming, then is marked done
-            page.wait_for_selector(".assistant[data-streaming]", timeout=30000)
+            # (a screen reader hears it once whole: busy while it streams, in a log region)
+            page.wait_for_selector(".assistant[data-streaming][aria-busy=true]", timeout=30000)
             page.wait_for_selector(".assistant[data-done]", timeout=120000)
+            assert page.get_attribute(".assistant", "aria-busy") is None
+            assert page.get_attribute("#log", "role") == "log"
             answer = page.inner_text(".assistant")
             asked = page.inner_text(".user")
             stats = page.inner_text("#stats")
