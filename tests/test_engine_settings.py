@@ -511,6 +511,56 @@ def test_one_cache_run_from_two_threads_is_refused_not_corrupted(clean_env):
     rt.forward([1], cache)  # free again once the calls are done
 
 
+@pytest.mark.parametrize("engine", ["numpy", pytest.param("native", marks=pytest.mark.skipif(
+    not ENGINE_BUILT, reason="the native engine is not built"))])
+def test_an_interrupt_anywhere_in_a_call_leaves_the_cache_free(clean_env, engine):
+    """Ctrl-C arrives between any two bytecodes: one arriving after the cache's lock was taken
+    and before the call recorded it left the cache locked, and every later call on it was
+    refused as "in use by another call". Interrupted at each line of taking the caches in
+    turn, the next call runs. (An interrupt while the call gives the caches back, a second
+    one, is not covered: no Python clean-up is, ``with lock:`` included.)"""
+    import sys
+
+    from pocketlm.runtime import engine as engine_mod
+    from pocketlm.runtime import model as model_mod
+
+    cfg = tiny_models.tiny_config("llama", max_context=64)
+    rt = Runtime(cfg, tiny_models.random_state_dict(cfg, seed=5), engine=engine)
+    cache, other = rt.new_cache(64), rt.new_cache(64)
+    using = model_mod.Runtime._using.__wrapped__.__code__
+    entering = {using, engine_mod.CacheGuard.enter.__code__}
+    interrupted = 0
+    for k in range(1, 200):
+        lines, taken = [0], [False]  # taken: _using has yielded (the caches are the call's)
+
+        def tracer(frame, event, arg, k=k, lines=lines, taken=taken):
+            if frame.f_code not in entering or taken[0]:
+                return None
+
+            def local(frame, event, arg, k=k, lines=lines, taken=taken):
+                if frame.f_code is using and event == "return":
+                    taken[0] = True
+                elif event == "line" and not taken[0]:
+                    lines[0] += 1
+                    if lines[0] == k:
+                        raise KeyboardInterrupt
+                return local
+            return local
+
+        sys.settrace(tracer)
+        try:
+            rt.copy_prefix(other, cache, 0)  # two caches: interrupted between them too
+        except KeyboardInterrupt:
+            interrupted += 1
+        finally:
+            sys.settrace(None)
+        if lines[0] < k:  # ran whole: every line has been interrupted once
+            break
+        rt.forward([1], cache)  # free: not "in use by another call"
+        rt.forward([1], other)
+    assert interrupted >= 5
+
+
 # -- pocket doctor ----------------------------------------------------------------------------------
 def _cli(capsys, *argv):
     code = cli.main(list(argv))

@@ -15,7 +15,6 @@ ownership once, before calling them.
 
 from __future__ import annotations
 
-import threading
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -35,6 +34,38 @@ def _check_capacity(capacity) -> int:
     return int(capacity)
 
 
+class CacheGuard:
+    """Which call holds a KV cache: the first of the calls that asked, each named by a token
+    of its own. Entering and leaving are single list operations (atomic under the GIL), and
+    leaving with a token that never entered does nothing, so a call interrupted anywhere
+    (Ctrl-C arrives between any two bytecodes) leaves by its token and never leaves the cache
+    held: a lock acquired just before the interrupt, not yet recorded by its holder, stayed
+    acquired and refused every later call on that cache."""
+
+    __slots__ = ("_calls",)
+
+    def __init__(self) -> None:
+        self._calls: list[object] = []
+
+    def enter(self, token: object) -> bool:
+        """Ask for the cache: true when this call holds it; false (and gone) when another
+        does."""
+        self._calls.append(token)
+        if self._calls[0] is token:
+            return True
+        self.leave(token)
+        return False
+
+    def leave(self, token: object) -> None:
+        try:
+            self._calls.remove(token)
+        except ValueError:
+            pass  # never entered, or refused
+
+    def held(self) -> bool:
+        return bool(self._calls)
+
+
 class KVCache:
     """Keys and values of every layer for up to ``capacity`` positions (float32)."""
 
@@ -46,7 +77,7 @@ class KVCache:
         self.v = [np.zeros(shape, np.float32) for _ in range(config.n_layers)]
         self.length = 0  # positions filled
         self.engine = None  # the engine that made it (None: made directly)
-        self.busy = threading.Lock()  # held by the runtime call that runs it
+        self.busy = CacheGuard()  # held by the runtime call that runs it
 
     def reset(self) -> None:
         self.length = 0
@@ -76,7 +107,7 @@ class NativeKVCache(KVCache):
         self.capacity = capacity
         self.length = 0
         self.engine = engine
-        self.busy = threading.Lock()
+        self.busy = CacheGuard()
         self.kv = engine.new_kv(capacity)
 
     @property

@@ -185,18 +185,18 @@ class Runtime:
     @contextmanager
     def _using(caches):
         """Hold ``caches`` for one call: a cache serves one sequence, one call at a time (two
-        threads running the same cache would write the same positions)."""
-        held = []
+        threads running the same cache would write the same positions). Left by this call's
+        token, whatever line an interrupt stops it at (see :class:`~pocketlm.runtime.engine.CacheGuard`)."""
+        token = object()
         try:
             for c in caches:
-                if not c.busy.acquire(blocking=False):
+                if not c.busy.enter(token):
                     raise KernelError("this KV cache is in use by another call (another "
                                       "thread): a cache serves one sequence, one call at a time")
-                held.append(c.busy)
             yield
         finally:
-            for lock in held:
-                lock.release()
+            for c in caches:
+                c.busy.leave(token)
 
     def new_cache(self, capacity: int | None = None) -> KVCache:
         cap = self.config.max_context if capacity is None else capacity
