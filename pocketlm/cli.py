@@ -568,12 +568,12 @@ def _add_model_args(p: argparse.ArgumentParser, *, n_default: int) -> None:
                    "(default: the model's, else 0)")
     p.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = "
                    "off (default: the model's, else 0)")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass "
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass, 0 to 1 "
                    "(default: the model's, else 1)")
     p.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x the top "
-                   "probability (default: the model's, else 0)")
-    p.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty, "
-                   "1 = off (default: the model's, else 1)")
+                   "probability after temperature (default: the model's, else 0)")
+    p.add_argument("--repeat-penalty", type=float, default=None, help="repetition penalty over "
+                   "the prompt and the answer, 1 = off (default: the model's, else 1)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--ctx", type=int, default=None, help="context size (default 4096, or the "
                    "model's if smaller)")

@@ -315,7 +315,7 @@ class GenerationDefaults:
                                              False, what="generation defaults"))
 
         number("temperature", 0.0, 1e4, True)
-        number("top_p", 0.0, 1.0, False)
+        number("top_p", 0.0, 1.0, True)  # 0: the most likely token alone
         number("min_p", 0.0, 1.0, True)
         number("repetition_penalty", 0.0, 1e4, False)
         _check_int("top_k", self.top_k, 0, INT_BOUNDS["vocab_size"][1],

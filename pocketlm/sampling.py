@@ -1,8 +1,10 @@
 """Sampling: turn next-token logits into a token, reproducibly.
 
-Order of operations (the one llama.cpp and Hugging Face use): repetition penalty, then greedy
-if ``temperature == 0``, else temperature, top-k, top-p (nucleus), min-p, and a draw from the
-remaining distribution with a seeded generator.
+Order of operations (Hugging Face's; llama.cpp's default chain applies temperature last, after
+top-k, top-p and min-p): repetition penalty (over the prompt and the output), then greedy if
+``temperature == 0``, else temperature, top-k, top-p (nucleus), min-p (relative to the most
+likely token's probability after temperature), and a draw from the remaining distribution
+with a seeded generator.
 """
 
 from __future__ import annotations
@@ -67,16 +69,18 @@ class SamplingParams:
         if t < 0:
             raise SamplingError(f"{nm('temperature')} must be >= 0 (0 = greedy), got {t}")
         p = finite("top_p", self.top_p)
-        if not 0 < p <= 1:
-            raise SamplingError(f"{nm('top_p')} must be in (0, 1], got {p}")
+        if not 0 <= p <= 1:
+            raise SamplingError(f"{nm('top_p')} must be in [0, 1] (0: the most likely token "
+                                f"only), got {p}")
         mp = finite("min_p", self.min_p)
         if not 0 <= mp <= 1:
             raise SamplingError(f"{nm('min_p')} must be in [0, 1], got {mp}")
         rp = finite("repetition_penalty", self.repetition_penalty)
         if rp <= 0:
             raise SamplingError(f"{nm('repetition_penalty')} must be > 0 (1 = off), got {rp}")
+        penalties = {}
         for name in ("presence_penalty", "frequency_penalty"):
-            v = finite(name, getattr(self, name))
+            v = penalties[name] = finite(name, getattr(self, name))
             if not -2 <= v <= 2:
                 raise SamplingError(f"{nm(name)} must be in [-2, 2], got {v}")
         if self.logit_bias is not None:
@@ -93,6 +97,12 @@ class SamplingParams:
                                 f"{shown(self.top_k)}")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):
             raise SamplingError(f"{nm('seed')} must be a non-negative integer, got {shown(self.seed)}")
+        # kept as the floats checked: a Decimal or a Fraction passed the check and then failed
+        # at the first token (float / Decimal)
+        self.temperature, self.top_p, self.min_p, self.repetition_penalty = t, p, mp, rp
+        self.presence_penalty = penalties["presence_penalty"]
+        self.frequency_penalty = penalties["frequency_penalty"]
+        self.top_k = int(self.top_k)
         return self
 
 
@@ -203,6 +213,7 @@ def _nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
         cum = np.cumsum(cw[order])
         if cum[-1] >= target or not cut:
             keep = cum - cw[order] < target  # the smallest prefix reaching the bound
+            keep[0] = True  # top_p 0: the most likely token alone
             return np.sort(cand[order[keep]])
     raise AssertionError("unreachable: the last cut takes every weight")
 
@@ -268,9 +279,9 @@ def _greedy(x: np.ndarray) -> int:
     choice, as in sampling. np.argmax returns the first NaN when there is one, so looking at
     its choice alone costs nothing on finite scores."""
     best = int(np.argmax(x))
-    if not np.isnan(x[best]):
+    if not np.isnan(x[best]) and x[best] != -np.inf:
         return best
-    return int(np.argmax(_finite_scores(x)))
+    return int(np.argmax(_finite_scores(x)))  # every score NaN or -inf: an error
 
 
 def _finite_scores(x: np.ndarray) -> np.ndarray:
@@ -305,9 +316,15 @@ def logprobs(logits: np.ndarray, token: int, top: int = 0
         lse = m + np.log(np.sum(np.exp(np.where(finite, x - m, -np.inf))))
     lp = float(x[token] - lse) if np.isfinite(x[token]) else float("-inf")
     best: list[tuple[int, float]] = []
-    if top > 0:
-        k = min(top, x.size)
-        idx = np.argpartition(-np.where(finite, x, -np.inf), k - 1)[:k]
-        idx = idx[np.argsort(-x[idx], kind="stable")]
+    if top > 0 and finite.any():
+        # the k largest finite scores, ties (at the cut too) by id as greedy takes them: a
+        # partition alone picks among ties at random, and named another token first than
+        # the one greedy chose; NaN and -inf are never listed
+        scores = np.where(finite, x, -np.inf)
+        k = min(top, int(finite.sum()))
+        kth = np.partition(scores, -k)[-k]
+        above = np.flatnonzero(scores > kth)
+        idx = np.concatenate([above, np.flatnonzero(scores == kth)[:k - above.size]])
+        idx = idx[np.lexsort((idx, -scores[idx]))]
         best = [(int(i), float(x[i] - lse)) for i in idx]
     return lp, best

@@ -790,7 +790,7 @@ def test_chat_bad_messages(m):
 
 @pytest.mark.parametrize("kw", [
     dict(temperature=math.nan), dict(temperature=-1.0), dict(temperature=math.inf),
-    dict(top_p=0.0), dict(top_p=1.5), dict(top_p=math.nan), dict(top_k=-1), dict(top_k=1.5),
+    dict(top_p=-0.1), dict(top_p=1.5), dict(top_p=math.nan), dict(top_k=-1), dict(top_k=1.5),
     dict(min_p=-0.1), dict(min_p=2.0), dict(repetition_penalty=0.0), dict(seed=-1),
     dict(seed=1.5), dict(max_tokens=-1), dict(max_tokens=2.0), dict(temperature="hot"),
 ])

@@ -96,7 +96,7 @@ def test_gguf_sampling_keys_become_the_defaults(tmp_path):
 
 
 @pytest.mark.parametrize("key,value", [("general.sampling.temp", -1.0),
-                                       ("general.sampling.top_p", 0.0),
+                                       ("general.sampling.top_p", 1.5),
                                        ("general.sampling.top_k", -3),
                                        ("general.sampling.penalty_repeat", "x")])
 def test_a_bad_gguf_sampling_key_is_named(tmp_path, key, value):

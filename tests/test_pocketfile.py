@@ -1055,7 +1055,7 @@ def test_malformed_config_field(tiny_pocket, tmp_path, value):
 
 @pytest.mark.parametrize("value", [
     "[1]", "5", "null", "{not json", '{"temperature": NaN}', '{"temperature": -1}',
-    '{"top_k": -1}', '{"top_k": 1.5}', '{"top_p": "x"}', '{"top_p": 0}', '{"min_p": 2}',
+    '{"top_k": -1}', '{"top_k": 1.5}', '{"top_p": "x"}', '{"top_p": -0.5}', '{"min_p": 2}',
     '{"repetition_penalty": 0}', '{"repetition_penalty": Infinity}', '{"max_tokens": 1.5}',
     '{"max_tokens": true}', '{"temperature": [0.5]}',
 ])

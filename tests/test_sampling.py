@@ -90,3 +90,69 @@ def test_a_token_of_weight_zero_is_never_drawn_from_a_long_vocabulary():
     sampler = Sampler(SamplingParams(temperature=1.0, seed=3))
     drawn = {sampler(x) for _ in range(500)}
     assert drawn <= set(live.tolist()) and len(drawn) > 100
+
+
+# -- edges an audit found --------------------------------------------------------------------
+
+
+def test_decimal_and_fraction_settings_sample_as_their_floats():
+    """Decimal and Fraction passed the check and then failed at the first token (float /
+    Decimal): the checked floats are what the sampler uses."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    logits = np.random.default_rng(3).normal(size=300).astype(np.float32)
+    floats = dict(temperature=0.7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, top_k=40)
+    exact = [dict(temperature=Decimal("0.7"), top_p=Decimal("0.9"), min_p=Decimal("0.05"),
+                  repetition_penalty=Decimal("1.1"), top_k=np.int64(40)),
+             dict(temperature=Fraction(7, 10), top_p=Fraction(9, 10), min_p=Fraction(1, 20),
+                  repetition_penalty=Fraction(11, 10), top_k=np.int32(40))]
+    want = Sampler(SamplingParams(**floats, seed=5))
+    draws = [want(logits, history=[1, 2]) for _ in range(8)]
+    for kw in exact:
+        s = Sampler(SamplingParams(**kw, seed=5))
+        assert type(s.params.temperature) is float and type(s.params.top_k) is int
+        assert [s(logits, history=[1, 2]) for _ in range(8)] == draws
+
+
+def test_top_p_zero_keeps_the_most_likely_token_alone():
+    """OpenAI's range for top_p includes 0 (it was refused): the most likely token alone,
+    the first of tied ones, as greedy takes it."""
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        logits = rng.normal(size=500).astype(np.float32)
+        s = Sampler(SamplingParams(temperature=1.5, top_p=0.0, seed=int(rng.integers(1 << 30))))
+        assert s(logits) == int(np.argmax(logits))
+    tied = np.zeros(10, np.float32)
+    tied[[3, 7]] = 2.0
+    assert Sampler(SamplingParams(temperature=1.0, top_p=0.0, seed=1))(tied) == 3
+
+
+def test_top_logprobs_rank_ties_by_id_and_list_no_nan():
+    """A partition picked among tied scores at random: the first listed could be another
+    token than the one greedy chose, and ids were out of order among equals. NaN scores were
+    listed with a NaN log-probability (invalid JSON from the server)."""
+    from pocketlm.sampling import logprobs
+
+    x = np.zeros(1000, np.float32)
+    x[[900, 500]] = 1.0
+    _, top = logprobs(x, 500, 6)
+    assert [i for i, _ in top] == [500, 900, 0, 1, 2, 3]
+    y = np.array([np.nan, 1.0, 2.0, np.nan, -np.inf], np.float32)
+    lp, top = logprobs(y, 1, 5)
+    assert [i for i, _ in top] == [2, 1] and all(np.isfinite(v) for _, v in top)
+    assert np.isfinite(lp)
+
+
+def test_greedy_over_no_usable_score_is_an_error_not_token_zero():
+    """Greedy on every score -inf (a grammar allowing only tokens the model rules out) took
+    token 0, a token outside what was allowed; sampling said why it could not."""
+    from pocketlm.errors import SamplingError
+
+    for params in (SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)):
+        with pytest.raises(SamplingError, match="NaN or -inf"):
+            Sampler(params)(np.full(4, -np.inf, np.float32))
+    allowed = np.array([False, False, True, True])
+    with pytest.raises(SamplingError, match="NaN or -inf"):
+        Sampler(SamplingParams(temperature=0))(
+            np.array([1.0, 2.0, -np.inf, -np.inf], np.float32), allowed=allowed)

@@ -213,6 +213,15 @@ def test_seeds_reproduce_samples(server):
     b = [c.completions.create(seed=s, **kw).choices[0].text for s in (1, 2, 3)]
     assert a == b
     assert len(set(a)) > 1  # different seeds, different samples
+    # OpenAI takes any int64 seed (a negative one was refused): -1 is no seed, as llama.cpp's
+    # server and its clients read it; another negative seed is a seed (modulo 2**64), and
+    # top_p 0 keeps the most likely token alone (it was refused)
+    neg = [c.completions.create(seed=-5, **kw).choices[0].text for _ in range(2)]
+    assert neg[0] == neg[1]
+    unseeded = {c.completions.create(seed=-1, **kw).choices[0].text for _ in range(3)}
+    assert len(unseeded) > 1
+    greedy = c.completions.create(**{**kw, "temperature": 0}).choices[0].text
+    assert c.completions.create(seed=3, top_p=0, **kw).choices[0].text == greedy
 
 
 # -- concurrency ----------------------------------------------------------------------------
@@ -315,7 +324,7 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "max_tokens": "9"}, 400, "invalid_type", "max_tokens"),
     ({"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "invalid_type", "temperature"),
     ({"model": MODEL, "prompt": "x", "temperature": 3}, 400, "invalid_value", "temperature"),
-    ({"model": MODEL, "prompt": "x", "top_p": 0}, 400, "invalid_value", "top_p"),
+    ({"model": MODEL, "prompt": "x", "top_p": -0.1}, 400, "invalid_value", "top_p"),
     ({"model": MODEL, "prompt": "x", "stream": "yes"}, 400, "invalid_type", "stream"),
     ({"model": MODEL, "prompt": "x", "n": 0}, 400, "invalid_value", "n"),
     ({"model": MODEL, "prompt": "x", "best_of": 2}, 400, "unsupported_value", "best_of"),
@@ -328,7 +337,7 @@ BAD = [  # (body or raw bytes, status, code, param)
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "invalid_value", "logprobs"),
     ({"model": MODEL, "prompt": [1, "a"]}, 400, "invalid_type", "prompt"),
     ({"model": MODEL, "prompt": "x", "stop": [1]}, 400, "invalid_type", "stop"),
-    ({"model": MODEL, "prompt": "x", "seed": -4}, 400, "invalid_value", "seed"),
+    ({"model": MODEL, "prompt": "x", "seed": -2**63 - 1}, 400, "invalid_value", "seed"),
     ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "unknown_parameter", "bogus"),
     ({"model": "gpt-4o", "prompt": "x"}, 404, "model_not_found", "model"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 5000}, 400, "context_length_exceeded",

@@ -786,7 +786,7 @@ def create_app(model: PocketModel, cfg: ServerConfig) -> Starlette:
                 return "bytes:" + "".join(f"\\x{c:02x}" for c in b)
 
         def lp(x: float) -> float:
-            return max(x, -9999.0)  # JSON has no -inf (OpenAI's floor)
+            return x if x >= -9999.0 else -9999.0  # JSON has no -inf or NaN (OpenAI's floor)
 
         if chat:
             content = []

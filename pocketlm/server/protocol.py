@@ -161,6 +161,16 @@ def _integer(lo: int | None = None, hi: int = INT64_MAX):
     return check
 
 
+def _seed(v, name):
+    """OpenAI takes any int64 seed. -1 is "no seed" (a random draw each time), as llama.cpp's
+    server reads it and as its clients send it; another negative seed is a seed like any
+    other (taken modulo 2**64)."""
+    v = _integer(-INT64_MAX - 1)(v, name)
+    if v == -1:
+        return None
+    return v % 2**64
+
+
 def _boolean(v, name):
     if not isinstance(v, bool):
         raise _bad(f"'{name}' must be a boolean, got {_type_name(v)}", name, "invalid_type")
@@ -437,12 +447,12 @@ _SAMPLING = {
     "model": _string,
     "max_tokens": _integer(0),
     "temperature": _number(0, 2),
-    "top_p": _number(0, 1, lo_open=True),
+    "top_p": _number(0, 1),  # 0: the most likely token alone
     "n": _integer(1, 16),
     "stream": _boolean,
     "stream_options": _stream_options,
     "stop": _stop,
-    "seed": _integer(0),
+    "seed": _seed,
     "user": _string,
     "presence_penalty": _number(-2, 2),
     "frequency_penalty": _number(-2, 2),
