@@ -72,8 +72,10 @@ _VIEWS = (type({}.keys()), type({}.values()), type({}.items()))
 _COUNTED = "counted text"
 
 
-def _tojson(value, indent=None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """Hugging Face's ``tojson`` (its arguments too: templates written for it pass them)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
 
 
 def _str_size(s: str) -> int:
@@ -160,10 +162,13 @@ def _text_size(value) -> int:
     return _text_bound(value)[0]
 
 
-def _json_bound(value, indent=None) -> int:
-    """An upper bound on the characters of ``value`` in JSON, each line indented by
-    ``indent`` per level (a line holds at least one character of the compact text)."""
+def _json_bound(value, indent=None, separators=None) -> int:
+    """An upper bound on the characters of ``value`` in JSON (non-ASCII escaped or not), each
+    line indented by ``indent`` per level (a line holds at least one character of the compact
+    text), with ``separators`` (a pair of strings) in place of ", " and ": "."""
     chars, depth, _ = _text_bound(value)
+    if isinstance(separators, (list, tuple)):  # at most one of each per character
+        chars *= 1 + sum(len(x) for x in separators if isinstance(x, str))
     if indent is None:
         return chars
     width = len(indent) if isinstance(indent, str) else indent if isinstance(indent, int) else 0
@@ -267,6 +272,22 @@ _TEXT_FILTERS = frozenset([
 
 
 @functools.cache
+def _generation_tag():
+    """Hugging Face's ``{% generation %} ... {% endgeneration %}`` (it marks the assistant's
+    tokens for training masks): its body, rendered as it is."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
+
+
+@functools.cache
 def _environment():
     from collections.abc import Iterator
 
@@ -320,7 +341,8 @@ def _environment():
             self.guard("join", lambda ctx, items, d="", attribute=None: _join_bound(
                 len(d) if isinstance(d, str) else _text_size(d), items) if attribute is None
                 else _text_size(items) + len(items) * _text_size(d))
-            self.guard("tojson", lambda value, indent=None: _json_bound(value, indent))
+            self.guard("tojson", lambda value, ensure_ascii=False, indent=None, separators=None,
+                       sort_keys=False: _json_bound(value, indent, separators))
             self.guard("pprint", lambda value: _pprint_bound(value))
             self.guard("urlencode", lambda value: 12 * (  # %XX for each byte of UTF-8
                 len(value) if isinstance(value, str) else _text_size(value)))
@@ -610,7 +632,8 @@ def _compiled(template: str):
         cache = _compiled_here.templates = OrderedDict()
     found = cache.get(template)
     if found is None:
-        env = _environment()(trim_blocks=True, lstrip_blocks=True)
+        env = _environment()(trim_blocks=True, lstrip_blocks=True,
+                             extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         found = cache[template] = (env, env.compile_budgeted(template))
         if len(cache) > MAX_COMPILED:
             cache.popitem(last=False)
@@ -639,6 +662,9 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
         raise PocketError("messages must be a list of {'role': str, 'content': str} objects")
     if not isinstance(template, str):
         raise PocketError(f"chat template must be a string, got {type(template).__name__}")
+    # tools and documents are None unless given, as Hugging Face renders them: a template
+    # that asks `tools is not none` (Mistral's) wrote an empty tool list into every prompt
+    extra = {"tools": None, "documents": None, **extra}
     try:
         return _compiled(template).render(
             messages=messages, bos_token=bos_token, eos_token=eos_token,

@@ -31,7 +31,8 @@ from .structured import JSON_LAYOUT, Grammar, Triggered, compile_grammar, parse_
 
 NATIVE_TRIGGER = "<tool_call>"
 GENERIC_TRIGGER = "{"
-_NATIVE_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_SPACE = re.compile(r"\s*")
+_NATIVE_END = "</tool_call>"
 
 
 @dataclass(frozen=True)
@@ -89,16 +90,22 @@ def render_messages(messages: list[dict], tools: list[Tool], *, native: bool
             out.append(m)
         return out, ({"tools": [t.as_openai() for t in tools]} if tools else {})
     out = []
+    called: dict[Any, str] = {}  # call id -> the function it called
     for m in messages:
         role, content = m["role"], m.get("content") or ""
         if role == "assistant" and m.get("tool_calls"):
+            called.update((c["id"], c["function"]["name"]) for c in m["tool_calls"]
+                          if isinstance(c.get("id"), str))
             calls = [json.dumps({"name": c["function"]["name"],
                                  "arguments": _arguments(c["function"]["arguments"])},
                                 ensure_ascii=False) for c in m["tool_calls"]]
             content = "\n".join([content, *calls] if content else calls)
             out.append({"role": "assistant", "content": content})
         elif role == "tool":
-            name = m.get("name") or m.get("tool_call_id") or "the function"
+            # an OpenAI tool message names its call, not the function: the model was shown
+            # the call without its id
+            name = (m.get("name") or called.get(m.get("tool_call_id"))
+                    or m.get("tool_call_id") or "the function")
             out.append({"role": "user", "content": f"Result of {name}:\n{content}"})
         else:
             out.append({"role": role, "content": content})
@@ -227,20 +234,38 @@ def call_constraint(tools: list[Tool], choice: str | dict, *, native: bool, toke
     return constraint
 
 
+def _native_bodies(text: str) -> list[Any] | None:
+    """The JSON values of ``<tool_call> VALUE </tool_call>`` blocks that make up ``text``
+    (whitespace around them aside), or None. Each value is read as JSON, not up to the next
+    ``</tool_call>``: a string argument may hold that text (code, XML), and a forced call
+    holding it came back as plain text."""
+    decoder, found, pos = json.JSONDecoder(), [], _SPACE.match(text).end()
+    while pos < len(text):
+        if not text.startswith(NATIVE_TRIGGER, pos):
+            return None
+        pos = _SPACE.match(text, pos + len(NATIVE_TRIGGER)).end()
+        try:
+            value, pos = decoder.raw_decode(text, pos)
+        except (ValueError, RecursionError):  # nested past the parser's limit: not a call
+            return None
+        pos = _SPACE.match(text, pos).end()
+        if not text.startswith(_NATIVE_END, pos):
+            return None
+        pos = _SPACE.match(text, pos + len(_NATIVE_END)).end()
+        found.append(value)
+    return found or None
+
+
 def parse_calls(text: str, *, native: bool) -> list[dict] | None:
     """The OpenAI ``tool_calls`` an answer makes, or None when it is not (wholly) calls."""
     found: list[Any] = []
     if native:
         if not text.lstrip().startswith(NATIVE_TRIGGER):
             return None
-        bodies = _NATIVE_CALL.findall(text)
-        if not bodies or _NATIVE_CALL.sub("", text).strip():
+        bodies = _native_bodies(text)
+        if bodies is None:
             return None
-        for b in bodies:
-            try:
-                found.append(json.loads(b))
-            except (ValueError, RecursionError):  # nested past the parser's limit: not a call
-                return None
+        found += bodies
     else:
         if not text.lstrip().startswith(GENERIC_TRIGGER):
             return None

@@ -709,6 +709,40 @@ def test_the_shipped_chat_templates_render_as_jinja_renders_them():
             assert render(template, msgs, bos_token="<s>", eos_token="</s>") == expected
 
 
+HF_TEMPLATES = [  # what templates written for Hugging Face use, and pocketlm's sandbox lacked
+    # loop controls
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% break %}{% endif %}"
+    "{{ m.role }};{% endfor %}",
+    "{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}{{ m.role }};"
+    "{% endfor %}",
+    # tojson's arguments
+    "{{ messages[1] | tojson(ensure_ascii=True, separators=(',', ':'), sort_keys=True) }}",
+    "{{ messages | tojson(indent=2, ensure_ascii=False) }}",
+    # the assistant-mask tag
+    "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}[{{ m.content }}]"
+    "{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}",
+    # tools and documents are None, not undefined, when none are given (Mistral's check)
+    "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]"
+    "{% endif %}{{ messages[0].content }}",
+]
+
+
+@pytest.mark.parametrize("template", HF_TEMPLATES)
+def test_templates_written_for_hugging_face_render_as_it_renders_them(template):
+    """Templates are written for Hugging Face's renderer: loop controls, tojson's arguments
+    and the generation tag failed to render here ("unknown tag 'break'"), and a template that
+    asks `tools is not none` wrote an empty tool list into every prompt. Checked against
+    transformers' own renderer."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from pocketlm.chat import render
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "你好 é"},
+            {"role": "assistant", "content": "Hi."}]
+    want = render_jinja_template([msgs], chat_template=template)[0][0]
+    assert render(template, msgs, add_generation_prompt=False) == want
+
+
 def test_a_compiled_template_is_reused_with_a_fresh_budget_for_each_render():
     """Templates are compiled once per thread (compiling took milliseconds, rendering a short
     chat microseconds): each render still has the whole budget, and renders in several threads

@@ -387,6 +387,19 @@ def test_closed_schemas_and_tool_call_formats():
         tools, native=False)
     assert json.loads(kept[2]["content"])["arguments"] == deep
     assert msgs[3]["role"] == "user" and msgs[3]["content"].endswith("2")
+    # a result is labelled with the function its call named (the call's id is never shown)
+    assert msgs[3]["content"] == "Result of f:\n2"
+    # a string argument may hold the closing tag: the call is read as JSON, not up to it
+    # (a forced call holding it came back as plain text)
+    tricky = ('<tool_call>\n{"name": "f", "arguments": {"s": "a</tool_call>b"}}\n</tool_call>'
+              '\n<tool_call>{"name": "g", "arguments": {}}</tool_call>\n')
+    calls = parse_calls(tricky, native=True)
+    assert [c["function"] for c in calls] == [
+        {"name": "f", "arguments": '{"s": "a</tool_call>b"}'}, {"name": "g", "arguments": "{}"}]
+    for broken in ('<tool_call>{"name": "f", "arguments": {}}', "<tool_call></tool_call>",
+                   '<tool_call>{"name": "f", "arguments": {}} x</tool_call>',
+                   '<tool_call>{"name": "f", "arguments": {}}</tool_call> then text'):
+        assert parse_calls(broken, native=True) is None, broken
     _, extra = render_messages([{"role": "user", "content": "hi"}], tools, native=True)
     assert extra["tools"][0]["function"]["name"] == "f"
     assert call_grammar(tools, native=True).kind == "grammar"
