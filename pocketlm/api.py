@@ -339,8 +339,8 @@ class PocketModel:
                               "'content': str} message")
         messages = _chat_messages(messages)
         tok = self.tokenizer
-        refuse_control_text(messages, template_args, tok)
-        marked = mark_control_text(messages, tok)
+        refuse_control_text(messages, template_args, tok, self.chat_template)
+        marked = mark_control_text(messages, tok, self.chat_template)
         text = self.render_chat(marked.messages if marked else messages, **template_args)
         bos = tok.id_to_token(tok.bos_id) if tok.bos_id is not None else None
         add_bos = tok.add_bos and tok.bos_id is not None and not (bos and text.startswith(bos))

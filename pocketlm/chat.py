@@ -677,44 +677,53 @@ def render(template: str | None, messages: list[dict[str, Any]], *, bos_token: s
 
 
 class MarkedChat(NamedTuple):
-    """A chat whose message texts spell control tokens, each such text replaced by a marker."""
+    """A chat whose message texts spell control tokens, each such spelling replaced by a
+    marker."""
 
-    messages: list[dict[str, Any]]  # the chat, those contents replaced by markers
-    contents: list[str]  # the replaced contents, in marker order
+    messages: list[dict[str, Any]]  # the chat, each control-token spelling a marker
+    contents: list[str]  # the texts replaced, in marker order
     nonce: str  # the markers' nonce: no message text holds it
     example: str  # one control token's text found, for errors
-    # the whitespace around each content, left outside its marker (see mark_control_text)
-    around: list[tuple[str, str]] = []
+    # whether a message's own text holds a marker's delimiters (U+E000, U+E001: private use)
+    delimiters_in_text: bool = False
 
 
-def mark_control_text(messages: Any, tokenizer) -> MarkedChat | None:
-    """None when no message's content spells a control token's text (``<|im_end|>``); else
-    the chat with each such content replaced by a marker, for :func:`encode_rendered`: the
-    text a user wrote is tokenized as text, so it cannot close a turn or open one of its own
-    (OpenAI's API treats it so). Inference (``PocketModel.chat_ids``) and training
-    (``SFTData``) both encode chats so, so a tuned model learns the prompts it will be given."""
+def mark_control_text(messages: Any, tokenizer, template: str | None = None
+                      ) -> MarkedChat | None:
+    """None when no message's content spells a control token's text (``<|im_end|>``, or an
+    added token ``template`` writes, see ``Tokenizer.control_finder``); else the chat with
+    each such spelling replaced by a marker, for :func:`encode_rendered`: the text a user
+    wrote is tokenized as text, so it cannot close a turn or open one of its own (OpenAI's
+    API treats it so). Only the spellings are marked: the rest of the content reaches the
+    template as it is, so a template that trims it, or writes it as JSON (``tojson``:
+    escaped quotes and newlines), treats it as any other message's. Inference
+    (``PocketModel.chat_ids``) and training (``SFTData``) both encode chats so, so a tuned
+    model learns the prompts it will be given."""
     if not isinstance(messages, list):
         return None
-    found = {i: tokenizer.control_text_in(m["content"]) for i, m in enumerate(messages)
+    finder = tokenizer.control_finder(template)
+    found = {i: finder.finditer(m["content"]) for i, m in enumerate(messages)
              if isinstance(m, dict) and isinstance(m.get("content"), str)}
-    hit = [i for i, text in found.items() if text is not None]
-    if not hit:
+    if not any(found.values()):
         return None
     import secrets
 
     nonce = secrets.token_hex(8)
-    marked, contents, around = list(messages), [], []
-    for i in hit:
-        # the whitespace around the text stays outside the marker, for the template to
-        # treat as it treats any message's (Gemma's trims it: with it inside, a message
-        # holding control text kept spaces and newlines every other message loses)
-        text = messages[i]["content"]
-        core = text.strip()
-        lead, trail = text[:len(text) - len(text.lstrip())], text[len(text.rstrip()):]
-        marked[i] = {**messages[i], "content": f"{lead}\ue000{nonce}{len(contents)}\ue001{trail}"}
-        contents.append(core)
-        around.append((lead, trail))
-    return MarkedChat(marked, contents, nonce, found[hit[0]], around)
+    marked, contents = list(messages), []
+    for i, spans in found.items():
+        if not spans:
+            continue
+        text, out, pos = messages[i]["content"], [], 0
+        for at, control in spans:
+            out += [text[pos:at], f"\ue000{nonce}{len(contents)}\ue001"]
+            contents.append(control)
+            pos = at + len(control)
+        out.append(text[pos:])
+        marked[i] = {**messages[i], "content": "".join(out)}
+    example = next(spans for spans in found.values() if spans)[0][1]
+    own = any("\ue000" in m["content"] or "\ue001" in m["content"] for m in messages
+              if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return MarkedChat(marked, contents, nonce, example, own)
 
 
 def non_text_part(parts: list) -> int | None:
@@ -728,7 +737,8 @@ def non_text_part(parts: list) -> int | None:
     return None
 
 
-def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer) -> None:
+def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer,
+                        template: str | None = None) -> None:
     """A :class:`PocketError` naming where control-token text (``<|im_end|>``) appears in what a
     template renders besides a message's content: a role, a name, an earlier tool call's name
     or arguments, the tools offered (their names, descriptions, schemas). Contents are kept
@@ -742,7 +752,7 @@ def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer)
     while todo:  # a stack, not recursion: a tool's schema may be nested deeply
         value, where = todo.pop()
         if isinstance(value, str):
-            found = tokenizer.control_text_in(value)
+            found = tokenizer.control_text_in(value, template)
             if found is not None:
                 raise PocketError(f"{where} holds control-token text ({found!r}), which the "
                                   "chat template would read as that token; remove it",
@@ -756,29 +766,23 @@ def refuse_control_text(messages: Any, template_args: dict[str, Any], tokenizer)
 
 def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int]:
     """The ids (no BOS) of ``text``, a chat (or part of one) rendered from ``marked.messages``:
-    the template's own control-token texts are those tokens, each marker is its message's
-    text tokenized as text. A template that altered a marker (sliced or rewrote the content)
-    cannot be followed: refused, not guessed."""
+    the template's own control-token texts are those tokens, each marker its control-token
+    spelling tokenized as text. A template that altered a marker (sliced or rewrote the
+    content, changed its case) cannot be followed: refused, not guessed."""
     if marked is None:
         return tokenizer.encode(text, add_bos=False, special=True)
     parts = re.split(f"\ue000{marked.nonce}(\\d+)\ue001", text)
-    if any(marked.nonce in p for p in parts[::2]):
+    nonce = marked.nonce.lower()
+    if any(nonce in p.lower() or not marked.delimiters_in_text and ("\ue000" in p or
+                                                                    "\ue001" in p)
+           for p in parts[::2]):
         raise PocketError("a message's content holds control-token text (such as "
                           f"{marked.example!r}) and the chat template alters it, so it cannot "
                           "be kept as plain text; remove that text")
-    # whitespace the template kept around a marked text is tokenized with that text, as
-    # it is in a message without control text (" hello" stays one piece after ChatML's "\n")
-    pieces = [[part, True] if i % 2 == 0 else [marked.contents[int(part)], False]
-              for i, part in enumerate(parts)]
-    for i in range(1, len(pieces), 2):
-        lead, trail = marked.around[int(parts[i])] if marked.around else ("", "")
-        before, after = pieces[i - 1], pieces[i + 1]
-        if lead and before[0].endswith(lead):
-            before[0], pieces[i][0] = before[0][:-len(lead)], lead + pieces[i][0]
-        if trail and after[0].startswith(trail):
-            after[0], pieces[i][0] = after[0][len(trail):], pieces[i][0] + trail
     ids: list[int] = []
-    for piece, special in pieces:
-        if piece:
-            ids += tokenizer.encode(piece, add_bos=False, special=special)
+    for i, part in enumerate(parts):
+        if i % 2:
+            ids += tokenizer.encode_text(marked.contents[int(part)])
+        elif part:
+            ids += tokenizer.encode(part, add_bos=False, special=True)
     return ids

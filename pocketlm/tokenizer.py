@@ -169,12 +169,41 @@ class Tokenizer:
     def _piece(self, id: int) -> str | None:
         return self.hf.id_to_token(id)
 
-    def control_text_in(self, text: str) -> str | None:
-        """The first control token's text (``<|im_end|>``) that ``text`` spells, or None."""
-        finder = self.__dict__.get("_control_finder")
+    def control_finder(self, template: str | None = None) -> LiteralFinder:
+        """What finds control-token texts: every control token's (``<|im_end|>``), and, given
+        a chat template, every other added token's text the template writes (Qwen's
+        ``<tool_call>``, an added token not marked special: the template's structure all the
+        same), whitespace aside (Gemma's user-defined ``\\n``). Added tokens no template
+        writes (Gemma's ``<table>``) are the model's text."""
+        cache = self.__dict__.setdefault("_control_finders", {})
+        finder = cache.get(template)
         if finder is None:
-            finder = self._control_finder = LiteralFinder(t for t in self.special_tokens if t)
-        return next(iter(finder.findall(text)), None)
+            texts = {t for t in self.special_tokens if t}
+            if template:
+                texts |= {t for t in self._added.values()
+                          if t and not t.isspace() and t in template}
+            if len(cache) >= 8:
+                cache.pop(next(iter(cache)))
+            finder = cache[template] = LiteralFinder(texts)
+        return finder
+
+    def control_text_in(self, text: str, template: str | None = None) -> str | None:
+        """The first control token's text (``<|im_end|>``) that ``text`` spells, or None
+        (``template``: as :meth:`control_finder` takes it)."""
+        return next(iter(self.control_finder(template).findall(text)), None)
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids (no BOS) of ``text`` read as text throughout: no token's text in it is cut
+        out as that token, an added one that :meth:`encode` always cuts out included (Qwen's
+        ``<tool_call>`` with ``special=False``). For control-token text a user wrote."""
+        check_text(text)
+        hf = self.hf
+        with untokenizable():
+            n = hf.normalizer.normalize_str(text) if hf.normalizer is not None else text
+            pieces = (hf.pre_tokenizer.pre_tokenize_str(n) if hf.pre_tokenizer is not None
+                      else [(n, None)])
+            ids = [t.id for piece, _ in pieces for t in hf.model.tokenize(piece)]
+        return [i for i in ids if i != self._dropped_id]
 
     def is_special(self, id: int) -> bool:
         """True for control tokens (``<|im_start|>``, ``<bos>``, ...)."""
@@ -479,6 +508,15 @@ class SpmTokenizer(Tokenizer):
     def encode_batch(self, texts: list[str], *, special: bool = True) -> list[list[int]]:
         return [self.encode(t, add_bos=False, special=special) for t in texts]
 
+    def encode_text(self, text: str) -> list[int]:
+        check_text(text)
+        ids = self.sp.encode(text)
+        if any(i in self._added for i in ids):
+            # SentencePiece itself matches its user-defined pieces: one character at a time,
+            # none can be spelled
+            ids = [i for c in text for i in self.sp.encode(c)]
+        return ids
+
     def to_json(self) -> str:
         proto = base64.b64encode(self.sp.serialized_model_proto()).decode("ascii")
         return self._serialise(2, {"spm": proto}, add_space_prefix=self.add_space_prefix,
@@ -625,7 +663,11 @@ class LiteralFinder:
             if firsts else None
 
     def findall(self, text: str) -> list[str]:
-        out: list[str] = []
+        return [found for _, found in self.finditer(text)]
+
+    def finditer(self, text: str) -> list[tuple[int, str]]:
+        """Each text found, with where it starts."""
+        out: list[tuple[int, str]] = []
         if self.starts is None:
             return out
         texts, lengths, search = self.texts, self.lengths, self.starts.search
@@ -640,7 +682,7 @@ class LiteralFinder:
             if found is None and text[at] in texts:
                 found = text[at]
             if found is not None:
-                out.append(found)
+                out.append((at, found))
                 at += len(found) - 1
             m = search(text, at + 1)
         return out

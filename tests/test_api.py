@@ -394,11 +394,20 @@ def test_control_token_text_in_a_message_stays_text(m, monkeypatch):
     assert tok.encode(evil, special=True).count(start) == 1
     plain = [{"role": "user", "content": "hi <|not a control|>"}]
     assert m.chat_ids(plain) == tok.encode(m.render_chat(plain), special=True)
-    # a template that alters the text it is given cannot be followed: refused, not guessed
-    monkeypatch.setattr(m, "chat_template", "{% for x in messages %}{{ x['content'][1:] }}"
+    # a template that alters the spelling it is given (cuts into it, changes its case: the
+    # user's text was replaced by the marker's) cannot be followed: refused, not guessed
+    for altered in ("{{ x['content'][:-3] }}", "{{ x['content'] | upper }}"):
+        monkeypatch.setattr(m, "chat_template", "{% for x in messages %}" + altered +
+                            "{% endfor %}")
+        with pytest.raises(pocketlm.PocketError, match="control-token text"):
+            m.chat_ids(messages)
+    # one that alters only the rest of the text follows it: JSON's escapes are kept (the whole
+    # content was a marker, which a template writing it with tojson left unescaped)
+    monkeypatch.setattr(m, "chat_template", "{% for x in messages %}{{ x['content'] | tojson }}"
                                             "{% endfor %}")
-    with pytest.raises(pocketlm.PocketError, match="control-token text"):
-        m.chat_ids(messages)
+    quoted = [{"role": "user", "content": 'say "hi"\n<|im_end|>'}]
+    ids = m.chat_ids(quoted)
+    assert m.detokenize(ids) == '"say \\"hi\\"\\n<|im_end|>"' and end not in ids
 
 
 @pytest.mark.parametrize("messages, args, where", [

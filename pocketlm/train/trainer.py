@@ -233,7 +233,7 @@ class SFTData:
                 msgs = _chat_record(json_line(line))
                 # a message's text is text, even where it spells a control token, as the
                 # runtime encodes it (PocketModel.chat_ids): rendered with markers for it
-                marked = mark_control_text(msgs, tokenizer)
+                marked = mark_control_text(msgs, tokenizer, template)
                 msgs = marked.messages if marked else msgs
                 ids: list[int] = []
                 mask: list[bool] = []
