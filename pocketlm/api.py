@@ -581,8 +581,14 @@ def load_pocket(path: str | Path, *, verify: bool = True, n_ctx: int | None = No
 
 
 def from_source(source: SourceModel, *, n_ctx: int | None = None) -> PocketModel:
-    """A float32 model straight from a source's dequantized weights (the reference path)."""
-    weights = {name: t.to_float() for name, t in source.tensors.items()}
+    """A float32 model straight from a source's dequantized weights (the reference path).
+    A weight holding NaN or infinity is refused, as packing refuses it (every logit was NaN)."""
+    from .quant import check_finite
+
+    weights = {}
+    for name, t in source.tensors.items():
+        weights[name] = t.to_float()
+        check_finite(name, weights[name])
     return PocketModel(source.config, weights, source.tokenizer,
                        chat_template=source.chat_template, generation=source.generation,
                        n_ctx=n_ctx)

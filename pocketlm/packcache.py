@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import os
 import re
 from pathlib import Path
 
@@ -31,6 +32,26 @@ from .registry import default_pack_bits, make_home_dir, pocket_home
 PACK_REVISION = 10
 
 
+def _source_state(src: Path) -> str:
+    """The size and modification time of a source file; of a folder, those of every file in
+    it (a folder's own change only when entries are added, removed or renamed: a config.json
+    edited in place kept the old pack)."""
+    if not src.is_dir():
+        st = src.stat()
+        return f"{st.st_size}|{st.st_mtime_ns}"
+    parts = []
+    for root, dirs, files in os.walk(src):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(root, name)
+            try:
+                st = path.stat()
+            except OSError:  # gone since it was listed, or a broken link
+                continue
+            parts.append(f"{path.relative_to(src)}|{st.st_size}|{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,
                       keep_precision: bool | None = None, *, name: str | None = None,
                       bits_per_weight: str | None = None) -> Path:
@@ -41,14 +62,13 @@ def packed_cache_path(src: Path, group_size: int, embed_bits: int,
     source that changes (a training run saved again, a file replaced) gets a new entry, and
     :func:`ensure_packed` removes the entries it replaces (same ``source``, another ``state``).
     """
-    st = src.stat()
     # keep-precision packs store Q5_0/Q5_1 weights in INT5 (older ones: INT8): a new tag, so
     # that those older caches are not reused
     tag = f"g{group_size}-e{embed_bits}" + {None: "", True: "-keep5", False: "-int4"}[
         keep_precision] + (f"-b{bits_per_weight}" if bits_per_weight else "")
     source = hashlib.sha256(f"{src.resolve()}|{tag}".encode()).hexdigest()[:8]
     state = hashlib.sha256(
-        f"{source}|{st.st_size}|{st.st_mtime_ns}|r{PACK_REVISION}".encode()).hexdigest()[:12]
+        f"{source}|{_source_state(src)}|r{PACK_REVISION}".encode()).hexdigest()[:12]
     return pocket_home() / "packed" / f"{name or src.stem}-{tag}-{source}-{state}.pocket"
 
 

@@ -207,3 +207,100 @@ def test_unsupported_dtype_names_the_file(tmp_path):
     with pytest.raises(UnsupportedError, match=f"^{re.escape(str(path))}: tensor norm.weight: "
                                                "dtype F64"):
         open_source(tmp_path / "m")
+
+
+def test_config_keys_transformers_reads_otherwise():
+    """Found against transformers 5: bidirectional Gemma attention ran causal (refused now);
+    a top-level rope_theta beside a different one in rope_parameters took the wrong one
+    (refused: two bases); a Gemma config without an activation was refused as 'silu' (it is
+    gelu_pytorch_tanh); rope_parameters that is not an object was ignored; the plain RoPE
+    written the old way (rope_scaling type default) was refused."""
+    from pocketlm.formats.hf import config_from_hf
+
+    gemma = {**_BASE, "model_type": "gemma3_text", "head_dim": 16}
+    with pytest.raises(UnsupportedError, match="bidirectional attention"):
+        config_from_hf({**gemma, "use_bidirectional_attention": True}, "x")
+    assert config_from_hf({**gemma, "use_bidirectional_attention": False}, "x")
+    assert config_from_hf(gemma, "x").activation == "gelu_tanh"
+    with pytest.raises(FormatError, match="two RoPE bases"):
+        config_from_hf({**_BASE, "rope_theta": 100.0,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "x")
+    same = {**_BASE, "rope_theta": 1e4, "rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 1e4}}
+    assert config_from_hf(same, "x").rope_theta == 1e4
+    with pytest.raises(FormatError, match="rope_parameters must be an object"):
+        config_from_hf({**_BASE, "rope_parameters": [1, 2]}, "x")
+    for old in ({"type": "default"}, {"rope_type": "default"}):
+        assert config_from_hf({**_BASE, "rope_scaling": old}, "x").rope_theta == 10000.0
+    with pytest.raises(UnsupportedError, match="rope_scaling"):
+        config_from_hf({**_BASE, "rope_scaling": {"type": "linear", "factor": 2.0}}, "x")
+
+
+def test_a_tied_checkpoint_with_a_head_of_its_own_uses_it(tmp_path):
+    """tie_word_embeddings with a stored lm_head.weight that differs from the embedding: the
+    head was dropped (top-1 agreement 0 with transformers, which unties them); the same head
+    is still dropped."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg, sd = write_tiny_hf(tmp_path / "m", "llama", seed=3, tie_embeddings=True)
+    (weights,) = (tmp_path / "m").glob("*.safetensors")
+    stored = load_file(str(weights))
+    embed = stored["model.embed_tokens.weight"]
+    save_file({**stored, "lm_head.weight": embed.copy()}, str(weights))
+    src = open_source(tmp_path / "m")
+    assert src.config.tie_embeddings and "lm_head.weight" not in src.tensors
+    head = np.random.default_rng(0).normal(size=embed.shape).astype(embed.dtype)
+    save_file({**stored, "lm_head.weight": head}, str(weights))
+    src = open_source(tmp_path / "m")
+    assert not src.config.tie_embeddings
+    np.testing.assert_array_equal(src.tensors["lm_head.weight"].to_float(), head)
+    ref = torch_ref.TorchRefModel(src.config, {**sd, "lm_head.weight": head}).forward(IDS)
+    ours = from_source(src).logits(IDS)
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=2e-4 * np.abs(ref).max())
+
+
+def test_a_multimodal_checkpoint_is_named_as_such(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    write_tiny_hf(tmp_path / "m", "gemma3", seed=3)
+    (weights,) = (tmp_path / "m").glob("*.safetensors")
+    stored = load_file(str(weights))
+    save_file({("language_model." + k if k.startswith("model.") else k): v
+               for k, v in stored.items()}, str(weights))
+    with pytest.raises(UnsupportedError, match="multimodal checkpoint"):
+        open_source(tmp_path / "m")
+
+
+def test_the_float_path_refuses_nan_weights_as_packing_does(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    write_tiny_hf(tmp_path / "m", "llama", seed=3)
+    (weights,) = (tmp_path / "m").glob("*.safetensors")
+    stored = load_file(str(weights))
+    name = next(k for k in stored if k.endswith("mlp.up_proj.weight"))
+    stored[name] = stored[name].copy()
+    stored[name].flat[7] = np.nan
+    save_file(stored, str(weights))
+    with pytest.raises(FormatError, match="NaN or infinite"):
+        from_source(open_source(tmp_path / "m"))
+
+
+def test_a_folder_edited_in_place_is_packed_again(tmp_path, monkeypatch):
+    """A folder's own size and time change only when entries are added or removed: a
+    config.json rewritten in place kept the old pack (and its old answers)."""
+    import os
+
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    write_tiny_hf(tmp_path / "m", "llama", seed=3)
+    first = pocketlm.load(tmp_path / "m")
+    before = first.logits(IDS)
+    path = tmp_path / "m" / "config.json"
+    cfg = json.loads(path.read_text())
+    folder_time = (tmp_path / "m").stat().st_mtime_ns
+    with open(path, "w") as f:  # in place: the folder's entries are unchanged
+        json.dump({**cfg, "rms_norm_eps": 0.5}, f)
+    os.utime(tmp_path / "m", ns=(folder_time, folder_time))
+    again = pocketlm.load(tmp_path / "m")
+    assert again.path != first.path and again.config.norm_eps == 0.5
+    assert not np.array_equal(again.logits(IDS), before)
+    assert not first.path.exists()  # the entry it replaces is removed

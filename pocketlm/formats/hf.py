@@ -94,11 +94,18 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
         return value
 
     hf = _with_rope_bases(hf, origin)
-    if hf.get("rope_scaling") not in (None, {}):
+    scaling = hf.get("rope_scaling")
+    if isinstance(scaling, dict) and set(scaling) <= {"type", "rope_type"} and all(
+            v == "default" for v in scaling.values()):
+        scaling = None  # the plain RoPE, written the old way
+    if scaling not in (None, {}):
         raise UnsupportedError(f"{origin}: rope_scaling {short_repr(hf['rope_scaling'])} is not "
                                "supported yet")
     if flag("mlp_bias", False):
         raise UnsupportedError(f"{origin}: MLP biases are not supported")
+    if flag("use_bidirectional_attention", False):  # transformers: attention not causal
+        raise UnsupportedError(f"{origin}: bidirectional attention "
+                               "(use_bidirectional_attention) is not supported")
     d_model = number("hidden_size", req("hidden_size"), int)
     n_heads = number("num_attention_heads", req("num_attention_heads"), int)
     head_dim = opt("head_dim", 0, int) or (d_model // n_heads if n_heads > 0 else 0)
@@ -122,7 +129,9 @@ def config_from_hf(hf: dict[str, Any], origin: str) -> ModelConfig:
     # hidden_activation (its configs may also carry another hidden_act), the others hidden_act
     keys = ("hidden_activation", "hidden_act") if family == "gemma3" else \
         ("hidden_act", "hidden_activation")
-    act = hf.get(keys[0]) or hf.get(keys[1]) or "silu"
+    # (left out: the family's transformers default)
+    act = hf.get(keys[0]) or hf.get(keys[1]) or (
+        "gelu_pytorch_tanh" if family == "gemma3" else "silu")
     if family == "gemma3":
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise UnsupportedError(f"{origin}: activation {short_repr(act)} is not supported "
@@ -151,8 +160,11 @@ def _with_rope_bases(hf: dict[str, Any], origin: str) -> dict[str, Any]:
     where only that is given (transformers 5 writes the RoPE bases there: one dict, or one per
     attention kind for Gemma 3); a RoPE other than the plain one is refused."""
     params = hf.get("rope_parameters")
-    if not isinstance(params, dict):
+    if params is None:
         return hf
+    if not isinstance(params, dict):
+        raise FormatError(f"{origin}: config.json rope_parameters must be an object, got "
+                          f"{short_repr(params)}")
     kinds = ("full_attention", "sliding_attention")
     if any(isinstance(params.get(k), dict) for k in kinds):
         full, sliding = (params.get(k) if isinstance(params.get(k), dict) else {} for k in kinds)
@@ -163,10 +175,17 @@ def _with_rope_bases(hf: dict[str, Any], origin: str) -> dict[str, Any]:
             raise UnsupportedError(f"{origin}: rope_parameters {short_repr(p)} is not supported "
                                    "yet (only the plain RoPE)")
     out = dict(hf)
-    if out.get("rope_theta") is None and full.get("rope_theta") is not None:
-        out["rope_theta"] = full["rope_theta"]
-    if out.get("rope_local_base_freq") is None and sliding.get("rope_theta") is not None:
-        out["rope_local_base_freq"] = sliding["rope_theta"]
+    # transformers 5 reads the base from rope_parameters, the top-level key only where that
+    # has none: two that differ are refused rather than one of them guessed
+    for key, p in (("rope_theta", full), ("rope_local_base_freq", sliding)):
+        inner = p.get("rope_theta")
+        if inner is None:
+            continue
+        if out.get(key) is not None and out[key] != inner:
+            raise FormatError(f"{origin}: config.json gives two RoPE bases, {key} "
+                              f"{short_repr(out[key])} and rope_parameters' rope_theta "
+                              f"{short_repr(inner)}")
+        out[key] = inner
     return out
 
 
@@ -241,11 +260,22 @@ def read_hf(path: str | Path) -> SourceModel:
                 tensors[name] = _source_tensor(name, buf, info, norm_offset)
             except PocketError as exc:
                 raise type(exc)(f"{file}: {exc}") from None
+    if any(n.startswith(("language_model.", "model.language_model.", "vision_tower.",
+                         "model.vision_tower.")) for n in unmapped):
+        raise UnsupportedError(f"{origin}: a multimodal checkpoint (a language model beside a "
+                               "vision tower) is not supported: use its text-only model")
     if unmapped:
         raise UnsupportedError(f"{origin}: tensors pocketlm does not map: {unmapped[:5]}"
                                f"{' ...' if len(unmapped) > 5 else ''}")
     if config.tie_embeddings and "lm_head.weight" in tensors:
-        del tensors["lm_head.weight"]  # tied checkpoints may still store the (same) head
+        # tied checkpoints may still store the head: the same values, dropped; a head of its
+        # own is the one transformers 5 uses (it unties them), and so is it here
+        head, embed = tensors["lm_head.weight"], tensors.get("embed.weight")
+        if embed is not None and head.shape == embed.shape and np.array_equal(
+                head.to_float(), embed.to_float()):
+            del tensors["lm_head.weight"]
+        else:
+            config = dataclasses.replace(config, tie_embeddings=False)
 
     tok_file = root / "tokenizer.json"
     if not tok_file.is_file():
