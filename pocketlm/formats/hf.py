@@ -260,10 +260,12 @@ def read_hf(path: str | Path) -> SourceModel:
                 tensors[name] = _source_tensor(name, buf, info, norm_offset)
             except PocketError as exc:
                 raise type(exc)(f"{file}: {exc}") from None
-    if any(n.startswith(("language_model.", "model.language_model.", "vision_tower.",
-                         "model.vision_tower.")) for n in unmapped):
-        raise UnsupportedError(f"{origin}: a multimodal checkpoint (a language model beside a "
-                               "vision tower) is not supported: use its text-only model")
+    multimodal = [n for n in unmapped if n.startswith((
+        "language_model.", "model.language_model.", "vision_tower.", "model.vision_tower."))]
+    if multimodal:
+        raise UnsupportedError(f"{origin}: a multimodal checkpoint ({multimodal[0]}: a "
+                               "language model beside a vision tower) is not supported: use "
+                               "its text-only model")
     if unmapped:
         raise UnsupportedError(f"{origin}: tensors pocketlm does not map: {unmapped[:5]}"
                                f"{' ...' if len(unmapped) > 5 else ''}")
