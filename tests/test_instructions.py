@@ -31,10 +31,16 @@ CASES = {
                        ["one two", "three-in-one, ok"]),
     "chars_zh_at_most": ({"n": 6}, ["用App记账2次", "你好，世界！"], ["今天天气非常好啊", "用App记账2次了"]),
     "chars_zh_at_least": ({"n": 5}, ["今天天气好", "用App记账了"], ["你好世界", "好 ok！"]),
-    "sentences_at_most": ({"n": 2}, ["Hi there. See you soon!", "好的。明天见！"],
+    "sentences_at_most": ({"n": 2}, ["Hi there. See you soon!", "好的。明天见！",
+                                     # no end at an abbreviation, an initial, or an ellipsis
+                                     # before a lowercase word (as IFEval's splitter reads)
+                                     "Yes we are! See you at 7 p.m. tonight.",
+                                     "Mr. Cookie is a note. It helps J. Smith.",
+                                     "Yes... see you tonight. Can't wait!"],
                           ["One. Two. Three.", "好的。明天见！再见。", "", "..."]),
-    "sentences_at_least": ({"n": 3}, ["One. Two. Three", "好的。明天见！再见。"],
-                           ["One. Two.", "你好。再见"]),
+    "sentences_at_least": ({"n": 3}, ["One. Two. Three", "好的。明天见！再见。",
+                                      "Wait... What? Yes."],
+                           ["One. Two.", "你好。再见", "Dr. Who. Fine."]),
     "bullets_exactly": ({"n": 2}, ["Tips:\n- charge less\n- dim the screen",
                                    "* 少用蓝牙\n  *  降低亮度\n---",
                                    # horizontal rules are no bullets
@@ -52,7 +58,8 @@ CASES = {
     "keyword_frequency_at_least": ({"keyword": "fresh", "n": 2},
                                    ["Fresh bread, fresh fruit.", "FRESH and fresh"],
                                    ["Fresh bread, refreshing fruit.", "freshly fresh"]),
-    "json_valid": ({}, ['{"a": 1}', '```json\n[1, 2]\n```', '  ```\n{"a": 1}```  '],
+    "json_valid": ({}, ['{"a": 1}', '```json\n[1, 2]\n```', '  ```\n{"a": 1}```  ',
+                        '```json {"a": 1} ```', '```json\r\n{"a": 1}\r\n```'],
                    ['Here: {"a": 1}', '42', '```json\n{"a": 1}\n```\nDone.', "{a: 1}"]),
     "json_keys": ({"keys": ["label", "reason"]},
                   ['{"label": "neg", "reason": "box", "x": 1}',
@@ -60,7 +67,8 @@ CASES = {
                   ['{"label": "neg"}', '[{"label": 1, "reason": 2}]', "label: neg"]),
     "starts_with": ({"phrase": "Good morning"}, ["  good  morning, team!", "Good morning"],
                     ["Hello. Good morning", "Good"]),
-    "ends_with": ({"phrase": "Thank you so much!"}, ["See you.\nThank you so much!  \n"],
+    "ends_with": ({"phrase": "Thank you so much!"}, ["See you.\nThank you so much!  \n",
+                                                     '"See you. Thank you so much!"'],
                   ["Thank you so much! Bye.", "Thank you so much"]),
     "lowercase": ({}, ["dark mode is here.", "版本 2 now ready"], ["Dark mode is here.", "123 版本"]),
     "uppercase": ({}, ["PASSWORD EXPIRES TOMORROW!", "注意 WARNING"], ["Password expires", "123"]),
@@ -70,10 +78,15 @@ CASES = {
                   ["Morning Train", "<< >>", "<<a\nb>>"]),
     "placeholders_at_least": ({"n": 2}, ["Dear [name], on [date].", "[姓名]于[日期]"],
                               ["Dear [name],", "Dear [ ] and []"]),
-    "language_zh": ({}, ["你好，我用App记账。", "多喝水"], ["Hello, 你好", "123", "Drink water"]),
+    "language_zh": ({}, ["你好，我用App记账。", "多喝水",
+                         "日历App支持iCloud、Google和Outlook同步。",
+                         "番茄工作法（Pomodoro Technique）由Francesco Cirillo提出。"],
+                    ["Hello there my friend, 你好", "123", "Drink water", "Apple Google Microsoft 很好"]),
     "language_en": ({}, ["Welcome to the app!", "Café time"], ["欢迎使用", "Привет мир", "Welcome 欢迎", "!!!"]),
-    "postscript": ({"marker": "P.S."}, ["Thanks!\n\np.s. lunch is on me", "Hi\n  P.S. bye"],
-                   ["Thanks! P.S. lunch", "Thanks!\nP.S.", "Thanks!\nPS lunch"]),
+    "postscript": ({"marker": "P.S."}, ["Thanks!\n\np.s. lunch is on me", "Hi\n  P.S. bye",
+                                        "Thanks!\n\n**P.S.** Coffee is on me", "Hi\n- P.S. bye"],
+                   ["Thanks! P.S. lunch", "Thanks!\nP.S.", "Thanks!\nPS lunch",
+                    "Thanks!\n**P.S.**"]),
     "postscript_zh": ({"marker": "附言"}, ["谢谢！\n附言：午饭我请。", "谢谢\n附言:明天见"], ["谢谢！附言：午饭", "谢谢\n附言："]),
     "highlights_at_least": ({"n": 2}, ["*Open* settings, then **Backup**.", "先*打开*再*备份*"],
                             ["* Open settings\n* Backup", "*Open* only", "** **"]),
@@ -115,10 +128,10 @@ def test_counting_rules():
 
 
 def test_language_thresholds():
-    # 8 ideographs against 4 ASCII letters: two thirds Chinese
+    # 8 ideographs against one run of ASCII letters
     assert ins.language_zh("请用JSON格式输出结果")
-    # 2 ideographs against 8 ASCII letters
-    assert not ins.language_zh("JSON格式 output")
+    # 2 ideographs against 3 runs of ASCII letters
+    assert not ins.language_zh("JSON格式 output here")
     assert not ins.language_en("This is fine 好")  # 10 ASCII, 1 CJK: 0.909 < 0.95
 
 

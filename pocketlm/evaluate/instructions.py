@@ -20,12 +20,24 @@ Counting rules, shared by the checkers:
 * Chinese length (``chars_zh_*``) counts each CJK ideograph as one 字 and each run of ASCII
   letters and digits as one more (``用App记账2次`` is 6); punctuation and spaces are not counted:
   see :func:`count_zh_chars`;
-* language: the share of CJK ideographs among all letters (``str.isalpha``) must be at least
-  :data:`ZH_MIN_CJK_SHARE` for Chinese; English needs a share of Latin letters (ASCII and
+* sentences end at ``. ! ? …`` followed by a space or the end, or at ``。！？``; not after an
+  abbreviation (``Mr.``, ``p.m.``, :data:`ABBREVIATIONS`) or a one-letter initial, nor at an
+  ellipsis followed by a lowercase word, as IFEval's sentence splitter reads them;
+* language: the share of CJK ideographs among all letters (``str.isalpha``; a run of ASCII
+  letters and digits counts as one, as in the Chinese length, so a reply naming ``iCloud`` or
+  ``Francesco Cirillo`` stays Chinese) must be at least :data:`ZH_MIN_CJK_SHARE` for Chinese; English needs a share of Latin letters (ASCII and
   accented ones such as ``é``) of at least :data:`EN_MIN_LATIN_SHARE`. These check the script,
   not the language: a French reply passes as "English";
-* JSON may be wrapped in one Markdown code fence (```` ```json ... ``` ````) that encloses the
-  whole response, as IFEval allows; anything else around the JSON fails.
+* JSON may be wrapped in one Markdown code fence (```` ```json ... ``` ````, on one line or
+  several) that encloses the whole response, as IFEval allows; anything else around the JSON
+  fails.
+
+Where these rules still differ from IFEval's reference checkers, on purpose: keywords match
+whole words (``refund`` is not found in ``refunds``; IFEval matches substrings, so ``art`` is
+found in ``start``); a word is a run of letters with inner apostrophes or hyphens (IFEval counts
+``don't`` as two); a postscript starts a line; lowercase and uppercase replies are not also
+required to be English (IFEval's language detector misjudges short replies); the Chinese
+checks (length, language, ``，`` as a comma) have no IFEval counterpart.
 """
 
 from __future__ import annotations
@@ -42,8 +54,12 @@ from ..errors import PocketError
 # bumped when a prompt, an instruction or a checker changes (2: bullets_exactly no longer counts
 # a horizontal rule such as "* * *" as a bullet; 3: an empty reply, or an empty loose variant of
 # a one- or two-line reply, follows no instruction, as in IFEval: "at most N words" and "no
-# commas" held for the empty text)
-INSTRUCTIONS_VERSION = 3
+# commas" held for the empty text; 4: judged as IFEval judges them where pocketlm's rule was
+# stricter by accident: a sentence does not end at an abbreviation, an initial or an ellipsis
+# before a lowercase word, a postscript may be emphasised (**P.S.**), ends_with allows closing
+# quotation marks, a JSON fence may sit on one line, a Chinese reply's language counts each
+# run of ASCII letters and digits as one unit; "under N words" is fewer than N)
+INSTRUCTIONS_VERSION = 4
 
 ZH_MIN_CJK_SHARE = 0.5  # language_zh: CJK ideographs / letters
 EN_MIN_LATIN_SHARE = 0.95  # language_en: Latin letters (ASCII, U+00C0-U+024F) / letters
@@ -54,11 +70,15 @@ _CJK_CHAR = re.compile(f"[{_CJK}]")
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['’\-][A-Za-z0-9]+)*")
 _ASCII_RUN = re.compile(r"[A-Za-z0-9]+")
 _SENTENCE_END = re.compile(r"[.!?。！？…]+(?:[\"'”’)）\]]*)(?=\s|$)|[。！？]+")
+# what a "." after which no sentence ends follows (lowercase, the dot before it dropped)
+ABBREVIATIONS = frozenset(["mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "mt",
+                           "a.m", "p.m", "ph.d", "u.s", "u.k", "no", "fig", "approx"])
+_BEFORE_DOT = re.compile(r"([A-Za-z](?:[A-Za-z.]*[A-Za-z])?)$")
 _BULLET = re.compile(r"[ \t]*[-*][ \t]+\S")
 # a Markdown horizontal rule: three or more of one of - * _, spaces between them allowed
 _RULE = re.compile(r"[ \t]*([-*_])(?:[ \t]*\1){2,}\s*")
 _PARAGRAPH_BREAK = re.compile(r"\n\s*\n")
-_FENCE = re.compile(r"^```[A-Za-z]*[ \t]*\n(.*?)\n?```$", re.S)
+_FENCE = re.compile(r"^```[A-Za-z]*[ \t]*\r?\n?(.*?)\r?\n?```$", re.S)
 _TITLE = re.compile(r"<<[^<>\n]*\S[^<>\n]*>>")
 _PLACEHOLDER = re.compile(r"\[[^\[\]\n]*\S[^\[\]\n]*\]")
 _HIGHLIGHT = re.compile(r"(\*\*?)(?=[^\s*])([^\n*]+?)(?<=[^\s*])\1")
@@ -79,8 +99,23 @@ def count_zh_chars(text: str) -> int:
 
 def count_sentences(text: str) -> int:
     """Sentences: pieces ended by ``. ! ? …`` (followed by a space or the end) or by
-    ``。！？``, plus a final unterminated piece, each holding a letter, digit or ideograph."""
-    pieces = _SENTENCE_END.split(text)
+    ``。！？``, plus a final unterminated piece, each holding a letter, digit or ideograph. A
+    single ``.`` after an abbreviation (:data:`ABBREVIATIONS`) or a one-letter initial ends
+    none, nor does an ellipsis (``...``, ``…``) followed by a lowercase letter."""
+    pieces, start = [], 0
+    for m in _SENTENCE_END.finditer(text):
+        mark = m.group().rstrip("\"'”’)）]")
+        if mark == ".":
+            word = _BEFORE_DOT.search(text, 0, m.start())
+            if word and (len(word.group(1)) == 1 or word.group(1).lower() in ABBREVIATIONS):
+                continue
+        elif mark in ("...", "…", "……"):
+            after = text[m.end():].lstrip()
+            if after[:1].islower():
+                continue
+        pieces.append(text[start:m.start()])
+        start = m.end()
+    pieces.append(text[start:])
     return sum(1 for p in pieces if any(ch.isalnum() for ch in p))
 
 
@@ -211,9 +246,11 @@ def starts_with(response: str, phrase: str) -> bool:
 
 
 def ends_with(response: str, phrase: str) -> bool:
-    """The response, before trailing whitespace, ends with ``phrase`` (case-insensitive, runs
-    of whitespace compared as one space); nothing may follow it."""
-    return _squash(response).endswith(_squash(phrase))
+    """The response, before trailing whitespace and closing double quotation marks (a reply
+    quoted whole), ends with ``phrase`` (case-insensitive, runs of whitespace compared as one
+    space); nothing else may follow it."""
+    body = _squash(response)
+    return body.endswith(_squash(phrase)) or body.rstrip(' "”').endswith(_squash(phrase))
 
 
 def lowercase(response: str) -> bool:
@@ -251,9 +288,11 @@ def placeholders_at_least(response: str, n: int) -> bool:
 
 
 def language_zh(response: str) -> bool:
-    """Chinese: CJK ideographs are at least :data:`ZH_MIN_CJK_SHARE` of the letters."""
-    letters = _letters(response)
-    return bool(letters) and sum(map(_is_cjk, letters)) >= ZH_MIN_CJK_SHARE * len(letters)
+    """Chinese: CJK ideographs are at least :data:`ZH_MIN_CJK_SHARE` of the letters, a run of
+    ASCII letters and digits counting as one (``日历App支持iCloud同步`` is Chinese)."""
+    letters = [ch for ch in _letters(response) if not ch.isascii()]
+    units = len(letters) + len(_ASCII_RUN.findall(response))
+    return units > 0 and sum(map(_is_cjk, letters)) >= ZH_MIN_CJK_SHARE * units
 
 
 def language_en(response: str) -> bool:
@@ -265,12 +304,14 @@ def language_en(response: str) -> bool:
 
 
 def postscript(response: str, marker: str = "P.S.") -> bool:
-    """A line starts (after indentation) with ``marker`` (case-insensitive) and has text after
-    it, past any colon: ``P.S. see you`` and ``附言：明天见`` (marker ``附言``) pass, ``P.S.``
+    """A line starts (after indentation, and Markdown emphasis or a list or quote mark:
+    ``**P.S.**``) with ``marker`` (case-insensitive) and has text after it, past any colon:
+    ``P.S. see you``, ``**P.S.** see you`` and ``附言：明天见`` (marker ``附言``) pass, ``P.S.``
     and ``附言：`` alone do not."""
     for line in response.splitlines():
-        line = line.strip()
-        if line.casefold().startswith(marker.casefold()) and line[len(marker):].strip(" \t:："):
+        line = line.strip().lstrip("*_>-#( \t")
+        if line.casefold().startswith(marker.casefold()) and \
+                line[len(marker):].strip(" \t:：*_"):
             return True
     return False
 
@@ -408,7 +449,7 @@ _EN = [
     ("Write a reminder to drink water during the day. Wrap your entire response in double "
      "quotation marks.", [_i("quoted")]),
     ("Write a short poem about a morning commute. Give it a title wrapped in double angular "
-     "brackets, such as <<title>>, and keep it under 100 words.", [_i("title"), _i("words_at_most", n=100)]),
+     "brackets, such as <<title>>, and keep it under 100 words.", [_i("title"), _i("words_at_most", n=99)]),
     ("Write a template for a meeting invitation email. Use at least 3 placeholders in square "
      "brackets, such as [name] or [date].", [_i("placeholders_at_least", n=3)]),
     ("Describe what a to-do list app does in at most three sentences. Answer in English only.",
@@ -429,7 +470,7 @@ _EN = [
      "mentions the weekly goals.", [_i("starts_with", phrase="Good morning")]),
     ("Give three reasons to use a password manager. Use exactly 3 bullet points starting with "
      "\"- \" and keep the whole answer under 60 words.",
-     [_i("bullets_exactly", n=3), _i("words_at_most", n=60)]),
+     [_i("bullets_exactly", n=3), _i("words_at_most", n=59)]),
     ("Summarise the benefits of walking 30 minutes a day. Answer in at least 4 sentences.",
      [_i("sentences_at_least", n=4)]),
     ("Reply to a customer who asks when their refund will arrive. Include the keywords "

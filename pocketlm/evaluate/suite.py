@@ -34,7 +34,10 @@ from .tasks import Engine, Task, evaluate_task, split_shots, wilson_interval
 # 2: ifeval-pocket's bullets_exactly counts no horizontal rule (INSTRUCTIONS_VERSION 2), and
 # exact matches (gsm8k-cot) compare numbers by their exact decimal value (tasks.normalize);
 # 3: an empty reply or loose variant follows no ifeval-pocket instruction (INSTRUCTIONS_VERSION 3)
-SUITE_VERSION = 3
+# 4: ifeval-pocket judges as IFEval's reference checkers where its rules were stricter by
+# accident (INSTRUCTIONS_VERSION 4: abbreviations, emphasised postscripts, quoted endings,
+# one-line JSON fences, names in Chinese replies, "under N words")
+SUITE_VERSION = 4
 
 
 @dataclass(frozen=True)
