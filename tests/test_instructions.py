@@ -156,9 +156,9 @@ def test_validate_instruction_refuses(bad):
 
 def test_prompts_structure():
     ids = [p["id"] for p in PROMPTS]
-    assert len(ids) == len(set(ids)) == 80
-    assert sum(p["lang"] == "en" for p in PROMPTS) == 40
-    assert sum(p["lang"] == "zh" for p in PROMPTS) == 40
+    assert len(ids) == len(set(ids)) == 160
+    assert sum(p["lang"] == "en" for p in PROMPTS) == 80
+    assert sum(p["lang"] == "zh" for p in PROMPTS) == 80
     for p in PROMPTS:
         assert set(p) == {"id", "lang", "prompt", "instructions", "answer"}, p["id"]
         assert p["id"].startswith(p["lang"] + "-") and p["answer"] == "pass"

@@ -4,7 +4,8 @@ The task is built in the manner of IFEval (Zhou et al. 2023, "Instruction-Follow
 for Large Language Models"): every prompt asks for something ordinary (a note, a summary, a
 list of tips, a reply) and adds one to three instructions that a short function can verify
 ("answer in at most 50 words", "use exactly three bullet points", "output JSON only"). The
-prompts (40 English, 40 Chinese) and the checkers were written for pocketlm.
+prompts (80 English, 80 Chinese: 40 of each until version 4) and the checkers were written
+for pocketlm.
 
 A *checker* is a pure function ``(response, **args) -> bool`` registered by id in
 :data:`CHECKERS`; its docstring says exactly what passes. An instruction is
@@ -58,7 +59,8 @@ from ..errors import PocketError
 # stricter by accident: a sentence does not end at an abbreviation, an initial or an ellipsis
 # before a lowercase word, a postscript may be emphasised (**P.S.**), ends_with allows closing
 # quotation marks, a JSON fence may sit on one line, a Chinese reply's language counts each
-# run of ASCII letters and digits as one unit; "under N words" is fewer than N)
+# run of ASCII letters and digits as one unit; "under N words" is fewer than N; and 80 more
+# prompts, 40 en and 40 zh, so that a difference of 10 points is measurable: 160 in all)
 INSTRUCTIONS_VERSION = 4
 
 ZH_MIN_CJK_SHARE = 0.5  # language_zh: CJK ideographs / letters
@@ -596,10 +598,183 @@ _ZH = [
      [_i("postscript", marker="P.S."), _i("chars_zh_at_most", n=100)]),
 ]
 
+_EN_REPEAT_2 = "Suggest one way to make a small kitchen feel bigger."
+_ZH_REPEAT_2 = "请推荐一个适合周末的家庭活动。"
+
+# (prompt, instructions): English prompts added in version 4 (the second half)
+_EN_MORE = [
+    ("Summarise this update for a team chat: \"The app release is moved from Tuesday to "
+     "Thursday because the payment screen failed testing. QA will retest on Wednesday.\" Use at "
+     "most 25 words.", [_i("words_at_most", n=25)]),
+    ("Write a welcome message for new members of a running club. Use at least 50 words and "
+     "include the words \"pace\" and \"route\".",
+     [_i("words_at_least", n=50), _i("keywords_include", keywords=["pace", "route"])]),
+    ("Give tips for keeping houseplants alive. Use exactly 3 bullet points, each starting with "
+     "\"- \".", [_i("bullets_exactly", n=3)]),
+    ("Reply to a coworker who asks \"Can you review my slides before noon?\" in at most two "
+     "sentences.", [_i("sentences_at_most", n=2)]),
+    ("Extract the product and the price from: \"The blue backpack is on sale for 35 dollars "
+     "until Sunday.\" Output JSON only, with the keys \"product\" and \"price\".",
+     [_i("json_keys", keys=["product", "price"])]),
+    ("List the ingredients of a simple pancake recipe as a JSON array of strings. Output nothing "
+     "else.", [_i("json_valid")]),
+    ("Describe a podcast app in two paragraphs separated by a blank line. Mention \"playlists\" "
+     "in the first one.", [_i("paragraphs_exactly", n=2),
+                           _i("keywords_include", keywords=["playlists"])]),
+    ("Write a short tweet about a library's new opening hours. Use only lowercase letters and "
+     "no commas.", [_i("lowercase"), _i("no_commas")]),
+    ("Write a one-line alert that a storm is coming tonight, in capital letters only.",
+     [_i("uppercase")]),
+    ("Give a motivational quote for students before exams. Wrap the whole answer in double "
+     "quotation marks and keep it to one sentence.", [_i("quoted"), _i("sentences_at_most", n=1)]),
+    ("Write a limerick about a cat who loves boxes. Give it a title in double angular brackets, "
+     "like <<Title>>.", [_i("title")]),
+    ("Write a text message template to confirm a dentist appointment, with at least 2 "
+     "placeholders in square brackets such as [time].", [_i("placeholders_at_least", n=2)]),
+    ("Explain what a VPN is in English, in at least 3 sentences.",
+     [_i("language_en"), _i("sentences_at_least", n=3)]),
+    ("Write a note to a friend returning a borrowed book. End with a postscript starting with "
+     "\"P.S.\" and keep the note under 70 words.",
+     [_i("postscript", marker="P.S."), _i("words_at_most", n=69)]),
+    ("Explain how to change a flat bicycle tyre. Highlight at least 3 steps with markdown, for "
+     "example *remove the wheel*.", [_i("highlights_at_least", n=3)]),
+    ("First repeat the request word for word without change, then give your answer (do not say "
+     "anything before repeating the request). Request: " + _EN_REPEAT_2,
+     [_i("repeat_request", request=_EN_REPEAT_2)]),
+    ("Write a short slogan list for a recycling campaign. Use the word \"green\" at least 3 "
+     "times.", [_i("keyword_frequency_at_least", keyword="green", n=3)]),
+    ("Describe a summer evening at the beach without using the words \"sun\" or \"hot\". Use at "
+     "least 30 words.", [_i("words_exclude", words=["sun", "hot"]), _i("words_at_least", n=30)]),
+    ("Start your reply with \"Hi everyone\". Announce that the team lunch is on Friday.",
+     [_i("starts_with", phrase="Hi everyone")]),
+    ("End your answer with the exact sentence \"See you there!\" Invite a friend to a board "
+     "game night in at most 40 words.",
+     [_i("ends_with", phrase="See you there!"), _i("words_at_most", n=40)]),
+    ("Give exactly 4 bullet points, each starting with \"* \", with ideas for a rainy-day "
+     "activity at home. Keep the answer under 50 words.",
+     [_i("bullets_exactly", n=4), _i("words_at_most", n=49)]),
+    ("Write three paragraphs, separated by blank lines, about why sleep matters for teenagers.",
+     [_i("paragraphs_exactly", n=3)]),
+    ("Describe a smart watch for an online shop in at least 80 words, and include the words "
+     "\"battery\" and \"waterproof\".",
+     [_i("words_at_least", n=80), _i("keywords_include", keywords=["battery", "waterproof"])]),
+    ("Answer the question \"Why is the sky blue?\" in at most 2 sentences and without commas.",
+     [_i("sentences_at_most", n=2), _i("no_commas")]),
+    ("Convert this to a JSON object with the keys \"city\", \"temperature\" and \"condition\": "
+     "\"Paris, 18 degrees, cloudy\". Output only the JSON.",
+     [_i("json_keys", keys=["city", "temperature", "condition"])]),
+    ("Write a product review of a coffee maker in all lowercase letters, in at least 40 words.",
+     [_i("lowercase"), _i("words_at_least", n=40)]),
+    ("Write a sign for a shared office fridge reminding people to label their food. Use capital "
+     "letters only and at most 15 words.", [_i("uppercase"), _i("words_at_most", n=15)]),
+    ("Rewrite \"The meeting got cancelled\" as a polite announcement. Wrap your answer in double "
+     "quotation marks.", [_i("quoted")]),
+    ("Write a haiku about autumn leaves with a title in double angular brackets, and do not use "
+     "the word \"red\".", [_i("title"), _i("words_exclude", words=["red"])]),
+    ("Write a form letter for a school absence note, with placeholders in square brackets for "
+     "the student's name, the date and the reason.", [_i("placeholders_at_least", n=3)]),
+    ("Write a welcome message for a language learning app. Answer in English only and use at "
+     "most 3 sentences.", [_i("language_en"), _i("sentences_at_most", n=3)]),
+    ("Write a message thanking a teacher at the end of the year. Add a postscript starting with "
+     "\"P.S.\" and use the word \"grateful\".",
+     [_i("postscript", marker="P.S."), _i("keywords_include", keywords=["grateful"])]),
+    ("Give advice on saving money on groceries. Highlight at least 2 key phrases with "
+     "asterisks, such as *make a list*, and use at most 80 words.",
+     [_i("highlights_at_least", n=2), _i("words_at_most", n=80)]),
+    ("Write a short description of a bakery for a maps app. Use the word \"bread\" at least "
+     "twice and keep it under 60 words.",
+     [_i("keyword_frequency_at_least", keyword="bread", n=2), _i("words_at_most", n=59)]),
+    ("Explain what a password is to a child without using the words \"secret\" or \"hacker\".",
+     [_i("words_exclude", words=["secret", "hacker"])]),
+    ("Begin with \"Dear customer\". Write a short apology for a delayed parcel in at most 60 "
+     "words.", [_i("starts_with", phrase="Dear customer"), _i("words_at_most", n=60)]),
+    ("Write a short story about a robot learning to cook. Use at least 100 words and end with "
+     "the exact sentence \"Dinner was served.\"",
+     [_i("words_at_least", n=100), _i("ends_with", phrase="Dinner was served.")]),
+    ("Label the topic of this headline as sports, politics or technology: \"New phone chip "
+     "doubles battery life\". Reply with a JSON object with the keys \"topic\" and \"reason\".",
+     [_i("json_keys", keys=["topic", "reason"])]),
+    ("Give a short answer to \"What is a good bedtime for a ten-year-old?\" in at least 2 "
+     "sentences, without using any commas.",
+     [_i("sentences_at_least", n=2), _i("no_commas")]),
+    ("List 3 packing tips for a flight as bullet points starting with \"- \", and add a "
+     "postscript starting with \"P.S.\" at the end.",
+     [_i("bullets_exactly", n=3), _i("postscript", marker="P.S.")]),
+]
+
+# (prompt, instructions): Chinese prompts added in version 4
+_ZH_MORE = [
+    ("请概括这条通知：“因为支付页面测试没有通过，App的发布从周二改到周四，测试组周三会再测一次。”用中文回答，不超过25个字。",
+     [_i("chars_zh_at_most", n=25), _i("language_zh")]),
+    ("为跑步俱乐部写一段欢迎新会员的话，不少于60个字，要提到“配速”和“路线”。",
+     [_i("chars_zh_at_least", n=60), _i("keywords_include", keywords=["配速", "路线"])]),
+    ("给出养好绿植的建议，用三个要点回答，每个要点以“- ”开头。", [_i("bullets_exactly", n=3)]),
+    ("同事问：“中午之前能帮我看一下PPT吗？”帮我回复，不超过两句话。", [_i("sentences_at_most", n=2)]),
+    ("从这句话中提取商品和价格：“蓝色双肩包周日前特价35元。”只输出JSON，包含“product”和“price”两个键。",
+     [_i("json_keys", keys=["product", "price"])]),
+    ("把做简单煎饼需要的材料列成一个JSON字符串数组，不要输出别的内容。", [_i("json_valid")]),
+    ("分两段介绍一款播客App，段与段之间空一行，要提到“播放列表”。",
+     [_i("paragraphs_exactly", n=2), _i("keywords_include", keywords=["播放列表"])]),
+    ("写一条关于图书馆调整开放时间的微博，不要使用逗号，不超过50个字。",
+     [_i("no_commas"), _i("chars_zh_at_most", n=50)]),
+    ("用中文写一条今晚有暴雨的提醒，整个回答用双引号括起来。", [_i("quoted"), _i("language_zh")]),
+    ("给考前的学生写一句鼓励的话，只写一句，用中文。", [_i("sentences_at_most", n=1), _i("language_zh")]),
+    ("写一首关于猫咪爱钻纸箱的小诗，用双尖括号加一个标题，例如<<标题>>。", [_i("title")]),
+    ("写一条确认牙医预约的短信模板，至少包含2个用方括号表示的占位符，比如[时间]。",
+     [_i("placeholders_at_least", n=2)]),
+    ("用中文解释什么是VPN，至少写3句话。", [_i("language_zh"), _i("sentences_at_least", n=3)]),
+    ("给朋友写一张还书的便条，最后加一句以“附言：”开头的附言，全文不超过70个字。",
+     [_i("postscript", marker="附言"), _i("chars_zh_at_most", n=70)]),
+    ("说明如何给自行车补胎，至少用星号标出三个步骤，例如*拆下车轮*。", [_i("highlights_at_least", n=3)]),
+    ("先一字不差地重复下面的请求，再给出你的回答（重复之前不要说别的话）。请求：" + _ZH_REPEAT_2,
+     [_i("repeat_request", request=_ZH_REPEAT_2)]),
+    ("为垃圾分类宣传写几句口号，“环保”这个词至少出现3次。",
+     [_i("keyword_frequency_at_least", keyword="环保", n=3)]),
+    ("描写夏天傍晚的海边，不要出现“热”和“太阳”，不少于40个字。",
+     [_i("words_exclude", words=["热", "太阳"]), _i("chars_zh_at_least", n=40)]),
+    ("以“大家好”开头，通知团队周五中午一起聚餐。", [_i("starts_with", phrase="大家好")]),
+    ("邀请朋友来玩桌游，最后一句必须是“不见不散！”，全文不超过40个字。",
+     [_i("ends_with", phrase="不见不散！"), _i("chars_zh_at_most", n=40)]),
+    ("用四个要点列出下雨天在家可以做的事，每个要点以“* ”开头，总共不超过50个字。",
+     [_i("bullets_exactly", n=4), _i("chars_zh_at_most", n=50)]),
+    ("用中文写三段话说明睡眠对青少年的重要性，段与段之间空一行。",
+     [_i("paragraphs_exactly", n=3), _i("language_zh")]),
+    ("为网店写一段智能手表的介绍，不少于100个字，要提到“续航”和“防水”。",
+     [_i("chars_zh_at_least", n=100), _i("keywords_include", keywords=["续航", "防水"])]),
+    ("回答“天空为什么是蓝色的？”，不超过两句话，不要使用逗号。",
+     [_i("sentences_at_most", n=2), _i("no_commas")]),
+    ("把“北京，18度，多云”转换成JSON对象，包含“city”、“temperature”和“condition”三个键。只输出JSON。",
+     [_i("json_keys", keys=["city", "temperature", "condition"])]),
+    ("写一段咖啡机的使用评价，用中文写，不少于60个字。", [_i("language_zh"), _i("chars_zh_at_least", n=60)]),
+    ("为办公室公用冰箱写一张提示，提醒大家给食物贴上名字，不超过20个字。", [_i("chars_zh_at_most", n=20)]),
+    ("把“会议取消了”改写成一条礼貌的通知，整个回答用双引号括起来。", [_i("quoted")]),
+    ("写一首关于秋天落叶的短诗，用双尖括号加标题，不要出现“红”字。",
+     [_i("title"), _i("words_exclude", words=["红"])]),
+    ("写一份学生请假条模板，用方括号占位符表示学生姓名、日期和请假原因。", [_i("placeholders_at_least", n=3)]),
+    ("为一款语言学习App写一段欢迎语，只用中文，最多三句话。", [_i("language_zh"), _i("sentences_at_most", n=3)]),
+    ("写一段期末感谢老师的话，要出现“感激”，最后加一句以“附言：”开头的附言。",
+     [_i("keywords_include", keywords=["感激"]), _i("postscript", marker="附言")]),
+    ("给出买菜省钱的建议，用星号标出至少两处重点，比如*列清单*，不超过100个字。",
+     [_i("highlights_at_least", n=2), _i("chars_zh_at_most", n=100)]),
+    ("为地图App写一段面包店的简介，“面包”至少出现两次，不超过60个字。",
+     [_i("keyword_frequency_at_least", keyword="面包", n=2), _i("chars_zh_at_most", n=60)]),
+    ("给小朋友解释什么是密码，不要出现“秘密”和“黑客”。", [_i("words_exclude", words=["秘密", "黑客"])]),
+    ("以“尊敬的顾客”开头，为包裹延误写一段简短的道歉，不超过60个字。",
+     [_i("starts_with", phrase="尊敬的顾客"), _i("chars_zh_at_most", n=60)]),
+    ("写一个机器人学做饭的小故事，不少于120个字，最后一句必须是“晚饭做好了。”",
+     [_i("chars_zh_at_least", n=120), _i("ends_with", phrase="晚饭做好了。")]),
+    ("判断这条新闻标题属于体育、政治还是科技：“新款手机芯片让续航翻倍”。用JSON回答，包含“topic”和“reason”两个键。",
+     [_i("json_keys", keys=["topic", "reason"])]),
+    ("回答“十岁孩子几点睡觉比较好？”，至少两句话，不要使用逗号。",
+     [_i("sentences_at_least", n=2), _i("no_commas")]),
+    ("用三个要点列出坐飞机的打包建议，每个要点以“- ”开头，最后加一句以“附言：”开头的附言。",
+     [_i("bullets_exactly", n=3), _i("postscript", marker="附言")]),
+]
+
 
 def _examples() -> list[dict]:
     out = []
-    for lang, items in (("en", _EN), ("zh", _ZH)):
+    for lang, items in (("en", _EN + _EN_MORE), ("zh", _ZH + _ZH_MORE)):
         for no, (prompt, instructions) in enumerate(items, 1):
             out.append({"id": f"{lang}-{no:03d}", "lang": lang, "prompt": prompt,
                         "instructions": instructions, "answer": "pass"})
