@@ -4,7 +4,7 @@ The task is built in the manner of IFEval (Zhou et al. 2023, "Instruction-Follow
 for Large Language Models"): every prompt asks for something ordinary (a note, a summary, a
 list of tips, a reply) and adds one to three instructions that a short function can verify
 ("answer in at most 50 words", "use exactly three bullet points", "output JSON only"). The
-prompts (80 English, 80 Chinese: 40 of each until version 4) and the checkers were written
+prompts (80 English, 80 Chinese: 40 of each before version 5) and the checkers were written
 for pocketlm.
 
 A *checker* is a pure function ``(response, **args) -> bool`` registered by id in
@@ -59,9 +59,9 @@ from ..errors import PocketError
 # stricter by accident: a sentence does not end at an abbreviation, an initial or an ellipsis
 # before a lowercase word, a postscript may be emphasised (**P.S.**), ends_with allows closing
 # quotation marks, a JSON fence may sit on one line, a Chinese reply's language counts each
-# run of ASCII letters and digits as one unit; "under N words" is fewer than N; and 80 more
+# run of ASCII letters and digits as one unit; "under N words" is fewer than N; 5: 80 more
 # prompts, 40 en and 40 zh, so that a difference of 10 points is measurable: 160 in all)
-INSTRUCTIONS_VERSION = 4
+INSTRUCTIONS_VERSION = 5
 
 ZH_MIN_CJK_SHARE = 0.5  # language_zh: CJK ideographs / letters
 EN_MIN_LATIN_SHARE = 0.95  # language_en: Latin letters (ASCII, U+00C0-U+024F) / letters
@@ -601,7 +601,7 @@ _ZH = [
 _EN_REPEAT_2 = "Suggest one way to make a small kitchen feel bigger."
 _ZH_REPEAT_2 = "请推荐一个适合周末的家庭活动。"
 
-# (prompt, instructions): English prompts added in version 4 (the second half)
+# (prompt, instructions): English prompts added in version 5 (the second half)
 _EN_MORE = [
     ("Summarise this update for a team chat: \"The app release is moved from Tuesday to "
      "Thursday because the payment screen failed testing. QA will retest on Wednesday.\" Use at "
@@ -702,7 +702,7 @@ _EN_MORE = [
      [_i("bullets_exactly", n=3), _i("postscript", marker="P.S.")]),
 ]
 
-# (prompt, instructions): Chinese prompts added in version 4
+# (prompt, instructions): Chinese prompts added in version 5
 _ZH_MORE = [
     ("请概括这条通知：“因为支付页面测试没有通过，App的发布从周二改到周四，测试组周三会再测一次。”用中文回答，不超过25个字。",
      [_i("chars_zh_at_most", n=25), _i("language_zh")]),

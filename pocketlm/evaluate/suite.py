@@ -36,8 +36,9 @@ from .tasks import Engine, Task, evaluate_task, split_shots, wilson_interval
 # 3: an empty reply or loose variant follows no ifeval-pocket instruction (INSTRUCTIONS_VERSION 3)
 # 4: ifeval-pocket judges as IFEval's reference checkers where its rules were stricter by
 # accident (INSTRUCTIONS_VERSION 4: abbreviations, emphasised postscripts, quoted endings,
-# one-line JSON fences, names in Chinese replies, "under N words") and has 160 prompts, not 80
-SUITE_VERSION = 4
+# one-line JSON fences, names in Chinese replies, "under N words");
+# 5: ifeval-pocket has 160 prompts, not 80 (INSTRUCTIONS_VERSION 5)
+SUITE_VERSION = 5
 
 
 @dataclass(frozen=True)
