@@ -684,8 +684,6 @@ class MarkedChat(NamedTuple):
     contents: list[str]  # the texts replaced, in marker order
     nonce: str  # the markers' nonce: no message text holds it
     example: str  # one control token's text found, for errors
-    # whether a message's own text holds a marker's delimiters (U+E000, U+E001: private use)
-    delimiters_in_text: bool = False
 
 
 def mark_control_text(messages: Any, tokenizer, template: str | None = None
@@ -694,15 +692,19 @@ def mark_control_text(messages: Any, tokenizer, template: str | None = None
     added token ``template`` writes, see ``Tokenizer.control_finder``); else the chat with
     each such spelling replaced by a marker, for :func:`encode_rendered`: the text a user
     wrote is tokenized as text, so it cannot close a turn or open one of its own (OpenAI's
-    API treats it so). Only the spellings are marked: the rest of the content reaches the
+    API treats it so). An assistant's message, the model's own words, is searched for control
+    tokens only: the added tokens a template writes are the model's to write (Qwen3's
+    ``<think>``, which its template also looks for in the history). Only the spellings are
+    marked: the rest of the content reaches the
     template as it is, so a template that trims it, or writes it as JSON (``tojson``:
     escaped quotes and newlines), treats it as any other message's. Inference
     (``PocketModel.chat_ids``) and training (``SFTData``) both encode chats so, so a tuned
     model learns the prompts it will be given."""
     if not isinstance(messages, list):
         return None
-    finder = tokenizer.control_finder(template)
-    found = {i: finder.finditer(m["content"]) for i, m in enumerate(messages)
+    finders = {False: tokenizer.control_finder(template), True: tokenizer.control_finder(None)}
+    found = {i: finders[m.get("role") == "assistant"].finditer(m["content"])
+             for i, m in enumerate(messages)
              if isinstance(m, dict) and isinstance(m.get("content"), str)}
     if not any(found.values()):
         return None
@@ -721,9 +723,7 @@ def mark_control_text(messages: Any, tokenizer, template: str | None = None
         out.append(text[pos:])
         marked[i] = {**messages[i], "content": "".join(out)}
     example = next(spans for spans in found.values() if spans)[0][1]
-    own = any("\ue000" in m["content"] or "\ue001" in m["content"] for m in messages
-              if isinstance(m, dict) and isinstance(m.get("content"), str))
-    return MarkedChat(marked, contents, nonce, example, own)
+    return MarkedChat(marked, contents, nonce, example)
 
 
 def non_text_part(parts: list) -> int | None:
@@ -772,17 +772,27 @@ def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int
     if marked is None:
         return tokenizer.encode(text, add_bos=False, special=True)
     parts = re.split(f"\ue000{marked.nonce}(\\d+)\ue001", text)
-    nonce = marked.nonce.lower()
-    if any(nonce in p.lower() or not marked.delimiters_in_text and ("\ue000" in p or
-                                                                    "\ue001" in p)
-           for p in parts[::2]):
+    # what is left of a marker the template cut into or rewrote: its nonce's first or last six
+    # characters, in any case (an upper filter, a slice)
+    ends = (marked.nonce[:6].lower(), marked.nonce[-6:].lower())
+    if any(end in p.lower() for p in parts[::2] for end in ends):
         raise PocketError("a message's content holds control-token text (such as "
                           f"{marked.example!r}) and the chat template alters it, so it cannot "
                           "be kept as plain text; remove that text")
+    pieces = [[part, i % 2 == 0] if i % 2 == 0 else [marked.contents[int(part)], False]
+              for i, part in enumerate(parts)]
+    for i in range(1, len(pieces), 2):
+        # the spaces before a spelling go with it, as in the text it is read as (" <|" is one
+        # piece of a byte-level BPE: "hello <|im_end|>" kept "hello" and " <|")
+        before = pieces[i - 1][0]
+        spaces = len(before) - len(before.rstrip(" "))
+        if spaces:
+            pieces[i - 1][0], pieces[i][0] = before[:-spaces], before[-spaces:] + pieces[i][0]
     ids: list[int] = []
-    for i, part in enumerate(parts):
-        if i % 2:
-            ids += tokenizer.encode_text(marked.contents[int(part)])
-        elif part:
-            ids += tokenizer.encode(part, add_bos=False, special=True)
+    for piece, template in pieces:
+        if template:
+            if piece:
+                ids += tokenizer.encode(piece, add_bos=False, special=True)
+        else:
+            ids += tokenizer.encode_text(piece)
     return ids

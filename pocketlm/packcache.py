@@ -33,23 +33,23 @@ PACK_REVISION = 10
 
 
 def _source_state(src: Path) -> str:
-    """The size and modification time of a source file; of a folder, those of every file in
-    it (a folder's own change only when entries are added, removed or renamed: a config.json
-    edited in place kept the old pack)."""
+    """The size and modification time of a source file; of a folder, those of every file at
+    its top level, where the readers find everything they read (a folder's own time changes
+    only when entries are added, removed or renamed: a config.json edited in place kept the
+    old pack). What lies deeper (logs, checkpoints of a run, a hub cache) is not the model."""
     if not src.is_dir():
         st = src.stat()
         return f"{st.st_size}|{st.st_mtime_ns}"
     parts = []
-    for root, dirs, files in os.walk(src):
-        dirs.sort()
-        for name in sorted(files):
-            path = Path(root, name)
+    with os.scandir(src) as entries:
+        for entry in entries:
             try:
-                st = path.stat()
+                if entry.is_file():
+                    st = entry.stat()
+                    parts.append(f"{entry.name}|{st.st_size}|{st.st_mtime_ns}")
             except OSError:  # gone since it was listed, or a broken link
                 continue
-            parts.append(f"{path.relative_to(src)}|{st.st_size}|{st.st_mtime_ns}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    return hashlib.sha256("\n".join(sorted(parts)).encode()).hexdigest()
 
 
 def packed_cache_path(src: Path, group_size: int, embed_bits: int,

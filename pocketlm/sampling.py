@@ -268,6 +268,7 @@ def plain_draw(logits: np.ndarray, rng: np.random.Generator, temperature: float,
         cum = np.cumsum(probs[order])
         keep = np.zeros(probs.size, dtype=bool)
         keep[order[cum - probs[order] < top_p * cum[-1]]] = True
+        keep[order[0]] = True  # top_p 0: the most likely token alone, as the sampler keeps
         probs = np.where(keep, probs, 0.0)
     if min_p > 0:
         probs = np.where(probs >= min_p * probs.max(), probs, 0.0)

@@ -183,7 +183,7 @@ class Tokenizer:
                 texts |= {t for t in self._added.values()
                           if t and not t.isspace() and t in template}
             if len(cache) >= 8:
-                cache.pop(next(iter(cache)))
+                cache.pop(next(iter(cache), None), None)  # another thread may have evicted it
             finder = cache[template] = LiteralFinder(texts)
         return finder
 

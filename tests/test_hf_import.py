@@ -304,3 +304,14 @@ def test_a_folder_edited_in_place_is_packed_again(tmp_path, monkeypatch):
     assert again.path != first.path and again.config.norm_eps == 0.5
     assert not np.array_equal(again.logits(IDS), before)
     assert not first.path.exists()  # the entry it replaces is removed
+
+
+def test_what_lies_deeper_in_a_folder_does_not_repack_it(tmp_path, monkeypatch):
+    """Only the folder's top-level files are the model: a log or a checkpoint written below
+    it (a training run's, a hub cache) packed it again on the next load."""
+    monkeypatch.setenv("POCKET_HOME", str(tmp_path / "home"))
+    write_tiny_hf(tmp_path / "m", "llama", seed=3)
+    first = pocketlm.load(tmp_path / "m").path
+    (tmp_path / "m" / "runs").mkdir()
+    (tmp_path / "m" / "runs" / "events.out").write_text("log")
+    assert pocketlm.load(tmp_path / "m").path == first

@@ -124,6 +124,10 @@ def test_counting_rules():
     assert count_zh_chars("Hello world") == 2
     assert count_sentences("It costs 3.5 dollars. Really?") == 2
     assert count_sentences("他说：“好的。”然后走了。") == 2
+    # abbreviations as written: "no." and "fig." are words that end sentences too
+    assert count_sentences("The short answer is no. Eat something small. It helps.") == 3
+    assert count_sentences("I ate a fig. It was sweet.") == 2
+    assert count_sentences("Dr. Who. Ph.D. holder. Fine.") == 3
     assert ins.ZH_MIN_CJK_SHARE == 0.5 and ins.EN_MIN_LATIN_SHARE == 0.95
 
 

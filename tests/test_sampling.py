@@ -126,6 +126,8 @@ def test_top_p_zero_keeps_the_most_likely_token_alone():
     tied = np.zeros(10, np.float32)
     tied[[3, 7]] = 2.0
     assert Sampler(SamplingParams(temperature=1.0, top_p=0.0, seed=1))(tied) == 3
+    # and the plain reference draws what the sampler draws (it drew from no token at all)
+    assert plain_draw(tied, np.random.default_rng(1), 1.0, top_p=0.0) == 3
 
 
 def test_top_logprobs_rank_ties_by_id_and_list_no_nan():

@@ -771,6 +771,24 @@ def test_added_tokens_the_chat_template_writes_are_control_text():
     assert ids.count(call) == 1  # the template's own, in the answer's turn
     assert ids.count(table) == 1  # the model's token, in the user's text
     assert call not in tok.encode_text("<tool_call>") and call in tok.encode("<tool_call>")
+    # the spaces before a spelling are read with it, as in text (" <" stays one piece)
+    spaced = [{"role": "user", "content": "hello <|im_end|> world"}]
+    marked = mark_control_text(spaced, tok, template)
+    ids = encode_rendered(tok, render(template, marked.messages), marked)
+    want = tok.encode_text(" <|im_end|>")
+    assert any(ids[k:k + len(want)] == want for k in range(len(ids)))
+    assert tok.decode(ids) == render(template, spaced)
+    # an assistant's own words are searched for control tokens only: the added tokens its
+    # template writes are the model's to write (Qwen3's <think>)
+    own = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": '<tool_call>{"name": "f"}</tool_call>'}]
+    assert mark_control_text(own, tok, template) is None
+    # a private-use character the template writes elsewhere (a tool description) is no
+    # altered marker
+    odd = "{% for m in messages %}{{ m.content }}\ue000 \ue001{% endfor %}"
+    marked = mark_control_text(spaced, tok, odd)
+    assert tok.decode(encode_rendered(tok, render(odd, marked.messages), marked)) == \
+        render(odd, spaced)
     # encode_text is encode(special=False) on text without an added token's text
     for t in ["hello world", "  spaced\n\ttext ", "数字 and more"]:
         assert tok.encode_text(t) == tok.encode(t, add_bos=False, special=False)

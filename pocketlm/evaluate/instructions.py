@@ -22,8 +22,9 @@ Counting rules, shared by the checkers:
   letters and digits as one more (``用App记账2次`` is 6); punctuation and spaces are not counted:
   see :func:`count_zh_chars`;
 * sentences end at ``. ! ? …`` followed by a space or the end, or at ``。！？``; not after an
-  abbreviation (``Mr.``, ``p.m.``, :data:`ABBREVIATIONS`) or a one-letter initial, nor at an
-  ellipsis followed by a lowercase word, as IFEval's sentence splitter reads them;
+  abbreviation (``Mr.``, ``p.m.``, :data:`ABBREVIATIONS`) or a capital initial (``J.``), nor
+  at an ellipsis followed by a lowercase word: close to how IFEval's sentence tokenizer
+  (NLTK's Punkt) reads them;
 * language: the share of CJK ideographs among all letters (``str.isalpha``; a run of ASCII
   letters and digits counts as one, as in the Chinese length, so a reply naming ``iCloud`` or
   ``Francesco Cirillo`` stays Chinese) must be at least :data:`ZH_MIN_CJK_SHARE` for Chinese; English needs a share of Latin letters (ASCII and
@@ -72,9 +73,10 @@ _CJK_CHAR = re.compile(f"[{_CJK}]")
 _WORD = re.compile(r"[A-Za-z0-9]+(?:['’\-][A-Za-z0-9]+)*")
 _ASCII_RUN = re.compile(r"[A-Za-z0-9]+")
 _SENTENCE_END = re.compile(r"[.!?。！？…]+(?:[\"'”’)）\]]*)(?=\s|$)|[。！？]+")
-# what a "." after which no sentence ends follows (lowercase, the dot before it dropped)
-ABBREVIATIONS = frozenset(["mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "mt",
-                           "a.m", "p.m", "ph.d", "u.s", "u.k", "no", "fig", "approx"])
+# what a "." after which no sentence ends follows, as written (the dot before it dropped):
+# titles and a few abbreviations that are no English word ("No." and "fig." are words too)
+ABBREVIATIONS = frozenset(["Mr", "Mrs", "Ms", "Dr", "Prof", "Jr", "Sr", "St", "Mt", "vs",
+                           "a.m", "p.m", "A.M", "P.M", "Ph.D", "U.S", "U.K"])
 _BEFORE_DOT = re.compile(r"([A-Za-z](?:[A-Za-z.]*[A-Za-z])?)$")
 _BULLET = re.compile(r"[ \t]*[-*][ \t]+\S")
 # a Markdown horizontal rule: three or more of one of - * _, spaces between them allowed
@@ -102,14 +104,15 @@ def count_zh_chars(text: str) -> int:
 def count_sentences(text: str) -> int:
     """Sentences: pieces ended by ``. ! ? …`` (followed by a space or the end) or by
     ``。！？``, plus a final unterminated piece, each holding a letter, digit or ideograph. A
-    single ``.`` after an abbreviation (:data:`ABBREVIATIONS`) or a one-letter initial ends
-    none, nor does an ellipsis (``...``, ``…``) followed by a lowercase letter."""
+    single ``.`` after an abbreviation (:data:`ABBREVIATIONS`, as written) or a capital
+    initial ends none, nor does an ellipsis (``...``, ``…``) followed by a lowercase letter."""
     pieces, start = [], 0
     for m in _SENTENCE_END.finditer(text):
         mark = m.group().rstrip("\"'”’)）]")
         if mark == ".":
             word = _BEFORE_DOT.search(text, 0, m.start())
-            if word and (len(word.group(1)) == 1 or word.group(1).lower() in ABBREVIATIONS):
+            if word and (len(word.group(1)) == 1 and word.group(1).isupper()
+                         or word.group(1) in ABBREVIATIONS):
                 continue
         elif mark in ("...", "…", "……"):
             after = text[m.end():].lstrip()

@@ -241,6 +241,7 @@ def read_hf(path: str | Path) -> SourceModel:
         raise FormatError(f"{origin}: no *.safetensors files (pytorch .bin checkpoints are not "
                           "supported: convert them to safetensors)")
     tensors: dict[str, SourceTensor] = {}
+    stored: dict[str, tuple] = {}  # name -> (mapped file, header entry): the head check's views
     unmapped: list[str] = []
     for file in files:
         buf = map_file(file)
@@ -256,6 +257,7 @@ def read_hf(path: str | Path) -> SourceModel:
                 raise FormatError(f"{origin}: tensor {hf_name} is stored twice (again in "
                                   f"{file.name})")
             norm_offset = 1.0 if gemma and name.endswith("norm.weight") else 0.0
+            stored[name] = (buf, info)
             try:
                 tensors[name] = _source_tensor(name, buf, info, norm_offset)
             except PocketError as exc:
@@ -272,9 +274,7 @@ def read_hf(path: str | Path) -> SourceModel:
     if config.tie_embeddings and "lm_head.weight" in tensors:
         # tied checkpoints may still store the head: the same values, dropped; a head of its
         # own is the one transformers 5 uses (it unties them), and so is it here
-        head, embed = tensors["lm_head.weight"], tensors.get("embed.weight")
-        if embed is not None and head.shape == embed.shape and np.array_equal(
-                head.to_float(), embed.to_float()):
+        if _same_values(stored["lm_head.weight"], stored.get("embed.weight")):
             del tensors["lm_head.weight"]
         else:
             config = dataclasses.replace(config, tie_embeddings=False)
@@ -369,6 +369,19 @@ def _map(hf_name: str, layer_names: dict[str, str]) -> str | None:
     if m and m.group(2) in layer_names:
         return f"layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
+
+
+def _same_values(a: tuple, b: tuple | None) -> bool:
+    """Whether two stored tensors (mapped file, header entry) hold the same values, compared
+    in their own type a slice of rows at a time (two vocabulary-sized float32 copies would be
+    a gigabyte)."""
+    if b is None or a[1].shape != b[1].shape:
+        return False
+    x, y = tensor_view(*a), tensor_view(*b)
+    if a[1].dtype != b[1].dtype:
+        x, y = x.astype(np.float32), y.astype(np.float32)  # not seen in practice
+    rows = max(1, (1 << 22) // max(1, x[0].size if x.ndim > 1 else 1))
+    return all(np.array_equal(x[i:i + rows], y[i:i + rows]) for i in range(0, len(x), rows))
 
 
 def _source_tensor(name, buf, info, norm_offset: float) -> SourceTensor:
