@@ -315,3 +315,33 @@ def test_what_lies_deeper_in_a_folder_does_not_repack_it(tmp_path, monkeypatch):
     (tmp_path / "m" / "runs").mkdir()
     (tmp_path / "m" / "runs" / "events.out").write_text("log")
     assert pocketlm.load(tmp_path / "m").path == first
+
+
+def test_a_sharded_checkpoint_reads_the_files_its_index_names(tmp_path):
+    """transformers reads the shards model.safetensors.index.json names: a stale
+    consolidated file beside them was refused as every tensor "stored twice"."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg, sd = write_tiny_hf(tmp_path / "m", "llama", seed=3)
+    (weights,) = (tmp_path / "m").glob("*.safetensors")
+    stored = load_file(str(weights))
+    names = sorted(stored)
+    shards = {"model-00001-of-00002.safetensors": names[::2],
+              "model-00002-of-00002.safetensors": names[1::2]}
+    for file, part in shards.items():
+        save_file({k: stored[k] for k in part}, str(tmp_path / "m" / file))
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, part in shards.items() for k in part}}))
+    stale = {k: np.zeros_like(v) for k, v in stored.items()}
+    weights.unlink()
+    save_file(stale, str(tmp_path / "m" / "model.safetensors"))  # not in the index
+    src = open_source(tmp_path / "m")
+    for name, w in sd.items():
+        np.testing.assert_array_equal(src.tensors[name].to_float(), w, err_msg=name)
+    (tmp_path / "m" / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FormatError, match="names model-00002-of-00002.safetensors, which is "
+                                          "not in the folder"):
+        open_source(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../x"}}')
+    with pytest.raises(FormatError, match="weight_map must map"):
+        open_source(tmp_path / "m")

@@ -236,7 +236,7 @@ def read_hf(path: str | Path) -> SourceModel:
     gemma = config.arch == "gemma3"
     layer_names = LAYER_NAMES_GEMMA if gemma else LAYER_NAMES_STD
 
-    files = sorted(root.glob("*.safetensors"))
+    files = _weight_files(root)
     if not files:
         raise FormatError(f"{origin}: no *.safetensors files (pytorch .bin checkpoints are not "
                           "supported: convert them to safetensors)")
@@ -353,6 +353,26 @@ def _read_text(path: Path) -> str:
             raise FormatError(f"{path}: not UTF-8 text (byte {exc.start})") from None
         except OSError as e:
             raise os_error(path, e) from None
+
+
+def _weight_files(root: Path) -> list[Path]:
+    """The safetensors files that hold the weights: those the sharded checkpoint's index
+    (``model.safetensors.index.json``) names, as transformers reads it (a stale consolidated
+    file beside the shards is not read), else every ``*.safetensors`` file."""
+    index = root / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(root.glob("*.safetensors"))
+    weight_map = _read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(f, str) and f and "/" not in f and "\\" not in f and f not in (".", "..")
+            for f in weight_map.values()):
+        raise FormatError(f"{index}: weight_map must map tensor names to files in the folder")
+    files = [root / f for f in sorted(set(weight_map.values()))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FormatError(f"{index}: names {missing[0]}, which is not in the folder")
+    return files
 
 
 def _read_json(path: Path) -> Any:
