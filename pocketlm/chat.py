@@ -772,9 +772,10 @@ def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int
     if marked is None:
         return tokenizer.encode(text, add_bos=False, special=True)
     parts = re.split(f"\ue000{marked.nonce}(\\d+)\ue001", text)
-    # what is left of a marker the template cut into or rewrote: its nonce's first or last six
-    # characters, in any case (an upper filter, a slice)
-    ends = (marked.nonce[:6].lower(), marked.nonce[-6:].lower())
+    # what is left of a marker the template cut into or rewrote: its nonce's first or last ten
+    # characters, in any case (an upper filter, a slice; by chance, one place of a text in
+    # 16**10 spells them)
+    ends = (marked.nonce[:10].lower(), marked.nonce[-10:].lower())
     if any(end in p.lower() for p in parts[::2] for end in ends):
         raise PocketError("a message's content holds control-token text (such as "
                           f"{marked.example!r}) and the chat template alters it, so it cannot "
