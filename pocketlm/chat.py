@@ -780,7 +780,8 @@ def encode_rendered(tokenizer, text: str, marked: MarkedChat | None) -> list[int
         raise PocketError("a message's content holds control-token text (such as "
                           f"{marked.example!r}) and the chat template alters it, so it cannot "
                           "be kept as plain text; remove that text")
-    pieces = [[part, i % 2 == 0] if i % 2 == 0 else [marked.contents[int(part)], False]
+    # [text, whether it is the template's]: the template's parts, each marker's spelling
+    pieces = [[part, True] if i % 2 == 0 else [marked.contents[int(part)], False]
               for i, part in enumerate(parts)]
     for i in range(1, len(pieces), 2):
         # the spaces before a spelling go with it, as in the text it is read as (" <|" is one

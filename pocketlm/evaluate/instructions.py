@@ -254,8 +254,8 @@ def ends_with(response: str, phrase: str) -> bool:
     """The response, before trailing whitespace and closing double quotation marks (a reply
     quoted whole), ends with ``phrase`` (case-insensitive, runs of whitespace compared as one
     space); nothing else may follow it."""
-    body = _squash(response)
-    return body.endswith(_squash(phrase)) or body.rstrip(' "”').endswith(_squash(phrase))
+    body, phrase = _squash(response), _squash(phrase)
+    return body.endswith(phrase) or body.rstrip(' "”').endswith(phrase)
 
 
 def lowercase(response: str) -> bool:

@@ -62,9 +62,6 @@ class CacheGuard:
         except ValueError:
             pass  # never entered, or refused
 
-    def held(self) -> bool:
-        return bool(self._calls)
-
 
 class KVCache:
     """Keys and values of every layer for up to ``capacity`` positions (float32)."""

@@ -161,11 +161,14 @@ def _integer(lo: int | None = None, hi: int = INT64_MAX):
     return check
 
 
+_any_int64 = _integer(-INT64_MAX - 1)
+
+
 def _seed(v, name):
     """OpenAI takes any int64 seed. -1 is "no seed" (a random draw each time), as llama.cpp's
     server reads it and as its clients send it; another negative seed is a seed like any
     other (taken modulo 2**64)."""
-    v = _integer(-INT64_MAX - 1)(v, name)
+    v = _any_int64(v, name)
     if v == -1:
         return None
     return v % 2**64
